@@ -1,0 +1,83 @@
+"""Fashion-MNIST from its four idx files (Debian's dataset-fashion-mnist, or any folder holding the same files).
+Images are padded 28 -> 32 (so patch sizes 2, 4, 8 divide them) and scaled to [-1, 1]; the official test split is
+our validation split. The whole split is decoded into one uint8 tensor (47 MB for train): fast and simple."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import struct
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+DEFAULT_ROOT = "/usr/share/datasets/fashion-mnist"
+FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "val": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
+
+
+def _find(root: str, stem: str) -> str:
+    for name in (stem + ".gz", stem):
+        path = os.path.join(root, name)
+        if os.path.exists(path):
+            return path
+    expected = ", ".join(f"{a}.gz" for pair in FILES.values() for a in pair)
+    raise FileNotFoundError(
+        f"data.root={root!r} has no {stem}(.gz); expected the four Fashion-MNIST idx files ({expected}). "
+        f"Install them with `sudo apt-get install dataset-fashion-mnist` (to {DEFAULT_ROOT}) or set data.root="
+    )
+
+
+def read_idx(path: str) -> np.ndarray:
+    """Parse an idx file (gzipped or raw); a truncated or malformed file raises ValueError naming it."""
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as e:
+        raise ValueError(f"cannot read idx file {path}: {e}") from None
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
+        raise ValueError(f"{path} is not a uint8 idx file (bad magic number)")
+    ndim = raw[3]
+    dims = struct.unpack(">" + "I" * ndim, raw[4 : 4 + 4 * ndim])
+    expected = int(np.prod(dims))
+    data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
+    if data.size != expected:
+        raise ValueError(f"{path} is truncated or corrupt: header says {dims} ({expected} bytes), found {data.size}")
+    return data.reshape(dims)
+
+
+class FashionMNIST(Dataset):
+    num_classes = 10
+
+    def __init__(self, cfg, split: str):
+        root = cfg.get("root") or DEFAULT_ROOT
+        if not os.path.isdir(root):
+            raise FileNotFoundError(
+                f"data.root={root!r} does not exist; install the dataset with "
+                f"`sudo apt-get install dataset-fashion-mnist` or point data.root at a folder with the idx files"
+            )
+        img_stem, lbl_stem = FILES[split]
+        images = read_idx(_find(root, img_stem))
+        labels = read_idx(_find(root, lbl_stem))
+        if len(images) != len(labels):
+            raise ValueError(f"{root}: {len(images)} images but {len(labels)} labels in the {split} split")
+        size = int(cfg.get("image_size", 32))
+        if size < 28:
+            raise ValueError(f"data.image_size={size} must be >= 28 for Fashion-MNIST (images are padded, not cut)")
+        pad = size - 28
+        x = torch.from_numpy(images.copy())
+        self.images = torch.nn.functional.pad(x, (pad // 2, pad - pad // 2, pad // 2, pad - pad // 2))
+        self.labels = torch.from_numpy(labels.astype(np.int64))
+        self.dataset_id = f"fashion_mnist:{split}:{size}px"
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        x = self.images[i].float().div(127.5).sub(1.0).unsqueeze(0)
+        return x, int(self.labels[i])

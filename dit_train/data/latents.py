@@ -1,0 +1,79 @@
+"""Precomputed latent shards (safetensors), as written by scripts/encode_latents.py:
+root/<split>/*.safetensors, each holding `latents` [N, C, H, W] and either `labels` [N] (int64) or
+`text_emb` [N, L, D] (+ optional `text_mask` [N, L]). Shards are opened lazily (memory-mapped), so the whole
+set never has to fit in RAM. A shard whose latent shape differs from the configured one names both shapes."""
+
+from __future__ import annotations
+
+import bisect
+import glob
+import os
+
+import torch
+from safetensors import safe_open
+from torch.utils.data import Dataset
+
+
+class LatentShards(Dataset):
+    def __init__(self, cfg, split: str):
+        root = cfg.get("root")
+        folder = os.path.join(root or "", split)
+        files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+        if not root or not files:
+            raise FileNotFoundError(
+                f"data.root={root!r}: no latent shards in {folder}/*.safetensors; write them with "
+                f"scripts/encode_latents.py (which creates root/train and root/val)"
+            )
+        expected = (int(cfg.channels), int(cfg.image_size), int(cfg.image_size))
+        self.files, self.offsets, total = [], [], 0
+        self.text = None
+        for path in files:
+            with safe_open(path, framework="pt") as f:
+                keys = set(f.keys())
+                if "latents" not in keys:
+                    raise ValueError(f"latent shard {path} has no 'latents' tensor (keys: {sorted(keys)})")
+                shape = tuple(f.get_slice("latents").get_shape())
+                if tuple(shape[1:]) != expected:
+                    raise ValueError(
+                        f"latent shard {path} has latents of shape {list(shape[1:])} per item, expected "
+                        f"{list(expected)} (data.channels, data.image_size, data.image_size)"
+                    )
+                has_text = "text_emb" in keys
+                if "labels" not in keys and not has_text:
+                    raise ValueError(f"latent shard {path} has neither 'labels' nor 'text_emb'")
+                if self.text is None:
+                    self.text = has_text
+                elif self.text != has_text:
+                    raise ValueError(f"latent shard {path} mixes text and label conditioning with earlier shards")
+            self.files.append(path)
+            self.offsets.append(total)
+            total += shape[0]
+        self.total = total
+        self.num_classes = int(cfg.get("num_classes", 1000))
+        self.dataset_id = f"latents:{os.path.abspath(folder)}:{total}"
+        self._handles: dict[int, object] = {}
+
+    def __len__(self) -> int:
+        return self.total
+
+    def _shard(self, k: int):
+        if k not in self._handles:  # opened per process (DataLoader workers included), kept open
+            self._handles[k] = safe_open(self.files[k], framework="pt")
+        return self._handles[k]
+
+    def __getitem__(self, i):
+        k = bisect.bisect_right(self.offsets, i) - 1
+        f, j = self._shard(k), i - self.offsets[k]
+        x = f.get_slice("latents")[j : j + 1][0].float()
+        if not self.text:
+            return x, int(f.get_slice("labels")[j : j + 1][0])
+        cond = {"context": f.get_slice("text_emb")[j : j + 1][0].float()}
+        keys = f.keys()
+        if "text_mask" in keys:
+            cond["context_mask"] = f.get_slice("text_mask")[j : j + 1][0].bool()
+        return x, cond
+
+    def __getstate__(self):  # safetensors handles do not pickle; workers reopen them
+        state = self.__dict__.copy()
+        state["_handles"] = {}
+        return state

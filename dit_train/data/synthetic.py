@@ -1,0 +1,22 @@
+"""Random tensors of a given shape, for benchmarks only: every log names this dataset 'synthetic'."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset
+
+
+class Synthetic(Dataset):
+    def __init__(self, cfg, split: str):
+        self.size = int(cfg.get("num_samples", 4096))
+        self.shape = (int(cfg.get("channels", 4)), int(cfg.image_size), int(cfg.image_size))
+        self.num_classes = int(cfg.get("num_classes", 1000))
+        self.seed = 0 if split == "train" else 1
+        self.dataset_id = f"synthetic:{split}:{'x'.join(map(str, self.shape))}"
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(self.seed * 10_000_019 + i)
+        return torch.randn(self.shape, generator=g), int(torch.randint(self.num_classes, (1,), generator=g))

@@ -1,0 +1,310 @@
+"""The Diffusion Transformer: patchify -> N adaLN-Zero blocks -> unpatchify.
+
+Follows DiT (Peebles & Xie): per-block adaLN-Zero modulation from the timestep + class embedding, 2-D sin-cos
+positions, a null class for classifier-free guidance. Options: qk-norm, SwiGLU MLP, and cross-attention to
+precomputed text embeddings. Presets live in conf/model/*.yaml; `DiTConfig` holds the same fields.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class DiTConfig:
+    image_size: int = 32  # spatial size of the model input (pixels, or latent size for latent presets)
+    in_channels: int = 1
+    patch_size: int = 2
+    hidden_size: int = 256
+    depth: int = 6
+    num_heads: int = 4
+    mlp_ratio: float = 4.0
+    num_classes: int = 10  # 0 disables class conditioning; the null class is index num_classes
+    class_dropout_prob: float = 0.1
+    qk_norm: bool = False
+    swiglu: bool = False
+    text_dim: int = 0  # > 0 enables cross-attention to precomputed text embeddings of this width
+
+    @classmethod
+    def from_cfg(cls, cfg) -> "DiTConfig":
+        """Build from a Hydra `model` node, ignoring keys that are not architecture (name, nominal_params...)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in dict(cfg).items() if k in names})
+
+    def validate(self) -> None:
+        if self.image_size % self.patch_size:
+            raise ValueError(
+                f"model.patch_size={self.patch_size} must divide model.image_size={self.image_size}"
+            )
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"model.num_heads={self.num_heads} must divide model.hidden_size={self.hidden_size}"
+            )
+        for key in ("depth", "hidden_size", "num_heads", "patch_size", "in_channels"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.{key}={getattr(self, key)} must be a positive integer")
+        if not 0.0 <= self.class_dropout_prob < 1.0:
+            raise ValueError(f"model.class_dropout_prob={self.class_dropout_prob} must be in [0, 1)")
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+def sincos_pos_embed_2d(dim: int, grid: int) -> torch.Tensor:
+    """Fixed 2-D sin-cos position table [grid*grid, dim] (half the channels per axis), as in MAE/DiT."""
+    assert dim % 4 == 0, "hidden size must be divisible by 4 for 2-D sin-cos positions"
+    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim / 4))
+    coords = torch.arange(grid, dtype=torch.float64)
+    gy, gx = torch.meshgrid(coords, coords, indexing="ij")
+
+    def axis(pos):
+        out = pos.reshape(-1, 1) * omega.reshape(1, -1)
+        return torch.cat([out.sin(), out.cos()], dim=1)
+
+    return torch.cat([axis(gy), axis(gx)], dim=1).float()
+
+
+class TimestepEmbedder(nn.Module):
+    """t in [0, 1] -> sinusoidal features -> MLP. t is scaled by 1000 so the frequencies match DiT's."""
+
+    def __init__(self, hidden_size: int, freq_dim: int = 256):
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.mlp = nn.Sequential(nn.Linear(freq_dim, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        half = self.freq_dim // 2
+        freqs = torch.exp(-math.log(10000) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+        args = (t.float() * 1000)[:, None] * freqs[None]
+        emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+        return self.mlp(emb.to(self.mlp[0].weight.dtype))
+
+
+class LabelEmbedder(nn.Module):
+    """Class labels -> vectors; index num_classes is the null class used for classifier-free guidance."""
+
+    def __init__(self, num_classes: int, hidden_size: int, dropout_prob: float):
+        super().__init__()
+        self.num_classes = num_classes
+        self.dropout_prob = dropout_prob
+        self.embedding_table = nn.Embedding(num_classes + 1, hidden_size)
+
+    def forward(self, labels: torch.Tensor, drop_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if drop_mask is not None:
+            labels = torch.where(drop_mask, torch.full_like(labels, self.num_classes), labels)
+        return self.embedding_table(labels)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool):
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        head_dim = dim // num_heads
+        self.q_norm = RMSNorm(head_dim) if qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(head_dim) if qk_norm else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, D = x.shape
+        q, k, v = self.qkv(x).view(B, N, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(self.q_norm(q), self.k_norm(k), v)
+        return self.proj(out.transpose(1, 2).reshape(B, N, D))
+
+
+class CrossAttention(nn.Module):
+    """Image tokens attend to projected text tokens (already mapped to the model width by context_embedder)."""
+
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool):
+        super().__init__()
+        self.num_heads = num_heads
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * dim)
+        self.proj = nn.Linear(dim, dim)
+        head_dim = dim // num_heads
+        self.q_norm = RMSNorm(head_dim) if qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(head_dim) if qk_norm else nn.Identity()
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor | None) -> torch.Tensor:
+        B, N, D = x.shape
+        H, hd = self.num_heads, D // self.num_heads
+        q = self.q(x).view(B, N, H, hd).transpose(1, 2)
+        k, v = self.kv(context).view(B, context.shape[1], 2, H, hd).permute(2, 0, 3, 1, 4)
+        mask = None if context_mask is None else context_mask[:, None, None, :].bool()
+        out = F.scaled_dot_product_attention(self.q_norm(q), self.k_norm(k), v, attn_mask=mask)
+        return self.proj(out.transpose(1, 2).reshape(B, N, D))
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class SwiGLU(nn.Module):
+    """SwiGLU with 2/3 of the hidden width so its parameter count matches the GELU MLP of the same ratio."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        hidden = int(2 * hidden / 3)
+        self.w12 = nn.Linear(dim, 2 * hidden)
+        self.w3 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.w12(x).chunk(2, dim=-1)
+        return self.w3(F.silu(a) * b)
+
+
+class DiTBlock(nn.Module):
+    """adaLN-Zero block: the conditioning vector c produces shift/scale/gate for attention and MLP; the gates start
+    at zero so every block is the identity at initialisation."""
+
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        d = cfg.hidden_size
+        self.norm1 = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        self.attn = SelfAttention(d, cfg.num_heads, cfg.qk_norm)
+        self.cross_attn = CrossAttention(d, cfg.num_heads, cfg.qk_norm) if cfg.text_dim else None
+        self.norm_cross = nn.LayerNorm(d, eps=1e-6) if cfg.text_dim else None
+        self.norm2 = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        hidden = int(d * cfg.mlp_ratio)
+        self.mlp = SwiGLU(d, hidden) if cfg.swiglu else Mlp(d, hidden)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(d, 6 * d))
+
+    def forward(self, x, c, context=None, context_mask=None):
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.adaLN_modulation(c).chunk(6, dim=1)
+        x = x + gate_a.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_a, scale_a))
+        if self.cross_attn is not None and context is not None:
+            x = x + self.cross_attn(self.norm_cross(x), context, context_mask)
+        x = x + gate_m.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_m, scale_m))
+        return x
+
+
+class FinalLayer(nn.Module):
+    def __init__(self, d: int, patch_size: int, out_channels: int):
+        super().__init__()
+        self.norm_final = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        self.linear = nn.Linear(d, patch_size * patch_size * out_channels)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(d, 2 * d))
+
+    def forward(self, x, c):
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
+        return self.linear(modulate(self.norm_final(x), shift, scale))
+
+
+class DiT(nn.Module):
+    """v_theta(x_t, t, y[, context]): predicts the rectified-flow velocity eps - x0 for a batch of images/latents."""
+
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        cfg.validate()
+        self.config = cfg
+        d, p, C = cfg.hidden_size, cfg.patch_size, cfg.in_channels
+        self.grid = cfg.image_size // p
+        self.x_embedder = nn.Module()
+        self.x_embedder.proj = nn.Linear(p * p * C, d)  # patch embedding as a Linear on flattened patches
+        self.register_buffer("pos_embed", sincos_pos_embed_2d(d, self.grid), persistent=False)
+        self.t_embedder = TimestepEmbedder(d)
+        self.y_embedder = LabelEmbedder(cfg.num_classes, d, cfg.class_dropout_prob) if cfg.num_classes else None
+        self.context_embedder = nn.Linear(cfg.text_dim, d) if cfg.text_dim else None
+        self.blocks = nn.ModuleList([DiTBlock(cfg) for _ in range(cfg.depth)])
+        self.final_layer = FinalLayer(d, p, C)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """DiT initialisation: xavier linears, N(0, 0.02) embeddings, zeroed adaLN and output (adaLN-Zero)."""
+        if self.pos_embed.is_meta:
+            return
+        self.pos_embed.copy_(sincos_pos_embed_2d(self.config.hidden_size, self.grid))
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+            elif isinstance(m, nn.LayerNorm) and m.elementwise_affine:
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+        if self.y_embedder is not None:
+            nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
+        for lin in (self.t_embedder.mlp[0], self.t_embedder.mlp[2]):
+            nn.init.normal_(lin.weight, std=0.02)
+        for block in self.blocks:
+            nn.init.zeros_(block.adaLN_modulation[-1].weight)
+            nn.init.zeros_(block.adaLN_modulation[-1].bias)
+            if block.cross_attn is not None:  # cross-attention also starts as the identity
+                nn.init.zeros_(block.cross_attn.proj.weight)
+        for lin in (self.final_layer.adaLN_modulation[-1], self.final_layer.linear):
+            nn.init.zeros_(lin.weight)
+            nn.init.zeros_(lin.bias)
+
+    def patchify(self, x: torch.Tensor) -> torch.Tensor:
+        B, C, H, W = x.shape
+        p = self.config.patch_size
+        x = x.reshape(B, C, H // p, p, W // p, p).permute(0, 2, 4, 3, 5, 1)
+        return x.reshape(B, (H // p) * (W // p), p * p * C)
+
+    def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
+        B = x.shape[0]
+        p, C, g = self.config.patch_size, self.config.in_channels, self.grid
+        x = x.reshape(B, g, g, p, p, C).permute(0, 5, 1, 3, 2, 4)
+        return x.reshape(B, C, g * p, g * p)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        y: torch.Tensor | None = None,
+        context: torch.Tensor | None = None,
+        context_mask: torch.Tensor | None = None,
+        drop_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x: [B,C,H,W]; t: [B] in [0,1]; y: [B] labels (num_classes = null); context: [B,L,text_dim];
+        drop_mask: [B] bool, True drops the condition (classifier-free guidance training)."""
+        h = self.x_embedder.proj(self.patchify(x)) + self.pos_embed.to(x.dtype)
+        c = self.t_embedder(t)
+        if self.y_embedder is not None:
+            if y is None:  # unconditional call: use the null class
+                y = torch.full((x.shape[0],), self.config.num_classes, dtype=torch.long, device=x.device)
+            c = c + self.y_embedder(y, drop_mask)
+        if context is not None:
+            if self.context_embedder is None:
+                raise ValueError("context given but model.text_dim=0; set model.text_dim to the embedding width")
+            context = self.context_embedder(context)
+            if drop_mask is not None:  # dropped text condition = zero context (the text 'null')
+                context = context * (~drop_mask).to(context.dtype)[:, None, None]
+        for block in self.blocks:
+            h = block(h, c, context, context_mask)
+        return self.unpatchify(self.final_layer(h, c))
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_model(cfg, device: torch.device | str | None = None) -> DiT:
+    """Build from a Hydra `model` node; device='meta' builds the architecture without allocating it."""
+    with torch.device(device or "cpu"):
+        return DiT(DiTConfig.from_cfg(cfg))
