@@ -1,0 +1,46 @@
+"""Metric sinks: JSONL always (metrics.jsonl in the run folder, one object per line, flushed), wandb when
+logger.wandb.mode is online/offline (never needs a login for offline/disabled). Only rank 0 logs."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+
+class MetricLogger:
+    def __init__(self, run_dir: str, cfg, enabled: bool = True, resolved_config: dict | None = None):
+        self.enabled = enabled
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.wandb = None
+        if not enabled:
+            return
+        self.file = open(self.path, "a", buffering=1)
+        mode = cfg.wandb.mode
+        if mode not in ("online", "offline", "disabled"):
+            raise ValueError(f"logger.wandb.mode={mode!r} is not valid; choose online, offline or disabled")
+        if mode != "disabled":
+            import wandb  # optional dependency, only imported when asked for
+
+            self.wandb = wandb.init(project=cfg.wandb.project, mode=mode, dir=run_dir,
+                                    name=cfg.wandb.get("name"), config=resolved_config, resume="allow")
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in metrics.items()}
+        self.file.write(json.dumps({"step": step, **clean}) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in metrics.items()}, step=step)
+
+    def log_image(self, step: int, key: str, path: str) -> None:
+        if self.enabled and self.wandb is not None:
+            import wandb
+
+            self.wandb.log({key: wandb.Image(path)}, step=step)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.file.close()
+            if self.wandb is not None:
+                self.wandb.finish()

@@ -1,0 +1,36 @@
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONF_DIR = os.path.join(ROOT, "dit_train", "conf")
+FASHION_ROOT = "/usr/share/datasets/fashion-mnist"
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def compose(overrides=()):
+    """The composed Hydra config, as `python -m dit_train <overrides>` would see it (run_dir given explicitly)."""
+    from hydra import compose as hcompose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hcompose(config_name="config", overrides=list(overrides))
+
+
+@pytest.fixture
+def tiny_cfg(tmp_path):
+    """A seconds-long training config on real Fashion-MNIST: a very small DiT, few steps."""
+    return compose([
+        f"run_dir={tmp_path / 'run'}",
+        "model.hidden_size=32", "model.depth=2", "model.num_heads=2", "model.patch_size=8",
+        "train.steps=6", "train.batch_size=8", "train.warmup_steps=2", "train.log_every=2",
+        "train.val_every=3", "train.val_samples=16", "train.val_batch_size=8", "train.val_t_points=2",
+        "train.sample_every=0", "train.ckpt_every=3", "train.progress=false", "train.samples_per_class=1",
+        "train.sample_steps=2",
+    ])
+
+
+needs_fashion = pytest.mark.skipif(not os.path.exists(FASHION_ROOT), reason="apt-get install dataset-fashion-mnist")

@@ -1,0 +1,119 @@
+import gzip
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from PIL import Image
+from safetensors.torch import save_file
+
+from conftest import FASHION_ROOT, needs_fashion
+from dit_train.batches import StepBatchSampler
+from dit_train.data import build_dataset
+
+
+@needs_fashion
+def test_fashion_mnist_real_files():
+    cfg = OmegaConf.create({"name": "fashion_mnist", "root": FASHION_ROOT, "image_size": 32})
+    train, val = build_dataset(cfg, "train"), build_dataset(cfg, "val")
+    assert len(train) == 60000 and len(val) == 10000
+    x, y = train[0]
+    assert x.shape == (1, 32, 32) and x.dtype == torch.float32
+    assert x.min() >= -1 and x.max() <= 1 and x.max() > 0.9  # real image content
+    assert torch.all(x[:, :2, :] == -1) and torch.all(x[:, :, :2] == -1)  # 2-px zero padding each side
+    assert y == 9  # the first Fashion-MNIST training image is an ankle boot
+    assert sorted(set(val.labels.tolist())) == list(range(10))
+
+
+def test_missing_root_says_how_to_get_it(tmp_path):
+    cfg = OmegaConf.create({"name": "fashion_mnist", "root": str(tmp_path / "nope")})
+    with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist"):
+        build_dataset(cfg, "train")
+
+
+@needs_fashion
+def test_truncated_idx_file_names_the_file(tmp_path):
+    for f in os.listdir(FASHION_ROOT):
+        shutil.copy(os.path.join(FASHION_ROOT, f), tmp_path)
+    path = tmp_path / "t10k-images-idx3-ubyte.gz"
+    raw = gzip.decompress(path.read_bytes())
+    path.write_bytes(gzip.compress(raw[: len(raw) // 2]))
+    cfg = OmegaConf.create({"name": "fashion_mnist", "root": str(tmp_path)})
+    with pytest.raises(ValueError, match=r"t10k-images-idx3-ubyte.gz is truncated"):
+        build_dataset(cfg, "val")
+
+
+def test_unknown_dataset_lists_valid_names():
+    with pytest.raises(ValueError, match="valid: fashion_mnist, image_folder, latents, synthetic"):
+        build_dataset(OmegaConf.create({"name": "cifar"}), "train")
+
+
+def make_folder(root, corrupt=False, empty_class=False):
+    for c, color in (("cat", 40), ("dog", 200)):
+        os.makedirs(root / c)
+        for i in range(3):
+            Image.new("RGB", (40 + i, 30), (color, i, 0)).save(root / c / f"{i}.png")
+    if corrupt:
+        (root / "dog" / "bad.png").write_bytes(b"not a png")
+    if empty_class:
+        os.makedirs(root / "zebra")
+
+
+def test_image_folder_resize_crop_labels(tmp_path):
+    make_folder(tmp_path)
+    ds = build_dataset(OmegaConf.create({"name": "image_folder", "root": str(tmp_path), "image_size": 16}), "train")
+    assert len(ds) == 6 and ds.classes == ["cat", "dog"]
+    x, y = ds[4]
+    assert x.shape == (3, 16, 16) and y == 1
+    assert abs(x[0].mean().item() - (200 / 127.5 - 1)) < 0.02
+
+
+def test_image_folder_corrupt_image_named_or_skipped(tmp_path):
+    make_folder(tmp_path, corrupt=True)
+    cfg = OmegaConf.create({"name": "image_folder", "root": str(tmp_path), "image_size": 16})
+    ds = build_dataset(cfg, "train")
+    bad = [i for i, (p, _) in enumerate(ds.samples) if p.endswith("bad.png")][0]
+    with pytest.raises(ValueError, match=r"corrupt image .*bad\.png"):
+        ds[bad]
+    cfg.skip_corrupt = True
+    ds = build_dataset(cfg, "train")
+    x, _ = ds[bad]
+    assert x.shape == (3, 16, 16) and len(ds.skipped) == 1
+
+
+def test_image_folder_empty_class_named(tmp_path):
+    make_folder(tmp_path, empty_class=True)
+    with pytest.raises(ValueError, match=r"class folder .*zebra has no images"):
+        build_dataset(OmegaConf.create({"name": "image_folder", "root": str(tmp_path)}), "train")
+
+
+def test_latent_shards_labels_text_and_wrong_shape(tmp_path):
+    os.makedirs(tmp_path / "train")
+    save_file({"latents": torch.randn(5, 4, 8, 8), "labels": torch.arange(5)}, str(tmp_path / "train/a.safetensors"))
+    save_file({"latents": torch.randn(3, 4, 8, 8), "labels": torch.arange(3) + 5}, str(tmp_path / "train/b.safetensors"))
+    cfg = OmegaConf.create({"name": "latents", "root": str(tmp_path), "image_size": 8, "channels": 4})
+    ds = build_dataset(cfg, "train")
+    assert len(ds) == 8 and ds[6][1] == 6 and ds[6][0].shape == (4, 8, 8)
+    loader = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=1)
+    assert next(iter(loader))[0].shape == (4, 4, 8, 8)  # handles reopen in workers
+    save_file({"latents": torch.randn(2, 4, 16, 16), "labels": torch.arange(2)}, str(tmp_path / "train/c.safetensors"))
+    with pytest.raises(ValueError, match=r"c\.safetensors has latents of shape \[4, 16, 16\].*expected \[4, 8, 8\]"):
+        build_dataset(cfg, "train")
+    os.makedirs(tmp_path / "val")
+    save_file({"latents": torch.randn(2, 4, 8, 8), "text_emb": torch.randn(2, 6, 12),
+               "text_mask": torch.ones(2, 6, dtype=torch.bool)}, str(tmp_path / "val/t.safetensors"))
+    x, cond = build_dataset(cfg, "val")[1]
+    assert cond["context"].shape == (6, 12) and cond["context_mask"].dtype == torch.bool
+
+
+def test_step_batch_order_is_a_function_of_step():
+    full = StepBatchSampler(100, 10, seed=3, start_step=0, total_steps=25)
+    resumed = StepBatchSampler(100, 10, seed=3, start_step=13, total_steps=25)
+    a, b = list(full), list(resumed)
+    assert a[13:] == b
+    assert sorted(sum(a[:10], [])) == list(range(100))  # one epoch is a permutation
+    assert a[:10] != a[10:20]  # a new permutation each epoch
+    ranks = [StepBatchSampler(100, 10, 3, 0, 25, rank=r, world_size=2).indices(4) for r in (0, 1)]
+    assert ranks[0] + ranks[1] == full.indices(4)

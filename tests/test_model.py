@@ -1,0 +1,109 @@
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import CONF_DIR, compose
+from dit_train.model import DiT, DiTConfig, build_model, count_parameters, sincos_pos_embed_2d
+
+LARGE = ["dit_1b3", "dit_4b", "dit_9b", "dit_15b"]
+
+
+@pytest.mark.parametrize("name", LARGE)
+def test_large_presets_match_nominal_size_on_meta(name):
+    cfg = OmegaConf.load(f"{CONF_DIR}/model/{name}.yaml")
+    model = build_model(cfg, device="meta")
+    n = count_parameters(model)
+    assert abs(n / cfg.nominal_params - 1) <= 0.05, (name, n)
+    assert all(p.is_meta for p in model.parameters())
+    assert cfg.hidden_size // cfg.num_heads == 128  # head dim 128 for the large presets
+
+
+def small(**kw):
+    base = dict(image_size=16, in_channels=3, patch_size=4, hidden_size=32, depth=2, num_heads=2, num_classes=5)
+    base.update(kw)
+    return DiT(DiTConfig(**base))
+
+
+def test_patchify_unpatchify_roundtrip():
+    m = small()
+    x = torch.randn(2, 3, 16, 16)
+    tokens = m.patchify(x)
+    assert tokens.shape == (2, 16, 4 * 4 * 3)
+    assert torch.equal(m.unpatchify(tokens), x)
+    # a patch is a contiguous spatial block: token 1 is rows 0-3, cols 4-7
+    assert torch.equal(tokens[0, 1].view(4, 4, 3).permute(2, 0, 1), x[0, :, 0:4, 4:8])
+
+
+def test_adaln_zero_init_outputs_zero_and_blocks_are_identity():
+    m = small()
+    x = torch.randn(3, 3, 16, 16)
+    out = m(x, torch.rand(3), torch.tensor([0, 1, 2]))
+    assert out.shape == x.shape
+    assert torch.count_nonzero(out) == 0  # zero final layer
+    h = torch.randn(3, 16, 32)
+    c = torch.randn(3, 32)
+    assert torch.equal(m.blocks[0](h, c), h)  # gates start at zero
+
+
+@pytest.mark.parametrize("opts", [dict(qk_norm=True), dict(swiglu=True), dict(qk_norm=True, swiglu=True)])
+def test_options_forward_backward(opts):
+    m = small(**opts)
+    torch.nn.init.normal_(m.final_layer.linear.weight)
+    x = torch.randn(2, 3, 16, 16)
+    m(x, torch.rand(2), torch.tensor([0, 4])).square().mean().backward()
+    assert all(p.grad is not None for p in m.parameters())
+
+
+def test_swiglu_keeps_parameter_count_close():
+    a, b = count_parameters(small().blocks[0].mlp), count_parameters(small(swiglu=True).blocks[0].mlp)
+    assert abs(a / b - 1) < 0.02
+
+
+def test_class_dropout_uses_null_class_and_changes_output():
+    m = small()
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    x, t, y = torch.randn(2, 3, 16, 16), torch.rand(2), torch.tensor([1, 2])
+    null = torch.full((2,), 5)
+    dropped = m(x, t, y, drop_mask=torch.tensor([True, True]))
+    assert torch.allclose(dropped, m(x, t, null))
+    assert not torch.allclose(dropped, m(x, t, y))
+
+
+def test_cross_attention_with_random_text_embeddings():
+    m = small(text_dim=24, num_classes=0)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    x, t = torch.randn(2, 3, 16, 16), torch.rand(2)
+    ctx = torch.randn(2, 7, 24)
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[1, 5:] = False
+    out = m(x, t, context=ctx, context_mask=mask)
+    assert out.shape == x.shape
+    # masked tokens do not matter; unmasked ones do
+    ctx2 = ctx.clone()
+    ctx2[1, 6] += 10
+    assert torch.allclose(m(x, t, context=ctx2, context_mask=mask)[1], out[1], atol=1e-5)
+    ctx2[1, 0] += 10
+    assert not torch.allclose(m(x, t, context=ctx2, context_mask=mask)[1], out[1], atol=1e-5)
+    with pytest.raises(ValueError, match="text_dim"):
+        small()(x, t, context=ctx)
+
+
+def test_sincos_positions_distinct_and_bounded():
+    pe = sincos_pos_embed_2d(32, 4)
+    assert pe.shape == (16, 32)
+    assert pe.abs().max() <= 1.0
+    assert torch.cdist(pe, pe).add(torch.eye(16)).min() > 0.1  # all positions distinct
+
+
+def test_bad_model_config_is_one_line():
+    with pytest.raises(ValueError, match=r"patch_size=3 must divide model.image_size=16"):
+        small(patch_size=3)
+
+
+def test_every_small_preset_composes_and_builds():
+    for name in ["dit_tiny", "dit_xs", "dit_s", "dit_m"]:
+        cfg = compose([f"model={name}", "run_dir=/tmp/unused"])
+        m = build_model(cfg.model, device="meta")
+        assert count_parameters(m) > 0
