@@ -15,6 +15,7 @@ class MetricLogger:
         self.wandb = None
         if not enabled:
             return
+        os.makedirs(run_dir, exist_ok=True)
         self.file = open(self.path, "a", buffering=1)
         mode = cfg.wandb.mode
         if mode not in ("online", "offline", "disabled"):

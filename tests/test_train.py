@@ -1,0 +1,129 @@
+"""End-to-end behaviour of the training loop on real Fashion-MNIST with a very small DiT (seconds per test)."""
+
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from conftest import compose, needs_fashion
+from dit_train import checkpoint as ckpt
+from dit_train.train import Preempted, Trainer, TrainingStopped, run
+from dit_train.parallel import DistInfo
+
+pytestmark = needs_fashion
+
+
+def read_metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_run_leaves_metrics_checkpoints_samples_summary(tiny_cfg):
+    tiny_cfg.train.sample_every = 6
+    summary = run(tiny_cfg)
+    d = tiny_cfg.run_dir
+    assert summary["steps"] == 6 and summary["val_loss"] > 0
+    rows = read_metrics(d)
+    train_rows = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in train_rows] == [2, 4, 6]
+    assert all("time/forward" in r and "imgs_per_s" in r and "lr" in r for r in train_rows)
+    val_rows = [r for r in rows if "val/loss" in r]
+    assert [r["step"] for r in val_rows] == [3, 6] and "val/loss_t0.250" in val_rows[0]
+    assert [os.path.basename(p) for p in ckpt.list_checkpoints(d)] == ["step_00000003.pt", "step_00000006.pt"]
+    assert os.path.exists(os.path.join(d, "samples", "step_00000006.png"))
+    assert json.load(open(os.path.join(d, "summary.json")))["steps"] == 6
+    info = json.load(open(os.path.join(d, "run_info.json")))
+    assert "torch" in info["packages"] and "git_commit" in info
+    assert os.path.exists(os.path.join(d, "config.yaml"))
+
+
+def test_fresh_run_refuses_folder_with_checkpoints(tiny_cfg):
+    run(tiny_cfg)
+    with pytest.raises(FileExistsError, match="train.resume=auto"):
+        run(tiny_cfg)
+
+
+def state_of(trainer):
+    return {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("optimizer", ["adamw"])
+def test_resume_continues_bit_for_bit(tiny_cfg, tmp_path, optimizer):
+    """2N steps straight == N steps, preemption (checkpoint), resume, N steps: same weights, EMA, losses."""
+    straight_cfg = tiny_cfg.copy()
+    straight_cfg.run_dir = str(tmp_path / "straight")
+    straight_cfg.train.ckpt_every = 0
+    straight = Trainer(straight_cfg, DistInfo())
+    straight.fit()
+
+    cut_cfg = tiny_cfg.copy()
+    cut_cfg.run_dir = str(tmp_path / "cut")
+    cut_cfg.train.ckpt_every = 0
+    first = Trainer(cut_cfg, DistInfo())
+    original_step = first.train_step
+
+    def step_then_signal(*a, **kw):
+        out = original_step(*a, **kw)
+        if first.step == 2:  # the signal arrives during step 3 (0-based 2)
+            first.stop_signal = "SIGTERM"
+        return out
+
+    first.train_step = step_then_signal
+    with pytest.raises(Preempted, match="step 3"):
+        first.fit()
+    cut_cfg.train.resume = "auto"
+    second = Trainer(cut_cfg, DistInfo())
+    second.fit()
+    assert second.step == 6
+    for k, v in state_of(straight).items():
+        assert torch.equal(v, second.model.state_dict()[k]), k
+    for a, b in zip(straight.ema.model.parameters(), second.ema.model.parameters()):
+        assert torch.equal(a, b)
+    losses = lambda d: [(r["step"], r["train/loss"]) for r in read_metrics(d) if "train/loss" in r]
+    assert losses(straight_cfg.run_dir) == losses(cut_cfg.run_dir)
+
+
+def test_nan_gradient_skips_update_and_stops_after_max_bad_steps(tiny_cfg):
+    tiny_cfg.train.max_bad_steps = 2
+    trainer = Trainer(tiny_cfg, DistInfo())
+    poison = {"on": False}
+
+    def hook(grad):
+        return torch.full_like(grad, float("nan")) if poison["on"] else grad
+
+    trainer.model.final_layer.linear.weight.register_hook(hook)
+    x, y = next(iter(trainer.val_batches))
+    trainer.train_step(x, {"y": y})
+    opt_state = {k: {n: t.clone() for n, t in v.items() if torch.is_tensor(t)} for k, v in trainer.optimizer.state.items()}
+    weights = state_of(trainer)
+    poison["on"] = True
+    out = trainer.train_step(x, {"y": y})
+    assert out["train/skipped"] == 1.0 and trainer.skipped_steps == 1
+    for k, v in weights.items():
+        assert torch.equal(v, trainer.model.state_dict()[k])
+    for p, st in trainer.optimizer.state.items():
+        for n, t in opt_state[p].items():
+            assert torch.equal(t, st[n])
+    with pytest.raises(TrainingStopped, match=r"stopping at step 0: 2 non-finite steps in a row"):
+        trainer.train_step(x, {"y": y})
+
+
+def test_dry_run_builds_large_preset_on_meta(capsys):
+    cfg = compose(["model=dit_4b", "optimizer=adamw", "train.dry_run=true", "run_dir=/tmp/unused"])
+    out = run(cfg)
+    text = capsys.readouterr().out
+    assert out["params"] == 4035090960
+    assert "4,035,090,960 parameters" in text and "dry run" in text
+
+
+def test_same_seed_same_losses(tiny_cfg, tmp_path):
+    a = tiny_cfg.copy()
+    a.run_dir = str(tmp_path / "a")
+    b = tiny_cfg.copy()
+    b.run_dir = str(tmp_path / "b")
+    run(a)
+    run(b)
+    la = [r.get("train/loss") for r in read_metrics(a.run_dir)]
+    assert la == [r.get("train/loss") for r in read_metrics(b.run_dir)]
