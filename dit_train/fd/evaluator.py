@@ -179,9 +179,11 @@ class FDEvaluator:
 
 
 def make_sample_fn(model: torch.nn.Module, image_shape: tuple[int, int, int], steps: int, cfg_scale: float,
-                   device: torch.device | str, autocast_dtype: torch.dtype | None = None) -> SampleFn:
+                   device: torch.device | str, autocast_dtype: torch.dtype | None = None,
+                   conditional: bool = True) -> SampleFn:
     """``sample_fn`` for ``FDEvaluator.evaluate``: Gaussian noise from the given generator, ``steps`` Euler steps
-    of ``dit_train.flow.euler_sample`` with classifier-free guidance ``cfg_scale``, clamped to [-1, 1]."""
+    of ``dit_train.flow.euler_sample`` with classifier-free guidance ``cfg_scale`` (class labels passed as ``y``
+    when ``conditional``), clamped to [-1, 1]. ``model`` should be the EMA model in eval mode."""
     from dit_train.flow import euler_sample
 
     device = torch.device(device)
@@ -191,7 +193,8 @@ def make_sample_fn(model: torch.nn.Module, image_shape: tuple[int, int, int], st
         ctx = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
                else torch.autocast(device.type, enabled=False))
         with torch.no_grad(), ctx:
-            x = euler_sample(model, noise, y=labels.to(device), steps=int(steps), cfg_scale=float(cfg_scale))
+            y = labels.to(device) if conditional else None
+            x = euler_sample(model, noise, y=y, steps=int(steps), cfg_scale=float(cfg_scale))
         return x.float().clamp(-1, 1)
 
     return sample_fn

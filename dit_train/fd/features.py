@@ -391,7 +391,11 @@ def _build_inception(path: Path | None, device, bf16: bool) -> FeatureExtractor:
     file = path if path is not None else inception_weights_path()
     if file is None or not file.is_file():
         raise _missing_inception(path)
-    net = torch.jit.load(str(file), map_location="cpu")
+    import warnings
+
+    with warnings.catch_warnings():  # torch >= 2.9 marks torch.jit.load deprecated; this file is TorchScript
+        warnings.simplefilter("ignore", DeprecationWarning)
+        net = torch.jit.load(str(file), map_location="cpu")
     # bf16 is not applied: the TorchScript graph is fp32 and FID features are sensitive; ~6 GFLOP/image is cheap on GPU
     return InceptionExtractor(net, name="inception", encoder_id=f"inception_fidhelper[{_fingerprint(file)}]",
                               device=device, bf16=False)

@@ -48,14 +48,20 @@ class GaussianStats:
 class StreamingStats:
     """Running count, sum and sum of outer products of features, in float64 on ``device``.
 
-    ``update`` takes batches ``[B, D]``; ``merge`` adds another accumulator; ``all_reduce`` sums over ranks (one
-    collective; gloo and nccl both take float64); ``finalize`` gives ``GaussianStats``. Sums, not running means, so
-    merging in any order or across ranks gives the same numbers up to float64 rounding.
+    ``update`` takes batches ``[B, D]``; ``merge`` adds another accumulator; ``all_reduce`` sums over ranks (gloo and
+    nccl both take float64); ``finalize`` gives ``GaussianStats``. Sums, not running means, so merging in any order or
+    across ranks gives the same numbers up to float64 rounding.
+
+    The sums are taken about a shift vector ``c`` (the first batch's mean): sum(f - c) and sum((f - c)(f - c)^T).
+    Without it, cov = (sum f f^T - n mu mu^T) / (n - 1) cancels catastrophically when |mean| >> std (a feature with
+    mean 1e4 and std 1e-2 loses all digits even in float64). Accumulators with different shifts are re-centred
+    exactly before they are added (``recenter``), and ``all_reduce`` first agrees on the count-weighted shift.
     """
 
     def __init__(self, dim: int, device: torch.device | str = "cpu"):
         self.dim = int(dim)
         self.count = 0
+        self.shift: torch.Tensor | None = None
         self.sum = torch.zeros(self.dim, dtype=torch.float64, device=device)
         self.outer = torch.zeros(self.dim, self.dim, dtype=torch.float64, device=device)
 
@@ -63,29 +69,59 @@ class StreamingStats:
     def update(self, feats: torch.Tensor) -> "StreamingStats":
         if feats.dim() != 2 or feats.shape[1] != self.dim:
             raise ValueError(f"features must be [B, {self.dim}], got {tuple(feats.shape)}")
+        if feats.shape[0] == 0:
+            return self
         f = feats.to(device=self.sum.device, dtype=torch.float64)
+        if self.shift is None:
+            self.shift = f.mean(0)
+        f = f - self.shift
         self.count += f.shape[0]
         self.sum += f.sum(0)
         self.outer.addmm_(f.T, f)
         return self
 
+    @torch.no_grad()
+    def recenter(self, new_shift: torch.Tensor) -> "StreamingStats":
+        """Express the sums about ``new_shift`` instead of the current shift (exact algebra)."""
+        new_shift = new_shift.to(device=self.sum.device, dtype=torch.float64)
+        if self.shift is not None and self.count > 0:
+            delta = self.shift - new_shift  # f - new = (f - old) + delta
+            self.outer += torch.outer(self.sum, delta) + torch.outer(delta, self.sum) + self.count * torch.outer(delta, delta)
+            self.sum += self.count * delta
+        self.shift = new_shift.clone()
+        return self
+
     def merge(self, other: "StreamingStats") -> "StreamingStats":
         if other.dim != self.dim:
             raise ValueError(f"cannot merge statistics of dim {other.dim} into dim {self.dim}")
-        self.count += other.count
-        self.sum += other.sum.to(self.sum.device)
-        self.outer += other.outer.to(self.outer.device)
+        if other.count == 0:
+            return self
+        if self.shift is None:
+            self.shift = other.shift.to(self.sum.device).clone()
+        o = StreamingStats(self.dim, self.sum.device)
+        o.count, o.shift = other.count, other.shift.to(self.sum.device)
+        o.sum, o.outer = other.sum.to(self.sum.device).clone(), other.outer.to(self.sum.device).clone()
+        o.recenter(self.shift)
+        self.count += o.count
+        self.sum += o.sum
+        self.outer += o.outer
         return self
 
     @torch.no_grad()
     def all_reduce(self, group=None) -> "StreamingStats":
-        """Sum count/sum/outer over the ranks of ``group`` (no-op when torch.distributed is not initialised)."""
+        """Sum the statistics over the ranks of ``group`` (no-op when torch.distributed is not initialised).
+        Two collectives: the count-weighted mean of the shifts (d + 1 floats), then count/sum/outer."""
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
             return self
-        d = self.dim
-        buf = torch.cat([torch.tensor([float(self.count)], dtype=torch.float64, device=self.sum.device),
+        d, dev = self.dim, self.sum.device
+        shift = self.shift if self.shift is not None else torch.zeros(d, dtype=torch.float64, device=dev)
+        head = torch.cat([torch.tensor([float(self.count)], dtype=torch.float64, device=dev), self.count * shift])
+        dist.all_reduce(head, op=dist.ReduceOp.SUM, group=group)
+        common = head[1:] / head[0] if head[0] > 0 else torch.zeros(d, dtype=torch.float64, device=dev)
+        self.recenter(common)
+        buf = torch.cat([torch.tensor([float(self.count)], dtype=torch.float64, device=dev),
                          self.sum, self.outer.reshape(-1)])
         dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
         self.count = int(round(buf[0].item()))
@@ -98,10 +134,9 @@ class StreamingStats:
             raise ValueError(f"need at least 2 samples for a covariance, have {self.count}")
         n = self.count
         s = self.sum.cpu().numpy()
-        mean = s / n
-        cov = (self.outer.cpu().numpy() - np.outer(s, mean)) / (n - 1)
+        cov = (self.outer.cpu().numpy() - np.outer(s, s) / n) / (n - 1)
         cov = (cov + cov.T) / 2
-        return GaussianStats(mean=mean, cov=cov, count=n)
+        return GaussianStats(mean=self.shift.cpu().numpy() + s / n, cov=cov, count=n)
 
 
 def stats_from_features(feats: np.ndarray | torch.Tensor) -> GaussianStats:

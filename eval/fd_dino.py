@@ -1,0 +1,192 @@
+"""Score checkpoints with a Fréchet distance (FD-DINO by default preset `dinov2`; `inception` works offline).
+
+    python eval/fd_dino.py runs/2025-01-01/12-00-00/checkpoints/step_00001200.pt   # one checkpoint
+    python eval/fd_dino.py runs/2025-01-01/12-00-00                                # every checkpoint of a run
+    python eval/fd_dino.py multirun/2025-01-01/12-00-00 --eval-preset dinov2 \\
+        --encoder-path /weights/dinov2-large                                        # every run of a sweep
+    torchrun --nproc_per_node 8 eval/fd_dino.py multirun/... --eval-preset dinov2    # sampling sharded over ranks
+
+For every checkpoint found (a file; a run folder's checkpoints/step_*.pt; or every run folder under a sweep folder)
+it loads the EMA model, samples `num_samples` images (Euler, `sample_steps`, CFG `cfg_scale`, fixed labels and
+noise from `seed`), encodes them and compares with the cached reference statistics of the run's own data config.
+Results go to <out>/fd_results.csv and .json (one row per checkpoint: run, step, active_time_s, fd, encoder,
+num_gen, num_ref, ref_id, settings) and are written after each checkpoint; a checkpoint already scored with the
+same settings is skipped (--force rescores). A sample grid per checkpoint goes to <out>/fd_grids/.
+Settings default to conf/eval/<--eval-preset>.yaml; flags override single keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+from dit_train.fd.cli import add_eval_args, eval_cfg_from_args, setup_distributed, teardown_distributed  # noqa: E402
+
+COLUMNS = ["run", "step", "active_time_s", "fd", "encoder", "num_gen", "num_ref", "ref_id", "sample_steps",
+           "cfg_scale", "seed", "checkpoint", "eval_time_s", "scored_at"]
+SETTINGS = ["encoder", "num_gen", "sample_steps", "cfg_scale", "seed", "reference"]
+STEP_RE = re.compile(r"step_(\d+)\.pt$")
+
+
+def find_checkpoints(path: str | os.PathLike) -> tuple[Path, list[tuple[str, Path]]]:
+    """(output root, [(run name, checkpoint file)]) for a checkpoint file, a run folder or a sweep folder."""
+    p = Path(path).resolve()
+    if p.is_file():
+        run_dir = p.parent.parent if p.parent.name == "checkpoints" else p.parent
+        return run_dir, [(run_dir.name, p)]
+    if not p.is_dir():
+        raise FileNotFoundError(f"{str(path)!r} is neither a checkpoint file nor a folder")
+
+    def ckpts(run_dir: Path) -> list[Path]:
+        folder = run_dir / "checkpoints"
+        return sorted(f for f in folder.glob("step_*.pt") if STEP_RE.search(f.name)) if folder.is_dir() else []
+
+    if ckpts(p):
+        return p, [(p.name, c) for c in ckpts(p)]
+    found = []
+    for dirpath, dirnames, _ in os.walk(p):
+        dirnames.sort()
+        d = Path(dirpath)
+        if "checkpoints" in dirnames:
+            found += [(str(d.relative_to(p)), c) for c in ckpts(d)]
+            dirnames.remove("checkpoints")
+    if not found:
+        raise FileNotFoundError(f"no checkpoints (checkpoints/step_*.pt) under {str(path)!r}")
+    return p, found
+
+
+def row_key(row: dict) -> tuple:
+    return (str(row["run"]), Path(str(row["checkpoint"])).name) + tuple(str(row[k]) for k in SETTINGS)
+
+
+def load_results(out: Path) -> list[dict]:
+    f = out / "fd_results.json"
+    if not f.is_file():
+        return []
+    return json.loads(f.read_text())["rows"]
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_results(out: Path, rows: list[dict]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    rows = sorted(rows, key=lambda r: (str(r["run"]), int(r["step"]), str(r["encoder"])))
+    _atomic_write(out / "fd_results.json", json.dumps({"columns": COLUMNS + ["reference"], "rows": rows}, indent=1))
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=COLUMNS + ["reference"], extrasaction="ignore")
+    w.writeheader()
+    w.writerows(rows)
+    _atomic_write(out / "fd_results.csv", buf.getvalue())
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("paths", nargs="+", help="checkpoint file(s), run folder(s) or sweep folder(s)")
+    ap.add_argument("--out", help="folder for fd_results.{csv,json} (default: the first path's run/sweep folder)")
+    ap.add_argument("--force", action="store_true", help="rescore checkpoints already in the results")
+    ap.add_argument("--no-grid", action="store_true", help="do not save a sample grid per checkpoint")
+    ap.add_argument("--data-set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="overrides of each checkpoint's data config (e.g. root=/data/fmnist on another machine)")
+    add_eval_args(ap)
+    args = ap.parse_args(argv)
+
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from dit_train.checkpoint import load_for_inference
+    from dit_train.fd.evaluator import FDEvaluator, make_sample_fn
+    from dit_train.fd.features import build_extractor
+
+    device, rank, world = setup_distributed(args.device)
+    log = print if rank == 0 else (lambda *a, **k: None)
+    cfg = eval_cfg_from_args(args)
+    todo: list[tuple[str, Path]] = []
+    out = None
+    for p in args.paths:
+        root, found = find_checkpoints(p)
+        out = out or Path(args.out or root)
+        todo += found
+    extractor = build_extractor(cfg.encoder, cfg.encoder_path, device)
+    reference = f"{cfg.reference_split}:{cfg.reference_num}"
+    settings = {"encoder": extractor.encoder_id, "num_gen": int(cfg.num_samples), "sample_steps": int(cfg.sample_steps),
+                "cfg_scale": float(cfg.cfg_scale), "seed": int(cfg.seed), "reference": reference}
+
+    rows = load_results(out) if rank == 0 else []
+    done = {row_key(r) for r in rows}
+    skip = [(run, c) for run, c in todo if not args.force and row_key({"run": run, "checkpoint": c, **settings}) in done]
+    if dist.is_initialized():  # rank 0's view of the results decides, so every rank runs the same collectives
+        obj = [skip]
+        dist.broadcast_object_list(obj, src=0)
+        skip = obj[0]
+    for run, c in skip:
+        log(f"[fd_dino] skip {run} {c.name}: already scored with these settings")
+    todo = [t for t in todo if t not in skip]
+
+    evaluators: dict[str, FDEvaluator] = {}
+    for run, ckpt in todo:
+        t0 = time.perf_counter()
+        model, run_cfg, meta = load_for_inference(str(ckpt), device)
+        data_cfg = OmegaConf.merge(run_cfg.data, OmegaConf.from_dotlist(list(args.data_set)))
+        mcfg = run_cfg.model
+        if data_cfg.name == "latents" or int(mcfg.get("text_dim", 0) or 0) > 0:
+            raise SystemExit(f"{ckpt}: FD of latent/text-conditioned models needs a VAE decoder and text prompts; "
+                             f"not supported by this job (data.name={data_cfg.name})")
+        dkey = json.dumps(OmegaConf.to_container(data_cfg, resolve=True), sort_keys=True)
+        if dkey not in evaluators:
+            evaluators[dkey] = FDEvaluator(cfg, data_cfg, device, extractor=extractor, log=log)
+        ev = evaluators[dkey]
+        sample_fn = make_sample_fn(model, (int(mcfg.in_channels), int(mcfg.image_size), int(mcfg.image_size)),
+                                   int(cfg.sample_steps), float(cfg.cfg_scale), device,
+                                   autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
+                                   conditional=int(mcfg.get("num_classes", 0) or 0) > 0)
+        res = ev.evaluate(sample_fn, int(meta["step"]), float(meta["active_time_s"]))
+        row = {"run": run, "step": int(meta["step"]), "active_time_s": float(meta["active_time_s"]),
+               "fd": res["fd"], "encoder": res["fd_encoder"], "num_gen": res["fd_num_gen"],
+               "num_ref": res["fd_num_ref"], "ref_id": res["fd_ref_id"], "sample_steps": int(cfg.sample_steps),
+               "cfg_scale": float(cfg.cfg_scale), "seed": int(cfg.seed), "checkpoint": str(ckpt),
+               "eval_time_s": round(time.perf_counter() - t0, 2), "scored_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+               "reference": reference}
+        if rank == 0:
+            rows = [r for r in rows if row_key(r) != row_key(row)] + [row]
+            write_results(out, rows)
+            if not args.no_grid and "images" in res:
+                from dit_train.images import save_grid
+
+                grid = out / "fd_grids" / run.replace(os.sep, "__") / f"step_{row['step']:08d}.png"
+                grid.parent.mkdir(parents=True, exist_ok=True)
+                save_grid(res["images"], str(grid), nrow=8)
+            log(f"[fd_dino] {run} step {row['step']}: FD={row['fd']:.4f} ({extractor.name}, n_gen={row['num_gen']}, "
+                f"n_ref={row['num_ref']}, {row['eval_time_s']} s)")
+        del model
+
+    if rank == 0 and rows:
+        best: dict[str, dict] = {}
+        for r in rows:
+            same = all(str(r[k]) == str(settings[k]) for k in SETTINGS)  # compare only equal settings/counts
+            if same and (r["run"] not in best or r["fd"] < best[r["run"]]["fd"]):
+                best[r["run"]] = r
+        for r in best.values():
+            log(f"[fd_dino] best {r['run']}: FD={r['fd']:.4f} at step {r['step']} "
+                f"(active time {r['active_time_s']:.1f} s)")
+        log(f"[fd_dino] results: {out / 'fd_results.csv'} and {out / 'fd_results.json'}")
+    teardown_distributed()
+    return rows
+
+
+if __name__ == "__main__":
+    main()
