@@ -1,0 +1,299 @@
+"""MatrixOptimizer: one torch.optim.Optimizer for a whole model (ALGORITHMS §2, §4, §5).
+
+Param groups carry `kind`: "matrix" groups take momentum -> direction -> scaled, decoupled-weight-decay update;
+"adamw" groups take AdamW (torch's own functional implementation, so the maths is torch.optim.AdamW's). Every
+group has 'lr' and 'weight_decay', so one LR schedule (torch LambdaLR) drives all of them and there is one
+state_dict.
+
+Matrix step for W (m x n) with gradient G, at optimizer step t (0-based, kept in every group as group["step"], so
+it is saved by state_dict and restored by load_state_dict):
+    M <- mu M + G;   U <- G + mu M (nesterov) or M
+    Phi = direction(U), the direction being group["direction"] when t % K == 0 (K = group["refresh_every"]) and
+          group["between"] otherwise (periodic_rowwise: spectral refresh, rownorm between; K = 1 is plain Muon)
+    W <- (1 - lr wd) W - lr s(W) Phi,  s = 0.2 sqrt(max(m, n)) (moonlight) | sqrt(max(1, m/n)) (keller) | 1 (none)
+
+Single-device placement: same-shape matrices of a group are stacked into one [B, m, n] workspace (one bmm chain
+per shape, the workspace reused across steps) and updated with foreach ops. The maths lives in directions.py
+and in `compute_direction`; where the matrices live is in `_stack_inputs` / `_apply_update`, which a sharded
+subclass (FSDP2 shards, explicit collectives, ALGORITHMS §6) overrides while reusing the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Callable, Iterable
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.optim.adam import adam as _adam_functional
+
+from ..timing import active_timer
+from .directions import mud_whiten, newton_schulz5, row_inv_norms
+
+SCALE_RULES = ("moonlight", "keller", "none")
+KINDS = ("matrix", "adamw")
+ADAMW_IMPLS = ("foreach", "fused", "single")
+
+
+def update_scale(rule: str, m: int, n: int) -> float:
+    """s(W) for an m x n weight (m = out features, n = in features), ALGORITHMS §4."""
+    if rule == "moonlight":
+        return 0.2 * math.sqrt(max(m, n))
+    if rule == "keller":
+        return math.sqrt(max(1.0, m / n))
+    if rule == "none":
+        return 1.0
+    raise ValueError(f"scale={rule!r} is not valid; choose one of {', '.join(SCALE_RULES)}")
+
+
+# ---- directions on a stacked [B, m, n] batch ------------------------------------------------------------------
+# Each returns (D, row_scale): the direction is D * row_scale (row_scale None means D itself). Returning the
+# per-row factor separately lets rownorm fold its normalisation into the parameter update (one pass less).
+DirectionFn = Callable[[Tensor, dict], tuple[Tensor, Tensor | None]]
+
+
+def _spectral(U: Tensor, group: dict) -> tuple[Tensor, Tensor | None]:
+    dt = group["ns_dtype"]
+    return newton_schulz5(U, group["ns_steps"], dt, group["direction_eps"], gram=group["ns_gram"], out_dtype=dt), None
+
+
+def _rownorm(U: Tensor, group: dict) -> tuple[Tensor, Tensor | None]:
+    return U, row_inv_norms(U, group["direction_eps"])
+
+
+def _mud(U: Tensor, group: dict) -> tuple[Tensor, Tensor | None]:
+    return mud_whiten(U, group["mud_passes"], group["direction_eps"], solve=group["mud_solve"]), None
+
+
+DIRECTION_FNS: dict[str, DirectionFn] = {"spectral": _spectral, "rownorm": _rownorm, "mud": _mud}
+
+
+def register_direction(name: str, fn: DirectionFn) -> None:
+    """Make a new direction selectable by groups (direction= / between=); used by optimizer files that add one."""
+    DIRECTION_FNS[name] = fn
+
+
+def compute_direction(kind: str, U: Tensor, group: dict) -> tuple[Tensor, Tensor | None]:
+    """The direction of a (possibly batched) matrix U, independent of where U lives."""
+    try:
+        fn = DIRECTION_FNS[kind]
+    except KeyError:
+        raise ValueError(f"direction={kind!r} is not valid; choose one of {', '.join(DIRECTION_FNS)}") from None
+    return fn(U, group)
+
+
+def _input_dtype(kind: str, group: dict, param_dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the stacked direction input: NS5 reads its compute dtype directly (the cast is fused into the
+    Nesterov add); rownorm and mud read the momentum's own precision."""
+    return group["ns_dtype"] if kind == "spectral" else param_dtype
+
+
+class MatrixOptimizer(Optimizer):
+    """Matrix groups (Muon family, RowNorm, MUD) and AdamW groups in one optimizer; see the module docstring.
+
+    `params`: param groups, each a dict with "params" and "kind" ("matrix" or "adamw") plus any per-group
+    overrides of the keyword defaults below; a plain iterable of tensors is one matrix group."""
+
+    def __init__(
+        self,
+        params: Iterable,
+        *,
+        lr: float,
+        weight_decay: float = 0.0,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        scale: str = "moonlight",
+        direction: str = "spectral",
+        refresh_every: int = 1,
+        between: str | None = None,
+        ns_steps: int = 5,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        ns_gram: bool | None = None,
+        mud_passes: int = 1,
+        mud_solve: str = "inverse",
+        direction_eps: float = 1e-7,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        adamw_impl: str = "foreach",
+    ):
+        defaults = dict(
+            kind="matrix", lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, scale=scale,
+            direction=direction, refresh_every=refresh_every, between=between, ns_steps=ns_steps,
+            ns_dtype=ns_dtype, ns_gram=ns_gram, mud_passes=mud_passes, mud_solve=mud_solve,
+            direction_eps=direction_eps, betas=tuple(betas), eps=eps, adamw_impl=adamw_impl, step=0,
+        )
+        super().__init__(params, defaults)
+        self._workspace: dict = {}
+        self._last_info: dict[str, float] = {}
+        self.routing_table: str = ""
+
+    def add_param_group(self, param_group: dict) -> None:
+        # a group added later joins at the current step, so periodic refreshes stay aligned across groups
+        if getattr(self, "param_groups", None) and "step" not in param_group:
+            param_group["step"] = max(g["step"] for g in self.param_groups)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_group(group)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._workspace = {}
+        self._last_info = {}
+        self.__dict__.setdefault("routing_table", "")
+
+    # ---- public -------------------------------------------------------------------------------------------
+    def direction_at(self, group: dict, step: int) -> str:
+        """The direction a matrix group uses at optimizer step `step` (0-based)."""
+        K = group["refresh_every"]
+        if group["between"] is None or step % K == 0:
+            return group["direction"]
+        return group["between"]
+
+    def step_info(self) -> dict[str, float]:
+        """Scalars about the last step, for the logger: opt/refresh (1 = spectral refresh, 0 = between step) for
+        optimizers with a periodic schedule; empty otherwise."""
+        return dict(self._last_info)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        info: dict[str, float] = {}
+        timer = active_timer()
+        for group in self.param_groups:
+            t = group["step"]
+            if group["kind"] == "matrix":
+                kind = self.direction_at(group, t)
+                if group["between"] is not None:
+                    info["opt/refresh"] = float(kind == group["direction"])
+                self._matrix_step(group, kind, timer)
+            else:
+                with timer.phase("adamw"):
+                    self._adamw_step(group)
+            group["step"] = t + 1
+        self._last_info = info
+        return loss
+
+    # ---- matrix groups ------------------------------------------------------------------------------------
+    def _matrix_step(self, group: dict, kind: str, timer) -> None:
+        params, grads, bufs = [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("MatrixOptimizer does not support sparse gradients")
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            bufs.append(state["momentum_buffer"])
+        if not params:
+            return
+        mu, nesterov = group["momentum"], group["nesterov"]
+        lr, wd = float(group["lr"]), group["weight_decay"]
+        buckets = _buckets(params)
+        with timer.phase("momentum"):
+            if mu != 0:
+                torch._foreach_mul_(bufs, mu)
+            torch._foreach_add_(bufs, grads)  # M <- mu M + G
+            inputs = {key: self._stack_inputs(key, idx, grads, bufs, mu, nesterov,
+                                              _input_dtype(kind, group, params[idx[0]].dtype))
+                      for key, idx in buckets.items()}
+        with timer.phase("direction"):
+            directions = {key: compute_direction(kind, U, group) for key, U in inputs.items()}
+        with timer.phase("update"):
+            if wd != 0:
+                torch._foreach_mul_(params, 1.0 - lr * wd)
+            for key, idx in buckets.items():
+                m, n = key[0]
+                alpha = -lr * update_scale(group["scale"], m, n)
+                D, row_scale = directions[key]
+                self._apply_update([params[i] for i in idx], D, row_scale, alpha)
+
+    def _stack_inputs(self, key, idx: list[int], grads, bufs, mu: float, nesterov: bool, dtype) -> Tensor:
+        """U = G + mu M (or M) for the bucket's matrices, written straight into a reused [B, m, n] workspace of the
+        direction's input dtype (the Nesterov add, the cast and the stacking are one pass)."""
+        shape = (len(idx), *key[0])
+        ws_key = (key, dtype)
+        U = self._workspace.get(ws_key)
+        if U is None or U.shape != shape:
+            U = torch.empty(shape, dtype=dtype, device=bufs[idx[0]].device)
+            self._workspace[ws_key] = U
+        for j, i in enumerate(idx):
+            if nesterov:
+                torch.add(grads[i], bufs[i], alpha=mu, out=U[j])
+            else:
+                U[j].copy_(bufs[i])
+        return U
+
+    def _apply_update(self, params: list[Tensor], D: Tensor, row_scale: Tensor | None, alpha: float) -> None:
+        """W_i += alpha * D_i (* row_scale_i) for the bucket's matrices (weight decay is already applied)."""
+        if row_scale is None:
+            torch._foreach_add_(params, list(D.unbind(0)), alpha=alpha)
+        else:
+            torch._foreach_addcmul_(params, list(D.unbind(0)), list(row_scale.unbind(0)), value=alpha)
+
+    # ---- AdamW groups -------------------------------------------------------------------------------------
+    def _adamw_step(self, group: dict) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        impl = group["adamw_impl"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("MatrixOptimizer does not support sparse gradients")
+            state = self.state[p]
+            if len(state) == 0:
+                state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if impl == "fused"
+                                 else torch.tensor(0.0, dtype=torch.float32))
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        _adam_functional(
+            params, grads, exp_avgs, exp_avg_sqs, [], steps,
+            foreach=impl == "foreach", fused=True if impl == "fused" else None,
+            decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+            weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+        )
+
+
+def _buckets(params: list[Tensor]) -> dict[tuple, list[int]]:
+    """Indices of same-(shape, dtype, device) matrices, which are stacked and processed as one batch."""
+    out: dict[tuple, list[int]] = defaultdict(list)
+    for i, p in enumerate(params):
+        out[(tuple(p.shape), p.dtype, p.device)].append(i)
+    return dict(out)
+
+
+def _check_group(group: dict) -> None:
+    """Reject a group the step could not run, with the offending key, value and what is valid."""
+    kind = group["kind"]
+    if kind not in KINDS:
+        raise ValueError(f"param group kind={kind!r} is not valid; choose one of {', '.join(KINDS)}")
+    if kind == "matrix":
+        for p in group["params"]:
+            if p.ndim != 2:
+                raise ValueError(f"a matrix param group holds a parameter of shape {tuple(p.shape)}; "
+                                 f"only 2-D parameters take the matrix update (route it to AdamW)")
+        for key in ("direction", "between"):
+            v = group[key]
+            if v is not None and v not in DIRECTION_FNS:
+                raise ValueError(f"{key}={v!r} is not valid; choose one of {', '.join(DIRECTION_FNS)}")
+        update_scale(group["scale"], 1, 1)
+        K = group["refresh_every"]
+        if isinstance(K, bool) or not isinstance(K, int) or K < 1:
+            raise ValueError(f"refresh_every (K)={K!r} is not valid; it must be an integer >= 1")
+    elif group["adamw_impl"] not in ADAMW_IMPLS:
+        raise ValueError(f"adamw_impl={group['adamw_impl']!r} is not valid; choose one of {', '.join(ADAMW_IMPLS)}")
