@@ -107,3 +107,17 @@ def test_every_small_preset_composes_and_builds():
         cfg = compose([f"model={name}", "run_dir=/tmp/unused"])
         m = build_model(cfg.model, device="meta")
         assert count_parameters(m) > 0
+
+
+def test_readme_presets_table_has_every_preset_with_its_exact_count():
+    import glob
+    import os
+    import re
+
+    readme = open(os.path.join(os.path.dirname(CONF_DIR), "..", "README.md")).read()
+    for path in sorted(glob.glob(f"{CONF_DIR}/model/*.yaml")):
+        cfg = OmegaConf.load(path)
+        n = count_parameters(build_model(cfg, device="meta"))
+        row = re.search(rf"^\| `{cfg.name}` \|.*\| ([\d,]+) \|$", readme, re.M)
+        assert row, f"{cfg.name} missing from the README presets table"
+        assert row.group(1) == f"{n:,}", (cfg.name, row.group(1), n)
