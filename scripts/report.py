@@ -1,0 +1,326 @@
+#!/usr/bin/env python
+"""Turn a sweep folder into the study's tables and plots — reading run folders only, never re-running anything.
+
+    python scripts/report.py SWEEP_DIR [--out SWEEP_DIR]
+
+A run folder is any folder under SWEEP_DIR with a config.yaml written by the trainer; its metrics.jsonl and
+summary.json are read. Runs listed in SWEEP_DIR/study.json (written by scripts/run_study.py) but absent on disk
+appear as `missing`; folders without summary.json as `incomplete (step N)`. Nothing is silently dropped.
+
+Writes report.md and PNG plots next to it:
+- Table 1 (model x optimizer): best FD (encoder named) and its gain over AdamW, final validation velocity loss,
+  mean ± std over seeds.
+- Table 2 (model): optimizer time, step time and logical optimizer communication of each periodic_rowwise K
+  relative to muon; active training time to each run's best FD and its reduction against muon.
+- Plots: validation loss vs step and vs active time per size; FD vs active time; stacked per-phase step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import yaml
+
+PHASES = ("data", "forward", "backward", "optimizer compute", "exposed communication")
+WARMUP_ROWS = 2  # the first logged rows include one-off costs (allocation, first NS5); left out of time means
+
+
+@dataclass
+class Run:
+    name: str
+    model: str
+    optimizer: str  # label, e.g. "periodic_rowwise K=3"
+    seed: int
+    status: str = "finished"
+    steps: int = 0
+    val_loss: float = math.nan
+    best_fd: float = math.nan
+    best_fd_step: int | None = None
+    best_fd_active_s: float = math.nan
+    fd_encoder: str = ""
+    fd_counts: str = ""
+    optimizer_s: float = math.nan  # mean per step
+    step_s: float = math.nan
+    comm_bytes: float = math.nan  # logical optimizer bytes per step per rank
+    phases: dict = field(default_factory=dict)
+    val_curve: list = field(default_factory=list)  # (step, active_s, val_loss)
+    fd_curve: list = field(default_factory=list)  # (step, active_s, fd)
+
+
+def optimizer_label(opt_cfg: dict) -> str:
+    name = opt_cfg.get("name", "?")
+    return f"{name} K={opt_cfg['K']}" if name == "periodic_rowwise" and "K" in opt_cfg else name
+
+
+def mean(xs):
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def read_run(folder: str, name: str) -> Run:
+    with open(os.path.join(folder, "config.yaml")) as f:
+        cfg = yaml.safe_load(f)
+    run = Run(name=name, model=cfg["model"]["name"], optimizer=optimizer_label(cfg["optimizer"]),
+              seed=int(cfg.get("seed", 0)))
+    rows = []
+    metrics = os.path.join(folder, "metrics.jsonl")
+    if os.path.exists(metrics):
+        with open(metrics) as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:  # a line cut by a crash
+                    pass
+    train = [r for r in rows if "train/loss" in r]
+    active_at = {r["step"]: r["active_time_s"] for r in train if "active_time_s" in r}
+    run.steps = max((r["step"] for r in rows), default=0)
+    for r in rows:
+        if "val/loss" in r:
+            run.val_curve.append((r["step"], active_at.get(r["step"], math.nan), r["val/loss"]))
+        if isinstance(r.get("fd"), (int, float)):
+            act = r.get("fd_active_time_s", r.get("active_time_s", active_at.get(r["step"], math.nan)))
+            run.fd_curve.append((r["step"], act, r["fd"]))
+            run.fd_encoder = r.get("fd_encoder", run.fd_encoder)
+            run.fd_counts = f"{r.get('fd_num_gen', '?')} gen / {r.get('fd_num_ref', '?')} ref"
+    if run.val_curve:
+        run.val_loss = run.val_curve[-1][2]
+    if run.fd_curve:
+        best = min(run.fd_curve, key=lambda c: c[2])
+        run.best_fd_step, run.best_fd_active_s, run.best_fd = best
+    timed = train[WARMUP_ROWS:] or train
+    run.optimizer_s = mean([r.get("time/optimizer") for r in timed])
+    run.step_s = mean([r.get("time/step") for r in timed])
+    run.comm_bytes = mean([r.get("comm_bytes/total", 0.0) for r in timed]) if timed else math.nan
+    comm = mean([r.get("time/comm", 0.0) for r in timed])
+    run.phases = {"data": mean([r.get("time/data") for r in timed]),
+                  "forward": mean([r.get("time/forward") for r in timed]),
+                  "backward": mean([r.get("time/backward") for r in timed]),
+                  "optimizer compute": run.optimizer_s - comm, "exposed communication": comm}
+    summary = os.path.join(folder, "summary.json")
+    if os.path.exists(summary):
+        with open(summary) as f:
+            s = json.load(f)
+        run.steps = s.get("steps", run.steps)
+        if isinstance(s.get("val_loss"), (int, float)):
+            run.val_loss = s["val_loss"]
+    else:
+        run.status = f"incomplete (step {run.steps})"
+    return run
+
+
+def find_runs(sweep_dir: str) -> list[Run]:
+    runs, seen = [], set()
+    for root, dirs, files in os.walk(sweep_dir):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        if "config.yaml" in files and ("metrics.jsonl" in files or "run_info.json" in files):
+            name = os.path.relpath(root, sweep_dir)
+            runs.append(read_run(root, name))
+            seen.add(name)
+    study = os.path.join(sweep_dir, "study.json")
+    if os.path.exists(study):
+        with open(study) as f:
+            for r in json.load(f)["runs"]:
+                if r["name"] not in seen:
+                    label = f"periodic_rowwise K={r['K']}" if r.get("K") is not None else r["optimizer"]
+                    runs.append(Run(name=r["name"], model=r["model"], optimizer=label, seed=r["seed"],
+                                    status="missing"))
+    return runs
+
+
+def fmt(values: list[float], digits: int = 4) -> str:
+    """mean ± std over seeds (std only with 2+ values); '—' when nothing is there."""
+    vals = [v for v in values if not math.isnan(v)]
+    if not vals:
+        return "—"
+    if len(vals) == 1:
+        return f"{vals[0]:.{digits}g}"
+    return f"{statistics.mean(vals):.{digits}g} ± {statistics.stdev(vals):.2g}"
+
+
+def ratio(a: float, b: float) -> str:
+    if math.isnan(a) or math.isnan(b) or b == 0:
+        return "n/a"
+    return f"{a / b:.3f}"
+
+
+SIZE_ORDER = ["dit_tiny", "dit_xs", "dit_s", "dit_m", "dit_1b3", "dit_4b", "dit_9b", "dit_15b"]
+
+
+def model_order(runs):
+    """Presets smallest first; unknown names after them, alphabetically."""
+    return sorted({r.model for r in runs}, key=lambda m: (SIZE_ORDER.index(m) if m in SIZE_ORDER else 99, m))
+
+
+def optimizer_order(labels):
+    base = ["adamw", "muon"]
+    return [l for l in base if l in labels] + sorted(l for l in labels if l not in base)
+
+
+def table1(runs: list[Run]) -> str:
+    lines = ["| model | optimizer | seeds | status | best FD | gain vs AdamW | step of best | final val loss |",
+             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+    by = defaultdict(list)
+    for r in runs:
+        by[(r.model, r.optimizer)].append(r)
+    for model in model_order(runs):
+        adamw_fd = mean([r.best_fd for r in by.get((model, "adamw"), [])])
+        for opt in optimizer_order({o for m, o in by if m == model}):
+            group = by[(model, opt)]
+            fds = [r.best_fd for r in group]
+            status = ", ".join(sorted({r.status for r in group}))
+            gain = "—"
+            if opt != "adamw" and not math.isnan(mean(fds)) and not math.isnan(adamw_fd) and adamw_fd:
+                gain = f"{(adamw_fd - mean(fds)) / adamw_fd * 100:+.1f}%"
+            enc = next((r.fd_encoder for r in group if r.fd_encoder), "")
+            best = fmt(fds) + (f" ({enc})" if enc else "")
+            steps = ", ".join(str(r.best_fd_step) for r in group if r.best_fd_step is not None) or "—"
+            lines.append(f"| {model} | {opt} | {len(group)} | {status} | {best} | {gain} | {steps} | "
+                         f"{fmt([r.val_loss for r in group])} |")
+    return "\n".join(lines)
+
+
+def table2(runs: list[Run]) -> str:
+    lines = ["| model | optimizer | optimizer time / step | vs muon | step time | vs muon | optimizer comm bytes / step "
+             "| vs muon | active time to best FD | vs muon |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    by = defaultdict(list)
+    for r in runs:
+        if r.status == "finished":
+            by[(r.model, r.optimizer)].append(r)
+    for model in model_order(runs):
+        ref = by.get((model, "muon"), [])
+        ref_opt, ref_step = mean([r.optimizer_s for r in ref]), mean([r.step_s for r in ref])
+        ref_comm, ref_act = mean([r.comm_bytes for r in ref]), mean([r.best_fd_active_s for r in ref])
+        for opt in optimizer_order({o for m, o in by if m == model}):
+            g = by[(model, opt)]
+            o, s = mean([r.optimizer_s for r in g]), mean([r.step_s for r in g])
+            c, a = mean([r.comm_bytes for r in g]), mean([r.best_fd_active_s for r in g])
+            red = "n/a" if math.isnan(a) or math.isnan(ref_act) or not ref_act else f"{(1 - a / ref_act) * 100:+.1f}%"
+            lines.append(f"| {model} | {opt} | {o * 1000:.1f} ms | {ratio(o, ref_opt)} | {s * 1000:.1f} ms | "
+                         f"{ratio(s, ref_step)} | {c:.0f} | {ratio(c, ref_comm)} | {a:.0f} s | {red} |")
+    return "\n".join(lines)
+
+
+def status_table(runs: list[Run]) -> str:
+    lines = ["| run | status | steps |", "| --- | --- | ---: |"]
+    for r in sorted(runs, key=lambda r: r.name):
+        lines.append(f"| {r.name} | {r.status} | {r.steps} |")
+    return "\n".join(lines)
+
+
+def plots(runs: list[Run], out_dir: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    models = model_order(runs)
+    done = [r for r in runs if r.val_curve or r.fd_curve]
+    if not done:
+        return written
+    colors = {o: f"C{i}" for i, o in enumerate(optimizer_order({r.optimizer for r in runs}))}
+
+    def curves(kind, xi, fname, ylabel, xlabel):
+        fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+        for ax, model in zip(axes[0], models):
+            for r in (r for r in done if r.model == model):
+                pts = r.val_curve if kind == "val" else r.fd_curve
+                if pts:
+                    ax.plot([p[xi] for p in pts], [p[2] for p in pts], color=colors[r.optimizer], alpha=0.8,
+                            label=f"{r.optimizer}" if r.seed == min(x.seed for x in done if x.model == model
+                                                                     and x.optimizer == r.optimizer) else None)
+            ax.set_title(model)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(out_dir, fname)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    curves("val", 0, "val_loss_vs_step.png", "validation velocity loss", "step")
+    curves("val", 1, "val_loss_vs_active_time.png", "validation velocity loss", "active training time (s)")
+    if any(r.fd_curve for r in done):
+        curves("fd", 1, "fd_vs_active_time.png", "FD", "active training time (s)")
+
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        opts = optimizer_order({r.optimizer for r in runs if r.model == model and r.status == "finished"})
+        bottom = [0.0] * len(opts)
+        for i, phase in enumerate(PHASES):
+            vals = [mean([r.phases.get(phase) for r in runs if r.model == model and r.optimizer == o
+                          and r.status == "finished"]) for o in opts]
+            vals = [0.0 if math.isnan(v) else v * 1000 for v in vals]
+            ax.bar(range(len(opts)), vals, bottom=bottom, label=phase, color=f"C{i}")
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_xticks(range(len(opts)), opts, rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel("ms per step")
+        ax.set_title(model)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "step_time_phases.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+    return written
+
+
+def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
+    out_dir = out_dir or sweep_dir
+    os.makedirs(out_dir, exist_ok=True)
+    runs = find_runs(sweep_dir)
+    if not runs:
+        raise SystemExit(f"error: no run folders (config.yaml + metrics.jsonl) under {sweep_dir!r}")
+    study = {}
+    if os.path.exists(os.path.join(sweep_dir, "study.json")):
+        with open(os.path.join(sweep_dir, "study.json")) as f:
+            study = json.load(f)
+    images = plots(runs, out_dir)
+    n_done = sum(r.status == "finished" for r in runs)
+    parts = [
+        f"# Study report: {study.get('experiment', os.path.basename(os.path.abspath(sweep_dir)))}",
+        f"Built by `python scripts/report.py {sweep_dir}` from {len(runs)} runs ({n_done} finished). "
+        + (f"Sweep command: `{study['command']}` at git commit `{study.get('git_commit')}`." if study else ""),
+        study.get("notes", ""),
+        "## Table 1 — quality",
+        "Best FD over the run's evaluations (lower is better; encoder named; compare only equal sample counts: "
+        + ", ".join(sorted({r.fd_counts for r in runs if r.fd_counts})) + "), its gain over AdamW, and the final "
+        "validation velocity loss (fixed t grid, fixed noise, held-out split). Mean ± std over seeds.",
+        table1(runs),
+        "## Table 2 — cost relative to Muon",
+        "Means per logged step after the first rows. Communication is the logical optimizer bytes per step per rank "
+        "(0 in single-process runs). Active time is wall time inside training steps (no evaluation/checkpoints).",
+        table2(runs),
+        "## Plots",
+        "\n".join(f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in images),
+        "## Runs",
+        status_table(runs),
+    ]
+    text = "\n\n".join(p for p in parts if p) + "\n"
+    with open(os.path.join(out_dir, "report.md"), "w") as f:
+        f.write(text)
+    return text
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("sweep_dir")
+    p.add_argument("--out", default=None, help="folder for report.md and plots (default: the sweep folder)")
+    args = p.parse_args(argv)
+    if not os.path.isdir(args.sweep_dir):
+        raise SystemExit(f"error: sweep folder {args.sweep_dir!r} does not exist")
+    build_report(args.sweep_dir, args.out)
+    print(f"wrote {os.path.join(args.out or args.sweep_dir, 'report.md')}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+#!/usr/bin/env python
+"""Run a study grid (conf/experiment/<name>.yaml, its `study:` node) as Hydra multiruns, skipping finished runs.
+
+    python scripts/run_study.py scaling_study_cpu                       # the CPU study, on this machine
+    python scripts/run_study.py scaling_study launcher=slurm data.root=/data/latents eval.encoder_path=/w/dinov2
+    python scripts/run_study.py scaling_study_cpu --dry-run            # print the commands only
+
+The grid is models x optimizers x seeds, with periodic_rowwise expanded over study.K. Each run's folder is
+<sweep_dir>/<sorted overrides> (Hydra's override_dirname), so rerunning finds finished runs (summary.json) and
+skips them, and continues interrupted ones from their last checkpoint (the experiments set train.resume=auto):
+a study can be completed in pieces. One `python -m dit_train --multirun` per (model, optimizer[, K]) with the
+pending seeds, so a Slurm job's shape follows its model. Then: python scripts/report.py <sweep_dir>.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+from omegaconf import OmegaConf
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from dit_train.run_info import git_commit  # noqa: E402
+
+EXPERIMENTS = os.path.join(ROOT, "dit_train", "conf", "experiment")
+
+
+def run_name(overrides: list[str], exclude_keys: list[str]) -> str:
+    """Hydra's override_dirname: the task overrides minus excluded keys, sorted, joined by commas."""
+    keep = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in exclude_keys
+            and not o.startswith("hydra.")]
+    return ",".join(sorted(keep))
+
+
+def expand(study, extra: list[str], exclude_keys: list[str]) -> list[dict]:
+    runs = []
+    for model in study.models:
+        for opt in study.optimizers:
+            for K in (list(study.K) if opt == "periodic_rowwise" else [None]):
+                for seed in study.seeds:
+                    overrides = [f"model={model}", f"optimizer={opt}", f"seed={seed}"]
+                    if K is not None:
+                        overrides.append(f"optimizer.K={K}")
+                    runs.append({"name": run_name(overrides + extra, exclude_keys), "model": model, "optimizer": opt, "K": K,
+                                 "seed": seed, "overrides": overrides})
+    return runs
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("experiment", help="a file name in dit_train/conf/experiment/ (without .yaml)")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (launcher=slurm, data.root=...)")
+    p.add_argument("--sweep-dir", default=None, help="default: sweeps/<study.name>")
+    p.add_argument("--dry-run", action="store_true")
+    args = p.parse_intermixed_args(argv)
+    path = os.path.join(EXPERIMENTS, f"{args.experiment}.yaml")
+    if not os.path.exists(path):
+        valid = sorted(f[:-5] for f in os.listdir(EXPERIMENTS) if f.endswith(".yaml"))
+        print(f"error: experiment {args.experiment!r} does not exist; valid: {', '.join(valid)}", file=sys.stderr)
+        return 2
+    exp = OmegaConf.load(path)
+    study = exp.study
+    exclude = list(OmegaConf.select(exp, "hydra.job.config.override_dirname.exclude_keys") or [])
+    sweep_dir = os.path.abspath(args.sweep_dir or os.path.join("sweeps", study.name))
+    runs = expand(study, args.overrides, exclude)
+    os.makedirs(sweep_dir, exist_ok=True)
+    record = {"experiment": args.experiment, "command": " ".join(["python scripts/run_study.py", *sys.argv[1:]]),
+              "git_commit": git_commit(ROOT), "notes": study.get("notes", ""),
+              "runs": [{k: v for k, v in r.items() if k != "overrides"} for r in runs]}
+    with open(os.path.join(sweep_dir, "study.json"), "w") as f:
+        json.dump(record, f, indent=2)
+
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["model"], r["optimizer"], r["K"]), []).append(r)
+    failures = 0
+    for (model, opt, K), members in groups.items():
+        pending = [r for r in members if not os.path.exists(os.path.join(sweep_dir, r["name"], "summary.json"))]
+        if not pending:
+            print(f"[study] {model} {opt}{'' if K is None else f' K={K}'}: all seeds finished, skipping")
+            continue
+        cmd = [sys.executable, "-m", "dit_train", "--multirun", f"experiment={args.experiment}", f"model={model}",
+               f"optimizer={opt}", "seed=" + ",".join(str(r["seed"]) for r in pending),
+               f"hydra.sweep.dir={sweep_dir}", *args.overrides]
+        if K is not None:
+            cmd.insert(6, f"optimizer.K={K}")
+        print("[study]", " ".join(cmd[1:]), flush=True)
+        if not args.dry_run:
+            failures += subprocess.run(cmd, cwd=ROOT).returncode != 0
+    if failures:
+        print(f"[study] {failures} group(s) failed; rerun the same command to retry them (finished runs are kept)")
+    print(f"[study] report: python scripts/report.py {sweep_dir}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

