@@ -1,13 +1,32 @@
-"""Process group and device selection. Single process unless launched by torchrun (WORLD_SIZE > 1):
-NCCL on CUDA, gloo on CPU, chosen automatically."""
+"""Process group, FSDP2 wrapping, mixed precision, activation checkpointing and per-block compile.
+
+Single process unless launched by torchrun (WORLD_SIZE > 1): NCCL on CUDA, gloo on CPU, chosen automatically.
+Under torchrun the model is sharded with `torch.distributed.fsdp.fully_shard` (FSDP2): every DiT block is one
+FSDP unit (its parameters all-gathered just before its forward/backward and freed after), then the root takes the
+rest (embedders, final layer). Parameters stay fp32 shards (what the optimizer and the EMA see); the gathered
+compute copies are `parallel.mixed_precision` (bf16 on CUDA by default) and gradients are reduce-scattered in
+`parallel.reduce_dtype` (fp32 by default).
+
+Weights are created once, on rank 0 with the usual seeded initialisation (so a sharded run starts from exactly
+the single-process weights), and scattered from there; every other rank builds on the meta device, so no rank but
+rank 0 ever holds a full copy (rank 0's is in host memory and freed after the scatter).
+"""
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+log = logging.getLogger("dit_train")
+
+FSDP_CHOICES = ("auto", True, False)
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 @dataclass
@@ -26,7 +45,14 @@ class DistInfo:
         return self.world_size > 1
 
 
-def init_distributed() -> DistInfo:
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(single_process_group: bool = False) -> DistInfo:
+    """The process group from torchrun's environment (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR/PORT).
+    `single_process_group`: also create a group of one for a plain single-process run (parallel.fsdp=true
+    without torchrun), so FSDP2 and sharded checkpoints can be used on one device."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
@@ -34,8 +60,13 @@ def init_distributed() -> DistInfo:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+    if not dist.is_initialized():
+        if world > 1:
+            dist.init_process_group(backend_for(device), device_id=device if device.type == "cuda" else None)
+        elif single_process_group:
+            dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0, world_size=1)
+    if dist.is_initialized():
+        world = dist.get_world_size()
     rank = dist.get_rank() if dist.is_initialized() else 0
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
 
@@ -51,3 +82,199 @@ def all_reduce_mean(value: float, device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return t.item() / dist.get_world_size()
+
+
+def broadcast_object(obj, src: int = 0):
+    """rank `src`'s object on every rank (pickled); the object itself when not distributed."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+# ---- the plan: what to apply, resolved once from cfg.parallel ------------------------------------------------
+@dataclass(frozen=True)
+class ParallelPlan:
+    fsdp: bool = False
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+    reshard_after_forward: bool = True
+    activation_checkpointing: bool = False
+    compile: bool = False
+
+    def describe(self) -> str:
+        name = lambda d: str(d).replace("torch.", "")
+        if not self.fsdp:
+            mode = "single process"
+        else:
+            mode = (f"FSDP2 per block + root, params {name(self.param_dtype)} / reduce {name(self.reduce_dtype)}, "
+                    f"reshard_after_forward {self.reshard_after_forward}")
+        return f"{mode}; activation checkpointing {self.activation_checkpointing}; compile {self.compile}"
+
+
+def _get(pcfg, key, default):
+    if pcfg is None:
+        return default
+    value = pcfg.get(key, default) if hasattr(pcfg, "get") else default
+    return default if value is None else value
+
+
+def wants_fsdp(pcfg, world_size: int) -> bool:
+    """parallel.fsdp: auto -> FSDP2 when launched with more than one process; true -> always (a group of one
+    for a single process); false -> never (only valid for a single process)."""
+    choice = _get(pcfg, "fsdp", "auto")
+    return world_size > 1 if choice == "auto" else bool(choice)
+
+
+def resolve_plan(pcfg, dist_info: DistInfo) -> ParallelPlan:
+    from .config_check import ConfigError
+
+    choice = _get(pcfg, "fsdp", "auto")
+    if choice not in FSDP_CHOICES:
+        raise ConfigError(f"parallel.fsdp={choice!r} is not valid: choose auto, true or false")
+    fsdp = wants_fsdp(pcfg, dist_info.world_size)
+    if not fsdp and dist_info.world_size > 1:
+        raise ConfigError(f"parallel.fsdp=false is not valid with {dist_info.world_size} processes: multi-process "
+                          f"training is FSDP2 only; use parallel.fsdp=auto (or launch a single process)")
+    mp = _get(pcfg, "mixed_precision", "auto")
+    if mp == "auto":
+        mp = "bf16" if dist_info.device.type == "cuda" else "fp32"
+    if mp not in DTYPES:
+        raise ConfigError(f"parallel.mixed_precision={mp!r} is not valid: choose auto (bf16 on CUDA, fp32 on CPU), "
+                          f"bf16 or fp32")
+    rd = _get(pcfg, "reduce_dtype", "fp32")
+    if rd not in DTYPES:
+        raise ConfigError(f"parallel.reduce_dtype={rd!r} is not valid: choose fp32 or bf16")
+    flags = {}
+    for key in ("reshard_after_forward", "activation_checkpointing", "compile"):
+        value = _get(pcfg, key, ParallelPlan.__dataclass_fields__[key].default)
+        if not isinstance(value, bool):
+            raise ConfigError(f"parallel.{key}={value!r} is not valid: expected true or false")
+        flags[key] = value
+    return ParallelPlan(fsdp=fsdp, param_dtype=DTYPES[mp], reduce_dtype=DTYPES[rd], **flags)
+
+
+def check_parallel_config(cfg, dist_info: DistInfo) -> ParallelPlan:
+    """The parallel.* keys (one-line errors), and what must hold when sharded over several ranks: every rank must
+    make the same sequence of model calls. Returns the resolved plan."""
+    from .config_check import ConfigError
+
+    plan = resolve_plan(cfg.get("parallel"), dist_info)
+    world = dist_info.world_size
+    ev = cfg.get("eval") or {}
+    if plan.fsdp and world > 1 and ev.get("every_n_steps", 0):
+        batches = math.ceil(ev.num_samples / ev.batch_size)
+        if batches % world:
+            raise ConfigError(
+                f"eval.num_samples={ev.num_samples} with eval.batch_size={ev.batch_size} makes {batches} generation "
+                f"batches, not a multiple of the world size {world}: under FSDP every rank must sample the same "
+                f"number of batches; choose num_samples = k * {world} * batch_size")
+    return plan
+
+
+# ---- applying the plan ---------------------------------------------------------------------------------------
+def _checkpointed(forward):
+    from torch.utils.checkpoint import checkpoint
+
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():  # sampling / validation: nothing to recompute
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+
+    return run
+
+
+def apply_activation_checkpointing(blocks: nn.ModuleList) -> None:
+    """Recompute each block's activations in backward (only the block inputs are kept). The block's `forward`
+    is wrapped in place, so parameter names and state dicts are unchanged."""
+    for block in blocks:
+        block.forward = _checkpointed(block.forward)
+
+
+def apply_compile(blocks: nn.ModuleList) -> None:
+    """torch.compile each block (same-shape blocks share the compiled code); names stay unchanged."""
+    for block in blocks:
+        block.compile()
+
+
+def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, plan: ParallelPlan, trainable: bool = True) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    param = None if plan.param_dtype == torch.float32 else plan.param_dtype
+    reduce = None if plan.reduce_dtype == torch.float32 and param is None else plan.reduce_dtype
+    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)}
+    for i, block in enumerate(blocks):
+        # training: the last block's weights are needed again at once by backward, so keep them gathered.
+        # A frozen model (the EMA, no backward) always reshards: its shards change between calls (EMA update).
+        keep = trainable and (i == len(blocks) - 1 or not plan.reshard_after_forward)
+        fully_shard(block, reshard_after_forward=not keep, **kw)
+    fully_shard(model, reshard_after_forward=None if trainable else True, **kw)
+
+
+def parallelize(model: nn.Module, plan: ParallelPlan, trainable: bool = True) -> nn.Module:
+    """Apply the plan to a DiT (its `blocks`): activation checkpointing and compile to the trained model only,
+    then FSDP2 per block and the root. A frozen model (the EMA) is only sharded."""
+    if not trainable:
+        model.requires_grad_(False)
+    if trainable and plan.activation_checkpointing:
+        apply_activation_checkpointing(model.blocks)
+    if trainable and plan.compile:
+        apply_compile(model.blocks)
+    if plan.fsdp:
+        apply_fsdp(model, model.blocks, plan, trainable)
+    return model
+
+
+@torch.no_grad()
+def materialize_from_rank0(model: nn.Module, reference: nn.Module | None, device: torch.device) -> None:
+    """Allocate a meta-built sharded model on `device` and fill it with rank 0's `reference` (a full model in
+    host memory, None on the other ranks): parameters and persistent buffers are broadcast one tensor at a time
+    and each rank keeps its shard; non-persistent buffers (e.g. the position table) are broadcast too."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model.to_empty(device=device)
+    full = reference.state_dict() if reference is not None else {}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    persistent = set(model.state_dict().keys())
+    ref_buffers = dict(reference.named_buffers()) if reference is not None else {}
+    for name, buf in model.named_buffers():
+        if name in persistent:
+            continue
+        if reference is not None:
+            buf.copy_(ref_buffers[name].to(buf.device))
+        dist.broadcast(buf, src=0)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (the tensor itself otherwise): what this rank owns and updates."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for plain tensors; for FSDP2 shards (every gradient Shard(0) over the one
+    mesh) the squared norms of the local shards are summed, one all-reduce gives the global norm, and the local
+    shards are scaled: the same maths, one scalar of communication."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in parameters if p.grad is not None]
+    if not any(isinstance(p.grad, DTensor) for p in params):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    grads = [p.grad.to_local() for p in params]
+    if not grads:
+        return torch.zeros(())
+    norms = torch._foreach_norm(grads)
+    sq = torch.stack([n.float() for n in norms]).pow(2).sum()
+    dist.all_reduce(sq)
+    total = sq.sqrt()
+    if math.isfinite(max_norm):
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+    return total

@@ -2,6 +2,12 @@
 
 Everything that can fail on bad input fails before the model is built (config_check). The data position is the
 step (see batches.py), so a checkpoint of (step, model, EMA, optimizer, schedule, RNG) continues exactly.
+
+Under torchrun the same loop trains an FSDP2-sharded model (parallel.py): rank r takes slice r of every global
+batch, and the noise, timesteps and condition dropout are drawn for the whole global batch from a generator that
+is identical on every rank, each rank keeping its slice, so a sharded run sees exactly the numbers a single
+process would. The loss is averaged over ranks, checkpoints are sharded (dcp.py), and rank 0 alone writes logs,
+samples and summaries.
 """
 
 from __future__ import annotations
@@ -20,16 +26,19 @@ import torch
 from omegaconf import OmegaConf
 
 from . import checkpoint as ckpt
+from . import dcp as sharded_ckpt
 from .batches import fixed_batches, train_batches
 from .config_check import check_config
 from .data import build_dataset
 from .ema import EMA
-from .flow import euler_sample, sample_t, validation_loss, validation_t_grid, velocity_loss
+from .flow import (euler_sample, interpolate, sample_t, validation_loss, validation_t_grid, velocity_loss,
+                   velocity_target)
 from .images import save_grid
 from .logger import MetricLogger
 from .model import build_model, count_parameters
 from .optim.registry import build_optimizer
-from .parallel import DistInfo, all_reduce_mean, barrier, init_distributed
+from .parallel import (DistInfo, all_reduce_mean, barrier, broadcast_object, check_parallel_config, clip_grad_norm_,
+                       init_distributed, materialize_from_rank0, parallelize, resolve_plan, wants_fsdp)
 from .run_info import write_run_info
 from .schedule import build_scheduler
 from .timing import PhaseTimer, set_active_timer
@@ -98,14 +107,18 @@ class Trainer:
         self.cfg, self.dist, self.tc = cfg, dist, cfg.train
         self.device = dist.device
         self.run_dir = cfg.run_dir
+        self.plan = resolve_plan(cfg.get("parallel"), dist)
+        self.sharded = self.plan.fsdp
+        if self.sharded and not torch.distributed.is_initialized():
+            raise RuntimeError("parallel.fsdp needs a process group: start training through run() or torchrun")
         seed_everything(cfg.seed + dist.rank)
-        self.gen = torch.Generator(device=self.device).manual_seed(cfg.seed * 7919 + dist.rank)
+        # the training noise generator is the same on every rank (each rank uses its slice of the global batch)
+        self.gen = torch.Generator(device=self.device).manual_seed(cfg.seed * 7919)
 
         self.train_set = build_dataset(cfg.data, "train")
         self.val_set = build_dataset(cfg.data, "val")
-        self.model = build_model(cfg.model).to(self.device)
-        self.ema = EMA(self.model, self.tc.ema_decay)
-        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        self.model, self.ema = self.build_models()
+        self.optimizer = build_optimizer(self.model, cfg.optimizer)  # after sharding: it holds the DTensor shards
         self.scheduler = build_scheduler(self.optimizer, self.tc.steps, self.tc.warmup_steps,
                                          self.tc.lr_schedule, self.tc.min_lr_ratio)
         self.timer = PhaseTimer(enabled=self.tc.timing, device=self.device)
@@ -120,9 +133,31 @@ class Trainer:
         self.best_fd = None
         self.stop_signal = None
         self.last_val: dict = {}
-        self.val_batches = [(x.to(self.device), y.to(self.device) if torch.is_tensor(y) else y)
-                            for x, y in fixed_batches(self.val_set, self.tc.val_samples, self.tc.val_batch_size,
-                                                      dist.rank, dist.world_size)]
+        self._stop_votes = 0.0  # ranks that have seen a stop signal, agreed at every step (sharded runs)
+        if self.sharded:
+            # the single-process batches, kept on the host; each rank evaluates its slice of every batch
+            self.val_batches = list(fixed_batches(self.val_set, self.tc.val_samples, self.tc.val_batch_size))
+        else:
+            self.val_batches = [(x.to(self.device), y.to(self.device) if torch.is_tensor(y) else y)
+                                for x, y in fixed_batches(self.val_set, self.tc.val_samples, self.tc.val_batch_size,
+                                                          dist.rank, dist.world_size)]
+
+    def build_models(self):
+        """(model, EMA). Single process: the model on its device and the EMA a copy of it. Sharded: both built on
+        the meta device and sharded (parallel.py), then filled with rank 0's seeded initialisation — the weights
+        a single process would start from — and the EMA set to the same values."""
+        cfg, plan = self.cfg, self.plan
+        if not self.sharded:
+            model = build_model(cfg.model).to(self.device)
+            ema = EMA(model, self.tc.ema_decay)  # copied before checkpointing/compile wrap the blocks
+            return parallelize(model, plan), ema
+        reference = build_model(cfg.model) if self.dist.is_main else None
+        model = parallelize(build_model(cfg.model, device="meta"), plan)
+        shadow = parallelize(build_model(cfg.model, device="meta"), plan, trainable=False)
+        materialize_from_rank0(model, reference, self.device)
+        del reference
+        shadow.to_empty(device=self.device)
+        return model, EMA(model, self.tc.ema_decay, shadow=shadow)
 
     # ---- bookkeeping -------------------------------------------------------------------------------------
     def autocast(self):
@@ -155,16 +190,60 @@ class Trainer:
         self.skipped_steps = state.get("skipped_steps", 0)
         self.best_fd = state.get("best_fd")
 
+    def trainer_state(self) -> dict:
+        """What a sharded checkpoint keeps besides the tensors (the same on every rank)."""
+        return {"step": self.step, "scheduler": self.scheduler.state_dict(), "train_gen": self.gen.get_state(),
+                "ema_num_updates": self.ema.num_updates, "active_time_s": self.active_time,
+                "skipped_steps": self.skipped_steps, "best_fd": self.best_fd,
+                "config": OmegaConf.to_container(self.cfg, resolve=True)}
+
     def save(self) -> str | None:
+        if self.sharded:  # collective: every rank writes its shards
+            tensors = sharded_ckpt.sharded_state(self.model, self.optimizer, self.ema.model)
+            path = sharded_ckpt.save(self.run_dir, self.step, tensors, self.trainer_state(), rng_state(self.gen),
+                                     self.tc.keep_last)
+            if self.dist.is_main:
+                log.info("saved sharded checkpoint %s", path)
+            return path
         if not self.dist.is_main:
             return None
         path = ckpt.save_checkpoint(self.state_dict(), self.run_dir, self.step, self.tc.keep_last)
         log.info("saved checkpoint %s", path)
         return path
 
+    def load_checkpoint(self, path: str) -> None:
+        """Any checkpoint into this trainer: a single-process file or a sharded folder, into a single-process or
+        a sharded model, whatever the number of ranks that wrote it."""
+        if ckpt.is_dcp_checkpoint(path):
+            state, rng = sharded_ckpt.load(path, self.model, self.optimizer, self.ema.model)
+            self.scheduler.load_state_dict(state["scheduler"])
+            if rng is not None:
+                set_rng_state(rng, self.gen)
+            self.gen.set_state(state["train_gen"])
+            self.ema.num_updates = state["ema_num_updates"]
+            self.step = state["step"]
+            self.active_time = state["active_time_s"]
+            self.skipped_steps = state.get("skipped_steps", 0)
+            self.best_fd = state.get("best_fd")
+        elif self.sharded:
+            state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+            sharded_ckpt.load_full_into(state, self.model, self.optimizer, self.ema.model)
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.gen.set_state(state["rng"]["train_gen"])
+            if self.dist.is_main:
+                set_rng_state(state["rng"], self.gen)
+            self.ema.num_updates = state["ema"]["num_updates"]
+            self.step = state["step"]
+            self.active_time = state["active_time_s"]
+            self.skipped_steps = state.get("skipped_steps", 0)
+            self.best_fd = state.get("best_fd")
+        else:
+            self.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+
     def maybe_resume(self) -> None:
         resume = self.tc.resume
-        existing = ckpt.list_checkpoints(self.run_dir)
+        existing = ckpt.list_checkpoints(self.run_dir, remove_partial=self.dist.is_main)
+        barrier()
         if resume is None:
             if existing:
                 raise FileExistsError(
@@ -172,14 +251,22 @@ class Trainer:
                     f"pass train.resume=auto to continue it, or choose a new run_dir")
             return
         if resume == "auto":
-            state, path = ckpt.load_newest(self.run_dir)
-            if state is None:
+            if not existing:
                 log.info("train.resume=auto: no checkpoint in %s, starting fresh", self.run_dir)
                 return
+            candidates = list(reversed(existing))
         else:
-            path = ckpt.resolve_checkpoint(str(resume))
-            state = torch.load(path, map_location="cpu", weights_only=False)
-        self.load_state_dict(state)
+            candidates = [ckpt.resolve_checkpoint(str(resume))]
+        for path in candidates:
+            try:
+                self.load_checkpoint(path)
+            except Exception as e:  # noqa: BLE001 - with resume=auto a damaged checkpoint falls back, loudly
+                if resume != "auto" or path == candidates[-1]:
+                    raise
+                log.warning("checkpoint %s is unreadable (%s); trying the previous one", path, e)
+                continue
+            break
+        self.timer.collect()  # drop anything timed while loading
         log.info("resumed from %s at step %d", path, self.step)
 
     # ---- one step ----------------------------------------------------------------------------------------
@@ -187,17 +274,26 @@ class Trainer:
         """Forward/backward/update on one batch. A non-finite loss or gradient skips the update and leaves the
         optimizer state untouched."""
         B = x.shape[0]
+        W, rank = self.dist.world_size, self.dist.rank
         timer = self.timer
-        t = sample_t(B, self.cfg.flow.t_sampling, self.cfg.flow.t_mean, self.cfg.flow.t_std,
+        # drawn for the global batch (identical generator on every rank); this rank keeps its slice
+        t = sample_t(B * W, self.cfg.flow.t_sampling, self.cfg.flow.t_mean, self.cfg.flow.t_std,
                      self.cfg.flow.shift, generator=self.gen, device=self.device)
-        eps = torch.randn(x.shape, generator=self.gen, device=self.device, dtype=x.dtype)
-        drop = torch.rand(B, generator=self.gen, device=self.device) < self.cfg.model.class_dropout_prob
+        eps = torch.randn((B * W, *x.shape[1:]), generator=self.gen, device=self.device, dtype=x.dtype)
+        drop = torch.rand(B * W, generator=self.gen, device=self.device) < self.cfg.model.class_dropout_prob
+        if W > 1:
+            t, eps, drop = t[rank * B:(rank + 1) * B], eps[rank * B:(rank + 1) * B], drop[rank * B:(rank + 1) * B]
         with timer.phase("forward"), self.autocast():
             loss = velocity_loss(self.model, x, t, eps, drop_mask=drop, **cond)
-        with timer.phase("backward"):
+        with timer.phase("backward"):  # under FSDP2 this includes the gradient reduce-scatter
             loss.backward()
         clip = self.tc.grad_clip if self.tc.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        grad_norm = clip_grad_norm_(self.model.parameters(), clip)
+        loss = loss.detach()
+        if W > 1:  # the global-batch loss, and whether any rank has been asked to stop, in one all-reduce
+            votes = torch.stack([loss.float(), torch.tensor(float(self.stop_signal is not None), device=loss.device)])
+            torch.distributed.all_reduce(votes)
+            loss, self._stop_votes = votes[0] / W, votes[1].item()
         finite = bool(torch.isfinite(loss).item() and torch.isfinite(grad_norm).item())
         if finite:
             with timer.phase("optimizer"):
@@ -224,10 +320,40 @@ class Trainer:
     # ---- evaluation --------------------------------------------------------------------------------------
     def validate(self) -> dict:
         self.ema.model.eval()
+        if self.sharded:
+            return self.validate_sharded()
         out = validation_loss(self.ema.model, self.val_batches, validation_t_grid(self.tc.val_t_points),
                               seed=self.cfg.seed, autocast=self.autocast if self.tc.precision == "bf16" else None)
         if self.dist.distributed:
             out = {k: all_reduce_mean(v, self.device) for k, v in out.items()}
+        return out
+
+    @torch.no_grad()
+    def validate_sharded(self) -> dict:
+        """validation_loss of the single-process run (same batches, same per-batch noise, same t grid), with each
+        rank evaluating a slice of every batch (possibly one row fewer, or a zero-weight dummy row, so that every
+        rank makes the same model calls) and the sums all-reduced."""
+        grid = validation_t_grid(self.tc.val_t_points)
+        per_t = torch.zeros(len(grid) + 1, dtype=torch.float64, device=self.device)  # last: sample count
+        for i, (x0, y) in enumerate(self.val_batches):
+            gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + i)  # as flow.validation_loss
+            eps = torch.randn(x0.shape, generator=gen).to(x0.dtype)
+            rows = torch.tensor_split(torch.arange(x0.shape[0]), self.dist.world_size)[self.dist.rank]
+            weight = 1.0 if len(rows) else 0.0
+            rows = rows if len(rows) else torch.zeros(1, dtype=torch.long)
+            x, e = x0[rows].to(self.device), eps[rows].to(self.device)
+            cond = to_device({k: v[rows] for k, v in split_condition(y).items()}, self.device)
+            for j, t_val in enumerate(grid.tolist()):
+                tt = torch.full((x.shape[0],), t_val, device=self.device)
+                with self.autocast():
+                    pred = self.ema.model(interpolate(x, e, tt), tt, **cond)
+                err = (pred.float() - velocity_target(x, e).float()).pow(2).flatten(1).mean(1)
+                per_t[j] += weight * err.double().sum()
+            per_t[-1] += weight * x.shape[0]
+        torch.distributed.all_reduce(per_t)
+        per_t = (per_t[:-1] / per_t[-1].clamp(min=1)).cpu()
+        out = {"val/loss": per_t.mean().item()}
+        out.update({f"val/loss_t{t:.3f}": v for t, v in zip(grid.tolist(), per_t.tolist())})
         return out
 
     def sample_fn(self, labels, generator, context=None, context_mask=None):
@@ -242,7 +368,9 @@ class Trainer:
         return x.float().clamp(-1, 1)
 
     def sample_grid(self) -> str | None:
-        if not self.dist.is_main:
+        """EMA samples of the first classes (same noise every time); saved by rank 0. Sharded, every rank takes
+        part in the model calls."""
+        if not self.dist.is_main and not self.sharded:
             return None
         m, k = self.cfg.model, self.tc.samples_per_class
         classes = min(max(m.num_classes, 1), 10)
@@ -252,8 +380,10 @@ class Trainer:
         x0, y0 = self.val_batches[0]
         if isinstance(y0, dict):  # text-conditioned: use the first held-out captions
             labels = torch.zeros(min(len(x0), classes * k), dtype=torch.long)
-            context = y0["context"][: len(labels)]
+            context = y0["context"][: len(labels)].to(self.device)
         images = self.sample_fn(labels, gen, context=context)
+        if not self.dist.is_main:
+            return None
         os.makedirs(os.path.join(self.run_dir, "samples"), exist_ok=True)
         path = save_grid(images, os.path.join(self.run_dir, "samples", f"step_{self.step:08d}.png"), nrow=k)
         self.logger.log_image(self.step, "samples", path)
@@ -287,6 +417,7 @@ class Trainer:
             print(f"model {self.cfg.model.name}: {count_parameters(self.model):,} parameters; "
                   f"data {self.train_set.dataset_id} ({len(self.train_set)} train / {len(self.val_set)} val)")
             print(f"optimizer {self.cfg.optimizer.name}:\n{self.optimizer.routing_table}")
+            print(f"parallel: {self.dist.world_size} process(es) on {self.device.type}; {self.plan.describe()}")
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGUSR1)}
         try:
             return self._loop()
@@ -349,11 +480,14 @@ class Trainer:
                 self.sample_grid()
             if (tc.ckpt_every and self.step % tc.ckpt_every == 0) or last:
                 self.save()
-            if self.stop_signal:
+            # sharded: stop only when the ranks agree (the vote is part of each step's all-reduce)
+            stop = self._stop_votes > 0 if dist.distributed else self.stop_signal is not None
+            if stop:
                 if not ((tc.ckpt_every and self.step % tc.ckpt_every == 0) or last):
                     self.save()
-                raise Preempted(f"received {self.stop_signal} at step {self.step}; checkpoint written, "
-                                f"rerun with train.resume=auto run_dir={self.run_dir} to continue")
+                raise Preempted(f"received {self.stop_signal or 'a stop signal (on another rank)'} at step "
+                                f"{self.step}; checkpoint written, rerun with train.resume=auto "
+                                f"run_dir={self.run_dir} to continue")
             data_t0 = time.perf_counter()
         if progress is not None:
             progress.close()
@@ -383,13 +517,58 @@ class Trainer:
         return summary
 
 
+def agree_on_config(cfg, dist: DistInfo):
+    """Every rank continues with rank 0's resolved config, so all ranks use one run folder (Hydra's ${now:...}
+    is resolved per process and can differ by a second) and see the same values. A non-zero rank's own Hydra
+    output folder, if it differs from rank 0's and holds only Hydra's files, is removed."""
+    own_hydra_dir = None
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            own_hydra_dir = HydraConfig.get().runtime.output_dir
+    except Exception:  # noqa: BLE001 - composed without Hydra's runtime (tests, notebooks)
+        pass
+    payload = (OmegaConf.to_container(cfg, resolve=True), own_hydra_dir) if dist.is_main else None
+    container, main_hydra_dir = broadcast_object(payload)
+    if not dist.is_main and own_hydra_dir and main_hydra_dir and \
+            os.path.abspath(own_hydra_dir) != os.path.abspath(main_hydra_dir):
+        _remove_stray_hydra_dir(own_hydra_dir)
+    agreed = OmegaConf.create(container)
+    OmegaConf.set_struct(agreed, True)
+    return agreed
+
+
+def _remove_stray_hydra_dir(path: str) -> None:
+    import shutil
+
+    try:
+        entries = os.listdir(path)
+    except OSError:
+        return
+    if all(e == ".hydra" or e.endswith(".log") for e in entries):
+        shutil.rmtree(path, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(path))  # its date folder, if now empty
+
+
 def run(cfg) -> dict:
-    """Entry point behind `python -m dit_train`: validate, then dry run or train."""
-    dist = init_distributed()
-    check_config(cfg, dist.world_size)
-    if cfg.train.dry_run:
-        return dry_run(cfg)
-    if dist.is_main:
-        os.makedirs(cfg.run_dir, exist_ok=True)
-        write_run_info(cfg, cfg.run_dir)
-    return Trainer(cfg, dist).fit()
+    """Entry point behind `python -m dit_train`: validate, then dry run or train. Under torchrun (or with
+    parallel.fsdp=true) this joins/creates the process group first and leaves it as it found it."""
+    had_group = torch.distributed.is_initialized()
+    dist = init_distributed(single_process_group=wants_fsdp(cfg.get("parallel"), int(os.environ.get("WORLD_SIZE", "1")))
+                            and not cfg.train.dry_run)
+    try:
+        if dist.distributed:
+            cfg = agree_on_config(cfg, dist)
+        check_config(cfg, dist.world_size)
+        check_parallel_config(cfg, dist)
+        if cfg.train.dry_run:
+            return dry_run(cfg)
+        if dist.is_main:
+            os.makedirs(cfg.run_dir, exist_ok=True)
+            write_run_info(cfg, cfg.run_dir)
+        return Trainer(cfg, dist).fit()
+    finally:
+        if not had_group and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
