@@ -128,14 +128,16 @@ def test_gram_form_is_the_same_map_in_exact_arithmetic():
 
 
 @pytest.mark.parametrize("kind", ["gauss", "lowrank", "decay", "zero_rows"])
-@pytest.mark.parametrize("rc", [(32, 80), (48, 192), (32, 192)])
+@pytest.mark.parametrize("rc", [(32, 80), (48, 192), (32, 192), (192, 32)])
 def test_gram_form_matches_plain_within_bf16_tolerance(kind, rc):
     """The Gram form runs in bf16 only where this holds: its distance to the exact (fp64) NS5 map is at most
     twice the plain bf16 iteration's own distance (and it is closer on ill-conditioned inputs). For scale: a plain
     bf16 iteration that rounds a*X and B@X separately is ~2.5x off the fused one, and torch.optim.Muon's own
     result moves by ~2% when its input is scaled by 0.05 (as its EMA momentum does)."""
-    r, c = rc
+    r, c = min(rc), max(rc)
     X = _inputs(kind, r, c, gen(7))
+    if rc[0] > rc[1]:  # tall: the same matrices transposed
+        X = X.mT.contiguous()
     exact = newton_schulz5(X.double(), dtype=torch.float64, gram=False)
 
     def err(Y):
@@ -146,6 +148,20 @@ def test_gram_form_matches_plain_within_bf16_tolerance(kind, rc):
     assert e_gram <= 2.0 * e_plain, (e_gram, e_plain)
     if kind in ("lowrank", "decay"):
         assert e_gram <= e_plain
+
+
+@pytest.mark.parametrize("shape", [(2, 24, 96), (2, 96, 24), (2, 40, 40)])
+def test_workspace_gives_the_same_result_and_is_reused(shape):
+    X = torch.randn(*shape, generator=gen(14))
+    for fn in (lambda X, ws: newton_schulz5(X, workspace=ws), lambda X, ws: newton_schulz5(X, gram=True, workspace=ws),
+               lambda X, ws: mud_whiten(X, 2, workspace=ws),
+               lambda X, ws: mud_whiten(X, 2, solve="triangular", workspace=ws)):
+        ws = {}
+        first = fn(X, ws).clone()
+        n_buffers = len(ws)
+        assert n_buffers > 0 and torch.equal(first, fn(X, None))
+        again = fn(X, ws)
+        assert torch.equal(first, again) and len(ws) == n_buffers  # no new buffers on the second call
 
 
 def test_gram_is_chosen_only_for_elongated_matrices():

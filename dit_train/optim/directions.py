@@ -1,15 +1,22 @@
 """Update directions Phi(U) of a matrix (ALGORITHMS.md §3), as pure functions of a (possibly batched) matrix.
 
-Every function takes X of shape [m, n] or [..., m, n], works on the oriented view with r = min(m, n) rows
-(X itself when m <= n, else X^T), maps the result back and never modifies its input.
+Every function takes X of shape [m, n] or [..., m, n] and computes on the oriented matrix O(X) with r = min(m, n)
+rows (X itself when m <= n, X^T when m > n); the result has X's shape and the input is never modified. A tall X
+is never transposed in memory: the same maths runs on X with the products taken from the other side
+(X X^T of the oriented matrix is X^T X of the tall one; B @ O(X) is X @ B^T), so results come back in X's layout.
 
-"Where the matrix lives" is kept out of the maths: every quantity that is a sum over the long side c (row sums
-of squares, Gram matrices X X^T) goes through an optional `reduce` callable before it is used. For a matrix held
-whole, `reduce` is None. A later sharded implementation whose ranks each hold a slice of the c columns passes an
-all-reduce there and gets the same result as the whole matrix (ALGORITHMS §6: rownorm/mud/NS5 on column shards).
+"Where the matrix lives" is kept out of the maths: every quantity that is a sum over the long side c (Frobenius
+norms, row sums of squares, Gram matrices) goes through an optional `reduce` callable before it is used. For a
+matrix held whole, `reduce` is None. A sharded implementation whose ranks each hold a slice of the c columns
+(dim-0 shards of a tall weight) passes an all-reduce there, and `tall=` to orient a shard as its whole matrix, and
+gets the whole-matrix result on every shard (ALGORITHMS §6; tests/test_optim_directions.py checks it).
+
+`workspace`: an optional dict the caller keeps between calls; the large intermediates are taken from it instead of
+allocated (on CPU a fresh tens-of-MB buffer costs page faults on every call). With a workspace the returned tensor
+is one of its buffers, valid until the next call with the same workspace.
 
 - newton_schulz5: the spectral direction (Muon's quintic Newton-Schulz map, NS5), in bf16 by default.
-- row_norm:       every row of the r x c side scaled to unit norm.
+- row_norm:       every row of the r x c side scaled to unit norm (row_inv_norms: just the factors).
 - mud_whiten:     MUD's triangular whitening, in fp32 (fp64 for fp64 input).
 """
 
@@ -23,14 +30,16 @@ from torch import Tensor
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 Reduce = Callable[[Tensor], Tensor] | None
 
-# Gram-form NS5 (see _ns5_gram) is used when c >= GRAM_MIN_ASPECT * r: there it needs fewer flops than the plain
-# iteration (4c/r + 14 against 5(2c/r + 1) r^3 multiply-adds); tests/test_optim_directions.py pins that it agrees
-# with the plain iteration within bf16 rounding on Gaussian, low-rank and ill-conditioned inputs.
+# Gram-form NS5 (see _ns5_gram) runs where c >= GRAM_MIN_ASPECT * r: there it needs fewer flops than the plain
+# iteration (4 c/r + 14 against 5 (2 c/r + 1) r^3 multiply-adds, e.g. 38 vs 65 at 6:1). tests/test_optim_directions.py
+# pins that it agrees with the plain iteration within bf16 rounding on Gaussian, low-rank, ill-conditioned and
+# zero-row inputs.
 GRAM_MIN_ASPECT = 2.5
-# The Gram form restarts (materialises X and recomputes X X^T) after this many iterations; without the restart
-# bf16 rounding of the accumulated polynomial ruins ill-conditioned inputs (measured: 0.55 relative error
+# The Gram form restarts (materialises X and recomputes its Gram matrix) after this many iterations; without the
+# restart, bf16 rounding of the accumulated polynomial ruins ill-conditioned inputs (measured: 0.55 relative error
 # against the exact map where the plain iteration has 0.07).
 GRAM_RESTART_AFTER = 3
+_SUMSQ_CHUNK_ROWS = 128  # column sums of squares accumulate over row blocks of this size (a cache-sized buffer)
 
 
 def is_tall(X: Tensor) -> bool:
@@ -39,8 +48,7 @@ def is_tall(X: Tensor) -> bool:
 
 def oriented(X: Tensor, tall: bool | None = None) -> Tensor:
     """O(X): the r x c view with r = min(m, n) <= c (a transpose view for tall matrices, no copy).
-    `tall` overrides the shape test: a shard of a tall matrix may itself be wide, but must be oriented as the
-    whole matrix is."""
+    `tall` overrides the shape test: a shard of a tall matrix may itself be wide, but is oriented as its whole."""
     return X.mT if (is_tall(X) if tall is None else tall) else X
 
 
@@ -56,16 +64,43 @@ def uses_gram(m: int, n: int) -> bool:
     return max(m, n) >= GRAM_MIN_ASPECT * min(m, n)
 
 
-def _as_batch(X: Tensor) -> tuple[Tensor, tuple[int, ...]]:
-    """[..., r, c] -> [B, r, c] (a view where possible) and the leading shape to restore."""
-    lead = X.shape[:-2]
-    return X.reshape(-1, *X.shape[-2:]), lead
+def _buffer(ws: dict | None, name: str, shape, dtype: torch.dtype, device) -> Tensor:
+    if ws is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    key = (name, tuple(shape), dtype, device)
+    buf = ws.get(key)
+    if buf is None:
+        buf = ws[key] = torch.empty(shape, dtype=dtype, device=device)
+    return buf
 
 
 def _reduced(t: Tensor, reduce: Reduce) -> Tensor:
     return t if reduce is None else reduce(t)
 
 
+def _check(X: Tensor, fn: str) -> None:
+    if X.ndim < 2:
+        raise ValueError(f"{fn} needs a matrix or a batch of matrices, got shape {tuple(X.shape)}")
+
+
+def _gram(Z: Tensor, tall: bool, out: Tensor | None = None) -> Tensor:
+    """O(Z) O(Z)^T for a [B, m, n] batch: Z Z^T if wide, Z^T Z if tall (r x r)."""
+    return torch.bmm(Z.mT, Z, out=out) if tall else torch.bmm(Z, Z.mT, out=out)
+
+
+def _left(P: Tensor, Z: Tensor, tall: bool, out: Tensor | None = None) -> Tensor:
+    """P @ O(Z), returned in Z's layout: P Z if wide, Z P^T if tall."""
+    return torch.bmm(Z, P.mT, out=out) if tall else torch.bmm(P, Z, out=out)
+
+
+def _left_plus(Z: Tensor, P: Tensor, beta: float, tall: bool, out: Tensor) -> Tensor:
+    """beta * O(Z) + P @ O(Z), in Z's layout, accumulated before rounding (one baddbmm)."""
+    if tall:
+        return torch.baddbmm(Z, Z, P.mT, beta=beta, out=out)
+    return torch.baddbmm(Z, P, Z, beta=beta, out=out)
+
+
+# ---- NS5 ------------------------------------------------------------------------------------------------------
 def newton_schulz5(
     X: Tensor,
     steps: int = 5,
@@ -77,116 +112,140 @@ def newton_schulz5(
     out_dtype: torch.dtype | None = None,
     reduce: Reduce = None,
     tall: bool | None = None,
+    workspace: dict | None = None,
 ) -> Tensor:
-    """NS5 (ALGORITHMS §3): X0 = X / (||X||_F + eps), then `steps` times A = X X^T; B = b A + c A^2; X = a X + B X,
-    on the oriented r x c matrix, computed in `dtype` (bf16 by default, like torch.optim.Muon).
+    """NS5 (ALGORITHMS §3): X0 = O(X) / (||X||_F + eps), then `steps` times A = X X^T; B = b A + c A^2;
+    X = a X + B X, computed in `dtype` (bf16 by default, like torch.optim.Muon), mapped back by O^-1.
 
-    gram: None picks the Gram form for matrices with c >= GRAM_MIN_ASPECT * r (same map, fewer flops), False
-    forces the plain iteration, True the Gram form. Returns `out_dtype` (default: X's dtype). The Frobenius norm is
-    per matrix for batched input. An all-zero matrix gives zeros."""
-    if X.ndim < 2:
-        raise ValueError(f"newton_schulz5 needs a matrix or a batch of matrices, got shape {tuple(X.shape)}")
+    gram: None runs the Gram form for matrices with c >= GRAM_MIN_ASPECT * r (the same map with fewer flops),
+    False forces the plain iteration, True the Gram form. Returns `out_dtype` (default: X's dtype). The Frobenius
+    norm is per matrix for batched input. An all-zero matrix gives zeros."""
+    _check(X, "newton_schulz5")
     if steps < 1:
         raise ValueError(f"newton_schulz5 steps={steps} must be >= 1")
     out_dtype = X.dtype if out_dtype is None else out_dtype
     tall = is_tall(X) if tall is None else tall
-    Xb, lead = _as_batch(oriented(X, tall))
-    r, c = Xb.shape[-2:]
-    # Frobenius norm in fp32 or fp64 (of the input, before rounding to the compute dtype), one value per matrix.
+    lead = X.shape[:-2]
+    Xb = X.reshape(-1, *X.shape[-2:])
+    m, n = Xb.shape[-2:]
+    r, c = (n, m) if tall else (m, n)
+    # Frobenius norm (accumulated in fp32 at least), then X0 = X / (||X|| + eps) in one pass into a private buffer
+    # of the compute dtype; the input is never modified. Input already in the compute dtype (the optimizer stacks
+    # U in bf16) is scaled in that dtype: mixing in an fp32 factor would make torch convert the whole batch.
     acc = torch.promote_types(Xb.dtype, torch.float32)
-    sq = torch.linalg.vector_norm(Xb, dim=(-2, -1), dtype=acc).square_()
-    inv = 1.0 / (_reduced(sq, reduce).sqrt_() + eps)
-    # X0 = X / (||X|| + eps): one pass into a new contiguous r x c tensor of the compute dtype (computed in the
-    # wider dtype and rounded once); the input is never modified.
-    X0 = torch.mul(Xb, inv.view(-1, 1, 1), out=torch.empty(Xb.shape, dtype=dtype, device=Xb.device))
+    sq = torch.linalg.vector_norm(Xb, dim=(-2, -1)).to(acc).square_()
+    inv = (_reduced(sq, reduce).sqrt_() + eps).reciprocal_().view(-1, 1, 1)
+    X0 = _buffer(workspace, "ns_x0", Xb.shape, dtype, Xb.device)
+    torch.mul(Xb, inv.to(Xb.dtype) if Xb.dtype == dtype else inv, out=X0)
     use_gram = uses_gram(r, c) if gram is None else gram
-    Y = _ns5_gram(X0, steps, coefficients, reduce) if use_gram else _ns5_plain(X0, steps, coefficients, reduce)
-    Y = Y.reshape(*lead, r, c)
-    if tall:
-        Y = Y.mT
+    run = _ns5_gram if use_gram else _ns5_plain
+    Y = run(X0, steps, coefficients, reduce, tall, workspace).reshape(*lead, m, n)
     return Y if Y.dtype == out_dtype else Y.to(out_dtype)
 
 
-def _ns5_plain(X: Tensor, steps: int, coefficients, reduce: Reduce) -> Tensor:
-    """The plain iteration on a normalised [B, r, c] batch. baddbmm accumulates a*X + B@X before rounding, which
-    keeps bf16 error at the level of torch.optim.Muon's addmm form (a separate add doubles it)."""
+def _ns5_plain(X: Tensor, steps: int, coefficients, reduce: Reduce, tall: bool, ws: dict | None) -> Tensor:
+    """The plain iteration on a normalised [B, m, n] batch (in place of nothing: X is a private buffer).
+    baddbmm accumulates a*X + B@X before rounding, which keeps bf16 error at the level of torch.optim.Muon's
+    addmm form (a separate add doubles it)."""
     a, b, c = coefficients
-    for _ in range(steps):
-        A = _reduced(torch.bmm(X, X.mT), reduce)
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        X = torch.baddbmm(X, B, X, beta=a)
+    Bn, m, n = X.shape
+    r = n if tall else m
+    rr = (Bn, r, r)
+    A = _buffer(ws, "ns_a", rr, X.dtype, X.device)
+    P = _buffer(ws, "ns_b", rr, X.dtype, X.device)
+    bufs = [X, _buffer(ws, "ns_y", X.shape, X.dtype, X.device)]
+    for k in range(steps):
+        A = _reduced(_gram(X, tall, out=A), reduce)
+        torch.baddbmm(A, A, A, beta=b, alpha=c, out=P)
+        X = _left_plus(X, P, a, tall, out=bufs[(k + 1) % 2])
     return X
 
 
-def _ns5_gram(X: Tensor, steps: int, coefficients, reduce: Reduce) -> Tensor:
+def _ns5_gram(X: Tensor, steps: int, coefficients, reduce: Reduce, tall: bool, ws: dict | None) -> Tensor:
     """The same map in Gram form: every iterate is X_k = Q_k X_0 with Q_k a polynomial of R = X_0 X_0^T, so the
     iteration runs on r x r matrices (A_k = Q_k R Q_k; Q_{k+1} = a Q_k + (b A_k + c A_k^2) Q_k) and the r x c
     matrix is touched only to form R and to apply Q. A restart every GRAM_RESTART_AFTER iterations (X <- Q X,
     R <- X X^T) bounds how far bf16 rounding of Q can drift; Q's update accumulates a*Q + B@Q before rounding.
     Cost in r^3 multiply-adds for 5 steps with one restart: 4 c/r + 14, against 5 (2 c/r + 1) for the plain form."""
     a, b, c = coefficients
+    Bn, m, n = X.shape
+    r = n if tall else m
+    rr = (Bn, r, r)
+    R = _buffer(ws, "ns_r", rr, X.dtype, X.device)
+    T = _buffer(ws, "ns_t", rr, X.dtype, X.device)
+    Abuf = _buffer(ws, "ns_a", rr, X.dtype, X.device)
+    P = _buffer(ws, "ns_b", rr, X.dtype, X.device)
+    Qs = [_buffer(ws, "ns_q0", rr, X.dtype, X.device), _buffer(ws, "ns_q1", rr, X.dtype, X.device)]
+    xs = [X, _buffer(ws, "ns_y", X.shape, X.dtype, X.device)]
     done = 0
     while done < steps:
         seg = min(GRAM_RESTART_AFTER, steps - done)
-        R = _reduced(torch.bmm(X, X.mT), reduce)
+        R = _reduced(_gram(X, tall, out=R), reduce)
         Q = None
-        for _ in range(seg):
-            A = R if Q is None else torch.bmm(Q, torch.bmm(R, Q))
-            B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A^2
-            if Q is None:  # Q_1 = a I + B
-                Q = B
+        for k in range(seg):
+            A = R if Q is None else torch.bmm(Q, torch.bmm(R, Q, out=T), out=Abuf)
+            if Q is None:  # Q_1 = a I + b R + c R^2
+                Q = torch.baddbmm(A, A, A, beta=b, alpha=c, out=Qs[0])
                 Q.diagonal(dim1=-2, dim2=-1).add_(a)
             else:
-                Q = torch.baddbmm(Q, B, Q, beta=a)
-        X = torch.bmm(Q, X)
+                torch.baddbmm(A, A, A, beta=b, alpha=c, out=P)
+                Q = torch.baddbmm(Q, P, Q, beta=a, out=Qs[k % 2])
+        X = _left(Q, X, tall, out=xs[1] if X is xs[0] else xs[0])
         done += seg
     return X
 
 
-def _row_sumsq(Xo: Tensor, reduce: Reduce) -> Tensor:
-    """Sum of squares of every row of the oriented [..., r, c] matrix, in fp32 (or fp64), shape [..., r, 1]."""
-    acc = torch.promote_types(Xo.dtype, torch.float32)
-    sq = torch.linalg.vector_norm(Xo, dim=-1, keepdim=True, dtype=acc).square_()
-    return _reduced(sq, reduce)
+# ---- RowNorm --------------------------------------------------------------------------------------------------
+def _row_sumsq(X: Tensor, tall: bool, reduce: Reduce) -> Tensor:
+    """Sum of squares of every row of O(X) for a [..., m, n] X, in fp32 (fp64 for fp64 input), shaped to broadcast
+    against X: [..., m, 1] if wide, [..., 1, n] if tall (column sums: accumulated blockwise, since a strided
+    reduction over dim -2 is ~15x slower on CPU)."""
+    acc = torch.promote_types(X.dtype, torch.float32)
+    if not tall:
+        return _reduced(torch.linalg.vector_norm(X, dim=-1, keepdim=True, dtype=acc).square_(), reduce)
+    k = min(_SUMSQ_CHUNK_ROWS, X.shape[-2])
+    part = torch.zeros((*X.shape[:-2], k, X.shape[-1]), dtype=acc, device=X.device)
+    for chunk in X.split(k, dim=-2):  # elementwise accumulation over row blocks, then one short reduction
+        chunk = chunk.to(acc)
+        (part if chunk.shape[-2] == k else part[..., : chunk.shape[-2], :]).addcmul_(chunk, chunk)
+    return _reduced(part.sum(dim=-2, keepdim=True), reduce)
 
 
 def row_inv_norms(X: Tensor, eps: float = 1e-7, reduce: Reduce = None, tall: bool | None = None) -> Tensor:
-    """1 / max(||row||, eps) for every row of the oriented matrix, shaped to broadcast against X itself:
-    [..., m, 1] for wide X, [..., 1, n] for tall X. row_norm(X) == X * row_inv_norms(X); the optimizer applies the
-    factor inside its parameter update instead of materialising the normalised matrix."""
+    """1 / max(||row||, eps) for every row of O(X), shaped to broadcast against X itself: [..., m, 1] for wide X,
+    [..., 1, n] for tall X. row_norm(X) == X * row_inv_norms(X); the optimizer applies the factor inside its
+    parameter update instead of materialising the normalised matrix."""
     tall = is_tall(X) if tall is None else tall
-    inv = _row_sumsq(oriented(X, tall), reduce).sqrt_().clamp_min_(eps).reciprocal_()
-    return inv.mT if tall else inv
+    return _row_sumsq(X, tall, reduce).sqrt_().clamp_min_(eps).reciprocal_()
 
 
 def row_norm(X: Tensor, eps: float = 1e-7, *, out_dtype: torch.dtype | None = None, reduce: Reduce = None,
              tall: bool | None = None) -> Tensor:
     """RowNorm (ALGORITHMS §3): R(X)_i = X_i / max(||X_i||_2, eps) over the rows of the r x c side (the columns of a
     tall X). ||R||_F^2 = r for a matrix with no zero rows; zero rows stay zero. Norms accumulate in fp32."""
-    if X.ndim < 2:
-        raise ValueError(f"row_norm needs a matrix or a batch of matrices, got shape {tuple(X.shape)}")
+    _check(X, "row_norm")
     out = X * row_inv_norms(X, eps, reduce, tall)
     return out.to(X.dtype if out_dtype is None else out_dtype)
 
 
+# ---- MUD ------------------------------------------------------------------------------------------------------
 def mud_whiten(
     X: Tensor,
     passes: int = 1,
     eps: float = 1e-7,
     *,
-    solve: str = "inverse",
+    solve: str = "triangular",
     out_dtype: torch.dtype | None = None,
     reduce: Reduce = None,
     tall: bool | None = None,
+    workspace: dict | None = None,
 ) -> Tensor:
     """MUD triangular whitening (ALGORITHMS §3) of the oriented r x c matrix Q, in fp32 (fp64 for fp64 input):
     repeat `passes` times: Q <- D^-1 Q (unit rows); G = Q Q^T; T = tril(G) with diagonal >= eps; Q <- T^-1 Q;
     Q <- D^-1 Q. The leading normalisation is skipped from the second pass on (rows are already unit).
-    Row-orthonormal matrices are fixed points. solve='inverse' forms T^-1 by a triangular solve against I and
-    applies it with one GEMM (faster on CPU here, see docs/bench_optimizer.md); solve='triangular' does a
-    triangular solve directly on Q."""
-    if X.ndim < 2:
-        raise ValueError(f"mud_whiten needs a matrix or a batch of matrices, got shape {tuple(X.shape)}")
+    Row-orthonormal matrices are fixed points. solve='triangular' (default, faster here: docs/bench_optimizer.md)
+    solves T Y = Q directly; solve='inverse' forms T^-1 by a triangular solve against I and applies it by one GEMM."""
+    _check(X, "mud_whiten")
     if passes < 1:
         raise ValueError(f"mud_whiten passes={passes} must be >= 1")
     if solve not in ("inverse", "triangular"):
@@ -194,26 +253,32 @@ def mud_whiten(
     out_dtype = X.dtype if out_dtype is None else out_dtype
     tall = is_tall(X) if tall is None else tall
     work = torch.promote_types(X.dtype, torch.float32)
-    Qb, lead = _as_batch(oriented(X, tall))
-    r, c = Qb.shape[-2:]
-    Q = Qb.to(work)
+    lead = X.shape[:-2]
+    Xb = X.reshape(-1, *X.shape[-2:])
+    Bn, m, n = Xb.shape
+    r = n if tall else m
+    bufs = [_buffer(workspace, "mud_q0", Xb.shape, work, Xb.device), _buffer(workspace, "mud_q1", Xb.shape, work, Xb.device)]
+    Q = torch.mul(Xb, _row_sumsq(Xb, tall, reduce).sqrt_().clamp_min_(eps).reciprocal_(), out=bufs[0])
+    G = _buffer(workspace, "mud_g", (Bn, r, r), work, Xb.device)
     eye = None
     for p in range(passes):
-        if p == 0:
-            Q = Q * _row_sumsq(Q, reduce).sqrt_().clamp_min_(eps).reciprocal_()
-        G = _reduced(torch.bmm(Q, Q.mT), reduce)
-        T = G.tril_()
+        _gram(Q, tall, out=G)
+        T = _reduced(G, reduce).tril_()
         T.diagonal(dim1=-2, dim2=-1).clamp_min_(eps)
+        nxt = bufs[(p + 1) % 2]
         if solve == "triangular":
-            Q = torch.linalg.solve_triangular(T, Q, upper=False)
+            # T^-1 O(Q); for a tall Q (= O(Q)^T) that is Q T^-T, a solve from the right with the upper T^T
+            if tall:
+                torch.linalg.solve_triangular(T.mT, Q, upper=True, left=False, out=nxt)
+            else:
+                torch.linalg.solve_triangular(T, Q, upper=False, out=nxt)
         else:
             if eye is None:
-                eye = torch.eye(r, dtype=work, device=Q.device).expand(Q.shape[0], r, r)
-            Q = torch.bmm(torch.linalg.solve_triangular(T, eye, upper=False), Q)
-        Q.mul_(_row_sumsq(Q, reduce).sqrt_().clamp_min_(eps).reciprocal_())
-    Q = Q.reshape(*lead, r, c)
-    if tall:
-        Q = Q.mT
+                eye = torch.eye(r, dtype=work, device=Xb.device).expand(Bn, r, r)
+            _left(torch.linalg.solve_triangular(T, eye, upper=False), Q, tall, out=nxt)
+        Q = nxt
+        Q.mul_(_row_sumsq(Q, tall, reduce).sqrt_().clamp_min_(eps).reciprocal_())
+    Q = Q.reshape(*lead, m, n)
     return Q if Q.dtype == out_dtype else Q.to(out_dtype)
 
 

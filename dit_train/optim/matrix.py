@@ -8,12 +8,15 @@ state_dict.
 Matrix step for W (m x n) with gradient G, at optimizer step t (0-based, kept in every group as group["step"], so
 it is saved by state_dict and restored by load_state_dict):
     M <- mu M + G;   U <- G + mu M (nesterov) or M
+          (the state keeps momentum_buffer = (1 - mu) M, updated by one foreach lerp as torch.optim.Muon keeps it;
+          U is formed from it exactly: G + mu/(1-mu) * buffer, or buffer / (1 - mu))
     Phi = direction(U), the direction being group["direction"] when t % K == 0 (K = group["refresh_every"]) and
           group["between"] otherwise (periodic_rowwise: spectral refresh, rownorm between; K = 1 is plain Muon)
     W <- (1 - lr wd) W - lr s(W) Phi,  s = 0.2 sqrt(max(m, n)) (moonlight) | sqrt(max(1, m/n)) (keller) | 1 (none)
 
 Single-device placement: same-shape matrices of a group are stacked into one [B, m, n] workspace (one bmm chain
-per shape, the workspace reused across steps) and updated with foreach ops. The maths lives in directions.py
+per shape; every large buffer of the direction is reused across steps, as fresh tens-of-MB allocations cost page
+faults on CPU) and updated with foreach ops. The maths lives in directions.py
 and in `compute_direction`; where the matrices live is in `_stack_inputs` / `_apply_update`, which a sharded
 subclass (FSDP2 shards, explicit collectives, ALGORITHMS §6) overrides while reusing the rest.
 """
@@ -51,20 +54,23 @@ def update_scale(rule: str, m: int, n: int) -> float:
 # ---- directions on a stacked [B, m, n] batch ------------------------------------------------------------------
 # Each returns (D, row_scale): the direction is D * row_scale (row_scale None means D itself). Returning the
 # per-row factor separately lets rownorm fold its normalisation into the parameter update (one pass less).
-DirectionFn = Callable[[Tensor, dict], tuple[Tensor, Tensor | None]]
+# `ws` is the bucket's workspace dict (see directions.py); results may live in it until the next step.
+DirectionFn = Callable[[Tensor, dict, dict], tuple[Tensor, Tensor | None]]
 
 
-def _spectral(U: Tensor, group: dict) -> tuple[Tensor, Tensor | None]:
+def _spectral(U: Tensor, group: dict, ws: dict) -> tuple[Tensor, Tensor | None]:
     dt = group["ns_dtype"]
-    return newton_schulz5(U, group["ns_steps"], dt, group["direction_eps"], gram=group["ns_gram"], out_dtype=dt), None
+    D = newton_schulz5(U, group["ns_steps"], dt, group["direction_eps"], gram=group["ns_gram"], out_dtype=dt,
+                       workspace=ws)
+    return D, None
 
 
-def _rownorm(U: Tensor, group: dict) -> tuple[Tensor, Tensor | None]:
+def _rownorm(U: Tensor, group: dict, ws: dict) -> tuple[Tensor, Tensor | None]:
     return U, row_inv_norms(U, group["direction_eps"])
 
 
-def _mud(U: Tensor, group: dict) -> tuple[Tensor, Tensor | None]:
-    return mud_whiten(U, group["mud_passes"], group["direction_eps"], solve=group["mud_solve"]), None
+def _mud(U: Tensor, group: dict, ws: dict) -> tuple[Tensor, Tensor | None]:
+    return mud_whiten(U, group["mud_passes"], group["direction_eps"], solve=group["mud_solve"], workspace=ws), None
 
 
 DIRECTION_FNS: dict[str, DirectionFn] = {"spectral": _spectral, "rownorm": _rownorm, "mud": _mud}
@@ -75,13 +81,13 @@ def register_direction(name: str, fn: DirectionFn) -> None:
     DIRECTION_FNS[name] = fn
 
 
-def compute_direction(kind: str, U: Tensor, group: dict) -> tuple[Tensor, Tensor | None]:
+def compute_direction(kind: str, U: Tensor, group: dict, workspace: dict | None = None) -> tuple[Tensor, Tensor | None]:
     """The direction of a (possibly batched) matrix U, independent of where U lives."""
     try:
         fn = DIRECTION_FNS[kind]
     except KeyError:
         raise ValueError(f"direction={kind!r} is not valid; choose one of {', '.join(DIRECTION_FNS)}") from None
-    return fn(U, group)
+    return fn(U, group, {} if workspace is None else workspace)
 
 
 def _input_dtype(kind: str, group: dict, param_dtype: torch.dtype) -> torch.dtype:
@@ -112,11 +118,11 @@ class MatrixOptimizer(Optimizer):
         ns_dtype: torch.dtype = torch.bfloat16,
         ns_gram: bool | None = None,
         mud_passes: int = 1,
-        mud_solve: str = "inverse",
+        mud_solve: str = "triangular",
         direction_eps: float = 1e-7,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
-        adamw_impl: str = "foreach",
+        adamw_impl: str = "fused",
     ):
         defaults = dict(
             kind="matrix", lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, scale=scale,
@@ -198,14 +204,13 @@ class MatrixOptimizer(Optimizer):
         lr, wd = float(group["lr"]), group["weight_decay"]
         buckets = _buckets(params)
         with timer.phase("momentum"):
-            if mu != 0:
-                torch._foreach_mul_(bufs, mu)
-            torch._foreach_add_(bufs, grads)  # M <- mu M + G
+            torch._foreach_lerp_(bufs, grads, 1.0 - mu)  # buffer = (1 - mu) M: M <- mu M + G
             inputs = {key: self._stack_inputs(key, idx, grads, bufs, mu, nesterov,
                                               _input_dtype(kind, group, params[idx[0]].dtype))
                       for key, idx in buckets.items()}
         with timer.phase("direction"):
-            directions = {key: compute_direction(kind, U, group) for key, U in inputs.items()}
+            directions = {key: compute_direction(kind, U, group, self._bucket_workspace(key))
+                          for key, U in inputs.items()}
         with timer.phase("update"):
             if wd != 0:
                 torch._foreach_mul_(params, 1.0 - lr * wd)
@@ -215,20 +220,24 @@ class MatrixOptimizer(Optimizer):
                 D, row_scale = directions[key]
                 self._apply_update([params[i] for i in idx], D, row_scale, alpha)
 
+    def _bucket_workspace(self, key) -> dict:
+        return self._workspace.setdefault(key, {})
+
     def _stack_inputs(self, key, idx: list[int], grads, bufs, mu: float, nesterov: bool, dtype) -> Tensor:
         """U = G + mu M (or M) for the bucket's matrices, written straight into a reused [B, m, n] workspace of the
-        direction's input dtype (the Nesterov add, the cast and the stacking are one pass)."""
+        direction's input dtype: the Nesterov add, the cast and the stacking are one pass per matrix (torch has no
+        foreach op that writes into slices of one tensor; a foreach add followed by a stack is 6x slower here)."""
+        ws = self._bucket_workspace(key)
         shape = (len(idx), *key[0])
-        ws_key = (key, dtype)
-        U = self._workspace.get(ws_key)
+        U = ws.get(("u", dtype))
         if U is None or U.shape != shape:
-            U = torch.empty(shape, dtype=dtype, device=bufs[idx[0]].device)
-            self._workspace[ws_key] = U
+            U = ws[("u", dtype)] = torch.empty(shape, dtype=dtype, device=bufs[idx[0]].device)
+        # bufs hold (1 - mu) M, so G + mu M = G + mu / (1 - mu) * buf and M = buf / (1 - mu)
         for j, i in enumerate(idx):
             if nesterov:
-                torch.add(grads[i], bufs[i], alpha=mu, out=U[j])
+                torch.add(grads[i], bufs[i], alpha=mu / (1.0 - mu), out=U[j])
             else:
-                U[j].copy_(bufs[i])
+                torch.mul(bufs[i], 1.0 / (1.0 - mu), out=U[j])
         return U
 
     def _apply_update(self, params: list[Tensor], D: Tensor, row_scale: Tensor | None, alpha: float) -> None:
@@ -253,6 +262,8 @@ class MatrixOptimizer(Optimizer):
                                  else torch.tensor(0.0, dtype=torch.float32))
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif impl == "fused" and state["step"].device != p.device:  # a state_dict loaded onto another device
+                state["step"] = state["step"].to(p.device)
             params.append(p)
             grads.append(p.grad)
             exp_avgs.append(state["exp_avg"])

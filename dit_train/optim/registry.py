@@ -25,7 +25,7 @@ from .routing import Routing, format_routing_table, route_parameters
 Builder = Callable[[nn.Module, dict], torch.optim.Optimizer]
 
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
-MUD_SOLVES = ("inverse", "triangular")
+MUD_SOLVES = ("triangular", "inverse")
 
 
 # ---- config validation ------------------------------------------------------------------------------------------
@@ -112,10 +112,10 @@ def _patterns(key, v):
 # key -> (validator, default). The defaults match conf/optimizer/*.yaml.
 COMMON_KEYS = {
     "lr": (_positive, 1e-3),
-    "weight_decay": (_non_negative, 0.0),
+    "weight_decay": (_non_negative, 0.01),
     "betas": (_betas, (0.9, 0.999)),
     "eps": (_positive, 1e-8),
-    "adamw_impl": (_choice(ADAMW_IMPLS), "foreach"),
+    "adamw_impl": (_choice(ADAMW_IMPLS), "fused"),
 }
 MATRIX_KEYS = {
     "momentum": (_unit_interval, 0.95),
@@ -133,7 +133,7 @@ NS_KEYS = {
     "ns_gram": (_optional_bool, None),
 }
 PERIODIC_KEYS = {"K": (_pos_int, 3)}
-MUD_KEYS = {"mud_passes": (_pos_int, 1), "mud_solve": (_choice(MUD_SOLVES), "inverse")}
+MUD_KEYS = {"mud_passes": (_pos_int, 1), "mud_solve": (_choice(MUD_SOLVES), "triangular")}
 
 
 def resolve_config(cfg: Mapping | Any, keys: dict) -> dict:

@@ -1,0 +1,215 @@
+#!/usr/bin/env python
+"""Optimizer step cost on a DiT preset: every registered optimizer against torch.optim.Muon and
+torch.optim.AdamW(foreach=True), measured side by side in one run (ratios, not absolute claims).
+
+The model is built on the meta device and materialised with random weights and random gradients (the gradients
+stay fixed; a step's cost does not depend on their values). Each repetition times one step of every contender in
+turn (interleaved, so background load hits all of them alike); the table reports medians.
+
+Rows:
+- adamw, muon, rownorm, mud: our registry, full model (matrix update + AdamW on the rest).
+- periodic_rowwise: the refresh step (NS5), the non-refresh step (RowNorm), and the K-average
+  (refresh + (K-1) non-refresh) / K for K = 1, 3, 5, 10.
+- torch.optim.Muon: on our matrix parameters, plus torch AdamW(foreach) on the rest (so it is the same work).
+- torch.optim.AdamW(foreach=True): every parameter (the baseline of "ratio to AdamW").
+NS5 efficiency: the plain iteration's flops (5 (4 r^2 c + 2 r^3) per matrix, whichever form runs) over the time of
+our muon's direction phase, as a fraction of the GEMM rate measured here at the same shapes (the bf16 GEMMs of
+the plain iteration, batched as the optimizer batches them).
+
+    python scripts/bench_optimizer.py --preset dit_m --hidden-size 512 --depth 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from omegaconf import OmegaConf  # noqa: E402
+
+from dit_train.model import build_model  # noqa: E402
+from dit_train.optim.directions import ns5_flops, oriented, uses_gram  # noqa: E402
+from dit_train.optim.registry import build_optimizer  # noqa: E402
+from dit_train.optim.routing import route_parameters  # noqa: E402
+from dit_train.timing import PhaseTimer, set_active_timer  # noqa: E402
+
+CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dit_train", "conf")
+
+
+def parse():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="dit_m", help="conf/model/<preset>.yaml")
+    ap.add_argument("--hidden-size", type=int, default=512, help="width override (scales the preset to fit)")
+    ap.add_argument("--depth", type=int, default=8, help="depth override")
+    ap.add_argument("--num-heads", type=int, default=None, help="heads override (default: keep head dim 64)")
+    ap.add_argument("--repeats", type=int, default=7, help="timed steps per contender (median reported)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--quick", action="store_true", help="only muon, periodic_rowwise, rownorm and the baselines")
+    return ap.parse_args()
+
+
+def materialise(args):
+    cfg = OmegaConf.load(os.path.join(CONF, "model", f"{args.preset}.yaml"))
+    cfg.hidden_size = args.hidden_size
+    cfg.depth = args.depth
+    cfg.num_heads = args.num_heads or max(1, args.hidden_size // 64)
+    model = build_model(cfg, device="meta")
+    model.to_empty(device="cpu")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+            p.grad = torch.randn(p.shape, generator=g) * 1e-3
+    return cfg, model
+
+
+def gemm_rate(buckets: dict[tuple[int, int], int], reps: int) -> tuple[float, float]:
+    """The plain NS5 iteration's bf16 GEMMs at these shapes, batched per shape as the optimizer does:
+    returns (flops, seconds) for one pass of 5 iterations over all buckets (median over reps)."""
+    flops, times = 0.0, []
+    data = {}
+    for (m, n), B in buckets.items():
+        r, c = min(m, n), max(m, n)
+        X = torch.randn(B, r, c).bfloat16()
+        A = torch.randn(B, r, r).bfloat16()
+        data[(m, n)] = (X, A)
+        flops += B * ns5_flops(m, n)
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        for X, A in data.values():
+            for _ in range(5):
+                torch.bmm(X, X.mT)
+                torch.bmm(A, A)
+                torch.bmm(A, X)
+        times.append(time.perf_counter() - t0)
+    return flops, statistics.median(times[1:])
+
+
+def main():
+    args = parse()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg, model = materialise(args)
+    routing = route_parameters(model)
+    matrix = [p for _, p in routing.matrix]
+    rest = [p for _, p in routing.adamw]
+    n_params = sum(p.numel() for p in model.parameters())
+    shapes = defaultdict(int)
+    for p in matrix:
+        shapes[tuple(p.shape)] += 1
+    ns_flops = sum(B * ns5_flops(*s) for s, B in shapes.items())
+
+    # contenders: name -> (step callable, optimizer for phase timing or None)
+    base = {"lr": 1e-3, "weight_decay": 0.01}
+    ours = {
+        "adamw": {"name": "adamw"},
+        "muon": {"name": "muon"},
+        "muon (plain NS5, no Gram form)": {"name": "muon", "ns_gram": False},
+        "periodic_rowwise": {"name": "periodic_rowwise", "K": 10},
+        "rownorm": {"name": "rownorm"},
+        "mud": {"name": "mud"},
+        "mud (explicit inverse + GEMM)": {"name": "mud", "mud_solve": "inverse"},
+    }
+    if args.quick:
+        ours = {k: v for k, v in ours.items() if k in ("adamw", "muon", "periodic_rowwise", "rownorm")}
+    contenders = {}
+    for label, c in ours.items():
+        opt = build_optimizer(model, {**base, **c})
+        contenders[label] = opt
+    t_muon = torch.optim.Muon(matrix, lr=1e-3, weight_decay=0.01, adjust_lr_fn="match_rms_adamw")
+    t_muon_rest = torch.optim.AdamW(rest, lr=1e-3, weight_decay=0.01, foreach=True)
+    t_adamw = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=True)
+
+    timer = PhaseTimer(enabled=True)
+    set_active_timer(timer)
+    times = defaultdict(list)
+    phases = defaultdict(lambda: defaultdict(list))
+
+    def run(label, fn, record=True):
+        timer.collect()
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        ph = timer.collect()
+        if record:
+            times[label].append(dt)
+            for k, v in ph.items():
+                phases[label][k].append(v)
+
+    def periodic_step(opt, refresh: bool):
+        def fn():
+            for g in opt.param_groups:
+                g["step"] = 0 if refresh else 1
+            opt.step()
+        return fn
+
+    steps = []
+    for label, opt in contenders.items():
+        if label == "periodic_rowwise":
+            steps.append(("periodic_rowwise refresh", periodic_step(opt, True)))
+            steps.append(("periodic_rowwise non-refresh", periodic_step(opt, False)))
+        else:
+            steps.append((label, opt.step))
+    steps.append(("torch.optim.Muon", lambda: (t_muon.step(), t_muon_rest.step())))
+    steps.append(("torch.optim.AdamW(foreach)", t_adamw.step))
+
+    print(f"# optimizer step benchmark: {args.preset} width {cfg.hidden_size} depth {cfg.depth}, "
+          f"{n_params / 1e6:.1f}M params ({sum(p.numel() for p in matrix) / 1e6:.1f}M in {len(matrix)} matrices), "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    print("matrix shapes: " + ", ".join(f"{B}x{m}x{n}{' (Gram)' if uses_gram(m, n) else ''}"
+                                        for (m, n), B in sorted(shapes.items())), flush=True)
+    with torch.no_grad():
+        for rep in range(args.warmup + args.repeats):
+            for label, fn in steps:
+                run(label, fn, record=rep >= args.warmup)
+            print(f"  repetition {rep + 1}/{args.warmup + args.repeats} done", file=sys.stderr, flush=True)
+        gflops, gsec = gemm_rate(shapes, args.repeats)
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ph = {k: {p: statistics.median(v) for p, v in d.items()} for k, d in phases.items()}
+    adamw, muon, tmuon = med["torch.optim.AdamW(foreach)"], med["muon"], med["torch.optim.Muon"]
+    rate = gflops / gsec
+
+    def row(label, t, extra=""):
+        return (f"| {label} | {t * 1e3:.1f} | {t / adamw:.2f} | {t / muon:.2f} | {t / tmuon:.2f} | {extra} |")
+
+    def ns_eff(label):
+        d = ph.get(label, {}).get("time/direction")
+        if not d:
+            return ""
+        return f"NS5 {ns_flops / d / 1e9:.0f} GFLOP/s = {ns_flops / d / rate:.0%} of GEMM"
+
+    print()
+    print("| optimizer | ms/step | / torch AdamW | / our muon | / torch Muon | notes |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    for label in ("torch.optim.AdamW(foreach)", "torch.optim.Muon", "adamw", "muon",
+                  "muon (plain NS5, no Gram form)", "rownorm", "mud", "mud (explicit inverse + GEMM)"):
+        if label in med:
+            notes = ns_eff(label) if label.startswith("muon") else ""
+            if label in ph and "time/direction" in ph[label] and not notes:
+                notes = f"direction {ph[label]['time/direction'] * 1e3:.0f} ms"
+            print(row(label, med[label], notes))
+    if "periodic_rowwise refresh" in med:
+        tr, tn = med["periodic_rowwise refresh"], med["periodic_rowwise non-refresh"]
+        print(row("periodic_rowwise refresh step", tr, ns_eff("periodic_rowwise refresh")))
+        print(row("periodic_rowwise non-refresh step", tn, ""))
+        for K in (1, 3, 5, 10):
+            print(row(f"periodic_rowwise K={K} average", (tr + (K - 1) * tn) / K, ""))
+    print()
+    print(f"GEMM rate at these shapes (bf16 bmm, plain-iteration mix): {rate / 1e9:.0f} GFLOP/s; "
+          f"plain NS5 flops per step {ns_flops / 1e9:.1f} GFLOP")
+    print("phases (median ms): " + "; ".join(
+        f"{k}: " + ", ".join(f"{p.split('/')[-1]} {v * 1e3:.0f}" for p, v in sorted(d.items()))
+        for k, d in ph.items() if d))
+
+
+if __name__ == "__main__":
+    main()
