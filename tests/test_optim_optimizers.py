@@ -3,6 +3,7 @@ torch.optim.Muon / torch.optim.AdamW, the periodic schedule, state_dict round tr
 
 import copy
 import io
+import json
 import math
 import os
 
@@ -236,6 +237,16 @@ def test_adamw_equals_torch_adamw_exactly(impl):
         assert torch.equal(a, b)
 
 
+def test_matrix_groups_reject_fsdp_shards_with_a_clear_error():
+    class Shard(nn.Parameter):  # stands in for a DTensor (has to_local)
+        def to_local(self):
+            return self
+
+    with pytest.raises(NotImplementedError, match="sharded implementation"):
+        MatrixOptimizer([{"params": [Shard(torch.zeros(4, 4))], "kind": "matrix"}], lr=1e-3)
+    MatrixOptimizer([{"params": [Shard(torch.zeros(4, 4))], "kind": "adamw"}], lr=1e-3)  # AdamW groups are fine
+
+
 def test_matrix_and_adamw_groups_share_lr_and_wd():
     model = tiny_dit()
     opt = build_optimizer(model, {"name": "muon", "lr": 2e-3, "weight_decay": 0.02})
@@ -328,7 +339,9 @@ def test_state_dict_round_trip(name):
     torch.save(o1.state_dict(), buf)
     buf.seek(0)
     o2.load_state_dict(torch.load(buf, weights_only=True))
-    assert o2.state_dict()["param_groups"] == o1.state_dict()["param_groups"]
+    groups = o1.state_dict()["param_groups"]
+    assert o2.state_dict()["param_groups"] == groups
+    json.dumps(groups)  # plain values only (no torch objects): safe for DCP, logs and weights_only loads
     train(m1, o1, 3, seed=7)
     train(m2, o2, 3, seed=7)
     for a, b in zip(m1.parameters(), m2.parameters()):

@@ -58,8 +58,19 @@ def update_scale(rule: str, m: int, n: int) -> float:
 DirectionFn = Callable[[Tensor, dict, dict], tuple[Tensor, Tensor | None]]
 
 
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+
+
+def _dtype_name(dt: torch.dtype | str) -> str:
+    """Groups keep dtypes as names, so state_dicts hold plain values (DCP, JSON, weights_only loads)."""
+    name = dt if isinstance(dt, str) else str(dt).replace("torch.", "")
+    if name not in DTYPES:
+        raise ValueError(f"ns_dtype={dt!r} is not valid; choose one of {', '.join(DTYPES)}")
+    return name
+
+
 def _spectral(U: Tensor, group: dict, ws: dict) -> tuple[Tensor, Tensor | None]:
-    dt = group["ns_dtype"]
+    dt = DTYPES[group["ns_dtype"]]
     D = newton_schulz5(U, group["ns_steps"], dt, group["direction_eps"], gram=group["ns_gram"], out_dtype=dt,
                        workspace=ws)
     return D, None
@@ -93,7 +104,7 @@ def compute_direction(kind: str, U: Tensor, group: dict, workspace: dict | None 
 def _input_dtype(kind: str, group: dict, param_dtype: torch.dtype) -> torch.dtype:
     """Dtype of the stacked direction input: NS5 reads its compute dtype directly (the cast is fused into the
     Nesterov add); rownorm and mud read the momentum's own precision."""
-    return group["ns_dtype"] if kind == "spectral" else param_dtype
+    return DTYPES[group["ns_dtype"]] if kind == "spectral" else param_dtype
 
 
 class MatrixOptimizer(Optimizer):
@@ -115,7 +126,7 @@ class MatrixOptimizer(Optimizer):
         refresh_every: int = 1,
         between: str | None = None,
         ns_steps: int = 5,
-        ns_dtype: torch.dtype = torch.bfloat16,
+        ns_dtype: torch.dtype | str = "bfloat16",
         ns_gram: bool | None = None,
         mud_passes: int = 1,
         mud_solve: str = "triangular",
@@ -127,7 +138,7 @@ class MatrixOptimizer(Optimizer):
         defaults = dict(
             kind="matrix", lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, scale=scale,
             direction=direction, refresh_every=refresh_every, between=between, ns_steps=ns_steps,
-            ns_dtype=ns_dtype, ns_gram=ns_gram, mud_passes=mud_passes, mud_solve=mud_solve,
+            ns_dtype=_dtype_name(ns_dtype), ns_gram=ns_gram, mud_passes=mud_passes, mud_solve=mud_solve,
             direction_eps=direction_eps, betas=tuple(betas), eps=eps, adamw_impl=adamw_impl, step=0,
         )
         super().__init__(params, defaults)
@@ -294,6 +305,10 @@ def _check_group(group: dict) -> None:
     if kind not in KINDS:
         raise ValueError(f"param group kind={kind!r} is not valid; choose one of {', '.join(KINDS)}")
     if kind == "matrix":
+        if any(hasattr(p, "to_local") for p in group["params"]):  # DTensor, without importing torch.distributed
+            raise NotImplementedError(
+                "matrix optimizers on FSDP2 shards (DTensor parameters) need the sharded implementation "
+                "(ALGORITHMS §6, optim/sharded.py), which is not written yet; use optimizer=adamw with FSDP")
         for p in group["params"]:
             if p.ndim != 2:
                 raise ValueError(f"a matrix param group holds a parameter of shape {tuple(p.shape)}; "
@@ -303,6 +318,7 @@ def _check_group(group: dict) -> None:
             if v is not None and v not in DIRECTION_FNS:
                 raise ValueError(f"{key}={v!r} is not valid; choose one of {', '.join(DIRECTION_FNS)}")
         update_scale(group["scale"], 1, 1)
+        group["ns_dtype"] = _dtype_name(group["ns_dtype"])
         K = group["refresh_every"]
         if isinstance(K, bool) or not isinstance(K, int) or K < 1:
             raise ValueError(f"refresh_every (K)={K!r} is not valid; it must be an integer >= 1")

@@ -24,7 +24,7 @@ from .routing import Routing, format_routing_table, route_parameters
 
 Builder = Callable[[nn.Module, dict], torch.optim.Optimizer]
 
-NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+NS_DTYPES = ("bfloat16", "float32", "float64")
 MUD_SOLVES = ("triangular", "inverse")
 
 
@@ -84,7 +84,7 @@ def _choice(options):
 def _ns_dtype(key, v):
     if v not in NS_DTYPES:
         raise _bad(key, v, f"choose one of {', '.join(NS_DTYPES)}")
-    return NS_DTYPES[v]
+    return v
 
 
 def _optional_bool(key, v):
@@ -198,7 +198,7 @@ def build_matrix(model: nn.Module, cfg: Mapping, *, name: str, direction: str, b
         betas=c["betas"], eps=c["eps"], adamw_impl=c["adamw_impl"], **kwargs,
     )
     sched = f"{direction} when step % {K} == 0, {between} otherwise" if between else f"{direction} every step"
-    dtype = f", NS5 in {str(c['ns_dtype']).replace('torch.', '')}" if "ns_dtype" in c else ""
+    dtype = f", NS5 in {c['ns_dtype']}" if "ns_dtype" in c else ""
     opt.routing_table = _describe(
         name, routing,
         f"matrix direction {sched}{dtype}; momentum {c['momentum']:g} (nesterov {c['nesterov']}), scale "
