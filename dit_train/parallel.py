@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -49,14 +50,47 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: 'gpu[003-004,9],cpu1' -> 'gpu003', 'r[1-2]-n[07-08]' -> 'r1-n07'."""
+    depth, end = 0, len(nodelist)
+    for i, ch in enumerate(nodelist):  # the first top-level comma ends the first host expression
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            end = i
+            break
+    first = nodelist[:end].strip()
+    return re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[,-]", m.group(1))[0], first)
+
+
+def slurm_environment(environ=os.environ) -> dict[str, str]:
+    """torch.distributed's env:// variables for one task per GPU started by srun without torchrun (e.g. the
+    submitit launcher, launcher=slurm): RANK, WORLD_SIZE, LOCAL_RANK from the job step, MASTER_ADDR the step's
+    first node, MASTER_PORT derived from the job id. Empty when torchrun set WORLD_SIZE, outside a job step,
+    or for a single task. Variables already set are kept."""
+    if "WORLD_SIZE" in environ or "SLURM_STEP_ID" not in environ or "SLURM_PROCID" not in environ:
+        return {}
+    world = int(environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS") or 1)
+    if world <= 1:
+        return {}
+    nodes = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or "localhost"
+    out = {"RANK": environ["SLURM_PROCID"], "WORLD_SIZE": str(world),
+           "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),
+           "MASTER_ADDR": environ.get("MASTER_ADDR") or first_slurm_host(nodes),
+           "MASTER_PORT": environ.get("MASTER_PORT") or str(20000 + int(environ.get("SLURM_JOB_ID", "0")) % 40000)}
+    return out
+
+
 def init_distributed(single_process_group: bool = False) -> DistInfo:
-    """The process group from torchrun's environment (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR/PORT).
-    `single_process_group`: also create a group of one for a plain single-process run (parallel.fsdp=true
-    without torchrun), so FSDP2 and sharded checkpoints can be used on one device."""
+    """The process group from torchrun's environment (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR/PORT), or from
+    Slurm's when srun started one task per GPU without torchrun. `single_process_group`: also create a group of
+    one for a plain single-process run (parallel.fsdp=true without torchrun), so FSDP2 and sharded checkpoints
+    can be used on one device."""
+    os.environ.update(slurm_environment())
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+        # one GPU visible per task (Slurm GPU binding) or all of them (torchrun): local rank modulo what is visible
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")

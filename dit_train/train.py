@@ -132,6 +132,7 @@ class Trainer:
         self.fd_evaluator = None
         self.best_fd = None
         self.stop_signal = None
+        self._previous_handlers: dict = {}
         self.last_val: dict = {}
         self._stop_votes = 0.0  # ranks that have seen a stop signal, agreed at every step (sharded runs)
         if self.sharded:
@@ -410,6 +411,15 @@ class Trainer:
     def _on_signal(self, signum, _frame):
         self.stop_signal = signal.Signals(signum).name
 
+    def _hand_over_signal(self) -> None:
+        """After the preemption checkpoint: give the signal to the handler that was there before ours, if it is
+        Python code (submitit's SIGUSR2 handler requeues the job from rank 0); default handlers are not called."""
+        if self.stop_signal is None:
+            return
+        previous = self._previous_handlers.get(signal.Signals[self.stop_signal])
+        if callable(previous):
+            previous(signal.Signals[self.stop_signal].value, None)
+
     def fit(self) -> dict:
         tc = self.tc
         self.maybe_resume()
@@ -418,7 +428,10 @@ class Trainer:
                   f"data {self.train_set.dataset_id} ({len(self.train_set)} train / {len(self.val_set)} val)")
             print(f"optimizer {self.cfg.optimizer.name}:\n{self.optimizer.routing_table}")
             print(f"parallel: {self.dist.world_size} process(es) on {self.device.type}; {self.plan.describe()}")
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGUSR1)}
+        # SIGTERM: preemption / scancel / torchrun passing one on; SIGUSR1/SIGUSR2: Slurm's --signal warnings
+        # (USR2 is submitit's time-limit signal, handed back to it after the checkpoint)
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)}
+        self._previous_handlers = previous
         try:
             return self._loop()
         finally:
@@ -485,6 +498,7 @@ class Trainer:
             if stop:
                 if not ((tc.ckpt_every and self.step % tc.ckpt_every == 0) or last):
                     self.save()
+                self._hand_over_signal()
                 raise Preempted(f"received {self.stop_signal or 'a stop signal (on another rank)'} at step "
                                 f"{self.step}; checkpoint written, rerun with train.resume=auto "
                                 f"run_dir={self.run_dir} to continue")
