@@ -1,0 +1,116 @@
+"""Memory per GPU of the large presets under FSDP2, computed from exact parameter counts (docs/scaling_out.md).
+
+    python scripts/memory_table.py [--micro-batch 32] [--world-sizes 8 16 32 64] [--presets dit_1b3 ...]
+
+Each model is built on the meta device (nothing allocated), its parameters routed as the optimizers route them
+(2-D hidden nn.Linear weights -> matrix update; the rest -> AdamW), and the bytes per GPU summed from the terms
+below. Everything is an accounting of tensors the trainer keeps, not a measurement; allocator fragmentation, the
+CUDA context (~0.5-1 GiB), NCCL buffers and the data pipeline come on top (budget ~10-15 %).
+
+Per GPU, world size W, P parameters (P_m of them in matrices), blocks of P_b parameters, depth L, width d,
+N tokens per image, B images per GPU (micro-batch):
+- sharded state (FSDP2 Shard(0), every term / W): fp32 master weights 4P, fp32 gradients 4P, fp32 EMA 4P;
+  optimizer: AdamW 8P (exp_avg, exp_avg_sq) | Muon family 4 P_m (momentum) + 8 (P - P_m) (AdamW on the rest);
+- unsharded working set: bf16 weights of two blocks (the one computing and the prefetched next), the current
+  block's bf16 gradient and its fp32 reduce-scatter input (2 + 4 bytes), and the root's (embedders, final layer)
+  bf16 weights, which stay gathered through forward and backward: 2*2 P_b + 6 P_b + 2 P_root;
+  Muon family, gather mode: plus one gathered bf16 bucket of momentum of one block's matrices (2 P_b,m);
+- activations, bf16, with memory-efficient attention (no N x N scores stored): ~20 values per token per block
+  (LayerNorm/modulate inputs, q/k/v before and after qk-norm, attention output, projection output, MLP hidden
+  before and after GELU (4d each), MLP output), i.e. 40 d bytes per token per block: 40 d N B L;
+  with activation checkpointing only each block's input is kept (2 d N B L) plus one block recomputed (40 d N B).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+PRESETS = ("dit_1b3", "dit_4b", "dit_9b", "dit_15b")
+GIB = 1024**3
+ACT_VALUES_PER_TOKEN = 20  # per block, in units of the width d (see the docstring)
+
+
+def counts(preset: str) -> dict:
+    from omegaconf import OmegaConf
+
+    from dit_train.model import build_model
+    from dit_train.optim.routing import route_parameters
+
+    cfg = OmegaConf.load(os.path.join(ROOT, "dit_train", "conf", "model", f"{preset}.yaml"))
+    model = build_model(cfg, device="meta")
+    routing = route_parameters(model)
+    matrix = {id(p) for _, p in routing.matrix}
+    block = model.blocks[0]
+    total = sum(p.numel() for p in model.parameters())
+    in_blocks = sum(p.numel() for b in model.blocks for p in b.parameters())
+    return {
+        "preset": preset, "P": total, "P_matrix": sum(p.numel() for _, p in routing.matrix),
+        "P_block": sum(p.numel() for p in block.parameters()),
+        "P_block_matrix": sum(p.numel() for p in block.parameters() if id(p) in matrix),
+        "P_root": total - in_blocks, "depth": cfg.depth, "d": cfg.hidden_size,
+        "tokens": (cfg.image_size // cfg.patch_size) ** 2,
+    }
+
+
+def memory(c: dict, world: int, micro_batch: int, optimizer: str, checkpointing: bool) -> dict[str, float]:
+    """Bytes per GPU by term."""
+    P, Pm = c["P"], c["P_matrix"]
+    opt = 8 * P if optimizer == "adamw" else 4 * Pm + 8 * (P - Pm)
+    out = {
+        "weights+grads+ema": 12 * P / world,
+        "optimizer": opt / world,
+        "working": 4 * c["P_block"] + 6 * c["P_block"] + 2 * c["P_root"]
+                   + (2 * c["P_block_matrix"] if optimizer != "adamw" else 0),
+    }
+    per_block = ACT_VALUES_PER_TOKEN * 2 * c["d"] * c["tokens"] * micro_batch
+    if checkpointing:
+        out["activations"] = 2 * c["d"] * c["tokens"] * micro_batch * c["depth"] + per_block
+    else:
+        out["activations"] = per_block * c["depth"]
+    return out
+
+
+def gib(x: float) -> str:
+    return f"{x / GIB:.1f}"
+
+
+def tables(presets, worlds, micro_batch: int) -> str:
+    lines = ["| preset | parameters | in matrices | per block | depth x width | tokens/image |",
+             "| --- | ---: | ---: | ---: | --- | ---: |"]
+    all_counts = [counts(p) for p in presets]
+    for c in all_counts:
+        lines.append(f"| {c['preset']} | {c['P']:,} | {c['P_matrix']:,} ({c['P_matrix'] / c['P']:.1%}) | "
+                     f"{c['P_block']:,} | {c['depth']} x {c['d']} | {c['tokens']} |")
+    lines += ["", f"GiB per GPU, micro-batch {micro_batch} images per GPU; AC = activation checkpointing per block.",
+              "", "| preset | GPUs | sharded state AdamW | sharded state Muon family | working set AdamW / Muon | "
+              "activations | activations (AC) | total AdamW | total AdamW (AC) | total Muon | total Muon (AC) |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for c in all_counts:
+        for w in worlds:
+            a, a_ac = memory(c, w, micro_batch, "adamw", False), memory(c, w, micro_batch, "adamw", True)
+            m, m_ac = memory(c, w, micro_batch, "muon", False), memory(c, w, micro_batch, "muon", True)
+            lines.append(
+                f"| {c['preset']} | {w} | {gib(a['weights+grads+ema'] + a['optimizer'])} | "
+                f"{gib(m['weights+grads+ema'] + m['optimizer'])} | {gib(a['working'])} / {gib(m['working'])} | "
+                f"{gib(a['activations'])} | "
+                f"{gib(a_ac['activations'])} | {gib(sum(a.values()))} | {gib(sum(a_ac.values()))} | "
+                f"{gib(sum(m.values()))} | {gib(sum(m_ac.values()))} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--micro-batch", type=int, default=32, help="images per GPU per step (default 32)")
+    ap.add_argument("--world-sizes", type=int, nargs="+", default=[8, 16, 32, 64])
+    ap.add_argument("--presets", nargs="+", default=list(PRESETS))
+    args = ap.parse_args(argv)
+    print(tables(args.presets, args.world_sizes, args.micro_batch))
+
+
+if __name__ == "__main__":
+    main()
