@@ -131,7 +131,7 @@ class MatrixOptimizer(Optimizer):
         mud_passes: int = 1,
         mud_solve: str = "triangular",
         direction_eps: float = 1e-7,
-        betas: tuple[float, float] = (0.9, 0.95),
+        betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         adamw_impl: str = "fused",
     ):
@@ -318,6 +318,8 @@ def _check_group(group: dict) -> None:
             if v is not None and v not in DIRECTION_FNS:
                 raise ValueError(f"{key}={v!r} is not valid; choose one of {', '.join(DIRECTION_FNS)}")
         update_scale(group["scale"], 1, 1)
+        if not 0.0 <= group["momentum"] < 1.0:
+            raise ValueError(f"momentum={group['momentum']!r} is not valid; it must be in [0, 1)")
         group["ns_dtype"] = _dtype_name(group["ns_dtype"])
         K = group["refresh_every"]
         if isinstance(K, bool) or not isinstance(K, int) or K < 1:
