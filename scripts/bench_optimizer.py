@@ -204,8 +204,37 @@ def main():
         for K in (1, 3, 5, 10):
             print(row(f"periodic_rowwise K={K} average", (tr + (K - 1) * tn) / K, ""))
     print()
+    lo = {k: min(v) for k, v in times.items()}
+    d_med = ph.get("muon", {}).get("time/direction")
+    d_min = min(phases["muon"]["time/direction"]) if d_med else None
+
+    def k3(t):
+        return (t["periodic_rowwise refresh"] + 2 * t["periodic_rowwise non-refresh"]) / 3
+
+    checks = [
+        ("our muon / torch.optim.Muon", lambda t: t["muon"] / t["torch.optim.Muon"], "<=", 0.8),
+        ("rownorm / torch AdamW(foreach)", lambda t: t["rownorm"] / t["torch.optim.AdamW(foreach)"], "<=", 0.8),
+        ("periodic_rowwise K=3 average / our muon", lambda t: k3(t) / t["muon"], "<=", 0.4),
+    ]
+    print("targets (ratio of medians; ratio of minima in brackets):")
+    for name, f, op, goal in checks:
+        try:
+            a, b = f(med), f(lo)
+        except KeyError:
+            continue
+        ok = a <= goal if op == "<=" else a >= goal
+        print(f"- {name}: {a:.2f} ({b:.2f}), target {op} {goal:.2f}: {'met' if ok else 'MISSED'}")
+    if d_med:
+        a, b = ns_flops / d_med / rate, ns_flops / d_min / rate
+        print(f"- NS5 throughput / GEMM rate: {a:.2f} ({b:.2f}), target >= 0.80: {'met' if a >= 0.8 else 'MISSED'}")
+    print()
     print(f"GEMM rate at these shapes (bf16 bmm, plain-iteration mix): {rate / 1e9:.0f} GFLOP/s; "
           f"plain NS5 flops per step {ns_flops / 1e9:.1f} GFLOP")
+    try:
+        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        load = "n/a"
+    print(f"load average at the end (1, 5, 15 min): {load} on {os.cpu_count()} CPUs")
     print("phases (median ms): " + "; ".join(
         f"{k}: " + ", ".join(f"{p.split('/')[-1]} {v * 1e3:.0f}" for p, v in sorted(d.items()))
         for k, d in ph.items() if d))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dit_train.optim.directions import (
+    NS_COEFFICIENTS,
     mud_whiten,
     newton_schulz5,
     ns5_flops,
@@ -127,13 +128,26 @@ def test_gram_form_is_the_same_map_in_exact_arithmetic():
                                newton_schulz5(X, dtype=torch.float64, gram=False), atol=1e-10, rtol=1e-10)
 
 
+def _keller_ns5(X):
+    """Keller Jordan's reference Muon iteration in bf16 (X = a X + B @ X with separately rounded terms)."""
+    a, b, c = NS_COEFFICIENTS
+    Xo = oriented(X).bfloat16()
+    Xo = Xo / (Xo.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    for _ in range(5):
+        A = Xo @ Xo.mT
+        B = b * A + c * A @ A
+        Xo = a * Xo + B @ Xo
+    return Xo.mT if X.shape[-2] > X.shape[-1] else Xo
+
+
 @pytest.mark.parametrize("kind", ["gauss", "lowrank", "decay", "zero_rows"])
-@pytest.mark.parametrize("rc", [(32, 80), (48, 192), (32, 192), (192, 32)])
+@pytest.mark.parametrize("rc", [(48, 96), (32, 80), (48, 192), (32, 192), (192, 32), (96, 48)])
 def test_gram_form_matches_plain_within_bf16_tolerance(kind, rc):
-    """The Gram form runs in bf16 only where this holds: its distance to the exact (fp64) NS5 map is at most
-    twice the plain bf16 iteration's own distance (and it is closer on ill-conditioned inputs). For scale: a plain
-    bf16 iteration that rounds a*X and B@X separately is ~2.5x off the fused one, and torch.optim.Muon's own
-    result moves by ~2% when its input is scaled by 0.05 (as its EMA momentum does)."""
+    """The Gram form runs in bf16 only where this holds. Against the exact (fp64) NS5 map, its error is no larger
+    than that of the reference bf16 Muon iteration (Keller's, separately rounded terms), at most 2.5x that of our
+    fused plain iteration (measured worst over 12 seeds: 2.0x on Gaussian input, where both are ~1-3%), and no
+    larger than the plain iteration's on low-rank and ill-conditioned input (measured: 0.5-0.9x). For scale,
+    torch.optim.Muon's own result moves by ~2% when its input is scaled by 0.05, as its EMA momentum does."""
     r, c = min(rc), max(rc)
     X = _inputs(kind, r, c, gen(7))
     if rc[0] > rc[1]:  # tall: the same matrices transposed
@@ -145,7 +159,8 @@ def test_gram_form_matches_plain_within_bf16_tolerance(kind, rc):
 
     e_plain = err(newton_schulz5(X, gram=False))
     e_gram = err(newton_schulz5(X, gram=True))
-    assert e_gram <= 2.0 * e_plain, (e_gram, e_plain)
+    e_ref = err(_keller_ns5(X))
+    assert e_gram <= e_ref and e_gram <= 2.5 * e_plain, (e_gram, e_plain, e_ref)
     if kind in ("lowrank", "decay"):
         assert e_gram <= e_plain
 
@@ -165,8 +180,8 @@ def test_workspace_gives_the_same_result_and_is_reused(shape):
 
 
 def test_gram_is_chosen_only_for_elongated_matrices():
-    assert uses_gram(512, 2048) and uses_gram(3072, 512) and uses_gram(512, 1536)
-    assert not uses_gram(512, 512) and not uses_gram(512, 1024)
+    assert uses_gram(512, 2048) and uses_gram(3072, 512) and uses_gram(512, 1536) and uses_gram(1024, 512)
+    assert not uses_gram(512, 512) and not uses_gram(512, 768)
 
 
 # ---- RowNorm --------------------------------------------------------------------------------------------------
