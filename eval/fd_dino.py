@@ -123,8 +123,9 @@ def main(argv=None) -> list[dict]:
         todo += found
     extractor = build_extractor(cfg.encoder, cfg.encoder_path, device)
     reference = f"{cfg.reference_split}:{cfg.reference_num}"
-    settings = {"encoder": extractor.encoder_id, "num_gen": int(cfg.num_samples), "sample_steps": int(cfg.sample_steps),
-                "cfg_scale": float(cfg.cfg_scale), "seed": int(cfg.seed), "reference": reference}
+    settings = {"encoder": extractor.encoder_id, "num_gen": int(cfg.num_samples),
+                "sample_steps": int(cfg.sample_steps), "cfg_scale": float(cfg.cfg_scale), "seed": int(cfg.seed),
+                "reference": reference}
 
     rows = load_results(out) if rank == 0 else []
     done = {row_key(r) for r in rows}

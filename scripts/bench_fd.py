@@ -32,7 +32,8 @@ ARCH = {  # Dinov2Config overrides for the real architectures (hub names)
 
 def get_extractor(name: str, device: str):
     try:
-        return build_extractor(name, None, device), "pretrained"
+        ex = build_extractor(name, None, device)
+        return ex, ("random-init (tests only)" if name == "dinov2_random" else "pretrained")
     except MissingWeightsError:
         if name not in ARCH:
             raise
@@ -66,7 +67,8 @@ def main() -> None:
     args = ap.parse_args()
 
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {args.device}, "
-          f"input {args.batch_size}x{args.channels}x{args.image_size}x{args.image_size}")
+          f"input {args.batch_size}x{args.channels}x{args.image_size}x{args.image_size}, "
+          f"load average at start {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print("| encoder | weights | input | feature dim | images/s | FD of two stats at this dim (s) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name in args.encoders:
@@ -77,7 +79,8 @@ def main() -> None:
         t = time.perf_counter()
         frechet_distance(np.zeros(d), a, np.zeros(d), a)
         fd_s = time.perf_counter() - t
-        print(f"| {name} | {weights} | {ex.input_size}x{ex.input_size} | {d} | {ips:.1f} | {fd_s:.2f} |", flush=True)
+        print(f"| {name} | {weights} | {ex.input_size}x{ex.input_size} | {d} | {ips:.2f} | {fd_s:.2f} |", flush=True)
+    print(f"load average at end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

@@ -75,7 +75,8 @@ def test_streaming_equals_one_shot_and_merge_equals_concatenation():
     assert s.count == 257
     np.testing.assert_allclose(s.mean, one.mean, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(s.cov, one.cov, rtol=1e-9, atol=1e-11)
-    left, right = StreamingStats(16).update(torch.from_numpy(x[:50])), StreamingStats(16).update(torch.from_numpy(x[50:]))
+    left = StreamingStats(16).update(torch.from_numpy(x[:50]))
+    right = StreamingStats(16).update(torch.from_numpy(x[50:]))
     m = left.merge(right).finalize()
     np.testing.assert_allclose(m.cov, one.cov, rtol=1e-9, atol=1e-11)
     assert fd_from_stats(s, one) == pytest.approx(0.0, abs=1e-9)

@@ -21,6 +21,7 @@ The accumulation it does (float64 sums and outer-product sums) is the same as ou
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass
 
@@ -86,7 +87,8 @@ class StreamingStats:
         new_shift = new_shift.to(device=self.sum.device, dtype=torch.float64)
         if self.shift is not None and self.count > 0:
             delta = self.shift - new_shift  # f - new = (f - old) + delta
-            self.outer += torch.outer(self.sum, delta) + torch.outer(delta, self.sum) + self.count * torch.outer(delta, delta)
+            self.outer += (torch.outer(self.sum, delta) + torch.outer(delta, self.sum)
+                           + self.count * torch.outer(delta, delta))
             self.sum += self.count * delta
         self.shift = new_shift.clone()
         return self
@@ -155,14 +157,26 @@ def _psd_sqrt(s: torch.Tensor) -> torch.Tensor:
     return (v * w.clamp(min=0).sqrt()) @ v.T
 
 
-# The linear algebra runs in torch (float64, CPU), not numpy: on small CPU machines torch's OpenMP workers keep
-# spinning after the encoder's forward and a second (OpenBLAS) thread pool then fights them (measured: a 2048-d
-# eigh 1.4 s in torch vs 4-13 s in numpy right after an Inception forward on 2 cores).
+@contextlib.contextmanager
+def _single_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+# The linear algebra runs in torch (float64, CPU, one thread), not numpy. Measured on the 2-core dev box while other
+# jobs ran: numpy's OpenBLAS pool fighting torch's still-spinning OpenMP workers after an encoder forward took 4-22 s
+# for one 2048-d eigh, torch with 2 threads 10-37 s, torch with 1 thread 4.5 s. Multithreaded eigh degrades badly
+# whenever cores are shared; once per evaluation a few seconds single-threaded is the robust choice.
 def trace_sqrt_product(s1, s2) -> float:
     """Tr (S1 S2)^(1/2) for symmetric PSD S1, S2 via the eigenvalues of the symmetric A S2 A, A = S1^(1/2)."""
-    a = _psd_sqrt(_as_f64(s1))
-    m = a @ _as_f64(s2) @ a
-    ev = torch.linalg.eigvalsh((m + m.T) / 2)
+    with _single_thread():
+        a = _psd_sqrt(_as_f64(s1))
+        m = a @ _as_f64(s2) @ a
+        ev = torch.linalg.eigvalsh((m + m.T) / 2)
     return float(ev.clamp(min=0).sqrt().sum())
 
 
