@@ -16,8 +16,12 @@ def to_uint8(x: torch.Tensor) -> np.ndarray:
     return arr[..., 0] if arr.shape[2] == 1 else arr
 
 
-def save_grid(images: torch.Tensor, path: str, nrow: int, pad: int = 2) -> str:
-    """images [N, C, H, W] in [-1, 1] -> one PNG, nrow images per row; written atomically."""
+def save_grid(images: torch.Tensor, path: str, nrow: int, pad: int = 2, min_size: int = 64) -> str:
+    """images [N, C, H, W] in [-1, 1] -> one PNG, nrow images per row; written atomically. Images smaller than
+    min_size are enlarged by an integer factor (nearest) so a 32-px grid is readable."""
+    factor = max(1, -(-min_size // images.shape[-1]))
+    if factor > 1:
+        images = torch.nn.functional.interpolate(images.float(), scale_factor=factor, mode="nearest")
     n, c, h, w = images.shape
     if c not in (1, 3):
         images = images[:, :3] if c > 3 else images[:, :1]  # latents: show the first channels

@@ -129,8 +129,12 @@ class Trainer:
         self.active_time = 0.0  # wall time inside training steps (no eval, no checkpointing)
         self.bad_steps = 0
         self.skipped_steps = 0
-        self.fd_evaluator = None
         self.best_fd = None
+        self.fd_evaluator = None
+        if cfg.eval.get("every_n_steps"):  # built now so missing encoder weights fail before training starts
+            from .fd.evaluator import FDEvaluator
+
+            self.fd_evaluator = FDEvaluator(cfg.eval, cfg.data, self.device)
         self.stop_signal = None
         self._previous_handlers: dict = {}
         self.last_val: dict = {}
@@ -357,15 +361,14 @@ class Trainer:
         out.update({f"val/loss_t{t:.3f}": v for t, v in zip(grid.tolist(), per_t.tolist())})
         return out
 
-    def sample_fn(self, labels, generator, context=None, context_mask=None):
-        """EMA samples with CFG; used for the grids and by the FD evaluator."""
+    def sample_fn(self, labels, generator, steps: int, cfg_scale: float, context=None, context_mask=None):
+        """EMA samples with CFG; used for the grids (train.sample_*) and by the FD evaluator (eval.*)."""
         m = self.cfg.model
         noise = torch.randn((labels.shape[0], m.in_channels, m.image_size, m.image_size), generator=generator,
                             device=self.device)
         with self.autocast():
             x = euler_sample(self.ema.model, noise, y=labels.to(self.device) if m.num_classes else None,
-                             steps=self.tc.sample_steps, cfg_scale=self.tc.cfg_scale,
-                             context=context, context_mask=context_mask)
+                             steps=steps, cfg_scale=cfg_scale, context=context, context_mask=context_mask)
         return x.float().clamp(-1, 1)
 
     def sample_grid(self) -> str | None:
@@ -382,7 +385,7 @@ class Trainer:
         if isinstance(y0, dict):  # text-conditioned: use the first held-out captions
             labels = torch.zeros(min(len(x0), classes * k), dtype=torch.long)
             context = y0["context"][: len(labels)].to(self.device)
-        images = self.sample_fn(labels, gen, context=context)
+        images = self.sample_fn(labels, gen, self.tc.sample_steps, self.tc.cfg_scale, context=context)
         if not self.dist.is_main:
             return None
         os.makedirs(os.path.join(self.run_dir, "samples"), exist_ok=True)
@@ -391,20 +394,21 @@ class Trainer:
         return path
 
     def evaluate_fd(self) -> dict:
-        if self.fd_evaluator is None:
-            from .fd.evaluator import FDEvaluator
-
-            self.fd_evaluator = FDEvaluator(self.cfg.eval, self.cfg.data, self.device)
-            if self.best_fd:
-                self.fd_evaluator.best = dict(self.best_fd)
-        result = self.fd_evaluator.evaluate(lambda labels, g: self.sample_fn(labels, g), self.step, self.active_time)
-        self.best_fd = dict(self.fd_evaluator.best)
+        """FD of EMA samples (eval.sample_steps, eval.cfg_scale) against the cached reference; keeps the best
+        value with its step and active time."""
+        ev = self.cfg.eval
+        if self.best_fd and self.fd_evaluator.best is None:  # restored from a checkpoint
+            self.fd_evaluator.best = dict(self.best_fd)
+        result = self.fd_evaluator.evaluate(
+            lambda labels, g: self.sample_fn(labels, g, ev.sample_steps, ev.cfg_scale), self.step, self.active_time)
+        self.best_fd = dict(self.fd_evaluator.best) if self.fd_evaluator.best else None
         images = result.pop("images", None)
         if images is not None and self.dist.is_main:
             os.makedirs(os.path.join(self.run_dir, "samples"), exist_ok=True)
             save_grid(images[:64], os.path.join(self.run_dir, "samples", f"fd_step_{self.step:08d}.png"), nrow=8)
         out = {k: v for k, v in result.items() if isinstance(v, (int, float, str))}
-        out.update({f"fd_best/{k}": v for k, v in self.best_fd.items()})
+        out["active_time_s"] = self.active_time
+        out.update({f"fd_best/{k}": v for k, v in (self.best_fd or {}).items()})
         return out
 
     # ---- the loop ----------------------------------------------------------------------------------------
