@@ -143,9 +143,21 @@ def test_config_files_compose_and_build(name):
 
 
 def test_added_optimizer_needs_only_a_registry_entry(monkeypatch):
+    from dit_train.optim import registry
+
     monkeypatch.setitem(OPTIMIZERS, "sgd", lambda model, cfg: torch.optim.SGD(model.parameters(), lr=cfg["lr"]))
     opt = build_optimizer(tiny_dit(), {"name": "sgd", "lr": 0.1})
     assert isinstance(opt.routing_table, str) and opt.step_info() == {}
+
+    def build_periodic_mud(model, cfg):  # what a new optim/<name>.py would hold: MUD refreshes, RowNorm between
+        return registry.build_matrix(model, cfg, name="periodic_mud", direction="mud", between="rownorm",
+                                     extra_keys={**registry.MUD_KEYS, **registry.PERIODIC_KEYS})
+
+    monkeypatch.setitem(OPTIMIZERS, "periodic_mud", build_periodic_mud)
+    model = tiny_dit(perturb=True)
+    opt = build_optimizer(model, {"name": "periodic_mud", "K": 2})
+    train(model, opt, 3)
+    assert opt.step_info() == {"opt/refresh": 1.0} and "mud when step % 2 == 0" in opt.routing_table
 
 
 # ---- exact update maths ------------------------------------------------------------------------------------------

@@ -17,8 +17,10 @@ it is saved by state_dict and restored by load_state_dict):
 Single-device placement: same-shape matrices of a group are stacked into one [B, m, n] workspace (one bmm chain
 per shape; every large buffer of the direction is reused across steps, as fresh tens-of-MB allocations cost page
 faults on CPU) and updated with foreach ops. The maths lives in directions.py
-and in `compute_direction`; where the matrices live is in `_stack_inputs` / `_apply_update`, which a sharded
-subclass (FSDP2 shards, explicit collectives, ALGORITHMS §6) overrides while reusing the rest.
+and in `compute_direction`; where the matrices live is in `_stack_inputs` / `_direction` / `_apply_update`, which
+a sharded subclass (FSDP2 shards, explicit collectives, ALGORITHMS §6) overrides while reusing the rest: the
+direction functions take `reduce=` (an all-reduce over the ranks holding the other columns) and `tall=` (orient a
+shard as its whole matrix), tested against the whole matrix in tests/test_optim_directions.py.
 """
 
 from __future__ import annotations
@@ -51,13 +53,6 @@ def update_scale(rule: str, m: int, n: int) -> float:
     raise ValueError(f"scale={rule!r} is not valid; choose one of {', '.join(SCALE_RULES)}")
 
 
-# ---- directions on a stacked [B, m, n] batch ------------------------------------------------------------------
-# Each returns (D, row_scale): the direction is D * row_scale (row_scale None means D itself). Returning the
-# per-row factor separately lets rownorm fold its normalisation into the parameter update (one pass less).
-# `ws` is the bucket's workspace dict (see directions.py); results may live in it until the next step.
-DirectionFn = Callable[[Tensor, dict, dict], tuple[Tensor, Tensor | None]]
-
-
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
 
@@ -69,19 +64,29 @@ def _dtype_name(dt: torch.dtype | str) -> str:
     return name
 
 
-def _spectral(U: Tensor, group: dict, ws: dict) -> tuple[Tensor, Tensor | None]:
+# ---- directions on a stacked [B, m, n] batch ------------------------------------------------------------------
+# Each returns (D, row_scale): the direction is D * row_scale (row_scale None means D itself). Returning the
+# per-row factor separately lets rownorm fold its normalisation into the parameter update (one pass less).
+# `ws` is the bucket's workspace dict (see directions.py); results may live in it until the next step.
+# `placement` is passed on to the direction functions: reduce= and tall= for matrices held as shards (§6).
+DirectionFn = Callable[..., tuple[Tensor, Tensor | None]]  # (U, group, ws, **placement)
+
+
+def _spectral(U: Tensor, group: dict, ws: dict, **placement) -> tuple[Tensor, Tensor | None]:
     dt = DTYPES[group["ns_dtype"]]
     D = newton_schulz5(U, group["ns_steps"], dt, group["direction_eps"], gram=group["ns_gram"], out_dtype=dt,
-                       workspace=ws)
+                       workspace=ws, **placement)
     return D, None
 
 
-def _rownorm(U: Tensor, group: dict, ws: dict) -> tuple[Tensor, Tensor | None]:
-    return U, row_inv_norms(U, group["direction_eps"])
+def _rownorm(U: Tensor, group: dict, ws: dict, **placement) -> tuple[Tensor, Tensor | None]:
+    return U, row_inv_norms(U, group["direction_eps"], **placement)
 
 
-def _mud(U: Tensor, group: dict, ws: dict) -> tuple[Tensor, Tensor | None]:
-    return mud_whiten(U, group["mud_passes"], group["direction_eps"], solve=group["mud_solve"], workspace=ws), None
+def _mud(U: Tensor, group: dict, ws: dict, **placement) -> tuple[Tensor, Tensor | None]:
+    D = mud_whiten(U, group["mud_passes"], group["direction_eps"], solve=group["mud_solve"], workspace=ws,
+                   **placement)
+    return D, None
 
 
 DIRECTION_FNS: dict[str, DirectionFn] = {"spectral": _spectral, "rownorm": _rownorm, "mud": _mud}
@@ -92,13 +97,15 @@ def register_direction(name: str, fn: DirectionFn) -> None:
     DIRECTION_FNS[name] = fn
 
 
-def compute_direction(kind: str, U: Tensor, group: dict, workspace: dict | None = None) -> tuple[Tensor, Tensor | None]:
-    """The direction of a (possibly batched) matrix U, independent of where U lives."""
+def compute_direction(kind: str, U: Tensor, group: dict, workspace: dict | None = None,
+                      **placement) -> tuple[Tensor, Tensor | None]:
+    """The direction of a (possibly batched) matrix U as (D, row_scale): Phi(U) = D * row_scale (row_scale None:
+    D itself). Independent of where U lives; `placement` (reduce=, tall=) describes a shard."""
     try:
         fn = DIRECTION_FNS[kind]
     except KeyError:
         raise ValueError(f"direction={kind!r} is not valid; choose one of {', '.join(DIRECTION_FNS)}") from None
-    return fn(U, group, {} if workspace is None else workspace)
+    return fn(U, group, {} if workspace is None else workspace, **placement)
 
 
 def _input_dtype(kind: str, group: dict, param_dtype: torch.dtype) -> torch.dtype:
@@ -220,8 +227,7 @@ class MatrixOptimizer(Optimizer):
                                               _input_dtype(kind, group, params[idx[0]].dtype))
                       for key, idx in buckets.items()}
         with timer.phase("direction"):
-            directions = {key: compute_direction(kind, U, group, self._bucket_workspace(key))
-                          for key, U in inputs.items()}
+            directions = {key: self._direction(kind, key, U, group) for key, U in inputs.items()}
         with timer.phase("update"):
             if wd != 0:
                 torch._foreach_mul_(params, 1.0 - lr * wd)
@@ -230,6 +236,10 @@ class MatrixOptimizer(Optimizer):
                 alpha = -lr * update_scale(group["scale"], m, n)
                 D, row_scale = directions[key]
                 self._apply_update([params[i] for i in idx], D, row_scale, alpha)
+
+    def _direction(self, kind: str, key, U: Tensor, group: dict) -> tuple[Tensor, Tensor | None]:
+        """Direction of one bucket; single device: the whole matrices are here, no reduce."""
+        return compute_direction(kind, U, group, self._bucket_workspace(key))
 
     def _bucket_workspace(self, key) -> dict:
         return self._workspace.setdefault(key, {})
