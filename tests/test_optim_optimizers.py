@@ -211,17 +211,21 @@ def test_muon_parity_with_torch_optim_muon(scale, adjust_lr_fn, nesterov):
                            nesterov=nesterov)
     ref = torch.optim.Muon(ref_p, lr=0.02, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
     g = torch.Generator().manual_seed(1)
-    for _ in range(5):
+    for _ in range(6):  # two independent runs on the same gradient sequence
         grads = [torch.randn(*s, generator=g) for s in shapes]
-        before = [p.detach().clone() for p in ref_p]
+        before_ours = [p.detach().clone() for p in ours_p]
+        before_ref = [p.detach().clone() for p in ref_p]
         for a, b, gr in zip(ours_p, ref_p, grads):
             a.grad, b.grad = gr.clone(), gr.clone()
         ours.step()
         ref.step()
-        for a, b, w in zip(ours_p, ref_p, before):
-            d_ours, d_ref = a.detach() - w, b.detach() - w
+        for a, b, wa, wb in zip(ours_p, ref_p, before_ours, before_ref):
+            d_ours, d_ref = a.detach() - wa, b.detach() - wb
             assert ((d_ours - d_ref).norm() / d_ref.norm()).item() < 0.05
-            a.data.copy_(b.data)  # same weights for the next step; momenta evolve independently
+    for a, b, w in zip(ours_p, ref_p, W0):  # and where the six steps ended up
+        assert ((a.detach() - b.detach()).norm() / (b.detach() - w).norm()).item() < 0.03
+        # both keep the momentum as the EMA (1 - mu) M, updated by the same lerp: bit for bit equal
+        assert torch.equal(ours.state[a]["momentum_buffer"], ref.state[b]["momentum_buffer"])
 
 
 def test_muon_parity_fails_for_the_wrong_scale_rule():
