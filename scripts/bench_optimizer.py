@@ -46,9 +46,10 @@ CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 def parse():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="dit_m", help="conf/model/<preset>.yaml")
-    ap.add_argument("--hidden-size", type=int, default=512, help="width override (scales the preset to fit)")
-    ap.add_argument("--depth", type=int, default=8, help="depth override")
-    ap.add_argument("--num-heads", type=int, default=None, help="heads override (default: keep head dim 64)")
+    ap.add_argument("--hidden-size", type=int, default=None, help="width override, to scale a preset to the CPU")
+    ap.add_argument("--depth", type=int, default=None, help="depth override")
+    ap.add_argument("--num-heads", type=int, default=None,
+                    help="heads override (default: the preset's, or head dim 64 when the width is overridden)")
     ap.add_argument("--repeats", type=int, default=7, help="timed steps per contender (median reported)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -58,9 +59,13 @@ def parse():
 
 def materialise(args):
     cfg = OmegaConf.load(os.path.join(CONF, "model", f"{args.preset}.yaml"))
-    cfg.hidden_size = args.hidden_size
-    cfg.depth = args.depth
-    cfg.num_heads = args.num_heads or max(1, args.hidden_size // 64)
+    if args.hidden_size:
+        cfg.hidden_size = args.hidden_size
+        cfg.num_heads = max(1, args.hidden_size // 64)
+    if args.depth:
+        cfg.depth = args.depth
+    if args.num_heads:
+        cfg.num_heads = args.num_heads
     model = build_model(cfg, device="meta")
     model.to_empty(device="cpu")
     g = torch.Generator().manual_seed(0)
