@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from omegaconf import OmegaConf  # noqa: E402
 
 from dit_train.model import build_model  # noqa: E402
-from dit_train.optim.directions import ns5_flops, oriented, uses_gram  # noqa: E402
+from dit_train.optim.directions import ns5_flops, uses_gram  # noqa: E402
 from dit_train.optim.registry import build_optimizer  # noqa: E402
 from dit_train.optim.routing import route_parameters  # noqa: E402
 from dit_train.timing import PhaseTimer, set_active_timer  # noqa: E402
