@@ -127,3 +127,16 @@ def test_same_seed_same_losses(tiny_cfg, tmp_path):
     run(b)
     la = [r.get("train/loss") for r in read_metrics(a.run_dir)]
     assert la == [r.get("train/loss") for r in read_metrics(b.run_dir)]
+
+
+def test_wandb_offline_needs_no_login_or_network(tiny_cfg, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    tiny_cfg.logger.wandb.mode = "offline"
+    tiny_cfg.train.sample_every = 6
+    run(tiny_cfg)
+    runs = [d for d in os.listdir(os.path.join(tiny_cfg.run_dir, "wandb")) if d.startswith("offline-run-")]
+    assert len(runs) == 1
+    files = os.listdir(os.path.join(tiny_cfg.run_dir, "wandb", runs[0]))
+    assert any(f.endswith(".wandb") for f in files)
