@@ -190,6 +190,10 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"], self.gen)
+        self._restore_counters(state)
+
+    def _restore_counters(self, state: dict) -> None:
+        """Step (= data position), active time, skipped steps and best FD: the same in every checkpoint format."""
         self.step = state["step"]
         self.active_time = state["active_time_s"]
         self.skipped_steps = state.get("skipped_steps", 0)
@@ -226,10 +230,7 @@ class Trainer:
                 set_rng_state(rng, self.gen)
             self.gen.set_state(state["train_gen"])
             self.ema.num_updates = state["ema_num_updates"]
-            self.step = state["step"]
-            self.active_time = state["active_time_s"]
-            self.skipped_steps = state.get("skipped_steps", 0)
-            self.best_fd = state.get("best_fd")
+            self._restore_counters(state)
         elif self.sharded:
             state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
             sharded_ckpt.load_full_into(state, self.model, self.optimizer, self.ema.model)
@@ -238,10 +239,7 @@ class Trainer:
             if self.dist.is_main:
                 set_rng_state(state["rng"], self.gen)
             self.ema.num_updates = state["ema"]["num_updates"]
-            self.step = state["step"]
-            self.active_time = state["active_time_s"]
-            self.skipped_steps = state.get("skipped_steps", 0)
-            self.best_fd = state.get("best_fd")
+            self._restore_counters(state)
         else:
             self.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
 
