@@ -67,6 +67,11 @@ def check_config(cfg, world_size: int = 1) -> None:
             _require(d.get("num_classes") in (None, "???") or m.num_classes >= d.num_classes, "model.num_classes",
                      m.num_classes, f"must be >= data.num_classes={d.get('num_classes')}")
 
+    from .data import DATASETS
+
+    _require(d.name in DATASETS, "data.name", d.name, f"choose one of {', '.join(sorted(DATASETS))}")
+    _check_optimizer(cfg.optimizer)
+
     ev = cfg.eval
     if ev.get("every_n_steps", 0):
         _require(ev.num_samples >= 2, "eval.num_samples", ev.num_samples, "expected >= 2 (a covariance needs 2)")
@@ -75,3 +80,16 @@ def check_config(cfg, world_size: int = 1) -> None:
     if resume not in (None, "auto"):
         _require(os.path.exists(str(resume)), "train.resume", resume,
                  "expected null, 'auto' or an existing run folder / checkpoint file")
+
+
+def _check_optimizer(opt_cfg) -> None:
+    """The registry validates every optimizer key (name, lr, K, scale, patterns, ...); building the optimizer on a
+    one-layer meta model runs that validation now instead of after the data and model are built."""
+    import torch
+
+    from .optim.registry import build_optimizer
+
+    try:
+        build_optimizer(torch.nn.Linear(2, 2, device="meta"), opt_cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
