@@ -4,6 +4,7 @@
     python scripts/run_study.py scaling_study_cpu                       # the CPU study, on this machine
     python scripts/run_study.py scaling_study launcher=slurm data.root=/data/latents eval.encoder_path=/w/dinov2
     python scripts/run_study.py scaling_study_cpu --dry-run            # print the commands only
+    python scripts/run_study.py scaling_study_cpu --models dit_xs      # one size now, the rest later
 
 The grid is models x optimizers x seeds, with periodic_rowwise expanded over study.K. Each run's folder is
 <sweep_dir>/<sorted overrides> (Hydra's override_dirname), so rerunning finds finished runs (summary.json) and
@@ -55,6 +56,8 @@ def main(argv=None) -> int:
     p.add_argument("experiment", help="a file name in dit_train/conf/experiment/ (without .yaml)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (launcher=slurm, data.root=...)")
     p.add_argument("--sweep-dir", default=None, help="default: sweeps/<study.name>")
+    p.add_argument("--models", default=None,
+                   help="comma-separated subset of study.models to run now (the report still lists the others)")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_intermixed_args(argv)
     path = os.path.join(EXPERIMENTS, f"{args.experiment}.yaml")
@@ -78,7 +81,13 @@ def main(argv=None) -> int:
     for r in runs:
         groups.setdefault((r["model"], r["optimizer"], r["K"]), []).append(r)
     failures = 0
+    only = set(args.models.split(",")) if args.models else None
+    if only and not only <= set(study.models):
+        print(f"error: --models {args.models!r} not in study.models {list(study.models)}", file=sys.stderr)
+        return 2
     for (model, opt, K), members in groups.items():
+        if only and model not in only:
+            continue
         pending = [r for r in members if not os.path.exists(os.path.join(sweep_dir, r["name"], "summary.json"))]
         if not pending:
             print(f"[study] {model} {opt}{'' if K is None else f' K={K}'}: all seeds finished, skipping")
