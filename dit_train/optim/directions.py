@@ -22,6 +22,7 @@ is one of its buffers, valid until the next call with the same workspace.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -79,6 +80,12 @@ def _reduced(t: Tensor, reduce: Reduce) -> Tensor:
     return t if reduce is None else reduce(t)
 
 
+def _batched(X: Tensor) -> Tensor:
+    """[..., m, n] as [B, m, n] (a view where possible); also for an empty shard (m = 0), where reshape(-1, ...)
+    would be ambiguous."""
+    return X.reshape(math.prod(X.shape[:-2]), *X.shape[-2:])
+
+
 def _check(X: Tensor, fn: str) -> None:
     if X.ndim < 2:
         raise ValueError(f"{fn} needs a matrix or a batch of matrices, got shape {tuple(X.shape)}")
@@ -127,7 +134,7 @@ def newton_schulz5(
     out_dtype = X.dtype if out_dtype is None else out_dtype
     tall = is_tall(X) if tall is None else tall
     lead = X.shape[:-2]
-    Xb = X.reshape(-1, *X.shape[-2:])
+    Xb = _batched(X)
     m, n = Xb.shape[-2:]
     r, c = (n, m) if tall else (m, n)
     # Frobenius norm (accumulated in fp32 at least), then X0 = X / (||X|| + eps) in one pass into a private buffer
@@ -255,7 +262,7 @@ def mud_whiten(
     tall = is_tall(X) if tall is None else tall
     work = torch.promote_types(X.dtype, torch.float32)
     lead = X.shape[:-2]
-    Xb = X.reshape(-1, *X.shape[-2:])
+    Xb = _batched(X)
     Bn, m, n = Xb.shape
     r = n if tall else m
     bufs = [_buffer(workspace, "mud_q0", Xb.shape, work, Xb.device), _buffer(workspace, "mud_q1", Xb.shape, work, Xb.device)]

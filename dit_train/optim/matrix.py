@@ -17,10 +17,12 @@ it is saved by state_dict and restored by load_state_dict):
 Single-device placement: same-shape matrices of a group are stacked into one [B, m, n] workspace (one bmm chain
 per shape; every large buffer of the direction is reused across steps, as fresh tens-of-MB allocations cost page
 faults on CPU) and updated with foreach ops. The maths lives in directions.py
-and in `compute_direction`; where the matrices live is in `_stack_inputs` / `_direction` / `_apply_update`, which
-a sharded subclass (FSDP2 shards, explicit collectives, ALGORITHMS §6) overrides while reusing the rest: the
-direction functions take `reduce=` (an all-reduce over the ranks holding the other columns) and `tall=` (orient a
-shard as its whole matrix), tested against the whole matrix in tests/test_optim_directions.py.
+and in `compute_direction`; where the matrices live is in `_local` (the tensors this process updates) and
+`_directions` (every bucket's direction), which the sharded subclass (optim/sharded.py: FSDP2 shards, explicit
+collectives, ALGORITHMS §6) overrides while reusing the rest: buckets are keyed by the whole matrix's shape, the
+stacked inputs take the local shape, and the direction functions take `reduce=` (an all-reduce over the ranks
+holding the other columns) and `tall=` (orient a shard as its whole matrix), tested against the whole matrix in
+tests/test_optim_directions.py.
 """
 
 from __future__ import annotations
@@ -108,17 +110,13 @@ def compute_direction(kind: str, U: Tensor, group: dict, workspace: dict | None 
     return fn(U, group, {} if workspace is None else workspace, **placement)
 
 
-def _input_dtype(kind: str, group: dict, param_dtype: torch.dtype) -> torch.dtype:
-    """Dtype of the stacked direction input: NS5 reads its compute dtype directly (the cast is fused into the
-    Nesterov add); rownorm and mud read the momentum's own precision."""
-    return DTYPES[group["ns_dtype"]] if kind == "spectral" else param_dtype
-
-
 class MatrixOptimizer(Optimizer):
     """Matrix groups (Muon family, RowNorm, MUD) and AdamW groups in one optimizer; see the module docstring.
 
     `params`: param groups, each a dict with "params" and "kind" ("matrix" or "adamw") plus any per-group
     overrides of the keyword defaults below; a plain iterable of tensors is one matrix group."""
+
+    accepts_dtensors = False  # matrix groups of FSDP2 shards need ShardedMatrixOptimizer (optim/sharded.py)
 
     def __init__(
         self,
@@ -159,7 +157,7 @@ class MatrixOptimizer(Optimizer):
             param_group["step"] = max(g["step"] for g in self.param_groups)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        _check_group(group)
+        _check_group(group, self.accepts_dtensors)
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -204,30 +202,18 @@ class MatrixOptimizer(Optimizer):
 
     # ---- matrix groups ------------------------------------------------------------------------------------
     def _matrix_step(self, group: dict, kind: str, timer) -> None:
-        params, grads, bufs = [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise RuntimeError("MatrixOptimizer does not support sparse gradients")
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            params.append(p)
-            grads.append(p.grad)
-            bufs.append(state["momentum_buffer"])
+        params, grads, bufs, shapes = self._matrix_tensors(group)
         if not params:
             return
         mu, nesterov = group["momentum"], group["nesterov"]
         lr, wd = float(group["lr"]), group["weight_decay"]
-        buckets = _buckets(params)
+        buckets = _buckets(params, shapes)
         with timer.phase("momentum"):
             torch._foreach_lerp_(bufs, grads, 1.0 - mu)  # buffer = (1 - mu) M: M <- mu M + G
             inputs = {key: self._stack_inputs(key, idx, grads, bufs, mu, nesterov,
-                                              _input_dtype(kind, group, params[idx[0]].dtype))
+                                              self._input_dtype(kind, key, group, params[idx[0]].dtype))
                       for key, idx in buckets.items()}
-        with timer.phase("direction"):
-            directions = {key: self._direction(kind, key, U, group) for key, U in inputs.items()}
+        directions = self._directions(kind, inputs, group, timer)
         with timer.phase("update"):
             if wd != 0:
                 torch._foreach_mul_(params, 1.0 - lr * wd)
@@ -236,6 +222,40 @@ class MatrixOptimizer(Optimizer):
                 alpha = -lr * update_scale(group["scale"], m, n)
                 D, row_scale = directions[key]
                 self._apply_update([params[i] for i in idx], D, row_scale, alpha)
+
+    def _matrix_tensors(self, group: dict) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[tuple]]:
+        """(params, grads, momentum buffers, matrix shapes) of the group's matrices that have a gradient, creating
+        the momentum state on first use. The tensors are what this process updates (`_local`: the tensors
+        themselves here, the local shards in the sharded subclass); the shapes are the whole matrices' (m, n),
+        which decide the bucket, the orientation and the update scale."""
+        params, grads, bufs, shapes = [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("MatrixOptimizer does not support sparse gradients")
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(self._local(p))
+            grads.append(self._local(p.grad))
+            bufs.append(self._local(state["momentum_buffer"]))
+            shapes.append(tuple(p.shape))
+        return params, grads, bufs, shapes
+
+    @staticmethod
+    def _local(t: Tensor) -> Tensor:
+        return t
+
+    def _input_dtype(self, kind: str, key, group: dict, param_dtype: torch.dtype) -> torch.dtype:
+        """Dtype of the stacked direction input: NS5 reads its compute dtype directly (the cast is fused into the
+        Nesterov add); rownorm and mud read the momentum's own precision."""
+        return DTYPES[group["ns_dtype"]] if kind == "spectral" else param_dtype
+
+    def _directions(self, kind: str, inputs: dict, group: dict, timer) -> dict:
+        """The direction of every bucket: {key: (D, row_scale)}."""
+        with timer.phase("direction"):
+            return {key: self._direction(kind, key, U, group) for key, U in inputs.items()}
 
     def _direction(self, kind: str, key, U: Tensor, group: dict) -> tuple[Tensor, Tensor | None]:
         """Direction of one bucket; single device: the whole matrices are here, no reduce."""
@@ -249,7 +269,7 @@ class MatrixOptimizer(Optimizer):
         direction's input dtype: the Nesterov add, the cast and the stacking are one pass per matrix (torch has no
         foreach op that writes into slices of one tensor; a foreach add followed by a stack is 6x slower here)."""
         ws = self._bucket_workspace(key)
-        shape = (len(idx), *key[0])
+        shape = (len(idx), *bufs[idx[0]].shape)  # the local shape (a shard's rows in the sharded subclass)
         U = ws.get(("u", dtype))
         if U is None or U.shape != shape:
             U = ws[("u", dtype)] = torch.empty(shape, dtype=dtype, device=bufs[idx[0]].device)
@@ -301,24 +321,26 @@ class MatrixOptimizer(Optimizer):
         )
 
 
-def _buckets(params: list[Tensor]) -> dict[tuple, list[int]]:
-    """Indices of same-(shape, dtype, device) matrices, which are stacked and processed as one batch."""
+def _buckets(params: list[Tensor], shapes: list[tuple]) -> dict[tuple, list[int]]:
+    """Indices of same-(matrix shape, dtype, device) matrices, which are stacked and processed as one batch."""
     out: dict[tuple, list[int]] = defaultdict(list)
-    for i, p in enumerate(params):
-        out[(tuple(p.shape), p.dtype, p.device)].append(i)
+    for i, (p, shape) in enumerate(zip(params, shapes)):
+        out[(shape, p.dtype, p.device)].append(i)
     return dict(out)
 
 
-def _check_group(group: dict) -> None:
+def _check_group(group: dict, accepts_dtensors: bool = False) -> None:
     """Reject a group the step could not run, with the offending key, value and what is valid."""
     kind = group["kind"]
     if kind not in KINDS:
         raise ValueError(f"param group kind={kind!r} is not valid; choose one of {', '.join(KINDS)}")
     if kind == "matrix":
-        if any(hasattr(p, "to_local") for p in group["params"]):  # DTensor, without importing torch.distributed
-            raise NotImplementedError(
-                "matrix optimizers on FSDP2 shards (DTensor parameters) need the sharded implementation "
-                "(ALGORITHMS §6, optim/sharded.py), which is not written yet; use optimizer=adamw with FSDP")
+        # DTensor, tested without importing torch.distributed
+        if not accepts_dtensors and any(hasattr(p, "to_local") for p in group["params"]):
+            raise TypeError(
+                "a matrix param group holds FSDP2 shards (DTensor parameters): they need the sharded "
+                "implementation, ShardedMatrixOptimizer (optim/sharded.py, ALGORITHMS §6), which build_optimizer "
+                "picks for sharded models")
         for p in group["params"]:
             if p.ndim != 2:
                 raise ValueError(f"a matrix param group holds a parameter of shape {tuple(p.shape)}; "

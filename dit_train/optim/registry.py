@@ -21,6 +21,7 @@ from torch import nn
 
 from .matrix import ADAMW_IMPLS, SCALE_RULES, MatrixOptimizer
 from .routing import Routing, format_routing_table, route_parameters
+from .sharded import DISTRIBUTED_MODES, GATHER_DTYPES, ShardedMatrixOptimizer
 
 Builder = Callable[[nn.Module, dict], torch.optim.Optimizer]
 
@@ -134,6 +135,14 @@ NS_KEYS = {
 }
 PERIODIC_KEYS = {"K": (_pos_int, 3)}
 MUD_KEYS = {"mud_passes": (_pos_int, 1), "mud_solve": (_choice(MUD_SOLVES), "triangular")}
+# Placement on FSDP2 shards (optim/sharded.py); ignored by a single process. The gather dtype defaults to NS5's
+# compute dtype for the Muon family and to MUD's fp32 for MUD.
+DIST_KEYS = {
+    "distributed_mode": (_choice(DISTRIBUTED_MODES), "gather"),
+    "gather_dtype": (_choice(GATHER_DTYPES), "bfloat16"),
+    "bucket_mb": (_positive, 32.0),
+}
+MUD_DIST_KEYS = {**DIST_KEYS, "gather_dtype": (_choice(GATHER_DTYPES), "float32")}
 
 
 def resolve_config(cfg: Mapping | Any, keys: dict) -> dict:
@@ -192,28 +201,34 @@ def build_matrix(model: nn.Module, cfg: Mapping, *, name: str, direction: str, b
                        "weight_decay": adamw_wd})
     K = c.get("K") or 1
     kwargs = {k: c[k] for k in ("ns_steps", "ns_dtype", "ns_gram", "mud_passes", "mud_solve") if k in c}
-    opt = MatrixOptimizer(
+    # FSDP2 shards (DTensor parameters) take the sharded implementation, with its placement keys
+    sharded = any(hasattr(p, "to_local") for _, p in routing.matrix)
+    cls = ShardedMatrixOptimizer if sharded else MatrixOptimizer
+    if sharded:
+        kwargs.update({k: c[k] for k in DIST_KEYS if k in c})
+    opt = cls(
         groups, lr=lr, weight_decay=wd, momentum=c["momentum"], nesterov=c["nesterov"], scale=c["scale"],
         direction=direction, refresh_every=K, between=between, direction_eps=c["direction_eps"],
         betas=c["betas"], eps=c["eps"], adamw_impl=c["adamw_impl"], **kwargs,
     )
     sched = f"{direction} when step % {K} == 0, {between} otherwise" if between else f"{direction} every step"
     dtype = f", NS5 in {c['ns_dtype']}" if "ns_dtype" in c else ""
+    where = f"; {opt.describe_placement()}" if sharded else ""
     opt.routing_table = _describe(
         name, routing,
         f"matrix direction {sched}{dtype}; momentum {c['momentum']:g} (nesterov {c['nesterov']}), scale "
         f"{c['scale']}; lr {lr:g}, weight_decay {wd:g}; AdamW lr {adamw_lr:g}, weight_decay {adamw_wd:g}, "
-        f"betas {c['betas']}")
+        f"betas {c['betas']}{where}")
     return opt
 
 
 def build_muon(model, cfg):
-    return build_matrix(model, cfg, name="muon", direction="spectral", extra_keys=NS_KEYS)
+    return build_matrix(model, cfg, name="muon", direction="spectral", extra_keys={**NS_KEYS, **DIST_KEYS})
 
 
 def build_periodic_rowwise(model, cfg):
     return build_matrix(model, cfg, name="periodic_rowwise", direction="spectral", between="rownorm",
-                        extra_keys={**NS_KEYS, **PERIODIC_KEYS})
+                        extra_keys={**NS_KEYS, **PERIODIC_KEYS, **DIST_KEYS})
 
 
 def build_rownorm(model, cfg):
@@ -221,7 +236,7 @@ def build_rownorm(model, cfg):
 
 
 def build_mud(model, cfg):
-    return build_matrix(model, cfg, name="mud", direction="mud", extra_keys=MUD_KEYS)
+    return build_matrix(model, cfg, name="mud", direction="mud", extra_keys={**MUD_KEYS, **MUD_DIST_KEYS})
 
 
 OPTIMIZERS: dict[str, Builder] = {

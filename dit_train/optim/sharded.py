@@ -1,0 +1,176 @@
+"""ShardedMatrixOptimizer: the matrix optimizers on FSDP2 shards, with explicit collectives (ALGORITHMS §6–7).
+
+Every matrix parameter is a DTensor sharded along dim 0 over a 1-D mesh of p ranks (FSDP2's Shard(0); p need not
+divide the rows, shards may be empty). Its momentum is a DTensor of the same placement, so optimizer state is
+sharded like the parameters and checkpoints through DCP (dcp.py), resharding to another p. Momentum, Nesterov
+input, weight decay and the update run on the local rows exactly as in MatrixOptimizer (whose step this reuses);
+only the direction of a bucket of same-shape matrices depends on where the rows live:
+
+| direction | wide (m <= n)                          | tall (m > n)                                          |
+| --------- | -------------------------------------- | ----------------------------------------------------- |
+| rownorm   | local rows, no communication           | all-reduce of column sums of squares (n fp32), local  |
+| spectral  | whole matrices: gather or owner mode   | whole matrices: gather or owner mode                  |
+| mud       | whole matrices: gather or owner mode   | all-reduce of the n x n Gram and of column norms      |
+
+The reduce-based directions are the single-device functions with `reduce=` an all-reduce and `tall=` the whole
+matrix's orientation; the whole-matrix ones are in whole_matrix.py (bucketed all-gather, or all-to-all to one
+owner per matrix and back), computing with the single-device code on [L, m, n] batches.
+
+Placement settings are attributes, not param-group keys, so a state_dict is the same as MatrixOptimizer's (and a
+checkpoint resumes under any placement):
+- distributed_mode: "gather" | "owner";
+- gather_dtype: "bfloat16" | "float32", the dtype in which the momentum input U travels and is stacked for the
+  whole-matrix directions (bfloat16 = NS5's default compute dtype: the gathered input is then bit for bit the one
+  a single process feeds NS5);
+- bucket_mb: bucket size in MB of whole matrices (in gather_dtype).
+
+Accounting (through the active PhaseTimer, see comm.py): phases momentum / direction / comm (exposed wait only) /
+update, and comm bytes per collective. `last_whole_matrices` is how many whole-matrix directions this rank
+computed in the last step (gather: every matrix on every rank; owner: each matrix on one rank).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .comm import PhaseSwitch, ShardComm
+from .matrix import DTYPES, MatrixOptimizer, compute_direction
+from .whole_matrix import assign_owners, gather_directions, owner_directions, plan_buckets
+
+DISTRIBUTED_MODES = ("gather", "owner")
+GATHER_DTYPES = ("bfloat16", "float32")
+LOCAL, REDUCE, WHOLE = "local", "reduce", "whole"
+
+
+def placement(kind: str, m: int, n: int) -> str:
+    """Where the direction of an m x n matrix held as dim-0 shards is computed: LOCAL (each rank its rows),
+    REDUCE (on the shards, with all-reduces of sums over rows) or WHOLE (on gathered whole matrices)."""
+    tall = m > n
+    if kind == "rownorm":
+        return REDUCE if tall else LOCAL
+    if kind == "mud":
+        return REDUCE if tall else WHOLE
+    return WHOLE  # spectral, and any registered direction without a sharded form
+
+
+def _dtensor_group(p):
+    """The process group of a Shard(0) DTensor on a 1-D mesh; a clear error for any other layout."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(p, DTensor):
+        raise TypeError(f"ShardedMatrixOptimizer: a matrix parameter of shape {tuple(p.shape)} is a "
+                        f"{type(p).__name__}, not a DTensor; every matrix parameter must be an FSDP2 shard")
+    if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+        raise NotImplementedError(
+            f"ShardedMatrixOptimizer supports dim-0 shards on a 1-D mesh (FSDP2 fully_shard); got placements "
+            f"{p.placements} on a {p.device_mesh.ndim}-D mesh for a parameter of shape {tuple(p.shape)}")
+    return p.device_mesh.get_group(0)
+
+
+class ShardedMatrixOptimizer(MatrixOptimizer):
+    """MatrixOptimizer for FSDP2-sharded models; see the module docstring. Takes MatrixOptimizer's arguments plus
+    distributed_mode, gather_dtype and bucket_mb."""
+
+    accepts_dtensors = True
+
+    def __init__(self, params, *, distributed_mode: str = "gather", gather_dtype: str = "bfloat16",
+                 bucket_mb: float = 32.0, **kwargs):
+        if distributed_mode not in DISTRIBUTED_MODES:
+            raise ValueError(f"distributed_mode={distributed_mode!r} is not valid; choose one of "
+                             f"{', '.join(DISTRIBUTED_MODES)}")
+        if gather_dtype not in GATHER_DTYPES:
+            raise ValueError(f"gather_dtype={gather_dtype!r} is not valid; choose one of {', '.join(GATHER_DTYPES)}")
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb={bucket_mb!r} is not valid; it must be > 0")
+        self.distributed_mode, self.gather_dtype, self.bucket_mb = distributed_mode, gather_dtype, float(bucket_mb)
+        self.last_whole_matrices = 0
+        self._group = None
+        super().__init__(params, **kwargs)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if group["kind"] != "matrix":
+            return
+        for p in group["params"]:
+            pg = _dtensor_group(p)
+            if self._group is None:
+                self._group = pg
+            elif pg != self._group:
+                raise ValueError("ShardedMatrixOptimizer: matrix parameters are sharded over different process "
+                                 "groups; all must share FSDP2's one mesh")
+
+    @staticmethod
+    def _local(t: Tensor) -> Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    def describe_placement(self) -> str:
+        return (f"sharded: whole-matrix directions in {self.distributed_mode} mode, U sent in {self.gather_dtype}, "
+                f"buckets of {self.bucket_mb:g} MB")
+
+    # ---- the direction stage ----------------------------------------------------------------------------------
+    def _input_dtype(self, kind: str, key, group: dict, param_dtype: torch.dtype) -> torch.dtype:
+        if placement(kind, *key[0]) == WHOLE:
+            return DTYPES[self.gather_dtype]
+        return param_dtype
+
+    def _directions(self, kind: str, inputs: dict, group: dict, timer) -> dict:
+        comm = ShardComm(self._group, timer)
+        phases = PhaseSwitch(timer, "direction")
+        try:
+            out, whole = {}, {}
+            for key, U in inputs.items():
+                m, n = key[0]
+                where = placement(kind, m, n)
+                if where == WHOLE:
+                    whole[key] = U
+                    continue
+                self._check_rows(key, U, comm)
+                reduce = (lambda t: comm.all_reduce_(t, phases)) if where == REDUCE else None
+                out[key] = compute_direction(kind, U, group, self._bucket_workspace(key), reduce=reduce, tall=m > n)
+            self.last_whole_matrices = 0
+            if whole:
+                out.update(self._whole_directions(kind, whole, group, comm, phases))
+            return out
+        finally:
+            phases.close()
+
+    def _whole_directions(self, kind: str, inputs: dict, group: dict, comm: ShardComm, phases: PhaseSwitch) -> dict:
+        for key, U in inputs.items():
+            self._check_rows(key, U, comm)
+        elem = DTYPES[self.gather_dtype].itemsize
+        buckets = plan_buckets({key: U.shape[0] for key, U in inputs.items()}, elem, self.bucket_mb * 2**20)
+        cpu = next(iter(inputs.values())).device.type == "cpu"
+
+        def compute(key, X: Tensor) -> Tensor:
+            # CPU: per-(shape, count) workspaces, reused every step (fresh tens-of-MB buffers page-fault there);
+            # GPU: fresh buffers from the caching allocator, so whole matrices are not kept between buckets
+            ws = self._workspace.setdefault(("whole", key, X.shape[0]), {}) if cpu else None
+            D, row_scale = compute_direction(kind, X, group, ws)
+            assert row_scale is None, f"direction {kind!r} with a row scale cannot run on whole matrices"
+            return D
+
+        if self.distributed_mode == "gather":
+            out, self.last_whole_matrices = gather_directions(inputs, buckets, compute, comm, phases)
+        else:
+            owners = self._owners(buckets, comm.world)
+            out_dtype = DTYPES[group["ns_dtype"]] if kind == "spectral" else DTYPES[self.gather_dtype]
+            out, self.last_whole_matrices = owner_directions(inputs, buckets, owners, compute, out_dtype, comm,
+                                                             phases)
+        return {key: (D, None) for key, D in out.items()}
+
+    def _owners(self, buckets, world: int) -> dict:
+        sig = (tuple(tuple(b) for b in buckets), world)
+        cached = self.__dict__.get("_owner_cache")
+        if cached is None or cached[0] != sig:
+            self._owner_cache = (sig, assign_owners(buckets, world))
+        return self._owner_cache[1]
+
+    @staticmethod
+    def _check_rows(key, U: Tensor, comm: ShardComm) -> None:
+        m = key[0][0]
+        rows = comm.rows(m)[comm.rank][1]
+        if U.shape[1] != rows:
+            raise RuntimeError(f"local shard of a {key[0]} matrix has {U.shape[1]} rows on rank {comm.rank} of "
+                               f"{comm.world}; dim-0 sharding as torch.chunk gives {rows}")

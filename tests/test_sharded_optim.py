@@ -1,0 +1,316 @@
+"""The matrix optimizers on dim-0 shards (ALGORITHMS §6–7, optim/sharded.py), on CPU/gloo with 2 and 3 processes:
+every optimizer and both whole-matrix modes give the single-process parameters on the same gradients (4 steps:
+refresh, two RowNorm steps, refresh for periodic_rowwise); the counted bytes equal the analytic expectation per
+collective and rank; each direction is computed once in owner mode and on every rank in gather mode.
+
+The matrices cover wide, tall and square shapes, same-shape batches split across buckets, and shards that are
+uneven or empty (3 ranks: 50 -> 17/17/16 rows, 4 -> 2/2/0, 2 -> 1/1/0, 1 -> 1/0/0; 2 ranks: 1 -> 1/0).
+One spawn per world size runs every case (process start-up is the cost); the parent compares.
+"""
+
+import math
+import os
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+from dit_train.optim.comm import shard_rows
+from dit_train.optim.matrix import MatrixOptimizer
+from dit_train.optim.registry import build_optimizer
+from dit_train.optim.whole_matrix import Item, assign_owners, plan_buckets
+
+SHAPES = [(24, 40), (24, 40), (40, 24), (40, 24), (32, 32), (4, 3), (2, 16), (1, 8), (50, 12)]
+STEPS = 4
+LR, WD = 0.02, 0.1
+KINDS = {"muon": dict(direction="spectral"),
+         "periodic_rowwise": dict(direction="spectral", between="rownorm", refresh_every=3),
+         "rownorm": dict(direction="rownorm"),
+         "mud": dict(direction="mud")}
+SMALL = 0.003  # bucket_mb: ~3 KB buckets, so same-shape batches are split over several buckets
+# name -> (optimizer, group kwargs shared with the single-process reference, placement kwargs)
+CASES = {
+    "muon/gather": ("muon", {}, {}),
+    "muon/owner": ("muon", {}, {"distributed_mode": "owner"}),
+    "muon/gather/fp32/buckets": ("muon", {"ns_dtype": "float32"}, {"gather_dtype": "float32", "bucket_mb": SMALL}),
+    "muon/owner/fp32/buckets": ("muon", {"ns_dtype": "float32"}, {"gather_dtype": "float32", "bucket_mb": SMALL,
+                                                                   "distributed_mode": "owner"}),
+    "periodic_rowwise/gather/buckets": ("periodic_rowwise", {}, {"bucket_mb": SMALL}),
+    "periodic_rowwise/owner": ("periodic_rowwise", {}, {"distributed_mode": "owner"}),
+    "rownorm": ("rownorm", {}, {}),
+    "mud/gather": ("mud", {}, {"gather_dtype": "float32"}),
+    "mud/owner/buckets": ("mud", {}, {"gather_dtype": "float32", "distributed_mode": "owner", "bucket_mb": SMALL}),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def full_params():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=g) * 0.1 for s in SHAPES], torch.randn(10, generator=g)
+
+
+def step_grads(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(s, generator=g) for s in SHAPES], torch.randn(10, generator=g)
+
+
+def make_optimizer(cls, matrices, bias, name, **placement):
+    kind, group_kw, _ = CASES[name]
+    return cls([{"params": matrices, "kind": "matrix"}, {"params": [bias], "kind": "adamw"}], lr=LR,
+               weight_decay=WD, **KINDS[kind], **group_kw, **placement)
+
+
+def _entry(rank, world, port, fn, args):
+    """One rank of a spawned gloo group: join, run fn(rank, world, *args), leave cleanly."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                      LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    try:
+        fn(rank, world, *args)
+        # every rank is past its last gloo collective before any rank closes its connections: a rank that tears
+        # gloo down while a peer is still finishing the last collective can abort that peer (seen about once in
+        # 30 runs); the handshake goes through the TCP store, not gloo
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"finished/{rank}", "1")
+        store.wait([f"finished/{r}" for r in range(world)])
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world: int, *args, timeout: float = 240.0) -> None:
+    """Run fn(rank, world, *args) (a module-level function) on `world` spawned gloo ranks."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, join=False,
+                             start_method="spawn")
+    t0 = time.time()
+    while not ctx.join(timeout=1.0):
+        if time.time() - t0 > timeout:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError(f"{world}-rank job did not finish in {timeout:.0f} s")
+
+
+def run_cases(rank, world, out_path):
+    """Every case on DTensor (Shard(0)) parameters; rank 0 saves the full parameters after the last step and every
+    rank's per-step timer output and number of whole-matrix directions computed."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dit_train.optim.sharded import ShardedMatrixOptimizer
+    from dit_train.timing import PhaseTimer, set_active_timer
+
+    mesh = init_device_mesh("cpu", (world,))
+    shard = lambda t: distribute_tensor(t, mesh, [Shard(0)])  # noqa: E731
+    results = {}
+    for name, (_, _, placement) in CASES.items():
+        W, b = full_params()
+        ps = [torch.nn.Parameter(shard(w)) for w in W]
+        pb = torch.nn.Parameter(shard(b))
+        opt = make_optimizer(ShardedMatrixOptimizer, ps, pb, name, **placement)
+        timer = PhaseTimer()
+        set_active_timer(timer)
+        log = []
+        for step in range(STEPS):
+            G, gb = step_grads(step)
+            for p, g in zip(ps, G):
+                p.grad = shard(g)
+            pb.grad = shard(gb)
+            timer.collect()
+            opt.step()
+            log.append((timer.collect(), opt.last_whole_matrices))
+        set_active_timer(None)
+        full = [p.detach().full_tensor() for p in ps] + [pb.detach().full_tensor()]
+        logs = [None] * world
+        dist.all_gather_object(logs, log)
+        results[name] = {"params": full, "logs": logs}
+    if rank == 0:
+        torch.save(results, out_path)
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+def sharded(request, tmp_path_factory):
+    world = request.param
+    out = tmp_path_factory.mktemp(f"sharded{world}") / "results.pt"
+    spawn(run_cases, world, str(out))
+    return world, torch.load(out, weights_only=False)
+
+
+def single_process(name):
+    """The reference: MatrixOptimizer on whole tensors, same gradients."""
+    W, b = full_params()
+    ps = [torch.nn.Parameter(w.clone()) for w in W]
+    pb = torch.nn.Parameter(b.clone())
+    opt = make_optimizer(MatrixOptimizer, ps, pb, name)
+    for step in range(STEPS):
+        G, gb = step_grads(step)
+        for p, g in zip(ps, G):
+            p.grad = g
+        pb.grad = gb
+        opt.step()
+    return [p.detach() for p in ps] + [pb.detach()], W + [b]
+
+
+# ---- equality with the single process ---------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(CASES))
+def test_sharded_steps_equal_single_process(sharded, name):
+    """Per matrix, |W_sharded - W_single| relative to the distance moved |W_single - W_0|. fp32 directions agree to
+    fp32 rounding; bf16 NS5 reads bit-identical gathered inputs (gather_dtype bfloat16) and may differ only where
+    a bf16 batched GEMM over a different batch count rounds differently (measured here: not at all)."""
+    world, results = sharded
+    got = results[name]["params"]
+    ref, start = single_process(name)
+    kind, group_kw, placement = CASES[name]
+    bf16 = kind in ("muon", "periodic_rowwise") and group_kw.get("ns_dtype", "bfloat16") == "bfloat16"
+    tol = 1e-2 if bf16 else 2e-5
+    for i, (a, r, w0) in enumerate(zip(got, ref, start)):
+        assert a.shape == r.shape
+        rel = ((a - r).norm() / (r - w0).norm()).item()
+        assert rel <= tol, f"{name}, {world} ranks, parameter {i} of shape {tuple(r.shape)}: relative error {rel:.2e}"
+
+
+# ---- counted bytes --------------------------------------------------------------------------------------------
+def refresh_steps(kind):
+    return {"periodic_rowwise": [True, False, False, True], "rownorm": [False] * STEPS}.get(kind, [True] * STEPS)
+
+
+def expected_bytes(name, world, rank, refresh):
+    """Analytic bytes per collective this rank sends in one step (comm.py's counting rules)."""
+    kind, group_kw, placement = CASES[name]
+    if world == 1:
+        return {}
+    tall = [(m, n) for m, n in SHAPES if m > n]
+    if kind == "rownorm" or (kind == "periodic_rowwise" and not refresh):
+        return {"all_reduce": sum(4 * n for _, n in tall)}  # one fp32 sum of squares per column; wide: nothing
+    out = {}
+    whole = SHAPES
+    if kind == "mud":  # tall: Gram (n x n) + column norms before and after the solve; wide: whole matrices
+        out["all_reduce"] = sum(4 * (n * n + 2 * n) for _, n in tall)
+        whole = [(m, n) for m, n in SHAPES if m <= n]
+    b_in = 2 if placement.get("gather_dtype", "bfloat16") == "bfloat16" else 4
+    b_out = 4 if kind == "mud" or group_kw.get("ns_dtype") == "float32" else 2
+    if placement.get("distributed_mode", "gather") == "gather":  # (p - 1) padded shards of every matrix
+        out["all_gather"] = sum((world - 1) * math.ceil(m / world) * n * b_in for m, n in whole)
+    else:  # to owners: my rows of others' matrices; back: the other ranks' rows of mine
+        owners = owners_of(whole, world, placement.get("bucket_mb", 32.0), b_in)
+        sent = 0
+        for i, (m, n) in enumerate(whole):
+            mine = shard_rows(m, world)[rank][1]
+            sent += (m - mine) * n * b_out if owners[i] == rank else mine * n * b_in
+        out["all_to_all"] = sent
+    return out
+
+
+def owners_of(shapes, world, bucket_mb, elem):
+    counts = {}
+    for s in shapes:  # buckets keyed by shape in order of first appearance, as the optimizer stacks them
+        counts[(s,)] = counts.get((s,), 0) + 1
+    owner = assign_owners(plan_buckets(counts, elem, bucket_mb * 2**20), world)
+    seen: dict = {}
+    out = []
+    for s in shapes:
+        j = seen[s] = seen.get(s, -1) + 1
+        out.append(owner[Item((s,), j)])
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_counted_bytes_equal_the_analytic_expectation(sharded, name):
+    world, results = sharded
+    kind = CASES[name][0]
+    for rank, log in enumerate(results[name]["logs"]):
+        for step, ((timings, _), refresh) in enumerate(zip(log, refresh_steps(kind))):
+            counted = {k.split("/", 1)[1]: v for k, v in timings.items()
+                       if k.startswith("comm_bytes/") and k != "comm_bytes/total"}
+            assert counted == expected_bytes(name, world, rank, refresh), (name, rank, step)
+            assert timings.get("comm_bytes/total", 0.0) == sum(counted.values())
+            assert {"time/momentum", "time/direction", "time/update"} <= set(timings)
+            if counted:
+                assert "time/comm" in timings  # the exposed wait is timed as its own phase
+
+
+def test_rownorm_on_wide_matrices_sends_nothing_and_tall_ones_n_floats():
+    # the case table above in words: RowNorm's only traffic is n fp32 per tall matrix
+    assert expected_bytes("rownorm", 3, 0, False) == {"all_reduce": 4 * (24 + 24 + 3 + 12)}
+
+
+@pytest.mark.parametrize("name", ["muon/gather", "muon/owner", "periodic_rowwise/owner", "mud/owner/buckets"])
+def test_owner_mode_computes_each_direction_once_gather_mode_on_every_rank(sharded, name):
+    world, results = sharded
+    kind, _, placement = CASES[name]
+    n_whole = len([s for s in SHAPES if kind != "mud" or s[0] <= s[1]])
+    per_step = [sum(log[step][1] for log in results[name]["logs"]) for step in range(STEPS)]
+    once = placement.get("distributed_mode") == "owner"
+    expected = [(n_whole if once else world * n_whole) if r else 0 for r in refresh_steps(kind)]
+    assert per_step == expected
+
+
+def test_owner_mode_bytes_are_about_2_over_p_of_gather_mode():
+    """Even shards (p divides every m): per rank on average 2 (p - 1) / p^2 of the matrices against (p - 1) / p."""
+    shapes, world = [(64, 32), (32, 96), (96, 32), (64, 64)] * 2, 4
+    gather = sum((world - 1) * (m // world) * n * 2 for m, n in shapes)
+    counts = {}
+    for s in shapes:
+        counts[(s,)] = counts.get((s,), 0) + 1
+    owner = assign_owners(plan_buckets(counts, 2, 32 * 2**20), world)
+    per_rank = [0] * world
+    for it, o in owner.items():
+        m, n = it.shape
+        for r in range(world):
+            per_rank[r] += (m - m // world) * n * 2 if r == o else (m // world) * n * 2
+    assert sum(per_rank) / world == pytest.approx(2 / world * gather)
+    # owners are balanced by NS5 flops, not bytes: here the busiest rank sends 1.11x the mean
+    assert max(per_rank) <= 1.25 * 2 / world * gather
+
+
+# ---- pieces without processes ---------------------------------------------------------------------------------
+def test_shard_rows_follow_torch_chunk_like_fsdp2():
+    for m in range(0, 13):
+        for p in range(1, 6):
+            sizes = [len(c) for c in torch.chunk(torch.arange(m), p)] if m else []
+            sizes += [0] * (p - len(sizes))
+            rows = shard_rows(m, p)
+            assert [r for _, r in rows] == sizes and sum(sizes) == m
+            assert all(s == sum(sizes[:i]) for i, (s, _) in enumerate(rows) if rows[i][1])
+
+
+def test_buckets_keep_shapes_together_and_owners_balance_flops():
+    counts = {((512, 512),): 9, ((1536, 512),): 8, ((512, 2048),): 8}
+    buckets = plan_buckets(counts, 2, 8 * 2**20)
+    items = [it for b in buckets for it in b]
+    assert len(items) == 25 and len(set(items)) == 25
+    assert all(sum(math.prod(it.shape) * 2 for it in b) <= 8 * 2**20 for b in buckets)
+    owner = assign_owners(buckets, 4)
+    from dit_train.optim.directions import ns5_flops
+
+    load = [sum(ns5_flops(*it.shape) for it, o in owner.items() if o == r) for r in range(4)]
+    biggest = max(ns5_flops(*it.shape) for it in items)
+    assert max(load) - min(load) <= biggest
+
+
+@pytest.mark.parametrize("key,value,valid", [
+    ("distributed_mode", "ring", "gather, owner"),
+    ("gather_dtype", "float16", "bfloat16, float32"),
+    ("bucket_mb", 0, "> 0"),
+])
+def test_placement_keys_are_validated(key, value, valid):
+    from test_optim_optimizers import tiny_dit
+
+    for name in ("muon", "periodic_rowwise", "mud"):
+        with pytest.raises(ValueError) as e:
+            build_optimizer(tiny_dit(), {"name": name, key: value})
+        msg = str(e.value)
+        assert "\n" not in msg and f"optimizer.{key}={value!r}" in msg and valid in msg, msg
+    opt = build_optimizer(tiny_dit(), {"name": "muon", "distributed_mode": "owner", "bucket_mb": 4})
+    assert type(opt) is MatrixOptimizer  # a single process ignores the placement keys
