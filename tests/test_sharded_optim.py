@@ -203,7 +203,7 @@ def expected_bytes(name, world, rank, refresh):
     if placement.get("distributed_mode", "gather") == "gather":  # (p - 1) padded shards of every matrix
         out["all_gather"] = sum((world - 1) * math.ceil(m / world) * n * b_in for m, n in whole)
     else:  # to owners: my rows of others' matrices; back: the other ranks' rows of mine
-        owners = owners_of(whole, world, placement.get("bucket_mb", 32.0), b_in)
+        owners = owners_of(whole, world, placement.get("bucket_mb", 16.0), b_in)
         sent = 0
         for i, (m, n) in enumerate(whole):
             mine = shard_rows(m, world)[rank][1]
@@ -314,3 +314,16 @@ def test_placement_keys_are_validated(key, value, valid):
         assert "\n" not in msg and f"optimizer.{key}={value!r}" in msg and valid in msg, msg
     opt = build_optimizer(tiny_dit(), {"name": "muon", "distributed_mode": "owner", "bucket_mb": 4})
     assert type(opt) is MatrixOptimizer  # a single process ignores the placement keys
+
+
+def test_split_row_norms_equal_row_inv_norms_with_a_reduce():
+    """The batched RowNorm path (row_sumsq, one all-reduce for all tall buckets, inv_norms_from_sumsq) is the
+    hooked one (row_inv_norms with reduce=) split in two: two column halves summed give the whole matrix's factors."""
+    from dit_train.optim.directions import inv_norms_from_sumsq, row_inv_norms, row_sumsq
+
+    X = torch.randn(3, 40, 12, generator=torch.Generator().manual_seed(0))
+    top, bottom = X[:, :17], X[:, 17:]
+    summed = row_sumsq(top, tall=True) + row_sumsq(bottom, tall=True)
+    torch.testing.assert_close(inv_norms_from_sumsq(summed), row_inv_norms(X))
+    torch.testing.assert_close(row_inv_norms(top, reduce=lambda t: t + row_sumsq(bottom, tall=True), tall=True),
+                               row_inv_norms(X))

@@ -103,6 +103,13 @@ class ShardComm:
             dist.all_reduce(t, group=self.group)
         return t
 
+    def all_reduce(self, t: Tensor):
+        """Start summing `t` over the ranks in place; returns the handle."""
+        if self.world == 1:
+            return _Done()
+        self.timer.add_bytes("all_reduce", _nbytes(t))
+        return dist.all_reduce(t, group=self.group, async_op=True)
+
     def all_gather(self, out: Tensor, inp: Tensor):
         """Start gathering every rank's `inp` (equal sizes) into `out` (rank-major); returns the handle."""
         if self.world == 1:

@@ -224,7 +224,19 @@ def row_inv_norms(X: Tensor, eps: float = 1e-7, reduce: Reduce = None, tall: boo
     [..., 1, n] for tall X. row_norm(X) == X * row_inv_norms(X); the optimizer applies the factor inside its
     parameter update instead of materialising the normalised matrix."""
     tall = is_tall(X) if tall is None else tall
-    return _row_sumsq(X, tall, reduce).sqrt_().clamp_min_(eps).reciprocal_()
+    return inv_norms_from_sumsq(_row_sumsq(X, tall, reduce), eps)
+
+
+def row_sumsq(X: Tensor, tall: bool | None = None) -> Tensor:
+    """The sums of squares row_inv_norms passes to `reduce`, unreduced. A sharded caller that reduces the shards of
+    many matrices in one collective takes these, reduces them together, then finishes with inv_norms_from_sumsq:
+    the same result as row_inv_norms(X, eps, reduce, tall)."""
+    return _row_sumsq(X, is_tall(X) if tall is None else tall, None)
+
+
+def inv_norms_from_sumsq(sumsq: Tensor, eps: float = 1e-7) -> Tensor:
+    """1 / max(sqrt(sumsq), eps), in place."""
+    return sumsq.sqrt_().clamp_min_(eps).reciprocal_()
 
 
 def row_norm(X: Tensor, eps: float = 1e-7, *, out_dtype: torch.dtype | None = None, reduce: Reduce = None,

@@ -140,7 +140,7 @@ MUD_KEYS = {"mud_passes": (_pos_int, 1), "mud_solve": (_choice(MUD_SOLVES), "tri
 DIST_KEYS = {
     "distributed_mode": (_choice(DISTRIBUTED_MODES), "gather"),
     "gather_dtype": (_choice(GATHER_DTYPES), "bfloat16"),
-    "bucket_mb": (_positive, 32.0),
+    "bucket_mb": (_positive, 16.0),
 }
 MUD_DIST_KEYS = {**DIST_KEYS, "gather_dtype": (_choice(GATHER_DTYPES), "float32")}
 

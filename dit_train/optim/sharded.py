@@ -6,15 +6,17 @@ sharded like the parameters and checkpoints through DCP (dcp.py), resharding to 
 input, weight decay and the update run on the local rows exactly as in MatrixOptimizer (whose step this reuses);
 only the direction of a bucket of same-shape matrices depends on where the rows live:
 
-| direction | wide (m <= n)                          | tall (m > n)                                          |
-| --------- | -------------------------------------- | ----------------------------------------------------- |
-| rownorm   | local rows, no communication           | all-reduce of column sums of squares (n fp32), local  |
-| spectral  | whole matrices: gather or owner mode   | whole matrices: gather or owner mode                  |
-| mud       | whole matrices: gather or owner mode   | all-reduce of the n x n Gram and of column norms      |
+| direction | wide (m <= n)                          | tall (m > n)                                            |
+| --------- | -------------------------------------- | ------------------------------------------------------- |
+| rownorm   | local rows, no communication           | column sums of squares (n fp32 per matrix) all-reduced  |
+| spectral  | whole matrices: gather or owner mode   | whole matrices: gather or owner mode                    |
+| mud       | whole matrices: gather or owner mode   | all-reduce of the n x n Gram and of column norms        |
 
-The reduce-based directions are the single-device functions with `reduce=` an all-reduce and `tall=` the whole
-matrix's orientation; the whole-matrix ones are in whole_matrix.py (bucketed all-gather, or all-to-all to one
-owner per matrix and back), computing with the single-device code on [L, m, n] batches.
+RowNorm's column sums of every tall bucket travel in one asynchronous all-reduce, in flight while the wide
+matrices are normalised (gloo's latency here is ~1.5 ms per collective); the factors are then those of
+row_inv_norms(U, reduce=all-reduce, tall=True). MUD on tall shards is mud_whiten with `reduce=` a blocking
+all-reduce and `tall=True`. The whole-matrix directions are in whole_matrix.py (bucketed all-gather, or
+all-to-all to one owner per matrix and back), computing with the single-device code on [L, m, n] batches.
 
 Placement settings are attributes, not param-group keys, so a state_dict is the same as MatrixOptimizer's (and a
 checkpoint resumes under any placement):
@@ -35,6 +37,7 @@ import torch
 from torch import Tensor
 
 from .comm import PhaseSwitch, ShardComm
+from .directions import inv_norms_from_sumsq, row_sumsq
 from .matrix import DTYPES, MatrixOptimizer, compute_direction
 from .whole_matrix import assign_owners, gather_directions, owner_directions, plan_buckets
 
@@ -75,7 +78,7 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
     accepts_dtensors = True
 
     def __init__(self, params, *, distributed_mode: str = "gather", gather_dtype: str = "bfloat16",
-                 bucket_mb: float = 32.0, **kwargs):
+                 bucket_mb: float = 16.0, **kwargs):
         if distributed_mode not in DISTRIBUTED_MODES:
             raise ValueError(f"distributed_mode={distributed_mode!r} is not valid; choose one of "
                              f"{', '.join(DISTRIBUTED_MODES)}")
@@ -119,22 +122,40 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
         comm = ShardComm(self._group, timer)
         phases = PhaseSwitch(timer, "direction")
         try:
-            out, whole = {}, {}
+            where = {}
             for key, U in inputs.items():
-                m, n = key[0]
-                where = placement(kind, m, n)
-                if where == WHOLE:
-                    whole[key] = U
-                    continue
                 self._check_rows(key, U, comm)
-                reduce = (lambda t: comm.all_reduce_(t, phases)) if where == REDUCE else None
-                out[key] = compute_direction(kind, U, group, self._bucket_workspace(key), reduce=reduce, tall=m > n)
-            self.last_whole_matrices = 0
+                where[key] = placement(kind, *key[0])
+            out, self.last_whole_matrices = {}, 0
+            # RowNorm on tall shards: every bucket's column sums of squares in one all-reduce, in flight while the
+            # rest is computed
+            sums = [key for key in inputs if where[key] == REDUCE and kind == "rownorm"]
+            pending = self._start_column_sums(sums, inputs, comm) if sums else None
+            for key, U in inputs.items():
+                if where[key] == LOCAL or (where[key] == REDUCE and key not in sums):
+                    reduce = (lambda t: comm.all_reduce_(t, phases)) if where[key] == REDUCE else None
+                    out[key] = compute_direction(kind, U, group, self._bucket_workspace(key), reduce=reduce,
+                                                 tall=key[0][0] > key[0][1])
+            whole = {key: U for key, U in inputs.items() if where[key] == WHOLE}
             if whole:
                 out.update(self._whole_directions(kind, whole, group, comm, phases))
+            if pending is not None:
+                flat, parts, work = pending
+                comm.wait(work, phases)
+                for key, part in zip(sums, flat.split(parts)):
+                    out[key] = (inputs[key], inv_norms_from_sumsq(part.view(inputs[key].shape[0], 1, -1),
+                                                                  group["direction_eps"]))
             return out
         finally:
             phases.close()
+
+    @staticmethod
+    def _start_column_sums(keys: list, inputs: dict, comm: ShardComm):
+        """Partial column sums of squares of the tall buckets (each [B, 1, n], fp32), flattened into one buffer
+        and all-reduced asynchronously: (buffer, sizes, handle)."""
+        partial = [row_sumsq(inputs[key], tall=True).reshape(-1) for key in keys]
+        flat = torch.cat(partial)
+        return flat, [t.numel() for t in partial], comm.all_reduce(flat)
 
     def _whole_directions(self, kind: str, inputs: dict, group: dict, comm: ShardComm, phases: PhaseSwitch) -> dict:
         for key, U in inputs.items():
