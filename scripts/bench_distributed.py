@@ -1,0 +1,347 @@
+#!/usr/bin/env python
+"""The sharded optimizers (ALGORITHMS §6–7) on an FSDP2-sharded DiT preset: optimizer time, exposed communication
+and logical optimizer bytes per step and rank, for every contender side by side in one run, as ratios to
+muon in gather mode (the paper's baseline).
+
+N processes (`--nproc`, several values run one after the other) form one group: gloo on CPU, NCCL on CUDA (one
+GPU per process), chosen automatically, so the same command runs on both. The model is built on the meta
+device, sharded with the trainer's FSDP2 plan (parallel.apply_fsdp: every block, then the root), filled with random
+weights and fixed random gradients (a step's cost does not depend on their values). Each repetition runs 3
+consecutive optimizer steps (one periodic K=3 cycle: refresh, RowNorm, RowNorm) of every contender in turn, so
+background load hits all of them alike; per step the ranks start together (barrier) and the step's time is the
+slowest rank's; the table shows medians over repetitions of the 3-step average.
+
+Columns: ms per optimizer step; its ratio to muon-gather; exposed communication (time waiting on collectives,
+the `comm` phase, slowest rank); direction compute (`direction` phase, slowest rank); logical optimizer bytes per
+step and rank as counted by the optimizer (mean over ranks, and the busiest rank); the bytes' ratio to
+muon-gather; whole-matrix directions (NS5 / wide MUD) computed per step on the busiest rank.
+
+    python scripts/bench_distributed.py --nproc 2 4 --preset dit_m --hidden-size 512 --depth 8
+    python scripts/bench_distributed.py --ns5-check --preset dit_1b3 --depth 4   # bf16 NS5 vs GEMM rate, 1 device
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+from collections import defaultdict
+from datetime import timedelta
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+CONF = os.path.join(ROOT, "dit_train", "conf")
+
+CYCLE = 3  # steps per repetition: one periodic_rowwise K=3 cycle
+BASELINE = "muon-gather"
+CONTENDERS = {
+    "adamw": {"name": "adamw"},
+    "muon-gather": {"name": "muon", "distributed_mode": "gather"},
+    "muon-owner": {"name": "muon", "distributed_mode": "owner"},
+    "periodic_rowwise K=3 gather": {"name": "periodic_rowwise", "K": 3, "distributed_mode": "gather"},
+    "periodic_rowwise K=3 owner": {"name": "periodic_rowwise", "K": 3, "distributed_mode": "owner"},
+    "rownorm": {"name": "rownorm"},
+    "mud": {"name": "mud"},
+}
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nproc", type=int, nargs="+", default=[2], help="process counts to run, one group each")
+    ap.add_argument("--preset", default="dit_m", help="conf/model/<preset>.yaml")
+    ap.add_argument("--hidden-size", type=int, default=None, help="width override (heads: width // 64)")
+    ap.add_argument("--depth", type=int, default=None, help="depth override")
+    ap.add_argument("--repeats", type=int, default=5, help="timed repetitions (3 steps each), median reported")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads per process (default: CPU cores // processes, at least 1)")
+    ap.add_argument("--bucket-mb", type=float, default=None, help="bucket_mb override for every matrix optimizer")
+    ap.add_argument("--only", nargs="+", default=None, help=f"contenders to run (default all: {', '.join(CONTENDERS)})")
+    ap.add_argument("--ns5-check", action="store_true",
+                    help="instead: bf16 NS5 throughput against the bf16 GEMM rate on one device, at the preset's shapes")
+    return ap.parse_args(argv)
+
+
+def model_config(args):
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(os.path.join(CONF, "model", f"{args.preset}.yaml"))
+    if args.hidden_size:
+        cfg.hidden_size = args.hidden_size
+        cfg.num_heads = max(1, args.hidden_size // 64)
+    if args.depth:
+        cfg.depth = args.depth
+    return cfg
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- one rank -------------------------------------------------------------------------------------------------
+def sharded_model(cfg, device):
+    from dit_train.model import build_model
+    from dit_train.parallel import ParallelPlan, apply_fsdp
+
+    model = build_model(cfg, device="meta")
+    apply_fsdp(model, model.blocks, ParallelPlan(fsdp=True))
+    model.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(1234 + torch.distributed.get_rank())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().normal_(0.0, 0.02, generator=g)
+            p.grad = torch.zeros_like(p)
+            p.grad.to_local().normal_(0.0, 1e-3, generator=g)
+    return model
+
+
+def rank_main(rank, world, port, args, out_path):
+    import torch.distributed as dist
+
+    from dit_train.optim.registry import build_optimizer
+    from dit_train.timing import PhaseTimer, set_active_timer
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600), device_id=device if cuda else None)
+    try:
+        cfg = model_config(args)
+        model = sharded_model(cfg, device)
+        names = args.only or list(CONTENDERS)
+        extra = {"lr": 1e-6, "weight_decay": 0.01}
+        opts = {}
+        for label in names:
+            c = {**extra, **CONTENDERS[label]}
+            if args.bucket_mb and c["name"] != "adamw":
+                c["bucket_mb"] = args.bucket_mb
+            opts[label] = build_optimizer(model, c)
+        timer = PhaseTimer(enabled=True, device=device)
+        set_active_timer(timer)
+        records = []  # (rep, label, step in cycle, wall s, phases, whole-matrix directions)
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        for rep in range(args.warmup + args.repeats):
+            for label, opt in opts.items():
+                for k in range(CYCLE):
+                    sync()
+                    dist.barrier()
+                    timer.collect()
+                    t0 = time.perf_counter()
+                    opt.step()
+                    sync()
+                    wall = time.perf_counter() - t0
+                    phases = timer.collect()
+                    if rep >= args.warmup:
+                        records.append((rep, label, k, wall, phases, getattr(opt, "last_whole_matrices", 0)))
+            if rank == 0:
+                print(f"  [{world} ranks] repetition {rep + 1}/{args.warmup + args.repeats} done", file=sys.stderr,
+                      flush=True)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, records)
+        if rank == 0:
+            from dit_train.optim.routing import route_parameters
+
+            shapes = defaultdict(int)
+            for _, p in route_parameters(model).matrix:
+                shapes[tuple(p.shape)] += 1
+            info = {"world": world, "device": str(device), "threads": torch.get_num_threads(),
+                    "params": sum(p.numel() for p in model.parameters()), "shapes": dict(shapes),
+                    "backend": dist.get_backend(), "width": cfg.hidden_size, "depth": cfg.depth,
+                    "routing": opts[BASELINE].routing_table if BASELINE in opts else ""}
+            torch.save({"info": info, "records": everyone}, out_path)
+        # every rank is past its last collective before any rank tears the group down (gloo can abort a peer
+        # still finishing the last collective otherwise)
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"bench_done/{rank}", "1")
+        store.wait([f"bench_done/{r}" for r in range(world)])
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- the table ------------------------------------------------------------------------------------------------
+def summarise(result) -> dict:
+    """Per contender: medians over repetitions of the per-step averages (slowest rank for times)."""
+    by = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))  # label -> rep -> quantity -> values
+    world = len(result["records"])
+    for rank, records in enumerate(result["records"]):
+        for rep, label, k, wall, ph, whole in records:
+            d = by[label][rep]
+            d[("wall", k)].append(wall)
+            d[("comm", k)].append(ph.get("time/comm", 0.0))
+            d[("direction", k)].append(ph.get("time/direction", 0.0))
+            d[("bytes", k, rank)].append(ph.get("comm_bytes/total", 0.0))
+            d[("whole", k)].append(whole)
+    out = {}
+    for label, reps in by.items():
+        per_rep = defaultdict(list)
+        for rep, d in reps.items():
+            per_rep["wall"].append(sum(max(d[("wall", k)]) for k in range(CYCLE)) / CYCLE)
+            per_rep["comm"].append(sum(max(d[("comm", k)]) for k in range(CYCLE)) / CYCLE)
+            per_rep["direction"].append(sum(max(d[("direction", k)]) for k in range(CYCLE)) / CYCLE)
+            per_rank = [sum(d[("bytes", k, r)][0] for k in range(CYCLE)) / CYCLE for r in range(world)]
+            per_rep["bytes_mean"].append(sum(per_rank) / world)
+            per_rep["bytes_max"].append(max(per_rank))
+            per_rep["whole"].append(sum(max(d[("whole", k)]) for k in range(CYCLE)) / CYCLE)
+        out[label] = {k: statistics.median(v) for k, v in per_rep.items()}
+        out[label]["wall_min"] = min(per_rep["wall"])
+    return out
+
+
+def report(result, args) -> str:
+    info, s = result["info"], summarise(result)
+    p = info["world"]
+    base = s.get(BASELINE)
+    lines = [f"### {p} process(es): {info['backend']} on {info['device'].split(':')[0]}, {info['threads']} thread(s) "
+             f"each; {args.preset} width {info['width']} depth {info['depth']}, {info['params'] / 1e6:.1f}M params",
+             "",
+             "| optimizer | opt ms/step | / muon-gather | exposed comm ms | direction ms | MB/step/rank (mean) | "
+             "MB busiest rank | bytes / muon-gather | whole-matrix directions/step (busiest rank) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for label in CONTENDERS:
+        if label not in s:
+            continue
+        r = s[label]
+        t_ratio = f"{r['wall'] / base['wall']:.2f}" if base else "-"
+        b_ratio = f"{r['bytes_mean'] / base['bytes_mean']:.3f}" if base and base["bytes_mean"] else "-"
+        lines.append(f"| {label} | {r['wall'] * 1e3:.1f} | {t_ratio} | {r['comm'] * 1e3:.1f} | "
+                     f"{r['direction'] * 1e3:.1f} | {r['bytes_mean'] / 2**20:.2f} | {r['bytes_max'] / 2**20:.2f} | "
+                     f"{b_ratio} | {r['whole']:.1f} |")
+    lines.append("")
+    if base and p > 1:
+        checks = []
+        for mode in ("gather", "owner"):
+            k3 = s.get(f"periodic_rowwise K=3 {mode}")
+            if k3:
+                checks.append((f"periodic K=3 {mode}: logical bytes / muon-gather", k3["bytes_mean"] / base["bytes_mean"],
+                               0.34))
+                checks.append((f"periodic K=3 {mode}: optimizer time / muon-gather", k3["wall"] / base["wall"], 0.45))
+        owner = s.get("muon-owner")
+        if owner:
+            checks.append(("muon-owner bytes per rank (mean) / muon-gather", owner["bytes_mean"] / base["bytes_mean"],
+                           2 / p))
+            checks.append(("muon-owner bytes, busiest rank / muon-gather", owner["bytes_max"] / base["bytes_mean"],
+                           2 / p))
+        lines.append("targets (ratios of medians):")
+        for name, value, goal in checks:
+            lines.append(f"- {name}: {value:.3f}, target <= {goal:.3f}: {'met' if value <= goal else 'MISSED'}")
+        lines.append("")
+    lines.append("matrix shapes: " + ", ".join(f"{B}x{m}x{n}" for (m, n), B in sorted(info["shapes"].items())))
+    return "\n".join(lines)
+
+
+def run_group(world: int, args) -> dict:
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.pt")
+        mp.start_processes(rank_main, args=(world, free_port(), args, out), nprocs=world, start_method="spawn")
+        return torch.load(out, weights_only=False)
+
+
+# ---- bf16 NS5 against the GEMM rate ----------------------------------------------------------------------------
+def ns5_check(args) -> str:
+    """One device: the optimizer's batched bf16 NS5 (newton_schulz5, Gram form where it applies) over the preset's
+    matrix shapes, against the bf16 GEMM rate of the plain iteration's GEMMs at the same shapes; the plain
+    iteration's flops are credited to both."""
+    from dit_train.model import build_model
+    from dit_train.optim.directions import newton_schulz5, ns5_flops
+    from dit_train.optim.routing import route_parameters
+
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = model_config(args)
+    shapes = defaultdict(int)
+    for _, p in route_parameters(build_model(cfg, device="meta")).matrix:
+        shapes[tuple(p.shape)] += 1
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    flops = sum(B * ns5_flops(m, n) for (m, n), B in shapes.items())
+    data = {s: torch.randn(B, *s, device=device).bfloat16() for s, B in shapes.items()}
+    gemm = {}
+    for (m, n), B in shapes.items():
+        r, c = min(m, n), max(m, n)
+        gemm[(m, n)] = (torch.randn(B, r, c, device=device).bfloat16(), torch.randn(B, r, r, device=device).bfloat16())
+    ws = {s: {} for s in shapes}
+
+    def timed(fn, reps):
+        times = []
+        for _ in range(reps + 1):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
+    def gemms():
+        for X, A in gemm.values():
+            for _ in range(5):
+                torch.bmm(X, X.mT)
+                torch.bmm(A, A)
+                torch.bmm(A, X)
+
+    def ns5(gram):
+        for s, X in data.items():
+            newton_schulz5(X, dtype=torch.bfloat16, gram=gram, workspace=ws[s])
+
+    reps = max(3, args.repeats)
+    t_gemm = timed(gemms, reps)
+    t_auto = timed(lambda: ns5(None), reps)
+    t_plain = timed(lambda: ns5(False), reps)
+    rate = flops / t_gemm
+    return "\n".join([
+        f"### bf16 NS5 speed on {device.type} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}), "
+        f"{args.preset} width {cfg.hidden_size} depth {cfg.depth}: "
+        + ", ".join(f"{B}x{m}x{n}" for (m, n), B in sorted(shapes.items())),
+        "",
+        "| what | ms | TFLOP/s (plain-iteration flops) | / GEMM rate |",
+        "| --- | ---: | ---: | ---: |",
+        f"| bf16 bmm, the plain iteration's GEMMs | {t_gemm * 1e3:.1f} | {rate / 1e12:.1f} | 1.00 |",
+        f"| newton_schulz5, automatic (Gram form where c >= 2r) | {t_auto * 1e3:.1f} | {flops / t_auto / 1e12:.1f} | "
+        f"{flops / t_auto / rate:.2f} |",
+        f"| newton_schulz5, plain iteration | {t_plain * 1e3:.1f} | {flops / t_plain / 1e12:.1f} | "
+        f"{flops / t_plain / rate:.2f} |",
+        "",
+        f"NS5 flops per full pass (plain iteration): {flops / 1e12:.2f} TFLOP",
+    ])
+
+
+def main(argv=None):
+    args = parse(argv)
+    if args.ns5_check:
+        print(ns5_check(args), flush=True)
+        return
+    unknown = [c for c in args.only or () if c not in CONTENDERS]
+    if unknown:
+        raise SystemExit(f"--only {unknown}: choose from {', '.join(CONTENDERS)}")
+    if torch.cuda.is_available() and max(args.nproc) > torch.cuda.device_count():
+        raise SystemExit(f"--nproc {max(args.nproc)} needs as many GPUs; {torch.cuda.device_count()} visible")
+    cmd = "python scripts/bench_distributed.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    print(f"# distributed optimizer benchmark: `{cmd}`; torch {torch.__version__}", flush=True)
+    for world in args.nproc:
+        t0 = time.time()
+        result = run_group(world, args)
+        print(report(result, args), flush=True)
+        try:
+            load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        except OSError:
+            load = "n/a"
+        print(f"wall {time.time() - t0:.0f} s; load average after (1, 5, 15 min): {load} on {os.cpu_count()} CPUs\n",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
