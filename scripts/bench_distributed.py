@@ -63,7 +63,7 @@ def parse(argv=None):
     ap.add_argument("--bucket-mb", type=float, default=None, help="bucket_mb override for every matrix optimizer")
     ap.add_argument("--only", nargs="+", default=None, help=f"contenders to run (default all: {', '.join(CONTENDERS)})")
     ap.add_argument("--ns5-check", action="store_true",
-                    help="instead: bf16 NS5 throughput against the bf16 GEMM rate on one device, at the preset's shapes")
+                    help="instead: bf16 NS5 throughput against the bf16 GEMM rate on one device, preset's shapes")
     return ap.parse_args(argv)
 
 
@@ -223,8 +223,8 @@ def report(result, args) -> str:
         for mode in ("gather", "owner"):
             k3 = s.get(f"periodic_rowwise K=3 {mode}")
             if k3:
-                checks.append((f"periodic K=3 {mode}: logical bytes / muon-gather", k3["bytes_mean"] / base["bytes_mean"],
-                               0.34))
+                checks.append((f"periodic K=3 {mode}: logical bytes / muon-gather",
+                               k3["bytes_mean"] / base["bytes_mean"], 0.34))
                 checks.append((f"periodic K=3 {mode}: optimizer time / muon-gather", k3["wall"] / base["wall"], 0.45))
         owner = s.get("muon-owner")
         if owner:
@@ -315,7 +315,7 @@ def ns5_check(args) -> str:
         f"| newton_schulz5, plain iteration | {t_plain * 1e3:.1f} | {flops / t_plain / 1e12:.1f} | "
         f"{flops / t_plain / rate:.2f} |",
         "",
-        f"NS5 flops per full pass (plain iteration): {flops / 1e12:.2f} TFLOP",
+        f"NS5 flops per full pass (plain iteration): {flops / 1e9:.1f} GFLOP",
     ])
 
 

@@ -195,8 +195,8 @@ def expected_bytes(name, world, rank, refresh):
         return {"all_reduce": sum(4 * n for _, n in tall)}  # one fp32 sum of squares per column; wide: nothing
     out = {}
     whole = SHAPES
-    if kind == "mud":  # tall: Gram (n x n) + column norms before and after the solve; wide: whole matrices
-        out["all_reduce"] = sum(4 * (n * n + 2 * n) for _, n in tall)
+    if kind == "mud":  # tall: the Gram's lower triangle + column norms before and after the solve; wide: whole
+        out["all_reduce"] = sum(4 * (n * (n + 1) // 2 + 2 * n) for _, n in tall)
         whole = [(m, n) for m, n in SHAPES if m <= n]
     b_in = 2 if placement.get("gather_dtype", "bfloat16") == "bfloat16" else 4
     b_out = 4 if kind == "mud" or group_kw.get("ns_dtype") == "float32" else 2

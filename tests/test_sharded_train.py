@@ -85,3 +85,23 @@ def test_every_logged_step_has_optimizer_phases_and_counted_bytes(runs):
     assert max(between) < 0.1 * min(gathered)
     three = {r["step"]: r for r in metrics(runs["three_owner"]) if "train/loss" in r}
     assert "comm_bytes/all_to_all" in three[4] and "comm_bytes/all_gather" not in three[4]
+
+
+def test_fsdp_group_of_one_equals_the_plain_single_process(tmp_path):
+    """parallel.fsdp=true without torchrun: the sharded optimizer on a group of one (no collective is issued)
+    reproduces the plain single process bit for bit, refresh and RowNorm steps alike."""
+    from test_fsdp_checkpoint import TINY as ONE
+
+    from dit_train.train import run
+
+    base = [o for o in ONE if not o.startswith("optimizer=")] + ["optimizer=periodic_rowwise"]
+    run(compose(base + [f"run_dir={tmp_path / 'plain'}"]))
+    run(compose(base + [f"run_dir={tmp_path / 'fsdp'}", "parallel.fsdp=true"]))
+    assert losses(tmp_path / "fsdp") == losses(tmp_path / "plain")
+    from dit_train.checkpoint import read_dcp_tensors
+
+    sharded = read_dcp_tensors(str(tmp_path / "fsdp" / "checkpoints" / "step_00000004.dcp"), "model")
+    plain = torch.load(tmp_path / "plain" / "checkpoints" / "step_00000004.pt", weights_only=False)["model"]
+    assert sharded.keys() == plain.keys() and all(torch.equal(sharded[k], plain[k]) for k in plain)
+    rows = [r for r in metrics(tmp_path / "fsdp") if "train/loss" in r]
+    assert not any(k.startswith("comm_bytes/") for r in rows for k in r)  # a group of one sends nothing

@@ -10,13 +10,14 @@ only the direction of a bucket of same-shape matrices depends on where the rows 
 | --------- | -------------------------------------- | ------------------------------------------------------- |
 | rownorm   | local rows, no communication           | column sums of squares (n fp32 per matrix) all-reduced  |
 | spectral  | whole matrices: gather or owner mode   | whole matrices: gather or owner mode                    |
-| mud       | whole matrices: gather or owner mode   | all-reduce of the n x n Gram and of column norms        |
+| mud       | whole matrices: gather or owner mode   | all-reduce of the Gram's lower triangle, column norms   |
 
 RowNorm's column sums of every tall bucket travel in one asynchronous all-reduce, in flight while the wide
 matrices are normalised (gloo's latency here is ~1.5 ms per collective); the factors are then those of
 row_inv_norms(U, reduce=all-reduce, tall=True). MUD on tall shards is mud_whiten with `reduce=` a blocking
-all-reduce and `tall=True`. The whole-matrix directions are in whole_matrix.py (bucketed all-gather, or
-all-to-all to one owner per matrix and back), computing with the single-device code on [L, m, n] batches.
+all-reduce (of n (n + 1) / 2 values per Gram: only tril(G) is used) and `tall=True`. The whole-matrix directions
+are in whole_matrix.py (bucketed all-gather, or all-to-all to one owner per matrix and back), computing with the
+single-device code on [L, m, n] batches.
 
 Placement settings are attributes, not param-group keys, so a state_dict is the same as MatrixOptimizer's (and a
 checkpoint resumes under any placement):
@@ -55,6 +56,24 @@ def placement(kind: str, m: int, n: int) -> str:
     if kind == "mud":
         return REDUCE if tall else WHOLE
     return WHOLE  # spectral, and any registered direction without a sharded form
+
+
+def _reducer(kind: str, comm: ShardComm, phases: PhaseSwitch):
+    """The `reduce=` hook for directions computed on tall shards: a blocking all-reduce of the per-shard sums.
+    MUD's Gram matrices ([B, n, n]) travel as their lower triangles, n (n + 1) / 2 values each: MUD uses only
+    T = tril(G) (the upper part it zeroes), and G is symmetric anyway."""
+
+    def reduce(t: Tensor) -> Tensor:
+        n = t.shape[-1]
+        if kind != "mud" or t.shape[-2] != n or n == 1:
+            return comm.all_reduce_(t, phases)
+        rows, cols = torch.tril_indices(n, n, device=t.device)
+        lower = t[..., rows, cols].contiguous()
+        comm.all_reduce_(lower, phases)
+        t[..., rows, cols] = lower
+        return t
+
+    return reduce
 
 
 def _dtensor_group(p):
@@ -133,7 +152,7 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
             pending = self._start_column_sums(sums, inputs, comm) if sums else None
             for key, U in inputs.items():
                 if where[key] == LOCAL or (where[key] == REDUCE and key not in sums):
-                    reduce = (lambda t: comm.all_reduce_(t, phases)) if where[key] == REDUCE else None
+                    reduce = _reducer(kind, comm, phases) if where[key] == REDUCE else None
                     out[key] = compute_direction(kind, U, group, self._bucket_workspace(key), reduce=reduce,
                                                  tall=key[0][0] > key[0][1])
             whole = {key: U for key, U in inputs.items() if where[key] == WHOLE}
