@@ -33,4 +33,14 @@ def tiny_cfg(tmp_path):
     ])
 
 
+@pytest.fixture
+def one_intra_op_thread():
+    """For tests on tiny matrices, where a second intra-op thread only adds synchronisation and stalls for
+    milliseconds per op when other jobs share the two cores. Restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 needs_fashion = pytest.mark.skipif(not os.path.exists(FASHION_ROOT), reason="apt-get install dataset-fashion-mnist")

@@ -18,14 +18,7 @@ from dit_train.optim.directions import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_intra_op_thread():
-    """These tests use tiny matrices, where a second intra-op thread only adds synchronisation, and stalls for
-    milliseconds per op when other jobs share the two cores. Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def gen(seed=0):
