@@ -12,25 +12,26 @@ DEPTH_ARGS=()
 if [ -n "${DEPTH:-}" ]; then DEPTH_ARGS=(--depth "$DEPTH"); fi
 REPEATS=${REPEATS:-5}
 export PYTHONUNBUFFERED=1
+PY=${PYTHON:-$(command -v python3 || command -v python)}
 
-NGPU=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
 if [ "$NGPU" -lt 1 ]; then
   echo "gpu_check: no CUDA device visible (torch.cuda.is_available() is False); nothing to check" >&2
   exit 1
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
 start=$(date +%s)
 echo; echo "== bf16 NS5 speed (one GPU) =="
-python scripts/bench_distributed.py --ns5-check --preset "$PRESET" "${DEPTH_ARGS[@]}" --repeats "$REPEATS"
+"$PY" scripts/bench_distributed.py --ns5-check --preset "$PRESET" ${DEPTH_ARGS[@]+"${DEPTH_ARGS[@]}"} --repeats "$REPEATS"
 
 echo; echo "== sharded optimizers, one GPU (NCCL group of one: no communication) =="
-python scripts/bench_distributed.py --nproc 1 --preset "$PRESET" "${DEPTH_ARGS[@]}" --repeats "$REPEATS" --warmup 2
+"$PY" scripts/bench_distributed.py --nproc 1 --preset "$PRESET" ${DEPTH_ARGS[@]+"${DEPTH_ARGS[@]}"} --repeats "$REPEATS" --warmup 2
 
 if [ "$NGPU" -gt 1 ]; then
   echo; echo "== sharded optimizers, all $NGPU GPUs (NCCL) =="
-  python scripts/bench_distributed.py --nproc "$NGPU" --preset "$PRESET" "${DEPTH_ARGS[@]}" --repeats "$REPEATS" \
+  "$PY" scripts/bench_distributed.py --nproc "$NGPU" --preset "$PRESET" ${DEPTH_ARGS[@]+"${DEPTH_ARGS[@]}"} --repeats "$REPEATS" \
     --warmup 2
 else
   echo; echo "== all-GPU configuration: only one GPU is visible, so it is the one-GPU run above =="
