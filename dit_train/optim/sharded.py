@@ -177,8 +177,6 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
         return flat, [t.numel() for t in partial], comm.all_reduce(flat)
 
     def _whole_directions(self, kind: str, inputs: dict, group: dict, comm: ShardComm, phases: PhaseSwitch) -> dict:
-        for key, U in inputs.items():
-            self._check_rows(key, U, comm)
         elem = DTYPES[self.gather_dtype].itemsize
         buckets = plan_buckets({key: U.shape[0] for key, U in inputs.items()}, elem, self.bucket_mb * 2**20)
         cpu = next(iter(inputs.values())).device.type == "cpu"
@@ -188,8 +186,7 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
             # GPU: fresh buffers from the caching allocator, so whole matrices are not kept between buckets
             ws = self._workspace.setdefault(("whole", key, X.shape[0]), {}) if cpu else None
             D, row_scale = compute_direction(kind, X, group, ws)
-            assert row_scale is None, f"direction {kind!r} with a row scale cannot run on whole matrices"
-            return D
+            return D if row_scale is None else D * row_scale  # a registered direction that returns a row scale
 
         if self.distributed_mode == "gather":
             out, self.last_whole_matrices = gather_directions(inputs, buckets, compute, comm, phases)
