@@ -312,3 +312,19 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_(grads, coef.to(grads[0].dtype))
     return total
+
+
+def shutdown_process_group() -> None:
+    """Leave the process group cleanly. Every rank first waits, through the TCP store rather than the backend, until
+    all ranks are past their last collective: a gloo rank that tears down while a peer is still finishing the last
+    collective can abort that peer ("terminate called without an active exception", ~1 in 30 runs here)."""
+    if not dist.is_initialized():
+        return
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if world > 1:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(f"dit_train/finished/{rank}", "1")
+            store.wait([f"dit_train/finished/{r}" for r in range(world)])
+    finally:
+        dist.destroy_process_group()

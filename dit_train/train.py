@@ -38,7 +38,8 @@ from .logger import MetricLogger
 from .model import build_model, count_parameters
 from .optim.registry import build_optimizer
 from .parallel import (DistInfo, all_reduce_mean, barrier, broadcast_object, check_parallel_config, clip_grad_norm_,
-                       init_distributed, materialize_from_rank0, parallelize, resolve_plan, wants_fsdp)
+                       init_distributed, materialize_from_rank0, parallelize, resolve_plan, shutdown_process_group,
+                       wants_fsdp)
 from .run_info import write_run_info
 from .schedule import build_scheduler
 from .timing import PhaseTimer, set_active_timer
@@ -423,7 +424,6 @@ class Trainer:
             previous(signal.Signals[self.stop_signal].value, None)
 
     def fit(self) -> dict:
-        tc = self.tc
         self.maybe_resume()
         if self.dist.is_main:
             print(f"model {self.cfg.model.name}: {count_parameters(self.model):,} parameters; "
@@ -586,5 +586,5 @@ def run(cfg) -> dict:
             write_run_info(cfg, cfg.run_dir)
         return Trainer(cfg, dist).fit()
     finally:
-        if not had_group and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        if not had_group:
+            shutdown_process_group()

@@ -2,7 +2,6 @@ import gzip
 import os
 import shutil
 
-import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dit_train.fd.frechet import StreamingStats, stats_from_features
+from dit_train.parallel import shutdown_process_group
 
 WORLD = 2
 
@@ -65,7 +66,7 @@ def _worker(rank, port, out_dir):
                        "ref_labels": ev.reference.labels.tolist(), "ref_labels2": ev2.reference.labels.tolist(),
                        "ref_mean": ev.reference.stats.mean.tolist(), "batches": ev.my_batches()}, f)
     finally:
-        dist.destroy_process_group()
+        shutdown_process_group()
 
 
 def test_rank_merged_equals_single_process(tmp_path):

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from conftest import ROOT, compose, needs_fashion
+from dit_train.parallel import shutdown_process_group
 
 pytestmark = needs_fashion
 
@@ -49,7 +50,7 @@ def _worker(rank, world, port, jobs):
         for overrides in jobs:
             run(compose(TINY + overrides))
     finally:
-        dist.destroy_process_group()
+        shutdown_process_group()
 
 
 def spawn(world: int, jobs: list[list[str]], timeout: float = 240.0) -> None:

@@ -21,6 +21,7 @@ from dit_train.optim.comm import shard_rows
 from dit_train.optim.matrix import MatrixOptimizer
 from dit_train.optim.registry import build_optimizer
 from dit_train.optim.whole_matrix import Item, assign_owners, plan_buckets
+from dit_train.parallel import shutdown_process_group
 
 SHAPES = [(24, 40), (24, 40), (40, 24), (40, 24), (32, 32), (4, 3), (2, 16), (1, 8), (50, 12)]
 STEPS = 4
@@ -77,14 +78,8 @@ def _entry(rank, world, port, fn, args):
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
         fn(rank, world, *args)
-        # every rank is past its last gloo collective before any rank closes its connections: a rank that tears
-        # gloo down while a peer is still finishing the last collective can abort that peer (seen about once in
-        # 30 runs); the handshake goes through the TCP store, not gloo
-        store = dist.distributed_c10d._get_default_store()
-        store.set(f"finished/{rank}", "1")
-        store.wait([f"finished/{r}" for r in range(world)])
     finally:
-        dist.destroy_process_group()
+        shutdown_process_group()
 
 
 def spawn(fn, world: int, *args, timeout: float = 240.0) -> None:

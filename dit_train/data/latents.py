@@ -9,7 +9,6 @@ import bisect
 import glob
 import os
 
-import torch
 from safetensors import safe_open
 from torch.utils.data import Dataset
 

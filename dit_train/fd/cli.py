@@ -85,8 +85,6 @@ def setup_distributed(device_arg: str | None) -> tuple[torch.device, int, int]:
 
 
 def teardown_distributed() -> None:
-    import torch.distributed as dist
+    from dit_train.parallel import shutdown_process_group
 
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    shutdown_process_group()
