@@ -240,7 +240,8 @@ def plots(runs: list[Run], out_dir: str) -> list[str]:
             ax.set_title(model)
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
-            ax.legend(fontsize=7)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
         fig.tight_layout()
         path = os.path.join(out_dir, fname)
         fig.savefig(path, dpi=110)
@@ -265,7 +266,8 @@ def plots(runs: list[Run], out_dir: str) -> list[str]:
         ax.set_xticks(range(len(opts)), opts, rotation=30, ha="right", fontsize=7)
         ax.set_ylabel("ms per step")
         ax.set_title(model)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     path = os.path.join(out_dir, "step_time_phases.png")
     fig.savefig(path, dpi=110)
