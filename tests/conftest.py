@@ -1,4 +1,6 @@
 import os
+import socket
+import time
 
 import pytest
 import torch
@@ -43,3 +45,23 @@ def one_intra_op_thread():
 
 
 needs_fashion = pytest.mark.skipif(not os.path.exists(FASHION_ROOT), reason="apt-get install dataset-fashion-mnist")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(entry, world: int, args: tuple, timeout: float = 240.0) -> None:
+    """Start entry(rank, world, port, *args) on `world` spawned processes (a fresh port for their gloo group) and
+    wait; a job still running after `timeout` seconds is killed and reported."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(entry, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn")
+    t0 = time.time()
+    while not ctx.join(timeout=1.0):
+        if time.time() - t0 > timeout:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError(f"{world}-rank job did not finish in {timeout:.0f} s")

@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -10,16 +9,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import free_port
+
 from dit_train.fd.frechet import StreamingStats, stats_from_features
 from dit_train.parallel import shutdown_process_group
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _features():
@@ -70,7 +65,7 @@ def _worker(rank, port, out_dir):
 
 
 def test_rank_merged_equals_single_process(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(WORLD)]
 
     one = stats_from_features(_features())

@@ -8,16 +8,14 @@ makes the runs every test compares: the single-process reference, one torchrun l
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from datetime import timedelta
 
 import pytest
 import torch
 
-from conftest import ROOT, compose, needs_fashion
+from conftest import ROOT, compose, needs_fashion, spawn_ranks
 from dit_train.parallel import shutdown_process_group
 
 pytestmark = needs_fashion
@@ -28,12 +26,6 @@ TINY = ["model.hidden_size=32", "model.depth=2", "model.num_heads=2", "model.pat
         "train.val_every=2", "train.val_samples=10", "train.val_batch_size=4", "train.val_t_points=2",
         "train.sample_every=4", "train.ckpt_every=2", "train.keep_last=0", "train.progress=false",
         "train.samples_per_class=1", "train.sample_steps=2", "optimizer=adamw"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world, port, jobs):
@@ -54,16 +46,7 @@ def _worker(rank, world, port, jobs):
 
 
 def spawn(world: int, jobs: list[list[str]], timeout: float = 240.0) -> None:
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(_worker, args=(world, free_port(), jobs), nprocs=world, join=False,
-                             start_method="spawn")
-    t0 = time.time()
-    while not ctx.join(timeout=1.0):
-        if time.time() - t0 > timeout:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"{world}-rank job did not finish in {timeout:.0f} s")
+    spawn_ranks(_worker, world, (jobs,), timeout)
 
 
 def metrics(run_dir) -> list[dict]:

@@ -10,12 +10,12 @@ One spawn per world size runs every case (process start-up is the cost); the par
 
 import math
 import os
-import socket
-import time
 from datetime import timedelta
 
 import pytest
 import torch
+
+from conftest import spawn_ranks
 
 from dit_train.optim.comm import shard_rows
 from dit_train.optim.matrix import MatrixOptimizer
@@ -44,12 +44,6 @@ CASES = {
     "mud/gather": ("mud", {}, {"gather_dtype": "float32"}),
     "mud/owner/buckets": ("mud", {}, {"gather_dtype": "float32", "distributed_mode": "owner", "bucket_mb": SMALL}),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def full_params():
@@ -84,16 +78,7 @@ def _entry(rank, world, port, fn, args):
 
 def spawn(fn, world: int, *args, timeout: float = 240.0) -> None:
     """Run fn(rank, world, *args) (a module-level function) on `world` spawned gloo ranks."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, join=False,
-                             start_method="spawn")
-    t0 = time.time()
-    while not ctx.join(timeout=1.0):
-        if time.time() - t0 > timeout:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"{world}-rank job did not finish in {timeout:.0f} s")
+    spawn_ranks(_entry, world, (fn, args), timeout)
 
 
 def run_cases(rank, world, out_path):
