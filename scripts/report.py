@@ -12,6 +12,8 @@ Writes report.md and PNG plots next to it:
   mean ± std over seeds.
 - Table 2 (model): optimizer time, step time and logical optimizer communication of each periodic_rowwise K
   relative to muon; active training time to each run's best FD and its reduction against muon.
+- Table 3 (model x optimizer): validation loss at equal active training time.
+- Runs: one row per folder (status, final val loss, best FD, git commit) — what every table number traces to.
 - Plots: validation loss vs step and vs active time per size; FD vs active time; stacked per-phase step time.
 """
 
@@ -50,6 +52,7 @@ class Run:
     step_s: float = math.nan
     comm_bytes: float = math.nan  # logical optimizer bytes per step per rank
     phases: dict = field(default_factory=dict)
+    git_commit: str = ""  # from run_info.json: the code that produced this run
     val_curve: list = field(default_factory=list)  # (step, active_s, val_loss)
     fd_curve: list = field(default_factory=list)  # (step, active_s, fd)
 
@@ -103,6 +106,10 @@ def read_run(folder: str, name: str) -> Run:
                   "forward": mean([r.get("time/forward") for r in timed]),
                   "backward": mean([r.get("time/backward") for r in timed]),
                   "optimizer compute": run.optimizer_s - comm, "exposed communication": comm}
+    info = os.path.join(folder, "run_info.json")
+    if os.path.exists(info):
+        with open(info) as f:
+            run.git_commit = str(json.load(f).get("git_commit") or "")
     summary = os.path.join(folder, "summary.json")
     if os.path.exists(summary):
         with open(summary) as f:
@@ -208,10 +215,47 @@ def table2(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
+def value_at(curve: list, t: float) -> float:
+    """The curve's value at active time t, linear between logged points; NaN outside the logged span."""
+    pts = sorted((a, v) for _, a, v in curve if not math.isnan(a))
+    for (a0, v0), (a1, v1) in zip(pts, pts[1:]):
+        if a0 <= t <= a1:
+            return v0 if a1 == a0 else v0 + (v1 - v0) * (t - a0) / (a1 - a0)
+    return pts[0][1] if len(pts) == 1 and pts[0][0] == t else math.nan
+
+
+def table3(runs: list[Run]) -> str:
+    """Validation loss at equal active time: the budget is the shortest finished run's last validation point."""
+    lines = ["| model | optimizer | time budget | step reached | val loss at budget | gain vs AdamW |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    by = defaultdict(list)
+    for r in runs:
+        if r.status == "finished" and r.val_curve:
+            by[(r.model, r.optimizer)].append(r)
+    for model in model_order(runs):
+        group_runs = [r for (m, _), g in by.items() if m == model for r in g]
+        ends = [r.val_curve[-1][1] for r in group_runs if not math.isnan(r.val_curve[-1][1])]
+        if not ends:
+            continue
+        budget = min(ends)
+        at = {o: [value_at(r.val_curve, budget) for r in g] for (m, o), g in by.items() if m == model}
+        ref = mean(at.get("adamw", []))
+        for opt in optimizer_order(set(at)):
+            steps = [value_at([(s, a, float(s)) for s, a, _ in r.val_curve], budget) for r in by[(model, opt)]]
+            gain = "—" if opt == "adamw" or math.isnan(ref) else f"{(ref - mean(at[opt])) / ref * 100:+.1f}%"
+            lines.append(f"| {model} | {opt} | {budget:.3g} s | {mean(steps):.0f} | {fmt(at[opt])} | {gain} |")
+    return "\n".join(lines)
+
+
 def status_table(runs: list[Run]) -> str:
-    lines = ["| run | status | steps |", "| --- | --- | ---: |"]
+    """One row per run folder: every number in the tables above is a mean of these."""
+    lines = ["| run | status | steps | final val loss | best FD (step) | active time to best FD | git commit |",
+             "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
     for r in sorted(runs, key=lambda r: r.name):
-        lines.append(f"| {r.name} | {r.status} | {r.steps} |")
+        best = "—" if math.isnan(r.best_fd) else f"{r.best_fd:.4g} ({r.best_fd_step})"
+        act = "—" if math.isnan(r.best_fd_active_s) else f"{r.best_fd_active_s:.1f} s"
+        val = "—" if math.isnan(r.val_loss) else f"{r.val_loss:.4g}"
+        lines.append(f"| {r.name} | {r.status} | {r.steps} | {val} | {best} | {act} | {r.git_commit[:10] or '—'} |")
     return "\n".join(lines)
 
 
@@ -276,6 +320,20 @@ def plots(runs: list[Run], out_dir: str) -> list[str]:
     return written
 
 
+def provenance(study: dict, runs: list[Run]) -> str:
+    """The sweep commands (study.json keeps every invocation) and the commits that produced the run folders."""
+    calls = study.get("invocations") or ([study] if "command" in study else [])
+    lines = [f"- `{c['command']}` at git commit `{c.get('git_commit')}`" + (f" ({c['started']})" if c.get("started") else "")
+             for c in calls]
+    commits = defaultdict(int)
+    for r in runs:
+        if r.git_commit:
+            commits[r.git_commit] += 1
+    used = ", ".join(f"`{c}` ({n} runs)" for c, n in sorted(commits.items(), key=lambda kv: -kv[1]))
+    return ("Sweep commands:\n" + "\n".join(lines) + "\n\n" if lines else "") + (
+        f"Run folders produced at git commit {used} (each run's commit is in the Runs table)." if used else "")
+
+
 def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
     out_dir = out_dir or sweep_dir
     os.makedirs(out_dir, exist_ok=True)
@@ -290,8 +348,8 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
     n_done = sum(r.status == "finished" for r in runs)
     parts = [
         f"# Study report: {study.get('experiment', os.path.basename(os.path.abspath(sweep_dir)))}",
-        f"Built by `python scripts/report.py {sweep_dir}` from {len(runs)} runs ({n_done} finished). "
-        + (f"Sweep command: `{study['command']}` at git commit `{study.get('git_commit')}`." if study else ""),
+        f"Built by `python scripts/report.py {sweep_dir}{'' if out_dir == sweep_dir else f' --out {out_dir}'}` from {len(runs)} runs ({n_done} finished).",
+        provenance(study, runs),
         study.get("notes", ""),
         "## Table 1 — quality",
         "Best FD over the run's evaluations (lower is better; encoder named; compare only equal sample counts: "
@@ -302,6 +360,11 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
         "Means per logged step after the first rows. Communication is the logical optimizer bytes per step per rank "
         "(0 in single-process runs). Active time is wall time inside training steps (no evaluation/checkpoints).",
         table2(runs),
+        "## Table 3 — equal active time",
+        "Validation velocity loss when every run has had the same active training time: the budget is the "
+        "shortest finished run's last validation point for that size; values are linear between validation "
+        "points (the step reached is interpolated the same way). Mean ± std over seeds.",
+        table3(runs),
         "## Plots",
         "\n".join(f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in images),
         "## Runs",

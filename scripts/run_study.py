@@ -20,11 +20,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 from omegaconf import OmegaConf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from dit_train.checkpoint import atomic_write_bytes  # noqa: E402
 from dit_train.run_info import git_commit  # noqa: E402
 
 EXPERIMENTS = os.path.join(ROOT, "dit_train", "conf", "experiment")
@@ -51,6 +53,18 @@ def expand(study, extra: list[str], exclude_keys: list[str]) -> list[dict]:
     return runs
 
 
+def previous_invocations(sweep_dir: str) -> list[dict]:
+    """A study completed in pieces keeps every command and commit that ran it (older files: their one command)."""
+    path = os.path.join(sweep_dir, "study.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        old = json.load(f)
+    if "invocations" in old:
+        return old["invocations"]
+    return [{"command": old["command"], "git_commit": old.get("git_commit")}] if "command" in old else []
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("experiment", help="a file name in dit_train/conf/experiment/ (without .yaml)")
@@ -71,11 +85,13 @@ def main(argv=None) -> int:
     sweep_dir = os.path.abspath(args.sweep_dir or os.path.join("sweeps", study.name))
     runs = expand(study, args.overrides, exclude)
     os.makedirs(sweep_dir, exist_ok=True)
-    record = {"experiment": args.experiment, "command": " ".join(["python scripts/run_study.py", *sys.argv[1:]]),
-              "git_commit": git_commit(ROOT), "notes": study.get("notes", ""),
+    call = {"command": " ".join(["python scripts/run_study.py", *(sys.argv[1:] if argv is None else argv)]),
+            "git_commit": git_commit(ROOT), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    record = {"experiment": args.experiment, **call, "notes": study.get("notes", ""),
+              "invocations": previous_invocations(sweep_dir) + ([] if args.dry_run else [call]),
               "runs": [{k: v for k, v in r.items() if k != "overrides"} for r in runs]}
-    with open(os.path.join(sweep_dir, "study.json"), "w") as f:
-        json.dump(record, f, indent=2)
+    # atomic: the record of a half-finished study must survive a crash mid-write
+    atomic_write_bytes(json.dumps(record, indent=2).encode(), os.path.join(sweep_dir, "study.json"))
 
     groups: dict[tuple, list[dict]] = {}
     for r in runs:

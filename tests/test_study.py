@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from conftest import CONF_DIR, ROOT, needs_fashion
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import publish_study  # noqa: E402
 import report  # noqa: E402
 import run_study  # noqa: E402
 
@@ -106,14 +107,18 @@ def test_report_numbers_on_fabricated_runs(tmp_path):
     specs = [("adamw", 0, 0.01, 0.10, 0.0, None), ("adamw", 1, 0.01, 0.10, 0.0, None),
              ("muon", 0, 0.04, 0.20, 1000.0, None), ("periodic_rowwise", 0, 0.01, 0.15, 250.0, 3)]
     for opt, seed, o, s, c, K in specs:
-        rows = train_rows(o, s, c)
+        rows = train_rows(o, s, c) + [{"step": 2, "val/loss": 1.0}]
         rows += [{"step": st, "fd": v, "fd_encoder": "inception", "fd_num_gen": 500, "fd_num_ref": 2000}
                  for st, v in fd[(opt, seed)]]
         rows.append({"step": 4, "val/loss": 0.5 + seed * 0.1 + (opt == "muon") * 0.01})
         write_run(sweep / f"{opt}-{seed}", "dit_xs", opt, seed, rows, K=K)
+        with open(sweep / f"{opt}-{seed}" / "run_info.json", "w") as f:
+            json.dump({"git_commit": "abc1234567890" if opt == "adamw" else "def4567890123"}, f)
     write_run(sweep / "crashed", "dit_xs", "mud", 0, train_rows(0.02, 0.1, 0)[:3], summary=False)
     with open(sweep / "study.json", "w") as f:
-        json.dump({"experiment": "fab", "command": "x", "runs": [
+        json.dump({"experiment": "fab", "command": "x", "invocations": [
+            {"command": "python scripts/run_study.py fab --models dit_xs", "git_commit": "abc1234567890"},
+            {"command": "python scripts/run_study.py fab", "git_commit": "def4567890123"}], "runs": [
             {"name": "never-ran", "model": "dit_xs", "optimizer": "rownorm", "K": None, "seed": 0}]}, f)
 
     text = report.build_report(str(sweep))
@@ -131,9 +136,48 @@ def test_report_numbers_on_fabricated_runs(tmp_path):
     # active time to best: periodic 2 * 0.15 = 0.3 s vs muon 4 * 0.2 = 0.8 s -> -62.5% (a +62.5% reduction)
     assert "| dit_xs | periodic_rowwise K=3 | 10.0 ms | 0.250 | 150.0 ms | 0.750 | 250 | 0.250 | 0 s | +62.5% |" in t2
     assert "| dit_xs | muon | 40.0 ms | 1.000 | 200.0 ms | 1.000 | 1000 | 1.000 | 1 s | +0.0% |" in t2
+    # Table 3: budget = the shortest last validation point, AdamW's 4 * 0.10 = 0.4 s. Muon is at its step-2 point
+    # (0.4 s, loss 1.0); periodic is between (0.3 s, 1.0) and (0.6 s, 0.5): 1 - 0.5 / 3 = 0.8333 at step 2.67
+    t3 = text.split("## Table 3")[1].split("## Plots")[0]
+    assert "| dit_xs | adamw | 0.4 s | 4 | 0.55 ± 0.071 | — |" in t3
+    assert "| dit_xs | muon | 0.4 s | 2 | 1 | -81.8% |" in t3
+    assert "| dit_xs | periodic_rowwise K=3 | 0.4 s | 3 | 0.8333 | -51.5% |" in t3
+    # provenance: both sweep commands, the commits of the run folders, one row per run with its numbers
+    head = text.split("## Table 1")[0]
+    assert "`python scripts/run_study.py fab --models dit_xs` at git commit `abc1234567890`" in head
+    assert "`def4567890123` (2 runs)" in head and "`abc1234567890` (2 runs)" in head
+    runs_table = text.split("## Runs")[1]
+    assert "| muon-0 | finished | 4 | 0.51 | 80 (4) | 0.8 s | def4567890 |" in runs_table
+    assert "| crashed | incomplete (step 3) | 3 | — | — | — | — |" in runs_table
+    assert "| never-ran | missing | 0 | — | — | — | — |" in runs_table
     for png in ("val_loss_vs_step.png", "val_loss_vs_active_time.png", "fd_vs_active_time.png",
                 "step_time_phases.png"):
         assert os.path.getsize(sweep / png) > 1000
+
+
+def test_publish_copies_records_only_and_keeps_earlier_pieces(tmp_path):
+    sweep, dest = tmp_path / "sweep", tmp_path / "docs"
+    write_run(sweep / "a", "dit_xs", "adamw", 0, train_rows(0.01, 0.1, 0) + [{"step": 4, "val/loss": 0.5}])
+    os.makedirs(sweep / "a" / "checkpoints")
+    (sweep / "a" / "checkpoints" / "step_4.pt").write_bytes(b"x" * 1000)
+    (sweep / "a" / "__main__.log").write_text("log")
+    with open(sweep / "study.json", "w") as f:
+        json.dump({"experiment": "fab", "command": "python scripts/run_study.py fab", "git_commit": "new",
+                   "runs": []}, f)
+    # an earlier piece of the study, already published from another machine
+    write_run(dest / "runs" / "b", "dit_s", "adamw", 0, train_rows(0.01, 0.1, 0) + [{"step": 4, "val/loss": 0.7}])
+    with open(dest / "runs" / "study.json", "w") as f:
+        json.dump({"invocations": [{"command": "python scripts/run_study.py fab --models dit_s",
+                                    "git_commit": "old"}]}, f)
+
+    assert publish_study.main([str(sweep), str(dest)]) == 0
+    assert sorted(os.listdir(dest / "runs" / "a")) == ["config.yaml", "metrics.jsonl", "summary.json"]
+    with open(dest / "runs" / "study.json") as f:
+        calls = json.load(f)["invocations"]
+    assert [c["git_commit"] for c in calls] == ["old", "new"]
+    text = (dest / "report.md").read_text()
+    assert f"--out {dest}" in text and "| dit_xs | adamw | 1 | finished |" in text and "| dit_s | adamw | 1 |" in text
+    assert publish_study.main([str(tmp_path / "nothing"), str(dest)]) == 2
 
 
 @needs_fashion
@@ -153,6 +197,9 @@ def test_smoke_study_end_to_end_then_rerun_skips(tmp_path):
                      "model=dit_tiny,optimizer=adamw,seed=0"]
     r2 = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert r2.stdout.count("all seeds finished, skipping") == 2
+    with open(sweep / "study.json") as f:  # a study run in pieces keeps every command that ran it
+        calls = json.load(f)["invocations"]
+    assert len(calls) == 2 and all(c["command"].startswith("python scripts/run_study.py smoke") for c in calls)
     r3 = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "report.py"), str(sweep)],
                         capture_output=True, text=True, timeout=300)
     assert r3.returncode == 0, r3.stderr

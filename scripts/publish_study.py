@@ -1,0 +1,79 @@
+#!/usr/bin/env python
+"""Copy a sweep's run records (no checkpoints, samples or logs) to a folder that can be committed, then build
+the report there — so a published report sits next to the exact files its numbers come from.
+
+    python scripts/publish_study.py sweeps/scaling_study_cpu docs/results/scaling_study_cpu
+
+Writes DEST/runs/<run>/{config.yaml, metrics.jsonl, summary.json, run_info.json} and DEST/runs/study.json,
+then DEST/report.md and its plots (scripts/report.py DEST/runs --out DEST). Runs already in DEST/runs that
+the sweep folder lacks are kept, so a study run in pieces on different machines can be published in pieces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+import report  # noqa: E402
+import run_study  # noqa: E402
+from dit_train.checkpoint import atomic_write_bytes  # noqa: E402
+
+RECORDS = ("config.yaml", "metrics.jsonl", "summary.json", "run_info.json")
+
+
+def publish(sweep_dir: str, dest: str) -> int:
+    runs_dir = os.path.join(dest, "runs")
+    copied = 0
+    for root, dirs, files in os.walk(sweep_dir):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in ("checkpoints", "samples"))
+        if "config.yaml" not in files or "metrics.jsonl" not in files:
+            continue
+        target = os.path.join(runs_dir, os.path.relpath(root, sweep_dir))
+        os.makedirs(target, exist_ok=True)
+        for name in RECORDS:
+            if name in files:
+                shutil.copy2(os.path.join(root, name), os.path.join(target, name))
+        copied += 1
+    merge_study_record(os.path.join(sweep_dir, "study.json"), os.path.join(runs_dir, "study.json"))
+    return copied
+
+
+def merge_study_record(src: str, dst: str) -> None:
+    """The sweep's study.json, keeping the commands already published (another piece of the same study)."""
+    if not os.path.exists(src):
+        return
+    with open(src) as f:
+        record = json.load(f)
+    calls = run_study.previous_invocations(os.path.dirname(dst)) + run_study.previous_invocations(os.path.dirname(src))
+    unique = []
+    for c in calls:
+        if c not in unique:
+            unique.append(c)
+    record["invocations"] = unique
+    atomic_write_bytes(json.dumps(record, indent=2).encode(), dst)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("sweep_dir")
+    p.add_argument("dest")
+    args = p.parse_args(argv)
+    if not os.path.isdir(args.sweep_dir):
+        print(f"error: sweep folder {args.sweep_dir!r} does not exist", file=sys.stderr)
+        return 2
+    n = publish(args.sweep_dir, args.dest)
+    if n == 0:
+        print(f"error: no run folders (config.yaml + metrics.jsonl) under {args.sweep_dir!r}", file=sys.stderr)
+        return 2
+    report.build_report(os.path.join(args.dest, "runs"), args.dest)
+    print(f"copied {n} run records to {os.path.join(args.dest, 'runs')}; wrote {os.path.join(args.dest, 'report.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
