@@ -304,6 +304,28 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def load_preset(name: str, hidden_size: int | None = None, depth: int | None = None, num_heads: int | None = None):
+    """A model preset (conf/model/<name>.yaml) as an OmegaConf node, optionally resized for benchmarks: a width
+    override keeps head dim 64 unless num_heads is given."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf", "model")
+    path = os.path.join(folder, f"{name}.yaml")
+    if not os.path.exists(path):
+        valid = sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".yaml"))
+        raise ValueError(f"model preset {name!r} does not exist; valid: {', '.join(valid)}")
+    cfg = OmegaConf.load(path)
+    if hidden_size:
+        cfg.hidden_size, cfg.num_heads = hidden_size, max(1, hidden_size // 64)
+    if depth:
+        cfg.depth = depth
+    if num_heads:
+        cfg.num_heads = num_heads
+    return cfg
+
+
 def build_model(cfg, device: torch.device | str | None = None) -> DiT:
     """Build from a Hydra `model` node; device='meta' builds the architecture without allocating it."""
     with torch.device(device or "cpu"):

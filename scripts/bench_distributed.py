@@ -35,7 +35,6 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-CONF = os.path.join(ROOT, "dit_train", "conf")
 
 CYCLE = 3  # steps per repetition: one periodic_rowwise K=3 cycle
 BASELINE = "muon-gather"
@@ -68,15 +67,9 @@ def parse(argv=None):
 
 
 def model_config(args):
-    from omegaconf import OmegaConf
+    from dit_train.model import load_preset
 
-    cfg = OmegaConf.load(os.path.join(CONF, "model", f"{args.preset}.yaml"))
-    if args.hidden_size:
-        cfg.hidden_size = args.hidden_size
-        cfg.num_heads = max(1, args.hidden_size // 64)
-    if args.depth:
-        cfg.depth = args.depth
-    return cfg
+    return load_preset(args.preset, args.hidden_size, args.depth)
 
 
 def free_port() -> int:

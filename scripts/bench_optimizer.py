@@ -32,15 +32,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from omegaconf import OmegaConf  # noqa: E402
-
-from dit_train.model import build_model  # noqa: E402
+from dit_train.model import build_model, load_preset  # noqa: E402
 from dit_train.optim.directions import ns5_flops, uses_gram  # noqa: E402
 from dit_train.optim.registry import build_optimizer  # noqa: E402
 from dit_train.optim.routing import route_parameters  # noqa: E402
 from dit_train.timing import PhaseTimer, set_active_timer  # noqa: E402
-
-CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dit_train", "conf")
 
 
 def parse():
@@ -58,14 +54,7 @@ def parse():
 
 
 def materialise(args):
-    cfg = OmegaConf.load(os.path.join(CONF, "model", f"{args.preset}.yaml"))
-    if args.hidden_size:
-        cfg.hidden_size = args.hidden_size
-        cfg.num_heads = max(1, args.hidden_size // 64)
-    if args.depth:
-        cfg.depth = args.depth
-    if args.num_heads:
-        cfg.num_heads = args.num_heads
+    cfg = load_preset(args.preset, args.hidden_size, args.depth, args.num_heads)
     model = build_model(cfg, device="meta")
     model.to_empty(device="cpu")
     g = torch.Generator().manual_seed(0)

@@ -36,12 +36,10 @@ ACT_VALUES_PER_TOKEN = 20  # per block, in units of the width d (see the docstri
 
 
 def counts(preset: str) -> dict:
-    from omegaconf import OmegaConf
-
-    from dit_train.model import build_model
+    from dit_train.model import build_model, load_preset
     from dit_train.optim.routing import route_parameters
 
-    cfg = OmegaConf.load(os.path.join(ROOT, "dit_train", "conf", "model", f"{preset}.yaml"))
+    cfg = load_preset(preset)
     model = build_model(cfg, device="meta")
     routing = route_parameters(model)
     matrix = {id(p) for _, p in routing.matrix}

@@ -121,3 +121,32 @@ def test_readme_presets_table_has_every_preset_with_its_exact_count():
         row = re.search(rf"^\| `{cfg.name}` \|.*\| ([\d,]+) \|$", readme, re.M)
         assert row, f"{cfg.name} missing from the README presets table"
         assert row.group(1) == f"{n:,}", (cfg.name, row.group(1), n)
+
+
+def test_load_preset_resizes_for_benchmarks_and_names_valid_presets():
+    from dit_train.model import load_preset
+
+    cfg = load_preset("dit_m", hidden_size=512, depth=3)
+    assert (cfg.hidden_size, cfg.num_heads, cfg.depth) == (512, 8, 3)  # head dim 64 kept
+    assert load_preset("dit_m", hidden_size=512, num_heads=4).num_heads == 4
+    assert load_preset("dit_4b").hidden_size == OmegaConf.load(f"{CONF_DIR}/model/dit_4b.yaml").hidden_size
+    with pytest.raises(ValueError, match=r"model preset 'dit_5b' does not exist; valid: .*dit_4b"):
+        load_preset("dit_5b")
+
+
+def test_benchmark_scripts_run_on_a_tiny_model(tmp_path):
+    """The optimizer benchmark and the memory table are what the README's figures come from: keep them runnable."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    bench = subprocess.run([sys.executable, f"{ROOT}/scripts/bench_optimizer.py", "--preset", "dit_tiny", "--depth",
+                            "1", "--repeats", "1", "--warmup", "0", "--quick"], capture_output=True, text=True,
+                           timeout=300)
+    assert bench.returncode == 0, bench.stderr[-2000:]
+    assert "periodic_rowwise" in bench.stdout and "muon" in bench.stdout
+    mem = subprocess.run([sys.executable, f"{ROOT}/scripts/memory_table.py", "--presets", "dit_1b3",
+                          "--world-sizes", "8"], capture_output=True, text=True, timeout=300)
+    assert mem.returncode == 0, mem.stderr[-2000:]
+    assert "dit_1b3" in mem.stdout
