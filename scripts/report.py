@@ -53,6 +53,7 @@ class Run:
     comm_bytes: float = math.nan  # logical optimizer bytes per step per rank
     phases: dict = field(default_factory=dict)
     git_commit: str = ""  # from run_info.json: the code that produced this run
+    lr: float = math.nan  # optimizer.lr; part of the label only in sweeps that scan it
     val_curve: list = field(default_factory=list)  # (step, active_s, val_loss)
     fd_curve: list = field(default_factory=list)  # (step, active_s, fd)
 
@@ -71,7 +72,7 @@ def read_run(folder: str, name: str) -> Run:
     with open(os.path.join(folder, "config.yaml")) as f:
         cfg = yaml.safe_load(f)
     run = Run(name=name, model=cfg["model"]["name"], optimizer=optimizer_label(cfg["optimizer"]),
-              seed=int(cfg.get("seed", 0)))
+              seed=int(cfg.get("seed", 0)), lr=float(cfg["optimizer"].get("lr", math.nan)))
     rows = []
     metrics = os.path.join(folder, "metrics.jsonl")
     if os.path.exists(metrics):
@@ -137,8 +138,22 @@ def find_runs(sweep_dir: str) -> list[Run]:
                 if r["name"] not in seen:
                     label = f"periodic_rowwise K={r['K']}" if r.get("K") is not None else r["optimizer"]
                     runs.append(Run(name=r["name"], model=r["model"], optimizer=label, seed=r["seed"],
-                                    status="missing"))
+                                    status="missing", lr=math.nan if r.get("lr") is None else float(r["lr"])))
+    tag_learning_rates(runs)
     return runs
+
+
+def tag_learning_rates(runs: list[Run]) -> None:
+    """A sweep that scans lr compares optimizers at each lr: the lr joins the label ("muon lr=0.004")."""
+    if len({r.lr for r in runs if not math.isnan(r.lr)}) > 1:
+        for r in runs:
+            if not math.isnan(r.lr):
+                r.optimizer += f" lr={r.lr:g}"
+
+
+def peer(label: str, name: str) -> str:
+    """The reference optimizer's label at the same lr: peer("muon lr=0.004", "adamw") == "adamw lr=0.004"."""
+    return name + (" lr=" + label.split(" lr=")[1] if " lr=" in label else "")
 
 
 def fmt(values: list[float], digits: int = 4) -> str:
@@ -177,13 +192,13 @@ def table1(runs: list[Run]) -> str:
     for r in runs:
         by[(r.model, r.optimizer)].append(r)
     for model in model_order(runs):
-        adamw_fd = mean([r.best_fd for r in by.get((model, "adamw"), [])])
         for opt in optimizer_order({o for m, o in by if m == model}):
+            adamw_fd = mean([r.best_fd for r in by.get((model, peer(opt, "adamw")), [])])
             group = by[(model, opt)]
             fds = [r.best_fd for r in group]
             status = ", ".join(sorted({r.status for r in group}))
             gain = "—"
-            if opt != "adamw" and not math.isnan(mean(fds)) and not math.isnan(adamw_fd) and adamw_fd:
+            if opt != peer(opt, "adamw") and not math.isnan(mean(fds)) and not math.isnan(adamw_fd) and adamw_fd:
                 gain = f"{(adamw_fd - mean(fds)) / adamw_fd * 100:+.1f}%"
             enc = next((r.fd_encoder for r in group if r.fd_encoder), "")
             best = fmt(fds) + (f" ({enc})" if enc else "")
@@ -202,10 +217,10 @@ def table2(runs: list[Run]) -> str:
         if r.status == "finished":
             by[(r.model, r.optimizer)].append(r)
     for model in model_order(runs):
-        ref = by.get((model, "muon"), [])
-        ref_opt, ref_step = mean([r.optimizer_s for r in ref]), mean([r.step_s for r in ref])
-        ref_comm, ref_act = mean([r.comm_bytes for r in ref]), mean([r.best_fd_active_s for r in ref])
         for opt in optimizer_order({o for m, o in by if m == model}):
+            ref = by.get((model, peer(opt, "muon")), [])
+            ref_opt, ref_step = mean([r.optimizer_s for r in ref]), mean([r.step_s for r in ref])
+            ref_comm, ref_act = mean([r.comm_bytes for r in ref]), mean([r.best_fd_active_s for r in ref])
             g = by[(model, opt)]
             o, s = mean([r.optimizer_s for r in g]), mean([r.step_s for r in g])
             c, a = mean([r.comm_bytes for r in g]), mean([r.best_fd_active_s for r in g])
@@ -239,11 +254,35 @@ def table3(runs: list[Run]) -> str:
             continue
         budget = min(ends)
         at = {o: [value_at(r.val_curve, budget) for r in g] for (m, o), g in by.items() if m == model}
-        ref = mean(at.get("adamw", []))
         for opt in optimizer_order(set(at)):
+            ref = mean(at.get(peer(opt, "adamw"), []))
             steps = [value_at([(s, a, float(s)) for s, a, _ in r.val_curve], budget) for r in by[(model, opt)]]
-            gain = "—" if opt == "adamw" or math.isnan(ref) else f"{(ref - mean(at[opt])) / ref * 100:+.1f}%"
+            gain = "—" if opt == peer(opt, "adamw") or math.isnan(ref) else f"{(ref - mean(at[opt])) / ref * 100:+.1f}%"
             lines.append(f"| {model} | {opt} | {budget:.3g} s | {mean(steps):.0f} | {fmt(at[opt])} | {gain} |")
+    return "\n".join(lines)
+
+
+def table4(runs: list[Run]) -> str:
+    """Learning-rate sensitivity (sweeps that scan lr): best FD / final val loss per optimizer at each lr."""
+    lrs = sorted({r.lr for r in runs if not math.isnan(r.lr)})
+    if len(lrs) < 2:
+        return ""
+    lines = ["| model | optimizer | " + " | ".join(f"lr={lr:g}" for lr in lrs) + " | best lr by FD | best lr by val loss |",
+             "| --- | --- | " + " | ".join("---:" for _ in lrs) + " | ---: | ---: |"]
+    by = defaultdict(list)
+    for r in runs:
+        if r.status == "finished":
+            by[(r.model, r.optimizer.split(" lr=")[0], r.lr)].append(r)
+    for model in model_order(runs):
+        for opt in optimizer_order({o for m, o, _ in by if m == model}):
+            cells, fd_at, val_at = [], {}, {}
+            for lr in lrs:
+                g = by.get((model, opt, lr), [])
+                fd_at[lr], val_at[lr] = mean([r.best_fd for r in g]), mean([r.val_loss for r in g])
+                cells.append(f"{fmt([r.best_fd for r in g])} / {fmt([r.val_loss for r in g])}" if g else "—")
+            best = [min((lr for lr in lrs if not math.isnan(d[lr])), key=d.get, default=None) for d in (fd_at, val_at)]
+            lines.append(f"| {model} | {opt} | " + " | ".join(cells) + " | "
+                         + " | ".join("—" if b is None else f"{b:g}" for b in best) + " |")
     return "\n".join(lines)
 
 
@@ -270,7 +309,9 @@ def plots(runs: list[Run], out_dir: str) -> list[str]:
     done = [r for r in runs if r.val_curve or r.fd_curve]
     if not done:
         return written
-    colors = {o: f"C{i}" for i, o in enumerate(optimizer_order({r.optimizer for r in runs}))}
+    # colour per optimizer, line style per lr (when the sweep scans lr)
+    colors = {o: f"C{i}" for i, o in enumerate(optimizer_order({r.optimizer.split(" lr=")[0] for r in runs}))}
+    styles = {lr: ("-", "--", ":", "-.")[i % 4] for i, lr in enumerate(sorted({r.lr for r in runs}))}
 
     def curves(kind, xi, fname, ylabel, xlabel):
         fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
@@ -278,7 +319,9 @@ def plots(runs: list[Run], out_dir: str) -> list[str]:
             for r in (r for r in done if r.model == model):
                 pts = r.val_curve if kind == "val" else r.fd_curve
                 if pts:
-                    ax.plot([p[xi] for p in pts], [p[2] for p in pts], color=colors[r.optimizer], alpha=0.8,
+                    style = styles.get(r.lr, "-") if " lr=" in r.optimizer else "-"
+                    ax.plot([p[xi] for p in pts], [p[2] for p in pts], color=colors[r.optimizer.split(" lr=")[0]],
+                            linestyle=style, alpha=0.8,
                             label=f"{r.optimizer}" if r.seed == min(x.seed for x in done if x.model == model
                                                                      and x.optimizer == r.optimizer) else None)
             ax.set_title(model)
@@ -329,7 +372,7 @@ def provenance(study: dict, runs: list[Run]) -> str:
     for r in runs:
         if r.git_commit:
             commits[r.git_commit] += 1
-    used = ", ".join(f"`{c}` ({n} runs)" for c, n in sorted(commits.items(), key=lambda kv: -kv[1]))
+    used = ", ".join(f"`{c}` ({n} run{'' if n == 1 else 's'})" for c, n in sorted(commits.items(), key=lambda kv: -kv[1]))
     return ("Sweep commands:\n" + "\n".join(lines) + "\n\n" if lines else "") + (
         f"Run folders produced at git commit {used} (each run's commit is in the Runs table)." if used else "")
 
@@ -365,6 +408,9 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
         "shortest finished run's last validation point for that size; values are linear between validation "
         "points (the step reached is interpolated the same way). Mean ± std over seeds.",
         table3(runs),
+        *(["## Table 4 — learning-rate sensitivity",
+           "Best FD / final validation loss at each learning rate (mean over seeds); the other tables compare "
+           "optimizers at the same lr.", t4] if (t4 := table4(runs)) else []),
         "## Plots",
         "\n".join(f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in images),
         "## Runs",

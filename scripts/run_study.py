@@ -6,7 +6,8 @@
     python scripts/run_study.py scaling_study_cpu --dry-run            # print the commands only
     python scripts/run_study.py scaling_study_cpu --models dit_xs      # one size now, the rest later
 
-The grid is models x optimizers x seeds, with periodic_rowwise expanded over study.K. Each run's folder is
+The grid is models x optimizers x seeds, with periodic_rowwise expanded over study.K (and every optimizer over
+study.lr where a study scans learning rates). Each run's folder is
 <sweep_dir>/<sorted overrides> (Hydra's override_dirname), so rerunning finds finished runs (summary.json) and
 skips them, and continues interrupted ones from their last checkpoint (the experiments set train.resume=auto):
 a study can be completed in pieces. One `python -m dit_train --multirun` per (model, optimizer[, K]) with the
@@ -40,17 +41,30 @@ def run_name(overrides: list[str], exclude_keys: list[str]) -> str:
 
 
 def expand(study, extra: list[str], exclude_keys: list[str]) -> list[dict]:
+    """models x optimizers (periodic_rowwise x study.K) [x study.lr when the study scans it] x seeds."""
     runs = []
+    lrs = list(study.get("lr") or [None])
     for model in study.models:
         for opt in study.optimizers:
             for K in (list(study.K) if opt == "periodic_rowwise" else [None]):
-                for seed in study.seeds:
-                    overrides = [f"model={model}", f"optimizer={opt}", f"seed={seed}"]
-                    if K is not None:
-                        overrides.append(f"optimizer.K={K}")
-                    runs.append({"name": run_name(overrides + extra, exclude_keys), "model": model, "optimizer": opt, "K": K,
-                                 "seed": seed, "overrides": overrides})
+                for lr in lrs:
+                    for seed in study.seeds:
+                        overrides = [f"model={model}", f"optimizer={opt}", f"seed={seed}"]
+                        if K is not None:
+                            overrides.append(f"optimizer.K={K}")
+                        if lr is not None:
+                            overrides.append(f"optimizer.lr={lr}")
+                        runs.append({"name": run_name(overrides + extra, exclude_keys), "model": model,
+                                     "optimizer": opt, "K": K, "lr": lr, "seed": seed, "overrides": overrides})
     return runs
+
+
+def load_experiment(name: str):
+    """The experiment composed as the trainer sees it (its defaults, e.g. another experiment it extends)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "dit_train", "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=[f"experiment={name}"], return_hydra_config=True)
 
 
 def previous_invocations(sweep_dir: str) -> list[dict]:
@@ -79,7 +93,7 @@ def main(argv=None) -> int:
         valid = sorted(f[:-5] for f in os.listdir(EXPERIMENTS) if f.endswith(".yaml"))
         print(f"error: experiment {args.experiment!r} does not exist; valid: {', '.join(valid)}", file=sys.stderr)
         return 2
-    exp = OmegaConf.load(path)
+    exp = load_experiment(args.experiment)
     study = exp.study
     exclude = list(OmegaConf.select(exp, "hydra.job.config.override_dirname.exclude_keys") or [])
     sweep_dir = os.path.abspath(args.sweep_dir or os.path.join("sweeps", study.name))
@@ -95,24 +109,24 @@ def main(argv=None) -> int:
 
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
-        groups.setdefault((r["model"], r["optimizer"], r["K"]), []).append(r)
+        groups.setdefault((r["model"], r["optimizer"], r["K"], r["lr"]), []).append(r)
     failures = 0
     only = set(args.models.split(",")) if args.models else None
     if only and not only <= set(study.models):
         print(f"error: --models {args.models!r} not in study.models {list(study.models)}", file=sys.stderr)
         return 2
-    for (model, opt, K), members in groups.items():
+    for (model, opt, K, lr), members in groups.items():
         if only and model not in only:
             continue
         pending = [r for r in members if not os.path.exists(os.path.join(sweep_dir, r["name"], "summary.json"))]
+        label = f"{model} {opt}{'' if K is None else f' K={K}'}{'' if lr is None else f' lr={lr}'}"
         if not pending:
-            print(f"[study] {model} {opt}{'' if K is None else f' K={K}'}: all seeds finished, skipping")
+            print(f"[study] {label}: all seeds finished, skipping")
             continue
-        cmd = [sys.executable, "-m", "dit_train", "--multirun", f"experiment={args.experiment}", f"model={model}",
-               f"optimizer={opt}", "seed=" + ",".join(str(r["seed"]) for r in pending),
-               f"hydra.sweep.dir={sweep_dir}", *args.overrides]
-        if K is not None:
-            cmd.insert(6, f"optimizer.K={K}")
+        # the group's own overrides (model, optimizer, K, lr), all seeds still to run in one multirun
+        fixed = [o for o in members[0]["overrides"] if not o.startswith("seed=")]
+        cmd = [sys.executable, "-m", "dit_train", "--multirun", f"experiment={args.experiment}", *fixed,
+               "seed=" + ",".join(str(r["seed"]) for r in pending), f"hydra.sweep.dir={sweep_dir}", *args.overrides]
         print("[study]", " ".join(cmd[1:]), flush=True)
         if not args.dry_run:
             failures += subprocess.run(cmd, cwd=ROOT).returncode != 0

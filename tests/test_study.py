@@ -25,15 +25,25 @@ def compose_with_hydra(overrides):
         return compose(config_name="config", overrides=overrides, return_hydra_config=True)
 
 
-@pytest.mark.parametrize("experiment", ["scaling_study", "scaling_study_cpu", "smoke"])
+@pytest.mark.parametrize("experiment", ["scaling_study", "scaling_study_cpu", "smoke", "lr_scan_cpu"])
 def test_experiments_compose_and_expand(experiment):
     cfg = compose_with_hydra([f"experiment={experiment}", "run_dir=/tmp/unused"])
     assert cfg.study.name == experiment
     assert cfg.train.resume == "auto"  # interrupted runs continue when the study is rerun
     runs = run_study.expand(cfg.study, [], list(cfg.hydra.job.config.override_dirname.exclude_keys))
     n_opt = len(cfg.study.optimizers) - 1 + len(cfg.study.K)
-    assert len(runs) == len(cfg.study.models) * n_opt * len(cfg.study.seeds)
+    n_lr = len(cfg.study.get("lr") or [None])
+    assert len(runs) == len(cfg.study.models) * n_opt * n_lr * len(cfg.study.seeds)
     assert len({r["name"] for r in runs}) == len(runs)
+
+
+def test_lr_scan_extends_the_cpu_study_with_three_lrs_for_every_optimizer():
+    scan = compose_with_hydra(["experiment=lr_scan_cpu", "run_dir=/tmp/unused"])
+    base = compose_with_hydra(["experiment=scaling_study_cpu", "run_dir=/tmp/unused"])
+    assert list(scan.study.lr) == [1e-3, 2e-3, 4e-3] and list(scan.study.models) == ["dit_xs"]
+    assert scan.train == base.train and scan.eval == base.eval and scan.study.optimizers == base.study.optimizers
+    runs = run_study.expand(scan.study, [], list(scan.hydra.job.config.override_dirname.exclude_keys))
+    assert "model=dit_xs,optimizer.K=3,optimizer.lr=0.004,optimizer=periodic_rowwise,seed=0" in {r["name"] for r in runs}
 
 
 def test_paper_grid_is_the_papers():
@@ -153,6 +163,32 @@ def test_report_numbers_on_fabricated_runs(tmp_path):
     for png in ("val_loss_vs_step.png", "val_loss_vs_active_time.png", "fd_vs_active_time.png",
                 "step_time_phases.png"):
         assert os.path.getsize(sweep / png) > 1000
+
+
+def test_report_of_an_lr_scan_compares_at_each_lr(tmp_path):
+    sweep = tmp_path / "scan"
+    # best FD: adamw 100 @1e-3, 90 @4e-3; muon 95 @1e-3, 70 @4e-3
+    for opt, lr, fd, val, o in [("adamw", 0.001, 100.0, 0.50, 0.01), ("adamw", 0.004, 90.0, 0.52, 0.01),
+                                ("muon", 0.001, 95.0, 0.55, 0.04), ("muon", 0.004, 70.0, 0.45, 0.02)]:
+        rows = train_rows(o, 0.1, 0.0) + [{"step": 4, "fd": fd, "fd_encoder": "inception", "fd_num_gen": 8,
+                                           "fd_num_ref": 16}, {"step": 4, "val/loss": val}]
+        folder = sweep / f"{opt}-{lr}"
+        write_run(folder, "dit_xs", opt, 0, rows)
+        cfg = yaml.safe_load((folder / "config.yaml").read_text())
+        cfg["optimizer"]["lr"] = lr
+        (folder / "config.yaml").write_text(yaml.safe_dump(cfg))
+    text = report.build_report(str(sweep))
+    t1 = text.split("## Table 1")[1].split("## Table 2")[0]
+    # gains against AdamW at the same lr: (100 - 95) / 100 = +5.0%, (90 - 70) / 90 = +22.2%
+    assert "| dit_xs | muon lr=0.001 | 1 | finished | 95 (inception) | +5.0% |" in t1
+    assert "| dit_xs | muon lr=0.004 | 1 | finished | 70 (inception) | +22.2% |" in t1
+    t2 = text.split("## Table 2")[1].split("## Table 3")[0]
+    assert "| dit_xs | adamw lr=0.004 | 10.0 ms | 0.500 |" in t2  # against muon at 4e-3 (20 ms)
+    t4 = text.split("## Table 4")[1].split("## Plots")[0]
+    assert "| dit_xs | adamw | 100 / 0.5 | 90 / 0.52 | 0.004 | 0.001 |" in t4
+    assert "| dit_xs | muon | 95 / 0.55 | 70 / 0.45 | 0.004 | 0.004 |" in t4
+    # a sweep at one lr has no Table 4 and no lr in its labels
+    assert "## Table 4" not in report.build_report(str(sweep / "adamw-0.001"))
 
 
 def test_publish_copies_records_only_and_keeps_earlier_pieces(tmp_path):
