@@ -372,7 +372,8 @@ def provenance(study: dict, runs: list[Run]) -> str:
     for r in runs:
         if r.git_commit:
             commits[r.git_commit] += 1
-    used = ", ".join(f"`{c}` ({n} run{'' if n == 1 else 's'})" for c, n in sorted(commits.items(), key=lambda kv: -kv[1]))
+    used = ", ".join(f"`{c}` ({n} run{'' if n == 1 else 's'})"
+                     for c, n in sorted(commits.items(), key=lambda kv: -kv[1]))
     return ("Sweep commands:\n" + "\n".join(lines) + "\n\n" if lines else "") + (
         f"Run folders produced at git commit {used} (each run's commit is in the Runs table)." if used else "")
 
