@@ -257,7 +257,8 @@ def table3(runs: list[Run]) -> str:
         for opt in optimizer_order(set(at)):
             ref = mean(at.get(peer(opt, "adamw"), []))
             steps = [value_at([(s, a, float(s)) for s, a, _ in r.val_curve], budget) for r in by[(model, opt)]]
-            gain = "—" if opt == peer(opt, "adamw") or math.isnan(ref) else f"{(ref - mean(at[opt])) / ref * 100:+.1f}%"
+            gain = ("—" if opt == peer(opt, "adamw") or math.isnan(ref)
+                    else f"{(ref - mean(at[opt])) / ref * 100:+.1f}%")
             lines.append(f"| {model} | {opt} | {budget:.3g} s | {mean(steps):.0f} | {fmt(at[opt])} | {gain} |")
     return "\n".join(lines)
 
@@ -267,7 +268,8 @@ def table4(runs: list[Run]) -> str:
     lrs = sorted({r.lr for r in runs if not math.isnan(r.lr)})
     if len(lrs) < 2:
         return ""
-    lines = ["| model | optimizer | " + " | ".join(f"lr={lr:g}" for lr in lrs) + " | best lr by FD | best lr by val loss |",
+    lines = ["| model | optimizer | " + " | ".join(f"lr={lr:g}" for lr in lrs)
+             + " | best lr by FD | best lr by val loss |",
              "| --- | --- | " + " | ".join("---:" for _ in lrs) + " | ---: | ---: |"]
     by = defaultdict(list)
     for r in runs:
@@ -366,8 +368,8 @@ def plots(runs: list[Run], out_dir: str) -> list[str]:
 def provenance(study: dict, runs: list[Run]) -> str:
     """The sweep commands (study.json keeps every invocation) and the commits that produced the run folders."""
     calls = study.get("invocations") or ([study] if "command" in study else [])
-    lines = [f"- `{c['command']}` at git commit `{c.get('git_commit')}`" + (f" ({c['started']})" if c.get("started") else "")
-             for c in calls]
+    lines = [f"- `{c['command']}` at git commit `{c.get('git_commit')}`"
+             + (f" ({c['started']})" if c.get("started") else "") for c in calls]
     commits = defaultdict(int)
     for r in runs:
         if r.git_commit:
@@ -392,7 +394,8 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
     n_done = sum(r.status == "finished" for r in runs)
     parts = [
         f"# Study report: {study.get('experiment', os.path.basename(os.path.abspath(sweep_dir)))}",
-        f"Built by `python scripts/report.py {sweep_dir}{'' if out_dir == sweep_dir else f' --out {out_dir}'}` from {len(runs)} runs ({n_done} finished).",
+        f"Built by `python scripts/report.py {sweep_dir}{'' if out_dir == sweep_dir else f' --out {out_dir}'}` "
+        f"from {len(runs)} runs ({n_done} finished).",
         provenance(study, runs),
         study.get("notes", ""),
         "## Table 1 — quality",
