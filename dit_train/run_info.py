@@ -14,14 +14,30 @@ from omegaconf import OmegaConf
 PACKAGES = ("torch", "numpy", "hydra-core", "omegaconf", "safetensors", "transformers", "diffusers", "dit_train")
 
 
+CODE_PATHS = ("dit_train/", "scripts/", "eval/", "pyproject.toml")  # what can change a run's numbers
+
+
+def modified_files(path: str) -> list[str]:
+    """Tracked files with uncommitted changes (a run records them, so '-dirty' can be checked later)."""
+    try:
+        out = subprocess.run(["git", "-C", path, "status", "--porcelain", "--untracked-files=no"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return sorted(line[3:].split(" -> ")[-1] for line in out.stdout.splitlines() if line.strip())
+
+
 def git_commit(path: str) -> str | None:
+    """HEAD, with '-dirty' when uncommitted changes touch code (published reports under docs/ do not count:
+    a study that publishes results as it goes would otherwise mark its own later runs dirty)."""
     try:
         out = subprocess.run(["git", "-C", path, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", path, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
+    if out.returncode != 0:
+        return None
+    dirty = any(f.startswith(CODE_PATHS) for f in modified_files(path))
+    return out.stdout.strip() + ("-dirty" if dirty else "")
 
 
 def package_versions() -> dict[str, str]:
@@ -38,7 +54,7 @@ def write_run_info(cfg, run_dir: str) -> None:
     from .checkpoint import atomic_write_bytes
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    info = {"git_commit": git_commit(repo), "packages": package_versions(), "python": sys.version.split()[0],
+    info = {"git_commit": git_commit(repo), "git_modified": modified_files(repo), "packages": package_versions(), "python": sys.version.split()[0],
             "platform": platform.platform(), "argv": sys.argv}
     atomic_write_bytes(json.dumps(info, indent=2).encode(), os.path.join(run_dir, "run_info.json"))
     atomic_write_bytes(OmegaConf.to_yaml(cfg, resolve=True).encode(), os.path.join(run_dir, "config.yaml"))
