@@ -313,7 +313,21 @@ def plots(runs: list[Run], out_dir: str) -> list[str]:
         return written
     # colour per optimizer, line style per lr (when the sweep scans lr)
     colors = {o: f"C{i}" for i, o in enumerate(optimizer_order({r.optimizer.split(" lr=")[0] for r in runs}))}
-    styles = {lr: ("-", "--", ":", "-.")[i % 4] for i, lr in enumerate(sorted({r.lr for r in runs}))}
+    dashes = ("-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 4)))
+    styles = {lr: dashes[i % len(dashes)] for i, lr in enumerate(sorted({r.lr for r in runs}))}
+    scan = any(" lr=" in r.optimizer for r in runs)
+
+    def legend(ax):
+        if scan:  # colour = optimizer, line style = lr: one key each instead of one entry per curve
+            from matplotlib.lines import Line2D
+
+            shown = {r.optimizer.split(" lr=")[0] for r in done}
+            handles = [Line2D([], [], color=c, label=o) for o, c in colors.items() if o in shown]
+            handles += [Line2D([], [], color="grey", linestyle=st, label=f"lr={lr:g}") for lr, st in styles.items()
+                        if not math.isnan(lr)]
+            ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+        elif ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
 
     def curves(kind, xi, fname, ylabel, xlabel):
         fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
@@ -329,8 +343,7 @@ def plots(runs: list[Run], out_dir: str) -> list[str]:
             ax.set_title(model)
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7)
+            legend(ax)
         fig.tight_layout()
         path = os.path.join(out_dir, fname)
         fig.savefig(path, dpi=110)
@@ -341,6 +354,8 @@ def plots(runs: list[Run], out_dir: str) -> list[str]:
     curves("val", 1, "val_loss_vs_active_time.png", "validation velocity loss", "active training time (s)")
     if any(r.fd_curve for r in done):
         curves("fd", 1, "fd_vs_active_time.png", "FD", "active training time (s)")
+    if table4(runs):
+        written.append(lr_plot(runs, models, colors, out_dir, plt))
 
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
@@ -378,6 +393,29 @@ def provenance(study: dict, runs: list[Run]) -> str:
                      for c, n in sorted(commits.items(), key=lambda kv: -kv[1]))
     return ("Sweep commands:\n" + "\n".join(lines) + "\n\n" if lines else "") + (
         f"Run folders produced at git commit {used} (each run's commit is in the Runs table)." if used else "")
+
+
+def lr_plot(runs: list[Run], models: list[str], colors: dict, out_dir: str, plt) -> str:
+    """Best FD and final validation loss against lr, one line per optimizer (mean over seeds)."""
+    fig, axes = plt.subplots(2, len(models), figsize=(5 * len(models) + 2, 7), squeeze=False)
+    for col, model in enumerate(models):
+        mine = [r for r in runs if r.model == model and r.status == "finished"]
+        for opt in optimizer_order({r.optimizer.split(" lr=")[0] for r in mine}):
+            lrs = sorted({r.lr for r in mine if r.optimizer.split(" lr=")[0] == opt})
+            for row, (attr, ylabel) in enumerate((("best_fd", "best FD"), ("val_loss", "final validation loss"))):
+                ys = [mean([getattr(r, attr) for r in mine if r.optimizer.split(" lr=")[0] == opt and r.lr == lr])
+                      for lr in lrs]
+                axes[row][col].plot(lrs, ys, marker="o", color=colors[opt], label=opt)
+                axes[row][col].set_xscale("log")
+                axes[row][col].set_xlabel("learning rate")
+                axes[row][col].set_ylabel(ylabel)
+                axes[row][col].set_title(model)
+        axes[0][col].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout()
+    path = os.path.join(out_dir, "lr_sensitivity.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def build_report(sweep_dir: str, out_dir: str | None = None) -> str:

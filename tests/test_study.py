@@ -187,6 +187,7 @@ def test_report_of_an_lr_scan_compares_at_each_lr(tmp_path):
     t4 = text.split("## Table 4")[1].split("## Plots")[0]
     assert "| dit_xs | adamw | 100 / 0.5 | 90 / 0.52 | 0.004 | 0.001 |" in t4
     assert "| dit_xs | muon | 95 / 0.55 | 70 / 0.45 | 0.004 | 0.004 |" in t4
+    assert os.path.getsize(sweep / "lr_sensitivity.png") > 1000 and "![lr_sensitivity.png]" in text
     # a sweep at one lr has no Table 4 and no lr in its labels
     assert "## Table 4" not in report.build_report(str(sweep / "adamw-0.001"))
 
