@@ -229,12 +229,7 @@ class MatrixOptimizer(Optimizer):
         themselves here, the local shards in the sharded subclass); the shapes are the whole matrices' (m, n),
         which decide the bucket, the orientation and the update scale."""
         params, grads, bufs, shapes = [], [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise RuntimeError("MatrixOptimizer does not support sparse gradients")
-            state = self.state[p]
+        for p, state in self._with_grad(group):
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             params.append(self._local(p))
@@ -242,6 +237,16 @@ class MatrixOptimizer(Optimizer):
             bufs.append(self._local(state["momentum_buffer"]))
             shapes.append(tuple(p.shape))
         return params, grads, bufs, shapes
+
+    def _with_grad(self, group: dict):
+        """(param, its state) for the group's parameters that have a gradient this step (both sides of the
+        optimizer skip the rest)."""
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("MatrixOptimizer does not support sparse gradients")
+            yield p, self.state[p]
 
     @staticmethod
     def _local(t: Tensor) -> Tensor:
@@ -292,12 +297,7 @@ class MatrixOptimizer(Optimizer):
     def _adamw_step(self, group: dict) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
         impl = group["adamw_impl"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise RuntimeError("MatrixOptimizer does not support sparse gradients")
-            state = self.state[p]
+        for p, state in self._with_grad(group):
             if len(state) == 0:
                 state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if impl == "fused"
                                  else torch.tensor(0.0, dtype=torch.float32))
