@@ -1,6 +1,10 @@
+import contextlib
+import faulthandler
 import os
 import socket
 import time
+import warnings
+from datetime import timedelta
 
 import pytest
 import torch
@@ -53,15 +57,53 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def gloo_group(rank: int, world: int, port: int):
+    """Inside a spawned rank: join a local gloo group (one intra-op thread each: the ranks share two cores) for the
+    body, then leave it cleanly whatever happened."""
+    import torch.distributed as dist
+
+    from dit_train.parallel import shutdown_process_group
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                      LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    try:
+        yield
+    finally:
+        shutdown_process_group()
+
+
+def _traced(rank, entry, *args):
+    # a rank killed by a fatal signal (e.g. an abort inside gloo) prints every thread's Python stack: where it was
+    faulthandler.enable(all_threads=True)
+    entry(rank, *args)
+
+
 def spawn_ranks(entry, world: int, args: tuple, timeout: float = 240.0) -> None:
     """Start entry(rank, world, port, *args) on `world` spawned processes (a fresh port for their gloo group) and
-    wait; a job still running after `timeout` seconds is killed and reported."""
+    wait; a job still running after `timeout` seconds is killed and reported.
+
+    A job whose rank dies of SIGABRT runs once more, with a warning in the test summary. gloo on this CPU box
+    aborts a rank mid-job now and then ("terminate called without an active exception": 3 of 40 runs of
+    test_fd_distributed one afternoon, 0 of ~250 since, no reproducer); these tests check the maths of the
+    distributed paths, so one abort is reported and retried, and a second fails the test. Failed assertions,
+    exceptions and timeouts are never retried."""
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(entry, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn")
-    t0 = time.time()
-    while not ctx.join(timeout=1.0):
-        if time.time() - t0 > timeout:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"{world}-rank job did not finish in {timeout:.0f} s")
+    for attempt in (1, 2):
+        ctx = mp.start_processes(_traced, args=(entry, world, free_port(), *args), nprocs=world, join=False,
+                                 start_method="spawn")
+        t0 = time.time()
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.time() - t0 > timeout:
+                    for p in ctx.processes:
+                        p.kill()
+                    raise TimeoutError(f"{world}-rank job did not finish in {timeout:.0f} s")
+            return
+        except mp.ProcessExitedException as e:
+            if e.signal_name != "SIGABRT" or attempt == 2:
+                raise
+            warnings.warn(f"{world}-rank job: rank {e.error_index} aborted (SIGABRT, stacks above); running it again")

@@ -6,13 +6,10 @@ import os
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import free_port
+from conftest import gloo_group, spawn_ranks
 
 from dit_train.fd.frechet import StreamingStats, stats_from_features
-from dit_train.parallel import shutdown_process_group
 
 WORLD = 2
 
@@ -41,11 +38,8 @@ def _run_evaluator(cache_dir):
     return ev, res
 
 
-def _worker(rank, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
+def _worker(rank, world, port, out_dir):
+    with gloo_group(rank, world, port):
         x = _features()
         lo, hi = (0, 30) if rank == 0 else (30, 101)  # uneven shards, different shifts
         acc = StreamingStats(12)
@@ -60,12 +54,10 @@ def _worker(rank, port, out_dir):
                        "fd2": second["fd"], "num_gen": first["fd_num_gen"], "has_images": "images" in first,
                        "ref_labels": ev.reference.labels.tolist(), "ref_labels2": ev2.reference.labels.tolist(),
                        "ref_mean": ev.reference.stats.mean.tolist(), "batches": ev.my_batches()}, f)
-    finally:
-        shutdown_process_group()
 
 
 def test_rank_merged_equals_single_process(tmp_path):
-    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, WORLD, (str(tmp_path),))
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(WORLD)]
 
     one = stats_from_features(_features())

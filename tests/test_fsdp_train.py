@@ -10,13 +10,11 @@ import json
 import os
 import subprocess
 import sys
-from datetime import timedelta
 
 import pytest
 import torch
 
-from conftest import ROOT, compose, needs_fashion, spawn_ranks
-from dit_train.parallel import shutdown_process_group
+from conftest import ROOT, compose, gloo_group, needs_fashion, spawn_ranks
 
 pytestmark = needs_fashion
 
@@ -30,19 +28,11 @@ TINY = ["model.hidden_size=32", "model.depth=2", "model.num_heads=2", "model.pat
 
 def _worker(rank, world, port, jobs):
     """One rank: join a gloo group, then run() each job (a list of overrides) in turn."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
-                      LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    try:
+    with gloo_group(rank, world, port):
         from dit_train.train import run
 
         for overrides in jobs:
             run(compose(TINY + overrides))
-    finally:
-        shutdown_process_group()
 
 
 def spawn(world: int, jobs: list[list[str]], timeout: float = 240.0) -> None:

@@ -9,19 +9,16 @@ One spawn per world size runs every case (process start-up is the cost); the par
 """
 
 import math
-import os
-from datetime import timedelta
 
 import pytest
 import torch
 
-from conftest import spawn_ranks
+from conftest import gloo_group, spawn_ranks
 
 from dit_train.optim.comm import shard_rows
 from dit_train.optim.matrix import MatrixOptimizer
 from dit_train.optim.registry import build_optimizer
 from dit_train.optim.whole_matrix import Item, assign_owners, plan_buckets
-from dit_train.parallel import shutdown_process_group
 
 SHAPES = [(24, 40), (24, 40), (40, 24), (40, 24), (32, 32), (4, 3), (2, 16), (1, 8), (50, 12)]
 STEPS = 4
@@ -63,17 +60,9 @@ def make_optimizer(cls, matrices, bias, name, **placement):
 
 
 def _entry(rank, world, port, fn, args):
-    """One rank of a spawned gloo group: join, run fn(rank, world, *args), leave cleanly."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
-                      LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    try:
+    """One rank of a spawned gloo group: run fn(rank, world, *args) inside it."""
+    with gloo_group(rank, world, port):
         fn(rank, world, *args)
-    finally:
-        shutdown_process_group()
 
 
 def spawn(fn, world: int, *args, timeout: float = 240.0) -> None:
