@@ -143,9 +143,19 @@ def find_runs(sweep_dir: str) -> list[Run]:
     return runs
 
 
+def scans_lr(runs: list[Run]) -> bool:
+    """Some optimizer ran at several lrs (a scan). A tuned study runs each optimizer at its own single lr."""
+    lrs = defaultdict(set)
+    for r in runs:
+        if not math.isnan(r.lr):
+            lrs[(r.model, r.optimizer.split(" lr=")[0])].add(r.lr)
+    return any(len(v) > 1 for v in lrs.values())
+
+
 def tag_learning_rates(runs: list[Run]) -> None:
-    """A sweep that scans lr compares optimizers at each lr: the lr joins the label ("muon lr=0.004")."""
-    if len({r.lr for r in runs if not math.isnan(r.lr)}) > 1:
+    """A sweep that scans lr compares optimizers at each lr: the lr joins the label ("muon lr=0.004"). A tuned
+    study compares each optimizer at its own lr (Table 1 shows it)."""
+    if scans_lr(runs):
         for r in runs:
             if not math.isnan(r.lr):
                 r.optimizer += f" lr={r.lr:g}"
@@ -186,8 +196,11 @@ def optimizer_order(labels):
 
 
 def table1(runs: list[Run]) -> str:
-    lines = ["| model | optimizer | seeds | status | best FD | gain vs AdamW | step of best | final val loss |",
-             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+    # optimizers at different lrs without a scan (a tuned study): each row says its lr
+    show_lr = not scans_lr(runs) and len({r.lr for r in runs if not math.isnan(r.lr)}) > 1
+    lines = ["| model | optimizer | " + ("lr | " if show_lr else "") + "seeds | status | best FD | gain vs AdamW | "
+             "step of best | final val loss |",
+             "| --- | --- | " + ("---: | " if show_lr else "") + "---: | --- | ---: | ---: | ---: | ---: |"]
     by = defaultdict(list)
     for r in runs:
         by[(r.model, r.optimizer)].append(r)
@@ -203,8 +216,9 @@ def table1(runs: list[Run]) -> str:
             enc = next((r.fd_encoder for r in group if r.fd_encoder), "")
             best = fmt(fds) + (f" ({enc})" if enc else "")
             steps = ", ".join(str(r.best_fd_step) for r in group if r.best_fd_step is not None) or "—"
-            lines.append(f"| {model} | {opt} | {len(group)} | {status} | {best} | {gain} | {steps} | "
-                         f"{fmt([r.val_loss for r in group])} |")
+            lr = (", ".join(f"{x:g}" for x in sorted({r.lr for r in group if not math.isnan(r.lr)})) or "—") + " | "
+            lines.append(f"| {model} | {opt} | {lr if show_lr else ''}{len(group)} | {status} | {best} | {gain} | "
+                         f"{steps} | {fmt([r.val_loss for r in group])} |")
     return "\n".join(lines)
 
 
@@ -265,9 +279,9 @@ def table3(runs: list[Run]) -> str:
 
 def table4(runs: list[Run]) -> str:
     """Learning-rate sensitivity (sweeps that scan lr): best FD / final val loss per optimizer at each lr."""
-    lrs = sorted({r.lr for r in runs if not math.isnan(r.lr)})
-    if len(lrs) < 2:
+    if not scans_lr(runs):
         return ""
+    lrs = sorted({r.lr for r in runs if not math.isnan(r.lr)})
     lines = ["| model | optimizer | " + " | ".join(f"lr={lr:g}" for lr in lrs)
              + " | best lr by FD | best lr by val loss |",
              "| --- | --- | " + " | ".join("---:" for _ in lrs) + " | ---: | ---: |"]

@@ -7,11 +7,11 @@
     python scripts/run_study.py scaling_study_cpu --models dit_xs      # one size now, the rest later
 
 The grid is models x optimizers x seeds, with periodic_rowwise expanded over study.K (and every optimizer over
-study.lr where a study scans learning rates). Each run's folder is
-<sweep_dir>/<sorted overrides> (Hydra's override_dirname), so rerunning finds finished runs (summary.json) and
-skips them, and continues interrupted ones from their last checkpoint (the experiments set train.resume=auto):
-a study can be completed in pieces. One `python -m dit_train --multirun` per (model, optimizer[, K]) with the
-pending seeds, so a Slurm job's shape follows its model. Then: python scripts/report.py <sweep_dir>.
+study.lr where a study scans learning rates, or each at its own study.lr.<optimizer> where a study tunes them).
+Each run's folder is <sweep_dir>/<sorted overrides> (Hydra's override_dirname), so rerunning finds finished runs
+(summary.json) and skips them, and continues interrupted ones from their last checkpoint (the experiments set
+train.resume=auto): a study can be completed in pieces. One `python -m dit_train --multirun` per (model,
+optimizer[, K, lr]) with the pending seeds, so a Slurm job's shape follows its model. Then: python scripts/report.py <sweep_dir>.
 """
 
 from __future__ import annotations
@@ -40,14 +40,31 @@ def run_name(overrides: list[str], exclude_keys: list[str]) -> str:
     return ",".join(sorted(keep))
 
 
+def learning_rates(study, opt: str, K) -> list:
+    """study.lr: absent (the experiment's optimizer.lr for all), a list (a scan: every optimizer at each value) or a
+    mapping (one tuned value per optimizer; periodic_rowwise's may itself map K to a value)."""
+    lr = study.get("lr")
+    if lr is None:
+        return [None]
+    if not OmegaConf.is_dict(lr):
+        return list(lr)
+    if opt not in lr:
+        raise ValueError(f"study.lr has no value for optimizer {opt!r}; it names {sorted(lr)}")
+    value = lr[opt]
+    if OmegaConf.is_dict(value):
+        if K not in value:
+            raise ValueError(f"study.lr.{opt} has no value for K={K}; it names K={sorted(value)}")
+        value = value[K]
+    return [value]
+
+
 def expand(study, extra: list[str], exclude_keys: list[str]) -> list[dict]:
     """models x optimizers (periodic_rowwise x study.K) [x study.lr when the study scans it] x seeds."""
     runs = []
-    lrs = list(study.get("lr") or [None])
     for model in study.models:
         for opt in study.optimizers:
             for K in (list(study.K) if opt == "periodic_rowwise" else [None]):
-                for lr in lrs:
+                for lr in learning_rates(study, opt, K):
                     for seed in study.seeds:
                         overrides = [f"model={model}", f"optimizer={opt}", f"seed={seed}"]
                         if K is not None:
@@ -97,7 +114,11 @@ def main(argv=None) -> int:
     study = exp.study
     exclude = list(OmegaConf.select(exp, "hydra.job.config.override_dirname.exclude_keys") or [])
     sweep_dir = os.path.abspath(args.sweep_dir or os.path.join("sweeps", study.name))
-    runs = expand(study, args.overrides, exclude)
+    try:
+        runs = expand(study, args.overrides, exclude)
+    except ValueError as e:
+        print(f"error: {args.experiment}: {e}", file=sys.stderr)
+        return 2
     os.makedirs(sweep_dir, exist_ok=True)
     call = {"command": " ".join(["python scripts/run_study.py", *(sys.argv[1:] if argv is None else argv)]),
             "git_commit": git_commit(ROOT), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

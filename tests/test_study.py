@@ -46,6 +46,22 @@ def test_lr_scan_extends_the_cpu_study_with_five_lrs_for_every_optimizer():
     assert "model=dit_xs,optimizer.K=3,optimizer.lr=0.004,optimizer=periodic_rowwise,seed=0" in {r["name"] for r in runs}
 
 
+def test_a_tuned_study_runs_each_optimizer_at_its_own_lr():
+    study = OmegaConf.create({"models": ["dit_xs"], "optimizers": ["adamw", "muon", "periodic_rowwise"], "K": [3, 5],
+                              "seeds": [0, 1], "lr": {"adamw": 8e-3, "muon": 3.2e-2,
+                                                      "periodic_rowwise": {3: 8e-3, 5: 1.6e-2}}})
+    runs = run_study.expand(study, [], [])
+    assert {(r["optimizer"], r["K"], r["lr"]) for r in runs} == {
+        ("adamw", None, 8e-3), ("muon", None, 3.2e-2), ("periodic_rowwise", 3, 8e-3), ("periodic_rowwise", 5, 1.6e-2)}
+    assert len(runs) == 8 and "model=dit_xs,optimizer.lr=0.032,optimizer=muon,seed=1" in {r["name"] for r in runs}
+    study.lr.periodic_rowwise = {3: 8e-3}
+    with pytest.raises(ValueError, match=r"study.lr.periodic_rowwise has no value for K=5; it names K=\[3\]"):
+        run_study.expand(study, [], [])
+    del study.lr["muon"]
+    with pytest.raises(ValueError, match="study.lr has no value for optimizer 'muon'"):
+        run_study.expand(study, [], [])
+
+
 def test_paper_grid_is_the_papers():
     study = OmegaConf.load(f"{CONF_DIR}/experiment/scaling_study.yaml").study
     assert list(study.models) == ["dit_1b3", "dit_4b", "dit_9b", "dit_15b"]
@@ -190,6 +206,28 @@ def test_report_of_an_lr_scan_compares_at_each_lr(tmp_path):
     assert os.path.getsize(sweep / "lr_sensitivity.png") > 1000 and "![lr_sensitivity.png]" in text
     # a sweep at one lr has no Table 4 and no lr in its labels
     assert "## Table 4" not in report.build_report(str(sweep / "adamw-0.001"))
+
+
+def test_report_of_a_tuned_study_compares_each_optimizer_at_its_own_lr(tmp_path):
+    sweep = tmp_path / "tuned"
+    for opt, lr, seed, fd, o in [("adamw", 0.008, 0, 100.0, 0.01), ("adamw", 0.008, 1, 110.0, 0.01),
+                                 ("muon", 0.032, 0, 84.0, 0.04)]:
+        rows = train_rows(o, 0.1, 0.0) + [{"step": 4, "fd": fd, "fd_encoder": "inception", "fd_num_gen": 8,
+                                           "fd_num_ref": 16}, {"step": 4, "val/loss": 0.5}]
+        folder = sweep / f"{opt}-{seed}"
+        write_run(folder, "dit_xs", opt, seed, rows)
+        cfg = yaml.safe_load((folder / "config.yaml").read_text())
+        cfg["optimizer"]["lr"] = lr
+        (folder / "config.yaml").write_text(yaml.safe_dump(cfg))
+    text = report.build_report(str(sweep))
+    t1 = text.split("## Table 1")[1].split("## Table 2")[0]
+    assert "| model | optimizer | lr | seeds |" in t1
+    # Muon at 0.032 against AdamW at 0.008: (105 - 84) / 105 = +20.0%
+    assert "| dit_xs | muon | 0.032 | 1 | finished | 84 (inception) | +20.0% |" in t1
+    assert "| dit_xs | adamw | 0.008 | 2 | finished | 105 ± 7.1 (inception) | — |" in t1
+    t2 = text.split("## Table 2")[1].split("## Table 3")[0]
+    assert "| dit_xs | adamw | 10.0 ms | 0.250 |" in t2  # against muon at its own lr (40 ms)
+    assert "## Table 4" not in text and " lr=" not in t2
 
 
 def test_publish_copies_records_only_and_keeps_earlier_pieces(tmp_path):
