@@ -37,10 +37,10 @@ def test_experiments_compose_and_expand(experiment):
     assert len({r["name"] for r in runs}) == len(runs)
 
 
-def test_lr_scan_extends_the_cpu_study_with_five_lrs_for_every_optimizer():
+def test_lr_scan_extends_the_cpu_study_with_six_lrs_for_every_optimizer():
     scan = compose_with_hydra(["experiment=lr_scan_cpu", "run_dir=/tmp/unused"])
     base = compose_with_hydra(["experiment=scaling_study_cpu", "run_dir=/tmp/unused"])
-    assert list(scan.study.lr) == [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2] and list(scan.study.models) == ["dit_xs"]
+    assert list(scan.study.lr) == [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2] and list(scan.study.models) == ["dit_xs"]
     assert scan.train == base.train and scan.eval == base.eval and scan.study.optimizers == base.study.optimizers
     runs = run_study.expand(scan.study, [], list(scan.hydra.job.config.override_dirname.exclude_keys))
     assert "model=dit_xs,optimizer.K=3,optimizer.lr=0.004,optimizer=periodic_rowwise,seed=0" in {r["name"] for r in runs}
