@@ -25,14 +25,16 @@ def compose_with_hydra(overrides):
         return compose(config_name="config", overrides=overrides, return_hydra_config=True)
 
 
-@pytest.mark.parametrize("experiment", ["scaling_study", "scaling_study_cpu", "smoke", "lr_scan_cpu"])
+@pytest.mark.parametrize("experiment", ["scaling_study", "scaling_study_cpu", "smoke", "lr_scan_cpu",
+                                        "scaling_study_cpu_tuned"])
 def test_experiments_compose_and_expand(experiment):
     cfg = compose_with_hydra([f"experiment={experiment}", "run_dir=/tmp/unused"])
     assert cfg.study.name == experiment
     assert cfg.train.resume == "auto"  # interrupted runs continue when the study is rerun
     runs = run_study.expand(cfg.study, [], list(cfg.hydra.job.config.override_dirname.exclude_keys))
     n_opt = len(cfg.study.optimizers) - 1 + len(cfg.study.K)
-    n_lr = len(cfg.study.get("lr") or [None])
+    lr = cfg.study.get("lr")
+    n_lr = len(lr) if OmegaConf.is_list(lr) else 1  # a scan's values, or one (tuned or shared) lr per optimizer
     assert len(runs) == len(cfg.study.models) * n_opt * n_lr * len(cfg.study.seeds)
     assert len({r["name"] for r in runs}) == len(runs)
 
