@@ -64,6 +64,22 @@ def test_a_tuned_study_runs_each_optimizer_at_its_own_lr():
         run_study.expand(study, [], [])
 
 
+def test_tuned_study_uses_the_best_fd_lr_of_the_published_scan():
+    """Every lr in scaling_study_cpu_tuned traces to the committed scan: the value with the lowest best FD."""
+    tuned = compose_with_hydra(["experiment=scaling_study_cpu_tuned", "run_dir=/tmp/unused"]).study
+    runs = [r for r in report.find_runs(os.path.join(ROOT, "docs", "results", "lr_scan_cpu", "runs"))
+            if r.status == "finished"]
+    best = {}
+    for r in runs:
+        opt = r.optimizer.split(" lr=")[0]
+        if opt not in best or r.best_fd < best[opt][0]:
+            best[opt] = (r.best_fd, r.lr)
+    for opt in tuned.optimizers:
+        for K in (tuned.K if opt == "periodic_rowwise" else [None]):
+            label = opt if K is None else f"{opt} K={K}"
+            assert run_study.learning_rates(tuned, opt, K) == [best[label][1]], label
+
+
 def test_paper_grid_is_the_papers():
     study = OmegaConf.load(f"{CONF_DIR}/experiment/scaling_study.yaml").study
     assert list(study.models) == ["dit_1b3", "dit_4b", "dit_9b", "dit_15b"]
