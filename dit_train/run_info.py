@@ -27,16 +27,17 @@ def modified_files(path: str) -> list[str]:
     return sorted(line[3:].split(" -> ")[-1] for line in out.stdout.splitlines() if line.strip())
 
 
-def git_commit(path: str) -> str | None:
+def git_commit(path: str, modified: list[str] | None = None) -> str | None:
     """HEAD, with '-dirty' when uncommitted changes touch code (published reports under docs/ do not count:
-    a study that publishes results as it goes would otherwise mark its own later runs dirty)."""
+    a study that publishes results as it goes would otherwise mark its own later runs dirty). `modified`:
+    modified_files(path) when the caller already has it."""
     try:
         out = subprocess.run(["git", "-C", path, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
     if out.returncode != 0:
         return None
-    dirty = any(f.startswith(CODE_PATHS) for f in modified_files(path))
+    dirty = any(f.startswith(CODE_PATHS) for f in (modified_files(path) if modified is None else modified))
     return out.stdout.strip() + ("-dirty" if dirty else "")
 
 
@@ -54,7 +55,8 @@ def write_run_info(cfg, run_dir: str) -> None:
     from .checkpoint import atomic_write_bytes
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    info = {"git_commit": git_commit(repo), "git_modified": modified_files(repo), "packages": package_versions(), "python": sys.version.split()[0],
-            "platform": platform.platform(), "argv": sys.argv}
+    modified = modified_files(repo)
+    info = {"git_commit": git_commit(repo, modified), "git_modified": modified, "packages": package_versions(),
+            "python": sys.version.split()[0], "platform": platform.platform(), "argv": sys.argv}
     atomic_write_bytes(json.dumps(info, indent=2).encode(), os.path.join(run_dir, "run_info.json"))
     atomic_write_bytes(OmegaConf.to_yaml(cfg, resolve=True).encode(), os.path.join(run_dir, "config.yaml"))

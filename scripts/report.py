@@ -57,6 +57,11 @@ class Run:
     val_curve: list = field(default_factory=list)  # (step, active_s, val_loss)
     fd_curve: list = field(default_factory=list)  # (step, active_s, fd)
 
+    @property
+    def base(self) -> str:
+        """The optimizer label without the lr a scan adds to it ("muon lr=0.004" -> "muon")."""
+        return self.optimizer.split(" lr=")[0]
+
 
 def optimizer_label(opt_cfg: dict) -> str:
     name = opt_cfg.get("name", "?")
@@ -148,7 +153,7 @@ def scans_lr(runs: list[Run]) -> bool:
     lrs = defaultdict(set)
     for r in runs:
         if not math.isnan(r.lr):
-            lrs[(r.model, r.optimizer.split(" lr=")[0])].add(r.lr)
+            lrs[(r.model, r.base)].add(r.lr)
     return any(len(v) > 1 for v in lrs.values())
 
 
@@ -288,7 +293,7 @@ def table4(runs: list[Run]) -> str:
     by = defaultdict(list)
     for r in runs:
         if r.status == "finished":
-            by[(r.model, r.optimizer.split(" lr=")[0], r.lr)].append(r)
+            by[(r.model, r.base, r.lr)].append(r)
     for model in model_order(runs):
         for opt in optimizer_order({o for m, o, _ in by if m == model}):
             cells, fd_at, val_at = [], {}, {}
@@ -326,16 +331,16 @@ def plots(runs: list[Run], out_dir: str) -> list[str]:
     if not done:
         return written
     # colour per optimizer, line style per lr (when the sweep scans lr)
-    colors = {o: f"C{i}" for i, o in enumerate(optimizer_order({r.optimizer.split(" lr=")[0] for r in runs}))}
+    colors = {o: f"C{i}" for i, o in enumerate(optimizer_order({r.base for r in runs}))}
     dashes = ("-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 4)))
     styles = {lr: dashes[i % len(dashes)] for i, lr in enumerate(sorted({r.lr for r in runs}))}
-    scan = any(" lr=" in r.optimizer for r in runs)
+    scan = scans_lr(runs)
 
     def legend(ax):
         if scan:  # colour = optimizer, line style = lr: one key each instead of one entry per curve
             from matplotlib.lines import Line2D
 
-            shown = {r.optimizer.split(" lr=")[0] for r in done}
+            shown = {r.base for r in done}
             handles = [Line2D([], [], color=c, label=o) for o, c in colors.items() if o in shown]
             handles += [Line2D([], [], color="grey", linestyle=st, label=f"lr={lr:g}") for lr, st in styles.items()
                         if not math.isnan(lr)]
@@ -350,7 +355,7 @@ def plots(runs: list[Run], out_dir: str) -> list[str]:
                 pts = r.val_curve if kind == "val" else r.fd_curve
                 if pts:
                     style = styles.get(r.lr, "-") if " lr=" in r.optimizer else "-"
-                    ax.plot([p[xi] for p in pts], [p[2] for p in pts], color=colors[r.optimizer.split(" lr=")[0]],
+                    ax.plot([p[xi] for p in pts], [p[2] for p in pts], color=colors[r.base],
                             linestyle=style, alpha=0.8,
                             label=f"{r.optimizer}" if r.seed == min(x.seed for x in done if x.model == model
                                                                      and x.optimizer == r.optimizer) else None)
@@ -368,7 +373,7 @@ def plots(runs: list[Run], out_dir: str) -> list[str]:
     curves("val", 1, "val_loss_vs_active_time.png", "validation velocity loss", "active training time (s)")
     if any(r.fd_curve for r in done):
         curves("fd", 1, "fd_vs_active_time.png", "FD", "active training time (s)")
-    if table4(runs):
+    if scan:
         written.append(lr_plot(runs, models, colors, out_dir, plt))
 
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
@@ -414,10 +419,10 @@ def lr_plot(runs: list[Run], models: list[str], colors: dict, out_dir: str, plt)
     fig, axes = plt.subplots(2, len(models), figsize=(5 * len(models) + 2, 7), squeeze=False)
     for col, model in enumerate(models):
         mine = [r for r in runs if r.model == model and r.status == "finished"]
-        for opt in optimizer_order({r.optimizer.split(" lr=")[0] for r in mine}):
-            lrs = sorted({r.lr for r in mine if r.optimizer.split(" lr=")[0] == opt})
+        for opt in optimizer_order({r.base for r in mine}):
+            lrs = sorted({r.lr for r in mine if r.base == opt})
             for row, (attr, ylabel) in enumerate((("best_fd", "best FD"), ("val_loss", "final validation loss"))):
-                ys = [mean([getattr(r, attr) for r in mine if r.optimizer.split(" lr=")[0] == opt and r.lr == lr])
+                ys = [mean([getattr(r, attr) for r in mine if r.base == opt and r.lr == lr])
                       for lr in lrs]
                 axes[row][col].plot(lrs, ys, marker="o", color=colors[opt], label=opt)
                 axes[row][col].set_xscale("log")

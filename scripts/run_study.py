@@ -11,7 +11,8 @@ study.lr where a study scans learning rates, or each at its own study.lr.<optimi
 Each run's folder is <sweep_dir>/<sorted overrides> (Hydra's override_dirname), so rerunning finds finished runs
 (summary.json) and skips them, and continues interrupted ones from their last checkpoint (the experiments set
 train.resume=auto): a study can be completed in pieces. One `python -m dit_train --multirun` per (model,
-optimizer[, K, lr]) with the pending seeds, so a Slurm job's shape follows its model. Then: python scripts/report.py <sweep_dir>.
+optimizer[, K, lr]) with the pending seeds, so a Slurm job's shape follows its model.
+Then: python scripts/report.py <sweep_dir>.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def learning_rates(study, opt: str, K) -> list:
 
 
 def expand(study, extra: list[str], exclude_keys: list[str]) -> list[dict]:
-    """models x optimizers (periodic_rowwise x study.K) [x study.lr when the study scans it] x seeds."""
+    """models x optimizers (periodic_rowwise x study.K) x learning_rates() x seeds."""
     runs = []
     for model in study.models:
         for opt in study.optimizers:
