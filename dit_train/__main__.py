@@ -7,7 +7,8 @@ import hydra
 
 from .cli_check import check_group_overrides
 from .config_check import ConfigError
-from .train import EXIT_PREEMPTED, Preempted, TrainingStopped
+from .preemption import EXIT_PREEMPTED, Preempted
+from .train import TrainingStopped
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

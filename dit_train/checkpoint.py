@@ -1,205 +1,293 @@
-"""Checkpoints on disk: finding them, writing them atomically, reading weights back for inference and export.
+"""Checkpoints: one format for any number of ranks, written atomically, read as data (never as code).
 
-Two formats share one folder, `<run_dir>/checkpoints/`, and one naming scheme (the step, which is also the data
-position):
-- `step_00001200.pt`: a single-process checkpoint, one torch.save file written atomically (temp file, fsync,
-  rename), holding everything needed to continue exactly: step, model, EMA, optimizer, LR schedule, RNG, run time.
-- `step_00001200.dcp/`: a sharded (FSDP2) checkpoint, a torch.distributed.checkpoint folder written by every rank
-  (see dcp.py): the model, EMA and optimizer tensors in DCP's format (loadable with any number of ranks),
-  `trainer.pt` (step, schedule, shared noise generator, run time, config), `rng/rank_NNNNN.pt`, and the marker
-  `COMPLETE`, written last. It is written as `step_00001200.dcp.tmp/` and renamed when complete.
+`<run_dir>/checkpoints/step_00001200.dcp/` is a torch.distributed.checkpoint folder:
+- the tensors, each rank writing its own shards: `model` and `optimizer` keyed by parameter name (so a
+  checkpoint written by N ranks loads on M ranks, or on one process without FSDP) and `ema` the same way;
+- `train_state.json`: the TrainState (train_state.py: step = data position, schedule, training generator, EMA
+  count, run time, skipped steps, best FD) and the resolved config, written by rank 0;
+- `COMPLETE`, written last. Everything goes into `step_N.dcp.tmp/`, which is renamed when complete, so only
+  complete folders are ever listed; leftovers of an interrupted save are reported and removed.
 
-Only complete checkpoints are listed; partial ones (temp files/folders of an interrupted save, or a folder without
-its marker) are reported and never loaded.
+Loading never executes code from the file: DCP's metadata is unpickled with an allow-list of DCP's own
+dataclasses, its non-tensor items with `torch.load(weights_only=True)`, and the train state is JSON.
+Single-file `step_N.pt` checkpoints of earlier versions are read-only (EMA weights for export, sampling and FD),
+also loaded with `weights_only=True`.
 """
 
 from __future__ import annotations
 
 import glob
-import io
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import warnings
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-log = logging.getLogger(__name__)
-CKPT_RE = re.compile(r"^step_(\d{8})\.pt$")
-DCP_RE = re.compile(r"^step_(\d{8})\.dcp$")
-DCP_MARKER = "COMPLETE"
-DCP_TRAINER_STATE = "trainer.pt"
+from .atomic_io import fsync_dir, write_synced
+
+log = logging.getLogger("dit_train")
+CKPT_RE = re.compile(r"^step_(\d{8})\.dcp$")
+LEGACY_RE = re.compile(r"^step_(\d{8})\.pt$")
+MARKER = "COMPLETE"
+TRAIN_STATE = "train_state.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used here; the message names it and says why."""
 
 
 def checkpoint_dir(run_dir: str) -> str:
     return os.path.join(run_dir, "checkpoints")
 
 
-def dcp_checkpoint_path(run_dir: str, step: int) -> str:
+def checkpoint_path(run_dir: str, step: int) -> str:
     return os.path.join(checkpoint_dir(run_dir), f"step_{step:08d}.dcp")
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def is_complete(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, MARKER))
 
 
-def atomic_write_bytes(data: bytes, path: str) -> None:
-    """Write to path.tmp-<pid>, fsync it, rename over path, fsync the folder: a crash leaves either the old
-    file or the new one, never a torn one."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path))
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
-def write_synced(data: bytes, path: str) -> None:
-    """Write and fsync (inside a folder that is itself renamed into place when complete)."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
-def torch_bytes(obj) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def save_checkpoint(state: dict, run_dir: str, step: int, keep_last: int) -> str:
+# ---- finding ------------------------------------------------------------------------------------------------
+def list_checkpoints(run_dir: str, remove_partial: bool = True, legacy: bool = False) -> list[str]:
+    """Complete checkpoints, oldest first (with `legacy`, read-only step_N.pt files too). Leftovers of an
+    interrupted save are reported and, with `remove_partial` (rank 0 only), removed; a final-named folder
+    without its marker is reported and skipped."""
     folder = checkpoint_dir(run_dir)
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"step_{step:08d}.pt")
-    atomic_write_bytes(torch_bytes(state), path)
-    prune_checkpoints(run_dir, keep_last)
-    return path
-
-
-def prune_checkpoints(run_dir: str, keep_last: int) -> None:
-    """Keep the newest `keep_last` complete checkpoints (both formats); 0 keeps all."""
-    for old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
-        if os.path.isdir(old):
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.remove(old)
-
-
-def is_dcp_checkpoint(path: str) -> bool:
-    """A complete sharded checkpoint folder (its marker is written last)."""
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, DCP_MARKER))
-
-
-def list_checkpoints(run_dir: str, remove_partial: bool = True) -> list[str]:
-    """Complete checkpoints of both formats, oldest first. Leftovers of an interrupted save (temp files and
-    folders, never renamed, so never loaded) are reported and, with `remove_partial` (the single process, or
-    rank 0 only), removed; a final-named folder without its marker is reported and skipped."""
-    folder = checkpoint_dir(run_dir)
-    for tmp in glob.glob(os.path.join(folder, "*.tmp-*")) + glob.glob(os.path.join(folder, "*.dcp.tmp")):
+    for tmp in glob.glob(os.path.join(folder, "*.tmp-*")) + glob.glob(os.path.join(folder, "*.tmp")):
         log.warning("ignoring%s partial checkpoint %s (a save was interrupted)",
                     " and removing" if remove_partial else "", tmp)
         if remove_partial:
-            try:
-                shutil.rmtree(tmp) if os.path.isdir(tmp) else os.remove(tmp)
-            except OSError:
-                pass
+            shutil.rmtree(tmp, ignore_errors=True) if os.path.isdir(tmp) else os.remove(tmp)
     if not os.path.isdir(folder):
         return []
     found = []
     for name in os.listdir(folder):
         path = os.path.join(folder, name)
-        if CKPT_RE.match(name) and os.path.isfile(path):
-            found.append(path)
-        elif DCP_RE.match(name):
-            if is_dcp_checkpoint(path):
+        if CKPT_RE.match(name):
+            if is_complete(path):
                 found.append(path)
             else:
-                log.warning("ignoring incomplete sharded checkpoint %s (no %s marker)", path, DCP_MARKER)
-    return sorted(found)
-
-
-def load_newest(run_dir: str, map_location="cpu") -> tuple[dict, str] | tuple[None, None]:
-    """The newest single-process checkpoint file that loads; a damaged one (e.g. disk corruption) is reported
-    and skipped. (Sharded checkpoints are loaded by the trainer, see dcp.py.)"""
-    for path in reversed(list_checkpoints(run_dir)):
-        if not path.endswith(".pt"):
-            continue
-        try:
-            return torch.load(path, map_location=map_location, weights_only=False), path
-        except Exception as e:  # noqa: BLE001 - any unreadable file is skipped, loudly
-            log.warning("checkpoint %s is unreadable (%s); trying the previous one", path, e)
-    return None, None
+                log.warning("ignoring incomplete checkpoint %s (no %s marker)", path, MARKER)
+        elif legacy and LEGACY_RE.match(name) and os.path.isfile(path):
+            found.append(path)
+    return sorted(found, key=lambda p: (os.path.basename(p)[5:13], p.endswith(".dcp")))
 
 
 def resolve_checkpoint(path: str) -> str:
-    """A checkpoint (file or sharded folder), or a run folder / its checkpoints folder (the newest complete
-    checkpoint in it)."""
+    """A checkpoint folder (or a read-only step_N.pt file), or a run folder / its checkpoints folder (its newest
+    complete checkpoint)."""
     path = str(path)
-    if os.path.isfile(path) or is_dcp_checkpoint(path):
+    if is_complete(path) or (os.path.isfile(path) and LEGACY_RE.match(os.path.basename(path))):
         return path
     if os.path.isdir(path):
-        if DCP_RE.match(os.path.basename(path.rstrip("/"))):
-            raise FileNotFoundError(f"sharded checkpoint {path!r} is incomplete (no {DCP_MARKER} marker): its save "
-                                    f"was interrupted; use an earlier checkpoint")
-        found = list_checkpoints(path, remove_partial=False) or \
-            list_checkpoints(os.path.dirname(path.rstrip("/")), remove_partial=False)
+        if CKPT_RE.match(os.path.basename(path.rstrip("/"))):
+            raise FileNotFoundError(f"checkpoint {path!r} is incomplete (no {MARKER} marker): its save was "
+                                    f"interrupted; use an earlier checkpoint")
+        found = list_checkpoints(path, remove_partial=False, legacy=True) or \
+            list_checkpoints(os.path.dirname(path.rstrip("/")), remove_partial=False, legacy=True)
         if found:
             return found[-1]
-        raise FileNotFoundError(f"no checkpoints (checkpoints/step_*.pt or step_*.dcp) under {path!r}")
+        raise FileNotFoundError(f"no checkpoints (checkpoints/step_*.dcp) under {path!r}")
+    if os.path.isfile(path):
+        raise FileNotFoundError(f"{path!r} is not a checkpoint (expected a step_N.dcp folder or a run folder)")
     raise FileNotFoundError(f"checkpoint path {path!r} does not exist")
 
 
-def read_dcp_trainer_state(path: str) -> dict:
-    return torch.load(os.path.join(path, DCP_TRAINER_STATE), map_location="cpu", weights_only=False)
+def prune_checkpoints(run_dir: str, keep_last: int) -> None:
+    """Keep the newest `keep_last` complete checkpoints; 0 keeps all."""
+    for old in list_checkpoints(run_dir, remove_partial=False, legacy=True)[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.remove(old)
 
 
-def read_dcp_tensors(path: str, prefix: str) -> dict[str, torch.Tensor]:
-    """Consolidated (full, CPU) tensors of one part of a sharded checkpoint (`prefix` "ema", "model" or
-    "optimizer"), keyed without the prefix. Needs no process group: any number of ranks wrote it, one reads it."""
-    import torch.distributed.checkpoint as dcp
+# ---- writing ------------------------------------------------------------------------------------------------
+def tensor_state(model, optimizer, ema_model) -> dict:
+    """Parameter-name keyed model/optimizer/EMA tensors (DTensor shards under FSDP2, plain tensors otherwise)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optimizer": optim_sd, "ema": get_model_state_dict(ema_model)}
+
+
+def save(run_dir: str, step: int, tensors: dict, train_state: dict, keep_last: int) -> str:
+    """Collective: every rank passes its own `tensors`; rank 0's `train_state` (JSON values) is written.
+    Returns the final folder."""
+    final = checkpoint_path(run_dir, step)
+    tmp = final + ".tmp"
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=not dist.is_initialized())
+    if _rank() == 0:  # DCP's coordinator returns once every rank's shards and the metadata are written
+        write_synced(json.dumps(train_state).encode(), os.path.join(tmp, TRAIN_STATE))
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        write_synced(json.dumps({"step": step, "world_size": world, "format": "dcp-v2"}).encode(),
+                     os.path.join(tmp, MARKER))
+        fsync_dir(tmp)
+        old = None
+        if os.path.exists(final):  # the same step saved again: move the old one aside first
+            old = final + ".old.tmp"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        fsync_dir(os.path.dirname(final))
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+        prune_checkpoints(run_dir, keep_last)
+    _barrier()
+    return final
+
+
+# ---- reading, as data ---------------------------------------------------------------------------------------
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's .metadata is a pickle: allow DCP's own dataclasses, torch dtypes/sizes/layouts and paths only."""
+
+    SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+    SAFE = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+            ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}
+
+    def find_class(self, module, name):
+        obj = super().find_class(module, name) if module.startswith(("torch", "pathlib", "collections")) else None
+        if (module, name) in self.SAFE or (module in self.SAFE_MODULES and isinstance(obj, type)) or \
+                (module == "torch" and isinstance(obj, torch.dtype)):
+            return obj
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a checkpoint never "
+                                     f"holds: refusing to load it (it could run code)")
+
+
+class _SafeReader(dcp.FileSystemReader):
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        with open(os.path.join(self.path, ".metadata"), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner unpickles non-tensor items with weights_only=False; these are plain values."""
+
+    def load_bytes(self, read_item, value) -> None:
+        from torch.distributed.checkpoint._traverse import set_element  # what DCP's own planner uses
+
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def _read_metadata(path: str):
+    try:
+        return _SafeReader(path).read_metadata()
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"checkpoint {path!r}: {e}") from None
+
+
+def _dcp_load(state: dict, path: str) -> None:
+    _read_metadata(path)  # refuses a metadata pickle that could run code with one clear line (DCP rewraps errors)
+    with warnings.catch_warnings():  # a single process without a group: "assuming ... a single process"; it is
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        try:
+            dcp.load(state, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner(),
+                     no_dist=not dist.is_initialized())
+        except CheckpointException as e:  # DCP collects every rank's failure into one (BaseException) error
+            if "weights_only" not in str(e) and "Unpickl" not in str(e):
+                raise
+            raise CheckpointError(f"checkpoint {path!r} holds objects other than tensors and plain values; "
+                                  f"refusing to load it (it could run code)") from None
+
+
+def read_train_state(path: str) -> dict:
+    with open(os.path.join(path, TRAIN_STATE)) as f:
+        return json.load(f)
+
+
+def load(path: str, model, optimizer, ema_model) -> dict:
+    """Collective under a process group: model, optimizer and EMA loaded in place (resharded as needed);
+    returns the train state."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    if not is_complete(path):
+        raise CheckpointError(f"{path!r} is a read-only single-file checkpoint of an earlier version (export, "
+                              f"sampling and FD read it); training resumes from step_N.dcp checkpoints only")
+    state = tensor_state(model, optimizer, ema_model)
+    _dcp_load(state, path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_model_state_dict(ema_model, state["ema"])
+    return read_train_state(path)
+
+
+def read_tensors(path: str, prefix: str) -> dict[str, torch.Tensor]:
+    """Consolidated (full, CPU) tensors of one part of a checkpoint (`prefix` "ema", "model" or "optimizer"),
+    keyed without the prefix. Needs no process group: any number of ranks wrote it, one reads it."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(path)
-    meta = reader.read_metadata()
+    meta = _read_metadata(path)
     head = prefix + "."
     out = {k: torch.empty(m.size, dtype=m.properties.dtype)
            for k, m in meta.state_dict_metadata.items()
            if k.startswith(head) and isinstance(m, TensorStorageMetadata)}
     if not out:
-        raise KeyError(f"sharded checkpoint {path!r} holds no '{prefix}' tensors")
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message=".*single process.*")
-        dcp.load(out, storage_reader=reader, no_dist=True)
+        raise KeyError(f"checkpoint {path!r} holds no '{prefix}' tensors")
+    _dcp_load(out, path)
     return {k[len(head):]: v for k, v in out.items()}
 
 
+def _read_legacy(path: str) -> dict:
+    """A single-file checkpoint of an earlier version, as data: numpy's RNG-state arrays are the only
+    non-torch objects it holds."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core  # numpy 2 renamed it; files name the module that wrote them
+    allowed = [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"checkpoint {path!r} holds objects other than tensors and plain values; "
+                              f"refusing to load it (it could run code): {str(e).splitlines()[0]}") from None
+
+
 def load_ema_weights(path: str) -> tuple[dict[str, torch.Tensor], dict, dict]:
-    """(EMA state dict of full CPU tensors, run config as a dict, meta) from a checkpoint file, a sharded
-    checkpoint folder or a run folder. meta has step, active_time_s, path and format ('pt' or 'dcp')."""
+    """(EMA state dict of full CPU tensors, run config as a dict, meta) from a checkpoint or a run folder.
+    meta has step, active_time_s, path and format ('dcp' or the read-only 'pt')."""
     path = resolve_checkpoint(path)
-    if is_dcp_checkpoint(path):
-        state = read_dcp_trainer_state(path)
-        weights = read_dcp_tensors(path, "ema")
-        fmt = "dcp"
+    if is_complete(path):
+        state = read_train_state(path)
+        weights, fmt = read_tensors(path, "ema"), "dcp"
     else:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        weights = state["ema"]["model"]
-        fmt = "pt"
+        state = _read_legacy(path)
+        weights, fmt = state["ema"]["model"], "pt"
     meta = {"step": state["step"], "active_time_s": state.get("active_time_s", 0.0), "path": path, "format": fmt}
     return weights, state["config"], meta
 
 
 def load_for_inference(path: str, device="cpu"):
-    """(ema_model, cfg, meta) from a checkpoint file, a sharded checkpoint folder or a run folder; meta has step
-    and active_time_s. Sharded checkpoints are consolidated on the fly (no process group needed)."""
+    """(ema_model, cfg, meta) from a checkpoint or a run folder (no process group needed)."""
     from omegaconf import OmegaConf
 
     from .model import build_model
@@ -208,9 +296,4 @@ def load_for_inference(path: str, device="cpu"):
     cfg = OmegaConf.create(config)
     model = build_model(cfg.model)
     model.load_state_dict(weights)
-    meta["path"] = path
     return model.to(device).eval(), cfg, meta
-
-
-def marker_bytes(step: int, world_size: int) -> bytes:
-    return json.dumps({"step": step, "world_size": world_size, "format": "dcp-v1"}).encode()

@@ -2,9 +2,9 @@
 
     python -m dit_train.export RUN_DIR_OR_CHECKPOINT out.safetensors [--dtype fp32|bf16|fp16]
 
-The input is a run folder (its newest complete checkpoint), a single-process checkpoint file (step_N.pt) or a
-sharded checkpoint folder (step_N.dcp, written by any number of ranks; consolidated here without a process
-group). The file holds the EMA model's state dict under the DiT's parameter names; its metadata has the step, the
+The input is a run folder (its newest complete checkpoint) or a checkpoint folder (step_N.dcp, written by any
+number of ranks; consolidated here without a process group); read-only step_N.pt files of earlier versions work
+too. The file holds the EMA model's state dict under the DiT's parameter names; its metadata has the step, the
 source checkpoint and the run's model config (JSON), so `DiT(DiTConfig.from_cfg(json.loads(meta["model"])))`
 rebuilds the architecture.
 """
@@ -45,13 +45,13 @@ def export_ema(source: str, out: str, dtype: str = "fp32") -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dit_train.export", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("source", help="run folder, step_N.pt file or step_N.dcp folder")
+    ap.add_argument("source", help="run folder or step_N.dcp checkpoint folder")
     ap.add_argument("out", help="output .safetensors path")
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="weight dtype in the file (default fp32)")
     args = ap.parse_args(argv)
     try:
         meta = export_ema(args.source, args.out, args.dtype)
-    except (FileNotFoundError, KeyError, ValueError) as e:
+    except (FileNotFoundError, KeyError, ValueError) as e:  # CheckpointError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.out}: EMA weights at step {meta['step']} ({meta['format']} checkpoint {meta['source']}, "

@@ -1,10 +1,14 @@
 """Rectified flow, SD3 convention (t = 1 is pure noise): noising, velocity target, timestep sampling,
-the fixed validation grid and the Euler sampler with classifier-free guidance (ALGORITHMS.md §1)."""
+the fixed validation grid and the Euler sampler with classifier-free guidance (docs/algorithms.md §1)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+
+from . import seeds
 
 
 def interpolate(x0: torch.Tensor, eps: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -50,35 +54,43 @@ def validation_t_grid(num: int = 8) -> torch.Tensor:
     return (torch.arange(num, dtype=torch.float32) + 0.5) / num
 
 
+def condition_kwargs(y) -> dict:
+    """A batch's condition as model keyword arguments: class labels (`y`), or the dict of a text-conditioned
+    dataset (`context`, `context_mask`, ...)."""
+    return dict(y) if isinstance(y, dict) else {"y": y}
+
+
 @torch.no_grad()
-def validation_loss(model, batches, t_grid: torch.Tensor, seed: int = 0, autocast=None) -> dict[str, float]:
-    """Velocity loss on a fixed held-out set, a fixed t grid and fixed noise (derived from `seed` and the batch
-    index), so the number is comparable across runs and optimizers. Returns the overall mean and one value per
-    t bin (keys val/loss and val/loss_t0.062 ...)."""
-    per_t = torch.zeros(len(t_grid), dtype=torch.float64)
-    count = 0
+def validation_loss(model, batches, t_grid: torch.Tensor, seed: int = 0, device="cpu", autocast=contextlib.nullcontext,
+                    rank: int = 0, world_size: int = 1, reduce=None) -> dict[str, float]:
+    """Velocity loss on a fixed held-out set, a fixed t grid and fixed noise (seed stream `val_noise`, one draw per
+    batch), so the number is comparable across runs and optimizers. Returns the overall mean and one value per
+    t bin (keys val/loss and val/loss_t0.062 ...).
+
+    The same code for any number of ranks: `batches` are the whole (host) batches; rank r evaluates rows
+    tensor_split(batch, world_size)[r] and `reduce` sums the per-rank totals in place (an all-reduce). A rank whose
+    slice is empty evaluates one zero-weight row, so every rank makes the same model calls (FSDP2 collectives)."""
+    per_t = torch.zeros(len(t_grid) + 1, dtype=torch.float64, device=device)  # last entry: sample count
     for i, (x0, y) in enumerate(batches):
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + i)
-        eps = torch.randn(x0.shape, generator=gen).to(x0.device, x0.dtype)
+        eps = torch.randn(x0.shape, generator=seeds.generator("val_noise", seed, i)).to(x0.dtype)
+        rows = torch.tensor_split(torch.arange(x0.shape[0]), world_size)[rank]
+        weight = 1.0 if len(rows) else 0.0
+        rows = rows if len(rows) else torch.zeros(1, dtype=torch.long)
+        x, e = x0[rows].to(device), eps[rows].to(device)
+        cond = {k: v[rows].to(device) for k, v in condition_kwargs(y).items()}
         for j, t_val in enumerate(t_grid.tolist()):
-            t = torch.full((x0.shape[0],), t_val, device=x0.device)
-            with autocast() if autocast else _null():
-                pred = model(interpolate(x0, eps, t), t, y=y)
-            err = (pred.float() - velocity_target(x0, eps).float()).pow(2).flatten(1).mean(1)
-            per_t[j] += err.double().sum().cpu()
-        count += x0.shape[0]
-    per_t /= max(count, 1)
+            t = torch.full((x.shape[0],), t_val, device=device)
+            with autocast():
+                pred = model(interpolate(x, e, t), t, **cond)
+            err = (pred.float() - velocity_target(x, e).float()).pow(2).flatten(1).mean(1)
+            per_t[j] += weight * err.double().sum()
+        per_t[-1] += weight * x.shape[0]
+    if reduce is not None:
+        reduce(per_t)
+    per_t = (per_t[:-1] / per_t[-1].clamp(min=1)).cpu()
     out = {"val/loss": per_t.mean().item()}
     out.update({f"val/loss_t{t:.3f}": v for t, v in zip(t_grid.tolist(), per_t.tolist())})
     return out
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 @torch.no_grad()

@@ -14,6 +14,7 @@ rank 0 ever holds a full copy (rank 0's is in host memory and freed after the sc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -40,10 +41,6 @@ class DistInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
 
 
 def backend_for(device: torch.device) -> str:
@@ -80,20 +77,26 @@ def slurm_environment(environ=os.environ) -> dict[str, str]:
     return out
 
 
-def init_distributed(single_process_group: bool = False) -> DistInfo:
-    """The process group from torchrun's environment (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR/PORT), or from
-    Slurm's when srun started one task per GPU without torchrun. `single_process_group`: also create a group of
-    one for a plain single-process run (parallel.fsdp=true without torchrun), so FSDP2 and sharded checkpoints
-    can be used on one device."""
+def init_distributed(single_process_group: bool = False, device: str | torch.device | None = None) -> DistInfo:
+    """The one process-group set-up, for training and the evaluation jobs: from torchrun's environment
+    (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR/PORT), or from Slurm's when srun started one task per GPU without
+    torchrun; NCCL on CUDA, gloo on CPU. `single_process_group`: also create a group of one for a plain
+    single-process run (parallel.fsdp=true without torchrun), so FSDP2 can be used on one device. `device`
+    overrides the default (cuda:LOCAL_RANK when CUDA is present, else cpu)."""
     os.environ.update(slurm_environment())
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", local_rank)
+    elif torch.cuda.is_available():
         # one GPU visible per task (Slurm GPU binding) or all of them (torchrun): local rank modulo what is visible
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
         if world > 1:
             dist.init_process_group(backend_for(device), device_id=device if device.type == "cuda" else None)
@@ -110,12 +113,11 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_mean(value: float, device) -> float:
-    if not dist.is_initialized():
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
+def all_reduce_sum_(t: torch.Tensor) -> torch.Tensor:
+    """In place over all ranks; the tensor itself for a single process."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t
 
 
 def broadcast_object(obj, src: int = 0):
@@ -130,7 +132,7 @@ def broadcast_object(obj, src: int = 0):
 # ---- the plan: what to apply, resolved once from cfg.parallel ------------------------------------------------
 @dataclass(frozen=True)
 class ParallelPlan:
-    fsdp: bool = False
+    sharded: bool = False  # parameters are FSDP2 DTensor shards (any number of ranks, one included)
     param_dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype = torch.float32
     reshard_after_forward: bool = True
@@ -139,7 +141,7 @@ class ParallelPlan:
 
     def describe(self) -> str:
         name = lambda d: str(d).replace("torch.", "")
-        if not self.fsdp:
+        if not self.sharded:
             mode = "single process"
         else:
             mode = (f"FSDP2 per block + root, params {name(self.param_dtype)} / reduce {name(self.reduce_dtype)}, "
@@ -186,7 +188,7 @@ def resolve_plan(pcfg, dist_info: DistInfo) -> ParallelPlan:
         if not isinstance(value, bool):
             raise ConfigError(f"parallel.{key}={value!r} is not valid: expected true or false")
         flags[key] = value
-    return ParallelPlan(fsdp=fsdp, param_dtype=DTYPES[mp], reduce_dtype=DTYPES[rd], **flags)
+    return ParallelPlan(sharded=fsdp, param_dtype=DTYPES[mp], reduce_dtype=DTYPES[rd], **flags)
 
 
 def check_parallel_config(cfg, dist_info: DistInfo) -> ParallelPlan:
@@ -197,7 +199,7 @@ def check_parallel_config(cfg, dist_info: DistInfo) -> ParallelPlan:
     plan = resolve_plan(cfg.get("parallel"), dist_info)
     world = dist_info.world_size
     ev = cfg.get("eval") or {}
-    if plan.fsdp and world > 1 and ev.get("every_n_steps", 0):
+    if plan.sharded and world > 1 and ev.get("every_n_steps", 0):
         batches = math.ceil(ev.num_samples / ev.batch_size)
         if batches % world:
             raise ConfigError(
@@ -208,6 +210,13 @@ def check_parallel_config(cfg, dist_info: DistInfo) -> ParallelPlan:
 
 
 # ---- applying the plan ---------------------------------------------------------------------------------------
+def autocast(precision: str, device):
+    """bf16 autocast for `precision` bf16 (train.precision), nothing for fp32."""
+    if precision == "bf16":
+        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 def _checkpointed(forward):
     from torch.utils.checkpoint import checkpoint
 
@@ -255,7 +264,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, trainable: bool = True) ->
         apply_activation_checkpointing(model.blocks)
     if trainable and plan.compile:
         apply_compile(model.blocks)
-    if plan.fsdp:
+    if plan.sharded:
         apply_fsdp(model, model.blocks, plan, trainable)
     return model
 
@@ -278,12 +287,6 @@ def materialize_from_rank0(model: nn.Module, reference: nn.Module | None, device
         if reference is not None:
             buf.copy_(ref_buffers[name].to(buf.device))
         dist.broadcast(buf, src=0)
-
-
-def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

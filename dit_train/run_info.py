@@ -52,7 +52,7 @@ def package_versions() -> dict[str, str]:
 
 
 def write_run_info(cfg, run_dir: str) -> None:
-    from .checkpoint import atomic_write_bytes
+    from .atomic_io import atomic_write_bytes
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     modified = modified_files(repo)

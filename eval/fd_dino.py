@@ -1,12 +1,13 @@
 """Score checkpoints with a Fréchet distance (FD-DINO by default preset `dinov2`; `inception` works offline).
 
-    python eval/fd_dino.py runs/2025-01-01/12-00-00/checkpoints/step_00001200.pt   # one checkpoint
+    python eval/fd_dino.py runs/2025-01-01/12-00-00/checkpoints/step_00001200.dcp  # one checkpoint
     python eval/fd_dino.py runs/2025-01-01/12-00-00                                # every checkpoint of a run
     python eval/fd_dino.py multirun/2025-01-01/12-00-00 --eval-preset dinov2 \\
         --encoder-path /weights/dinov2-large                                        # every run of a sweep
     torchrun --nproc_per_node 8 eval/fd_dino.py multirun/... --eval-preset dinov2    # sampling sharded over ranks
 
-For every checkpoint found (a file; a run folder's checkpoints/step_*.pt; or every run folder under a sweep folder)
+For every checkpoint found (a checkpoint; a run folder's checkpoints/step_*.dcp; or every run folder under a sweep
+folder)
 it loads the EMA model, samples `num_samples` images (Euler, `sample_steps`, CFG `cfg_scale`, fixed labels and
 noise from `seed`), encodes them and compares with the cached reference statistics of the run's own data config.
 Results go to <out>/fd_results.csv and .json (one row per checkpoint: run, step, active_time_s, fd, encoder,
@@ -22,35 +23,35 @@ import csv
 import io
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import torch  # noqa: E402
 
-from dit_train.fd.cli import add_eval_args, eval_cfg_from_args, setup_distributed, teardown_distributed  # noqa: E402
+from dit_train import checkpoint as ckpt  # noqa: E402
+from dit_train.fd.job_config import add_eval_args, eval_cfg_from_args  # noqa: E402
+from dit_train.parallel import init_distributed, shutdown_process_group  # noqa: E402
 
 COLUMNS = ["run", "step", "active_time_s", "fd", "encoder", "num_gen", "num_ref", "ref_id", "sample_steps",
            "cfg_scale", "seed", "checkpoint", "eval_time_s", "scored_at"]
 SETTINGS = ["encoder", "num_gen", "sample_steps", "cfg_scale", "seed", "reference"]
-STEP_RE = re.compile(r"step_(\d+)\.pt$")
 
 
 def find_checkpoints(path: str | os.PathLike) -> tuple[Path, list[tuple[str, Path]]]:
-    """(output root, [(run name, checkpoint file)]) for a checkpoint file, a run folder or a sweep folder."""
+    """(output root, [(run name, checkpoint)]) for a checkpoint, a run folder or a sweep folder, through the same
+    listing that resume and export use (dit_train.checkpoint): complete step_N.dcp folders written by any number
+    of ranks, and read-only step_N.pt files of earlier versions."""
     p = Path(path).resolve()
-    if p.is_file():
+    if ckpt.is_complete(str(p)) or (p.is_file() and ckpt.LEGACY_RE.match(p.name)):
         run_dir = p.parent.parent if p.parent.name == "checkpoints" else p.parent
         return run_dir, [(run_dir.name, p)]
     if not p.is_dir():
-        raise FileNotFoundError(f"{str(path)!r} is neither a checkpoint file nor a folder")
+        raise FileNotFoundError(f"{str(path)!r} is neither a checkpoint nor a folder")
 
     def ckpts(run_dir: Path) -> list[Path]:
-        folder = run_dir / "checkpoints"
-        return sorted(f for f in folder.glob("step_*.pt") if STEP_RE.search(f.name)) if folder.is_dir() else []
+        return [Path(c) for c in ckpt.list_checkpoints(str(run_dir), remove_partial=False, legacy=True)]
 
     if ckpts(p):
         return p, [(p.name, c) for c in ckpts(p)]
@@ -62,7 +63,7 @@ def find_checkpoints(path: str | os.PathLike) -> tuple[Path, list[tuple[str, Pat
             found += [(str(d.relative_to(p)), c) for c in ckpts(d)]
             dirnames.remove("checkpoints")
     if not found:
-        raise FileNotFoundError(f"no checkpoints (checkpoints/step_*.pt) under {str(path)!r}")
+        raise FileNotFoundError(f"no checkpoints (checkpoints/step_*.dcp) under {str(path)!r}")
     return p, found
 
 
@@ -108,11 +109,12 @@ def main(argv=None) -> list[dict]:
     import torch.distributed as dist
     from omegaconf import OmegaConf
 
-    from dit_train.checkpoint import load_for_inference
-    from dit_train.fd.evaluator import FDEvaluator, make_sample_fn
+    from dit_train.fd.evaluator import FDEvaluator
     from dit_train.fd.features import build_extractor
+    from dit_train.sampling import make_sampler
 
-    device, rank, world = setup_distributed(args.device)
+    dist_info = init_distributed(device=args.device)
+    device, rank = dist_info.device, dist_info.rank
     log = print if rank == 0 else (lambda *a, **k: None)
     cfg = eval_cfg_from_args(args)
     todo: list[tuple[str, Path]] = []
@@ -139,27 +141,25 @@ def main(argv=None) -> list[dict]:
     todo = [t for t in todo if t not in skip]
 
     evaluators: dict[str, FDEvaluator] = {}
-    for run, ckpt in todo:
+    for run, path in todo:
         t0 = time.perf_counter()
-        model, run_cfg, meta = load_for_inference(str(ckpt), device)
+        model, run_cfg, meta = ckpt.load_for_inference(str(path), device)
         data_cfg = OmegaConf.merge(run_cfg.data, OmegaConf.from_dotlist(list(args.data_set)))
         mcfg = run_cfg.model
         if data_cfg.name == "latents" or int(mcfg.get("text_dim", 0) or 0) > 0:
-            raise SystemExit(f"{ckpt}: FD of latent/text-conditioned models needs a VAE decoder and text prompts; "
+            raise SystemExit(f"{path}: FD of latent/text-conditioned models needs a VAE decoder and text prompts; "
                              f"not supported by this job (data.name={data_cfg.name})")
         dkey = json.dumps(OmegaConf.to_container(data_cfg, resolve=True), sort_keys=True)
         if dkey not in evaluators:
             evaluators[dkey] = FDEvaluator(cfg, data_cfg, device, extractor=extractor, log=log)
         ev = evaluators[dkey]
-        sample_fn = make_sample_fn(model, (int(mcfg.in_channels), int(mcfg.image_size), int(mcfg.image_size)),
-                                   int(cfg.sample_steps), float(cfg.cfg_scale), device,
-                                   autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
-                                   conditional=int(mcfg.get("num_classes", 0) or 0) > 0)
-        res = ev.evaluate(sample_fn, int(meta["step"]), float(meta["active_time_s"]))
+        sample = make_sampler(model, mcfg, device, int(cfg.sample_steps), float(cfg.cfg_scale),
+                              "bf16" if device.type == "cuda" else OmegaConf.select(run_cfg, "train.precision", default="fp32"))
+        res = ev.evaluate(sample, int(meta["step"]))
         row = {"run": run, "step": int(meta["step"]), "active_time_s": float(meta["active_time_s"]),
                "fd": res["fd"], "encoder": res["fd_encoder"], "num_gen": res["fd_num_gen"],
                "num_ref": res["fd_num_ref"], "ref_id": res["fd_ref_id"], "sample_steps": int(cfg.sample_steps),
-               "cfg_scale": float(cfg.cfg_scale), "seed": int(cfg.seed), "checkpoint": str(ckpt),
+               "cfg_scale": float(cfg.cfg_scale), "seed": int(cfg.seed), "checkpoint": str(path),
                "eval_time_s": round(time.perf_counter() - t0, 2), "scored_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                "reference": reference}
         if rank == 0:
@@ -185,7 +185,7 @@ def main(argv=None) -> list[dict]:
             log(f"[fd_dino] best {r['run']}: FD={r['fd']:.4f} at step {r['step']} "
                 f"(active time {r['active_time_s']:.1f} s)")
         log(f"[fd_dino] results: {out / 'fd_results.csv'} and {out / 'fd_results.json'}")
-    teardown_distributed()
+    shutdown_process_group()
     return rows
 
 

@@ -21,8 +21,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from dit_train.fd.cli import (add_eval_args, eval_cfg_from_args, load_data_cfg, setup_distributed,  # noqa: E402
-                              teardown_distributed)
+from dit_train.fd.job_config import add_eval_args, eval_cfg_from_args, load_data_cfg  # noqa: E402
+from dit_train.parallel import init_distributed, shutdown_process_group  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -38,7 +38,8 @@ def main(argv=None) -> dict:
     from dit_train.fd.features import build_extractor
     from dit_train.fd.reference import load_or_compute_reference
 
-    device, rank, _ = setup_distributed(args.device)
+    dist = init_distributed(device=args.device)
+    device, rank = dist.device, dist.rank
     cfg = eval_cfg_from_args(args)
     data_cfg = load_data_cfg(args.data, args.data_set)
     log = print if rank == 0 else (lambda *a, **k: None)
@@ -52,7 +53,7 @@ def main(argv=None) -> dict:
                "preprocessing": ref.preprocessing, "subset": ref.subset,
                "class_counts": {int(k): int(v) for k, v in zip(*np.unique(ref.labels, return_counts=True))}}
     log(json.dumps(summary, indent=1))
-    teardown_distributed()
+    shutdown_process_group()
     return summary
 
 

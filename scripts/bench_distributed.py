@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The sharded optimizers (ALGORITHMS §6–7) on an FSDP2-sharded DiT preset: optimizer time, exposed communication
+"""The sharded optimizers (docs/algorithms.md §6–7) on an FSDP2-sharded DiT preset: optimizer time, exposed communication
 and logical optimizer bytes per step and rank, for every contender side by side in one run, as ratios to
 muon in gather mode (the paper's baseline).
 

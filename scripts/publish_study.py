@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 import report  # noqa: E402
 import run_study  # noqa: E402
-from dit_train.checkpoint import atomic_write_bytes  # noqa: E402
+from dit_train.atomic_io import atomic_write_bytes  # noqa: E402
 
 RECORDS = ("config.yaml", "metrics.jsonl", "summary.json", "run_info.json")
 

@@ -187,7 +187,7 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.3f}"
 
 
-SIZE_ORDER = ["dit_tiny", "dit_xs", "dit_s", "dit_m", "dit_1b3", "dit_4b", "dit_9b", "dit_15b"]
+SIZE_ORDER = ["dit_xs", "dit_s", "dit_m", "dit_1b3", "dit_4b", "dit_9b", "dit_15b"]
 
 
 def model_order(runs):

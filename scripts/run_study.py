@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from dit_train.checkpoint import atomic_write_bytes  # noqa: E402
+from dit_train.atomic_io import atomic_write_bytes  # noqa: E402
 from dit_train.run_info import git_commit  # noqa: E402
 
 EXPERIMENTS = os.path.join(ROOT, "dit_train", "conf", "experiment")

@@ -9,7 +9,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from conftest import FASHION_ROOT, needs_fashion
-from dit_train.batches import StepBatchSampler
+from dit_train.data.order import StepBatchSampler
 from dit_train.data import build_dataset
 
 

@@ -34,7 +34,7 @@ def _run_evaluator(cache_dir):
 
     ev = FDEvaluator(_evaluator_cfg(cache_dir), None, "cpu", dataset=ToyDataset(n=70), log=lambda *_: None)
     # a slightly wrong generator, so FD is O(1) and a relative tolerance means something
-    res = ev.evaluate(lambda labels, g: 0.8 * toy_images(labels, g), step=1, active_time_s=0.5)
+    res = ev.evaluate(lambda labels, g: 0.8 * toy_images(labels, g), step=1)
     return ev, res
 
 

@@ -12,7 +12,8 @@ import torch
 from omegaconf import OmegaConf
 
 from dit_train.fd import reference as refmod
-from dit_train.fd.cli import load_data_cfg, load_eval_cfg
+from dit_train.fd.job_config import load_data_cfg, load_eval_cfg
+from dit_train.evaluation import update_best_fd
 from dit_train.fd.evaluator import FDEvaluator, generation_labels
 from dit_train.fd.features import build_extractor
 from dit_train.fd.reference import load_or_compute_reference, load_reference
@@ -112,31 +113,32 @@ def test_evaluator_end_to_end_with_random_dinov2(tmp_path, extractor):
     def bad(labels, generator):
         return torch.rand(labels.shape[0], 1, 32, 32, generator=generator) * 2 - 1
 
-    r1 = ev.evaluate(bad, step=5, active_time_s=1.0)
-    r2 = ev.evaluate(good, step=10, active_time_s=2.0)
-    r3 = ev.evaluate(bad, step=15, active_time_s=3.0)
+    best = None
+    r1 = ev.evaluate(bad, step=5)
+    best = update_best_fd(best, r1, 5, 1.0)
+    r2 = ev.evaluate(good, step=10)
+    best = update_best_fd(best, r2, 10, 2.0)
+    r3 = ev.evaluate(bad, step=15)
+    best = update_best_fd(best, r3, 15, 3.0)
     assert r2["fd"] < 0.5 * r1["fd"] and r3["fd"] == pytest.approx(r1["fd"], rel=1e-9)  # fixed noise and labels
     for r in (r1, r2):
         assert r["fd_encoder"] == extractor.encoder_id and r["fd_num_gen"] == 40 and r["fd_num_ref"] == 64
         assert r["fd_ref_id"].startswith("toy:v1:train:n64:") and r["fd_time_s"] >= 0
     assert r2["images"].shape == (16, 1, 32, 32) and r2["images"].abs().max() <= 1
-    assert ev.best == {"fd": r2["fd"], "step": 10, "active_time_s": 2.0}
+    assert best == {"fd": r2["fd"], "step": 10, "active_time_s": 2.0, "encoder": extractor.encoder_id,
+                    "ref_id": r2["fd_ref_id"], "num_gen": 40}
     # batches of 16, 16, 8 with fixed labels and per-batch seeds
     assert [len(lab) for lab, _ in seen] == [16, 16, 8] and len({s for _, s in seen}) == 3
-    assert ev.should_evaluate(10) and not ev.should_evaluate(7) and not ev.should_evaluate(0)
 
-    # best survives a resume, but only when measured the same way
-    ev2 = FDEvaluator(eval_cfg(tmp_path), None, "cpu", extractor=extractor, dataset=ToyDataset(), log=lambda *_: None)
-    ev2.load_state_dict(ev.state_dict())
-    assert ev2.best == ev.best
+    # a best FD is compared only with values measured the same way (here: another sample count)
     ev3 = FDEvaluator(eval_cfg(tmp_path, num_samples=32), None, "cpu", extractor=extractor, dataset=ToyDataset(),
                       log=lambda *_: None)
-    ev3.load_state_dict(ev.state_dict())
-    assert ev3.best is None
+    r_other = ev3.evaluate(bad, step=12)
+    assert r_other["fd"] > r2["fd"] and update_best_fd(best, r_other, 12, 2.5)["step"] == 12
 
     # a diverged model: non-finite FD, best unchanged
-    r4 = ev.evaluate(lambda lab, g: torch.full((lab.shape[0], 1, 32, 32), float("nan")), 20, 4.0)
-    assert math.isnan(r4["fd"]) and ev.best["step"] == 10
+    r4 = ev.evaluate(lambda lab, g: torch.full((lab.shape[0], 1, 32, 32), float("nan")), 20)
+    assert math.isnan(r4["fd"]) and update_best_fd(best, r4, 20, 4.0)["step"] == 10
 
 
 @needs_fashion
@@ -145,7 +147,7 @@ def test_evaluator_builds_encoder_and_dataset_from_configs(tmp_path):
     data_cfg = load_data_cfg("fashion_mnist")
     ev = FDEvaluator(cfg, data_cfg, "cpu", log=lambda *_: None)
     assert ev.reference.dataset_id == "fashion_mnist:val:32px" and ev.reference.count == 40
-    res = ev.evaluate(lambda lab, g: torch.rand(lab.shape[0], 1, 32, 32, generator=g) * 2 - 1, 10, 1.0)
+    res = ev.evaluate(lambda lab, g: torch.rand(lab.shape[0], 1, 32, 32, generator=g) * 2 - 1, 10)
     assert math.isfinite(res["fd"]) and res["fd_num_gen"] == 20
 
 
@@ -156,8 +158,10 @@ def _load_script(name):
     return mod
 
 
-def _fake_run(run_dir, steps, hidden=16):
-    """Checkpoints in the trainer's format (dit_train.checkpoint): config, ema.model, step, active_time_s."""
+def _fake_run(run_dir, steps, hidden=16, legacy=False):
+    """Checkpoints in the trainer's format (dit_train.checkpoint: EMA tensors, step, active_time_s, config), or
+    the read-only single files of earlier versions."""
+    from dit_train import checkpoint as ckpt
     from dit_train.model import build_model
 
     mcfg = dict(name="t", image_size=32, in_channels=1, patch_size=8, hidden_size=hidden, depth=1, num_heads=2,
@@ -169,15 +173,18 @@ def _fake_run(run_dir, steps, hidden=16):
         model = build_model(OmegaConf.create(mcfg))
         for p in model.parameters():  # leave adaLN-Zero's zero init so samples differ per checkpoint
             p.data.normal_(0, 0.05)
-        torch.save({"config": cfg, "ema": {"model": model.state_dict()}, "step": s, "active_time_s": 1.5 * s},
-                   run_dir / "checkpoints" / f"step_{s:08d}.pt")
+        state = {"config": cfg, "step": s, "active_time_s": 1.5 * s}
+        if legacy:
+            torch.save({**state, "ema": {"model": model.state_dict()}}, run_dir / "checkpoints" / f"step_{s:08d}.pt")
+        else:
+            ckpt.save(str(run_dir), s, {"ema": model.state_dict()}, state, keep_last=0)
 
 
 @needs_fashion
 def test_fd_dino_job_scores_a_sweep_and_skips_scored_checkpoints(tmp_path, capsys):
     sweep = tmp_path / "sweep"
     _fake_run(sweep / "0", [3, 6])
-    _fake_run(sweep / "1", [6])
+    _fake_run(sweep / "1", [6], legacy=True)
     job = _load_script("fd_dino")
     args = ["--eval-preset", "ci", "--cache-dir", str(tmp_path / "cache"), "--reference-split", "val",
             "--num-samples", "16", "--batch-size", "8", "--reference-num", "32", "--sample-steps", "2"]
@@ -193,7 +200,7 @@ def test_fd_dino_job_scores_a_sweep_and_skips_scored_checkpoints(tmp_path, capsy
     again = job.main([str(sweep)] + args)  # nothing new to score
     assert "skip 1 step_00000006.pt" in capsys.readouterr().out
     assert [r["fd"] for r in again] == [r["fd"] for r in rows]
-    more = job.main([str(sweep / "0" / "checkpoints" / "step_00000003.pt"), "--out", str(sweep)] + args
+    more = job.main([str(sweep / "0" / "checkpoints" / "step_00000003.dcp"), "--out", str(sweep)] + args
                     + ["--seed", "1"])  # another seed is another setting: scored, kept beside the first
     assert len(more) == 4
 

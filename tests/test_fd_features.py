@@ -153,7 +153,7 @@ def test_missing_inception_and_unknown_encoder(tmp_path):
 
 
 def _fashion_images(n):
-    from dit_train.fd.cli import load_data_cfg
+    from dit_train.fd.job_config import load_data_cfg
     from dit_train.data import build_dataset
 
     ds = build_dataset(load_data_cfg("fashion_mnist"), "val")

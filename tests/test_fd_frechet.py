@@ -1,4 +1,4 @@
-"""The Fréchet distance and its streaming statistics (ALGORITHMS.md §9): exact against scipy, closed forms,
+"""The Fréchet distance and its streaming statistics (docs/algorithms.md §9): exact against scipy, closed forms,
 streaming = one-shot, merge = concatenation."""
 
 import numpy as np

@@ -24,20 +24,23 @@ TINY = ["model.hidden_size=32", "model.depth=2", "model.num_heads=2", "model.pat
 def fake_dcp(folder, complete=True):
     os.makedirs(folder, exist_ok=True)
     if complete:
-        with open(os.path.join(folder, ckpt.DCP_MARKER), "wb") as f:
-            f.write(ckpt.marker_bytes(0, 2))
+        with open(os.path.join(folder, ckpt.MARKER), "w") as f:
+            f.write("{}")
 
 
 def test_only_complete_checkpoints_are_listed_partial_ones_reported(tmp_path, caplog):
     run_dir = str(tmp_path)
-    ckpt.save_checkpoint({"step": 3}, run_dir, 3, keep_last=0)
     folder = ckpt.checkpoint_dir(run_dir)
+    os.makedirs(folder)
+    torch.save({"step": 3}, os.path.join(folder, "step_00000003.pt"))  # an earlier version's file: read-only
     fake_dcp(os.path.join(folder, "step_00000004.dcp"))
     fake_dcp(os.path.join(folder, "step_00000006.dcp"), complete=False)  # renamed but its marker is missing
     fake_dcp(os.path.join(folder, "step_00000005.dcp.tmp"))  # a save interrupted before the rename
     with caplog.at_level(logging.WARNING):
-        listed = ckpt.list_checkpoints(run_dir, remove_partial=False)
+        listed = ckpt.list_checkpoints(run_dir, remove_partial=False, legacy=True)
     assert [os.path.basename(p) for p in listed] == ["step_00000003.pt", "step_00000004.dcp"]
+    assert [os.path.basename(p) for p in ckpt.list_checkpoints(run_dir, remove_partial=False)] == \
+        ["step_00000004.dcp"]  # what training resumes from
     assert "step_00000005.dcp.tmp" in caplog.text and "step_00000006.dcp" in caplog.text
     assert os.path.exists(os.path.join(folder, "step_00000005.dcp.tmp"))  # other ranks never delete
     assert ckpt.resolve_checkpoint(run_dir).endswith("step_00000004.dcp")
@@ -46,7 +49,7 @@ def test_only_complete_checkpoints_are_listed_partial_ones_reported(tmp_path, ca
     ckpt.list_checkpoints(run_dir)  # rank 0 / single process: partial folders removed
     assert not any(".tmp" in f for f in os.listdir(folder))
     ckpt.prune_checkpoints(run_dir, keep_last=1)  # both formats count
-    assert [os.path.basename(p) for p in ckpt.list_checkpoints(run_dir)] == ["step_00000004.dcp"]
+    assert [os.path.basename(p) for p in ckpt.list_checkpoints(run_dir, legacy=True)] == ["step_00000004.dcp"]
 
 
 def _losses(run_dir):
@@ -91,10 +94,10 @@ def test_parallel_config_errors_name_key_value_and_choices():
     with pytest.raises(ConfigError, match=r"parallel.activation_checkpointing='yes'"):
         resolve_plan({"activation_checkpointing": "yes"}, cpu2)
     plan = resolve_plan({"fsdp": "auto"}, cpu2)
-    assert plan.fsdp and plan.param_dtype == torch.float32  # auto: fp32 on CPU
+    assert plan.sharded and plan.param_dtype == torch.float32  # auto: fp32 on CPU
     assert resolve_plan({"mixed_precision": "auto"}, DistInfo(world_size=2, device=torch.device("cuda", 0))
                         ).param_dtype == torch.bfloat16
-    assert not resolve_plan({"fsdp": "auto"}, DistInfo()).fsdp
+    assert not resolve_plan({"fsdp": "auto"}, DistInfo()).sharded
     cfg = compose(["eval.every_n_steps=10", "eval.num_samples=300", "eval.batch_size=100", "run_dir=/tmp/unused"])
     with pytest.raises(ConfigError, match=r"makes 3 generation batches, not a multiple of the world size 2"):
         check_parallel_config(cfg, cpu2)

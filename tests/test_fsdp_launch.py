@@ -33,7 +33,8 @@ def test_slurm_task_environment():
 def test_preemption_signal_is_handed_to_the_previous_handler_after_the_checkpoint(tiny_cfg):
     from dit_train import checkpoint as ckpt
     from dit_train.parallel import DistInfo
-    from dit_train.train import Preempted, Trainer
+    from dit_train.preemption import Preempted
+    from dit_train.train import Trainer
 
     seen = []
 
@@ -46,16 +47,15 @@ def test_preemption_signal_is_handed_to_the_previous_handler_after_the_checkpoin
         trainer = Trainer(tiny_cfg, DistInfo())
         step = trainer.train_step
 
-        def step_then_signal(*a, **kw):
-            out = step(*a, **kw)
-            if trainer.step == 1:
+        def signal_during_step_2(*a, **kw):
+            if trainer.state.step == 1:
                 os.kill(os.getpid(), signal.SIGUSR2)
-            return out
+            return step(*a, **kw)
 
-        trainer.train_step = step_then_signal
+        trainer.train_step = signal_during_step_2
         with pytest.raises(Preempted, match="received SIGUSR2 at step 2"):
             trainer.fit()
-        assert seen == [(signal.SIGUSR2, ["step_00000002.pt"])]  # called once, after the checkpoint
+        assert seen == [(signal.SIGUSR2, ["step_00000002.dcp"])]  # called once, after the checkpoint
         assert signal.getsignal(signal.SIGUSR2) is submitit_like  # and restored
     finally:
         signal.signal(signal.SIGUSR2, old)

@@ -1,4 +1,4 @@
-"""Directions (ALGORITHMS §3) against independent references: SVD polar factor, row norms, MUD's fixed point and
+"""Directions (docs/algorithms.md §3) against independent references: SVD polar factor, row norms, MUD's fixed point and
 convergence, the Gram form against the plain NS5 iteration, and the column-shard `reduce` hook."""
 
 import threading
@@ -245,7 +245,7 @@ def test_mud_fp32_and_bf16_inputs_compute_in_fp32():
     assert _orth_err(y32) < 0.3 and _orth_err(ybf) < 0.3
 
 
-# ---- column shards through the reduce hook (ALGORITHMS §6 reuses the same maths) -----------------------------
+# ---- column shards through the reduce hook (docs/algorithms.md §6 reuses the same maths) -----------------------------
 class _ThreadAllReduce:
     """A sum all-reduce between threads, standing in for torch.distributed.all_reduce on column shards."""
 

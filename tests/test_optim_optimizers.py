@@ -1,4 +1,4 @@
-"""The optimizer registry (ALGORITHMS §2, §4, §5): config validation, exact update maths, parity with
+"""The optimizer registry (docs/algorithms.md §2, §4, §5): config validation, exact update maths, parity with
 torch.optim.Muon / torch.optim.AdamW, the periodic schedule, state_dict round trips, LR schedules, training."""
 
 import copy

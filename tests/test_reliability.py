@@ -14,7 +14,7 @@ import torch
 
 from conftest import ROOT, needs_fashion
 from dit_train import checkpoint as ckpt
-from dit_train.train import EXIT_PREEMPTED
+from dit_train.preemption import EXIT_PREEMPTED
 
 TINY = ["model.hidden_size=32", "model.depth=1", "model.num_heads=1", "model.patch_size=8",
         "train.batch_size=4", "train.val_samples=4", "train.val_batch_size=4", "train.val_t_points=1",
@@ -51,7 +51,7 @@ def test_preemption_signal_checkpoints_exits_requeueable_and_resumes(tmp_path, s
     assert f"received {sig.name}" in err and "train.resume=auto" in err
     saved = ckpt.list_checkpoints(str(run_dir))
     assert len(saved) == 1
-    step = torch.load(saved[0], weights_only=False)["step"]
+    step = ckpt.read_train_state(saved[0])["step"]
     assert 2 <= step < 400
     resumed = subprocess.run([sys.executable, "-m", "dit_train", f"run_dir={run_dir}", *TINY, "train.steps=400",
                               "train.resume=auto", f"train.steps={step + 3}"], cwd=str(tmp_path),
@@ -66,8 +66,8 @@ WRITER = textwrap.dedent("""
     run_dir, start = sys.argv[1], int(sys.argv[2])
     for step in range(start, start + 1000):
         # ~8 MB of payload whose every value is the step: a torn file could not pass the check
-        state = {"step": step, "w": torch.full((2_000_000,), float(step))}
-        ckpt.save_checkpoint(state, run_dir, step, keep_last=2)
+        tensors = {"model": {"w": torch.full((2_000_000,), float(step))}}
+        ckpt.save(run_dir, step, tensors, {"step": step}, keep_last=2)
         print(step, flush=True)
 """)
 
@@ -84,11 +84,11 @@ def test_kill_9_during_saves_never_loses_the_newest_complete_checkpoint(tmp_path
         time.sleep(rng.uniform(0.0, 0.3))  # then die at a random point, often mid-write
         proc.kill()
         proc.wait()
-        state, path = ckpt.load_newest(str(tmp_path))
-        assert state is not None
-        assert torch.all(state["w"] == state["step"]), f"trial {trial}: torn checkpoint {path}"
-        assert state["step"] >= newest_seen  # never goes backwards
-        newest_seen = state["step"]
+        path = ckpt.list_checkpoints(str(tmp_path))[-1]  # also removes the partial save
+        step = ckpt.read_train_state(path)["step"]
+        assert torch.all(ckpt.read_tensors(path, "model")["w"] == step), f"trial {trial}: torn checkpoint {path}"
+        assert step >= newest_seen  # never goes backwards
+        newest_seen = step
         assert not any(".tmp" in f for f in os.listdir(tmp_path / "checkpoints"))  # partial files removed
     assert newest_seen >= 20
 

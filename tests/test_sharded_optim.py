@@ -1,4 +1,4 @@
-"""The matrix optimizers on dim-0 shards (ALGORITHMS §6–7, optim/sharded.py), on CPU/gloo with 2 and 3 processes:
+"""The matrix optimizers on dim-0 shards (docs/algorithms.md §6–7, optim/sharded.py), on CPU/gloo with 2 and 3 processes:
 every optimizer and both whole-matrix modes give the single-process parameters on the same gradients (4 steps:
 refresh, two RowNorm steps, refresh for periodic_rowwise); the counted bytes equal the analytic expectation per
 collective and rank; each direction is computed once in owner mode and on every rank in gather mode.

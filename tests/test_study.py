@@ -280,8 +280,8 @@ def test_smoke_study_end_to_end_then_rerun_skips(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     names = sorted(d for d in os.listdir(sweep) if d.startswith("model="))
-    assert names == ["model=dit_tiny,optimizer.K=2,optimizer=periodic_rowwise,seed=0",
-                     "model=dit_tiny,optimizer=adamw,seed=0"]
+    assert names == ["model=dit_s,optimizer.K=2,optimizer=periodic_rowwise,seed=0",
+                     "model=dit_s,optimizer=adamw,seed=0"]
     r2 = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert r2.stdout.count("all seeds finished, skipping") == 2
     with open(sweep / "study.json") as f:  # a study run in pieces keeps every command that ran it
@@ -291,5 +291,5 @@ def test_smoke_study_end_to_end_then_rerun_skips(tmp_path):
                         capture_output=True, text=True, timeout=300)
     assert r3.returncode == 0, r3.stderr
     text = (sweep / "report.md").read_text()
-    assert "| dit_tiny | adamw | 1 | finished |" in text and "periodic_rowwise K=2" in text
+    assert "| dit_s | adamw | 1 | finished |" in text and "periodic_rowwise K=2" in text
     assert "inception" in text

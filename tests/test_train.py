@@ -8,7 +8,8 @@ import torch
 
 from conftest import compose, needs_fashion
 from dit_train import checkpoint as ckpt
-from dit_train.train import Preempted, Trainer, TrainingStopped, run
+from dit_train.preemption import Preempted
+from dit_train.train import Trainer, TrainingStopped, run
 from dit_train.parallel import DistInfo
 
 pytestmark = needs_fashion
@@ -30,7 +31,7 @@ def test_run_leaves_metrics_checkpoints_samples_summary(tiny_cfg):
     assert all("time/forward" in r and "imgs_per_s" in r and "lr" in r for r in train_rows)
     val_rows = [r for r in rows if "val/loss" in r]
     assert [r["step"] for r in val_rows] == [3, 6] and "val/loss_t0.250" in val_rows[0]
-    assert [os.path.basename(p) for p in ckpt.list_checkpoints(d)] == ["step_00000003.pt", "step_00000006.pt"]
+    assert [os.path.basename(p) for p in ckpt.list_checkpoints(d)] == ["step_00000003.dcp", "step_00000006.dcp"]
     assert os.path.exists(os.path.join(d, "samples", "step_00000006.png"))
     assert json.load(open(os.path.join(d, "summary.json")))["steps"] == 6
     info = json.load(open(os.path.join(d, "run_info.json")))
@@ -63,19 +64,18 @@ def test_resume_continues_bit_for_bit(tiny_cfg, tmp_path, optimizer):
     first = Trainer(cut_cfg, DistInfo())
     original_step = first.train_step
 
-    def step_then_signal(*a, **kw):
-        out = original_step(*a, **kw)
-        if first.step == 2:  # the signal arrives during step 3 (0-based 2)
-            first.stop_signal = "SIGTERM"
-        return out
+    def signal_during_step_3(*a, **kw):
+        if first.state.step == 2:  # the signal arrives during step 3 (0-based 2)
+            first.preemption.signal_name = "SIGTERM"
+        return original_step(*a, **kw)
 
-    first.train_step = step_then_signal
+    first.train_step = signal_during_step_3
     with pytest.raises(Preempted, match="step 3"):
         first.fit()
     cut_cfg.train.resume = "auto"
     second = Trainer(cut_cfg, DistInfo())
     second.fit()
-    assert second.step == 6
+    assert second.state.step == 6
     for k, v in state_of(straight).items():
         assert torch.equal(v, second.model.state_dict()[k]), k
     for a, b in zip(straight.ema.model.parameters(), second.ema.model.parameters()):
@@ -93,13 +93,13 @@ def test_nan_gradient_skips_update_and_stops_after_max_bad_steps(tiny_cfg):
         return torch.full_like(grad, float("nan")) if poison["on"] else grad
 
     trainer.model.final_layer.linear.weight.register_hook(hook)
-    x, y = next(iter(trainer.val_batches))
+    x, y = trainer.evaluation.val_batches[0]
     trainer.train_step(x, {"y": y})
     opt_state = {k: {n: t.clone() for n, t in v.items() if torch.is_tensor(t)} for k, v in trainer.optimizer.state.items()}
     weights = state_of(trainer)
     poison["on"] = True
     out = trainer.train_step(x, {"y": y})
-    assert out["train/skipped"] == 1.0 and trainer.skipped_steps == 1
+    assert out["train/skipped"] == 1.0 and trainer.state.skipped_steps == 1
     for k, v in weights.items():
         assert torch.equal(v, trainer.model.state_dict()[k])
     for p, st in trainer.optimizer.state.items():

@@ -1,7 +1,7 @@
 """The order of training batches is a pure function of (seed, step): epoch e is a permutation drawn from seed
 stream `data_order` (seeds.py), and global step s takes samples [s*B, (s+1)*B) of the concatenated epochs (last
-partial batch dropped). So the data position is the step itself, and a resumed run sees exactly the batches it would have seen.
-Each rank loads its own contiguous slice of the global batch."""
+partial batch dropped). So the data position is the step itself, and a resumed run sees exactly the batches it
+would have seen. Each rank loads its own contiguous slice of the global batch."""
 
 from __future__ import annotations
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
+from .. import seeds
+
 
 class Synthetic(Dataset):
     def __init__(self, cfg, split: str):
@@ -18,5 +20,5 @@ class Synthetic(Dataset):
         return self.size
 
     def __getitem__(self, i):
-        g = torch.Generator().manual_seed(self.seed * 10_000_019 + i)
+        g = seeds.generator("synthetic", self.seed, i)
         return torch.randn(self.shape, generator=g), int(torch.randint(self.num_classes, (1,), generator=g))

@@ -1,7 +1,7 @@
 """Fréchet distances (FD-DINO, FID) for dit_train: feature extractors, exact FD from streaming float64 statistics,
-cached reference statistics and the in-training evaluator. See ALGORITHMS.md §9."""
+cached reference statistics and the in-training evaluator. See docs/algorithms.md §9."""
 
-from .evaluator import FDEvaluator, generation_labels, make_sample_fn
+from .evaluator import FDEvaluator, generation_labels
 from .features import (FeatureExtractor, MissingWeightsError, available_extractors, build_extractor,
                        inception_weights_path)
 from .frechet import (GaussianStats, RankDeficientWarning, StreamingStats, fd_from_stats, frechet_distance,
@@ -9,7 +9,7 @@ from .frechet import (GaussianStats, RankDeficientWarning, StreamingStats, fd_fr
 from .reference import ReferenceStats, load_or_compute_reference, load_reference, save_reference
 
 __all__ = [
-    "FDEvaluator", "generation_labels", "make_sample_fn",
+    "FDEvaluator", "generation_labels",
     "FeatureExtractor", "MissingWeightsError", "available_extractors", "build_extractor", "inception_weights_path",
     "GaussianStats", "RankDeficientWarning", "StreamingStats", "fd_from_stats", "frechet_distance",
     "stats_from_features", "trace_sqrt_product",

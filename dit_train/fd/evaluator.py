@@ -1,5 +1,5 @@
 """FD evaluation during training (and for the evaluation job): sample with the EMA model, encode, compare with
-cached reference statistics, keep the best value with its step and active training time."""
+cached reference statistics. (The trainer keeps the best value, evaluation.py.)"""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .. import seeds
 from .features import FeatureExtractor, build_extractor
 from .frechet import StreamingStats, fd_from_stats
 from .reference import ReferenceStats, load_or_compute_reference
@@ -40,13 +41,8 @@ def generation_labels(ref_labels: np.ndarray, num: int, seed: int) -> torch.Tens
     ref_labels = np.asarray(ref_labels, np.int64)
     if len(ref_labels) == 0:
         return torch.zeros(num, dtype=torch.long)
-    perm = np.random.default_rng(seed).permutation(len(ref_labels))
+    perm = np.random.default_rng(seeds.seed_for("fd_labels", seed)).permutation(len(ref_labels))
     return torch.from_numpy(np.resize(ref_labels[perm], num).astype(np.int64))
-
-
-def batch_seed(seed: int, batch_index: int) -> int:
-    """Noise seed of generation batch ``batch_index``: independent of the number of ranks."""
-    return seed * 1_000_003 + batch_index
 
 
 class FDEvaluator:
@@ -58,7 +54,7 @@ class FDEvaluator:
     (``eval_cfg.reference_num`` images, cached under ``eval_cfg.cache_dir``). Under torch.distributed the
     constructor and ``evaluate`` are collectives: call them on every rank.
 
-    ``evaluate(sample_fn, step, active_time_s) -> dict``:
+    ``evaluate(sample_fn, step) -> dict``:
       ``sample_fn(labels: LongTensor[B] on device, generator: torch.Generator on device) -> Tensor[B, C, H, W]``
       in [-1, 1] (clamped here before encoding; C = 1 or 3). ``eval_cfg.num_samples`` images are generated in batches
       of ``eval_cfg.batch_size``; batch ``b`` has fixed labels (the reference class mix, seeded by ``eval_cfg.seed``)
@@ -69,12 +65,7 @@ class FDEvaluator:
         ``fd_ref_id`` (reference-statistics id), ``fd_time_s`` (wall time of this evaluation);
       and on rank 0 only: ``images``, the first generated batch (at most 64 images) as a CPU float32 tensor in
       [-1, 1], for a sample grid (``dit_train.images.save_grid``). Pop ``images`` before logging scalars.
-    ``best`` -> ``{"fd", "step", "active_time_s"}`` of the lowest finite FD so far (None before the first);
-    ``state_dict()`` / ``load_state_dict()`` carry it across resumes. ``should_evaluate(step)`` applies
-    ``eval_cfg.every_n_steps`` (0 = never).
-
-    ``eval_cfg.sample_steps`` and ``eval_cfg.cfg_scale`` are read by ``make_sample_fn``, which builds the usual
-    ``sample_fn`` from a model and ``dit_train.flow.euler_sample``.
+    ``sample_fn`` is ``dit_train.sampling.make_sampler(...)`` with ``eval_cfg.sample_steps`` and ``eval_cfg.cfg_scale``.
     """
 
     GRID_MAX = 64
@@ -86,7 +77,6 @@ class FDEvaluator:
         self.num_samples = int(_get(eval_cfg, "num_samples"))
         self.batch_size = int(_get(eval_cfg, "batch_size"))
         self.seed = int(_get(eval_cfg, "seed"))
-        self.every_n_steps = int(_get(eval_cfg, "every_n_steps"))
         if self.num_samples < 2 or self.batch_size < 1:
             raise ValueError(f"eval.num_samples={self.num_samples} must be >= 2 and eval.batch_size="
                              f"{self.batch_size} >= 1")
@@ -105,15 +95,10 @@ class FDEvaluator:
             self.extractor, dataset, split, int(_get(eval_cfg, "reference_num")), _get(eval_cfg, "cache_dir"),
             data_cfg=data_cfg, batch_size=self.batch_size, log=self.log)
         self.labels = generation_labels(self.reference.labels, self.num_samples, self.seed)
-        self.best: dict | None = None
         if self.num_samples < self.extractor.feature_dim:
             self.log(f"[fd] eval.num_samples={self.num_samples} < feature dim {self.extractor.feature_dim} of "
                      f"{self.extractor.name}: covariance rank-deficient, FD biased (fine for tracking, compare "
                      f"only equal counts)")
-
-    # ------------------------------------------------------------------------------------------------------------
-    def should_evaluate(self, step: int) -> bool:
-        return self.every_n_steps > 0 and step > 0 and step % self.every_n_steps == 0
 
     def my_batches(self) -> list[int]:
         nb = math.ceil(self.num_samples / self.batch_size)
@@ -128,7 +113,7 @@ class FDEvaluator:
         for b in self.my_batches():
             lo, hi = b * self.batch_size, min((b + 1) * self.batch_size, self.num_samples)
             labels = self.labels[lo:hi].to(self.device)
-            gen = torch.Generator(device=self.device).manual_seed(batch_seed(self.seed, b))
+            gen = seeds.generator("fd_noise", self.seed, b, device=self.device)  # independent of the rank count
             imgs = sample_fn(labels, gen)
             if imgs.shape[0] != hi - lo:
                 raise RuntimeError(f"sample_fn returned {imgs.shape[0]} images for {hi - lo} labels")
@@ -139,7 +124,7 @@ class FDEvaluator:
         acc.all_reduce()
         return acc, first
 
-    def evaluate(self, sample_fn: SampleFn, step: int, active_time_s: float) -> dict:
+    def evaluate(self, sample_fn: SampleFn, step: int) -> dict:
         t0 = time.perf_counter()
         acc, first = self.generated_stats(sample_fn)
         dist = _dist()
@@ -157,45 +142,6 @@ class FDEvaluator:
         res = {"fd": fd, "fd_encoder": self.extractor.encoder_id, "fd_num_gen": acc.count,
                "fd_num_ref": self.reference.count, "fd_ref_id": self.reference.ref_id,
                "fd_time_s": time.perf_counter() - t0}
-        if math.isfinite(fd) and (self.best is None or fd < self.best["fd"]):
-            self.best = {"fd": fd, "step": int(step), "active_time_s": float(active_time_s)}
         if first is not None:
             res["images"] = first
         return res
-
-    # ------------------------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        return {"best": self.best, "encoder_id": self.extractor.encoder_id, "ref_id": self.reference.ref_id,
-                "num_samples": self.num_samples}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore ``best`` only if it was measured the same way (encoder, reference, sample count)."""
-        same = (state.get("encoder_id"), state.get("ref_id"), state.get("num_samples")) == (
-            self.extractor.encoder_id, self.reference.ref_id, self.num_samples)
-        if same:
-            self.best = state.get("best")
-        else:
-            self.log("[fd] saved best FD was measured with another encoder/reference/count; not restored")
-
-
-def make_sample_fn(model: torch.nn.Module, image_shape: tuple[int, int, int], steps: int, cfg_scale: float,
-                   device: torch.device | str, autocast_dtype: torch.dtype | None = None,
-                   conditional: bool = True) -> SampleFn:
-    """``sample_fn`` for ``FDEvaluator.evaluate``: Gaussian noise from the given generator, ``steps`` Euler steps
-    of ``dit_train.flow.euler_sample`` with classifier-free guidance ``cfg_scale`` (class labels passed as ``y``
-    when ``conditional``), clamped to [-1, 1]. ``model`` should be the EMA model in eval mode."""
-    from dit_train.flow import euler_sample
-
-    device = torch.device(device)
-
-    def sample_fn(labels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        noise = torch.randn((labels.shape[0], *image_shape), generator=generator, device=device)
-        ctx = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
-               else torch.autocast(device.type, enabled=False))
-        with torch.no_grad(), ctx:
-            y = labels.to(device) if conditional else None
-            x = euler_sample(model, noise, y=y, steps=int(steps), cfg_scale=float(cfg_scale))
-        return x.float().clamp(-1, 1)
-
-    return sample_fn
-

@@ -1,4 +1,4 @@
-"""Feature extractors for Fréchet distances (ALGORITHMS.md §9): a small registry of frozen encoders.
+"""Feature extractors for Fréchet distances (docs/algorithms.md §9): a small registry of frozen encoders.
 
 Every extractor takes images as float tensors ``[B, C, H, W]`` in [-1, 1] (C = 1 or 3; grayscale is replicated
 to 3 channels), applies its own documented preprocessing and returns float32 features ``[B, D]``. Each one carries

@@ -1,4 +1,4 @@
-"""Streaming Gaussian statistics and the exact Fréchet distance (ALGORITHMS.md §9).
+"""Streaming Gaussian statistics and the exact Fréchet distance (docs/algorithms.md §9).
 
 FD = ||mu1 - mu2||^2 + Tr S1 + Tr S2 - 2 Tr (S1 S2)^(1/2), everything in float64.
 

@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import seeds
+
 from .features import FeatureExtractor
 from .frechet import GaussianStats, StreamingStats
 
@@ -67,9 +69,8 @@ def subset_indices(n_total: int, num: int, seed: int = 0) -> tuple[np.ndarray, s
     (sorted, for I/O locality). Returns (indices, description for the cache key)."""
     if num <= 0 or num >= n_total:
         return np.arange(n_total), f"all{n_total}"
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randperm(n_total, generator=g)[:num].sort().values.numpy()
-    return idx, f"perm(seed={seed})[:{num}]of{n_total}"
+    idx = torch.randperm(n_total, generator=seeds.generator("reference", seed))[:num].sort().values.numpy()
+    return idx, f"perm(stream=reference,seed={seed})[:{num}]of{n_total}"
 
 
 def reference_key(encoder_id: str, preprocessing: str, dataset_id: str, split: str, subset: str) -> str:

@@ -1,4 +1,4 @@
-"""The optimizer's collectives on FSDP2 shards (ALGORITHMS §6–7): who holds which rows, the collectives it issues,
+"""The optimizer's collectives on FSDP2 shards (docs/algorithms.md §6–7): who holds which rows, the collectives it issues,
 what they cost (bytes counted from the tensors passed, exposed wait timed) and nothing else.
 
 Rows: FSDP2 (and DTensor's Shard(0)) split dim 0 as torch.chunk does: chunks of ceil(m / p) rows, the last ones

@@ -1,4 +1,4 @@
-"""Update directions Phi(U) of a matrix (ALGORITHMS.md §3), as pure functions of a (possibly batched) matrix.
+"""Update directions Phi(U) of a matrix (docs/algorithms.md §3), as pure functions of a (possibly batched) matrix.
 
 Every function takes X of shape [m, n] or [..., m, n] and computes on the oriented matrix O(X) with r = min(m, n)
 rows (X itself when m <= n, X^T when m > n); the result has X's shape and the input is never modified. A tall X
@@ -9,7 +9,7 @@ is never transposed in memory: the same maths runs on X with the products taken 
 norms, row sums of squares, Gram matrices) goes through an optional `reduce` callable before it is used. For a
 matrix held whole, `reduce` is None. A sharded implementation whose ranks each hold a slice of the c columns
 (dim-0 shards of a tall weight) passes an all-reduce there, and `tall=` to orient a shard as its whole matrix, and
-gets the whole-matrix result on every shard (ALGORITHMS §6; tests/test_optim_directions.py checks it).
+gets the whole-matrix result on every shard (docs/algorithms.md §6; tests/test_optim_directions.py checks it).
 
 `workspace`: an optional dict the caller keeps between calls; the large intermediates are taken from it instead of
 allocated (on CPU a fresh tens-of-MB buffer costs page faults on every call). With a workspace the returned tensor
@@ -122,7 +122,7 @@ def newton_schulz5(
     tall: bool | None = None,
     workspace: dict | None = None,
 ) -> Tensor:
-    """NS5 (ALGORITHMS §3): X0 = O(X) / (||X||_F + eps), then `steps` times A = X X^T; B = b A + c A^2;
+    """NS5 (docs/algorithms.md §3): X0 = O(X) / (||X||_F + eps), then `steps` times A = X X^T; B = b A + c A^2;
     X = a X + B X, computed in `dtype` (bf16 by default, like torch.optim.Muon), mapped back by O^-1.
 
     gram: None runs the Gram form for matrices with c >= GRAM_MIN_ASPECT * r (the same map with fewer flops),
@@ -241,7 +241,7 @@ def inv_norms_from_sumsq(sumsq: Tensor, eps: float = 1e-7) -> Tensor:
 
 def row_norm(X: Tensor, eps: float = 1e-7, *, out_dtype: torch.dtype | None = None, reduce: Reduce = None,
              tall: bool | None = None) -> Tensor:
-    """RowNorm (ALGORITHMS §3): R(X)_i = X_i / max(||X_i||_2, eps) over the rows of the r x c side (the columns of a
+    """RowNorm (docs/algorithms.md §3): R(X)_i = X_i / max(||X_i||_2, eps) over the rows of the r x c side (the columns of a
     tall X). ||R||_F^2 = r for a matrix with no zero rows; zero rows stay zero. Norms accumulate in fp32."""
     _check(X, "row_norm")
     out = X * row_inv_norms(X, eps, reduce, tall)
@@ -260,7 +260,7 @@ def mud_whiten(
     tall: bool | None = None,
     workspace: dict | None = None,
 ) -> Tensor:
-    """MUD triangular whitening (ALGORITHMS §3) of the oriented r x c matrix Q, in fp32 (fp64 for fp64 input):
+    """MUD triangular whitening (docs/algorithms.md §3) of the oriented r x c matrix Q, in fp32 (fp64 for fp64 input):
     repeat `passes` times: Q <- D^-1 Q (unit rows); G = Q Q^T; T = tril(G) with diagonal >= eps; Q <- T^-1 Q;
     Q <- D^-1 Q. The leading normalisation is skipped from the second pass on (rows are already unit).
     Row-orthonormal matrices are fixed points. solve='triangular' (default, faster here: docs/bench_optimizer.md)

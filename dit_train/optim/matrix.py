@@ -1,4 +1,4 @@
-"""MatrixOptimizer: one torch.optim.Optimizer for a whole model (ALGORITHMS §2, §4, §5).
+"""MatrixOptimizer: one torch.optim.Optimizer for a whole model (docs/algorithms.md §2, §4, §5).
 
 Param groups carry `kind`: "matrix" groups take momentum -> direction -> scaled, decoupled-weight-decay update;
 "adamw" groups take AdamW (torch's own functional implementation, so the maths is torch.optim.AdamW's). Every
@@ -19,7 +19,7 @@ per shape; every large buffer of the direction is reused across steps, as fresh 
 faults on CPU) and updated with foreach ops. The maths lives in directions.py
 and in `compute_direction`; where the matrices live is in `_local` (the tensors this process updates) and
 `_directions` (every bucket's direction), which the sharded subclass (optim/sharded.py: FSDP2 shards, explicit
-collectives, ALGORITHMS §6) overrides while reusing the rest: buckets are keyed by the whole matrix's shape, the
+collectives, docs/algorithms.md §6) overrides while reusing the rest: buckets are keyed by the whole matrix's shape, the
 stacked inputs take the local shape, and the direction functions take `reduce=` (an all-reduce over the ranks
 holding the other columns) and `tall=` (orient a shard as its whole matrix), tested against the whole matrix in
 tests/test_optim_directions.py.
@@ -45,7 +45,7 @@ ADAMW_IMPLS = ("foreach", "fused", "single")
 
 
 def update_scale(rule: str, m: int, n: int) -> float:
-    """s(W) for an m x n weight (m = out features, n = in features), ALGORITHMS §4."""
+    """s(W) for an m x n weight (m = out features, n = in features), docs/algorithms.md §4."""
     if rule == "moonlight":
         return 0.2 * math.sqrt(max(m, n))
     if rule == "keller":
@@ -339,7 +339,7 @@ def _check_group(group: dict, accepts_dtensors: bool = False) -> None:
         if not accepts_dtensors and any(hasattr(p, "to_local") for p in group["params"]):
             raise TypeError(
                 "a matrix param group holds FSDP2 shards (DTensor parameters): they need the sharded "
-                "implementation, ShardedMatrixOptimizer (optim/sharded.py, ALGORITHMS §6), which build_optimizer "
+                "implementation, ShardedMatrixOptimizer (optim/sharded.py, docs/algorithms.md §6), which build_optimizer "
                 "picks for sharded models")
         for p in group["params"]:
             if p.ndim != 2:

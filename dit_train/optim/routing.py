@@ -1,4 +1,4 @@
-"""Which parameters get the matrix update and which get AdamW (ALGORITHMS §4), for any nn.Module.
+"""Which parameters get the matrix update and which get AdamW (docs/algorithms.md §4), for any nn.Module.
 
 Default rule: a trainable parameter is a *matrix* parameter iff it is 2-D, it is the `weight` of an nn.Linear
 (subclasses included; not nn.Embedding, not a convolution, not a free nn.Parameter) and its name does not match

@@ -1,4 +1,4 @@
-"""ShardedMatrixOptimizer: the matrix optimizers on FSDP2 shards, with explicit collectives (ALGORITHMS §6–7).
+"""ShardedMatrixOptimizer: the matrix optimizers on FSDP2 shards, with explicit collectives (docs/algorithms.md §6–7).
 
 Every matrix parameter is a DTensor sharded along dim 0 over a 1-D mesh of p ranks (FSDP2's Shard(0); p need not
 divide the rows, shards may be empty). Its momentum is a DTensor of the same placement, so optimizer state is

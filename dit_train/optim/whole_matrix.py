@@ -1,5 +1,5 @@
 """Directions that need whole matrices (NS5, and MUD on wide matrices) for momentum held as dim-0 shards
-(ALGORITHMS §6): the two ways to bring the rows together, both bucketed and pipelined.
+(docs/algorithms.md §6): the two ways to bring the rows together, both bucketed and pipelined.
 
 Input: `inputs`, {bucket key: U} with U the stacked local rows [B, rows_here, n] of B same-shape matrices (key[0]
 is the whole matrix's (m, n)); `compute(key, X)` maps a [L, m, n] batch of whole matrices to its direction

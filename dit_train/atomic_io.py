@@ -1,0 +1,31 @@
+"""Files that are either complete or absent: written to a temp name, fsynced, renamed, the folder fsynced.
+
+A crash (kill -9, power loss) leaves the old file or the new one, never a torn one; the temp name carries the
+writer's pid, so a leftover is recognisable (`*.tmp-<pid>`) and never mistaken for the real file."""
+
+from __future__ import annotations
+
+import os
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_synced(data: bytes, path: str) -> None:
+    """Write and fsync (for files inside a folder that is itself renamed into place when complete)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def atomic_write_bytes(data: bytes, path: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    write_synced(data, tmp)
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path))

@@ -1,0 +1,105 @@
+"""What a run measures besides its training loss, on the cadence of train.val_every / sample_every and
+eval.every_n_steps: the validation velocity loss, sample grids and the FD (with the best FD so far). All of it uses
+the EMA model and the same code for any number of ranks: every rank takes part in the model calls (FSDP2
+gathers weights inside them), rank 0 alone writes files."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import torch
+
+from . import seeds
+from .cadence import every_n_steps
+from .data.order import fixed_batches
+from .flow import validation_loss, validation_t_grid
+from .images import save_grid
+from .parallel import all_reduce_sum_, autocast
+from .sampling import make_sampler
+
+log = logging.getLogger("dit_train")
+BEST_FD_KEYS = ("encoder", "ref_id", "num_gen")  # an FD is comparable only with one measured the same way
+
+
+def update_best_fd(best: dict | None, result: dict, step: int, active_time_s: float) -> dict | None:
+    """The best FD after `result` (FDEvaluator.evaluate's dict): the lower finite value of the two, or the new
+    one when the old was measured another way (encoder, reference or sample count)."""
+    measured = {"encoder": result["fd_encoder"], "ref_id": result["fd_ref_id"], "num_gen": result["fd_num_gen"]}
+    if best is not None and any(best.get(k) != measured[k] for k in BEST_FD_KEYS):
+        log.warning("best FD %.4f was measured with other settings (%s); not compared with the new ones",
+                    best["fd"], {k: best.get(k) for k in BEST_FD_KEYS})
+        best = None
+    fd = result["fd"]
+    if math.isfinite(fd) and (best is None or fd < best["fd"]):
+        return {"fd": fd, "step": int(step), "active_time_s": float(active_time_s), **measured}
+    return best
+
+
+class Evaluation:
+    def __init__(self, cfg, dist, val_set, logger):
+        self.cfg, self.dist, self.logger = cfg, dist, logger
+        tc = cfg.train
+        # the whole held-out batches stay on the host; each rank evaluates its slice of every batch
+        self.val_batches = list(fixed_batches(val_set, tc.val_samples, tc.val_batch_size))
+        self.t_grid = validation_t_grid(tc.val_t_points)
+        self.fd = None
+        if cfg.eval.every_n_steps:  # built now so that missing encoder weights fail before training starts
+            from .fd.evaluator import FDEvaluator
+
+            self.fd = FDEvaluator(cfg.eval, cfg.data, dist.device)
+        self.last_val: dict = {}
+
+    def run_due(self, step: int, final_step: int, ema_model, state) -> None:
+        tc, ev = self.cfg.train, self.cfg.eval
+        if every_n_steps(step, tc.val_every, final_step):
+            self.last_val = self.validate(ema_model)
+            self.logger.log(step, self.last_val)
+        if self.fd is not None and every_n_steps(step, ev.every_n_steps, final_step):
+            self.logger.log(step, self.evaluate_fd(ema_model, state))
+        if every_n_steps(step, tc.sample_every, final_step):
+            self.sample_grid(ema_model, step)
+
+    def validate(self, ema_model) -> dict:
+        ema_model.eval()
+        return validation_loss(ema_model, self.val_batches, self.t_grid, self.cfg.seed, self.dist.device,
+                               lambda: autocast(self.cfg.train.precision, self.dist.device),
+                               self.dist.rank, self.dist.world_size, all_reduce_sum_)
+
+    def sampler(self, ema_model, steps: int, cfg_scale: float):
+        return make_sampler(ema_model, self.cfg.model, self.dist.device, steps, cfg_scale, self.cfg.train.precision)
+
+    def sample_grid(self, ema_model, step: int) -> str | None:
+        """EMA samples of the first classes (the same noise at every step), or of the first held-out captions for
+        text-conditioned data."""
+        m, tc, device = self.cfg.model, self.cfg.train, self.dist.device
+        k, classes = tc.samples_per_class, min(max(m.num_classes, 1), 10)
+        labels, context = torch.arange(classes).repeat_interleave(k), None
+        _, y0 = self.val_batches[0]
+        if isinstance(y0, dict):
+            context = y0["context"][: len(labels)].to(device)
+            labels = torch.zeros(len(context), dtype=torch.long)
+        sample = self.sampler(ema_model, tc.sample_steps, tc.cfg_scale)
+        images = sample(labels, seeds.generator("grid_noise", self.cfg.seed, device=device), context=context)
+        if not self.dist.is_main:
+            return None
+        path = os.path.join(self.cfg.run_dir, "samples", f"step_{step:08d}.png")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        save_grid(images, path, nrow=k)
+        self.logger.log_image(step, "samples", path)
+        return path
+
+    def evaluate_fd(self, ema_model, state) -> dict:
+        """FD of EMA samples against the cached reference; the best value is kept in the TrainState."""
+        ev = self.cfg.eval
+        result = self.fd.evaluate(self.sampler(ema_model, ev.sample_steps, ev.cfg_scale), state.step)
+        state.best_fd = update_best_fd(state.best_fd, result, state.step, state.active_time_s)
+        images = result.pop("images", None)
+        if images is not None and self.dist.is_main:
+            os.makedirs(os.path.join(self.cfg.run_dir, "samples"), exist_ok=True)
+            save_grid(images, os.path.join(self.cfg.run_dir, "samples", f"fd_step_{state.step:08d}.png"), nrow=8)
+        out = {k: v for k, v in result.items() if isinstance(v, (int, float, str))}
+        out["active_time_s"] = state.active_time_s
+        out.update({f"fd_best/{k}": v for k, v in (state.best_fd or {}).items()})
+        return out
