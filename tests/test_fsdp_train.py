@@ -161,3 +161,17 @@ def test_load_for_inference_reads_sharded_checkpoint(runs):
     x, t, y = torch.randn(3, 1, 32, 32), torch.rand(3), torch.tensor([0, 1, 2])
     with torch.no_grad():
         torch.testing.assert_close(model(x, t, y=y), ref(x, t, y=y), rtol=1e-4, atol=1e-5)
+
+
+def test_fd_job_scores_every_checkpoint_of_a_sharded_run(runs, tmp_path):
+    """eval/fd_dino.py finds a 2-rank run's checkpoints through the same listing as resume and scores them."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fd_dino", os.path.join(ROOT, "eval", "fd_dino.py"))
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    rows = job.main([str(runs["two"]), "--out", str(tmp_path), "--eval-preset", "ci", "--encoder", "dinov2_random",
+                     "--cache-dir", str(tmp_path / "cache"), "--reference-split", "val", "--num-samples", "8",
+                     "--batch-size", "4", "--reference-num", "16", "--sample-steps", "1", "--no-grid"])
+    assert [r["step"] for r in rows] == [2, 4]
+    assert all(r["checkpoint"].endswith(".dcp") and r["fd"] == r["fd"] for r in rows)  # finite, not NaN

