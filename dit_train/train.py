@@ -1,6 +1,6 @@
 """The training loop, top to bottom: build -> (resume) -> steps -> validate / sample / checkpoint -> summary.
 
-Everything that can fail on bad input fails before the model is built (config_check). The data position is the
+Everything that can fail on bad input fails before the model is built (dit_train.config.validate). The data position is the
 step (see batches.py), so a checkpoint of (step, model, EMA, optimizer, schedule, RNG) continues exactly.
 
 Under torchrun the same loop trains an FSDP2-sharded model (parallel.py): rank r takes slice r of every global
@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 from . import checkpoint as ckpt
 from . import dcp as sharded_ckpt
 from .batches import fixed_batches, train_batches
-from .config_check import check_config
+from .config import remove_stray_hydra_dir, validate
 from .data import build_dataset
 from .ema import EMA
 from .flow import (euler_sample, interpolate, sample_t, validation_loss, validation_t_grid, velocity_loss,
@@ -37,7 +37,7 @@ from .images import save_grid
 from .logger import MetricLogger
 from .model import build_model, count_parameters
 from .optim.registry import build_optimizer
-from .parallel import (DistInfo, all_reduce_mean, barrier, broadcast_object, check_parallel_config, clip_grad_norm_,
+from .parallel import (DistInfo, all_reduce_mean, barrier, broadcast_object, clip_grad_norm_,
                        init_distributed, materialize_from_rank0, parallelize, resolve_plan, shutdown_process_group,
                        wants_fsdp)
 from .run_info import write_run_info
@@ -549,23 +549,10 @@ def agree_on_config(cfg, dist: DistInfo):
     container, main_hydra_dir = broadcast_object(payload)
     if not dist.is_main and own_hydra_dir and main_hydra_dir and \
             os.path.abspath(own_hydra_dir) != os.path.abspath(main_hydra_dir):
-        _remove_stray_hydra_dir(own_hydra_dir)
+        remove_stray_hydra_dir(own_hydra_dir)
     agreed = OmegaConf.create(container)
     OmegaConf.set_struct(agreed, True)
     return agreed
-
-
-def _remove_stray_hydra_dir(path: str) -> None:
-    import shutil
-
-    try:
-        entries = os.listdir(path)
-    except OSError:
-        return
-    if all(e == ".hydra" or e.endswith(".log") for e in entries):
-        shutil.rmtree(path, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            os.rmdir(os.path.dirname(path))  # its date folder, if now empty
 
 
 def run(cfg) -> dict:
@@ -577,8 +564,7 @@ def run(cfg) -> dict:
     try:
         if dist.distributed:
             cfg = agree_on_config(cfg, dist)
-        check_config(cfg, dist.world_size)
-        check_parallel_config(cfg, dist)
+        validate(cfg, dist.world_size)
         if cfg.train.dry_run:
             return dry_run(cfg)
         if dist.is_main:
