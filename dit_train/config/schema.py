@@ -4,7 +4,7 @@ defaults included, live in the yamls; every field here is required unless the ya
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from .fields import choice, int_at_least, key, number
 
@@ -174,4 +174,4 @@ class RunConfig:
     flow: Any = key()
     train: Any = key()
     parallel: Any = key()
-    study: Optional[dict] = key(default=None)  # experiment grids (scripts/run_study.py); free-form
+    study: Optional[Dict[str, Any]] = key(default=None)  # experiment grids (scripts/run_study.py); free-form
