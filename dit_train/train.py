@@ -1,6 +1,6 @@
 """The training loop, top to bottom: build -> (resume) -> steps -> validate / sample / checkpoint -> summary.
 
-Everything that can fail on bad input fails before the model is built (dit_train.config.validate). The data position is the
+Everything that can fail on bad input fails before the model is built (config.validate). The data position is the
 step (see batches.py), so a checkpoint of (step, model, EMA, optimizer, schedule, RNG) continues exactly.
 
 Under torchrun the same loop trains an FSDP2-sharded model (parallel.py): rank r takes slice r of every global

@@ -93,7 +93,8 @@ def test_bad_value_on_command_line_is_one_line():
 
 @pytest.mark.parametrize("args,line", [
     (["optimizer.lr=abc"], "error: optimizer.lr='abc' is not valid: expected a learning rate > 0"),
-    (["logger.wandb.mode=bogus"], "error: logger.wandb.mode='bogus' is not valid: choose one of online, offline, disabled"),
+    (["logger.wandb.mode=bogus"],
+     "error: logger.wandb.mode='bogus' is not valid: choose one of online, offline, disabled"),
     (["train.steps=1.5"], "error: train.steps=1.5 is not valid: expected an integer >= 1"),
     (["optimizer=muon", "optimizer.weight_decy=0.1"], "error: optimizer.weight_decy=0.1 is not valid: not a key of "
      "optimizer 'muon'; valid keys: "),
@@ -111,9 +112,10 @@ def test_bad_config_on_command_line_leaves_no_run_folder(tmp_path, args, line):
     assert os.listdir(tmp_path) == []
 
 
-def test_error_inside_the_job_removes_the_folder_hydra_made(tmp_path):
-    """An error found only inside the Hydra job (here: WORLD_SIZE=2 without the check before Hydra, as under the
-    Slurm launcher) still leaves no folder holding only Hydra's files."""
+def test_stray_hydra_folder_is_removed_only_when_it_holds_only_hydra_files(tmp_path):
+    """What __main__ calls when an error is found inside the Hydra job (after Hydra made the folder, e.g. under
+    the Slurm launcher, where the check before Hydra does not run): Hydra's files only -> gone, with the empty
+    date folder; anything the run wrote -> kept."""
     from dit_train.config import remove_stray_hydra_dir
 
     run = tmp_path / "runs" / "2024-01-01" / "12-00-00"

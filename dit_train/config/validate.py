@@ -14,8 +14,8 @@ from .errors import ConfigError, invalid
 from .fields import check_fields
 from .files import group_options, load_option, primary_node
 from .optimizers import OPTIMIZER_SCHEMAS
-from .schema import (DATA_SCHEMAS, Architecture, EvalConfig, FlowConfig, LoggerConfig, ModelConfig, ParallelConfig, RunConfig,
-                     TrainConfig)
+from .schema import (DATA_SCHEMAS, Architecture, EvalConfig, FlowConfig, LoggerConfig, ModelConfig, ParallelConfig,
+                     RunConfig, TrainConfig)
 
 
 def plain(node) -> dict:
