@@ -19,8 +19,6 @@ class EMA:
     def __init__(self, model: nn.Module, decay: float, shadow: nn.Module | None = None):
         """`shadow`: an already-built (e.g. FSDP2-sharded) copy of `model`'s architecture to hold the average;
         it is set to `model`'s current weights. Without it the average is a deep copy of `model`."""
-        if not 0.0 <= decay < 1.0:
-            raise ValueError(f"train.ema_decay={decay} must be in [0, 1)")
         self.decay = decay
         if shadow is None:
             self.model = copy.deepcopy(model).eval().requires_grad_(False)

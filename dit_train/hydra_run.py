@@ -3,12 +3,11 @@ own output folder that Hydra created but nothing uses is removed."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 
 from omegaconf import OmegaConf
 
+from .config import remove_stray_hydra_dir
 from .parallel import DistInfo, broadcast_object
 
 
@@ -22,20 +21,6 @@ def hydra_output_dir() -> str | None:
         return None
 
 
-def remove_if_only_hydra_files(path: str | None) -> None:
-    """Remove `path` when it holds nothing but Hydra's own files (.hydra/, *.log), and its date folder if empty."""
-    if not path:
-        return
-    try:
-        entries = os.listdir(path)
-    except OSError:
-        return
-    if all(e == ".hydra" or e.endswith(".log") for e in entries):
-        shutil.rmtree(path, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            os.rmdir(os.path.dirname(path))
-
-
 def agree_on_config(cfg, dist: DistInfo):
     """Every rank continues with rank 0's resolved config, so all ranks use one run folder (Hydra's ${now:...}
     is resolved per process and can differ by a second) and see the same values."""
@@ -43,7 +28,7 @@ def agree_on_config(cfg, dist: DistInfo):
     payload = (OmegaConf.to_container(cfg, resolve=True), own) if dist.is_main else None
     container, main_dir = broadcast_object(payload)
     if not dist.is_main and own and main_dir and os.path.abspath(own) != os.path.abspath(main_dir):
-        remove_if_only_hydra_files(own)
+        remove_stray_hydra_dir(own)
     agreed = OmegaConf.create(container)
     OmegaConf.set_struct(agreed, True)
     return agreed

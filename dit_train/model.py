@@ -8,7 +8,7 @@ precomputed text embeddings. Presets live in conf/model/*.yaml; `DiTConfig` hold
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -37,19 +37,10 @@ class DiTConfig:
         return cls(**{k: v for k, v in dict(cfg).items() if k in names})
 
     def validate(self) -> None:
-        if self.image_size % self.patch_size:
-            raise ValueError(
-                f"model.patch_size={self.patch_size} must divide model.image_size={self.image_size}"
-            )
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"model.num_heads={self.num_heads} must divide model.hidden_size={self.hidden_size}"
-            )
-        for key in ("depth", "hidden_size", "num_heads", "patch_size", "in_channels"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"model.{key}={getattr(self, key)} must be a positive integer")
-        if not 0.0 <= self.class_dropout_prob < 1.0:
-            raise ValueError(f"model.class_dropout_prob={self.class_dropout_prob} must be in [0, 1)")
+        """The same check as `python -m dit_train` runs on the model group (one-line ConfigError)."""
+        from .config import check_architecture
+
+        check_architecture(asdict(self))
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

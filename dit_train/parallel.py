@@ -27,7 +27,6 @@ from torch import nn
 
 log = logging.getLogger("dit_train")
 
-FSDP_CHOICES = ("auto", True, False)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -149,64 +148,24 @@ class ParallelPlan:
         return f"{mode}; activation checkpointing {self.activation_checkpointing}; compile {self.compile}"
 
 
-def _get(pcfg, key, default):
-    if pcfg is None:
-        return default
-    value = pcfg.get(key, default) if hasattr(pcfg, "get") else default
-    return default if value is None else value
-
-
 def wants_fsdp(pcfg, world_size: int) -> bool:
     """parallel.fsdp: auto -> FSDP2 when launched with more than one process; true -> always (a group of one
     for a single process); false -> never (only valid for a single process)."""
-    choice = _get(pcfg, "fsdp", "auto")
-    return world_size > 1 if choice == "auto" else bool(choice)
+    choice = None if pcfg is None else pcfg.get("fsdp")
+    return world_size > 1 if choice in (None, "auto") else bool(choice)
 
 
 def resolve_plan(pcfg, dist_info: DistInfo) -> ParallelPlan:
-    from .config_check import ConfigError
+    """The plan from cfg.parallel (checked, missing keys from conf/config.yaml, by dit_train.config)."""
+    from .config import check_parallel
 
-    choice = _get(pcfg, "fsdp", "auto")
-    if choice not in FSDP_CHOICES:
-        raise ConfigError(f"parallel.fsdp={choice!r} is not valid: choose auto, true or false")
-    fsdp = wants_fsdp(pcfg, dist_info.world_size)
-    if not fsdp and dist_info.world_size > 1:
-        raise ConfigError(f"parallel.fsdp=false is not valid with {dist_info.world_size} processes: multi-process "
-                          f"training is FSDP2 only; use parallel.fsdp=auto (or launch a single process)")
-    mp = _get(pcfg, "mixed_precision", "auto")
+    p = check_parallel(pcfg, dist_info.world_size)
+    mp = p["mixed_precision"]
     if mp == "auto":
         mp = "bf16" if dist_info.device.type == "cuda" else "fp32"
-    if mp not in DTYPES:
-        raise ConfigError(f"parallel.mixed_precision={mp!r} is not valid: choose auto (bf16 on CUDA, fp32 on CPU), "
-                          f"bf16 or fp32")
-    rd = _get(pcfg, "reduce_dtype", "fp32")
-    if rd not in DTYPES:
-        raise ConfigError(f"parallel.reduce_dtype={rd!r} is not valid: choose fp32 or bf16")
-    flags = {}
-    for key in ("reshard_after_forward", "activation_checkpointing", "compile"):
-        value = _get(pcfg, key, ParallelPlan.__dataclass_fields__[key].default)
-        if not isinstance(value, bool):
-            raise ConfigError(f"parallel.{key}={value!r} is not valid: expected true or false")
-        flags[key] = value
-    return ParallelPlan(sharded=fsdp, param_dtype=DTYPES[mp], reduce_dtype=DTYPES[rd], **flags)
-
-
-def check_parallel_config(cfg, dist_info: DistInfo) -> ParallelPlan:
-    """The parallel.* keys (one-line errors), and what must hold when sharded over several ranks: every rank must
-    make the same sequence of model calls. Returns the resolved plan."""
-    from .config_check import ConfigError
-
-    plan = resolve_plan(cfg.get("parallel"), dist_info)
-    world = dist_info.world_size
-    ev = cfg.get("eval") or {}
-    if plan.sharded and world > 1 and ev.get("every_n_steps", 0):
-        batches = math.ceil(ev.num_samples / ev.batch_size)
-        if batches % world:
-            raise ConfigError(
-                f"eval.num_samples={ev.num_samples} with eval.batch_size={ev.batch_size} makes {batches} generation "
-                f"batches, not a multiple of the world size {world}: under FSDP every rank must sample the same "
-                f"number of batches; choose num_samples = k * {world} * batch_size")
-    return plan
+    return ParallelPlan(sharded=wants_fsdp(p, dist_info.world_size), param_dtype=DTYPES[mp],
+                        reduce_dtype=DTYPES[p["reduce_dtype"]], reshard_after_forward=p["reshard_after_forward"],
+                        activation_checkpointing=p["activation_checkpointing"], compile=p["compile"])
 
 
 # ---- applying the plan ---------------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ import math
 
 from torch.optim.lr_scheduler import LambdaLR
 
-SCHEDULES = ("cosine", "constant", "linear")
+# decay over training progress p in [0, 1] (the names are checked as train.lr_schedule by dit_train.config)
+DECAYS = {"cosine": lambda p: 0.5 * (1 + math.cos(math.pi * p)), "linear": lambda p: 1 - p,
+          "constant": lambda p: 1.0}
 
 
 def lr_multiplier(step: int, total: int, warmup: int, kind: str, min_ratio: float) -> float:
@@ -17,11 +19,7 @@ def lr_multiplier(step: int, total: int, warmup: int, kind: str, min_ratio: floa
     if kind == "constant":
         return 1.0
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    if kind == "cosine":
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    if kind == "linear":
-        return min_ratio + (1 - min_ratio) * (1 - progress)
-    raise ValueError(f"train.lr_schedule={kind!r} is not valid; choose one of {', '.join(SCHEDULES)}")
+    return min_ratio + (1 - min_ratio) * DECAYS[kind](progress)
 
 
 def build_scheduler(optimizer, total_steps: int, warmup_steps: int, kind: str, min_lr_ratio: float) -> LambdaLR:

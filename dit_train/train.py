@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from . import checkpoint as ckpt
 from .build import build_training
 from .cadence import every_n_steps
-from .config_check import check_config
+from .config import validate
 from .data import build_dataset
 from .data.order import train_batches
 from .evaluation import Evaluation
@@ -29,7 +29,7 @@ from .logger import MetricLogger
 from .metrics import Throughput, write_summary
 from .model import build_model, count_parameters
 from .optim.registry import build_optimizer
-from .parallel import (DistInfo, all_reduce_sum_, autocast, barrier, check_parallel_config, clip_grad_norm_,
+from .parallel import (DistInfo, all_reduce_sum_, autocast, barrier, clip_grad_norm_,
                        init_distributed, resolve_plan, shutdown_process_group, wants_fsdp)
 from .preemption import Preemption
 from .run_info import write_run_info
@@ -244,8 +244,7 @@ def run(cfg) -> dict:
     try:
         if dist.world_size > 1:
             cfg = agree_on_config(cfg, dist)
-        check_config(cfg, dist.world_size)
-        check_parallel_config(cfg, dist)
+        validate(cfg, dist.world_size)
         if cfg.train.dry_run:
             return dry_run(cfg)
         if dist.is_main:

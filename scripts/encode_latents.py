@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dit_train.data.image_folder import ImageFolder  # noqa: E402
+from dit_train.data import build_dataset  # noqa: E402
 
 
 def load_vae(path: str, device):
@@ -35,7 +35,7 @@ def load_vae(path: str, device):
 @torch.no_grad()
 def encode_split(vae, images_root: str, split: str, out_dir: str, image_size: int, shard_size: int,
                  batch_size: int, device) -> dict:
-    ds = ImageFolder({"root": images_root, "image_size": image_size}, split)
+    ds = build_dataset({"name": "image_folder", "root": images_root, "image_size": image_size}, split)
     os.makedirs(os.path.join(out_dir, split), exist_ok=True)
     scale = getattr(vae.config, "scaling_factor", 1.0) or 1.0
     shift = getattr(vae.config, "shift_factor", None) or 0.0

@@ -3,11 +3,12 @@
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from conftest import ROOT, compose, needs_fashion
-from dit_train.config_check import ConfigError, check_config
+from dit_train.config import ConfigError, validate
 
 
 def cli(*args, cwd="/tmp", timeout=300):
@@ -52,6 +53,20 @@ BAD = [
     ("optimizer=muon optimizer.momentum=1.0", "optimizer.momentum=1.0"),
     ("data.name=cifar10", "data.name='cifar10'"),
     ("eval.every_n_steps=10 eval.num_samples=1", "eval.num_samples=1"),
+    # types, and keys checked up front that used to fail only once the run had started
+    ("optimizer.lr=abc", "optimizer.lr='abc'"),
+    ("train.steps=1.5", "train.steps=1.5"),
+    ("train.progress=yes", "train.progress='yes'"),
+    ("logger.wandb.mode=bogus", "logger.wandb.mode='bogus'"),
+    ("+optimizer.foo=1", "optimizer.foo=1"),
+    ("+train.stepz=3", "train.stepz=3"),
+    ("parallel.fsdp=maybe", "parallel.fsdp='maybe'"),
+    ("parallel.reduce_dtype=float32", "parallel.reduce_dtype='float32'"),
+    ("optimizer=muon optimizer.ns_dtype=bfloat16", "optimizer.ns_dtype='bfloat16'"),
+    ("data.image_size=16 model.image_size=16", "data.image_size=16"),
+    ("eval.encoder=clip", "eval.encoder='clip'"),
+    ("eval.reference_split=test", "eval.reference_split='test'"),
+    ("model.class_dropout_prob=1.0", "model.class_dropout_prob=1.0"),
 ]
 
 
@@ -59,7 +74,7 @@ BAD = [
 def test_bad_values_fail_before_heavy_work_with_one_line(override, expected):
     cfg = compose(["run_dir=/tmp/unused", *override.split()])
     with pytest.raises(ConfigError) as e:
-        check_config(cfg)
+        validate(cfg)
     msg = str(e.value)
     assert "\n" not in msg and expected in msg and ("valid" in msg or "must be" in msg)
 
@@ -67,13 +82,52 @@ def test_bad_values_fail_before_heavy_work_with_one_line(override, expected):
 def test_batch_not_divisible_by_world_size():
     cfg = compose(["run_dir=/tmp/unused", "train.batch_size=9"])
     with pytest.raises(ConfigError, match="train.batch_size=9 .*divisible by the world size 2"):
-        check_config(cfg, world_size=2)
+        validate(cfg, world_size=2)
 
 
 def test_bad_value_on_command_line_is_one_line():
     r = cli("train.steps=0")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "error: train.steps=0 is not valid: expected an integer >= 1"]
+
+
+@pytest.mark.parametrize("args,line", [
+    (["optimizer.lr=abc"], "error: optimizer.lr='abc' is not valid: expected a learning rate > 0"),
+    (["logger.wandb.mode=bogus"],
+     "error: logger.wandb.mode='bogus' is not valid: choose one of online, offline, disabled"),
+    (["train.steps=1.5"], "error: train.steps=1.5 is not valid: expected an integer >= 1"),
+    (["optimizer=muon", "optimizer.weight_decy=0.1"], "error: optimizer.weight_decy=0.1 is not valid: not a key of "
+     "optimizer 'muon'; valid keys: "),
+    (["--multirun", "optimizer.lr=1e-3,abc"], "error: optimizer.lr='abc' is not valid: expected a learning rate > 0"),
+])
+def test_bad_config_on_command_line_leaves_no_run_folder(tmp_path, args, line):
+    """Checked before Hydra makes runs/<date>/<time> (or the sweep folder): one line, exit 2, seconds, nothing
+    left in the working directory."""
+    t0 = time.perf_counter()
+    r = cli(*args, cwd=str(tmp_path))
+    wall = time.perf_counter() - t0
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(line), r.stderr
+    assert wall < 30, wall  # ~1 s on an idle 2-core machine; before: 13 s for logger.wandb.mode=bogus
+    assert os.listdir(tmp_path) == []
+
+
+def test_stray_hydra_folder_is_removed_only_when_it_holds_only_hydra_files(tmp_path):
+    """What __main__ calls when an error is found inside the Hydra job (after Hydra made the folder, e.g. under
+    the Slurm launcher, where the check before Hydra does not run): Hydra's files only -> gone, with the empty
+    date folder; anything the run wrote -> kept."""
+    from dit_train.config import remove_stray_hydra_dir
+
+    run = tmp_path / "runs" / "2024-01-01" / "12-00-00"
+    (run / ".hydra").mkdir(parents=True)
+    (run / "train.log").write_text("")
+    remove_stray_hydra_dir(str(run))
+    assert os.listdir(tmp_path / "runs") == []
+    kept = tmp_path / "kept"
+    (kept / ".hydra").mkdir(parents=True)
+    (kept / "metrics.jsonl").write_text("{}")
+    remove_stray_hydra_dir(str(kept))
+    assert sorted(os.listdir(kept)) == [".hydra", "metrics.jsonl"]
 
 
 @needs_fashion

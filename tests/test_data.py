@@ -45,7 +45,7 @@ def test_truncated_idx_file_names_the_file(tmp_path):
 
 
 def test_unknown_dataset_lists_valid_names():
-    with pytest.raises(ValueError, match="valid: fashion_mnist, image_folder, latents, synthetic"):
+    with pytest.raises(ValueError, match="data.name='cifar' is not valid: choose one of fashion_mnist, image_folder, latents, synthetic"):
         build_dataset(OmegaConf.create({"name": "cifar"}), "train")
 
 

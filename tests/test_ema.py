@@ -22,7 +22,3 @@ def test_ema_follows_the_warm_up_formula_by_hand():
         assert ema.model.weight.item() == pytest.approx(expected, rel=1e-6), n
     assert ema.model.weight.item() == pytest.approx(3.1839160839, rel=1e-6)  # the same numbers, written out
 
-
-def test_ema_rejects_a_decay_outside_zero_one():
-    with pytest.raises(ValueError, match="ema_decay"):
-        EMA(torch.nn.Linear(1, 1), decay=1.0)

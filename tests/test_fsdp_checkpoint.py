@@ -11,8 +11,8 @@ import torch
 
 from conftest import compose, needs_fashion
 from dit_train import checkpoint as ckpt
-from dit_train.config_check import ConfigError
-from dit_train.parallel import DistInfo, check_parallel_config, resolve_plan
+from dit_train.config import ConfigError, validate
+from dit_train.parallel import DistInfo, resolve_plan
 
 TINY = ["model.hidden_size=32", "model.depth=2", "model.num_heads=2", "model.patch_size=8",
         "train.steps=4", "train.batch_size=8", "train.warmup_steps=2", "train.log_every=1",
@@ -98,7 +98,8 @@ def test_parallel_config_errors_name_key_value_and_choices():
     assert resolve_plan({"mixed_precision": "auto"}, DistInfo(world_size=2, device=torch.device("cuda", 0))
                         ).param_dtype == torch.bfloat16
     assert not resolve_plan({"fsdp": "auto"}, DistInfo()).sharded
-    cfg = compose(["eval.every_n_steps=10", "eval.num_samples=300", "eval.batch_size=100", "run_dir=/tmp/unused"])
+    cfg = compose(["eval.every_n_steps=10", "eval.num_samples=300", "eval.batch_size=100", "run_dir=/tmp/unused",
+                   "train.batch_size=96"])
     with pytest.raises(ConfigError, match=r"makes 3 generation batches, not a multiple of the world size 2"):
-        check_parallel_config(cfg, cpu2)
-    check_parallel_config(cfg, DistInfo(world_size=3))
+        validate(cfg, world_size=2)
+    validate(cfg, world_size=3)

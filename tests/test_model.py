@@ -98,7 +98,7 @@ def test_sincos_positions_distinct_and_bounded():
 
 
 def test_bad_model_config_is_one_line():
-    with pytest.raises(ValueError, match=r"patch_size=3 must divide model.image_size=16"):
+    with pytest.raises(ValueError, match=r"model.patch_size=3 is not valid: must divide model.image_size=16"):
         small(patch_size=3)
 
 

@@ -83,7 +83,7 @@ def test_registry_names_and_unknown_name():
     ("adamw", "lr", -1e-3, "> 0"),
     ("muon", "momentum", 1.0, "[0, 1)"),
     ("muon", "scale", "kimi", "moonlight, keller, none"),
-    ("muon", "ns_dtype", "int8", "bfloat16"),
+    ("muon", "ns_dtype", "int8", "bf16, fp32, fp64"),
     ("muon", "ns_steps", 0, "integer >= 1"),
     ("mud", "mud_passes", 0, "integer >= 1"),
     ("mud", "mud_solve", "qr", "triangular, inverse"),
@@ -112,19 +112,13 @@ def test_config_files_compose_and_build(name):
     """conf/optimizer/<name>.yaml composes through Hydra as `optimizer=<name>`, lists every hyperparameter the
     builder accepts, and builds an optimizer with a routing table and step_info."""
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
 
-    from dit_train.optim import registry
+    from dit_train.config import load_option
+    from dit_train.config.optimizers import OPTIMIZER_SCHEMAS
 
-    raw = OmegaConf.load(os.path.join(CONF, "optimizer", f"{name}.yaml"))
+    raw = load_option("optimizer", name)
     assert raw.name == name
-    keys = {"adamw": registry.COMMON_KEYS}.get(name)
-    if keys is None:
-        keys = {**registry.COMMON_KEYS, **registry.MATRIX_KEYS,
-                **{"muon": {**registry.NS_KEYS, **registry.DIST_KEYS},
-                   "periodic_rowwise": {**registry.NS_KEYS, **registry.PERIODIC_KEYS, **registry.DIST_KEYS},
-                   "rownorm": {}, "mud": {**registry.MUD_KEYS, **registry.MUD_DIST_KEYS}}[name]}
-    assert set(raw) - {"name"} == set(keys)
+    assert set(raw) == set(OPTIMIZER_SCHEMAS[name].__dataclass_fields__)
     if os.path.exists(os.path.join(CONF, "config.yaml")):
         with initialize_config_dir(config_dir=CONF, version_base="1.3"):
             cfg = compose(config_name="config", overrides=[f"optimizer={name}"]).optimizer
@@ -136,20 +130,32 @@ def test_config_files_compose_and_build(name):
     assert all("lr" in g for g in opt.param_groups)
 
 
-def test_added_optimizer_needs_only_a_registry_entry(monkeypatch):
+def test_added_optimizer_needs_a_builder_and_a_schema(monkeypatch):
     from dit_train.optim import registry
 
-    monkeypatch.setitem(OPTIMIZERS, "sgd", lambda model, cfg: torch.optim.SGD(model.parameters(), lr=cfg["lr"]))
-    opt = build_optimizer(tiny_dit(), {"name": "sgd", "lr": 0.1})
+    from dataclasses import dataclass
+
+    from dit_train.config import load_option
+    from dit_train.config.fields import int_at_least
+    from dit_train.config.optimizers import OPTIMIZER_SCHEMAS, AdamWConfig, MudConfig
+
+    monkeypatch.setitem(OPTIMIZERS, "sgd", lambda model, c: torch.optim.SGD(model.parameters(), lr=c["lr"]))
+    monkeypatch.setitem(OPTIMIZER_SCHEMAS, "sgd", AdamWConfig)
+    opt = build_optimizer(tiny_dit(), {"name": "sgd", "lr": 0.1, "weight_decay": 0.0, "betas": [0.9, 0.999],
+                                       "eps": 1e-8, "adamw_impl": "fused"})
     assert isinstance(opt.routing_table, str) and opt.step_info() == {}
 
-    def build_periodic_mud(model, cfg):  # what a new optim/<name>.py would hold: MUD refreshes, RowNorm between
-        return registry.build_matrix(model, cfg, name="periodic_mud", direction="mud", between="rownorm",
-                                     extra_keys={**registry.MUD_KEYS, **registry.PERIODIC_KEYS})
+    @dataclass
+    class PeriodicMudConfig(MudConfig):  # what a new optim/<name>.py would hold: MUD refreshes, RowNorm between
+        K: int = int_at_least(1)
+
+    def build_periodic_mud(model, c):
+        return registry.build_matrix(model, c, name="periodic_mud", direction="mud", between="rownorm")
 
     monkeypatch.setitem(OPTIMIZERS, "periodic_mud", build_periodic_mud)
+    monkeypatch.setitem(OPTIMIZER_SCHEMAS, "periodic_mud", PeriodicMudConfig)
     model = tiny_dit(perturb=True)
-    opt = build_optimizer(model, {"name": "periodic_mud", "K": 2})
+    opt = build_optimizer(model, {**load_option("optimizer", "mud"), "name": "periodic_mud", "K": 2})
     train(model, opt, 3)
     assert opt.step_info() == {"opt/refresh": 1.0} and "mud when step % 2 == 0" in opt.routing_table
 
@@ -398,7 +404,9 @@ def test_short_training_run_lowers_the_loss(name):
     nothing is NaN."""
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.to_container(OmegaConf.load(os.path.join(CONF, "optimizer", f"{name}.yaml")))
+    from dit_train.config import load_option
+
+    cfg = OmegaConf.to_container(load_option("optimizer", name))
     cfg["lr"] = 1e-2
     model = tiny_dit(7, hidden_size=48, depth=2)
     opt = build_optimizer(model, cfg)

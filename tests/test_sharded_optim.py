@@ -32,14 +32,14 @@ SMALL = 0.003  # bucket_mb: ~3 KB buckets, so same-shape batches are split over 
 CASES = {
     "muon/gather": ("muon", {}, {}),
     "muon/owner": ("muon", {}, {"distributed_mode": "owner"}),
-    "muon/gather/fp32/buckets": ("muon", {"ns_dtype": "float32"}, {"gather_dtype": "float32", "bucket_mb": SMALL}),
-    "muon/owner/fp32/buckets": ("muon", {"ns_dtype": "float32"}, {"gather_dtype": "float32", "bucket_mb": SMALL,
+    "muon/gather/fp32/buckets": ("muon", {"ns_dtype": "fp32"}, {"gather_dtype": "fp32", "bucket_mb": SMALL}),
+    "muon/owner/fp32/buckets": ("muon", {"ns_dtype": "fp32"}, {"gather_dtype": "fp32", "bucket_mb": SMALL,
                                                                    "distributed_mode": "owner"}),
     "periodic_rowwise/gather/buckets": ("periodic_rowwise", {}, {"bucket_mb": SMALL}),
     "periodic_rowwise/owner": ("periodic_rowwise", {}, {"distributed_mode": "owner"}),
     "rownorm": ("rownorm", {}, {}),
-    "mud/gather": ("mud", {}, {"gather_dtype": "float32"}),
-    "mud/owner/buckets": ("mud", {}, {"gather_dtype": "float32", "distributed_mode": "owner", "bucket_mb": SMALL}),
+    "mud/gather": ("mud", {}, {"gather_dtype": "fp32"}),
+    "mud/owner/buckets": ("mud", {}, {"gather_dtype": "fp32", "distributed_mode": "owner", "bucket_mb": SMALL}),
 }
 
 
@@ -135,13 +135,13 @@ def single_process(name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_sharded_steps_equal_single_process(sharded, name):
     """Per matrix, |W_sharded - W_single| relative to the distance moved |W_single - W_0|. fp32 directions agree to
-    fp32 rounding; bf16 NS5 reads bit-identical gathered inputs (gather_dtype bfloat16) and may differ only where
+    fp32 rounding; bf16 NS5 reads bit-identical gathered inputs (gather_dtype bf16) and may differ only where
     a bf16 batched GEMM over a different batch count rounds differently (measured here: not at all)."""
     world, results = sharded
     got = results[name]["params"]
     ref, start = single_process(name)
     kind, group_kw, placement = CASES[name]
-    bf16 = kind in ("muon", "periodic_rowwise") and group_kw.get("ns_dtype", "bfloat16") == "bfloat16"
+    bf16 = kind in ("muon", "periodic_rowwise") and group_kw.get("ns_dtype", "bf16") == "bf16"
     tol = 1e-2 if bf16 else 2e-5
     for i, (a, r, w0) in enumerate(zip(got, ref, start)):
         assert a.shape == r.shape
@@ -167,8 +167,8 @@ def expected_bytes(name, world, rank, refresh):
     if kind == "mud":  # tall: the Gram's lower triangle + column norms before and after the solve; wide: whole
         out["all_reduce"] = sum(4 * (n * (n + 1) // 2 + 2 * n) for _, n in tall)
         whole = [(m, n) for m, n in SHAPES if m <= n]
-    b_in = 2 if placement.get("gather_dtype", "bfloat16") == "bfloat16" else 4
-    b_out = 4 if kind == "mud" or group_kw.get("ns_dtype") == "float32" else 2
+    b_in = 2 if placement.get("gather_dtype", "bf16") == "bf16" else 4
+    b_out = 4 if kind == "mud" or group_kw.get("ns_dtype") == "fp32" else 2
     if placement.get("distributed_mode", "gather") == "gather":  # (p - 1) padded shards of every matrix
         out["all_gather"] = sum((world - 1) * math.ceil(m / world) * n * b_in for m, n in whole)
     else:  # to owners: my rows of others' matrices; back: the other ranks' rows of mine
@@ -270,7 +270,7 @@ def test_buckets_keep_shapes_together_and_owners_balance_flops():
 
 @pytest.mark.parametrize("key,value,valid", [
     ("distributed_mode", "ring", "gather, owner"),
-    ("gather_dtype", "float16", "bfloat16, float32"),
+    ("gather_dtype", "float16", "bf16, fp32"),
     ("bucket_mb", 0, "> 0"),
 ])
 def test_placement_keys_are_validated(key, value, valid):

@@ -3,6 +3,9 @@ conditioned latents, a dict with the embedding). Every dataset has a stable `dat
 
 from __future__ import annotations
 
+from omegaconf import OmegaConf
+
+from ..config import check_data
 from .fashion_mnist import FashionMNIST
 from .image_folder import ImageFolder
 from .latents import LatentShards
@@ -17,10 +20,9 @@ DATASETS = {
 
 
 def build_dataset(data_cfg, split: str):
-    """data_cfg is the Hydra `data` node; split is 'train' or 'val'."""
-    name = data_cfg["name"]
-    if name not in DATASETS:
-        raise ValueError(f"data.name={name!r} is not a dataset; valid: {', '.join(sorted(DATASETS))}")
+    """data_cfg is the Hydra `data` node (or a partial mapping: missing keys from conf/data/<name>.yaml); split is
+    'train' or 'val'."""
+    values = check_data(data_cfg)
     if split not in ("train", "val"):
         raise ValueError(f"split={split!r} must be 'train' or 'val'")
-    return DATASETS[name](data_cfg, split)
+    return DATASETS[values["name"]](OmegaConf.create(values), split)

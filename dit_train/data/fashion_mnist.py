@@ -65,10 +65,8 @@ class FashionMNIST(Dataset):
         labels = read_idx(_find(root, lbl_stem))
         if len(images) != len(labels):
             raise ValueError(f"{root}: {len(images)} images but {len(labels)} labels in the {split} split")
-        size = int(cfg.get("image_size", 32))
-        if size < 28:
-            raise ValueError(f"data.image_size={size} must be >= 28 for Fashion-MNIST (images are padded, not cut)")
-        pad = size - 28
+        size = cfg.image_size
+        pad = size - 28  # >= 0: data.image_size >= 28 is checked by dit_train.config
         x = torch.from_numpy(images.copy())
         self.images = torch.nn.functional.pad(x, (pad // 2, pad - pad // 2, pad // 2, pad - pad // 2))
         self.labels = torch.from_numpy(labels.astype(np.int64))

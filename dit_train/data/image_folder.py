@@ -35,8 +35,8 @@ class ImageFolder(Dataset):
             raise FileNotFoundError(f"data.root={root!r} is not a folder; image_folder needs root/<class>/<images>")
         if os.path.isdir(os.path.join(root, split)):
             root = os.path.join(root, split)
-        self.size = int(cfg.get("image_size", 32))
-        self.skip_corrupt = bool(cfg.get("skip_corrupt", False))
+        self.size = cfg.image_size
+        self.skip_corrupt = cfg.skip_corrupt
         self.classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
         if not self.classes:
             raise FileNotFoundError(f"data.root={root!r} has no class sub-folders; expected root/<class>/<images>")

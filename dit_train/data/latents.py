@@ -48,7 +48,7 @@ class LatentShards(Dataset):
             self.offsets.append(total)
             total += shape[0]
         self.total = total
-        self.num_classes = int(cfg.get("num_classes", 1000))
+        self.num_classes = cfg.num_classes
         self.dataset_id = f"latents:{os.path.abspath(folder)}:{total}"
         self._handles: dict[int, object] = {}
 

@@ -10,9 +10,9 @@ from .. import seeds
 
 class Synthetic(Dataset):
     def __init__(self, cfg, split: str):
-        self.size = int(cfg.get("num_samples", 4096))
-        self.shape = (int(cfg.get("channels", 4)), int(cfg.image_size), int(cfg.image_size))
-        self.num_classes = int(cfg.get("num_classes", 1000))
+        self.size = cfg.num_samples
+        self.shape = (cfg.channels, cfg.image_size, cfg.image_size)
+        self.num_classes = cfg.num_classes
         self.seed = 0 if split == "train" else 1
         self.dataset_id = f"synthetic:{split}:{'x'.join(map(str, self.shape))}"
 

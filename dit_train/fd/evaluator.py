@@ -17,18 +17,6 @@ from .reference import ReferenceStats, load_or_compute_reference
 
 SampleFn = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
 
-EVAL_DEFAULTS = dict(every_n_steps=0, num_samples=1000, batch_size=100, sample_steps=50, cfg_scale=1.0,
-                     encoder="inception", encoder_path=None, reference_split="train", reference_num=10000,
-                     cache_dir="~/.cache/dit_train/fd_reference", seed=0)
-
-
-def _get(cfg, key):
-    if cfg is None:
-        return EVAL_DEFAULTS[key]
-    val = cfg.get(key, EVAL_DEFAULTS[key]) if hasattr(cfg, "get") else getattr(cfg, key, EVAL_DEFAULTS[key])
-    return EVAL_DEFAULTS[key] if val is None and EVAL_DEFAULTS[key] is not None else val
-
-
 def _dist():
     import torch.distributed as dist
 
@@ -72,27 +60,24 @@ class FDEvaluator:
 
     def __init__(self, eval_cfg, data_cfg, device: torch.device | str = "cpu", *,
                  extractor: FeatureExtractor | None = None, dataset=None, log: Callable[[str], None] = print):
-        self.cfg = eval_cfg
+        from dit_train.config import check_eval
+
+        self.cfg = cfg = check_eval(eval_cfg)  # checked; keys it lacks come from conf/eval/default.yaml
         self.device = torch.device(device)
-        self.num_samples = int(_get(eval_cfg, "num_samples"))
-        self.batch_size = int(_get(eval_cfg, "batch_size"))
-        self.seed = int(_get(eval_cfg, "seed"))
-        if self.num_samples < 2 or self.batch_size < 1:
-            raise ValueError(f"eval.num_samples={self.num_samples} must be >= 2 and eval.batch_size="
-                             f"{self.batch_size} >= 1")
+        self.num_samples, self.batch_size = cfg["num_samples"], cfg["batch_size"]
+        self.seed = cfg["seed"]
         dist = _dist()
         self.rank = dist.get_rank() if dist else 0
         self.world = dist.get_world_size() if dist else 1
         self.log = log if self.rank == 0 else (lambda *_: None)
-        self.extractor = extractor or build_extractor(str(_get(eval_cfg, "encoder")), _get(eval_cfg, "encoder_path"),
-                                                      self.device)
-        split = str(_get(eval_cfg, "reference_split"))
+        self.extractor = extractor or build_extractor(cfg["encoder"], cfg["encoder_path"], self.device)
+        split = cfg["reference_split"]
         if dataset is None:
             from dit_train.data import build_dataset
 
             dataset = build_dataset(data_cfg, split)
         self.reference: ReferenceStats = load_or_compute_reference(
-            self.extractor, dataset, split, int(_get(eval_cfg, "reference_num")), _get(eval_cfg, "cache_dir"),
+            self.extractor, dataset, split, cfg["reference_num"], cfg["cache_dir"],
             data_cfg=data_cfg, batch_size=self.batch_size, log=self.log)
         self.labels = generation_labels(self.reference.labels, self.num_samples, self.seed)
         if self.num_samples < self.extractor.feature_dim:

@@ -9,22 +9,18 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from dit_train.config import load_option
+
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
 def load_eval_cfg(preset: str = "default", overrides: list[str] | None = None) -> DictConfig:
-    """conf/eval/<preset>.yaml with its `defaults` (one level, within the group) resolved, then dotlist overrides."""
+    """conf/eval/<preset>.yaml with its `defaults` resolved, then dotlist overrides."""
     path = CONF_DIR / "eval" / f"{preset}.yaml"
     if not path.is_file():
         presets = sorted(p.stem for p in (CONF_DIR / "eval").glob("*.yaml"))
         raise FileNotFoundError(f"eval preset {preset!r} not found; choose one of {presets}")
-    raw = OmegaConf.load(path)
-    base = OmegaConf.create()
-    for d in raw.pop("defaults", []) or []:
-        if d != "_self_":
-            base = OmegaConf.merge(base, load_eval_cfg(str(d)))
-    cfg = OmegaConf.merge(base, raw)
-    return OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides or [])))
+    return OmegaConf.merge(load_option("eval", preset), OmegaConf.from_dotlist(list(overrides or [])))
 
 
 def load_data_cfg(name: str, overrides: list[str] | None = None) -> DictConfig:

@@ -41,7 +41,6 @@ from .directions import mud_whiten, newton_schulz5, row_inv_norms
 
 SCALE_RULES = ("moonlight", "keller", "none")
 KINDS = ("matrix", "adamw")
-ADAMW_IMPLS = ("foreach", "fused", "single")
 
 
 def update_scale(rule: str, m: int, n: int) -> float:
@@ -55,12 +54,15 @@ def update_scale(rule: str, m: int, n: int) -> float:
     raise ValueError(f"scale={rule!r} is not valid; choose one of {', '.join(SCALE_RULES)}")
 
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+# the config spelling (dit_train.config.DTYPE_NAMES)
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+_NAME_OF = {dt: name for name, dt in DTYPES.items()}
+_LEGACY_NAMES = {"bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}  # optimizer states saved before
 
 
 def _dtype_name(dt: torch.dtype | str) -> str:
     """Groups keep dtypes as names, so state_dicts hold plain values (DCP, JSON, weights_only loads)."""
-    name = dt if isinstance(dt, str) else str(dt).replace("torch.", "")
+    name = _NAME_OF.get(dt) if isinstance(dt, torch.dtype) else _LEGACY_NAMES.get(dt, dt)
     if name not in DTYPES:
         raise ValueError(f"ns_dtype={dt!r} is not valid; choose one of {', '.join(DTYPES)}")
     return name
@@ -131,7 +133,7 @@ class MatrixOptimizer(Optimizer):
         refresh_every: int = 1,
         between: str | None = None,
         ns_steps: int = 5,
-        ns_dtype: torch.dtype | str = "bfloat16",
+        ns_dtype: torch.dtype | str = "bf16",
         ns_gram: bool | None = None,
         mud_passes: int = 1,
         mud_solve: str = "triangular",
@@ -164,6 +166,9 @@ class MatrixOptimizer(Optimizer):
         self._workspace = {}
         self._last_info = {}
         self.__dict__.setdefault("routing_table", "")
+        for group in self.param_groups:  # states saved before the short dtype names say 'bfloat16'
+            if "ns_dtype" in group:
+                group["ns_dtype"] = _dtype_name(group["ns_dtype"])
 
     # ---- public -------------------------------------------------------------------------------------------
     def direction_at(self, group: dict, step: int) -> str:
@@ -349,12 +354,5 @@ def _check_group(group: dict, accepts_dtensors: bool = False) -> None:
             v = group[key]
             if v is not None and v not in DIRECTION_FNS:
                 raise ValueError(f"{key}={v!r} is not valid; choose one of {', '.join(DIRECTION_FNS)}")
-        update_scale(group["scale"], 1, 1)
-        if not 0.0 <= group["momentum"] < 1.0:
-            raise ValueError(f"momentum={group['momentum']!r} is not valid; it must be in [0, 1)")
+        # momentum, K, scale and adamw_impl are config values: dit_train.config.check_optimizer checks them
         group["ns_dtype"] = _dtype_name(group["ns_dtype"])
-        K = group["refresh_every"]
-        if isinstance(K, bool) or not isinstance(K, int) or K < 1:
-            raise ValueError(f"refresh_every (K)={K!r} is not valid; it must be an integer >= 1")
-    elif group["adamw_impl"] not in ADAMW_IMPLS:
-        raise ValueError(f"adamw_impl={group['adamw_impl']!r} is not valid; choose one of {', '.join(ADAMW_IMPLS)}")

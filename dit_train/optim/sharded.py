@@ -22,7 +22,7 @@ single-device code on [L, m, n] batches.
 Placement settings are attributes, not param-group keys, so a state_dict is the same as MatrixOptimizer's (and a
 checkpoint resumes under any placement):
 - distributed_mode: "gather" | "owner";
-- gather_dtype: "bfloat16" | "float32", the dtype in which the momentum input U travels and is stacked for the
+- gather_dtype: "bf16" | "fp32", the dtype in which the momentum input U travels and is stacked for the
   whole-matrix directions (bfloat16 = NS5's default compute dtype: the gathered input is then bit for bit the one
   a single process feeds NS5);
 - bucket_mb: bucket size in MB of whole matrices (in gather_dtype).
@@ -42,8 +42,6 @@ from .directions import inv_norms_from_sumsq, row_sumsq
 from .matrix import DTYPES, MatrixOptimizer, compute_direction
 from .whole_matrix import assign_owners, gather_directions, owner_directions, plan_buckets
 
-DISTRIBUTED_MODES = ("gather", "owner")
-GATHER_DTYPES = ("bfloat16", "float32")
 LOCAL, REDUCE, WHOLE = "local", "reduce", "whole"
 
 
@@ -96,15 +94,9 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
 
     accepts_dtensors = True
 
-    def __init__(self, params, *, distributed_mode: str = "gather", gather_dtype: str = "bfloat16",
+    def __init__(self, params, *, distributed_mode: str = "gather", gather_dtype: str = "bf16",
                  bucket_mb: float = 16.0, **kwargs):
-        if distributed_mode not in DISTRIBUTED_MODES:
-            raise ValueError(f"distributed_mode={distributed_mode!r} is not valid; choose one of "
-                             f"{', '.join(DISTRIBUTED_MODES)}")
-        if gather_dtype not in GATHER_DTYPES:
-            raise ValueError(f"gather_dtype={gather_dtype!r} is not valid; choose one of {', '.join(GATHER_DTYPES)}")
-        if not bucket_mb > 0:
-            raise ValueError(f"bucket_mb={bucket_mb!r} is not valid; it must be > 0")
+        # the values are checked where the config is (dit_train.config.check_optimizer)
         self.distributed_mode, self.gather_dtype, self.bucket_mb = distributed_mode, gather_dtype, float(bucket_mb)
         self.last_whole_matrices = 0
         self._group = None

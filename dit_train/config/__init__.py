@@ -1,0 +1,15 @@
+"""The config layer: schemas of every config group (schema.py, optimizers.py), the one validator of their values
+(validate.py), the yamls they describe (files.py) and the command-line check that runs before Hydra
+(command_line.py). Every config error is a ConfigError whose one-line message reads `key=value is not valid: ...`.
+"""
+
+from .command_line import check_command_line, check_group_overrides, remove_stray_hydra_dir
+from .errors import ConfigError
+from .files import CONF_DIR, group_options, load_option
+from .schema import DTYPE_NAMES
+from .validate import (check_data, check_eval, check_architecture, check_optimizer, check_parallel, plain,
+                       validate)
+
+__all__ = ["CONF_DIR", "DTYPE_NAMES", "ConfigError", "check_command_line", "check_data", "check_eval",
+           "check_group_overrides", "check_architecture", "check_optimizer", "check_parallel",
+           "group_options", "load_option", "plain", "remove_stray_hydra_dir", "validate"]

@@ -1,0 +1,109 @@
+"""Typed keys: a schema is a dataclass whose annotations give each key's type and whose field metadata gives its
+range (a Rule). check_fields checks a plain mapping against a schema strictly: OmegaConf's own merge would turn
+'yes' into true, 1 into true and '3' into 3, which would hide typos, so the types are checked here instead."""
+
+from __future__ import annotations
+
+import math
+import typing
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from typing import Any, Callable, Mapping
+
+from .errors import ConfigError, invalid
+
+
+@dataclass(frozen=True)
+class Rule:
+    valid: str  # what is valid, in the words of the error message
+    ok: Callable[[Any], bool] = lambda v: True
+
+
+def key(valid: str | None = None, ok: Callable[[Any], bool] | None = None, default=MISSING):
+    """A schema field: `valid` describes the accepted values, `ok` tests a value of the right type."""
+    meta = {"rule": Rule(valid, ok or (lambda v: True))} if valid else {}
+    return field(default=default, metadata=meta)
+
+
+def choice(*options, valid: str | None = None):
+    return key(valid or f"choose one of {', '.join(map(str, options))}", lambda v: v in options)
+
+
+def int_at_least(n: int):
+    return key(f"expected an integer >= {n}", lambda v: v >= n)
+
+
+def number(valid: str, ok: Callable[[float], bool]):
+    return key(valid, ok)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def type_ok(tp, v) -> bool:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return True
+    if origin is typing.Union:
+        return any(type_ok(a, v) for a in args)
+    if tp is type(None):
+        return v is None
+    if tp is bool:
+        return isinstance(v, bool)
+    if tp is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if tp is float:
+        return _is_number(v)
+    if tp is str:
+        return isinstance(v, str)
+    if origin in (list, tuple):
+        if not isinstance(v, (list, tuple)):
+            return False
+        if origin is tuple and Ellipsis not in args:
+            return len(v) == len(args) and all(type_ok(a, x) for a, x in zip(args, v))
+        return all(type_ok(args[0], x) for x in v)
+    if origin is dict:
+        return isinstance(v, Mapping)
+    raise TypeError(f"schema type {tp!r} is not supported by check_fields")
+
+
+def _type_text(tp) -> str:
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is typing.Union and type(None) in args:
+        inner = [a for a in args if a is not type(None)]
+        return "null or " + _type_text(inner[0]).removeprefix("expected ")
+    return {int: "expected an integer", float: "expected a number", bool: "expected true or false",
+            str: "expected a string"}.get(tp, f"expected {getattr(tp, '__name__', tp)}")
+
+
+def check_fields(prefix: str, schema, values: Mapping, what: str | None = None) -> dict:
+    """The values of `values` checked against the dataclass `schema`: no unknown key, no missing key (a field
+    without a default is required), each value of its annotated type and inside its Rule. Returns a plain dict
+    (nested schemas as nested dicts). Keys are reported as `prefix.key`."""
+    hints = typing.get_type_hints(schema)
+    names = [f.name for f in fields(schema)]
+    for k, v in values.items():
+        if k not in names:
+            raise invalid(f"{prefix}.{k}", v, f"not a key of {what or prefix}; valid keys: {', '.join(sorted(names))}")
+    out = {}
+    for f in fields(schema):
+        path, tp = f"{prefix}.{f.name}", hints[f.name]
+        rule = f.metadata.get("rule")
+        valid = rule.valid if rule else _type_text(tp)
+        if f.name not in values:
+            if f.default is MISSING:
+                raise ConfigError(f"{path} is missing: {valid}")
+            out[f.name] = f.default
+            continue
+        value = values[f.name]
+        if value == "???":
+            raise invalid(path, value, f"a value is required ({valid})")
+        if is_dataclass(tp):
+            if not isinstance(value, Mapping):
+                raise invalid(path, value, f"expected a mapping with keys {', '.join(x.name for x in fields(tp))}")
+            out[f.name] = check_fields(path, tp, value)
+            continue
+        if not type_ok(tp, value) or (value is not None and rule is not None and not rule.ok(value)):
+            raise invalid(path, value, valid)
+        out[f.name] = value
+    return out

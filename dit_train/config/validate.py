@@ -1,0 +1,143 @@
+"""Every check of a config value, in one place. `validate(cfg, world_size)` checks a composed run config before
+anything heavy happens; the check_* functions check one group and are what library entry points
+(build_optimizer, resolve_plan, FDEvaluator, build_dataset, DiT) call, filling missing keys from the yamls."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Mapping
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from .errors import ConfigError, invalid
+from .fields import check_fields
+from .files import group_options, load_option, primary_node
+from .optimizers import OPTIMIZER_SCHEMAS
+from .schema import (DATA_SCHEMAS, Architecture, EvalConfig, FlowConfig, LoggerConfig, ModelConfig, ParallelConfig,
+                     RunConfig, TrainConfig)
+
+
+def plain(node) -> dict:
+    """A config node (DictConfig, dict or dataclass-like mapping) as a resolved plain dict."""
+    if node is None:
+        return {}
+    if isinstance(node, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(node, resolve=True)
+    return {k: OmegaConf.to_container(v, resolve=True) if isinstance(v, (DictConfig, ListConfig)) else v
+            for k, v in dict(node).items()}
+
+
+def _named(group: str, node, schemas: Mapping) -> tuple[str, dict]:
+    values = plain(node)
+    name = values.get("name")
+    if name not in schemas:
+        raise invalid(f"{group}.name", name, f"choose one of {', '.join(sorted(schemas))}")
+    return name, values
+
+
+def _with_yaml_defaults(group: str, name: str, values: dict) -> dict:
+    """`values` on top of conf/<group>/<name>.yaml, when that file exists (a registered option)."""
+    if name not in group_options(group):
+        return values
+    return {**OmegaConf.to_container(load_option(group, name), resolve=True), **values}
+
+
+# ---- one group each ------------------------------------------------------------------------------------------
+def check_optimizer(node) -> dict:
+    """optimizer.* as a plain dict of checked values; missing keys come from conf/optimizer/<name>.yaml."""
+    name, values = _named("optimizer", node, OPTIMIZER_SCHEMAS)
+    return check_fields("optimizer", OPTIMIZER_SCHEMAS[name], _with_yaml_defaults("optimizer", name, values),
+                        what=f"optimizer {name!r}")
+
+
+def check_data(node) -> dict:
+    name, values = _named("data", node, DATA_SCHEMAS)
+    return check_fields("data", DATA_SCHEMAS[name], _with_yaml_defaults("data", name, values),
+                        what=f"data {name!r}")
+
+
+def check_architecture(values: Mapping) -> None:
+    """The DiT's keys, and what it needs of its shape (dit_train.model.DiT calls this for a DiTConfig built in
+    code)."""
+    check_fields("model", Architecture, values)
+    if values["image_size"] % values["patch_size"]:
+        raise invalid("model.patch_size", values["patch_size"], f"must divide model.image_size={values['image_size']}")
+    if values["hidden_size"] % values["num_heads"]:
+        raise invalid("model.num_heads", values["num_heads"], f"must divide model.hidden_size={values['hidden_size']}")
+    if values["hidden_size"] % 4:
+        raise invalid("model.hidden_size", values["hidden_size"], "must be divisible by 4 (2-D positions)")
+
+
+def check_model(node) -> dict:
+    values = check_fields("model", ModelConfig, plain(node))
+    check_architecture({f: values[f] for f in Architecture.__dataclass_fields__})
+    return values
+
+
+def check_eval(node) -> dict:
+    """eval.*; missing keys come from conf/eval/default.yaml."""
+    defaults = OmegaConf.to_container(load_option("eval", "default"), resolve=True)
+    values = check_fields("eval", EvalConfig, {**defaults, **plain(node)})
+    from ..fd.features import available_extractors
+
+    if values["encoder"] not in available_extractors():
+        raise invalid("eval.encoder", values["encoder"], f"choose one of {', '.join(available_extractors())}")
+    return values
+
+
+def check_parallel(node, world_size: int = 1) -> dict:
+    """parallel.*; missing keys come from conf/config.yaml. Several processes need FSDP2."""
+    values = check_fields("parallel", ParallelConfig, {**primary_node("parallel"), **plain(node)})
+    if world_size > 1 and values["fsdp"] is False:
+        raise ConfigError(f"parallel.fsdp=false is not valid with {world_size} processes: multi-process training "
+                          f"is FSDP2 only; use parallel.fsdp=auto (or launch a single process)")
+    return values
+
+
+def check_train(node, world_size: int = 1) -> dict:
+    values = check_fields("train", TrainConfig, plain(node))
+    if values["batch_size"] % world_size:
+        raise invalid("train.batch_size", values["batch_size"], f"must be divisible by the world size {world_size}")
+    resume = values["resume"]
+    if resume not in (None, "auto") and not os.path.exists(resume):
+        raise invalid("train.resume", resume, "expected null, 'auto' or an existing run folder / checkpoint file")
+    return values
+
+
+# ---- the whole run config ------------------------------------------------------------------------------------
+def validate(cfg, world_size: int = 1) -> None:
+    """Check a composed run config (no dataset read, no model built). Raises ConfigError, one line."""
+    check_fields("config", RunConfig, {k: _top_value(cfg, k) for k in cfg}, what="the run config")
+    train = check_train(cfg.train, world_size)
+    check_fields("flow", FlowConfig, plain(cfg.flow))
+    check_parallel(cfg.parallel, world_size)
+    check_fields("logger", LoggerConfig, plain(cfg.logger))
+    check_optimizer(cfg.optimizer)
+    model, data, ev = check_model(cfg.model), check_data(cfg.data), check_eval(cfg.eval)
+    if not train["dry_run"]:
+        _model_matches_data(model, data)
+    if world_size > 1 and ev["every_n_steps"]:
+        batches = math.ceil(ev["num_samples"] / ev["batch_size"])
+        if batches % world_size:
+            raise ConfigError(
+                f"eval.num_samples={ev['num_samples']} with eval.batch_size={ev['batch_size']} makes {batches} "
+                f"generation batches, not a multiple of the world size {world_size}: under FSDP every rank must "
+                f"sample the same number of batches; choose num_samples = k * {world_size} * batch_size")
+
+
+def _top_value(cfg, k: str) -> Any:
+    if OmegaConf.is_interpolation(cfg, k):  # run_dir: ${hydra:...} resolves only inside a Hydra job
+        return str(cfg._get_node(k)._value())
+    node = cfg[k]
+    return plain(node) if isinstance(node, DictConfig) else node
+
+
+def _model_matches_data(model: dict, data: dict) -> None:
+    """The model must consume what the dataset produces."""
+    if model["in_channels"] != data["channels"]:
+        raise invalid("model.in_channels", model["in_channels"], f"must equal data.channels={data['channels']}")
+    if model["image_size"] != data["image_size"]:
+        raise invalid("model.image_size", model["image_size"], f"must equal data.image_size={data['image_size']}")
+    if model["num_classes"] and data["num_classes"] is not None and model["num_classes"] < data["num_classes"]:
+        raise invalid("model.num_classes", model["num_classes"], f"must be >= data.num_classes={data['num_classes']}")
