@@ -241,7 +241,7 @@ def run_group(world: int, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.pt")
         mp.start_processes(rank_main, args=(world, free_port(), args, out), nprocs=world, start_method="spawn")
-        return torch.load(out, weights_only=False)
+        return torch.load(out, weights_only=True)
 
 
 # ---- bf16 NS5 against the GEMM rate ----------------------------------------------------------------------------

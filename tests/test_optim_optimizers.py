@@ -13,7 +13,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from dit_train.model import DiT, DiTConfig
-from dit_train.optim.matrix import MatrixOptimizer, update_scale
+from dit_train.optim.matrix_optimizer import MatrixOptimizer, update_scale
 from dit_train.optim.registry import OPTIMIZERS, build_optimizer
 
 CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dit_train", "conf")
@@ -325,7 +325,7 @@ def test_periodic_schedule_and_its_step_counter_survive_state_dict():
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
     buf.seek(0)
-    saved = torch.load(buf, weights_only=False)
+    saved = torch.load(buf, weights_only=True)
     model2 = tiny_dit(99)
     model2.load_state_dict(saved["model"])
     opt2 = build_optimizer(model2, cfg)

@@ -1,4 +1,4 @@
-"""The matrix optimizers on dim-0 shards (docs/algorithms.md §6–7, optim/sharded.py), on CPU/gloo with 2 and 3 processes:
+"""The matrix optimizers on dim-0 shards (docs/algorithms.md §6–7, optim/sharded_optimizer.py), on CPU/gloo with 2 and 3 processes:
 every optimizer and both whole-matrix modes give the single-process parameters on the same gradients (4 steps:
 refresh, two RowNorm steps, refresh for periodic_rowwise); the counted bytes equal the analytic expectation per
 collective and rank; each direction is computed once in owner mode and on every rank in gather mode.
@@ -15,10 +15,10 @@ import torch
 
 from conftest import gloo_group, spawn_ranks
 
-from dit_train.optim.comm import shard_rows
-from dit_train.optim.matrix import MatrixOptimizer
+from dit_train.optim.collectives import shard_rows
+from dit_train.optim.matrix_optimizer import MatrixOptimizer
 from dit_train.optim.registry import build_optimizer
-from dit_train.optim.whole_matrix import Item, assign_owners, plan_buckets
+from dit_train.optim.whole_matrix_exchange import Item, assign_owners, plan_buckets
 
 SHAPES = [(24, 40), (24, 40), (40, 24), (40, 24), (32, 32), (4, 3), (2, 16), (1, 8), (50, 12)]
 STEPS = 4
@@ -77,7 +77,7 @@ def run_cases(rank, world, out_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from dit_train.optim.sharded import ShardedMatrixOptimizer
+    from dit_train.optim.sharded_optimizer import ShardedMatrixOptimizer
     from dit_train.timing import PhaseTimer, set_active_timer
 
     mesh = init_device_mesh("cpu", (world,))
@@ -113,7 +113,7 @@ def sharded(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"sharded{world}") / "results.pt"
     spawn(run_cases, world, str(out))
-    return world, torch.load(out, weights_only=False)
+    return world, torch.load(out, weights_only=True)
 
 
 def single_process(name):
@@ -155,7 +155,7 @@ def refresh_steps(kind):
 
 
 def expected_bytes(name, world, rank, refresh):
-    """Analytic bytes per collective this rank sends in one step (comm.py's counting rules)."""
+    """Analytic bytes per collective this rank sends in one step (collectives.py's counting rules)."""
     kind, group_kw, placement = CASES[name]
     if world == 1:
         return {}

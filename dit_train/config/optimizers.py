@@ -34,7 +34,7 @@ class MatrixConfig(AdamWConfig):
     adamw_weight_decay: Optional[float] = key("null (same as weight_decay) or >= 0", lambda v: v >= 0)
     matrix_patterns: Optional[List[str]] = key(f"null or {_PATTERNS}", lambda v: all(p.strip(".") for p in v))
     adamw_patterns: Optional[List[str]] = key(f"null or {_PATTERNS}", lambda v: all(p.strip(".") for p in v))
-    # placement on FSDP2 shards (optim/sharded.py); a single process ignores them
+    # placement on FSDP2 shards (optim/sharded_optimizer.py); a single process ignores them
     distributed_mode: str = choice("gather", "owner")
     gather_dtype: str = choice("bf16", "fp32")
     bucket_mb: float = number("expected > 0", lambda v: v > 0)

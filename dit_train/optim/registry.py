@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from ..config import check_optimizer
-from .matrix import MatrixOptimizer
+from .matrix_optimizer import MatrixOptimizer
 from .routing import Routing, format_routing_table, route_parameters
-from .sharded import ShardedMatrixOptimizer
+from .sharded_optimizer import ShardedMatrixOptimizer
 
 # keys of the sharded implementation only (a single process ignores them)
 PLACEMENT_KEYS = ("distributed_mode", "gather_dtype", "bucket_mb")

@@ -18,7 +18,7 @@ Single-device placement: same-shape matrices of a group are stacked into one [B,
 per shape; every large buffer of the direction is reused across steps, as fresh tens-of-MB allocations cost page
 faults on CPU) and updated with foreach ops. The maths lives in directions.py
 and in `compute_direction`; where the matrices live is in `_local` (the tensors this process updates) and
-`_directions` (every bucket's direction), which the sharded subclass (optim/sharded.py: FSDP2 shards, explicit
+`_directions` (every bucket's direction), which the sharded subclass (optim/sharded_optimizer.py: FSDP2 shards, explicit
 collectives, docs/algorithms.md §6) overrides while reusing the rest: buckets are keyed by the whole matrix's shape, the
 stacked inputs take the local shape, and the direction functions take `reduce=` (an all-reduce over the ranks
 holding the other columns) and `tall=` (orient a shard as its whole matrix), tested against the whole matrix in
@@ -118,7 +118,7 @@ class MatrixOptimizer(Optimizer):
     `params`: param groups, each a dict with "params" and "kind" ("matrix" or "adamw") plus any per-group
     overrides of the keyword defaults below; a plain iterable of tensors is one matrix group."""
 
-    accepts_dtensors = False  # matrix groups of FSDP2 shards need ShardedMatrixOptimizer (optim/sharded.py)
+    accepts_dtensors = False  # matrix groups of FSDP2 shards need ShardedMatrixOptimizer (optim/sharded_optimizer.py)
 
     def __init__(
         self,
@@ -344,7 +344,7 @@ def _check_group(group: dict, accepts_dtensors: bool = False) -> None:
         if not accepts_dtensors and any(hasattr(p, "to_local") for p in group["params"]):
             raise TypeError(
                 "a matrix param group holds FSDP2 shards (DTensor parameters): they need the sharded "
-                "implementation, ShardedMatrixOptimizer (optim/sharded.py, docs/algorithms.md §6), which build_optimizer "
+                "implementation, ShardedMatrixOptimizer (optim/sharded_optimizer.py, docs/algorithms.md §6), which build_optimizer "
                 "picks for sharded models")
         for p in group["params"]:
             if p.ndim != 2:

@@ -16,7 +16,7 @@ RowNorm's column sums of every tall bucket travel in one asynchronous all-reduce
 matrices are normalised (gloo's latency here is ~1.5 ms per collective); the factors are then those of
 row_inv_norms(U, reduce=all-reduce, tall=True). MUD on tall shards is mud_whiten with `reduce=` a blocking
 all-reduce (of n (n + 1) / 2 values per Gram: only tril(G) is used) and `tall=True`. The whole-matrix directions
-are in whole_matrix.py (bucketed all-gather, or all-to-all to one owner per matrix and back), computing with the
+are in whole_matrix_exchange.py (bucketed all-gather, or all-to-all to one owner per matrix and back), computing with the
 single-device code on [L, m, n] batches.
 
 Placement settings are attributes, not param-group keys, so a state_dict is the same as MatrixOptimizer's (and a
@@ -27,7 +27,7 @@ checkpoint resumes under any placement):
   a single process feeds NS5);
 - bucket_mb: bucket size in MB of whole matrices (in gather_dtype).
 
-Accounting (through the active PhaseTimer, see comm.py): phases momentum / direction / comm (exposed wait only) /
+Accounting (through the active PhaseTimer, see collectives.py): phases momentum / direction / comm (exposed wait only) /
 update, and comm bytes per collective. `last_whole_matrices` is how many whole-matrix directions this rank
 computed in the last step (gather: every matrix on every rank; owner: each matrix on one rank).
 """
@@ -37,10 +37,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .comm import PhaseSwitch, ShardComm
+from .collectives import PhaseSwitch, ShardComm
 from .directions import inv_norms_from_sumsq, row_sumsq
-from .matrix import DTYPES, MatrixOptimizer, compute_direction
-from .whole_matrix import assign_owners, gather_directions, owner_directions, plan_buckets
+from .matrix_optimizer import DTYPES, MatrixOptimizer, compute_direction
+from .whole_matrix_exchange import assign_owners, gather_directions, owner_directions, plan_buckets
 
 LOCAL, REDUCE, WHOLE = "local", "reduce", "whole"
 

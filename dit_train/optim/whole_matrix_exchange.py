@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .comm import PhaseSwitch, ShardComm
+from .collectives import PhaseSwitch, ShardComm
 from .directions import ns5_flops
 
 Compute = Callable[[tuple, Tensor], Tensor]
