@@ -5,6 +5,7 @@ writer's pid, so a leftover is recognisable (`*.tmp-<pid>`) and never mistaken f
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 
@@ -26,6 +27,20 @@ def write_synced(data: bytes, path: str) -> None:
 
 def atomic_write_bytes(data: bytes, path: str) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
-    write_synced(data, tmp)
-    os.replace(tmp, path)
+    try:
+        write_synced(data, tmp)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk must not keep the partial file
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     fsync_dir(os.path.dirname(path))
+
+
+def remove_stale_temp_files(folder: str) -> list[str]:
+    """Leftovers of writers that died mid-write (`*.tmp-<pid>`) in `folder`; call only while holding the folder."""
+    stale = [os.path.join(folder, f) for f in os.listdir(folder) if ".tmp-" in f] if os.path.isdir(folder) else []
+    for path in stale:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+    return stale

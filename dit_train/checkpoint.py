@@ -91,6 +91,12 @@ def list_checkpoints(run_dir: str, remove_partial: bool = True, legacy: bool = F
     return sorted(found, key=lambda p: (os.path.basename(p)[5:13], p.endswith(".dcp")))
 
 
+def newest_step(run_dir: str) -> int:
+    """The step of the newest complete checkpoint (0 when there is none): how far a run has really got."""
+    found = list_checkpoints(run_dir, remove_partial=False)
+    return read_train_state(found[-1])["step"] if found else 0
+
+
 def resolve_checkpoint(path: str) -> str:
     """A checkpoint folder (or a read-only step_N.pt file), or a run folder / its checkpoints folder (its newest
     complete checkpoint)."""
@@ -128,9 +134,23 @@ def tensor_state(model, optimizer, ema_model) -> dict:
 
 def save(run_dir: str, step: int, tensors: dict, train_state: dict, keep_last: int) -> str:
     """Collective: every rank passes its own `tensors`; rank 0's `train_state` (JSON values) is written.
-    Returns the final folder."""
+    Returns the final folder. On any error the temp folder is removed (a full disk is not filled further)."""
     final = checkpoint_path(run_dir, step)
     tmp = final + ".tmp"
+    try:
+        _write(tmp, tensors, train_state, step)
+        if _rank() == 0:
+            _publish(tmp, final)
+            prune_checkpoints(run_dir, keep_last)
+    except BaseException:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _barrier()
+    return final
+
+
+def _write(tmp: str, tensors: dict, train_state: dict, step: int) -> None:
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -139,23 +159,24 @@ def save(run_dir: str, step: int, tensors: dict, train_state: dict, keep_last: i
         warnings.filterwarnings("ignore", message=".*single process.*")
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=not dist.is_initialized())
     if _rank() == 0:  # DCP's coordinator returns once every rank's shards and the metadata are written
-        write_synced(json.dumps(train_state).encode(), os.path.join(tmp, TRAIN_STATE))
         world = dist.get_world_size() if dist.is_initialized() else 1
+        write_synced(json.dumps(train_state).encode(), os.path.join(tmp, TRAIN_STATE))
         write_synced(json.dumps({"step": step, "world_size": world, "format": "dcp-v2"}).encode(),
                      os.path.join(tmp, MARKER))
         fsync_dir(tmp)
-        old = None
-        if os.path.exists(final):  # the same step saved again: move the old one aside first
-            old = final + ".old.tmp"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        fsync_dir(os.path.dirname(final))
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
-        prune_checkpoints(run_dir, keep_last)
-    _barrier()
-    return final
+
+
+def _publish(tmp: str, final: str) -> None:
+    """Rename the complete temp folder into place (an older save of the same step is moved aside first)."""
+    old = None
+    if os.path.exists(final):
+        old = final + ".old.tmp"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(os.path.dirname(final))
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 # ---- reading, as data ---------------------------------------------------------------------------------------
@@ -239,6 +260,16 @@ def load(path: str, model, optimizer, ema_model) -> dict:
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     set_model_state_dict(ema_model, state["ema"])
     return read_train_state(path)
+
+
+def load_weights(path: str, model, ema_model) -> None:
+    """A fork (train.init_from): the model and EMA weights of a checkpoint, nothing else, into this run's
+    (possibly sharded) models."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    full = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, read_tensors(path, "model"), options=full)
+    set_model_state_dict(ema_model, read_tensors(path, "ema"), options=full)
 
 
 def read_tensors(path: str, prefix: str) -> dict[str, torch.Tensor]:

@@ -8,6 +8,17 @@ import math
 import os
 
 
+def drop_torn_last_line(path: str) -> None:
+    """A run killed mid-write leaves a partial last row; appending to it would corrupt the first new row too."""
+    try:
+        with open(path, "rb+") as f:
+            data = f.read()
+            if data and not data.endswith(b"\n"):
+                f.truncate(data.rfind(b"\n") + 1)
+    except FileNotFoundError:
+        pass
+
+
 class MetricLogger:
     def __init__(self, run_dir: str, cfg, enabled: bool = True, resolved_config: dict | None = None):
         self.enabled = enabled
@@ -16,6 +27,7 @@ class MetricLogger:
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
+        drop_torn_last_line(self.path)
         self.file = open(self.path, "a", buffering=1)
         mode = cfg.wandb.mode  # checked by dit_train.config before the run starts
         if mode != "disabled":

@@ -32,6 +32,15 @@ class Throughput:
         return rate
 
 
+def read_summary(path: str) -> dict:
+    """A finished run's summary.json ({} when there is none, e.g. a run finished by an earlier version)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+
+
 def write_summary(cfg, state, throughput: Throughput, last_val: dict, params: int, dataset_id: str,
                   is_main: bool) -> dict:
     summary = {

@@ -15,6 +15,7 @@ rank 0 ever holds a full copy (rank 0's is in host memory and freed after the sc
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import math
 import os
@@ -76,12 +77,14 @@ def slurm_environment(environ=os.environ) -> dict[str, str]:
     return out
 
 
-def init_distributed(single_process_group: bool = False, device: str | torch.device | None = None) -> DistInfo:
+def init_distributed(single_process_group: bool = False, device: str | torch.device | None = None,
+                     timeout_minutes: float = 30.0) -> DistInfo:
     """The one process-group set-up, for training and the evaluation jobs: from torchrun's environment
     (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR/PORT), or from Slurm's when srun started one task per GPU without
     torchrun; NCCL on CUDA, gloo on CPU. `single_process_group`: also create a group of one for a plain
     single-process run (parallel.fsdp=true without torchrun), so FSDP2 can be used on one device. `device`
-    overrides the default (cuda:LOCAL_RANK when CUDA is present, else cpu)."""
+    overrides the default (cuda:LOCAL_RANK when CUDA is present, else cpu). A collective that waits longer than
+    `timeout_minutes` (a dead or hung peer) raises instead of hanging."""
     os.environ.update(slurm_environment())
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -98,13 +101,34 @@ def init_distributed(single_process_group: bool = False, device: str | torch.dev
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         if world > 1:
-            dist.init_process_group(backend_for(device), device_id=device if device.type == "cuda" else None)
+            dist.init_process_group(backend_for(device), device_id=device if device.type == "cuda" else None,
+                                    timeout=datetime.timedelta(minutes=timeout_minutes))
         elif single_process_group:
             dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0, world_size=1)
     if dist.is_initialized():
         world = dist.get_world_size()
     rank = dist.get_rank() if dist.is_initialized() else 0
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective waited longer than parallel.timeout_minutes: a peer rank died or hangs."""
+
+
+@contextlib.contextmanager
+def collective_timeouts(timeout_minutes: float):
+    """Turns the backend's timeout error (gloo: RuntimeError "Timed out ...", NCCL: DistBackendError) into one line
+    that says what happened and which knob sets the wait."""
+    try:
+        yield
+    except RuntimeError as e:
+        text = str(e)
+        if isinstance(e, CollectiveTimeout) or not ("Timed out" in text or "timed out" in text or "Timeout" in text):
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+        raise CollectiveTimeout(f"rank {rank}: a collective waited more than parallel.timeout_minutes="
+                                f"{timeout_minutes:g} for another rank, which died or hangs ({first[:160]})") from None
 
 
 def barrier() -> None:
@@ -251,6 +275,17 @@ def materialize_from_rank0(model: nn.Module, reference: nn.Module | None, device
 def local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (the tensor itself otherwise): what this rank owns and updates."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+@torch.no_grad()
+def weights_finite(model: nn.Module) -> bool:
+    """Whether every parameter is finite on every rank (one all-reduce of a count; checked before each save)."""
+    params = [local(p) for p in model.parameters()]
+    bad = torch.zeros(1, device=params[0].device if params else "cpu")
+    for p in params:
+        if p.numel():
+            bad += (~torch.isfinite(p)).any()
+    return all_reduce_sum_(bad).item() == 0
 
 
 @torch.no_grad()

@@ -1,20 +1,27 @@
-"""Preemption: SIGTERM (scancel, torchrun passing one on) and SIGUSR1/SIGUSR2 (Slurm's --signal warnings; USR2 is
-submitit's time-limit signal) end the run at the next step boundary with a checkpoint, on every rank together.
+"""Preemption: SIGTERM (scancel, torchrun passing one on), SIGUSR1/SIGUSR2 (Slurm's --signal warnings; USR2 is
+submitit's time-limit signal) and SIGINT (Ctrl-C) end the run at the next step boundary with a checkpoint, on
+every rank together.
 
 A signal may reach one rank only; each step's loss all-reduce carries this rank's vote (`vote()`), and the run
 stops when any rank voted (`agree`). After the checkpoint the signal is handed to the handler that was installed
-before ours when that is Python code (submitit's requeue handler); default handlers are not called."""
+before ours when that is Python code (submitit's requeue handler); default handlers are not called. Once a stop
+is under way, a second signal is only recorded, so the exit code stays the requeue-able one."""
 
 from __future__ import annotations
 
 import signal
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later"; schedulers/wrappers treat it as requeue-able
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells expect after Ctrl-C
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 
 
 class Preempted(Exception):
     """A stop signal arrived; a checkpoint of the last finished step has been written."""
+
+    def __init__(self, message: str, signal_name: str | None):
+        super().__init__(message)
+        self.exit_code = EXIT_INTERRUPTED if signal_name == "SIGINT" else EXIT_PREEMPTED
 
 
 class Preemption:
@@ -29,11 +36,22 @@ class Preemption:
 
     def __exit__(self, *exc) -> bool:
         for s, handler in self._previous.items():
-            signal.signal(s, handler)
+            if self.signal_name is None or callable(handler):
+                signal.signal(s, handler)
+            # else (stopping, and the old disposition was to die): ours stays, so a second SIGTERM during the
+            # shutdown cannot kill the process before it has exited with the requeue-able code
         return False
 
+    @staticmethod
+    def ignore_further_signals() -> None:
+        """For a process about to exit after a stop: Python restores default handlers while it finalizes, so a
+        late signal would still kill it (exit 143 instead of 75); an ignored one cannot."""
+        for s in SIGNALS:
+            if s != signal.SIGINT:
+                signal.signal(s, signal.SIG_IGN)
+
     def _on_signal(self, signum, _frame) -> None:
-        self.signal_name = signal.Signals(signum).name
+        self.signal_name = self.signal_name or signal.Signals(signum).name
 
     def vote(self) -> float:
         return float(self.signal_name is not None)
@@ -49,7 +67,13 @@ class Preemption:
         """Hand the signal over, then the exception that ends the run (raise it)."""
         if self.signal_name is not None:
             previous = self._previous.get(signal.Signals[self.signal_name])
-            if callable(previous):
+            if _is_python_code(previous):
                 previous(signal.Signals[self.signal_name].value, None)
         return Preempted(f"received {self.signal_name or 'a stop signal (on another rank)'} at step {step}; "
-                         f"checkpoint written, rerun with train.resume=auto run_dir={run_dir} to continue")
+                         f"checkpoint written, rerun with train.resume=auto run_dir={run_dir} to continue",
+                         self.signal_name)
+
+
+def _is_python_code(handler) -> bool:
+    """A handler installed by Python code (not SIG_DFL/SIG_IGN, and not Python's own KeyboardInterrupt raiser)."""
+    return callable(handler) and handler is not signal.default_int_handler

@@ -17,21 +17,25 @@ import torch
 from omegaconf import OmegaConf
 
 from . import checkpoint as ckpt
+from .atomic_io import remove_stale_temp_files
 from .build import build_training
 from .cadence import every_n_steps
-from .config import validate
+from .config import ConfigError, validate
 from .data import build_dataset
 from .data.order import train_batches
 from .evaluation import Evaluation
 from .flow import condition_kwargs, sample_t, velocity_loss
 from .hydra_run import agree_on_config
 from .logger import MetricLogger
-from .metrics import Throughput, write_summary
+from .metrics import Throughput, read_summary, write_summary
 from .model import build_model, count_parameters
 from .optim.registry import build_optimizer
-from .parallel import (DistInfo, all_reduce_sum_, autocast, barrier, clip_grad_norm_,
-                       init_distributed, resolve_plan, shutdown_process_group, wants_fsdp)
+from .parallel import (DistInfo, all_reduce_sum_, autocast, barrier, broadcast_object, clip_grad_norm_,
+                       collective_timeouts, init_distributed, resolve_plan, shutdown_process_group, wants_fsdp,
+                       weights_finite)
 from .preemption import Preemption
+from .resume_policy import check_resume, resume_candidates
+from .run_lock import RunLock
 from .run_info import write_run_info
 from .timing import PhaseTimer, set_active_timer
 from .train_state import TrainState
@@ -57,6 +61,14 @@ def dry_run(cfg) -> dict:
     return {"params": n}
 
 
+def check_classes_fit(model_cfg, dataset) -> None:
+    """Labels must be < model.num_classes: label num_classes is the guidance null class, larger ones do not exist."""
+    found = getattr(dataset, "num_classes", None)
+    if model_cfg.num_classes and found and found > model_cfg.num_classes:
+        raise ConfigError(f"model.num_classes={model_cfg.num_classes} is not valid: the training data has {found} "
+                          f"classes ({dataset.dataset_id}); set model.num_classes={found}")
+
+
 class Trainer:
     def __init__(self, cfg, dist: DistInfo):
         self.cfg, self.dist, self.tc = cfg, dist, cfg.train
@@ -65,6 +77,7 @@ class Trainer:
             raise RuntimeError("parallel.fsdp needs a process group: start training through run() or torchrun")
         self.train_set = build_dataset(cfg.data, "train")
         self.val_set = build_dataset(cfg.data, "val")
+        check_classes_fit(cfg.model, self.train_set)
         self.model, self.ema, self.optimizer, self.scheduler, generator = \
             build_training(cfg, self.plan, dist.is_main, dist.device)
         self.state = TrainState(self.scheduler, generator, self.ema,
@@ -79,7 +92,12 @@ class Trainer:
 
     # ---- checkpoints -------------------------------------------------------------------------------------
     def save(self) -> str:
-        """Collective: every rank writes its shards (a single process writes everything)."""
+        """Collective: every rank writes its shards (a single process writes everything). Weights that are no
+        longer finite are never saved: the run stops and the newest checkpoint stays the last good one."""
+        if not weights_finite(self.model):
+            good = ckpt.list_checkpoints(self.cfg.run_dir, remove_partial=False)
+            raise TrainingStopped(f"step {self.state.step}: the weights are no longer finite, so they were not saved; "
+                                  f"the last good checkpoint is {good[-1] if good else 'none'}")
         tensors = ckpt.tensor_state(self.model, self.optimizer, self.ema.model)
         path = ckpt.save(self.cfg.run_dir, self.state.step, tensors, self.state.state_dict(), self.tc.keep_last)
         if self.dist.is_main:
@@ -87,27 +105,22 @@ class Trainer:
         return path
 
     def resume(self) -> None:
-        """train.resume: null refuses a folder with checkpoints; auto continues from the newest one that loads
-        (a damaged newest one falls back, loudly); a path continues from that checkpoint or run folder."""
-        resume = self.tc.resume
-        existing = ckpt.list_checkpoints(self.cfg.run_dir, remove_partial=self.dist.is_main, legacy=True)
+        """Continue from the checkpoint resume_policy chose (a damaged newest one falls back, loudly, under
+        train.resume=auto), or start a fork from train.init_from's weights, or start fresh."""
+        candidates = resume_candidates(self.cfg, remove_partial=self.dist.is_main)
         barrier()
-        if resume is None:
-            if existing:
-                raise FileExistsError(
-                    f"run folder {self.cfg.run_dir} already has checkpoints ({os.path.basename(existing[-1])}); "
-                    f"pass train.resume=auto to continue it, or choose a new run_dir")
+        if not candidates:
+            if self.tc.init_from:
+                source = ckpt.resolve_checkpoint(self.tc.init_from)
+                ckpt.load_weights(source, self.model, self.ema.model)
+                log.info("forked from %s: its model and EMA weights, a fresh optimizer, step 0", source)
             return
-        if resume == "auto" and not existing:
-            log.info("train.resume=auto: no checkpoint in %s, starting fresh", self.cfg.run_dir)
-            return
-        candidates = list(reversed(existing)) if resume == "auto" else [ckpt.resolve_checkpoint(str(resume))]
         for path in candidates:
             try:
                 self.state.load_state_dict(ckpt.load(path, self.model, self.optimizer, self.ema.model))
                 break
             except Exception as e:  # noqa: BLE001 - with resume=auto a damaged checkpoint falls back, loudly
-                if resume != "auto" or path == candidates[-1]:
+                if self.tc.resume != "auto" or path == candidates[-1]:
                     raise
                 log.warning("checkpoint %s is unreadable (%s); trying the previous one", path, e)
         self.timer.collect()  # drop anything timed while loading
@@ -168,6 +181,15 @@ class Trainer:
     # ---- the loop ----------------------------------------------------------------------------------------
     def fit(self) -> dict:
         self.resume()
+        summary_path = os.path.join(self.cfg.run_dir, "summary.json")
+        if self.state.step >= self.tc.steps:  # a rerun of a finished run: nothing to train, nothing to rewrite
+            if self.dist.is_main:
+                print(f"run {self.cfg.run_dir} already finished at step {self.state.step} (train.steps="
+                      f"{self.tc.steps}); summary.json left unchanged")
+            self.logger.close()
+            return read_summary(summary_path)
+        if self.dist.is_main and self.state.step > 0 and os.path.exists(summary_path):
+            os.remove(summary_path)  # an extended run is unfinished until its new last step
         if self.dist.is_main:
             print(f"model {self.cfg.model.name}: {count_parameters(self.model):,} parameters; "
                   f"data {self.train_set.dataset_id} ({len(self.train_set)} train / {len(self.val_set)} val)")
@@ -235,22 +257,48 @@ class Trainer:
             progress.set_postfix(loss=f"{metrics['train/loss']:.4f}", imgs_s=f"{metrics['imgs_per_s']:.0f}")
 
 
+def prepare_run_folder(cfg, dist: DistInfo) -> RunLock | None:
+    """Before anything is written: the resume decision and its config check, then (rank 0) the folder, its
+    lock, the removal of dead writers' temp files, and the provenance files. Any refusal reaches every rank."""
+    lock, error = None, None
+    if dist.is_main:
+        try:
+            check_resume(cfg)
+            os.makedirs(cfg.run_dir, exist_ok=True)
+            lock = RunLock(cfg.run_dir).acquire()
+            for stale in remove_stale_temp_files(cfg.run_dir):
+                log.warning("removed %s, left by a writer that died mid-write", stale)
+            write_run_info(cfg, cfg.run_dir)
+        except Exception as e:  # noqa: BLE001 - handed to every rank, raised as it is on rank 0
+            if lock is not None:
+                lock.release()
+            error = e
+    message = broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    if message is not None:
+        raise ConfigError(f"rank 0 refused the run folder: {message}")
+    return lock
+
+
 def run(cfg) -> dict:
     """Entry point behind `python -m dit_train`: validate, then dry run or train. Under torchrun (or with
     parallel.fsdp=true) this joins/creates the process group first and leaves it as it found it."""
     had_group = torch.distributed.is_initialized()
     wants_group = wants_fsdp(cfg.get("parallel"), int(os.environ.get("WORLD_SIZE", "1"))) and not cfg.train.dry_run
-    dist = init_distributed(single_process_group=wants_group)
+    dist = init_distributed(single_process_group=wants_group, timeout_minutes=cfg.parallel.timeout_minutes)
+    lock = None
     try:
         if dist.world_size > 1:
             cfg = agree_on_config(cfg, dist)
         validate(cfg, dist.world_size)
         if cfg.train.dry_run:
             return dry_run(cfg)
-        if dist.is_main:
-            os.makedirs(cfg.run_dir, exist_ok=True)
-            write_run_info(cfg, cfg.run_dir)
-        return Trainer(cfg, dist).fit()
+        with collective_timeouts(cfg.parallel.timeout_minutes):
+            lock = prepare_run_folder(cfg, dist)
+            return Trainer(cfg, dist).fit()
     finally:
+        if lock is not None:
+            lock.release()
         if not had_group:
             shutdown_process_group()

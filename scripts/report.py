@@ -73,20 +73,43 @@ def mean(xs):
     return sum(xs) / len(xs) if xs else math.nan
 
 
+def read_metrics(path: str) -> list[dict]:
+    """metrics.jsonl as rows: a line cut by a crash is dropped, the logger's "nan"/"inf" strings are numbers again,
+    and a row written again after a resume replaces the earlier one (per step and kind: train, val, fd, other)."""
+    rows: dict[tuple, dict] = {}
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        for line in f:
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            r = {k: float(v) if isinstance(v, str) and v.lower() in NON_FINITE else v for k, v in r.items()}
+            kind = next((k for k in ("train/loss", "val/loss", "fd") if k in r), "other")
+            rows[(r.get("step", 0), kind)] = r
+    return [rows[k] for k in sorted(rows, key=lambda k: (k[0], KINDS.index(k[1])))]
+
+
+NON_FINITE = ("nan", "inf", "-inf", "infinity", "-infinity")
+KINDS = ("train/loss", "val/loss", "fd", "other")
+
+
 def read_run(folder: str, name: str) -> Run:
+    """One run folder; a folder whose records cannot be read is a run with status 'damaged: <why>'."""
+    try:
+        return _read_run(folder, name)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, yaml.YAMLError) as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return Run(name=name, model="?", optimizer="?", seed=-1, status=f"damaged: {type(e).__name__}: {why[:120]}")
+
+
+def _read_run(folder: str, name: str) -> Run:
     with open(os.path.join(folder, "config.yaml")) as f:
         cfg = yaml.safe_load(f)
     run = Run(name=name, model=cfg["model"]["name"], optimizer=optimizer_label(cfg["optimizer"]),
               seed=int(cfg.get("seed", 0)), lr=float(cfg["optimizer"].get("lr", math.nan)))
-    rows = []
-    metrics = os.path.join(folder, "metrics.jsonl")
-    if os.path.exists(metrics):
-        with open(metrics) as f:
-            for line in f:
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:  # a line cut by a crash
-                    pass
+    rows = read_metrics(os.path.join(folder, "metrics.jsonl"))
     train = [r for r in rows if "train/loss" in r]
     active_at = {r["step"]: r["active_time_s"] for r in train if "active_time_s" in r}
     run.steps = max((r["step"] for r in rows), default=0)

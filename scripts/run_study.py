@@ -9,9 +9,10 @@
 The grid is models x optimizers x seeds, with periodic_rowwise expanded over study.K (and every optimizer over
 study.lr where a study scans learning rates, or each at its own study.lr.<optimizer> where a study tunes them).
 Each run's folder is <sweep_dir>/<sorted overrides> (Hydra's override_dirname), so rerunning finds finished runs
-(summary.json) and skips them, and continues interrupted ones from their last checkpoint (the experiments set
-train.resume=auto): a study can be completed in pieces. One `python -m dit_train --multirun` per (model,
-optimizer[, K, lr]) with the pending seeds, so a Slurm job's shape follows its model.
+(a checkpoint at the run's train.steps; a summary alone proves nothing) and skips them, and continues interrupted
+ones from their last checkpoint (the experiments set train.resume=auto): a study can be completed in pieces. One
+`python -m dit_train --multirun` per (model, optimizer[, K, lr]) with the pending seeds, so a Slurm job's shape
+follows its model.
 Then: python scripts/report.py <sweep_dir>.
 """
 
@@ -29,6 +30,7 @@ from omegaconf import OmegaConf
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from dit_train.atomic_io import atomic_write_bytes  # noqa: E402
+from dit_train.checkpoint import newest_step  # noqa: E402
 from dit_train.run_info import git_commit  # noqa: E402
 
 EXPERIMENTS = os.path.join(ROOT, "dit_train", "conf", "experiment")
@@ -77,12 +79,18 @@ def expand(study, extra: list[str], exclude_keys: list[str]) -> list[dict]:
     return runs
 
 
-def load_experiment(name: str):
+def load_experiment(name: str, overrides: list[str] = ()):
     """The experiment composed as the trainer sees it (its defaults, e.g. another experiment it extends)."""
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=os.path.join(ROOT, "dit_train", "conf"), version_base="1.3"):
-        return compose(config_name="config", overrides=[f"experiment={name}"], return_hydra_config=True)
+        return compose(config_name="config", overrides=[f"experiment={name}", *overrides], return_hydra_config=True)
+
+
+def finished(run_dir: str, steps: int) -> bool:
+    """A run is done when its newest complete checkpoint is at its train.steps (not when a summary exists: an
+    extended run keeps an old one until it is overwritten)."""
+    return os.path.isdir(run_dir) and newest_step(run_dir) >= steps
 
 
 def previous_invocations(sweep_dir: str) -> list[dict]:
@@ -140,13 +148,14 @@ def main(argv=None) -> int:
     for (model, opt, K, lr), members in groups.items():
         if only and model not in only:
             continue
-        pending = [r for r in members if not os.path.exists(os.path.join(sweep_dir, r["name"], "summary.json"))]
+        fixed = [o for o in members[0]["overrides"] if not o.startswith("seed=")]
+        steps = load_experiment(args.experiment, [*fixed, *args.overrides]).train.steps
+        pending = [r for r in members if not finished(os.path.join(sweep_dir, r["name"]), steps)]
         label = f"{model} {opt}{'' if K is None else f' K={K}'}{'' if lr is None else f' lr={lr}'}"
         if not pending:
             print(f"[study] {label}: all seeds finished, skipping")
             continue
         # the group's own overrides (model, optimizer, K, lr), all seeds still to run in one multirun
-        fixed = [o for o in members[0]["overrides"] if not o.startswith("seed=")]
         cmd = [sys.executable, "-m", "dit_train", "--multirun", f"experiment={args.experiment}", *fixed,
                "seed=" + ",".join(str(r["seed"]) for r in pending), f"hydra.sweep.dir={sweep_dir}", *args.overrides]
         print("[study]", " ".join(cmd[1:]), flush=True)

@@ -2,6 +2,7 @@ import gzip
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -116,3 +117,52 @@ def test_step_batch_order_is_a_function_of_step():
     assert a[:10] != a[10:20]  # a new permutation each epoch
     ranks = [StepBatchSampler(100, 10, 3, 0, 25, rank=r, world_size=2).indices(4) for r in (0, 1)]
     assert ranks[0] + ranks[1] == full.indices(4)
+
+
+def test_sixteen_bit_images_keep_their_range(tmp_path):
+    """A 16-bit grey ramp: the old RGB conversion saturated almost every pixel at +1."""
+    from PIL import Image
+
+    os.makedirs(tmp_path / "a")
+    ramp = (np.arange(32 * 32).reshape(32, 32) * 64).astype(np.uint16)  # 0 ... 65472
+    Image.fromarray(ramp).save(tmp_path / "a" / "ramp.png")
+    ds = build_dataset(OmegaConf.create({"name": "image_folder", "root": str(tmp_path), "image_size": 32}), "train")
+    x, _ = ds[0]
+    assert x.mean().abs() < 0.02 and (x > 0.99).float().mean() < 0.01
+    assert torch.allclose(x[0], x[1]) and torch.allclose(x[1], x[2])
+
+
+def test_a_decompression_bomb_is_named_and_skipped(tmp_path, monkeypatch):
+    from PIL import Image
+
+    make_folder(tmp_path)
+    Image.new("RGB", (200, 200)).save(tmp_path / "cat" / "huge.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 10_000)  # 200 x 200 is over twice this: PIL refuses it
+    cfg = OmegaConf.create({"name": "image_folder", "root": str(tmp_path), "image_size": 16})
+    ds = build_dataset(cfg, "train")
+    bomb = [i for i, (p, _) in enumerate(ds.samples) if p.endswith("huge.png")][0]
+    with pytest.raises(ValueError, match=r"corrupt image .*huge\.png"):
+        ds[bomb]
+    cfg.skip_corrupt = True
+    ds = build_dataset(cfg, "train")
+    x, _ = ds[bomb]
+    assert x.shape == (3, 16, 16) and any(p.endswith("huge.png") for p in ds.skipped)
+
+
+@pytest.mark.parametrize("classes", [11, 12])
+def test_more_classes_than_the_model_has_is_one_line_before_training(tmp_path, classes):
+    from PIL import Image
+
+    from conftest import compose
+    from dit_train.config import ConfigError
+    from dit_train.parallel import DistInfo
+    from dit_train.train import Trainer
+
+    for c in range(classes):
+        os.makedirs(tmp_path / "data" / f"c{c:02d}")
+        Image.new("RGB", (32, 32), (c * 20, 0, 0)).save(tmp_path / "data" / f"c{c:02d}" / "x.png")
+    cfg = compose(["data=image_folder", f"data.root={tmp_path / 'data'}", "data.image_size=32", "data.channels=3",
+                   "model.in_channels=3", "model.num_classes=10", "model.hidden_size=32", "model.depth=1",
+                   "model.num_heads=1", "model.patch_size=8", f"run_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=f"model.num_classes=10 is not valid: the training data has {classes} classes"):
+        Trainer(cfg, DistInfo())

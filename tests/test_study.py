@@ -2,6 +2,7 @@
 report's numbers on fabricated run folders."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -293,3 +294,39 @@ def test_smoke_study_end_to_end_then_rerun_skips(tmp_path):
     text = (sweep / "report.md").read_text()
     assert "| dit_s | adamw | 1 | finished |" in text and "periodic_rowwise K=2" in text
     assert "inception" in text
+
+
+def test_a_run_with_a_summary_but_fewer_steps_than_planned_is_not_finished(tmp_path):
+    """The study runner asks the checkpoint, not summary.json: an extended run keeps its old summary until done."""
+    from dit_train import checkpoint as ckpt
+
+    import torch
+
+    run_dir = tmp_path / "run"
+    ckpt.save(str(run_dir), 200, {"model": {"w": torch.zeros(1)}}, {"step": 200}, keep_last=0)
+    (run_dir / "summary.json").write_text(json.dumps({"steps": 200}))
+    assert run_study.finished(str(run_dir), 200) and not run_study.finished(str(run_dir), 600)
+    assert not run_study.finished(str(tmp_path / "never_started"), 200)
+
+
+def test_report_survives_damaged_folders_and_reads_resumed_metrics(tmp_path):
+    """One unreadable config, one truncated summary: both listed as damaged with the reason, the rest reported.
+    The logger's "nan" strings are numbers, and rows repeated after a resume count once (the last wins)."""
+    sweep = tmp_path / "sweep"
+    rows = train_rows(0.01, 0.1, 0.0)
+    rows += [{"step": 3, "train/loss": 2.0, "time/optimizer": 0.05, "time/step": 0.5, "active_time_s": 0.3}]  # resumed
+    rows += [{"step": 4, "val/loss": "nan"}]
+    write_run(sweep / "good", "dit_xs", "adamw", 0, rows)
+    write_run(sweep / "torn_summary", "dit_xs", "muon", 0, train_rows(0.04, 0.2, 0.0))
+    (sweep / "torn_summary" / "summary.json").write_text('{"steps": 4, "val_l')
+    write_run(sweep / "bad_config", "dit_xs", "muon", 1, train_rows(0.04, 0.2, 0.0))
+    (sweep / "bad_config" / "config.yaml").write_text("model: [unclosed\n")
+    runs = {r.name: r for r in report.find_runs(str(sweep))}
+    assert runs["torn_summary"].status.startswith("damaged: JSONDecodeError")
+    assert runs["bad_config"].status.startswith("damaged: ")
+    good = runs["good"]
+    assert good.status == "finished" and math.isnan(good.val_loss)
+    assert good.optimizer_s == pytest.approx((0.05 + 0.01) / 2)  # step 3's second row replaced the first
+    report.build_report(str(sweep), None)
+    text = (sweep / "report.md").read_text()
+    assert "| torn_summary | damaged: JSONDecodeError" in text and "| bad_config | damaged: " in text

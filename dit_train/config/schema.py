@@ -36,6 +36,7 @@ class TrainConfig:
     ckpt_every: int = int_at_least(0)
     keep_last: int = int_at_least(0)
     resume: Optional[str] = key("expected null, 'auto' or an existing run folder / checkpoint file")
+    init_from: Optional[str] = key("expected null or an existing run folder / checkpoint")
     dry_run: bool = key()
     max_bad_steps: int = int_at_least(0)
     num_workers: int = int_at_least(0)
@@ -59,6 +60,7 @@ class ParallelConfig:
     reshard_after_forward: bool = key()
     activation_checkpointing: bool = key()
     compile: bool = key()
+    timeout_minutes: float = number("expected minutes > 0", lambda v: v > 0)
 
 
 @dataclass

@@ -15,9 +15,14 @@ EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 
 
 def load_image(path: str, size: int) -> torch.Tensor:
-    """RGB, shorter side resized to `size` (bicubic), center crop, CHW float in [-1, 1]."""
+    """RGB, shorter side resized to `size` (bicubic), center crop, CHW float in [-1, 1]. 16-bit and float images
+    are scaled from their own range (converting them to 8-bit RGB the PIL way saturates them)."""
     with Image.open(path) as im:
-        im = im.convert("RGB")
+        if im.mode in WIDE_MODES:
+            full_scale = 1.0 if im.mode == "F" else 65535.0  # PIL reads 16-bit PNG/TIFF as I;16 or I
+            im = Image.fromarray(np.asarray(im, dtype=np.float32) * (255.0 / full_scale), mode="F")
+        else:
+            im = im.convert("RGB")
         w, h = im.size
         scale = size / min(w, h)
         im = im.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.BICUBIC)
@@ -25,7 +30,13 @@ def load_image(path: str, size: int) -> torch.Tensor:
         left, top = (w - size) // 2, (h - size) // 2
         im = im.crop((left, top, left + size, top + size))
         arr = np.asarray(im, dtype=np.float32)
-    return torch.from_numpy(arr).permute(2, 0, 1).div(127.5).sub(1.0)
+    if arr.ndim == 2:  # grey (16-bit or float): the same value in R, G and B
+        arr = np.repeat(arr[:, :, None], 3, axis=2)
+    return torch.from_numpy(arr.clip(0, 255)).permute(2, 0, 1).div(127.5).sub(1.0)
+
+
+WIDE_MODES = ("I;16", "I;16B", "I;16L", "I", "F")
+UNREADABLE = (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError)
 
 
 class ImageFolder(Dataset):
@@ -64,7 +75,7 @@ class ImageFolder(Dataset):
             path, label = self.samples[(i + attempt) % len(self.samples)]
             try:
                 return load_image(path, self.size), label
-            except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+            except UNREADABLE as e:  # a decompression bomb too: named, skipped like any unreadable image
                 if not self.skip_corrupt:
                     raise ValueError(f"corrupt image {path}: {e} (set data.skip_corrupt=true to skip it)") from None
                 self.skipped.add(path)  # counted in the training log as data/skipped

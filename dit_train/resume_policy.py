@@ -1,0 +1,88 @@
+"""What a run continues from, and whether it may: decided before anything is written to the run folder.
+
+`train.resume=null` starts fresh and refuses a folder that already has checkpoints; `auto` continues from the
+newest complete checkpoint (falling back past damaged ones); a path continues from that checkpoint or run folder.
+A resumed run must be the same experiment: its resolved config is compared key by key with the one the checkpoint
+was trained with, and only the keys in MAY_CHANGE_ON_RESUME may differ (cadence, lengths, paths, logging,
+parallel layout, and how sharded optimizers exchange whole matrices, which does not change the maths). Anything else is refused in one line naming each key with both values; a deliberate change is
+a fork (`train.init_from=RUN`: the weights, a fresh optimizer and step 0, in a new run folder).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import logging
+import os
+
+from omegaconf import OmegaConf
+
+from . import checkpoint as ckpt
+from .config import ConfigError
+
+log = logging.getLogger("dit_train")
+
+MAY_CHANGE_ON_RESUME = (
+    "run_dir", "study", "study.*", "logger.*", "parallel.*", "optimizer.distributed_mode", "optimizer.bucket_mb",
+    "data.root", "eval.every_n_steps", "eval.cache_dir",
+    "eval.encoder_path", "train.steps", "train.resume", "train.init_from", "train.dry_run", "train.progress",
+    "train.timing", "train.log_every", "train.val_every", "train.sample_every", "train.sample_steps",
+    "train.samples_per_class", "train.cfg_scale", "train.ckpt_every", "train.keep_last", "train.num_workers",
+    "train.max_bad_steps",
+)
+
+
+def resume_candidates(cfg, remove_partial: bool = False) -> list[str]:
+    """Checkpoints to try, newest first ([] for a fresh run)."""
+    resume, run_dir = cfg.train.resume, cfg.run_dir
+    existing = ckpt.list_checkpoints(run_dir, remove_partial=remove_partial, legacy=True)
+    if resume is None:
+        if existing:
+            raise FileExistsError(f"run folder {run_dir} already has checkpoints ({os.path.basename(existing[-1])}); "
+                                  f"pass train.resume=auto to continue it, or choose a new run_dir")
+        return []
+    if resume == "auto":
+        return list(reversed(existing))
+    return [ckpt.resolve_checkpoint(str(resume))]
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists and empty dicts are values."""
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_changes(saved: dict, now: dict) -> list[tuple[str, object, object]]:
+    """(key, saved value, new value) for every key that differs and may not change on resume."""
+    a, b = flatten(saved), flatten(now)
+    absent = "(absent)"
+    return [(k, a.get(k, absent), b.get(k, absent)) for k in sorted(set(a) | set(b))
+            if a.get(k, absent) != b.get(k, absent)
+            and not any(fnmatch.fnmatchcase(k, p) for p in MAY_CHANGE_ON_RESUME)]
+
+
+def check_resume(cfg) -> str | None:
+    """The checkpoint this run will continue from (None: fresh), after checking it is the same experiment."""
+    for path in resume_candidates(cfg):
+        if not ckpt.is_complete(path):
+            return path  # a read-only file of an earlier version: loading it says why it cannot resume
+        try:
+            saved = ckpt.read_train_state(path)["config"]
+        except (OSError, ValueError, KeyError) as e:
+            if cfg.train.resume != "auto":
+                raise
+            log.warning("checkpoint %s has no readable train state (%s); trying the previous one", path, e)
+            continue
+        changes = config_changes(saved, OmegaConf.to_container(cfg, resolve=True))
+        if changes:
+            listed = "; ".join(f"{k}: {json.dumps(old)} -> {json.dumps(new)}" for k, old, new in changes)
+            raise ConfigError(f"train.resume={cfg.train.resume}: {path} was trained with another config ({listed}); "
+                              f"these keys cannot change on resume: start a fresh run in a new run_dir, or fork "
+                              f"this one with train.init_from={cfg.run_dir} (its weights, a fresh optimizer, step 0)")
+        return path
+    return None

@@ -1,0 +1,43 @@
+"""One writer per run folder: an exclusive lock on `<run_dir>/.lock` for the life of the run (rank 0 holds it for
+the whole job). The kernel releases an flock when its process dies, so a crashed run leaves no stale lock; the
+file names the holder (host, pid, start time) so that a refused second writer can say who has the folder."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import time
+
+LOCK_NAME = ".lock"
+
+
+class RunFolderBusy(FileExistsError):
+    """Another process is writing this run folder."""
+
+
+class RunLock:
+    def __init__(self, run_dir: str):
+        self.path = os.path.join(run_dir, LOCK_NAME)
+        self.fd: int | None = None
+
+    def acquire(self) -> "RunLock":
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise RunFolderBusy(f"run folder {os.path.dirname(self.path)} is in use by {holder} (one writer per run "
+                                f"folder): wait for it to end, or choose another run_dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%dT%H:%M:%S')}\n"
+                  .encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
