@@ -23,6 +23,23 @@ log = logging.getLogger("dit_train")
 BEST_FD_KEYS = ("encoder", "ref_id", "num_gen")  # an FD is comparable only with one measured the same way
 
 
+def reference_data_config(data_cfg):
+    """The real images FD compares with: the training data itself, or for latents the images they were made from
+    (recorded by scripts/encode_latents.py in latents_info.json)."""
+    if data_cfg.name != "latents":
+        return data_cfg
+    from omegaconf import OmegaConf
+
+    from .config.latents import read_latents_info
+
+    source = read_latents_info(data_cfg.root).get("source")
+    if source is None:
+        raise ValueError(f"FD of a latent run compares with the images the latents were made from, but "
+                         f"{data_cfg.root}/latents_info.json does not name them: re-encode with "
+                         f"scripts/encode_latents.py, or set eval.every_n_steps=0")
+    return OmegaConf.create(source)
+
+
 def update_best_fd(best: dict | None, result: dict, step: int, active_time_s: float) -> dict | None:
     """The best FD after `result` (FDEvaluator.evaluate's dict): the lower finite value of the two, or the new
     one when the old was measured another way (encoder, reference or sample count)."""
@@ -44,11 +61,17 @@ class Evaluation:
         # the whole held-out batches stay on the host; each rank evaluates its slice of every batch
         self.val_batches = list(fixed_batches(val_set, tc.val_samples, tc.val_batch_size))
         self.t_grid = validation_t_grid(tc.val_t_points)
+        # a latent run's samples are decoded by the VAE that made its latents (each rank decodes its own batches)
+        self.codec = None
+        if cfg.data.name == "latents" and cfg.vae.path:
+            from .vae import LatentCodec
+
+            self.codec = LatentCodec(cfg.vae.path, dist.device, cfg.vae.decode_batch_size)
         self.fd = None
         if cfg.eval.every_n_steps:  # built now so that missing encoder weights fail before training starts
             from .fd.evaluator import FDEvaluator
 
-            self.fd = FDEvaluator(cfg.eval, cfg.data, dist.device)
+            self.fd = FDEvaluator(cfg.eval, reference_data_config(cfg.data), dist.device)
         self.last_val: dict = {}
 
     def run_due(self, step: int, final_step: int, ema_model, state) -> None:
@@ -67,8 +90,9 @@ class Evaluation:
                                lambda: autocast(self.cfg.train.precision, self.dist.device),
                                self.dist.rank, self.dist.world_size, all_reduce_sum_)
 
-    def sampler(self, ema_model, steps: int, cfg_scale: float):
-        return make_sampler(ema_model, self.cfg.model, self.dist.device, steps, cfg_scale, self.cfg.train.precision)
+    def sampler(self, ema_model, steps: int, cfg_scale: float, decode: bool = True):
+        return make_sampler(ema_model, self.cfg.model, self.dist.device, steps, cfg_scale, self.cfg.train.precision,
+                            decode=self.codec.decode if decode and self.codec is not None else None)
 
     def sample_grid(self, ema_model, step: int) -> str | None:
         """EMA samples of the first classes (the same noise at every step), or of the first held-out captions for
@@ -80,10 +104,12 @@ class Evaluation:
         if isinstance(y0, dict):
             context = y0["context"][: len(labels)].to(device)
             labels = torch.zeros(len(context), dtype=torch.long)
-        sample = self.sampler(ema_model, tc.sample_steps, tc.cfg_scale)
+        sample = self.sampler(ema_model, tc.sample_steps, tc.cfg_scale, decode=False)  # every rank: FSDP calls
         images = sample(labels, seeds.generator("grid_noise", self.cfg.seed, device=device), context=context)
         if not self.dist.is_main:
             return None
+        if self.codec is not None:  # only the rank that saves the grid decodes it
+            images = self.codec.decode(images)
         path = os.path.join(self.cfg.run_dir, "samples", f"step_{step:08d}.png")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         save_grid(images, path, nrow=k)

@@ -15,9 +15,10 @@ Sampler = Callable[..., torch.Tensor]
 
 
 def make_sampler(model: torch.nn.Module, model_cfg, device, steps: int, cfg_scale: float,
-                 precision: str = "fp32") -> Sampler:
+                 precision: str = "fp32", decode=None) -> Sampler:
     """`sample(labels, generator, context=None, context_mask=None) -> images [B, C, H, W]` for `model` (the EMA
-    model in eval mode). Labels are ignored by an unconditional model (model.num_classes = 0)."""
+    model in eval mode). Labels are ignored by an unconditional model (model.num_classes = 0). `decode` (a latent
+    run's vae.LatentCodec.decode) turns the sampled latents into images."""
     device = torch.device(device)
     shape = (int(model_cfg.in_channels), int(model_cfg.image_size), int(model_cfg.image_size))
     conditional = int(model_cfg.get("num_classes", 0) or 0) > 0
@@ -28,6 +29,6 @@ def make_sampler(model: torch.nn.Module, model_cfg, device, steps: int, cfg_scal
         with autocast(precision, device):
             x = euler_sample(model, noise, y=labels.to(device) if conditional else None, steps=int(steps),
                              cfg_scale=float(cfg_scale), context=context, context_mask=context_mask)
-        return x.float().clamp(-1, 1)
+        return decode(x) if decode is not None else x.float().clamp(-1, 1)
 
     return sample

@@ -67,6 +67,25 @@ def find_checkpoints(path: str | os.PathLike) -> tuple[Path, list[tuple[str, Pat
     return p, found
 
 
+def latent_decoder(run_cfg, data_cfg, vae_path: str | None, device):
+    """The decoder of a latent run's samples (None for image runs); the VAE is loaded once per folder."""
+    from omegaconf import OmegaConf
+
+    if data_cfg.name != "latents":
+        return None
+    path = vae_path or OmegaConf.select(run_cfg, "vae.path")
+    if not path:
+        raise SystemExit("a latent run's samples are decoded by its VAE: pass --vae /path/to/vae")
+    if path not in _CODECS:
+        from dit_train.vae import LatentCodec
+
+        _CODECS[path] = LatentCodec(path, device)
+    return _CODECS[path].decode
+
+
+_CODECS: dict = {}
+
+
 def row_key(row: dict) -> tuple:
     return (str(row["run"]), Path(str(row["checkpoint"])).name) + tuple(str(row[k]) for k in SETTINGS)
 
@@ -103,6 +122,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--no-grid", action="store_true", help="do not save a sample grid per checkpoint")
     ap.add_argument("--data-set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="overrides of each checkpoint's data config (e.g. root=/data/fmnist on another machine)")
+    ap.add_argument("--vae", help="VAE folder for latent runs (default: the run's vae.path)")
     add_eval_args(ap)
     args = ap.parse_args(argv)
 
@@ -111,6 +131,7 @@ def main(argv=None) -> list[dict]:
 
     from dit_train.fd.evaluator import FDEvaluator
     from dit_train.fd.features import build_extractor
+    from dit_train.evaluation import reference_data_config
     from dit_train.sampling import make_sampler
 
     dist_info = init_distributed(device=args.device)
@@ -146,15 +167,16 @@ def main(argv=None) -> list[dict]:
         model, run_cfg, meta = ckpt.load_for_inference(str(path), device)
         data_cfg = OmegaConf.merge(run_cfg.data, OmegaConf.from_dotlist(list(args.data_set)))
         mcfg = run_cfg.model
-        if data_cfg.name == "latents" or int(mcfg.get("text_dim", 0) or 0) > 0:
-            raise SystemExit(f"{path}: FD of latent/text-conditioned models needs a VAE decoder and text prompts; "
-                             f"not supported by this job (data.name={data_cfg.name})")
-        dkey = json.dumps(OmegaConf.to_container(data_cfg, resolve=True), sort_keys=True)
+        if int(mcfg.get("text_dim", 0) or 0) > 0:
+            raise SystemExit(f"{path}: FD of text-conditioned models needs prompts; not supported by this job")
+        real = reference_data_config(data_cfg)  # a latent run: the images its latents were made from
+        dkey = json.dumps(OmegaConf.to_container(real, resolve=True), sort_keys=True)
         if dkey not in evaluators:
-            evaluators[dkey] = FDEvaluator(cfg, data_cfg, device, extractor=extractor, log=log)
+            evaluators[dkey] = FDEvaluator(cfg, real, device, extractor=extractor, log=log)
         ev = evaluators[dkey]
-        sample = make_sampler(model, mcfg, device, int(cfg.sample_steps), float(cfg.cfg_scale),
-                              "bf16" if device.type == "cuda" else OmegaConf.select(run_cfg, "train.precision", default="fp32"))
+        precision = "bf16" if device.type == "cuda" else OmegaConf.select(run_cfg, "train.precision", default="fp32")
+        sample = make_sampler(model, mcfg, device, int(cfg.sample_steps), float(cfg.cfg_scale), precision,
+                              decode=latent_decoder(run_cfg, data_cfg, args.vae, device))
         res = ev.evaluate(sample, int(meta["step"]))
         row = {"run": run, "step": int(meta["step"]), "active_time_s": float(meta["active_time_s"]),
                "fd": res["fd"], "encoder": res["fd_encoder"], "num_gen": res["fd_num_gen"],

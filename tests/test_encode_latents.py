@@ -42,3 +42,33 @@ def test_encode_image_folder_with_tiny_random_vae_then_train_reads_it(tmp_path):
     mtime = os.path.getmtime(tmp_path / "lat" / "train" / "shard_00000.safetensors")
     assert subprocess.run(cmd, capture_output=True, timeout=120).returncode == 0
     assert os.path.getmtime(tmp_path / "lat" / "train" / "shard_00000.safetensors") == mtime
+
+
+def test_two_ranks_encode_the_same_shards_as_one(tmp_path):
+    """Under torchrun the shards are dealt over the ranks; the result equals the single-process encoding."""
+    from diffusers import AutoencoderKL
+    from safetensors.torch import load_file
+
+    from conftest import free_port
+
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16),
+                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                        layers_per_block=1, norm_num_groups=4, sample_size=32)
+    vae.save_pretrained(tmp_path / "vae")
+    args = ["--vae", str(tmp_path / "vae"), "--data", "fashion_mnist", "--limit", "20", "--shard-size", "6",
+            "--batch-size", "4", "--splits", "val"]
+    script = os.path.join(ROOT, "scripts", "encode_latents.py")
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, script, *args, "--out", str(tmp_path / "one")], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(free_port()), script, *args, "--out", str(tmp_path / "two")], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert two.returncode == 0, two.stderr
+    names = sorted(os.listdir(tmp_path / "one" / "val"))
+    assert names == sorted(os.listdir(tmp_path / "two" / "val")) and len(names) == 4
+    for name in names:
+        a, b = load_file(str(tmp_path / "one" / "val" / name)), load_file(str(tmp_path / "two" / "val" / name))
+        assert torch.equal(a["latents"], b["latents"]) and torch.equal(a["labels"], b["labels"])
+    assert (tmp_path / "two" / "latents_info.json").is_file()

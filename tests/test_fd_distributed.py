@@ -67,7 +67,7 @@ def test_rank_merged_equals_single_process(tmp_path):
         np.testing.assert_allclose(r["cov"], one.cov, rtol=1e-9, atol=1e-12)
 
     ev, single = _run_evaluator(tmp_path / "single_cache")
-    assert [r["batches"] for r in ranks] == [[0, 2], [1]]
+    assert [r["batches"] for r in ranks] == [[0, 2], [1, None]]  # rank 1 pads: the same number of turns
     assert [r["has_images"] for r in ranks] == [True, False]
     for r in ranks:
         assert r["num_gen"] == 40

@@ -23,7 +23,7 @@ def write_shards(root):
 
 
 def overrides(root, run_dir):
-    return ["data=latents", f"data.root={root}", f"run_dir={run_dir}", *TEXT]
+    return ["data=latents", f"data.root={root}", f"run_dir={run_dir}", "train.sample_every=0", *TEXT]  # no VAE
 
 
 @pytest.fixture(scope="module")

@@ -143,7 +143,7 @@ class ImageFolderData:
 @dataclass
 class LatentsData:
     name: str = key()
-    root: str = key()
+    root: Optional[str] = key()  # checked with the VAE in latents.py, with a hint how to make latents
     image_size: int = int_at_least(1)
     channels: int = int_at_least(1)
     num_classes: int = int_at_least(0)
@@ -164,6 +164,12 @@ DATA_SCHEMAS = {"fashion_mnist": FashionMNISTData, "image_folder": ImageFolderDa
 
 
 @dataclass
+class VaeConfig:
+    path: Optional[str] = key("expected null or a diffusers AutoencoderKL folder (config.json + weights)")
+    decode_batch_size: int = int_at_least(1)
+
+
+@dataclass
 class RunConfig:
     """The top level; the groups are checked with their own schemas (data and optimizer by name)."""
     seed: int = key()
@@ -176,4 +182,5 @@ class RunConfig:
     flow: Any = key()
     train: Any = key()
     parallel: Any = key()
+    vae: Any = key()
     study: Optional[Dict[str, Any]] = key(default=None)  # experiment grids (scripts/run_study.py); free-form

@@ -4,7 +4,6 @@ anything heavy happens; the check_* functions check one group and are what libra
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any, Mapping
 
@@ -15,7 +14,8 @@ from .fields import check_fields
 from .files import group_options, load_option, primary_node
 from .optimizers import OPTIMIZER_SCHEMAS
 from .schema import (DATA_SCHEMAS, Architecture, EvalConfig, FlowConfig, LoggerConfig, ModelConfig, ParallelConfig,
-                     RunConfig, TrainConfig)
+                     RunConfig, TrainConfig, VaeConfig)
+from .latents import check_latent_run
 
 
 def plain(node) -> dict:
@@ -120,15 +120,11 @@ def validate(cfg, world_size: int = 1) -> None:
     check_fields("logger", LoggerConfig, plain(cfg.logger))
     check_optimizer(cfg.optimizer)
     model, data, ev = check_model(cfg.model), check_data(cfg.data), check_eval(cfg.eval)
+    vae = check_fields("vae", VaeConfig, plain(cfg.vae))
     if not train["dry_run"]:
+        if data["name"] == "latents":
+            check_latent_run(model, data, vae, needs_decoding=bool(train["sample_every"] or ev["every_n_steps"]))
         _model_matches_data(model, data)
-    if world_size > 1 and ev["every_n_steps"]:
-        batches = math.ceil(ev["num_samples"] / ev["batch_size"])
-        if batches % world_size:
-            raise ConfigError(
-                f"eval.num_samples={ev['num_samples']} with eval.batch_size={ev['batch_size']} makes {batches} "
-                f"generation batches, not a multiple of the world size {world_size}: under FSDP every rank must "
-                f"sample the same number of batches; choose num_samples = k * {world_size} * batch_size")
 
 
 def _top_value(cfg, k: str) -> Any:

@@ -85,9 +85,13 @@ class FDEvaluator:
                      f"{self.extractor.name}: covariance rank-deficient, FD biased (fine for tracking, compare "
                      f"only equal counts)")
 
-    def my_batches(self) -> list[int]:
+    def my_batches(self) -> list[int | None]:
+        """This rank's generation batches, dealt round-robin; None marks a padding turn. Every rank takes the same
+        number of turns (sampling under FSDP2 is a collective), whatever the world size: the ranks with one batch
+        fewer sample a batch they throw away."""
         nb = math.ceil(self.num_samples / self.batch_size)
-        return list(range(self.rank, nb, self.world))
+        turns = math.ceil(nb / self.world)
+        return [b if b < nb else None for b in range(self.rank, turns * self.world, self.world)]
 
     @torch.no_grad()
     def generated_stats(self, sample_fn: SampleFn) -> tuple[StreamingStats, torch.Tensor | None]:
@@ -96,6 +100,10 @@ class FDEvaluator:
         acc = StreamingStats(self.extractor.feature_dim, device=self.device)
         first = None
         for b in self.my_batches():
+            if b is None:  # padding: the same model calls as the other ranks, nothing kept
+                sample_fn(self.labels[: self.batch_size].to(self.device),
+                          seeds.generator("fd_noise", self.seed, -1, device=self.device))
+                continue
             lo, hi = b * self.batch_size, min((b + 1) * self.batch_size, self.num_samples)
             labels = self.labels[lo:hi].to(self.device)
             gen = seeds.generator("fd_noise", self.seed, b, device=self.device)  # independent of the rank count

@@ -1,0 +1,61 @@
+"""What a latent run (data=latents) needs before anything is built: the latent shards, and the VAE that made them
+to decode samples for grids and FD, with the same scaling as at encoding time. Each missing piece is one line
+that says exactly what to pass and how to make it."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from .errors import ConfigError, invalid
+
+LATENTS_INFO = "latents_info.json"  # written by scripts/encode_latents.py at the root of the shards
+
+
+def encode_hint(model: dict) -> str:
+    pixels = model["image_size"] * 8
+    return (f"make them with `python scripts/encode_latents.py --vae /path/to/vae --images /data/images "
+            f"--out /data/latents --image-size {pixels}` (torchrun for several GPUs), then pass "
+            f"data.root=/data/latents vae.path=/path/to/vae; to measure throughput without data: data=synthetic")
+
+
+def vae_scaling(vae_path: str) -> tuple[float, float]:
+    """(scaling_factor, shift_factor) of a diffusers AutoencoderKL folder, as encode_latents.py applies them."""
+    with open(os.path.join(vae_path, "config.json")) as f:
+        config = json.load(f)
+    return float(config.get("scaling_factor") or 1.0), float(config.get("shift_factor") or 0.0)
+
+
+def read_latents_info(root: str) -> dict:
+    path = os.path.join(root, LATENTS_INFO)
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def check_latent_run(model: dict, data: dict, vae: dict, needs_decoding: bool) -> None:
+    root = data["root"]
+    if root in (None, "???", ""):
+        raise ConfigError(f"data.root is not set: model {model['name']} trains on VAE latents (data=latents); "
+                          f"{encode_hint(model)}")
+    if not os.path.isdir(root):
+        raise invalid("data.root", root, f"not a folder of latent shards; {encode_hint(model)}")
+    path = vae["path"]
+    if path is None:
+        if needs_decoding:
+            raise ConfigError("vae.path is not set: a latent run decodes its samples (train.sample_every, "
+                              "eval.every_n_steps) with the VAE that made the latents; pass vae.path=/path/to/vae "
+                              "(the folder given to encode_latents.py --vae), or set train.sample_every=0 "
+                              "eval.every_n_steps=0")
+        return
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise invalid("vae.path", path, "expected a diffusers AutoencoderKL folder (config.json + weights)")
+    info = read_latents_info(root)
+    if "scaling_factor" in info:
+        now = vae_scaling(path)
+        then = (float(info["scaling_factor"]), float(info["shift_factor"]))
+        if not all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(now, then)):
+            raise invalid("vae.path", path, f"its scaling/shift factors {now} differ from those the latents in "
+                                            f"{root} were made with {then} ({info.get('vae', '?')})")

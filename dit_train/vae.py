@@ -1,0 +1,41 @@
+"""The VAE of latent runs: one place for the latent convention, z = (mean of the posterior - shift) * scale with
+the VAE's own scaling_factor / shift_factor, used by scripts/encode_latents.py to encode and by sampling, grids
+and FD to decode. A diffusers AutoencoderKL from a local folder (no hub access)."""
+
+from __future__ import annotations
+
+import torch
+
+from .config.latents import vae_scaling
+
+
+def load_autoencoder(path: str, device):
+    try:
+        from diffusers import AutoencoderKL
+    except ImportError:
+        raise ImportError("latent runs need diffusers for the VAE: pip install diffusers") from None
+    return AutoencoderKL.from_pretrained(path).to(device).eval().requires_grad_(False)
+
+
+class LatentCodec:
+    def __init__(self, path: str, device, batch_size: int = 16):
+        self.path, self.device, self.batch_size = path, torch.device(device), int(batch_size)
+        self.vae = load_autoencoder(path, self.device)
+        self.scale, self.shift = vae_scaling(path)
+        self.channels = int(self.vae.config.in_channels)
+
+    @torch.no_grad()
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        """Images in [-1, 1] (grey ones repeated to the VAE's channels) -> latents as training sees them."""
+        if images.shape[1] == 1 and self.channels == 3:
+            images = images.repeat(1, 3, 1, 1)
+        out = [(self.vae.encode(x.to(self.device)).latent_dist.mean - self.shift) * self.scale
+               for x in images.split(self.batch_size)]
+        return torch.cat(out)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents -> images in [-1, 1], float32, `batch_size` latents per VAE call."""
+        out = [self.vae.decode(z.to(self.device, torch.float32) / self.scale + self.shift).sample.float()
+               for z in latents.split(self.batch_size)]
+        return torch.cat(out).clamp(-1, 1)
