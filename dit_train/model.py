@@ -273,8 +273,12 @@ class DiT(nn.Module):
         drop_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x: [B,C,H,W]; t: [B] in [0,1]; y: [B] labels (num_classes = null); context: [B,L,text_dim];
-        drop_mask: [B] bool, True drops the condition (classifier-free guidance training)."""
-        h = self.x_embedder.proj(self.patchify(x)) + self.pos_embed.to(x.dtype)
+        drop_mask: [B] bool, True drops the condition (classifier-free guidance training). t is used as given (fp32:
+        the timestep embedding needs its precision); x and context are cast to the compute dtype (bf16 under FSDP2
+        mixed precision, which does not cast the root's inputs)."""
+        compute = self.x_embedder.proj.weight.dtype
+        x = x.to(compute)
+        h = self.x_embedder.proj(self.patchify(x)) + self.pos_embed.to(compute)
         c = self.t_embedder(t)
         if self.y_embedder is not None:
             if y is None:  # unconditional call: use the null class
@@ -283,7 +287,7 @@ class DiT(nn.Module):
         if context is not None:
             if self.context_embedder is None:
                 raise ValueError("context given but model.text_dim=0; set model.text_dim to the embedding width")
-            context = self.context_embedder(context)
+            context = self.context_embedder(context.to(compute))
             if drop_mask is not None:  # dropped text condition = zero context (the text 'null')
                 context = context * (~drop_mask).to(context.dtype)[:, None, None]
         for block in self.blocks:

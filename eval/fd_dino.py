@@ -132,6 +132,7 @@ def main(argv=None) -> list[dict]:
     from dit_train.fd.evaluator import FDEvaluator
     from dit_train.fd.features import build_extractor
     from dit_train.evaluation import reference_data_config
+    from dit_train.parallel import compute_precision
     from dit_train.sampling import make_sampler
 
     dist_info = init_distributed(device=args.device)
@@ -174,7 +175,7 @@ def main(argv=None) -> list[dict]:
         if dkey not in evaluators:
             evaluators[dkey] = FDEvaluator(cfg, real, device, extractor=extractor, log=log)
         ev = evaluators[dkey]
-        precision = "bf16" if device.type == "cuda" else OmegaConf.select(run_cfg, "train.precision", default="fp32")
+        precision = compute_precision(OmegaConf.select(run_cfg, "train.precision", default="auto"), device)
         sample = make_sampler(model, mcfg, device, int(cfg.sample_steps), float(cfg.cfg_scale), precision,
                               decode=latent_decoder(run_cfg, data_cfg, args.vae, device))
         res = ev.evaluate(sample, int(meta["step"]))

@@ -2,7 +2,7 @@
 # Installs everything dit_train needs on a fresh Debian machine (CPU), then the package itself.
 #   bash scripts/setup.sh          # what the demo needs
 #   bash scripts/setup.sh --dev    # plus test/eval dependencies (transformers, diffusers, Inception weights, ...)
-# On a GPU machine install your CUDA build of torch first; "torch>=2.6" in pyproject then installs nothing more.
+# On a GPU machine install your CUDA build of torch first; "torch>=2.9" in pyproject then installs nothing more.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -23,7 +23,7 @@ class TrainConfig:
     min_lr_ratio: float = number("expected a value in [0, 1]", lambda v: 0 <= v <= 1)
     grad_clip: float = number("expected >= 0 (0 disables clipping)", lambda v: v >= 0)
     ema_decay: float = number("expected a value in [0, 1)", lambda v: 0 <= v < 1)
-    precision: str = choice("fp32", "bf16")
+    precision: str = choice("auto", "fp32", "bf16", valid="choose auto (bf16 on CUDA, fp32 on CPU), bf16 or fp32")
     log_every: int = int_at_least(1)
     val_every: int = int_at_least(0)
     val_samples: int = int_at_least(0)
