@@ -78,3 +78,12 @@ def test_optimizer_steps_with_the_spectral_scale_move_rank_one_momentum_at_most_
         build_optimizer(torch.nn.Linear(4, 4), {"name": "muon", "rownorm_scale": "spectral"})
     opt = build_optimizer(torch.nn.Linear(4, 4), {"name": "periodic_rowwise", "rownorm_scale": "spectral"})
     assert {g["rownorm_scale"] for g in opt.param_groups} == {"spectral"}
+
+
+def test_checkpoints_from_before_the_key_resume_under_the_papers_scale_only():
+    from dit_train.resume_policy import config_changes
+
+    saved = {"optimizer": {"name": "rownorm", "lr": 0.002}}
+    assert config_changes(saved, {"optimizer": {**saved["optimizer"], "rownorm_scale": "frobenius"}}) == []
+    assert config_changes(saved, {"optimizer": {**saved["optimizer"], "rownorm_scale": "spectral"}}) == [
+        ("optimizer.rownorm_scale", "frobenius", "spectral")]
