@@ -24,12 +24,16 @@ log = logging.getLogger("dit_train")
 
 MAY_CHANGE_ON_RESUME = (
     "run_dir", "study", "study.*", "logger.*", "parallel.*", "optimizer.distributed_mode", "optimizer.bucket_mb",
-    "data.root", "eval.every_n_steps", "eval.cache_dir",
+    "data.root", "vae.path", "vae.decode_batch_size", "eval.every_n_steps", "eval.cache_dir",
     "eval.encoder_path", "train.steps", "train.resume", "train.init_from", "train.dry_run", "train.progress",
     "train.timing", "train.log_every", "train.val_every", "train.sample_every", "train.sample_steps",
     "train.samples_per_class", "train.cfg_scale", "train.ckpt_every", "train.keep_last", "train.num_workers",
     "train.max_bad_steps",
 )
+
+# Keys added after runs were recorded, with the value that reproduces what those runs did: a checkpoint whose config
+# lacks the key resumes under that value (and only that one).
+ADDED_LATER = {"optimizer.rownorm_scale": "frobenius"}
 
 
 def resume_candidates(cfg, remove_partial: bool = False) -> list[str]:
@@ -61,6 +65,7 @@ def config_changes(saved: dict, now: dict) -> list[tuple[str, object, object]]:
     """(key, saved value, new value) for every key that differs and may not change on resume."""
     a, b = flatten(saved), flatten(now)
     absent = "(absent)"
+    a.update({k: v for k, v in ADDED_LATER.items() if k not in a and k in b})
     return [(k, a.get(k, absent), b.get(k, absent)) for k in sorted(set(a) | set(b))
             if a.get(k, absent) != b.get(k, absent)
             and not any(fnmatch.fnmatchcase(k, p) for p in MAY_CHANGE_ON_RESUME)]

@@ -37,6 +37,7 @@ from .preemption import Preemption
 from .resume_policy import check_resume, resume_candidates
 from .run_lock import RunLock
 from .run_info import write_run_info
+from .step_window import StepWindow
 from .timing import PhaseTimer, set_active_timer
 from .train_state import TrainState
 
@@ -88,6 +89,7 @@ class Trainer:
         self.evaluation = Evaluation(cfg, dist, self.val_set, self.logger)
         self.preemption = Preemption()
         self.throughput = Throughput()
+        self.window = StepWindow()  # every step's timings, averaged into the next log row
         self.bad_steps = 0  # non-finite steps in a row
 
     # ---- checkpoints -------------------------------------------------------------------------------------
@@ -221,9 +223,10 @@ class Trainer:
             state.active_time_s += step_time
             state.step += 1
             self.throughput.add(tc.batch_size, step_time + data_time, metrics["train/loss"])
-            timings = self.timer.collect()  # every step: timings of other steps are not carried into a log row
+            self.window.add({**self.timer.collect(), "time/step": step_time, "time/data": data_time},
+                            metrics.get("opt/refresh"))
             if every_n_steps(state.step, tc.log_every, tc.steps):
-                self.log_train_row(metrics, timings, step_time, data_time, progress)
+                self.log_train_row(metrics, self.window.take(), progress)
             if progress is not None:
                 progress.update(1)
             self.evaluation.run_due(state.step, tc.steps, self.ema.model, state)
@@ -245,9 +248,10 @@ class Trainer:
 
         return tqdm(total=self.tc.steps, initial=self.state.step, desc="train", dynamic_ncols=True, unit="step")
 
-    def log_train_row(self, metrics: dict, timings: dict, step_time: float, data_time: float, progress) -> None:
-        metrics = {**metrics, **timings, "lr": self.scheduler.get_last_lr()[0], "time/step": step_time,
-                   "time/data": data_time, "imgs_per_s": self.throughput.take_rate(),
+    def log_train_row(self, metrics: dict, window: dict, progress) -> None:
+        """The logged step's own values (loss, grad norm, opt/refresh) with the window's timing means (step_window)."""
+        metrics = {**metrics, **window, "lr": self.scheduler.get_last_lr()[0],
+                   "imgs_per_s": self.throughput.take_rate(),
                    "active_time_s": self.state.active_time_s, "skipped_steps": self.state.skipped_steps}
         skipped_data = len(getattr(self.train_set, "skipped", ()))
         if skipped_data:

@@ -9,7 +9,8 @@ turn (interleaved, so background load hits all of them alike); the table reports
 Rows:
 - adamw, muon, rownorm, mud: our registry, full model (matrix update + AdamW on the rest).
 - periodic_rowwise: the refresh step (NS5), the non-refresh step (RowNorm), and the K-average
-  (refresh + (K-1) non-refresh) / K for K = 1, 3, 5, 10.
+  (refresh + (K-1) non-refresh) / K for K = 1, 3, 5, 10; and the non-refresh step with rownorm_scale=spectral
+  (RowNorm with its operator norm capped, optim/spectral_cap.py).
 - torch.optim.Muon: on our matrix parameters, plus torch AdamW(foreach) on the rest (so it is the same work).
 - torch.optim.AdamW(foreach=True): every parameter (the baseline of "ratio to AdamW").
 NS5 efficiency: the plain iteration's flops (5 (4 r^2 c + 2 r^3) per matrix, whichever form runs) over the time of
@@ -108,12 +109,14 @@ def main():
         "muon": {"name": "muon"},
         "muon (plain NS5, no Gram form)": {"name": "muon", "ns_gram": False},
         "periodic_rowwise": {"name": "periodic_rowwise", "K": 10},
+        "periodic_rowwise spectral": {"name": "periodic_rowwise", "K": 10, "rownorm_scale": "spectral"},
         "rownorm": {"name": "rownorm"},
         "mud": {"name": "mud"},
         "mud (explicit inverse + GEMM)": {"name": "mud", "mud_solve": "inverse"},
     }
     if args.quick:
-        ours = {k: v for k, v in ours.items() if k in ("adamw", "muon", "periodic_rowwise", "rownorm")}
+        ours = {k: v for k, v in ours.items()
+                if k in ("adamw", "muon", "periodic_rowwise", "periodic_rowwise spectral", "rownorm")}
     contenders = {}
     for label, c in ours.items():
         opt = build_optimizer(model, {**base, **c})
@@ -150,6 +153,8 @@ def main():
         if label == "periodic_rowwise":
             steps.append(("periodic_rowwise refresh", periodic_step(opt, True)))
             steps.append(("periodic_rowwise non-refresh", periodic_step(opt, False)))
+        elif label == "periodic_rowwise spectral":  # its refresh step is the one above; the RowNorm step differs
+            steps.append(("periodic_rowwise non-refresh spectral", periodic_step(opt, False)))
         else:
             steps.append((label, opt.step))
     steps.append(("torch.optim.Muon", lambda: (t_muon.step(), t_muon_rest.step())))
@@ -195,6 +200,11 @@ def main():
         tr, tn = med["periodic_rowwise refresh"], med["periodic_rowwise non-refresh"]
         print(row("periodic_rowwise refresh step", tr, ns_eff("periodic_rowwise refresh")))
         print(row("periodic_rowwise non-refresh step", tn, ""))
+        if "periodic_rowwise non-refresh spectral" in med:
+            ts = med["periodic_rowwise non-refresh spectral"]
+            d = ph.get("periodic_rowwise non-refresh spectral", {}).get("time/direction")
+            print(row("periodic_rowwise non-refresh step, rownorm_scale=spectral", ts,
+                      f"direction {d * 1e3:.1f} ms" if d else ""))
         for K in (1, 3, 5, 10):
             print(row(f"periodic_rowwise K={K} average", (tr + (K - 1) * tn) / K, ""))
     print()

@@ -52,6 +52,9 @@ class Run:
     step_s: float = math.nan
     comm_bytes: float = math.nan  # logical optimizer bytes per step per rank
     phases: dict = field(default_factory=dict)
+    windowed: bool = False  # times are window means over every step (not the logged steps' own values)
+    timed_steps: float = 0.0  # steps behind the time means (windowed records only)
+    refresh_steps: float = math.nan  # of which periodic refreshes (windowed records only)
     git_commit: str = ""  # from run_info.json: the code that produced this run
     lr: float = math.nan  # optimizer.lr; part of the label only in sweeps that scan it
     val_curve: list = field(default_factory=list)  # (step, active_s, val_loss)
@@ -71,6 +74,13 @@ def optimizer_label(opt_cfg: dict) -> str:
 def mean(xs):
     xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
     return sum(xs) / len(xs) if xs else math.nan
+
+
+def weighted_mean(pairs) -> float:
+    """sum(w x) / sum(w) over (x, w) pairs whose x is a number (None and NaN are left out)."""
+    pairs = [(x, w) for x, w in pairs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    total = sum(w for _, w in pairs)
+    return sum(x * w for x, w in pairs) / total if total else math.nan
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -127,13 +137,22 @@ def _read_run(folder: str, name: str) -> Run:
         best = min(run.fd_curve, key=lambda c: c[2])
         run.best_fd_step, run.best_fd_active_s, run.best_fd = best
     timed = train[WARMUP_ROWS:] or train
-    run.optimizer_s = mean([r.get("time/optimizer") for r in timed])
-    run.step_s = mean([r.get("time/step") for r in timed])
-    run.comm_bytes = mean([r.get("comm_bytes/total", 0.0) for r in timed]) if timed else math.nan
-    comm = mean([r.get("time/comm", 0.0) for r in timed])
-    run.phases = {"data": mean([r.get("time/data") for r in timed]),
-                  "forward": mean([r.get("time/forward") for r in timed]),
-                  "backward": mean([r.get("time/backward") for r in timed]),
+    # rows with window/steps hold means over every step of their log window: weight them by it. Older records
+    # hold the logged step's own values only (which alias with periodic_rowwise's K): one sample per row.
+    run.windowed = bool(timed) and all("window/steps" in r for r in timed)
+    weights = [r["window/steps"] if run.windowed else 1.0 for r in timed]
+
+    def avg(key, absent=None):
+        return weighted_mean([(r.get(key, absent), w) for r, w in zip(timed, weights)])
+
+    run.timed_steps = sum(weights) if run.windowed else 0.0
+    if run.windowed and any("opt/refresh_steps" in r for r in timed):
+        run.refresh_steps = sum(r.get("opt/refresh_steps", 0.0) for r in timed)
+    run.optimizer_s = avg("time/optimizer")
+    run.step_s = avg("time/step")
+    run.comm_bytes = avg("comm_bytes/total", 0.0) if timed else math.nan
+    comm = avg("time/comm", 0.0)
+    run.phases = {"data": avg("time/data"), "forward": avg("time/forward"), "backward": avg("time/backward"),
                   "optimizer compute": run.optimizer_s - comm, "exposed communication": comm}
     info = os.path.join(folder, "run_info.json")
     if os.path.exists(info):
@@ -270,6 +289,29 @@ def table2(runs: list[Run]) -> str:
             lines.append(f"| {model} | {opt} | {o * 1000:.1f} ms | {ratio(o, ref_opt)} | {s * 1000:.1f} ms | "
                          f"{ratio(s, ref_step)} | {c:.0f} | {ratio(c, ref_comm)} | {a:.0f} s | {red} |")
     return "\n".join(lines)
+
+
+def timing_note(runs: list[Run]) -> str:
+    """How the times of Table 2 were averaged, per kind of record."""
+    done = [r for r in runs if r.status == "finished"]
+    windowed = [r for r in done if r.windowed]
+    old = [r for r in done if not r.windowed]
+    notes = []
+    if windowed:
+        shares = defaultdict(lambda: [0.0, 0.0])
+        for r in windowed:
+            if not math.isnan(r.refresh_steps) and r.timed_steps:
+                shares[r.optimizer][0] += r.refresh_steps
+                shares[r.optimizer][1] += r.timed_steps
+        share = ("; refresh steps among the timed steps: " + ", ".join(
+            f"{o} {n:.0f} of {t:.0f}" for o, (n, t) in sorted(shares.items()))) if shares else ""
+        notes.append(f"{len(windowed)} run(s) log window means over every step: their times are those means "
+                     f"weighted by each window's step count{share}.")
+    if old:
+        notes.append(f"{len(old)} run(s) were recorded before window means (no window/steps): their times are "
+                     f"means of the logged steps' own values, which alias with periodic_rowwise's K (with "
+                     f"log_every a multiple of K no refresh step is timed).")
+    return " ".join(notes)
 
 
 def value_at(curve: list, t: float) -> float:
@@ -484,8 +526,9 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
         "validation velocity loss (fixed t grid, fixed noise, held-out split). Mean ± std over seeds.",
         table1(runs),
         "## Table 2 — cost relative to Muon",
-        "Means per logged step after the first rows. Communication is the logical optimizer bytes per step per rank "
-        "(0 in single-process runs). Active time is wall time inside training steps (no evaluation/checkpoints).",
+        "Means per step after the first log rows. Communication is the logical optimizer bytes per step per rank "
+        "(0 in single-process runs). Active time is wall time inside training steps (no evaluation/checkpoints). "
+        + timing_note(runs),
         table2(runs),
         "## Table 3 — equal active time",
         "Validation velocity loss when every run has had the same active training time: the budget is the "

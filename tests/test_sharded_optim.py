@@ -40,6 +40,10 @@ CASES = {
     "rownorm": ("rownorm", {}, {}),
     "mud/gather": ("mud", {}, {"gather_dtype": "fp32"}),
     "mud/owner/buckets": ("mud", {}, {"gather_dtype": "fp32", "distributed_mode": "owner", "bucket_mb": SMALL}),
+    # the spectral RowNorm scale (optim/spectral_cap.py) on rank-1 gradients, where its cap is active
+    "rownorm/spectral": ("rownorm", {"rownorm_scale": "spectral"}, {}),
+    "periodic_rowwise/spectral/owner": ("periodic_rowwise", {"rownorm_scale": "spectral"},
+                                        {"distributed_mode": "owner"}),
 }
 
 
@@ -48,15 +52,19 @@ def full_params():
     return [torch.randn(s, generator=g) * 0.1 for s in SHAPES], torch.randn(10, generator=g)
 
 
-def step_grads(step):
+def step_grads(step, name=""):
+    """Gaussian gradients; rank-1 ones for the spectral RowNorm cases (so that the momentum is low-rank)."""
     g = torch.Generator().manual_seed(100 + step)
+    if "spectral" in name:
+        return ([torch.randn(m, 1, generator=g) @ torch.randn(1, n, generator=g) for m, n in SHAPES],
+                torch.randn(10, generator=g))
     return [torch.randn(s, generator=g) for s in SHAPES], torch.randn(10, generator=g)
 
 
 def make_optimizer(cls, matrices, bias, name, **placement):
     kind, group_kw, _ = CASES[name]
     return cls([{"params": matrices, "kind": "matrix"}, {"params": [bias], "kind": "adamw"}], lr=LR,
-               weight_decay=WD, **KINDS[kind], **group_kw, **placement)
+               weight_decay=WD, **KINDS[kind], **{**group_kw, **placement})
 
 
 def _entry(rank, world, port, fn, args):
@@ -92,7 +100,7 @@ def run_cases(rank, world, out_path):
         set_active_timer(timer)
         log = []
         for step in range(STEPS):
-            G, gb = step_grads(step)
+            G, gb = step_grads(step, name)
             for p, g in zip(ps, G):
                 p.grad = shard(g)
             pb.grad = shard(gb)
@@ -116,14 +124,14 @@ def sharded(request, tmp_path_factory):
     return world, torch.load(out, weights_only=True)
 
 
-def single_process(name):
-    """The reference: MatrixOptimizer on whole tensors, same gradients."""
+def single_process(name, **group_kw):
+    """The reference: MatrixOptimizer on whole tensors, same gradients (group_kw: overrides of the case's)."""
     W, b = full_params()
     ps = [torch.nn.Parameter(w.clone()) for w in W]
     pb = torch.nn.Parameter(b.clone())
-    opt = make_optimizer(MatrixOptimizer, ps, pb, name)
+    opt = make_optimizer(MatrixOptimizer, ps, pb, name, **group_kw)
     for step in range(STEPS):
-        G, gb = step_grads(step)
+        G, gb = step_grads(step, name)
         for p, g in zip(ps, G):
             p.grad = g
         pb.grad = gb
@@ -161,7 +169,11 @@ def expected_bytes(name, world, rank, refresh):
         return {}
     tall = [(m, n) for m, n in SHAPES if m > n]
     if kind == "rownorm" or (kind == "periodic_rowwise" and not refresh):
-        return {"all_reduce": sum(4 * n for _, n in tall)}  # one fp32 sum of squares per column; wide: nothing
+        sums = sum(4 * n for _, n in tall)  # one fp32 sum of squares per column; wide: nothing
+        if group_kw.get("rownorm_scale") == "spectral":  # 3 power-iteration rounds (spectral_cap.py), fp32:
+            sums += sum(4 * (3 * n + 1) for m, n in SHAPES if m <= n)  # rows split: R^T x (c = n) 3x, |x|^2 once
+            sums += sum(4 * (2 * n + 1) for _, n in tall)  # columns split: R y (r = n) 2x, then |R^T x|^2
+        return {"all_reduce": sums}
     out = {}
     whole = SHAPES
     if kind == "mud":  # tall: the Gram's lower triangle + column norms before and after the solve; wide: whole
@@ -207,6 +219,17 @@ def test_counted_bytes_equal_the_analytic_expectation(sharded, name):
             assert {"time/momentum", "time/direction", "time/update"} <= set(timings)
             if counted:
                 assert "time/comm" in timings  # the exposed wait is timed as its own phase
+
+
+def test_the_spectral_cases_differ_from_the_frobenius_scale(sharded):
+    """The cap was active in the spectral cases (else their equality with the single process would test nothing):
+    on rank-1 momentum it cuts the RowNorm steps, so the weights move less than under the frobenius scale."""
+    world, results = sharded
+    for name in ("rownorm/spectral", "periodic_rowwise/spectral/owner"):
+        frobenius, start = single_process(name, rownorm_scale="frobenius")
+        for i, (a, f, w0) in enumerate(zip(results[name]["params"][:-1], frobenius, start)):
+            if min(w0.shape) >= 12:  # rank-1 RowNorm has norm sqrt(r), well above the cap (<= 2) only for larger r
+                assert (a - w0).norm() < 0.8 * (f - w0).norm(), (name, i, tuple(w0.shape))
 
 
 def test_rownorm_on_wide_matrices_sends_nothing_and_tall_ones_n_floats():

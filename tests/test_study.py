@@ -330,3 +330,30 @@ def test_report_survives_damaged_folders_and_reads_resumed_metrics(tmp_path):
     report.build_report(str(sweep), None)
     text = (sweep / "report.md").read_text()
     assert "| torn_summary | damaged: JSONDecodeError" in text and "| bad_config | damaged: " in text
+
+
+def test_report_weights_window_means_by_their_step_counts_and_reads_old_records(tmp_path):
+    """Rows with window/steps are means over every step of their window (dit_train/step_window.py): Table 2 weights
+    them by window/steps, never by row. Records without window fields still read, with a note that they alias."""
+    sweep = tmp_path / "sweep"
+    warm = [{"step": s, "train/loss": 1.0, "time/optimizer": 9.0, "time/step": 9.0, "window/steps": 1.0}
+            for s in (1, 2)]
+
+    def window(step, n, refresh, opt_s, step_s):
+        return {"step": step, "train/loss": 1.0, "window/steps": float(n), "opt/refresh_steps": float(refresh),
+                "opt/rownorm_steps": float(n - refresh), "time/optimizer": opt_s, "time/step": step_s,
+                "time/forward": 0.1, "time/backward": 0.1, "time/data": 0.0, "active_time_s": step * 0.1}
+
+    # periodic: a window of 10 steps at 10 ms and one of 30 steps at 30 ms -> (0.1 + 0.9) / 40 = 25 ms per step
+    # (the mean of the rows would be 20 ms); step time (1 + 6) / 40 = 175 ms
+    periodic = warm + [window(12, 10, 2, 0.01, 0.1), window(42, 30, 6, 0.03, 0.2), {"step": 42, "val/loss": 0.5}]
+    write_run(sweep / "periodic", "dit_xs", "periodic_rowwise", 0, periodic, K=5)
+    muon = warm + [{"step": s, "train/loss": 1.0, "time/optimizer": 0.05, "time/step": 0.25, "active_time_s": s}
+                   for s in (3, 4)] + [{"step": 4, "val/loss": 0.4}]
+    write_run(sweep / "muon-old", "dit_xs", "muon", 0, muon)  # an old record: no window fields
+    text = report.build_report(str(sweep))
+    t2 = text.split("## Table 2")[1].split("## Table 3")[0]
+    assert "| dit_xs | periodic_rowwise K=5 | 25.0 ms | 0.500 | 175.0 ms | 0.700 |" in t2
+    assert "| dit_xs | muon | 50.0 ms | 1.000 | 250.0 ms | 1.000 |" in t2
+    assert "refresh steps among the timed steps: periodic_rowwise K=5 8 of 40" in t2
+    assert "1 run(s) were recorded before window means (no window/steps)" in t2

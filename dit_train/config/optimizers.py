@@ -40,9 +40,14 @@ class MatrixConfig(AdamWConfig):
     bucket_mb: float = number("expected > 0", lambda v: v > 0)
 
 
+def _rownorm_scale():
+    # conf/optimizer/_rownorm_scale.yaml: RowNorm's scale rule (docs/algorithms.md §4)
+    return choice("frobenius", "spectral")
+
+
 @dataclass
 class RowNormConfig(MatrixConfig):
-    pass
+    rownorm_scale: str = _rownorm_scale()
 
 
 @dataclass
@@ -55,6 +60,7 @@ class MuonConfig(MatrixConfig):
 @dataclass
 class PeriodicRowwiseConfig(MuonConfig):
     K: int = int_at_least(1)
+    rownorm_scale: str = _rownorm_scale()
 
 
 @dataclass

@@ -38,8 +38,10 @@ from torch.optim.adam import adam as _adam_functional
 
 from ..timing import active_timer
 from .directions import mud_whiten, newton_schulz5, row_inv_norms
+from .spectral_cap import cap_factors, whole_matrix_problem
 
 SCALE_RULES = ("moonlight", "keller", "none")
+ROWNORM_SCALES = ("frobenius", "spectral")  # docs/algorithms.md §4; spectral: spectral_cap.py
 KINDS = ("matrix", "adamw")
 
 
@@ -138,6 +140,7 @@ class MatrixOptimizer(Optimizer):
         mud_passes: int = 1,
         mud_solve: str = "triangular",
         direction_eps: float = 1e-7,
+        rownorm_scale: str = "frobenius",
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         adamw_impl: str = "fused",
@@ -146,7 +149,7 @@ class MatrixOptimizer(Optimizer):
             kind="matrix", lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, scale=scale,
             direction=direction, refresh_every=refresh_every, between=between, ns_steps=ns_steps,
             ns_dtype=_dtype_name(ns_dtype), ns_gram=ns_gram, mud_passes=mud_passes, mud_solve=mud_solve,
-            direction_eps=direction_eps, betas=tuple(betas), eps=eps, adamw_impl=adamw_impl, step=0,
+            direction_eps=direction_eps, rownorm_scale=rownorm_scale, betas=tuple(betas), eps=eps, adamw_impl=adamw_impl, step=0,
         )
         super().__init__(params, defaults)
         self._workspace: dict = {}
@@ -265,7 +268,13 @@ class MatrixOptimizer(Optimizer):
     def _directions(self, kind: str, inputs: dict, group: dict, timer) -> dict:
         """The direction of every bucket: {key: (D, row_scale)}."""
         with timer.phase("direction"):
-            return {key: self._direction(kind, key, U, group) for key, U in inputs.items()}
+            out = {key: self._direction(kind, key, U, group) for key, U in inputs.items()}
+            if caps_rownorm(kind, group):
+                keys = list(inputs)
+                problems = [whole_matrix_problem(inputs[k], out[k][1], k[0][0] > k[0][1]) for k in keys]
+                for k, f in zip(keys, cap_factors(problems)):
+                    out[k] = (out[k][0], out[k][1] * f.to(out[k][1].dtype))
+            return out
 
     def _direction(self, kind: str, key, U: Tensor, group: dict) -> tuple[Tensor, Tensor | None]:
         """Direction of one bucket; single device: the whole matrices are here, no reduce."""
@@ -326,6 +335,12 @@ class MatrixOptimizer(Optimizer):
         )
 
 
+def caps_rownorm(kind: str, group: dict) -> bool:
+    """Whether this step's RowNorm direction takes the spectral cap (rownorm_scale = spectral, §4). Groups saved
+    before the key existed are frobenius."""
+    return kind == "rownorm" and group.get("rownorm_scale", "frobenius") == "spectral"
+
+
 def _buckets(params: list[Tensor], shapes: list[tuple]) -> dict[tuple, list[int]]:
     """Indices of same-(matrix shape, dtype, device) matrices, which are stacked and processed as one batch."""
     out: dict[tuple, list[int]] = defaultdict(list)
@@ -354,5 +369,8 @@ def _check_group(group: dict, accepts_dtensors: bool = False) -> None:
             v = group[key]
             if v is not None and v not in DIRECTION_FNS:
                 raise ValueError(f"{key}={v!r} is not valid; choose one of {', '.join(DIRECTION_FNS)}")
+        if group.get("rownorm_scale", "frobenius") not in ROWNORM_SCALES:
+            raise ValueError(f"rownorm_scale={group['rownorm_scale']!r} is not valid; choose one of "
+                             f"{', '.join(ROWNORM_SCALES)}")
         # momentum, K, scale and adamw_impl are config values: dit_train.config.check_optimizer checks them
         group["ns_dtype"] = _dtype_name(group["ns_dtype"])

@@ -61,7 +61,8 @@ def build_matrix(model: nn.Module, c: dict, *, name: str, direction: str,
         groups.append({"params": [p for _, p in routing.adamw], "kind": "adamw", "lr": adamw_lr,
                        "weight_decay": adamw_wd})
     K = c.get("K") or 1
-    kwargs = {k: c[k] for k in ("ns_steps", "ns_dtype", "ns_gram", "mud_passes", "mud_solve") if k in c}
+    kwargs = {k: c[k] for k in ("ns_steps", "ns_dtype", "ns_gram", "mud_passes", "mud_solve", "rownorm_scale")
+              if k in c}
     # FSDP2 shards (DTensor parameters) take the sharded implementation, with its placement keys
     sharded = any(hasattr(p, "to_local") for _, p in routing.matrix)
     cls = ShardedMatrixOptimizer if sharded else MatrixOptimizer
@@ -74,6 +75,7 @@ def build_matrix(model: nn.Module, c: dict, *, name: str, direction: str,
     )
     sched = f"{direction} when step % {K} == 0, {between} otherwise" if between else f"{direction} every step"
     dtype = f", NS5 in {c['ns_dtype']}" if "ns_dtype" in c else ""
+    dtype += f", RowNorm scale {c['rownorm_scale']}" if "rownorm_scale" in c else ""
     where = f"; {opt.describe_placement()}" if sharded else ""
     opt.routing_table = _describe(
         name, routing,

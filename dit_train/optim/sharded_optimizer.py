@@ -39,7 +39,8 @@ from torch import Tensor
 
 from .collectives import PhaseSwitch, ShardComm
 from .directions import inv_norms_from_sumsq, row_sumsq
-from .matrix_optimizer import DTYPES, MatrixOptimizer, compute_direction
+from .matrix_optimizer import DTYPES, MatrixOptimizer, caps_rownorm, compute_direction
+from .spectral_cap import cap_factors, spectral_cap, start_vectors
 from .whole_matrix_exchange import assign_owners, gather_directions, owner_directions, plan_buckets
 
 LOCAL, REDUCE, WHOLE = "local", "reduce", "whole"
@@ -156,9 +157,29 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
                 for key, part in zip(sums, flat.split(parts)):
                     out[key] = (inputs[key], inv_norms_from_sumsq(part.view(inputs[key].shape[0], 1, -1),
                                                                   group["direction_eps"]))
+            if caps_rownorm(kind, group):
+                self._cap_row_scales(inputs, out, where, comm, phases)
             return out
         finally:
             phases.close()
+
+    @staticmethod
+    def _cap_row_scales(inputs: dict, out: dict, where: dict, comm: ShardComm, phases: PhaseSwitch) -> None:
+        """The spectral RowNorm scale on shards (spectral_cap.py): wide shards hold rows of R, tall shards columns;
+        every bucket's power iteration advances together, one counted fp32 all-reduce per round (ROUNDS in all)."""
+        problems = []
+        for key, U in inputs.items():
+            m, n = key[0]
+            tall = where[key] == REDUCE
+            r, c = (n, m) if tall else (m, n)
+            x0 = start_vectors(U.shape[0], r, U.device, torch.promote_types(U.dtype, torch.float32))
+            if not tall:  # this rank's rows of R are its rows of the matrix
+                start, rows = comm.rows(m)[comm.rank]
+                x0 = x0[:, start:start + rows]
+            problems.append((U, out[key][1], tall, x0, "cols" if tall else "rows", spectral_cap(r, c)))
+        factors = cap_factors(problems, lambda t: comm.all_reduce_(t, phases))
+        for key, f in zip(inputs, factors):
+            out[key] = (out[key][0], out[key][1] * f.to(out[key][1].dtype))
 
     @staticmethod
     def _start_column_sums(keys: list, inputs: dict, comm: ShardComm):
