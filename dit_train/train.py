@@ -199,8 +199,10 @@ class Trainer:
             with self.preemption:
                 self.loop()
             barrier()
-            return write_summary(self.cfg, self.state, self.throughput, self.evaluation.last_val,
-                                 count_parameters(self.model), self.train_set.dataset_id, self.dist.is_main)
+            summary = write_summary(self.cfg, self.state, self.throughput, self.evaluation.last_val,
+                                    count_parameters(self.model), self.train_set.dataset_id, self.dist.is_main)
+            self.logger.summary(summary)
+            return summary
         finally:
             self.logger.close()
 
