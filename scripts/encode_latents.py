@@ -25,6 +25,12 @@ from dit_train.data import build_dataset  # noqa: E402
 
 
 def load_vae(path: str, device):
+    from dit_train.extras import MissingExtra, require
+
+    try:
+        require("diffusers", "latents", "encoding latents")
+    except MissingExtra as e:
+        raise SystemExit(f"error: {e}") from None
     from diffusers import AutoencoderKL
 
     if not os.path.isfile(os.path.join(path, "config.json")):
