@@ -1,15 +1,19 @@
-"""`python -m dit_train [overrides]` — the Hydra entry point, nothing else."""
+"""`dit-train [overrides]` / `python -m dit_train [overrides]` — the Hydra entry point, nothing else.
+Tab completion: `eval "$(dit-train -sc install=bash)"` (the console script; Hydra's completion script cannot call
+`python -m`)."""
 
 import logging
 import sys
 
 import hydra
 
-from .config import ConfigError, check_command_line, remove_stray_hydra_dir
+from .config import CONF_DIR, ConfigError, check_command_line, remove_stray_hydra_dir
+from .config.command_line import MULTIRUN_FLAGS
 from .preemption import Preempted, Preemption
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+# an absolute path: imported by the console script, a relative one would be looked up as the module dit_train.conf
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg) -> None:
     from .parallel import CollectiveTimeout
     from .train import TrainingStopped, run  # torch is imported only once the command line is known to be good
@@ -48,7 +52,22 @@ def describe_os_error(e: OSError) -> str:
     return f"{e.strerror or e}{f' ({code})' if code else ''}:{path} (in {where})"
 
 
-if __name__ == "__main__":
+def hydra_dir_is_run_dir(argv: list[str]) -> list[str]:
+    """With an explicit `run_dir=X` (a single run), Hydra's own files (.hydra/, dit_train.log) go into X too:
+    otherwise every such run, and every resume, leaves a runs/<date>/<time>/ folder holding only them."""
+    if any(a in MULTIRUN_FLAGS for a in argv) or any(a.startswith("hydra.run.dir=") for a in argv):
+        return argv
+    run_dirs = [a.split("=", 1)[1] for a in argv if a.startswith("run_dir=")]
+    return argv + [f"hydra.run.dir={run_dirs[-1]}"] if run_dirs else argv
+
+
+def cli() -> None:
+    """The `dit-train` console script and `python -m dit_train`."""
     logging.getLogger("dit_train").setLevel(logging.INFO)
     check_command_line(sys.argv[1:])  # before Hydra makes the run folder: a bad config leaves nothing behind
+    sys.argv[1:] = hydra_dir_is_run_dir(sys.argv[1:])
     main()
+
+
+if __name__ == "__main__":
+    cli()
