@@ -330,3 +330,19 @@ def test_report_survives_damaged_folders_and_reads_resumed_metrics(tmp_path):
     report.build_report(str(sweep), None)
     text = (sweep / "report.md").read_text()
     assert "| torn_summary | damaged: JSONDecodeError" in text and "| bad_config | damaged: " in text
+
+
+@pytest.mark.parametrize("study", ["scaling_study_cpu", "lr_scan_cpu", "scaling_study_cpu_tuned"])
+def test_published_report_is_rebuilt_exactly_from_its_records(study, tmp_path, monkeypatch):
+    """docs/results/<study>/runs ships study.json beside the run records, so `report.py` rebuilds the published
+    report.md exactly, the sweep commands and their commits included."""
+    import shutil
+
+    published = os.path.join(ROOT, "docs", "results", study)
+    copy = tmp_path / "docs" / "results" / study
+    shutil.copytree(os.path.join(published, "runs"), copy / "runs")
+    monkeypatch.chdir(tmp_path)  # the report names its folders as the published one does
+    text = report.build_report(f"docs/results/{study}/runs", f"docs/results/{study}")
+    with open(os.path.join(published, "report.md")) as f:
+        assert text == f.read()
+    assert f"Sweep commands:\n- `python scripts/run_study.py {study}" in text
