@@ -3,12 +3,12 @@ Tab completion: `eval "$(dit-train -sc install=bash)"` (the console script; Hydr
 `python -m`)."""
 
 import logging
+import os
 import sys
 
 import hydra
 
 from .config import CONF_DIR, ConfigError, check_command_line, remove_stray_hydra_dir
-from .config.command_line import MULTIRUN_FLAGS
 from .preemption import Preempted, Preemption
 
 
@@ -52,20 +52,28 @@ def describe_os_error(e: OSError) -> str:
     return f"{e.strerror or e}{f' ({code})' if code else ''}:{path} (in {where})"
 
 
-def hydra_dir_is_run_dir(argv: list[str]) -> list[str]:
-    """With an explicit `run_dir=X` (a single run), Hydra's own files (.hydra/, dit_train.log) go into X too:
-    otherwise every such run, and every resume, leaves a runs/<date>/<time>/ folder holding only them."""
-    if any(a in MULTIRUN_FLAGS for a in argv) or any(a.startswith("hydra.run.dir=") for a in argv):
-        return argv
+def explicit_run_dir(argv: list[str]) -> str | None:
+    """`run_dir=X` of a single run (no sweep, --help, completion or other flag; no hydra.run.dir), else None."""
+    if any(a.startswith("-") or a.startswith("hydra.run.dir=") for a in argv):
+        return None
     run_dirs = [a.split("=", 1)[1] for a in argv if a.startswith("run_dir=")]
-    return argv + [f"hydra.run.dir={run_dirs[-1]}"] if run_dirs else argv
+    return run_dirs[-1] if run_dirs else None
 
 
 def cli() -> None:
     """The `dit-train` console script and `python -m dit_train`."""
     logging.getLogger("dit_train").setLevel(logging.INFO)
     check_command_line(sys.argv[1:])  # before Hydra makes the run folder: a bad config leaves nothing behind
-    sys.argv[1:] = hydra_dir_is_run_dir(sys.argv[1:])
+    run_dir = explicit_run_dir(sys.argv[1:])
+    if run_dir is not None:
+        # Hydra's own files (.hydra/, dit_train.log) go into the run folder too: otherwise every such run, and every
+        # resume, leaves a runs/<date>/<time>/ folder holding only them. Made here: Hydra's error would be a traceback
+        try:
+            os.makedirs(run_dir.strip("'\""), exist_ok=True)
+        except OSError as e:
+            print(f"error: {describe_os_error(e)}", file=sys.stderr)
+            sys.exit(1)
+        sys.argv.append(f"hydra.run.dir={run_dir}")
     main()
 
 
