@@ -1,15 +1,19 @@
-"""`python -m dit_train [overrides]` — the Hydra entry point, nothing else."""
+"""`dit-train [overrides]` / `python -m dit_train [overrides]` — the Hydra entry point, nothing else.
+Tab completion: `eval "$(dit-train -sc install=bash)"` (the console script; Hydra's completion script cannot call
+`python -m`)."""
 
 import logging
+import os
 import sys
 
 import hydra
 
-from .config import ConfigError, check_command_line, remove_stray_hydra_dir
+from .config import CONF_DIR, ConfigError, check_command_line, remove_stray_hydra_dir
 from .preemption import Preempted, Preemption
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+# an absolute path: imported by the console script, a relative one would be looked up as the module dit_train.conf
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg) -> None:
     from .parallel import CollectiveTimeout
     from .train import TrainingStopped, run  # torch is imported only once the command line is known to be good
@@ -48,7 +52,30 @@ def describe_os_error(e: OSError) -> str:
     return f"{e.strerror or e}{f' ({code})' if code else ''}:{path} (in {where})"
 
 
-if __name__ == "__main__":
+def explicit_run_dir(argv: list[str]) -> str | None:
+    """`run_dir=X` of a single run (no sweep, --help, completion or other flag; no hydra.run.dir), else None."""
+    if any(a.startswith("-") or a.startswith("hydra.run.dir=") for a in argv):
+        return None
+    run_dirs = [a.split("=", 1)[1] for a in argv if a.startswith("run_dir=")]
+    return run_dirs[-1] if run_dirs else None
+
+
+def cli() -> None:
+    """The `dit-train` console script and `python -m dit_train`."""
     logging.getLogger("dit_train").setLevel(logging.INFO)
     check_command_line(sys.argv[1:])  # before Hydra makes the run folder: a bad config leaves nothing behind
+    run_dir = explicit_run_dir(sys.argv[1:])
+    if run_dir is not None:
+        # Hydra's own files (.hydra/, dit_train.log) go into the run folder too: otherwise every such run, and every
+        # resume, leaves a runs/<date>/<time>/ folder holding only them. Made here: Hydra's error would be a traceback
+        try:
+            os.makedirs(run_dir.strip("'\""), exist_ok=True)
+        except OSError as e:
+            print(f"error: {describe_os_error(e)}", file=sys.stderr)
+            sys.exit(1)
+        sys.argv.append(f"hydra.run.dir={run_dir}")
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -38,3 +38,11 @@ def save_grid(images: torch.Tensor, path: str, nrow: int, pad: int = 2, min_size
     Image.fromarray(canvas).save(tmp)
     os.replace(tmp, path)
     return path
+
+
+def save_image(image: torch.Tensor, path: str) -> str:
+    """One image [C, H, W] in [-1, 1] -> PNG at its own size; written atomically."""
+    tmp = path + ".tmp.png"
+    Image.fromarray(to_uint8(image)).save(tmp)
+    os.replace(tmp, path)
+    return path

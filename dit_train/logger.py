@@ -1,5 +1,6 @@
 """Metric sinks: JSONL always (metrics.jsonl in the run folder, one object per line, flushed), wandb when
-logger.wandb.mode is online/offline (never needs a login for offline/disabled). Only rank 0 logs."""
+logger.wandb.mode is online/offline (never needs a login for offline/disabled; one wandb run per run folder,
+see wandb_run.py). Only rank 0 logs."""
 
 from __future__ import annotations
 
@@ -29,12 +30,10 @@ class MetricLogger:
         os.makedirs(run_dir, exist_ok=True)
         drop_torn_last_line(self.path)
         self.file = open(self.path, "a", buffering=1)
-        mode = cfg.wandb.mode  # checked by dit_train.config before the run starts
-        if mode != "disabled":
-            import wandb  # optional dependency, only imported when asked for
+        if cfg.wandb.mode != "disabled":  # the mode was checked by dit_train.config before the run started
+            from . import wandb_run
 
-            self.wandb = wandb.init(project=cfg.wandb.project, mode=mode, dir=run_dir,
-                                    name=cfg.wandb.get("name"), config=resolved_config, resume="allow")
+            self.wandb = wandb_run.start(run_dir, cfg.wandb, resolved_config or {})
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -49,6 +48,11 @@ class MetricLogger:
             import wandb
 
             self.wandb.log({key: wandb.Image(path)}, step=step)
+
+    def summary(self, summary: dict) -> None:
+        """summary.json's values as the wandb run's summary (the JSONL file has them as summary.json already)."""
+        if self.enabled and self.wandb is not None:
+            self.wandb.summary.update(summary)
 
     def close(self) -> None:
         if self.enabled:

@@ -295,6 +295,19 @@ class DiT(nn.Module):
         return self.unpatchify(self.final_layer(h, c))
 
 
+    @classmethod
+    def from_pretrained(cls, path: str, device="cpu") -> "DiT":
+        """A model folder written by `python -m dit_train.export` (config.json + model.safetensors)."""
+        from .pretrained import load_pretrained
+
+        return load_pretrained(cls, path, device)
+
+    def save_pretrained(self, folder: str, dtype: str = "fp32", provenance: dict | None = None) -> str:
+        from .pretrained import save_pretrained
+
+        return save_pretrained(self.state_dict(), self.config, folder, dtype, provenance, type(self).__name__)
+
+
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 

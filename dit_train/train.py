@@ -201,8 +201,10 @@ class Trainer:
             with self.preemption:
                 self.loop()
             barrier()
-            return write_summary(self.cfg, self.state, self.throughput, self.evaluation.last_val,
-                                 count_parameters(self.model), self.train_set.dataset_id, self.dist.is_main)
+            summary = write_summary(self.cfg, self.state, self.throughput, self.evaluation.last_val,
+                                    count_parameters(self.model), self.train_set.dataset_id, self.dist.is_main)
+            self.logger.summary(summary)
+            return summary
         finally:
             self.logger.close()
 
@@ -229,6 +231,9 @@ class Trainer:
                 self.log_train_row(metrics, self.window.take(), progress)
             if progress is not None:
                 progress.update(1)
+            if state.step == tc.steps:  # the bar is closed before the end-of-run work, which says what it does
+                self.announce_end_of_run(progress)
+                progress = None
             self.evaluation.run_due(state.step, tc.steps, self.ema.model, state)
             saved = every_n_steps(state.step, tc.ckpt_every) or state.step == tc.steps
             if saved:
@@ -240,6 +245,12 @@ class Trainer:
             data_t0 = time.perf_counter()
         if progress is not None:
             progress.close()
+
+    def announce_end_of_run(self, progress) -> None:
+        if progress is not None:
+            progress.close()
+        if self.dist.is_main:
+            print(f"end of run: {', '.join(end_of_run_work(self.cfg))} ...", flush=True)
 
     def progress_bar(self):
         if not (self.dist.is_main and self.tc.progress):
@@ -259,6 +270,21 @@ class Trainer:
         self.logger.log(self.state.step, metrics)
         if progress is not None:
             progress.set_postfix(loss=f"{metrics['train/loss']:.4f}", imgs_s=f"{metrics['imgs_per_s']:.0f}")
+
+
+def end_of_run_work(cfg) -> list[str]:
+    """What runs after the last step, in words: on a short run it can take longer than the training (the
+    validation and grid sizes are train.val_samples / sample_steps ...; val_every=0 or sample_every=0 skip them)."""
+    tc, ev, last = cfg.train, cfg.eval, cfg.train.steps
+    work = []
+    if every_n_steps(last, tc.val_every, last):
+        work.append(f"validation loss ({tc.val_samples} images x {tc.val_t_points} t)")
+    if every_n_steps(last, ev.every_n_steps, last):
+        work.append(f"FD ({ev.num_samples} samples, {ev.sample_steps} steps)")
+    if every_n_steps(last, tc.sample_every, last):
+        classes = min(max(cfg.model.num_classes, 1), 10)
+        work.append(f"sample grid ({classes * tc.samples_per_class} images, {tc.sample_steps} steps)")
+    return work + ["checkpoint", "summary"]
 
 
 def prepare_run_folder(cfg, dist: DistInfo) -> RunLock | None:

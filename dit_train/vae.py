@@ -10,10 +10,11 @@ from .config.latents import vae_scaling
 
 
 def load_autoencoder(path: str, device):
-    try:
-        from diffusers import AutoencoderKL
-    except ImportError:
-        raise ImportError("latent runs need diffusers for the VAE: pip install diffusers") from None
+    from .extras import require
+
+    require("diffusers", "latents", "the VAE of latent runs")
+    from diffusers import AutoencoderKL
+
     return AutoencoderKL.from_pretrained(path).to(device).eval().requires_grad_(False)
 
 

@@ -137,15 +137,15 @@ def test_export_gives_single_process_ema_weights(runs, tmp_path):
     from dit_train.checkpoint import read_tensors
     from dit_train.export import main as export_main
 
-    assert export_main([str(runs["single"]), str(tmp_path / "single.safetensors")]) == 0
-    assert export_main([str(runs["two"]), str(tmp_path / "two.safetensors")]) == 0
+    assert export_main([str(runs["single"]), str(tmp_path / "single")]) == 0
+    assert export_main([str(runs["two"]), str(tmp_path / "two")]) == 0
     assert export_main([str(runs["three_from_two"] / "checkpoints" / "step_00000004.dcp"),
-                        str(tmp_path / "three.safetensors")]) == 0
-    single = load_file(str(tmp_path / "single.safetensors"))
+                        str(tmp_path / "three")]) == 0
+    single = load_file(str(tmp_path / "single" / "model.safetensors"))
     saved = read_tensors(str(runs["single"] / "checkpoints" / "step_00000004.dcp"), "ema")
     assert single.keys() == saved.keys() and all(torch.equal(single[k], saved[k]) for k in saved)
     for name in ("two", "three"):
-        sharded = load_file(str(tmp_path / f"{name}.safetensors"))
+        sharded = load_file(str(tmp_path / name / "model.safetensors"))
         assert sharded.keys() == saved.keys()
         for k in saved:
             torch.testing.assert_close(sharded[k], saved[k], rtol=1e-5, atol=1e-6, msg=f"{name}: {k}")

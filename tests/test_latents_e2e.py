@@ -149,3 +149,10 @@ def test_fd_job_scores_a_latent_run(runs, tmp_path):
     assert [r["step"] for r in rows] == [4]
     in_training = [r for r in metrics(runs["two"]) if "fd" in r][0]
     assert rows[0]["fd"] == pytest.approx(in_training["fd"], rel=1e-4)  # same samples, same reference
+
+
+def test_the_sample_command_decodes_a_latent_run(runs):
+    from dit_train.sample import sample
+
+    images, labels, _, meta = sample(str(runs["single"]), classes=[0, 1], per_class=1, steps=1)
+    assert images.shape == (2, 3, 32, 32) and images.abs().max() <= 1 and meta["step"] == 4

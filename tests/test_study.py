@@ -357,3 +357,19 @@ def test_report_weights_window_means_by_their_step_counts_and_reads_old_records(
     assert "| dit_xs | muon | 50.0 ms | 1.000 | 250.0 ms | 1.000 |" in t2
     assert "refresh steps among the timed steps: periodic_rowwise K=5 8 of 40" in t2
     assert "1 run(s) were recorded before window means (no window/steps)" in t2
+
+
+@pytest.mark.parametrize("study", ["scaling_study_cpu", "lr_scan_cpu", "scaling_study_cpu_tuned"])
+def test_published_report_is_rebuilt_exactly_from_its_records(study, tmp_path, monkeypatch):
+    """docs/results/<study>/runs ships study.json beside the run records, so `report.py` rebuilds the published
+    report.md exactly, the sweep commands and their commits included."""
+    import shutil
+
+    published = os.path.join(ROOT, "docs", "results", study)
+    copy = tmp_path / "docs" / "results" / study
+    shutil.copytree(os.path.join(published, "runs"), copy / "runs")
+    monkeypatch.chdir(tmp_path)  # the report names its folders as the published one does
+    text = report.build_report(f"docs/results/{study}/runs", f"docs/results/{study}")
+    with open(os.path.join(published, "report.md")) as f:
+        assert text == f.read()
+    assert f"Sweep commands:\n- `python scripts/run_study.py {study}" in text

@@ -87,8 +87,13 @@ def check_command_line(argv: list[str], world_size: int | None = None) -> None:
         check_group_overrides(overrides)
         if any(f not in MULTIRUN_FLAGS for f in flags):
             return
+        from ..extras import check_extras, check_launcher
+
+        check_launcher(overrides)
         for job in job_overrides(overrides):
-            validate(_compose_job(job), world_size)
+            cfg = _compose_job(job)
+            validate(cfg, world_size)
+            check_extras(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -112,7 +112,9 @@ class EvalConfig:
 class WandbConfig:
     mode: str = choice(*WANDB_MODES)
     project: str = key()
+    entity: Optional[str] = key()
     name: Optional[str] = key()
+    group: Optional[str] = key()
 
 
 @dataclass

@@ -1,0 +1,41 @@
+"""Optional packages: a feature whose package is missing stops with one line naming the pyproject extra, checked
+on the command line before anything heavy; every extra is in pyproject and in `dev`."""
+
+import os
+import tomllib
+
+import pytest
+
+from conftest import ROOT
+from dit_train.config import check_command_line
+from dit_train.extras import EXTRA_OF, MissingExtra, require
+
+
+def test_missing_package_names_its_extra(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "wandb", None)  # as if wandb were not installed
+    with pytest.raises(MissingExtra, match=r"^logger.wandb.mode=offline needs the package 'wandb', which is not "
+                                           r"installed: pip install 'dit_train\[wandb\]'$"):
+        require("wandb", "wandb", "logger.wandb.mode=offline")
+    require("torch", "none", "anything")  # installed: no error
+
+
+@pytest.mark.parametrize("args, module, extra", [
+    (["logger.wandb.mode=offline"], "wandb", "wandb"),
+    (["eval.every_n_steps=10", "eval.encoder=dinov2"], "transformers", "eval"),
+    (["launcher=slurm"], "hydra_plugins.hydra_submitit_launcher", "slurm"),
+])
+def test_command_line_refuses_a_feature_without_its_package(monkeypatch, capsys, args, module, extra):
+    monkeypatch.setitem(__import__("sys").modules, module, None)
+    with pytest.raises(SystemExit) as stop:
+        check_command_line(args)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and f"pip install 'dit_train[{extra}]'" in err, err
+
+
+def test_every_extra_is_in_pyproject_and_in_dev():
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    named = set(EXTRA_OF.values())
+    assert named <= set(extras)
+    (dev_self,) = [d for d in extras["dev"] if d.startswith("dit_train[")]
+    assert set(dev_self[len("dit_train["):-1].split(",")) == named

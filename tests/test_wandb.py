@@ -1,0 +1,60 @@
+"""wandb: one wandb run per run folder across a preemption and resume, grouped by study, tagged with what it
+trains, its summary pushed; offline (no login, no network)."""
+
+import glob
+import json
+import os
+
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import needs_fashion
+from dit_train.parallel import DistInfo
+from dit_train.preemption import Preempted
+from dit_train.train import Trainer
+from dit_train.wandb_run import RECORD, name_from_overrides, tags
+
+
+@needs_fashion
+def test_preempted_and_resumed_run_is_one_wandb_run(tiny_cfg, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")  # the dataset id below must come from the summary, not stdout
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    OmegaConf.set_struct(tiny_cfg, False)
+    tiny_cfg.study = {"name": "group_of_this_study"}
+    tiny_cfg.logger.wandb.mode = "offline"
+    tiny_cfg.train.ckpt_every = 0
+    first = Trainer(tiny_cfg, DistInfo())
+    original_step = first.train_step
+
+    def signal_during_step_3(*a, **kw):
+        if first.state.step == 2:
+            first.preemption.signal_name = "SIGTERM"
+        return original_step(*a, **kw)
+
+    first.train_step = signal_during_step_3
+    with pytest.raises(Preempted):
+        first.fit()
+    tiny_cfg.train.resume = "auto"
+    Trainer(tiny_cfg, DistInfo()).fit()
+
+    record = json.load(open(os.path.join(tiny_cfg.run_dir, RECORD)))
+    folders = sorted(glob.glob(os.path.join(tiny_cfg.run_dir, "wandb", "offline-run-*")))
+    assert folders  # one per process start (two, unless both started within one second): one id, one wandb run
+    assert {f.rsplit("-", 1)[1] for f in folders} == {record["id"]}  # `wandb sync` merges them by id
+    assert record["name"] == "run"  # outside a Hydra job: the run folder's name
+    log = open(glob.glob(os.path.join(folders[-1], "*.wandb"))[0], "rb").read()
+    for expected in (b"group_of_this_study", b"optimizer=adamw", b"model=dit_s", b"lr=0.002", b"fashion_mnist:train:32px"):
+        assert expected in log, expected  # group, tags, and summary.json's keys in the run's summary
+
+
+def test_run_name_leaves_out_where_and_how_a_run_executes():
+    assert name_from_overrides("model=dit_s,optimizer=muon,run_dir=runs/x,train.resume=auto") == \
+        "model=dit_s,optimizer=muon"
+    assert name_from_overrides("") == ""
+
+
+def test_tags_name_model_optimizer_k_and_lr():
+    config = {"model": {"name": "dit_xs"}, "optimizer": {"name": "periodic_rowwise", "K": 3, "lr": 0.008}}
+    assert tags(config) == ["model=dit_xs", "optimizer=periodic_rowwise", "K=3", "lr=0.008"]
