@@ -143,14 +143,11 @@ class Trainer:
         """Forward/backward/update on one batch. A non-finite loss or gradient skips the update and leaves the
         optimizer state untouched."""
         t, eps, drop = self.global_batch_noise(x)
-        with self.timer.phase("forward"), autocast(self.tc.precision, self.dist.device):
-            loss = velocity_loss(self.model, x, t, eps, drop_mask=drop, **cond)
-        with self.timer.phase("backward"):  # under FSDP2 this includes the gradient reduce-scatter
-            loss.backward()
+        loss = self.forward_backward(x, t, eps, drop, cond)
         grad_norm = clip_grad_norm_(self.model.parameters(), self.tc.grad_clip if self.tc.grad_clip > 0 else
                                     float("inf"))
         # the global-batch loss and the ranks' stop votes in one all-reduce
-        votes = all_reduce_sum_(torch.stack([loss.detach().float(),
+        votes = all_reduce_sum_(torch.stack([loss.float(),
                                              torch.tensor(self.preemption.vote(), device=loss.device)]))
         loss = votes[0] / self.dist.world_size
         self.preemption.agree(votes[1].item())
@@ -169,6 +166,27 @@ class Trainer:
         if callable(info) and finite:
             out.update(info())
         return out
+
+    def forward_backward(self, x, t, eps, drop, cond: dict) -> torch.Tensor:
+        """Loss and gradients of this rank's batch, in micro-batches of train.micro_batch_size (gradient
+        accumulation: each micro-batch's loss weighted by its share of the batch; under FSDP2 the gradients are
+        reduce-scattered after the last micro-batch only). Returns the batch's mean loss (detached)."""
+        batch = x.shape[0]
+        micro = self.tc.micro_batch_size or batch
+        total = None
+        for lo in range(0, batch, micro):
+            part = slice(lo, lo + micro)
+            if self.plan.sharded:
+                self.model.set_requires_gradient_sync(lo + micro >= batch)
+            with self.timer.phase("forward"), autocast(self.tc.precision, self.dist.device):
+                loss = velocity_loss(self.model, x[part], t[part], eps[part], drop_mask=drop[part],
+                                     **{k: v[part] for k, v in cond.items()})
+            if micro < batch:
+                loss = loss * (x[part].shape[0] / batch)
+            with self.timer.phase("backward"):  # under FSDP2 the last one includes the gradient reduce-scatter
+                loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        return total
 
     def skip_update(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         self.bad_steps += 1

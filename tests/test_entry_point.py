@@ -5,7 +5,6 @@ it, the banner and log file say dit_train, an explicit run_dir leaves no stray H
 import os
 import subprocess
 import sys
-import time
 import tomllib
 
 from conftest import ROOT, needs_fashion
@@ -44,12 +43,15 @@ def test_help_banner_names_dit_train(tmp_path):
 
 
 @needs_fashion
-def test_debug_experiment_is_seconds_and_an_explicit_run_dir_is_the_only_folder(tmp_path):
-    t0 = time.time()
+def test_debug_experiment_is_small_and_an_explicit_run_dir_is_the_only_folder(tmp_path):
+    """Its size is what makes it seconds long (12 s measured on an idle 2-core machine; the wall time itself is a
+    measurement for the notes, not a test: a loaded CI machine would make it flaky)."""
+    from conftest import compose
+
+    debug = compose(["experiment=debug", "run_dir=/tmp/unused"])
+    assert debug.train.steps <= 20 and debug.train.val_samples <= 64 and debug.train.sample_steps <= 10
     out = run_console_script(["experiment=debug", "run_dir=run", "train.progress=false"], tmp_path)
-    wall = time.time() - t0
     assert out.returncode == 0, out.stderr[-2000:]
-    assert wall < 45, wall  # ~12 s on an idle 2-core machine (the default config at 20 steps: ~4 min)
     assert os.listdir(tmp_path) == ["run"]  # Hydra's files went into the run folder: no runs/<date>/<time>/
     run = tmp_path / "run"
     assert (run / "dit_train.log").exists() and (run / "samples" / "step_00000020.png").exists()

@@ -18,6 +18,7 @@ WANDB_MODES = ("online", "offline", "disabled")
 class TrainConfig:
     steps: int = int_at_least(1)
     batch_size: int = int_at_least(1)
+    micro_batch_size: Optional[int] = key("null or an integer >= 1 that divides the per-rank batch", lambda v: v >= 1)
     warmup_steps: int = int_at_least(0)
     lr_schedule: str = choice(*LR_SCHEDULES)
     min_lr_ratio: float = number("expected a value in [0, 1]", lambda v: 0 <= v <= 1)

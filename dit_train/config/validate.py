@@ -99,6 +99,10 @@ def check_train(node, world_size: int = 1) -> dict:
     values = check_fields("train", TrainConfig, plain(node))
     if values["batch_size"] % world_size:
         raise invalid("train.batch_size", values["batch_size"], f"must be divisible by the world size {world_size}")
+    micro = values["micro_batch_size"]
+    if micro is not None and (values["batch_size"] // world_size) % micro:
+        raise invalid("train.micro_batch_size", micro, f"must divide the per-rank batch {values['batch_size'] // world_size} "
+                                                      f"(train.batch_size={values['batch_size']} over {world_size} ranks)")
     resume = values["resume"]
     if resume not in (None, "auto") and not os.path.exists(resume):
         raise invalid("train.resume", resume, "expected null, 'auto' or an existing run folder / checkpoint file")
