@@ -4,6 +4,7 @@ trains, its summary pushed; offline (no login, no network)."""
 import glob
 import json
 import os
+import re
 
 import pytest
 from omegaconf import OmegaConf
@@ -42,7 +43,9 @@ def test_preempted_and_resumed_run_is_one_wandb_run(tiny_cfg, monkeypatch):
     record = json.load(open(os.path.join(tiny_cfg.run_dir, RECORD)))
     folders = sorted(glob.glob(os.path.join(tiny_cfg.run_dir, "wandb", "offline-run-*")))
     assert folders  # one per process start (two, unless both started within one second): one id, one wandb run
-    assert {f.rsplit("-", 1)[1] for f in folders} == {record["id"]}  # `wandb sync` merges them by id
+    # offline-run-<date>_<time>-<id>, and wandb appends -1, -2 ... when two starts fall in the same second
+    ids = {re.match(r"offline-run-\d{8}_\d{6}-([^-]+)", os.path.basename(f)).group(1) for f in folders}
+    assert ids == {record["id"]}  # `wandb sync` merges them by id
     assert record["name"] == "run"  # outside a Hydra job: the run folder's name
     log = open(glob.glob(os.path.join(folders[-1], "*.wandb"))[0], "rb").read()
     for expected in (b"group_of_this_study", b"optimizer=adamw", b"model=dit_s", b"lr=0.002", b"fashion_mnist:train:32px"):
