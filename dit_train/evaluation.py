@@ -129,3 +129,18 @@ class Evaluation:
         out["active_time_s"] = state.active_time_s
         out.update({f"fd_best/{k}": v for k, v in (state.best_fd or {}).items()})
         return out
+
+
+def end_of_run_work(cfg) -> list[str]:
+    """What runs after the last step, in words: on a short run it can take longer than the training (the
+    validation and grid sizes are train.val_samples / sample_steps ...; val_every=0 or sample_every=0 skip them)."""
+    tc, ev, last = cfg.train, cfg.eval, cfg.train.steps
+    work = []
+    if every_n_steps(last, tc.val_every, last):
+        work.append(f"validation loss ({tc.val_samples} images x {tc.val_t_points} t)")
+    if every_n_steps(last, ev.every_n_steps, last):
+        work.append(f"FD ({ev.num_samples} samples, {ev.sample_steps} steps)")
+    if every_n_steps(last, tc.sample_every, last):
+        classes = min(max(cfg.model.num_classes, 1), 10)
+        work.append(f"sample grid ({classes * tc.samples_per_class} images, {tc.sample_steps} steps)")
+    return work + ["checkpoint", "summary"]

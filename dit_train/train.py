@@ -17,26 +17,23 @@ import torch
 from omegaconf import OmegaConf
 
 from . import checkpoint as ckpt
-from .atomic_io import remove_stale_temp_files
 from .build import build_training
 from .cadence import every_n_steps
-from .config import ConfigError, validate
-from .data import build_dataset
+from .config import validate
+from .data import build_dataset, check_classes_fit
 from .data.order import train_batches
-from .evaluation import Evaluation
+from .dry_run import dry_run
+from .evaluation import Evaluation, end_of_run_work
 from .flow import condition_kwargs, sample_t, velocity_loss
 from .hydra_run import agree_on_config
 from .logger import MetricLogger
 from .metrics import Throughput, read_summary, write_summary
-from .model import build_model, count_parameters
-from .optim.registry import build_optimizer
-from .parallel import (DistInfo, all_reduce_sum_, autocast, barrier, broadcast_object, clip_grad_norm_,
-                       collective_timeouts, init_distributed, resolve_plan, shutdown_process_group, wants_fsdp,
-                       weights_finite)
+from .model import count_parameters
+from .parallel import (DistInfo, all_reduce_sum_, autocast, barrier, clip_grad_norm_, collective_timeouts,
+                       init_distributed, resolve_plan, shutdown_process_group, wants_fsdp, weights_finite)
 from .preemption import Preemption
-from .resume_policy import check_resume, resume_candidates
-from .run_lock import RunLock
-from .run_info import write_run_info
+from .resume_policy import resume_candidates
+from .run_folder import prepare_run_folder
 from .step_window import StepWindow
 from .timing import PhaseTimer, set_active_timer
 from .train_state import TrainState
@@ -46,28 +43,6 @@ log = logging.getLogger("dit_train")
 
 class TrainingStopped(RuntimeError):
     """Raised for a run that cannot continue (too many non-finite steps); the message names the step."""
-
-
-def dry_run(cfg) -> dict:
-    """Build on the meta device (nothing allocated), print the size and the optimizer's parameter groups."""
-    model = build_model(cfg.model, device="meta")
-    n = count_parameters(model)
-    optimizer = build_optimizer(model, cfg.optimizer)
-    nominal = cfg.model.get("nominal_params")
-    rel = f" ({n / nominal:.3f} x nominal {nominal / 1e9:.2f}B)" if nominal else ""
-    print(f"model {cfg.model.name}: {n:,} parameters{rel}; depth {cfg.model.depth}, width {cfg.model.hidden_size}, "
-          f"heads {cfg.model.num_heads}, patch {cfg.model.patch_size}, tokens {(cfg.model.image_size // cfg.model.patch_size) ** 2}")
-    print(f"optimizer {cfg.optimizer.name}:\n{optimizer.routing_table}")
-    print("dry run: nothing allocated, exiting")
-    return {"params": n}
-
-
-def check_classes_fit(model_cfg, dataset) -> None:
-    """Labels must be < model.num_classes: label num_classes is the guidance null class, larger ones do not exist."""
-    found = getattr(dataset, "num_classes", None)
-    if model_cfg.num_classes and found and found > model_cfg.num_classes:
-        raise ConfigError(f"model.num_classes={model_cfg.num_classes} is not valid: the training data has {found} "
-                          f"classes ({dataset.dataset_id}); set model.num_classes={found}")
 
 
 class Trainer:
@@ -288,45 +263,6 @@ class Trainer:
         self.logger.log(self.state.step, metrics)
         if progress is not None:
             progress.set_postfix(loss=f"{metrics['train/loss']:.4f}", imgs_s=f"{metrics['imgs_per_s']:.0f}")
-
-
-def end_of_run_work(cfg) -> list[str]:
-    """What runs after the last step, in words: on a short run it can take longer than the training (the
-    validation and grid sizes are train.val_samples / sample_steps ...; val_every=0 or sample_every=0 skip them)."""
-    tc, ev, last = cfg.train, cfg.eval, cfg.train.steps
-    work = []
-    if every_n_steps(last, tc.val_every, last):
-        work.append(f"validation loss ({tc.val_samples} images x {tc.val_t_points} t)")
-    if every_n_steps(last, ev.every_n_steps, last):
-        work.append(f"FD ({ev.num_samples} samples, {ev.sample_steps} steps)")
-    if every_n_steps(last, tc.sample_every, last):
-        classes = min(max(cfg.model.num_classes, 1), 10)
-        work.append(f"sample grid ({classes * tc.samples_per_class} images, {tc.sample_steps} steps)")
-    return work + ["checkpoint", "summary"]
-
-
-def prepare_run_folder(cfg, dist: DistInfo) -> RunLock | None:
-    """Before anything is written: the resume decision and its config check, then (rank 0) the folder, its
-    lock, the removal of dead writers' temp files, and the provenance files. Any refusal reaches every rank."""
-    lock, error = None, None
-    if dist.is_main:
-        try:
-            check_resume(cfg)
-            os.makedirs(cfg.run_dir, exist_ok=True)
-            lock = RunLock(cfg.run_dir).acquire()
-            for stale in remove_stale_temp_files(cfg.run_dir):
-                log.warning("removed %s, left by a writer that died mid-write", stale)
-            write_run_info(cfg, cfg.run_dir)
-        except Exception as e:  # noqa: BLE001 - handed to every rank, raised as it is on rank 0
-            if lock is not None:
-                lock.release()
-            error = e
-    message = broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    if message is not None:
-        raise ConfigError(f"rank 0 refused the run folder: {message}")
-    return lock
 
 
 def run(cfg) -> dict:

@@ -107,3 +107,16 @@ def spawn_ranks(entry, world: int, args: tuple, timeout: float = 240.0) -> None:
             if e.signal_name != "SIGABRT" or attempt == 2:
                 raise
             warnings.warn(f"{world}-rank job: rank {e.error_index} aborted (SIGABRT, stacks above); running it again")
+
+
+def stop_signal_during_step(trainer, step: int, name: str = "SIGTERM") -> None:
+    """Make `name` arrive while `trainer` runs its step `step` (1-based), before that step's all-reduce, as a real
+    signal handler would record it."""
+    original = trainer.train_step
+
+    def step_with_signal(*args, **kwargs):
+        if trainer.state.step == step - 1:
+            trainer.preemption.signal_name = name
+        return original(*args, **kwargs)
+
+    trainer.train_step = step_with_signal

@@ -137,11 +137,9 @@ def test_the_headline_command_says_what_to_pass(tmp_path):
 
 
 def test_fd_job_scores_a_latent_run(runs, tmp_path):
-    import importlib.util
+    from test_fd_evaluator import _load_script
 
-    spec = importlib.util.spec_from_file_location("fd_dino", os.path.join(ROOT, "eval", "fd_dino.py"))
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
+    job = _load_script("fd_dino")
     rows = job.main([str(runs["two"]), "--out", str(tmp_path), "--eval-preset", "ci", "--encoder", "dinov2_random",
                      "--cache-dir", str(tmp_path / "cache"), "--reference-split", "val", "--num-samples", "24",
                      "--batch-size", "8", "--reference-num", "32", "--sample-steps", "2", "--cfg-scale", "1.5",

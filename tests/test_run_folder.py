@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, compose, needs_fashion
+from conftest import ROOT, compose, needs_fashion, stop_signal_during_step
 from dit_train import checkpoint as ckpt
 from dit_train.config import ConfigError
 from dit_train.parallel import DistInfo
@@ -103,14 +103,7 @@ def test_rerunning_a_finished_run_leaves_its_summary(tmp_path, capsys):
 def test_an_extended_run_that_is_preempted_has_no_summary(tmp_path):
     run(tiny(tmp_path / "run"))
     trainer = Trainer(tiny(tmp_path / "run", "train.resume=auto", "train.steps=8"), DistInfo())
-    step = trainer.train_step
-
-    def signal_during_step_6(*a, **kw):
-        if trainer.state.step == 5:
-            trainer.preemption.signal_name = "SIGTERM"
-        return step(*a, **kw)
-
-    trainer.train_step = signal_during_step_6
+    stop_signal_during_step(trainer, 6)
     with pytest.raises(Preempted, match="step 6"):
         trainer.fit()
     assert not os.path.exists(tmp_path / "run" / "summary.json")

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from conftest import compose, needs_fashion
+from conftest import compose, needs_fashion, stop_signal_during_step
 from dit_train import checkpoint as ckpt
 from dit_train.preemption import Preempted
 from dit_train.train import Trainer, TrainingStopped, run
@@ -62,14 +62,7 @@ def test_resume_continues_bit_for_bit(tiny_cfg, tmp_path, optimizer):
     cut_cfg.run_dir = str(tmp_path / "cut")
     cut_cfg.train.ckpt_every = 0
     first = Trainer(cut_cfg, DistInfo())
-    original_step = first.train_step
-
-    def signal_during_step_3(*a, **kw):
-        if first.state.step == 2:  # the signal arrives during step 3 (0-based 2)
-            first.preemption.signal_name = "SIGTERM"
-        return original_step(*a, **kw)
-
-    first.train_step = signal_during_step_3
+    stop_signal_during_step(first, 3)  # the signal arrives during step 3
     with pytest.raises(Preempted, match="step 3"):
         first.fit()
     cut_cfg.train.resume = "auto"

@@ -9,7 +9,7 @@ import re
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import needs_fashion
+from conftest import needs_fashion, stop_signal_during_step
 from dit_train.parallel import DistInfo
 from dit_train.preemption import Preempted
 from dit_train.train import Trainer
@@ -27,14 +27,7 @@ def test_preempted_and_resumed_run_is_one_wandb_run(tiny_cfg, monkeypatch):
     tiny_cfg.logger.wandb.mode = "offline"
     tiny_cfg.train.ckpt_every = 0
     first = Trainer(tiny_cfg, DistInfo())
-    original_step = first.train_step
-
-    def signal_during_step_3(*a, **kw):
-        if first.state.step == 2:
-            first.preemption.signal_name = "SIGTERM"
-        return original_step(*a, **kw)
-
-    first.train_step = signal_during_step_3
+    stop_signal_during_step(first, 3)
     with pytest.raises(Preempted):
         first.fit()
     tiny_cfg.train.resume = "auto"

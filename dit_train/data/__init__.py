@@ -6,6 +6,7 @@ from __future__ import annotations
 from omegaconf import OmegaConf
 
 from ..config import check_data
+from ..config import ConfigError
 from .fashion_mnist import FashionMNIST
 from .image_folder import ImageFolder
 from .latents import LatentShards
@@ -26,3 +27,11 @@ def build_dataset(data_cfg, split: str):
     if split not in ("train", "val"):
         raise ValueError(f"split={split!r} must be 'train' or 'val'")
     return DATASETS[values["name"]](OmegaConf.create(values), split)
+
+
+def check_classes_fit(model_cfg, dataset) -> None:
+    """Labels must be < model.num_classes: label num_classes is the guidance null class, larger ones do not exist."""
+    found = getattr(dataset, "num_classes", None)
+    if model_cfg.num_classes and found and found > model_cfg.num_classes:
+        raise ConfigError(f"model.num_classes={model_cfg.num_classes} is not valid: the training data has {found} "
+                          f"classes ({dataset.dataset_id}); set model.num_classes={found}")

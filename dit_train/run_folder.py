@@ -1,0 +1,40 @@
+"""The run folder before training writes to it: the resume decision and its config check, then (rank 0) the
+folder, its one-writer lock, the removal of dead writers' temp files, and the provenance files."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from .atomic_io import remove_stale_temp_files
+from .config import ConfigError
+from .parallel import DistInfo, broadcast_object
+from .resume_policy import check_resume
+from .run_info import write_run_info
+from .run_lock import RunLock
+
+log = logging.getLogger("dit_train")
+
+
+def prepare_run_folder(cfg, dist: DistInfo) -> RunLock | None:
+    """Before anything is written: the resume decision and its config check, then (rank 0) the folder, its
+    lock, the removal of dead writers' temp files, and the provenance files. Any refusal reaches every rank."""
+    lock, error = None, None
+    if dist.is_main:
+        try:
+            check_resume(cfg)
+            os.makedirs(cfg.run_dir, exist_ok=True)
+            lock = RunLock(cfg.run_dir).acquire()
+            for stale in remove_stale_temp_files(cfg.run_dir):
+                log.warning("removed %s, left by a writer that died mid-write", stale)
+            write_run_info(cfg, cfg.run_dir)
+        except Exception as e:  # noqa: BLE001 - handed to every rank, raised as it is on rank 0
+            if lock is not None:
+                lock.release()
+            error = e
+    message = broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    if message is not None:
+        raise ConfigError(f"rank 0 refused the run folder: {message}")
+    return lock
