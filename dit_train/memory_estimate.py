@@ -102,9 +102,10 @@ def init_fake_process_group(world_size: int) -> None:
         dist.init_process_group("fake", world_size=world_size, rank=0, store=FakeStore())
 
 
-def estimate(cfg, world_size: int, micro_batch: int, steps: int | None = None) -> dict:
+def estimate(cfg, world_size: int, micro_batch: int, steps: int | None = None, fake: bool = True) -> dict:
     """Bytes per rank (rank 0) of `steps` training steps of `cfg` on `world_size` ranks with `micro_batch` images
-    per rank. Returns {"persistent": {...}, "peak": {...}, "steps": n, "seconds": s} (bytes)."""
+    per rank. Returns {"persistent": {...}, "peak": {...}, "steps": n, "seconds": s} (bytes). fake=False runs on
+    real tensors (small models only: to check the fake run against a real one)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 
@@ -129,7 +130,7 @@ def estimate(cfg, world_size: int, micro_batch: int, steps: int | None = None) -
     model = parallelize(build_model(cfg.model, device="meta"), plan)
     shadow = parallelize(build_model(cfg.model, device="meta"), plan, trainable=False)
     # meta tensors are not fake tensors: allow them in, to_empty turns them into fake CPU tensors
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
         model.to_empty(device=device)
         shadow.to_empty(device=device)
         ema = EMA(model, tc.ema_decay, shadow=shadow)

@@ -56,7 +56,7 @@ def run_one(args) -> dict:
     torch.set_num_threads(1)  # fake tensors do no arithmetic
     cfg = compose(args.preset, args.optimizer, args.activation_checkpointing, args.overrides)
     micro = args.micro_batch or cfg.train.batch_size // args.world_size
-    out = estimate(cfg, args.world_size, micro)
+    out = estimate(cfg, args.world_size, micro, fake=not args.real_tensors)
     out.update(preset=args.preset, optimizer=args.optimizer, world_size=args.world_size, micro_batch=micro,
                activation_checkpointing=args.activation_checkpointing, overrides=list(args.overrides))
     return out
@@ -166,6 +166,8 @@ def main(argv=None) -> None:
     ap.add_argument("--micro-batch", type=int, default=None, help="images per rank (default batch_size / W)")
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON line (bytes)")
+    ap.add_argument("--real-tensors", action="store_true",
+                    help="allocate and compute for real (small models only): checks the fake run against a real one")
     ap.add_argument("--table", action="store_true", help="run the grid, one subprocess per configuration")
     ap.add_argument("--presets", nargs="+", default=list(PRESETS))
     ap.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS))
