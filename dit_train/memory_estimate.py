@@ -13,7 +13,8 @@ How (the approach of torchtitan's scripts/estimate/estimation.py, our own code):
   (optim.registry.build_optimizer, i.e. the real ShardedMatrixOptimizer with its collectives and workspaces) and
   LR schedule are built, and the trainer's step runs (Trainer.global_batch_noise, flow.velocity_loss under the
   train.precision autocast, backward, parallel.clip_grad_norm_, optimizer.step, ema.update, zero_grad) while
-  torch's FSDPMemTracker follows every tensor storage and its category;
+  torch's FSDPMemTracker follows every tensor storage and its category (StepTracker: without the global-shape
+  tensors of DTensor's sharding propagation, which only exist to compute metadata);
 - the step runs until every direction of the optimizer has run once with all persistent state in place
   (K + 1 steps for a periodic optimizer, else 2), so the peak is that of a steady-state step.
 
@@ -32,6 +33,7 @@ from unittest import mock
 from types import SimpleNamespace
 
 import torch
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
 GIB = 1024**3
 
@@ -81,17 +83,37 @@ def steps_for(optimizer_cfg) -> int:
     return K + 1 if K > 1 else 2
 
 
-@contextlib.contextmanager
-def separate_propagation_fake_mode():
-    """DTensor's sharding propagation runs each op on global-shape fake tensors to learn the output's metadata, in
-    the active fake mode when there is one. Inside our FakeTensorMode those global-shape tensors would be counted as
-    allocations (e.g. whole fp32 copies of every AdamW parameter in the fused step, which a real run never makes).
-    Without an active fake mode to detect it makes its own, and FSDPMemTracker skips ops of a fake mode other than
-    the one active when it was entered: the tracker's own rule for telling propagation from the real local op."""
-    from torch.distributed.tensor import _sharding_prop
+class StepTracker(FSDPMemTracker):
+    """FSDPMemTracker that leaves DTensor's sharding propagation out of the count. Propagation runs each op once on
+    global-shape fake tensors to learn the output's metadata; inside our FakeTensorMode those tensors can reach
+    the tracker and be counted as allocations (whole fp32 copies of every parameter list of AdamW's fused step:
+    4 x 34 GiB at dit_9b, seen in some runs and not in others). A real run never makes them."""
 
-    with mock.patch.object(_sharding_prop, "detect_fake_mode", lambda *args: None):
-        yield
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.propagating = 0
+
+    @contextlib.contextmanager
+    def ignoring_propagation(self):
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        original = ShardingPropagator._propagate_tensor_meta_non_cached
+        tracker = self
+
+        def propagate(prop, op_schema):
+            tracker.propagating += 1
+            try:
+                return original(prop, op_schema)
+            finally:
+                tracker.propagating -= 1
+
+        with mock.patch.object(ShardingPropagator, "_propagate_tensor_meta_non_cached", propagate):
+            yield
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.propagating:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def init_fake_process_group(world_size: int) -> None:
@@ -107,7 +129,7 @@ def estimate(cfg, world_size: int, micro_batch: int, steps: int | None = None, f
     per rank. Returns {"persistent": {...}, "peak": {...}, "steps": n, "seconds": s} (bytes). fake=False runs on
     real tensors (small models only: to check the fake run against a real one)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
 
     from . import seeds
     from .ema import EMA
@@ -144,14 +166,14 @@ def estimate(cfg, world_size: int, micro_batch: int, steps: int | None = None, f
         x = torch.randn(micro_batch, m.in_channels, m.image_size, m.image_size)
         y = torch.randint(0, max(1, m.num_classes), (micro_batch,))
 
-        tracker = FSDPMemTracker(model, optimizer)
+        tracker = StepTracker(model, optimizer)
         tracker.track_inputs((x, y))
         # the EMA shards live outside the trained module: register them (as "Buffer", split off below) so that
         # the tracker counts them from the start instead of as activations at their first in-place update
         ema_tensors = [local(p) for p in ema.model.parameters()]
         for t in ema_tensors:
             tracker._update_and_maybe_create_winfos(t, _FSDPRefType.BUFFER)
-        with separate_propagation_fake_mode(), tracker:
+        with tracker.ignoring_propagation(), tracker:
             for _ in range(steps):
                 _train_step(model, ema, optimizer, scheduler, x, y, Trainer.global_batch_noise(trainer, x), cfg)
                 tracker.reset_mod_stats()  # per-module stats are per iteration; the peak is kept

@@ -60,7 +60,7 @@ def test_persistent_bytes_are_the_rank0_shards(optimizer):
 def test_fake_tensors_count_what_real_tensors_use(optimizer):
     """The same step on real tensors (the fake process group's collectives leave their outputs unfilled, which
     changes no size): the fake run sees the same persistent bytes and, within the attention kernel's saved
-    statistics, the same peak. Without separate_propagation_fake_mode the fake peak counted whole copies of the
+    statistics, the same peak. Without StepTracker ignoring propagation the fake peak counted whole copies of the
     parameters made by DTensor's sharding propagation (AdamW's fused step: 1.8x the real peak here)."""
     fake, real = estimate(optimizer), estimate(optimizer, "--real-tensors")
     assert fake["persistent"] == real["persistent"]
