@@ -66,10 +66,10 @@ def describe(r: dict) -> str:
     head = (f"{r['preset']} on {r['world_size']} ranks, {r['optimizer']}, micro-batch {r['micro_batch']} images/rank, "
             f"activation checkpointing {'on' if r['activation_checkpointing'] else 'off'}"
             f"{' ' + ' '.join(r['overrides']) if r['overrides'] else ''}; {r['steps']} steps in {r['seconds']:.0f} s")
-    lines = [head, f"GiB per rank (rank 0)          {'persistent':>12} {'at peak':>10}"]
+    lines = [head, f"{'GiB per rank (rank 0)':<60}{'persistent':>11}{'at peak':>11}"]
     for key, label in ROWS:
         p = r["persistent"].get(key)
-        lines.append(f"  {label:<58.58} {'' if p is None else f'{p / GIB:10.2f}':>10} {r['peak'][key] / GIB:10.2f}")
+        lines.append(f"  {label:<58.58}{'' if p is None else f'{p / GIB:.2f}':>11}{r['peak'][key] / GIB:11.2f}")
     fits = r["peak"]["total"] / GIB <= USABLE_80GB_GIB
     lines.append(f"peak {r['peak']['total'] / GIB:.1f} GiB: {'fits' if fits else 'does not fit'} an 80 GB GPU "
                  f"({USABLE_80GB_GIB} GiB) before the CUDA context, NCCL buffers and fragmentation")
