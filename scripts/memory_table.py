@@ -1,4 +1,7 @@
-"""Memory per GPU of the large presets under FSDP2, computed from exact parameter counts (docs/scaling_out.md).
+"""Memory per GPU of the large presets under FSDP2, computed by hand from exact parameter counts: the cross-check of
+scripts/estimate_memory.py, which measures the same by running the trainer's code on fake tensors (docs/scaling_out.md
+compares the two; this formula leaves out the optimizer's kept workspaces and MUD's Gram matrices, and its 40 d
+bytes of activations per token per block are below the ~60 d measured).
 
     python scripts/memory_table.py [--micro-batch 32] [--world-sizes 8 16 32 64] [--presets dit_1b3 ...]
 

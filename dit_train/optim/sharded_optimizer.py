@@ -94,6 +94,10 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
     distributed_mode, gather_dtype and bucket_mb."""
 
     accepts_dtensors = True
+    # Whether whole-matrix directions keep their per-(shape, count) workspaces between steps. None: on CPU only
+    # (see _whole_directions). The memory estimate (scripts/estimate_memory.py) runs on fake CPU tensors and sets
+    # False to account for what a CUDA run keeps.
+    keep_whole_matrix_workspaces: bool | None = None
 
     def __init__(self, params, *, distributed_mode: str = "gather", gather_dtype: str = "bf16",
                  bucket_mb: float = 16.0, **kwargs):
@@ -192,12 +196,14 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
     def _whole_directions(self, kind: str, inputs: dict, group: dict, comm: ShardComm, phases: PhaseSwitch) -> dict:
         elem = DTYPES[self.gather_dtype].itemsize
         buckets = plan_buckets({key: U.shape[0] for key, U in inputs.items()}, elem, self.bucket_mb * 2**20)
-        cpu = next(iter(inputs.values())).device.type == "cpu"
+        keep = self.keep_whole_matrix_workspaces
+        if keep is None:
+            keep = next(iter(inputs.values())).device.type == "cpu"
 
         def compute(key, X: Tensor) -> Tensor:
             # CPU: per-(shape, count) workspaces, reused every step (fresh tens-of-MB buffers page-fault there);
             # GPU: fresh buffers from the caching allocator, so whole matrices are not kept between buckets
-            ws = self._workspace.setdefault(("whole", key, X.shape[0]), {}) if cpu else None
+            ws = self._workspace.setdefault(("whole", key, X.shape[0]), {}) if keep else None
             D, row_scale = compute_direction(kind, X, group, ws)
             return D if row_scale is None else D * row_scale  # a registered direction that returns a row scale
 
