@@ -124,6 +124,29 @@ def init_fake_process_group(world_size: int) -> None:
         dist.init_process_group("fake", world_size=world_size, rank=0, store=FakeStore())
 
 
+def by_category(current: dict, peak: dict, params: int, ema_bytes: int, state: int, workspace: int):
+    """(persistent, at peak) bytes by category, from the tracker's snapshots and the exact tensor counts."""
+    persistent = {
+        "parameters": params, "gradients": 0, "optimizer_state": state, "optimizer_workspace": workspace,
+        "ema": ema_bytes, "activations": 0,
+        "other": current["Total"] - params - ema_bytes - state - workspace,
+        "total": current["Total"],
+    }
+    opt_at_peak = peak["OptState"]
+    at_peak = {
+        "parameters": peak["Sharded Param"],
+        "gradients": peak["Sharded Grad"] + peak["Unsharded Grad"],
+        "optimizer_state": min(state, opt_at_peak),
+        "optimizer_workspace": opt_at_peak - min(state, opt_at_peak),  # persistent workspaces + step temporaries
+        "ema": ema_bytes,
+        "activations": peak["Activation"],
+        "gathered_and_comm": sum(peak[k] for k in GATHERED_AND_COMM),
+        "other": sum(peak[k] for k in TEMPORARY) + peak["Buffer"] - ema_bytes,
+        "total": peak["Total"],
+    }
+    return persistent, at_peak
+
+
 def estimate(cfg, world_size: int, micro_batch: int, steps: int | None = None, fake: bool = True) -> dict:
     """Bytes per rank (rank 0) of `steps` training steps of `cfg` on `world_size` ranks with `micro_batch` images
     per rank. Returns {"persistent": {...}, "peak": {...}, "steps": n, "seconds": s} (bytes). fake=False runs on
@@ -184,24 +207,7 @@ def estimate(cfg, world_size: int, micro_batch: int, steps: int | None = None, f
         ema_bytes = _storage_bytes(ema_tensors)
         state = optimizer_state_bytes(optimizer)
         workspace = optimizer_workspace_bytes(optimizer)
-    persistent = {
-        "parameters": params, "gradients": 0, "optimizer_state": state, "optimizer_workspace": workspace,
-        "ema": ema_bytes, "activations": 0,
-        "other": current["Total"] - params - ema_bytes - state - workspace,
-        "total": current["Total"],
-    }
-    opt_at_peak = peak["OptState"]
-    at_peak = {
-        "parameters": peak["Sharded Param"],
-        "gradients": peak["Sharded Grad"] + peak["Unsharded Grad"],
-        "optimizer_state": min(state, opt_at_peak),
-        "optimizer_workspace": opt_at_peak - min(state, opt_at_peak),  # persistent workspaces + step temporaries
-        "ema": ema_bytes,
-        "activations": peak["Activation"],
-        "gathered_and_comm": sum(peak[k] for k in GATHERED_AND_COMM),
-        "other": sum(peak[k] for k in TEMPORARY) + peak["Buffer"] - ema_bytes,
-        "total": peak["Total"],
-    }
+    persistent, at_peak = by_category(current, peak, params, ema_bytes, state, workspace)
     return {"persistent": persistent, "peak": at_peak, "steps": steps, "seconds": time.perf_counter() - t0}
 
 
