@@ -6,12 +6,15 @@
     python scripts/run_study.py scaling_study_cpu --dry-run            # print the commands only
     python scripts/run_study.py scaling_study_cpu --models dit_xs      # one size now, the rest later
 
-The grid is models x optimizers x seeds, with periodic_rowwise expanded over study.K (and every optimizer over
-study.lr where a study scans learning rates, or each at its own study.lr.<optimizer> where a study tunes them).
+The grid is models x optimizers x seeds, with periodic_rowwise expanded over study.K, the RowNorm optimizers over
+study.rownorm_scale when given, and every optimizer over study.lr where a study scans learning rates, or each at its
+own study.lr.<optimizer> where a study tunes them. A study with study.lr_scan runs in two phases: its first seed at
+each value of the optimizer's scan, then the other seeds at the value with the lowest final validation loss (the
+choice and every scanned loss are recorded in study.json).
 Each run's folder is <sweep_dir>/<sorted overrides> (Hydra's override_dirname), so rerunning finds finished runs
 (a checkpoint at the run's train.steps; a summary alone proves nothing) and skips them, and continues interrupted
 ones from their last checkpoint (the experiments set train.resume=auto): a study can be completed in pieces. One
-`python -m dit_train --multirun` per (model, optimizer[, K, lr]) with the pending seeds, so a Slurm job's shape
+`python -m dit_train --multirun` per (model, optimizer[, K, scale, lr]) with the pending seeds, so a Slurm job's shape
 follows its model.
 Then: python scripts/report.py <sweep_dir>.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -61,22 +65,100 @@ def learning_rates(study, opt: str, K) -> list:
     return [value]
 
 
-def expand(study, extra: list[str], exclude_keys: list[str]) -> list[dict]:
-    """models x optimizers (periodic_rowwise x study.K) x learning_rates() x seeds."""
-    runs = []
+ROWNORM_OPTIMIZERS = ("periodic_rowwise", "rownorm")  # the optimizers that take optimizer.rownorm_scale
+
+
+def variants(study) -> list[dict]:
+    """models x optimizers, periodic_rowwise x study.K, and the RowNorm optimizers x study.rownorm_scale (when given)."""
+    out = []
     for model in study.models:
         for opt in study.optimizers:
             for K in (list(study.K) if opt == "periodic_rowwise" else [None]):
-                for lr in learning_rates(study, opt, K):
-                    for seed in study.seeds:
-                        overrides = [f"model={model}", f"optimizer={opt}", f"seed={seed}"]
-                        if K is not None:
-                            overrides.append(f"optimizer.K={K}")
-                        if lr is not None:
-                            overrides.append(f"optimizer.lr={lr}")
-                        runs.append({"name": run_name(overrides + extra, exclude_keys), "model": model,
-                                     "optimizer": opt, "K": K, "lr": lr, "seed": seed, "overrides": overrides})
+                scales = list(study.get("rownorm_scale") or [None]) if opt in ROWNORM_OPTIMIZERS else [None]
+                for scale in scales:
+                    out.append({"model": model, "optimizer": opt, "K": K, "scale": scale})
+    return out
+
+
+def variant_label(v: dict) -> str:
+    return " ".join([v["model"], v["optimizer"], *([f"K={v['K']}"] if v["K"] is not None else []),
+                     *([f"rownorm_scale={v['scale']}"] if v["scale"] is not None else [])])
+
+
+def make_run(v: dict, lr, seed, extra: list[str], exclude_keys: list[str], phase: str = "") -> dict:
+    overrides = [f"model={v['model']}", f"optimizer={v['optimizer']}", f"seed={seed}"]
+    if v["K"] is not None:
+        overrides.append(f"optimizer.K={v['K']}")
+    if v["scale"] is not None:
+        overrides.append(f"optimizer.rownorm_scale={v['scale']}")
+    if lr is not None:
+        overrides.append(f"optimizer.lr={lr}")
+    run = {"name": run_name(overrides + extra, exclude_keys), **v, "lr": lr, "seed": seed, "overrides": overrides}
+    return {**run, "phase": phase} if phase else run
+
+
+def scan_values(study, opt: str) -> list:
+    values = study.lr_scan.get(opt)
+    if values is None:
+        raise ValueError(f"study.lr_scan has no values for optimizer {opt!r}; it names {sorted(study.lr_scan)}")
+    return list(values)
+
+
+def expand(study, extra: list[str], exclude_keys: list[str], selected: dict | None = None) -> list[dict]:
+    """Every run of the study. With study.lr_scan (a per-optimizer list of values) the study has two phases: the
+    first seed at every value of the optimizer's scan ("scan"), then the other seeds at the value the scan selected
+    ("seeds"; `selected` maps a variant label to that value, and a variant not yet selected has no seed runs)."""
+    runs = []
+    for v in variants(study):
+        if study.get("lr_scan") is not None:
+            first, rest = study.seeds[0], list(study.seeds[1:])
+            runs += [make_run(v, lr, first, extra, exclude_keys, "scan") for lr in scan_values(study, v["optimizer"])]
+            chosen = (selected or {}).get(variant_label(v))
+            if chosen is not None:
+                runs += [make_run(v, chosen, s, extra, exclude_keys, "seeds") for s in rest]
+            continue
+        for lr in learning_rates(study, v["optimizer"], v["K"]):
+            runs += [make_run(v, lr, seed, extra, exclude_keys) for seed in study.seeds]
     return runs
+
+
+def final_val_loss(run_dir: str, steps: int) -> float | None:
+    """The validation loss logged at the run's last step (None if the run has not logged it)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return None
+    value = None
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if row.get("step") == steps and isinstance(row.get("val/loss"), (int, float)):
+                value = float(row["val/loss"])
+    return value
+
+
+def select_learning_rates(study, sweep_dir: str, scan_runs: list[dict], steps_of) -> dict:
+    """For each variant whose scan runs have all finished: the value with the lowest final validation loss (NaN and
+    diverged runs lose). Returns {variant label: {"lr": chosen, "val_loss": {lr: loss}}}."""
+    by_variant: dict[str, list[dict]] = {}
+    for r in scan_runs:
+        by_variant.setdefault(variant_label(r), []).append(r)
+    out = {}
+    for label, members in by_variant.items():
+        losses = {}
+        for r in members:
+            run_dir = os.path.join(sweep_dir, r["name"])
+            steps = steps_of(r)
+            if not finished(run_dir, steps):
+                break
+            loss = final_val_loss(run_dir, steps)
+            losses[r["lr"]] = loss if loss is not None and math.isfinite(loss) else math.inf
+        else:
+            chosen = min(losses, key=lambda lr: (losses[lr], lr))
+            out[label] = {"lr": chosen, "val_loss": {str(lr): v for lr, v in losses.items()}}
+    return out
 
 
 def load_experiment(name: str, overrides: list[str] = ()):
@@ -123,6 +205,10 @@ def main(argv=None) -> int:
     study = exp.study
     exclude = list(OmegaConf.select(exp, "hydra.job.config.override_dirname.exclude_keys") or [])
     sweep_dir = os.path.abspath(args.sweep_dir or os.path.join("sweeps", study.name))
+    only = set(args.models.split(",")) if args.models else None
+    if only and not only <= set(study.models):
+        print(f"error: --models {args.models!r} not in study.models {list(study.models)}", file=sys.stderr)
+        return 2
     try:
         runs = expand(study, args.overrides, exclude)
     except ValueError as e:
@@ -131,40 +217,63 @@ def main(argv=None) -> int:
     os.makedirs(sweep_dir, exist_ok=True)
     call = {"command": " ".join(["python scripts/run_study.py", *(sys.argv[1:] if argv is None else argv)]),
             "git_commit": git_commit(ROOT), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    record = {"experiment": args.experiment, **call, "notes": study.get("notes", ""),
-              "invocations": previous_invocations(sweep_dir) + ([] if args.dry_run else [call]),
-              "runs": [{k: v for k, v in r.items() if k != "overrides"} for r in runs]}
-    # atomic: the record of a half-finished study must survive a crash mid-write
-    atomic_write_bytes(json.dumps(record, indent=2).encode(), os.path.join(sweep_dir, "study.json"))
+    invocations = previous_invocations(sweep_dir) + ([] if args.dry_run else [call])
+    steps_cache: dict[tuple, int] = {}
 
+    def steps_of(r: dict) -> int:
+        fixed = tuple(o for o in r["overrides"] if not o.startswith("seed="))
+        if fixed not in steps_cache:
+            steps_cache[fixed] = load_experiment(args.experiment, [*fixed, *args.overrides]).train.steps
+        return steps_cache[fixed]
+
+    def record(runs: list[dict], selection: dict | None = None) -> None:
+        rec = {"experiment": args.experiment, **call, "notes": study.get("notes", ""), "invocations": invocations,
+               "runs": [{k: v for k, v in r.items() if k != "overrides"} for r in runs]}
+        if selection is not None:
+            rec["lr_selection"] = selection
+        # atomic: the record of a half-finished study must survive a crash mid-write
+        atomic_write_bytes(json.dumps(rec, indent=2).encode(), os.path.join(sweep_dir, "study.json"))
+
+    record(runs)
+    failures = run_groups(runs, only, sweep_dir, steps_of, args)
+    if study.get("lr_scan") is not None:
+        selection = select_learning_rates(study, sweep_dir, runs, steps_of)
+        for label, chosen in selection.items():
+            print(f"[study] {label}: lr={chosen['lr']} selected (final val loss by lr: {chosen['val_loss']})")
+        runs = expand(study, args.overrides, exclude, {k: v["lr"] for k, v in selection.items()})
+        record(runs, selection)
+        failures += run_groups([r for r in runs if r.get("phase") == "seeds"], only, sweep_dir, steps_of, args)
+        waiting = len(variants(study)) - len(selection)
+        if waiting:
+            print(f"[study] {waiting} variant(s) wait for their lr scan to finish before their other seeds run")
+    if failures:
+        print(f"[study] {failures} group(s) failed; rerun the same command to retry them (finished runs are kept)")
+    print(f"[study] report: python scripts/report.py {sweep_dir}")
+    return 1 if failures else 0
+
+
+def run_groups(runs: list[dict], only, sweep_dir: str, steps_of, args) -> int:
+    """One `python -m dit_train --multirun` per (model, optimizer, K, RowNorm scale, lr) with its pending seeds;
+    returns the number of groups that failed."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
-        groups.setdefault((r["model"], r["optimizer"], r["K"], r["lr"]), []).append(r)
+        groups.setdefault((r["model"], r["optimizer"], r["K"], r["scale"], r["lr"]), []).append(r)
     failures = 0
-    only = set(args.models.split(",")) if args.models else None
-    if only and not only <= set(study.models):
-        print(f"error: --models {args.models!r} not in study.models {list(study.models)}", file=sys.stderr)
-        return 2
-    for (model, opt, K, lr), members in groups.items():
-        if only and model not in only:
+    for members in groups.values():
+        if only and members[0]["model"] not in only:
             continue
-        fixed = [o for o in members[0]["overrides"] if not o.startswith("seed=")]
-        steps = load_experiment(args.experiment, [*fixed, *args.overrides]).train.steps
-        pending = [r for r in members if not finished(os.path.join(sweep_dir, r["name"]), steps)]
-        label = f"{model} {opt}{'' if K is None else f' K={K}'}{'' if lr is None else f' lr={lr}'}"
+        pending = [r for r in members if not finished(os.path.join(sweep_dir, r["name"]), steps_of(r))]
+        label = variant_label(members[0]) + ("" if members[0]["lr"] is None else f" lr={members[0]['lr']}")
         if not pending:
             print(f"[study] {label}: all seeds finished, skipping")
             continue
-        # the group's own overrides (model, optimizer, K, lr), all seeds still to run in one multirun
+        fixed = [o for o in members[0]["overrides"] if not o.startswith("seed=")]
         cmd = [sys.executable, "-m", "dit_train", "--multirun", f"experiment={args.experiment}", *fixed,
                "seed=" + ",".join(str(r["seed"]) for r in pending), f"hydra.sweep.dir={sweep_dir}", *args.overrides]
         print("[study]", " ".join(cmd[1:]), flush=True)
         if not args.dry_run:
             failures += subprocess.run(cmd, cwd=ROOT).returncode != 0
-    if failures:
-        print(f"[study] {failures} group(s) failed; rerun the same command to retry them (finished runs are kept)")
-    print(f"[study] report: python scripts/report.py {sweep_dir}")
-    return 1 if failures else 0
+    return failures
 
 
 if __name__ == "__main__":
