@@ -27,16 +27,20 @@ def compose_with_hydra(overrides):
 
 
 @pytest.mark.parametrize("experiment", ["scaling_study", "scaling_study_cpu", "smoke", "lr_scan_cpu",
-                                        "scaling_study_cpu_tuned"])
+                                        "scaling_study_cpu_tuned", "optimizer_comparison_cpu"])
 def test_experiments_compose_and_expand(experiment):
     cfg = compose_with_hydra([f"experiment={experiment}", "run_dir=/tmp/unused"])
     assert cfg.study.name == experiment
     assert cfg.train.resume == "auto"  # interrupted runs continue when the study is rerun
     runs = run_study.expand(cfg.study, [], list(cfg.hydra.job.config.override_dirname.exclude_keys))
-    n_opt = len(cfg.study.optimizers) - 1 + len(cfg.study.K)
+    n_opt = len(run_study.variants(cfg.study)) // len(cfg.study.models)
     lr = cfg.study.get("lr")
     n_lr = len(lr) if OmegaConf.is_list(lr) else 1  # a scan's values, or one (tuned or shared) lr per optimizer
-    assert len(runs) == len(cfg.study.models) * n_opt * n_lr * len(cfg.study.seeds)
+    if cfg.study.get("lr_scan") is not None:  # before its scan finishes: the first seed at every scanned value
+        assert len(runs) == sum(len(run_study.scan_values(cfg.study, v["optimizer"]))
+                                for v in run_study.variants(cfg.study))
+    else:
+        assert len(runs) == len(cfg.study.models) * n_opt * n_lr * len(cfg.study.seeds)
     assert len({r["name"] for r in runs}) == len(runs)
 
 
@@ -62,6 +66,44 @@ def test_a_tuned_study_runs_each_optimizer_at_its_own_lr():
         run_study.expand(study, [], [])
     del study.lr["muon"]
     with pytest.raises(ValueError, match="study.lr has no value for optimizer 'muon'"):
+        run_study.expand(study, [], [])
+
+
+def test_a_two_phase_study_scans_seed_0_then_runs_the_other_seeds_at_the_lowest_val_loss(tmp_path):
+    """study.lr_scan: seed 0 at each value (every RowNorm scale its own variant), then seeds 1.. at the value whose
+    final validation loss is lowest; a variant with an unfinished scan run gets no seed runs yet; NaN loses."""
+    from dit_train import checkpoint as ckpt
+
+    import torch
+
+    study = OmegaConf.create({"models": ["dit_s"], "optimizers": ["muon", "periodic_rowwise"], "K": [3],
+                              "rownorm_scale": ["frobenius", "spectral"], "seeds": [0, 1, 2],
+                              "lr_scan": {"muon": [1e-2, 2e-2], "periodic_rowwise": [4e-3, 8e-3]}})
+    scan = run_study.expand(study, [], [])
+    assert {r["phase"] for r in scan} == {"scan"} and {r["seed"] for r in scan} == {0} and len(scan) == 6
+    assert "model=dit_s,optimizer.K=3,optimizer.lr=0.004,optimizer.rownorm_scale=spectral," \
+           "optimizer=periodic_rowwise,seed=0" in {r["name"] for r in scan}
+    final = {("muon", None, 1e-2): 0.30, ("muon", None, 2e-2): 0.25,
+             ("periodic_rowwise", "frobenius", 4e-3): 0.31, ("periodic_rowwise", "frobenius", 8e-3): math.nan,
+             ("periodic_rowwise", "spectral", 4e-3): 0.29}  # spectral at 8e-3 has not finished
+    for r in scan:
+        key = (r["optimizer"], r["scale"], r["lr"])
+        if key in final:
+            run_dir = tmp_path / r["name"]
+            ckpt.save(str(run_dir), 600, {"model": {"w": torch.zeros(1)}}, {"step": 600}, keep_last=0)
+            (run_dir / "metrics.jsonl").write_text(
+                json.dumps({"step": 400, "val/loss": 0.1}) + "\n" + json.dumps({"step": 600, "val/loss": final[key]}))
+    chosen = run_study.select_learning_rates(study, str(tmp_path), scan, lambda r: 600)
+    assert {k: v["lr"] for k, v in chosen.items()} == {
+        "dit_s muon": 2e-2, "dit_s periodic_rowwise K=3 rownorm_scale=frobenius": 4e-3}
+    assert chosen["dit_s muon"]["val_loss"] == {"0.01": 0.30, "0.02": 0.25}
+    runs = run_study.expand(study, [], [], {k: v["lr"] for k, v in chosen.items()})
+    seeds = [r for r in runs if r["phase"] == "seeds"]
+    assert {(r["optimizer"], r["scale"], r["lr"], r["seed"]) for r in seeds} == {
+        ("muon", None, 2e-2, 1), ("muon", None, 2e-2, 2),
+        ("periodic_rowwise", "frobenius", 4e-3, 1), ("periodic_rowwise", "frobenius", 4e-3, 2)}
+    del study.lr_scan["muon"]
+    with pytest.raises(ValueError, match=r"study.lr_scan has no values for optimizer 'muon'"):
         run_study.expand(study, [], [])
 
 
