@@ -248,7 +248,8 @@ def main(argv=None) -> int:
             print(f"[study] {waiting} variant(s) wait for their lr scan to finish before their other seeds run")
     if failures:
         print(f"[study] {failures} group(s) failed; rerun the same command to retry them (finished runs are kept)")
-    print(f"[study] report: python scripts/report.py {sweep_dir}")
+    report = "paired_report.py" if study.get("lr_scan") is not None else "report.py"
+    print(f"[study] report: python scripts/{report} {sweep_dir}")
     return 1 if failures else 0
 
 
