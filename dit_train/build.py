@@ -9,7 +9,7 @@ from . import seeds
 from .ema import EMA
 from .model import build_model
 from .optim.registry import build_optimizer
-from .parallel import ParallelPlan, materialize_from_rank0, parallelize
+from .parallel import ParallelPlan, fsdp_mesh, materialize_from_rank0, parallelize
 from .schedule import build_scheduler
 
 
@@ -23,8 +23,9 @@ def build_models(cfg, plan: ParallelPlan, is_main: bool, device: torch.device):
         ema = EMA(model, cfg.train.ema_decay)  # copied before checkpointing/compile wrap the blocks
         return parallelize(model, plan), ema
     reference = build_model(cfg.model) if is_main else None
-    model = parallelize(build_model(cfg.model, device="meta"), plan)
-    shadow = parallelize(build_model(cfg.model, device="meta"), plan, trainable=False)
+    mesh = fsdp_mesh(plan, device.type)  # one mesh (and its process groups) for the model and its EMA
+    model = parallelize(build_model(cfg.model, device="meta"), plan, mesh=mesh)
+    shadow = parallelize(build_model(cfg.model, device="meta"), plan, trainable=False, mesh=mesh)
     materialize_from_rank0(model, reference, device)
     del reference
     shadow.to_empty(device=device)

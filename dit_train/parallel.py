@@ -7,6 +7,11 @@ rest (embedders, final layer). Parameters stay fp32 shards (what the optimizer a
 compute copies are `parallel.mixed_precision` (bf16 on CUDA by default) and gradients are reduce-scattered in
 `parallel.reduce_dtype` (fp32 by default).
 
+HSDP (`parallel.replicate` R > 1): the ranks form an R x (W / R) mesh (replicate, shard); parameters are sharded
+within each group of W / R consecutive ranks (a node) and replicated across the R groups, so the weight
+all-gathers and gradient reduce-scatters stay inside a group and only the gradient shards are all-reduced across
+groups. `shard_group` is the group a parameter's rows are split over, for every collective that sums over rows.
+
 Weights are created once, on rank 0 with the usual seeded initialisation (so a sharded run starts from exactly
 the single-process weights), and scattered from there; every other rank builds on the meta device, so no rank but
 rank 0 ever holds a full copy (rank 0's is in host memory and freed after the scatter).
@@ -161,7 +166,8 @@ class ParallelPlan:
     sharded: bool = False  # parameters are FSDP2 DTensor shards (any number of ranks, one included)
     param_dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype = torch.float32
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | int = True  # an int: keep the gathered weights sharded over groups of that size
+    replicate: int = 1  # HSDP: replicas of the sharded model (the mesh's first dim); 1 is plain FSDP
     activation_checkpointing: bool = False
     compile: bool = False
 
@@ -171,7 +177,8 @@ class ParallelPlan:
             mode = "single process"
         else:
             mode = (f"FSDP2 per block + root, params {name(self.param_dtype)} / reduce {name(self.reduce_dtype)}, "
-                    f"reshard_after_forward {self.reshard_after_forward}")
+                    f"reshard_after_forward {self.reshard_after_forward}"
+                    + (f", HSDP: {self.replicate} replicas" if self.replicate > 1 else ""))
         return f"{mode}; activation checkpointing {self.activation_checkpointing}; compile {self.compile}"
 
 
@@ -192,6 +199,7 @@ def resolve_plan(pcfg, dist_info: DistInfo) -> ParallelPlan:
         mp = "bf16" if dist_info.device.type == "cuda" else "fp32"
     return ParallelPlan(sharded=wants_fsdp(p, dist_info.world_size), param_dtype=DTYPES[mp],
                         reduce_dtype=DTYPES[p["reduce_dtype"]], reshard_after_forward=p["reshard_after_forward"],
+                        replicate=p["replicate"],
                         activation_checkpointing=p["activation_checkpointing"], compile=p["compile"])
 
 
@@ -234,8 +242,31 @@ def apply_compile(blocks: nn.ModuleList) -> None:
         block.compile()
 
 
-def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, plan: ParallelPlan, trainable: bool = True) -> None:
+def fsdp_mesh(plan: ParallelPlan, device_type: str | None = None):
+    """The device mesh FSDP2 shards over: 1-D over every rank (plain FSDP), or for parallel.replicate R > 1 the
+    2-D (replicate, shard) mesh of R groups of W / R consecutive ranks (consecutive: the ranks of one node)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    world = dist.get_world_size()
+    if plan.replicate == 1:
+        return init_device_mesh(device_type, (world,))
+    return init_device_mesh(device_type, (plan.replicate, world // plan.replicate),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+def shard_group(t: torch.Tensor):
+    """The process group over which a DTensor's rows are split: its mesh's last dim (FSDP2's shard dim; an HSDP
+    mesh's first dim holds identical replicas). Sums over a parameter's rows (norms, row statistics) run here."""
+    mesh = t.device_mesh
+    return mesh.get_group(mesh.ndim - 1)
+
+
+def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, plan: ParallelPlan, trainable: bool = True,
+               mesh=None) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = mesh if mesh is not None else fsdp_mesh(plan)
 
     param = None if plan.param_dtype == torch.float32 else plan.param_dtype
     reduce = None if plan.reduce_dtype == torch.float32 and param is None else plan.reduce_dtype
@@ -243,17 +274,20 @@ def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, plan: ParallelPlan, trai
     for i, block in enumerate(blocks):
         # training: the last block's weights are needed again at once by backward, so keep them gathered.
         # A frozen model (the EMA, no backward) always reshards: its shards change between calls (EMA update).
-        keep = trainable and (i == len(blocks) - 1 or not plan.reshard_after_forward)
-        fully_shard(block, reshard_after_forward=not keep, mp_policy=policy)
+        # An int reshards to groups of that size: the next gather stays within the group (e.g. a node).
+        last = i == len(blocks) - 1
+        after = (not last and plan.reshard_after_forward) if trainable else True
+        fully_shard(block, mesh=mesh, reshard_after_forward=after, mp_policy=policy)
     # The root's inputs stay as given: a bf16 cast would round t (0.9987 -> 1.0, an error of 1.3 on the timestep
     # embedding's 1000-step scale); the model casts the image and text inputs to its compute dtype itself.
     root = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce, cast_forward_inputs=False)
-    fully_shard(model, reshard_after_forward=None if trainable else True, mp_policy=root)
+    fully_shard(model, mesh=mesh, reshard_after_forward=None if trainable else True, mp_policy=root)
 
 
-def parallelize(model: nn.Module, plan: ParallelPlan, trainable: bool = True) -> nn.Module:
+def parallelize(model: nn.Module, plan: ParallelPlan, trainable: bool = True, mesh=None) -> nn.Module:
     """Apply the plan to a DiT (its `blocks`): activation checkpointing and compile to the trained model only,
-    then FSDP2 per block and the root. A frozen model (the EMA) is only sharded."""
+    then FSDP2 per block and the root, over `mesh` (default: fsdp_mesh(plan)). A frozen model (the EMA) is only
+    sharded."""
     if not trainable:
         model.requires_grad_(False)
     if trainable and plan.activation_checkpointing:
@@ -261,7 +295,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, trainable: bool = True) ->
     if trainable and plan.compile:
         apply_compile(model.blocks)
     if plan.sharded:
-        apply_fsdp(model, model.blocks, plan, trainable)
+        apply_fsdp(model, model.blocks, plan, trainable, mesh)
     return model
 
 
@@ -304,8 +338,9 @@ def weights_finite(model: nn.Module) -> bool:
 @torch.no_grad()
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ for plain tensors; for FSDP2 shards (every gradient Shard(0) over the one
-    mesh) the squared norms of the local shards are summed, one all-reduce gives the global norm, and the local
-    shards are scaled: the same maths, one scalar of communication."""
+    mesh's shard dim) the squared norms of the local shards are summed, one all-reduce over the shard group gives
+    the global norm (the replicas of an HSDP mesh hold the same gradients: summing over them would count each
+    W / R times), and the local shards are scaled: the same maths, one scalar of communication."""
     from torch.distributed.tensor import DTensor
 
     params = [p for p in parameters if p.grad is not None]
@@ -316,7 +351,7 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
         return torch.zeros(())
     norms = torch._foreach_norm(grads)
     sq = torch.stack([n.float() for n in norms]).pow(2).sum()
-    dist.all_reduce(sq)
+    dist.all_reduce(sq, group=shard_group(params[0].grad))
     total = sq.sqrt()
     if math.isfinite(max_norm):
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)

@@ -1,11 +1,12 @@
-"""The matrix optimizers on dim-0 shards (docs/algorithms.md §6–7, optim/sharded_optimizer.py), on CPU/gloo with 2 and 3 processes:
+"""The matrix optimizers on dim-0 shards (docs/algorithms.md §6–7, optim/sharded_optimizer.py), on CPU/gloo with 2 and 3 processes
+(a 1-D mesh) and 4 processes as a 2 x 2 HSDP mesh (replicate x shard: every collective within the shard group):
 every optimizer and both whole-matrix modes give the single-process parameters on the same gradients (4 steps:
 refresh, two RowNorm steps, refresh for periodic_rowwise); the counted bytes equal the analytic expectation per
 collective and rank; each direction is computed once in owner mode and on every rank in gather mode.
 
 The matrices cover wide, tall and square shapes, same-shape batches split across buckets, and shards that are
 uneven or empty (3 ranks: 50 -> 17/17/16 rows, 4 -> 2/2/0, 2 -> 1/1/0, 1 -> 1/0/0; 2 ranks: 1 -> 1/0).
-One spawn per world size runs every case (process start-up is the cost); the parent compares.
+One spawn per mesh runs every case (process start-up is the cost); the parent compares.
 """
 
 import math
@@ -23,13 +24,15 @@ from dit_train.optim.whole_matrix_exchange import Item, assign_owners, plan_buck
 SHAPES = [(24, 40), (24, 40), (40, 24), (40, 24), (32, 32), (4, 3), (2, 16), (1, 8), (50, 12)]
 STEPS = 4
 LR, WD = 0.02, 0.1
-KINDS = {"muon": dict(direction="spectral"),
+KINDS = {"adamw": {},  # every parameter in the AdamW group (optimizer=adamw)
+         "muon": dict(direction="spectral"),
          "periodic_rowwise": dict(direction="spectral", between="rownorm", refresh_every=3),
          "rownorm": dict(direction="rownorm"),
          "mud": dict(direction="mud")}
 SMALL = 0.003  # bucket_mb: ~3 KB buckets, so same-shape batches are split over several buckets
 # name -> (optimizer, group kwargs shared with the single-process reference, placement kwargs)
 CASES = {
+    "adamw": ("adamw", {}, {}),
     "muon/gather": ("muon", {}, {}),
     "muon/owner": ("muon", {}, {"distributed_mode": "owner"}),
     "muon/gather/fp32/buckets": ("muon", {"ns_dtype": "fp32"}, {"gather_dtype": "fp32", "bucket_mb": SMALL}),
@@ -63,6 +66,8 @@ def step_grads(step, name=""):
 
 def make_optimizer(cls, matrices, bias, name, **placement):
     kind, group_kw, _ = CASES[name]
+    if kind == "adamw":
+        return cls([{"params": [*matrices, bias], "kind": "adamw"}], lr=LR, weight_decay=WD)
     return cls([{"params": matrices, "kind": "matrix"}, {"params": [bias], "kind": "adamw"}], lr=LR,
                weight_decay=WD, **KINDS[kind], **{**group_kw, **placement})
 
@@ -78,18 +83,20 @@ def spawn(fn, world: int, *args, timeout: float = 240.0) -> None:
     spawn_ranks(_entry, world, (fn, args), timeout)
 
 
-def run_cases(rank, world, out_path):
-    """Every case on DTensor (Shard(0)) parameters; rank 0 saves the full parameters after the last step and every
-    rank's per-step timer output and number of whole-matrix directions computed."""
+def run_cases(rank, world, out_path, replicate=1):
+    """Every case on DTensor parameters, Shard(0) on a 1-D mesh or (Replicate, Shard(0)) on a replicate x shard
+    mesh (FSDP2's HSDP layout); rank 0 saves the full parameters after the last step and every rank's per-step
+    timer output, number of whole-matrix directions computed and final local shards."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from dit_train.optim.sharded_optimizer import ShardedMatrixOptimizer
+    from dit_train.parallel import ParallelPlan, fsdp_mesh
     from dit_train.timing import PhaseTimer, set_active_timer
 
-    mesh = init_device_mesh("cpu", (world,))
-    shard = lambda t: distribute_tensor(t, mesh, [Shard(0)])  # noqa: E731
+    mesh = fsdp_mesh(ParallelPlan(sharded=True, replicate=replicate), "cpu")
+    placements = [Shard(0)] if replicate == 1 else [Replicate(), Shard(0)]
+    shard = lambda t: distribute_tensor(t, mesh, placements)  # noqa: E731
     results = {}
     for name, (_, _, placement) in CASES.items():
         W, b = full_params()
@@ -109,9 +116,10 @@ def run_cases(rank, world, out_path):
             log.append((timer.collect(), opt.last_whole_matrices))
         set_active_timer(None)
         full = [p.detach().full_tensor() for p in ps] + [pb.detach().full_tensor()]
-        logs = [None] * world
+        logs, shards = [None] * world, [None] * world
         dist.all_gather_object(logs, log)
-        results[name] = {"params": full, "logs": logs}
+        dist.all_gather_object(shards, [p.detach().to_local() for p in ps + [pb]])
+        results[name] = {"params": full, "logs": logs, "shards": shards}
     if rank == 0:
         torch.save(results, out_path)
 
@@ -157,6 +165,37 @@ def test_sharded_steps_equal_single_process(sharded, name):
         assert rel <= tol, f"{name}, {world} ranks, parameter {i} of shape {tuple(r.shape)}: relative error {rel:.2e}"
 
 
+# ---- HSDP: a 2 x 2 (replicate, shard) mesh ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hsdp(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hsdp") / "results.pt"
+    spawn(run_cases, 4, str(out), 2)
+    return torch.load(out, weights_only=True)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_hsdp_steps_equal_single_process_replicas_agree_and_bytes_stay_in_the_shard_group(hsdp, name):
+    """Ranks 0, 1 and 2, 3 are the shard groups (2 ranks each), ranks 0, 2 and 1, 3 replicas of each other. The
+    parameters equal the single process (bounds as on the 1-D mesh); replicas hold bit-identical shards (they
+    computed the same update from the same gradients); every rank counts the bytes of a 2-rank shard group."""
+    got, ref_start = hsdp[name], single_process(name)
+    ref, start = ref_start
+    kind, group_kw, _ = CASES[name]
+    bf16 = kind in ("muon", "periodic_rowwise") and group_kw.get("ns_dtype", "bf16") == "bf16"
+    tol = 1e-2 if bf16 else 2e-5
+    for i, (a, r, w0) in enumerate(zip(got["params"], ref, start)):
+        rel = ((a - r).norm() / (r - w0).norm()).item()
+        assert rel <= tol, f"{name}, 2x2 mesh, parameter {i} of shape {tuple(r.shape)}: relative error {rel:.2e}"
+    shards = got["shards"]
+    for rank in (0, 1):
+        assert all(torch.equal(a, b) for a, b in zip(shards[rank], shards[rank + 2])), (name, rank)
+    for rank, log in enumerate(got["logs"]):
+        for step, ((timings, _), refresh) in enumerate(zip(log, refresh_steps(kind))):
+            counted = {k.split("/", 1)[1]: v for k, v in timings.items()
+                       if k.startswith("comm_bytes/") and k != "comm_bytes/total"}
+            assert counted == expected_bytes(name, 2, rank % 2, refresh), (name, rank, step)
+
+
 # ---- counted bytes --------------------------------------------------------------------------------------------
 def refresh_steps(kind):
     return {"periodic_rowwise": [True, False, False, True], "rownorm": [False] * STEPS}.get(kind, [True] * STEPS)
@@ -165,7 +204,7 @@ def refresh_steps(kind):
 def expected_bytes(name, world, rank, refresh):
     """Analytic bytes per collective this rank sends in one step (collectives.py's counting rules)."""
     kind, group_kw, placement = CASES[name]
-    if world == 1:
+    if world == 1 or kind == "adamw":  # AdamW is elementwise on the local shard
         return {}
     tall = [(m, n) for m, n in SHAPES if m > n]
     if kind == "rownorm" or (kind == "periodic_rowwise" and not refresh):
@@ -216,7 +255,8 @@ def test_counted_bytes_equal_the_analytic_expectation(sharded, name):
                        if k.startswith("comm_bytes/") and k != "comm_bytes/total"}
             assert counted == expected_bytes(name, world, rank, refresh), (name, rank, step)
             assert timings.get("comm_bytes/total", 0.0) == sum(counted.values())
-            assert {"time/momentum", "time/direction", "time/update"} <= set(timings)
+            phases = {"time/adamw"} if kind == "adamw" else {"time/momentum", "time/direction", "time/update"}
+            assert phases <= set(timings)
             if counted:
                 assert "time/comm" in timings  # the exposed wait is timed as its own phase
 

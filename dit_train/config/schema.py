@@ -4,7 +4,7 @@ defaults included, live in the yamls; every field here is required unless the ya
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 from .fields import choice, int_at_least, key, number
 
@@ -58,7 +58,9 @@ class ParallelConfig:
     fsdp: Any = choice("auto", True, False, valid="choose auto, true or false")
     mixed_precision: str = choice("auto", "bf16", "fp32", valid="choose auto (bf16 on CUDA, fp32 on CPU), bf16 or fp32")
     reduce_dtype: str = choice("fp32", "bf16")
-    reshard_after_forward: bool = key()
+    # true | false | an int (reshard to groups of that size): the int is checked against the world in validate.py
+    reshard_after_forward: Union[bool, int] = key()
+    replicate: int = int_at_least(1)
     activation_checkpointing: bool = key()
     compile: bool = key()
     timeout_minutes: float = number("expected minutes > 0", lambda v: v > 0)

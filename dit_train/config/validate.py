@@ -92,7 +92,26 @@ def check_parallel(node, world_size: int = 1) -> dict:
     if world_size > 1 and values["fsdp"] is False:
         raise ConfigError(f"parallel.fsdp=false is not valid with {world_size} processes: multi-process training "
                           f"is FSDP2 only; use parallel.fsdp=auto (or launch a single process)")
+    replicas = values["replicate"]
+    if world_size % replicas:
+        raise invalid("parallel.replicate", replicas, f"must divide the world size {world_size} (HSDP: that many "
+                                                      f"replicas of a model sharded over world / replicate ranks)")
+    _check_reshard_size(values["reshard_after_forward"], world_size // replicas)
     return values
+
+
+def _check_reshard_size(size, shard_ranks: int) -> None:
+    """An int parallel.reshard_after_forward: FSDP2 keeps the gathered weights sharded over groups of that many
+    ranks after forward, so it must split the shard group into smaller groups (1 and the whole group are what
+    false and true say)."""
+    if isinstance(size, bool):
+        return
+    sizes = [d for d in range(2, shard_ranks) if shard_ranks % d == 0]
+    if size not in sizes:
+        valid = ", ".join(map(str, sizes)) or f"no integer for a shard group of {shard_ranks}"
+        raise invalid("parallel.reshard_after_forward", size,
+                      f"choose true, false or a divisor of the shard group size {shard_ranks} between 2 and "
+                      f"{shard_ranks - 1} ({valid})")
 
 
 def check_train(node, world_size: int = 1) -> dict:

@@ -1,7 +1,8 @@
 """ShardedMatrixOptimizer: the matrix optimizers on FSDP2 shards, with explicit collectives (docs/algorithms.md §6–7).
 
 Every matrix parameter is a DTensor sharded along dim 0 over a 1-D mesh of p ranks (FSDP2's Shard(0); p need not
-divide the rows, shards may be empty). Its momentum is a DTensor of the same placement, so optimizer state is
+divide the rows, shards may be empty), or over the shard dim of a 2-D HSDP mesh (p the shard group's size; the
+replicate dim holds identical copies, so every collective here runs within the shard group). Its momentum is a DTensor of the same placement, so optimizer state is
 sharded like the parameters and checkpoints through DCP (dcp.py), resharding to another p. Momentum, Nesterov
 input, weight decay and the update run on the local rows exactly as in MatrixOptimizer (whose step this reuses);
 only the direction of a bucket of same-shape matrices depends on where the rows live:
@@ -76,17 +77,23 @@ def _reducer(kind: str, comm: ShardComm, phases: PhaseSwitch):
 
 
 def _dtensor_group(p):
-    """The process group of a Shard(0) DTensor on a 1-D mesh; a clear error for any other layout."""
-    from torch.distributed.tensor import DTensor, Shard
+    """The process group a matrix parameter's rows are split over: Shard(0) on a 1-D mesh (FSDP2), or on the
+    shard dim of a 2-D (replicate, shard) mesh (HSDP; the replicas hold the same rows and the same averaged
+    gradients, so every collective of the direction runs within the shard group and each replica computes the
+    same update). A clear error for any other layout."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from ..parallel import shard_group
 
     if not isinstance(p, DTensor):
         raise TypeError(f"ShardedMatrixOptimizer: a matrix parameter of shape {tuple(p.shape)} is a "
                         f"{type(p).__name__}, not a DTensor; every matrix parameter must be an FSDP2 shard")
-    if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+    if tuple(p.placements) not in ((Shard(0),), (Replicate(), Shard(0))):
         raise NotImplementedError(
-            f"ShardedMatrixOptimizer supports dim-0 shards on a 1-D mesh (FSDP2 fully_shard); got placements "
-            f"{p.placements} on a {p.device_mesh.ndim}-D mesh for a parameter of shape {tuple(p.shape)}")
-    return p.device_mesh.get_group(0)
+            f"ShardedMatrixOptimizer supports dim-0 shards on a 1-D mesh (FSDP2) or on the shard dim of a 2-D "
+            f"(replicate, shard) mesh (HSDP); got placements {p.placements} on a {p.device_mesh.ndim}-D mesh for a "
+            f"parameter of shape {tuple(p.shape)}")
+    return shard_group(p)
 
 
 class ShardedMatrixOptimizer(MatrixOptimizer):
