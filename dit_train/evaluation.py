@@ -74,14 +74,21 @@ class Evaluation:
             self.fd = FDEvaluator(cfg.eval, reference_data_config(cfg.data), dist.device)
         self.last_val: dict = {}
 
-    def run_due(self, step: int, final_step: int, ema_model, state) -> None:
+    def due(self, step: int, final_step: int) -> dict[str, bool]:
+        """Which of validation, FD and sample grid run at `step`."""
         tc, ev = self.cfg.train, self.cfg.eval
-        if every_n_steps(step, tc.val_every, final_step):
+        return {"val": every_n_steps(step, tc.val_every, final_step),
+                "fd": self.fd is not None and every_n_steps(step, ev.every_n_steps, final_step),
+                "samples": every_n_steps(step, tc.sample_every, final_step)}
+
+    def run_due(self, step: int, final_step: int, ema_model, state) -> None:
+        due = self.due(step, final_step)
+        if due["val"]:
             self.last_val = self.validate(ema_model)
             self.logger.log(step, self.last_val)
-        if self.fd is not None and every_n_steps(step, ev.every_n_steps, final_step):
+        if due["fd"]:
             self.logger.log(step, self.evaluate_fd(ema_model, state))
-        if every_n_steps(step, tc.sample_every, final_step):
+        if due["samples"]:
             self.sample_grid(ema_model, step)
 
     def validate(self, ema_model) -> dict:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 import torch
 from omegaconf import OmegaConf
@@ -22,6 +21,7 @@ from .cadence import every_n_steps
 from .config import validate
 from .data import build_dataset, check_classes_fit
 from .data.order import train_batches
+from .deferred_steps import DeferredSteps, PendingStep, StepNumbers
 from .dry_run import dry_run
 from .evaluation import Evaluation, end_of_run_work
 from .flow import condition_kwargs, sample_t, velocity_loss
@@ -65,6 +65,7 @@ class Trainer:
         self.preemption = Preemption()
         self.throughput = Throughput()
         self.window = StepWindow()  # every step's timings, averaged into the next log row
+        self.deferred = DeferredSteps(self.timer.clock)  # steps not yet read to the host
         self.bad_steps = 0  # non-finite steps in a row
 
     # ---- checkpoints -------------------------------------------------------------------------------------
@@ -100,7 +101,7 @@ class Trainer:
                 if self.tc.resume != "auto" or path == candidates[-1]:
                     raise
                 log.warning("checkpoint %s is unreadable (%s); trying the previous one", path, e)
-        self.timer.collect()  # drop anything timed while loading
+        self.timer.take()  # drop anything timed while loading
         log.info("resumed from %s at step %d", path, self.state.step)
 
     # ---- one step ----------------------------------------------------------------------------------------
@@ -116,7 +117,8 @@ class Trainer:
 
     def train_step(self, x: torch.Tensor, cond: dict) -> dict:
         """Forward/backward/update on one batch. A non-finite loss or gradient skips the update and leaves the
-        optimizer state untouched."""
+        optimizer state untouched. train/loss and train/grad_norm come back as device tensors (read at log time,
+        deferred_steps.py); the step's one host read is step_flags'."""
         t, eps, drop = self.global_batch_noise(x)
         loss = self.forward_backward(x, t, eps, drop, cond)
         grad_norm = clip_grad_norm_(self.model.parameters(), self.tc.grad_clip if self.tc.grad_clip > 0 else
@@ -125,8 +127,8 @@ class Trainer:
         votes = all_reduce_sum_(torch.stack([loss.float(),
                                              torch.tensor(self.preemption.vote(), device=loss.device)]))
         loss = votes[0] / self.dist.world_size
-        self.preemption.agree(votes[1].item())
-        finite = bool(torch.isfinite(loss).item() and torch.isfinite(grad_norm).item())
+        finite, stop_votes = self.step_flags(torch.isfinite(loss) & torch.isfinite(grad_norm), votes[1])
+        self.preemption.agree(stop_votes)
         if finite:
             with self.timer.phase("optimizer"):
                 self.optimizer.step()
@@ -136,11 +138,21 @@ class Trainer:
             self.skip_update(loss, grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        out = {"train/loss": loss.item(), "train/grad_norm": grad_norm.item(), "train/skipped": float(not finite)}
+        out = {"train/loss": loss, "train/grad_norm": grad_norm, "train/skipped": float(not finite)}
         info = getattr(self.optimizer, "step_info", None)
         if callable(info) and finite:
             out.update(info())
         return out
+
+    @staticmethod
+    def step_flags(finite: torch.Tensor, stop_votes: torch.Tensor) -> tuple[bool, float]:
+        """The one host read of an ordinary step: whether to apply the update, and the ranks' stop votes, in one
+        copy. Why it stays (docs/algorithms.md, "Host synchronisation"): skipping a non-finite step on the device
+        would need a copy of every parameter and optimizer state to restore from, and host-side counters (the
+        refresh schedule's step, the EMA's update count) that must not advance on a skipped step; the stop vote
+        rides along for free, so a signal stops the run at the next step boundary."""
+        flag, votes = torch.stack([finite.float(), stop_votes.float()]).tolist()
+        return flag > 0, votes
 
     def forward_backward(self, x, t, eps, drop, cond: dict) -> torch.Tensor:
         """Loss and gradients of this rank's batch, in micro-batches of train.micro_batch_size (gradient
@@ -202,42 +214,52 @@ class Trainer:
             self.logger.close()
 
     def loop(self) -> None:
-        tc, state, dist = self.tc, self.state, self.dist
+        tc, state, dist, clock = self.tc, self.state, self.dist, self.timer.clock
         batches = train_batches(self.train_set, tc.batch_size, self.cfg.seed, state.step, tc.steps,
-                                dist.rank, dist.world_size, tc.num_workers)
+                                dist.rank, dist.world_size, tc.num_workers, pin_memory=dist.device.type == "cuda")
         progress = self.progress_bar()
-        data_t0 = time.perf_counter()
+        data_start = clock.mark()
         for x, y in batches:
-            data_time = time.perf_counter() - data_t0
-            t0 = time.perf_counter()
+            start = clock.mark()
             metrics = self.train_step(x.to(dist.device, non_blocking=True),
                                       {k: v.to(dist.device, non_blocking=True) for k, v in condition_kwargs(y).items()})
-            if dist.device.type == "cuda":
-                torch.cuda.synchronize()
-            step_time = time.perf_counter() - t0
-            state.active_time_s += step_time
+            self.deferred.add(PendingStep(metrics["train/loss"], metrics["train/grad_norm"], data_start, start,
+                                          clock.mark(), self.timer.take(), metrics.get("opt/refresh")))
             state.step += 1
-            self.throughput.add(tc.batch_size, step_time + data_time, metrics["train/loss"])
-            self.window.add({**self.timer.collect(), "time/step": step_time, "time/data": data_time},
-                            metrics.get("opt/refresh"))
-            if every_n_steps(state.step, tc.log_every, tc.steps):
-                self.log_train_row(metrics, self.window.take(), progress)
+            logged = every_n_steps(state.step, tc.log_every, tc.steps)
+            saved = every_n_steps(state.step, tc.ckpt_every) or state.step == tc.steps
+            # the numbers are read only where something uses them (deferred_steps.py)
+            if (logged or saved or self.preemption.requested or self.deferred.full
+                    or any(self.evaluation.due(state.step, tc.steps).values())):
+                last = self.take_deferred()
+            if logged:
+                self.log_train_row({**metrics, "train/loss": last.loss, "train/grad_norm": last.grad_norm},
+                                   self.window.take(), progress)
             if progress is not None:
                 progress.update(1)
             if state.step == tc.steps:  # the bar is closed before the end-of-run work, which says what it does
                 self.announce_end_of_run(progress)
                 progress = None
             self.evaluation.run_due(state.step, tc.steps, self.ema.model, state)
-            saved = every_n_steps(state.step, tc.ckpt_every) or state.step == tc.steps
             if saved:
                 self.save()
             if self.preemption.requested:  # agreed by every rank at this step's all-reduce
                 if not saved:
                     self.save()
                 raise self.preemption.stop(state.step, self.cfg.run_dir)
-            data_t0 = time.perf_counter()
+            data_start = clock.mark()
         if progress is not None:
             progress.close()
+
+    def take_deferred(self) -> StepNumbers:
+        """Read every pending step and account for each as it happened: active time, throughput, timing window.
+        Returns the newest step's numbers."""
+        for numbers in self.deferred.read():
+            self.state.active_time_s += numbers.step_time
+            self.throughput.add(self.tc.batch_size, numbers.step_time + numbers.data_time, numbers.loss)
+            self.window.add({**numbers.phases, "time/step": numbers.step_time, "time/data": numbers.data_time},
+                            numbers.refresh)
+        return numbers
 
     def announce_end_of_run(self, progress) -> None:
         if progress is not None:

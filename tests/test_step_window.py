@@ -8,7 +8,7 @@ import pytest
 
 from conftest import compose, needs_fashion
 from dit_train.step_window import StepWindow
-from dit_train.timing import PhaseTimer
+from dit_train.timing import StepTimes
 from dit_train.train import run
 
 
@@ -36,16 +36,16 @@ def test_window_of_an_unscheduled_optimizer_has_no_kind_counts():
 @needs_fashion
 def test_k5_run_logged_every_10_steps_times_its_refresh_steps(tmp_path, monkeypatch):
     """Every window of 10 steps holds 2 refresh steps (t = 0, 5 / 10, 15), and time/optimizer is the mean of the 10
-    per-step values PhaseTimer.collect() returned, not the logged step's."""
+    per-step values read from the timer (StepTimes.read, once per step), not the logged step's."""
     per_step = []
-    collect = PhaseTimer.collect
+    read = StepTimes.read
 
     def recording(self):
-        out = collect(self)
+        out = read(self)
         per_step.append(out)
         return out
 
-    monkeypatch.setattr(PhaseTimer, "collect", recording)
+    monkeypatch.setattr(StepTimes, "read", recording)
     cfg = compose([f"run_dir={tmp_path / 'run'}", "optimizer=periodic_rowwise", "optimizer.K=5",
                    "model.hidden_size=32", "model.depth=2", "model.num_heads=2", "model.patch_size=8",
                    "train.steps=20", "train.batch_size=8", "train.warmup_steps=2", "train.log_every=10",

@@ -40,10 +40,13 @@ class StepBatchSampler(Sampler):
 
 
 def train_batches(dataset, global_batch: int, seed: int, start_step: int, total_steps: int,
-                  rank: int = 0, world_size: int = 1, num_workers: int = 0):
+                  rank: int = 0, world_size: int = 1, num_workers: int = 0, pin_memory: bool = False):
+    """This rank's batches from `start_step` on. `num_workers` > 0 assembles batches in worker processes;
+    `pin_memory` (for a CUDA device) puts them in page-locked memory, so that the trainer's non_blocking copies
+    are asynchronous (from pageable memory a copy makes the host wait)."""
     sampler = StepBatchSampler(len(dataset), global_batch, seed, start_step, total_steps, rank, world_size)
     return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                      persistent_workers=num_workers > 0, pin_memory=torch.cuda.is_available())
+                      persistent_workers=num_workers > 0, pin_memory=pin_memory)
 
 
 def fixed_batches(dataset, num: int, batch_size: int, rank: int = 0, world_size: int = 1):
