@@ -201,22 +201,33 @@ class Trainer:
         finally:
             self.logger.close()
 
+    def batches(self, until: int | None = None):
+        """This rank's training batches from the current step up to `until` (default train.steps)."""
+        tc, dist = self.tc, self.dist
+        return train_batches(self.train_set, tc.batch_size, self.cfg.seed, self.state.step,
+                             tc.steps if until is None else until, dist.rank, dist.world_size, tc.num_workers)
+
+    def step_on(self, x: torch.Tensor, y) -> tuple[dict, float]:
+        """One counted training step on a host batch: moved to the device, train_step, the device synchronised.
+        Returns the step's metrics and its wall time."""
+        device = self.dist.device
+        t0 = time.perf_counter()
+        metrics = self.train_step(x.to(device, non_blocking=True),
+                                  {k: v.to(device, non_blocking=True) for k, v in condition_kwargs(y).items()})
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        step_time = time.perf_counter() - t0
+        self.state.active_time_s += step_time
+        self.state.step += 1
+        return metrics, step_time
+
     def loop(self) -> None:
-        tc, state, dist = self.tc, self.state, self.dist
-        batches = train_batches(self.train_set, tc.batch_size, self.cfg.seed, state.step, tc.steps,
-                                dist.rank, dist.world_size, tc.num_workers)
+        tc, state = self.tc, self.state
         progress = self.progress_bar()
         data_t0 = time.perf_counter()
-        for x, y in batches:
+        for x, y in self.batches():
             data_time = time.perf_counter() - data_t0
-            t0 = time.perf_counter()
-            metrics = self.train_step(x.to(dist.device, non_blocking=True),
-                                      {k: v.to(dist.device, non_blocking=True) for k, v in condition_kwargs(y).items()})
-            if dist.device.type == "cuda":
-                torch.cuda.synchronize()
-            step_time = time.perf_counter() - t0
-            state.active_time_s += step_time
-            state.step += 1
+            metrics, step_time = self.step_on(x, y)
             self.throughput.add(tc.batch_size, step_time + data_time, metrics["train/loss"])
             self.window.add({**self.timer.collect(), "time/step": step_time, "time/data": data_time},
                             metrics.get("opt/refresh"))
