@@ -65,17 +65,25 @@ def parse(argv=None):
     return args
 
 
-def make_setup(args, work_dir: str):
+def check_device(args) -> None:
+    """One-line errors before anything is built: one process, and a GPU unless --cpu-smoke."""
     import torch
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != 1:
+        raise SystemExit(f"gpu_check: WORLD_SIZE={world} is not valid: the check runs as one process "
+                         f"(python scripts/gpu_check.py, not torchrun)")
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        raise SystemExit("gpu_check: no CUDA device is visible (torch.cuda.is_available() is False); "
+                         "run it on a GPU, or --cpu-smoke to check the check on CPU")
+
+
+def make_setup(args, work_dir: str):
     from dit_train.parallel import init_distributed
     from gpu_check_stages import Setup
     from estimate_memory import USABLE_80GB_GIB
 
     cuda = not args.cpu_smoke
-    if cuda and not torch.cuda.is_available():
-        raise SystemExit("gpu_check: no CUDA device is visible (torch.cuda.is_available() is False); "
-                         "run it on a GPU, or --cpu-smoke to check the check on CPU")
     if cuda:  # deterministic cuBLAS for the checkpoint stage; read once, before the first GEMM
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     dist = init_distributed(single_process_group=True, device="cuda" if cuda else "cpu")
@@ -87,13 +95,14 @@ def make_setup(args, work_dir: str):
 
 
 def start_estimates(setup, args, pool) -> None:
-    """dit_train.memory_estimate for every training stage's configuration, in spawned processes while the device
-    works (each needs a fake process group of its own)."""
+    """dit_train.memory_estimate for every training stage's configuration, one after the other in a spawned
+    process (it needs a fake process group, which cannot share a process with the real one) while the device works;
+    in the order the stages need them."""
     from omegaconf import OmegaConf
 
     from gpu_check_stages import compose, estimate_peak_bytes
 
-    threads = 1 if args.cpu_smoke else 2
+    threads = 1 if args.cpu_smoke else 4
     wanted = [(opt, False) for opt in OPTIMIZERS] + [(args.compile_optimizer, True)]
     for opt, checkpointing in wanted:
         cfg = compose(setup, opt, "estimate", checkpointing=checkpointing)
@@ -101,7 +110,7 @@ def start_estimates(setup, args, pool) -> None:
             estimate_peak_bytes, OmegaConf.to_container(cfg, resolve=True), setup.batch_size, threads)
 
 
-def header(setup, args, cfg) -> list[str]:
+def header(setup, cfg) -> list[str]:
     import torch
 
     from dit_train.model import build_model, count_parameters
@@ -148,6 +157,7 @@ def write(path: str, text: str) -> None:
 
 def main(argv=None) -> int:
     args = parse(argv)
+    check_device(args)
     t_start = time.monotonic()
     deadline = t_start + (args.total_budget or (900 if args.cpu_smoke else 470))
     work_dir = args.work_dir or tempfile.mkdtemp(prefix="gpu_check_")
@@ -161,15 +171,14 @@ def main(argv=None) -> int:
     if args.cpu_smoke:
         torch.set_num_threads(1)  # tiny matrices: a second intra-op thread only adds synchronisation
     setup = make_setup(args, work_dir)
-    pool = concurrent.futures.ProcessPoolExecutor(max_workers=1 if args.cpu_smoke else 3,
-                                                  mp_context=multiprocessing.get_context("spawn"),
-                                                  max_tasks_per_child=1)
+    # one worker, reused: an estimate gives the same bytes after others in the same process as in a fresh one
+    pool = concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
     rows = []
     try:
         cfg = compose(setup, "adamw", "header")
         setup.flops_per_image = training_flops_per_image(cfg.model)
         start_estimates(setup, args, pool)
-        head = header(setup, args, cfg)
+        head = header(setup, cfg)
         print("\n".join(head), flush=True)
         plan = list(stages(setup, args))
         for i, (name, fn, budget) in enumerate(plan):

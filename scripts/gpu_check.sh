@@ -20,8 +20,8 @@ start=$(date +%s)
 status=0
 "$PY" scripts/gpu_check.py "$@" || status=$?
 
-# Optional, outside the 8 minutes: the sharded optimizers' communication on every visible GPU (one optimizer at a
-# time would be scripts/gpu_check.py's job; here all seven contenders share a model sharded over N GPUs).
+# Optional, outside the 8 minutes: the sharded optimizers' communication on every visible GPU. All seven contenders
+# share one sharded model there (~90 GB of state at dit_1b3, split over the GPUs), so it needs more than one.
 if [ "${ALL_GPUS:-0}" = 1 ]; then
   NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
   if [ "$NGPU" -gt 1 ]; then

@@ -88,3 +88,16 @@ def test_bad_arguments_are_one_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit):
         gpu_check.parse(argv)
     assert message in capsys.readouterr().err
+
+
+def test_the_device_is_checked_before_anything_is_built(monkeypatch):
+    import torch
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match="WORLD_SIZE=2 is not valid: the check runs as one process"):
+        gpu_check.check_device(gpu_check.parse([]))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="no CUDA device is visible .* or --cpu-smoke"):
+        gpu_check.check_device(gpu_check.parse([]))
+    gpu_check.check_device(gpu_check.parse(["--cpu-smoke"]))  # no GPU needed
