@@ -49,7 +49,8 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="run every stage on CPU (gloo, fp32) with a tiny model: checks the check itself")
-    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "gpu_check.md"), help="the markdown table's file")
+    ap.add_argument("--out", default=None, help="the markdown table's file (default docs/gpu_check.md; smoke: "
+                                                "gpu_check_smoke.md in the temporary folder, not to replace a GPU's)")
     ap.add_argument("--batch-size", type=int, default=None, help="images per step (default 32; smoke: 4)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per training stage, after one warm-up step")
     ap.add_argument("--total-budget", type=float, default=None,
@@ -60,6 +61,8 @@ def parse(argv=None):
                                                      "removed afterwards)")
     ap.add_argument("overrides", nargs="*", help="hydra overrides for every stage's config, after the preset's")
     args = ap.parse_args(argv)
+    args.out = args.out or (os.path.join(tempfile.gettempdir(), "gpu_check_smoke.md") if args.cpu_smoke
+                            else os.path.join(ROOT, "docs", "gpu_check.md"))
     for key in ("batch_size", "steps", "total_budget"):
         value = getattr(args, key)
         if value is not None and value <= 0:
