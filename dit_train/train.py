@@ -213,19 +213,32 @@ class Trainer:
         finally:
             self.logger.close()
 
+    def batches(self, until: int | None = None):
+        """This rank's training batches from the current step up to `until` (default train.steps)."""
+        tc, dist = self.tc, self.dist
+        return train_batches(self.train_set, tc.batch_size, self.cfg.seed, self.state.step,
+                             tc.steps if until is None else until, dist.rank, dist.world_size, tc.num_workers,
+                             pin_memory=dist.device.type == "cuda")
+
+    def step_on(self, x: torch.Tensor, y, data_start) -> dict:
+        """One counted training step on a host batch whose wait began at clock mark `data_start`: moved to the
+        device, train_step, queued unread (deferred_steps.py; take_deferred reads it). Returns the step's
+        metrics, loss and grad norm still on the device."""
+        device, clock = self.dist.device, self.timer.clock
+        start = clock.mark()
+        metrics = self.train_step(x.to(device, non_blocking=True),
+                                  {k: v.to(device, non_blocking=True) for k, v in condition_kwargs(y).items()})
+        self.deferred.add(PendingStep(metrics["train/loss"], metrics["train/grad_norm"], data_start, start,
+                                      clock.mark(), self.timer.take(), metrics.get("opt/refresh")))
+        self.state.step += 1
+        return metrics
+
     def loop(self) -> None:
-        tc, state, dist, clock = self.tc, self.state, self.dist, self.timer.clock
-        batches = train_batches(self.train_set, tc.batch_size, self.cfg.seed, state.step, tc.steps,
-                                dist.rank, dist.world_size, tc.num_workers, pin_memory=dist.device.type == "cuda")
+        tc, state, clock = self.tc, self.state, self.timer.clock
         progress = self.progress_bar()
         data_start = clock.mark()
-        for x, y in batches:
-            start = clock.mark()
-            metrics = self.train_step(x.to(dist.device, non_blocking=True),
-                                      {k: v.to(dist.device, non_blocking=True) for k, v in condition_kwargs(y).items()})
-            self.deferred.add(PendingStep(metrics["train/loss"], metrics["train/grad_norm"], data_start, start,
-                                          clock.mark(), self.timer.take(), metrics.get("opt/refresh")))
-            state.step += 1
+        for x, y in self.batches():
+            metrics = self.step_on(x, y, data_start)
             logged = every_n_steps(state.step, tc.log_every, tc.steps)
             saved = every_n_steps(state.step, tc.ckpt_every) or state.step == tc.steps
             # the numbers are read only where something uses them (deferred_steps.py)

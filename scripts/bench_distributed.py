@@ -245,20 +245,17 @@ def run_group(world: int, args) -> dict:
 
 
 # ---- bf16 NS5 against the GEMM rate ----------------------------------------------------------------------------
-def ns5_check(args) -> str:
-    """One device: the optimizer's batched bf16 NS5 (newton_schulz5, Gram form where it applies) over the preset's
-    matrix shapes, against the bf16 GEMM rate of the plain iteration's GEMMs at the same shapes; the plain
-    iteration's flops are credited to both."""
+def ns5_speed(model_cfg, device: torch.device, repeats: int) -> dict:
+    """The optimizer's batched bf16 NS5 (newton_schulz5: automatic Gram form where it applies, and the plain
+    iteration) over the matrix shapes of `model_cfg`, and bf16 bmm of the plain iteration's GEMMs at the same
+    shapes; medians of `repeats` timed passes after one warm-up. Returns the shapes, the plain iteration's flops
+    (credited to every variant) and seconds per pass of each."""
     from dit_train.model import build_model
     from dit_train.optim.directions import newton_schulz5, ns5_flops
     from dit_train.optim.routing import route_parameters
 
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cfg = model_config(args)
     shapes = defaultdict(int)
-    for _, p in route_parameters(build_model(cfg, device="meta")).matrix:
+    for _, p in route_parameters(build_model(model_cfg, device="meta")).matrix:
         shapes[tuple(p.shape)] += 1
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     flops = sum(B * ns5_flops(m, n) for (m, n), B in shapes.items())
@@ -269,9 +266,9 @@ def ns5_check(args) -> str:
         gemm[(m, n)] = (torch.randn(B, r, c, device=device).bfloat16(), torch.randn(B, r, r, device=device).bfloat16())
     ws = {s: {} for s in shapes}
 
-    def timed(fn, reps):
+    def timed(fn):
         times = []
-        for _ in range(reps + 1):
+        for _ in range(repeats + 1):
             sync()
             t0 = time.perf_counter()
             fn()
@@ -290,15 +287,23 @@ def ns5_check(args) -> str:
         for s, X in data.items():
             newton_schulz5(X, dtype=torch.bfloat16, gram=gram, workspace=ws[s])
 
-    reps = max(3, args.repeats)
-    t_gemm = timed(gemms, reps)
-    t_auto = timed(lambda: ns5(None), reps)
-    t_plain = timed(lambda: ns5(False), reps)
+    return {"shapes": dict(shapes), "flops": flops, "gemm_s": timed(gemms), "auto_s": timed(lambda: ns5(None)),
+            "plain_s": timed(lambda: ns5(False))}
+
+
+def ns5_check(args) -> str:
+    """ns5_speed on one device (CUDA when present), as a markdown table."""
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = model_config(args)
+    r = ns5_speed(cfg, device, max(3, args.repeats))
+    flops, t_gemm, t_auto, t_plain = r["flops"], r["gemm_s"], r["auto_s"], r["plain_s"]
     rate = flops / t_gemm
     return "\n".join([
         f"### bf16 NS5 speed on {device.type} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}), "
         f"{args.preset} width {cfg.hidden_size} depth {cfg.depth}: "
-        + ", ".join(f"{B}x{m}x{n}" for (m, n), B in sorted(shapes.items())),
+        + ", ".join(f"{B}x{m}x{n}" for (m, n), B in sorted(r["shapes"].items())),
         "",
         "| what | ms | TFLOP/s (plain-iteration flops) | / GEMM rate |",
         "| --- | ---: | ---: | ---: |",
