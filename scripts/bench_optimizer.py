@@ -10,7 +10,8 @@ Rows:
 - adamw, muon, rownorm, mud: our registry, full model (matrix update + AdamW on the rest).
 - periodic_rowwise: the refresh step (NS5), the non-refresh step (RowNorm), and the K-average
   (refresh + (K-1) non-refresh) / K for K = 1, 3, 5, 10; and the non-refresh step with rownorm_scale=spectral
-  (RowNorm with its operator norm capped, optim/spectral_cap.py).
+  (RowNorm with its operator norm capped, optim/spectral_cap.py); both RowNorm steps again with compile_rownorm
+  (optim/fused_rownorm.py: the elementwise passes as torch.compile'd kernels; compiled during the warm-up).
 - torch.optim.Muon: on our matrix parameters, plus torch AdamW(foreach) on the rest (so it is the same work).
 - torch.optim.AdamW(foreach=True): every parameter (the baseline of "ratio to AdamW").
 NS5 efficiency: the plain iteration's flops (5 (4 r^2 c + 2 r^3) per matrix, whichever form runs) over the time of
@@ -51,6 +52,8 @@ def parse():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--quick", action="store_true", help="only muon, periodic_rowwise, rownorm and the baselines")
+    ap.add_argument("--no-compile", action="store_true",
+                    help="skip the compile_rownorm contenders (no inductor toolchain, or to save the compile time)")
     return ap.parse_args()
 
 
@@ -110,13 +113,18 @@ def main():
         "muon (plain NS5, no Gram form)": {"name": "muon", "ns_gram": False},
         "periodic_rowwise": {"name": "periodic_rowwise", "K": 10},
         "periodic_rowwise spectral": {"name": "periodic_rowwise", "K": 10, "rownorm_scale": "spectral"},
+        "periodic_rowwise compiled": {"name": "periodic_rowwise", "K": 10, "compile_rownorm": True},
+        "periodic_rowwise spectral compiled": {"name": "periodic_rowwise", "K": 10, "rownorm_scale": "spectral",
+                                               "compile_rownorm": True},
         "rownorm": {"name": "rownorm"},
         "mud": {"name": "mud"},
         "mud (explicit inverse + GEMM)": {"name": "mud", "mud_solve": "inverse"},
     }
     if args.quick:
         ours = {k: v for k, v in ours.items()
-                if k in ("adamw", "muon", "periodic_rowwise", "periodic_rowwise spectral", "rownorm")}
+                if k in ("adamw", "muon", "rownorm") or k.startswith("periodic_rowwise")}
+    if args.no_compile:
+        ours = {k: v for k, v in ours.items() if not v.get("compile_rownorm")}
     contenders = {}
     for label, c in ours.items():
         opt = build_optimizer(model, {**base, **c})
@@ -153,8 +161,9 @@ def main():
         if label == "periodic_rowwise":
             steps.append(("periodic_rowwise refresh", periodic_step(opt, True)))
             steps.append(("periodic_rowwise non-refresh", periodic_step(opt, False)))
-        elif label == "periodic_rowwise spectral":  # its refresh step is the one above; the RowNorm step differs
-            steps.append(("periodic_rowwise non-refresh spectral", periodic_step(opt, False)))
+        elif label.startswith("periodic_rowwise "):  # the refresh step is the one above; the RowNorm step differs
+            steps.append((label.replace("periodic_rowwise", "periodic_rowwise non-refresh"),
+                          periodic_step(opt, False)))
         else:
             steps.append((label, opt.step))
     steps.append(("torch.optim.Muon", lambda: (t_muon.step(), t_muon_rest.step())))
@@ -199,27 +208,36 @@ def main():
     if "periodic_rowwise refresh" in med:
         tr, tn = med["periodic_rowwise refresh"], med["periodic_rowwise non-refresh"]
         print(row("periodic_rowwise refresh step", tr, ns_eff("periodic_rowwise refresh")))
-        print(row("periodic_rowwise non-refresh step", tn, ""))
-        if "periodic_rowwise non-refresh spectral" in med:
-            ts = med["periodic_rowwise non-refresh spectral"]
-            d = ph.get("periodic_rowwise non-refresh spectral", {}).get("time/direction")
-            print(row("periodic_rowwise non-refresh step, rownorm_scale=spectral", ts,
-                      f"direction {d * 1e3:.1f} ms" if d else ""))
-        for K in (1, 3, 5, 10):
-            print(row(f"periodic_rowwise K={K} average", (tr + (K - 1) * tn) / K, ""))
+        for suffix, what in (("", ""), (" spectral", ", rownorm_scale=spectral"), (" compiled", ", compile_rownorm"),
+                             (" spectral compiled", ", rownorm_scale=spectral, compile_rownorm")):
+            label = "periodic_rowwise non-refresh" + suffix
+            if label in med:
+                d = ph.get(label, {}).get("time/direction")
+                print(row(f"periodic_rowwise non-refresh step{what}", med[label],
+                          f"direction {d * 1e3:.1f} ms" if d else ""))
+        for suffix, what in (("", ""), (" compiled", ", compile_rownorm")):
+            if "periodic_rowwise non-refresh" + suffix in med:
+                for K in (1, 3, 5, 10):
+                    tn = med["periodic_rowwise non-refresh" + suffix]
+                    print(row(f"periodic_rowwise K={K} average{what}", (tr + (K - 1) * tn) / K, ""))
     print()
     lo = {k: min(v) for k, v in times.items()}
     d_med = ph.get("muon", {}).get("time/direction")
     d_min = min(phases["muon"]["time/direction"]) if d_med else None
 
-    def k3(t):
-        return (t["periodic_rowwise refresh"] + 2 * t["periodic_rowwise non-refresh"]) / 3
+    def k3(t, suffix=""):
+        return (t["periodic_rowwise refresh"] + 2 * t["periodic_rowwise non-refresh" + suffix]) / 3
 
     checks = [
         ("our muon / torch.optim.Muon", lambda t: t["muon"] / t["torch.optim.Muon"], "<=", 0.8),
         ("rownorm / torch AdamW(foreach)", lambda t: t["rownorm"] / t["torch.optim.AdamW(foreach)"], "<=", 0.8),
-        ("periodic_rowwise K=3 average / our muon", lambda t: k3(t) / t["muon"], "<=", 0.4),
     ]
+    for suffix, what in (("", "eager"), (" compiled", "compile_rownorm")):  # issue 16: RowNorm at memory speed
+        checks += [
+            (f"periodic_rowwise non-refresh step ({what}) / our fused adamw",
+             lambda t, s=suffix: t["periodic_rowwise non-refresh" + s] / t["adamw"], "<=", 1.2),
+            (f"periodic_rowwise K=3 average ({what}) / our muon", lambda t, s=suffix: k3(t, s) / t["muon"], "<=", 0.4),
+        ]
     print("targets (ratio of medians; ratio of minima in brackets):")
     for name, f, op, goal in checks:
         try:

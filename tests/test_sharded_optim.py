@@ -47,6 +47,9 @@ CASES = {
     "rownorm/spectral": ("rownorm", {"rownorm_scale": "spectral"}, {}),
     "periodic_rowwise/spectral/owner": ("periodic_rowwise", {"rownorm_scale": "spectral"},
                                         {"distributed_mode": "owner"}),
+    # RowNorm's elementwise passes compiled (optim/fused_rownorm.py): the same column sums travel
+    "periodic_rowwise/spectral/compiled": ("periodic_rowwise", {"rownorm_scale": "spectral"},
+                                           {"compile_rownorm": True}),
 }
 
 
@@ -265,7 +268,7 @@ def test_the_spectral_cases_differ_from_the_frobenius_scale(sharded):
     """The cap was active in the spectral cases (else their equality with the single process would test nothing):
     on rank-1 momentum it cuts the RowNorm steps, so the weights move less than under the frobenius scale."""
     world, results = sharded
-    for name in ("rownorm/spectral", "periodic_rowwise/spectral/owner"):
+    for name in ("rownorm/spectral", "periodic_rowwise/spectral/owner", "periodic_rowwise/spectral/compiled"):
         frobenius, start = single_process(name, rownorm_scale="frobenius")
         for i, (a, f, w0) in enumerate(zip(results[name]["params"][:-1], frobenius, start)):
             if min(w0.shape) >= 12:  # rank-1 RowNorm has norm sqrt(r), well above the cap (<= 2) only for larger r

@@ -45,9 +45,15 @@ def _rownorm_scale():
     return choice("frobenius", "spectral")
 
 
+def _compile_rownorm():
+    # conf/optimizer/_rownorm_scale.yaml: RowNorm steps as compiled kernels (optim/fused_rownorm.py)
+    return key("true or false")
+
+
 @dataclass
 class RowNormConfig(MatrixConfig):
     rownorm_scale: str = _rownorm_scale()
+    compile_rownorm: bool = _compile_rownorm()
 
 
 @dataclass
@@ -61,6 +67,7 @@ class MuonConfig(MatrixConfig):
 class PeriodicRowwiseConfig(MuonConfig):
     K: int = int_at_least(1)
     rownorm_scale: str = _rownorm_scale()
+    compile_rownorm: bool = _compile_rownorm()
 
 
 @dataclass

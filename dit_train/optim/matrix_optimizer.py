@@ -37,7 +37,8 @@ from torch.optim import Optimizer
 from torch.optim.adam import adam as _adam_functional
 
 from ..timing import active_timer
-from .directions import mud_whiten, newton_schulz5, row_inv_norms
+from .directions import inv_norms_from_sumsq, mud_whiten, newton_schulz5, row_inv_norms
+from .fused_rownorm import momentum_pass, update_pass
 from .spectral_cap import cap_factors, whole_matrix_problem
 
 SCALE_RULES = ("moonlight", "keller", "none")
@@ -85,8 +86,20 @@ def _spectral(U: Tensor, group: dict, ws: dict, **placement) -> tuple[Tensor, Te
     return D, None
 
 
-def _rownorm(U: Tensor, group: dict, ws: dict, **placement) -> tuple[Tensor, Tensor | None]:
-    return U, row_inv_norms(U, group["direction_eps"], **placement)
+# The bucket-workspace key under which a fused momentum pass (fused_rownorm.py) leaves U's unreduced row sums of
+# squares for this step's RowNorm direction, which takes them instead of reading U again.
+ROW_SUMSQ = "row_sumsq"
+
+
+def take_row_sumsq(ws: dict) -> Tensor | None:
+    return ws.pop(ROW_SUMSQ, None)
+
+
+def _rownorm(U: Tensor, group: dict, ws: dict, *, reduce=None, tall=None) -> tuple[Tensor, Tensor | None]:
+    sumsq = take_row_sumsq(ws)
+    if sumsq is None:
+        return U, row_inv_norms(U, group["direction_eps"], reduce=reduce, tall=tall)
+    return U, inv_norms_from_sumsq(sumsq if reduce is None else reduce(sumsq), group["direction_eps"])
 
 
 def _mud(U: Tensor, group: dict, ws: dict, **placement) -> tuple[Tensor, Tensor | None]:
@@ -144,6 +157,7 @@ class MatrixOptimizer(Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         adamw_impl: str = "fused",
+        compile_rownorm: bool = False,
     ):
         defaults = dict(
             kind="matrix", lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, scale=scale,
@@ -151,6 +165,9 @@ class MatrixOptimizer(Optimizer):
             ns_dtype=_dtype_name(ns_dtype), ns_gram=ns_gram, mud_passes=mud_passes, mud_solve=mud_solve,
             direction_eps=direction_eps, rownorm_scale=rownorm_scale, betas=tuple(betas), eps=eps, adamw_impl=adamw_impl, step=0,
         )
+        # RowNorm steps' elementwise passes as compiled kernels (fused_rownorm.py): an implementation choice with
+        # the same maths, so an attribute (not a group key, not in the state_dict)
+        self.compile_rownorm = bool(compile_rownorm)
         super().__init__(params, defaults)
         self._workspace: dict = {}
         self._last_info: dict[str, float] = {}
@@ -169,6 +186,7 @@ class MatrixOptimizer(Optimizer):
         self._workspace = {}
         self._last_info = {}
         self.__dict__.setdefault("routing_table", "")
+        self.__dict__.setdefault("compile_rownorm", False)
         for group in self.param_groups:  # states saved before the short dtype names say 'bfloat16'
             if "ns_dtype" in group:
                 group["ns_dtype"] = _dtype_name(group["ns_dtype"])
@@ -216,20 +234,27 @@ class MatrixOptimizer(Optimizer):
         mu, nesterov = group["momentum"], group["nesterov"]
         lr, wd = float(group["lr"]), group["weight_decay"]
         buckets = _buckets(params, shapes)
+        fused = self.compile_rownorm and kind == "rownorm"
         with timer.phase("momentum"):
-            torch._foreach_lerp_(bufs, grads, 1.0 - mu)  # buffer = (1 - mu) M: M <- mu M + G
+            if not fused:
+                torch._foreach_lerp_(bufs, grads, 1.0 - mu)  # buffer = (1 - mu) M: M <- mu M + G
             inputs = {key: self._stack_inputs(key, idx, grads, bufs, mu, nesterov,
-                                              self._input_dtype(kind, key, group, params[idx[0]].dtype))
+                                              self._input_dtype(kind, key, group, params[idx[0]].dtype), fused)
                       for key, idx in buckets.items()}
         directions = self._directions(kind, inputs, group, timer)
         with timer.phase("update"):
-            if wd != 0:
-                torch._foreach_mul_(params, 1.0 - lr * wd)
+            decay = 1.0 - lr * wd
+            if wd != 0 and not fused:
+                torch._foreach_mul_(params, decay)
             for key, idx in buckets.items():
                 m, n = key[0]
                 alpha = -lr * update_scale(group["scale"], m, n)
                 D, row_scale = directions[key]
-                self._apply_update([params[i] for i in idx], D, row_scale, alpha)
+                bucket = [params[i] for i in idx]
+                if fused:  # weight decay and update in one pass; RowNorm always has a row scale
+                    update_pass(bucket, D, row_scale, decay, alpha)
+                else:
+                    self._apply_update(bucket, D, row_scale, alpha)
 
     def _matrix_tensors(self, group: dict) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[tuple]]:
         """(params, grads, momentum buffers, matrix shapes) of the group's matrices that have a gradient, creating
@@ -283,15 +308,22 @@ class MatrixOptimizer(Optimizer):
     def _bucket_workspace(self, key) -> dict:
         return self._workspace.setdefault(key, {})
 
-    def _stack_inputs(self, key, idx: list[int], grads, bufs, mu: float, nesterov: bool, dtype) -> Tensor:
+    def _stack_inputs(self, key, idx: list[int], grads, bufs, mu: float, nesterov: bool, dtype,
+                      fused: bool = False) -> Tensor:
         """U = G + mu M (or M) for the bucket's matrices, written straight into a reused [B, m, n] workspace of the
         direction's input dtype: the Nesterov add, the cast and the stacking are one pass per matrix (torch has no
-        foreach op that writes into slices of one tensor; a foreach add followed by a stack is 6x slower here)."""
+        foreach op that writes into slices of one tensor; a foreach add followed by a stack is 6x slower here).
+        fused: the momentum update happens here too, with U's row sums of squares left in the workspace for the
+        RowNorm direction (fused_rownorm.momentum_pass)."""
         ws = self._bucket_workspace(key)
         shape = (len(idx), *bufs[idx[0]].shape)  # the local shape (a shard's rows in the sharded subclass)
         U = ws.get(("u", dtype))
         if U is None or U.shape != shape:
             U = ws[("u", dtype)] = torch.empty(shape, dtype=dtype, device=bufs[idx[0]].device)
+        if fused:
+            ws[ROW_SUMSQ] = momentum_pass([grads[i] for i in idx], [bufs[i] for i in idx], U, mu, nesterov,
+                                          key[0][0] > key[0][1])
+            return U
         # bufs hold (1 - mu) M, so G + mu M = G + mu / (1 - mu) * buf and M = buf / (1 - mu)
         for j, i in enumerate(idx):
             if nesterov:

@@ -61,8 +61,8 @@ def build_matrix(model: nn.Module, c: dict, *, name: str, direction: str,
         groups.append({"params": [p for _, p in routing.adamw], "kind": "adamw", "lr": adamw_lr,
                        "weight_decay": adamw_wd})
     K = c.get("K") or 1
-    kwargs = {k: c[k] for k in ("ns_steps", "ns_dtype", "ns_gram", "mud_passes", "mud_solve", "rownorm_scale")
-              if k in c}
+    kwargs = {k: c[k] for k in ("ns_steps", "ns_dtype", "ns_gram", "mud_passes", "mud_solve", "rownorm_scale",
+                                "compile_rownorm") if k in c}
     # FSDP2 shards (DTensor parameters) take the sharded implementation, with its placement keys
     sharded = any(hasattr(p, "to_local") for _, p in routing.matrix)
     cls = ShardedMatrixOptimizer if sharded else MatrixOptimizer

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from .collectives import PhaseSwitch, ShardComm
 from .directions import inv_norms_from_sumsq, row_sumsq
-from .matrix_optimizer import DTYPES, MatrixOptimizer, caps_rownorm, compute_direction
+from .matrix_optimizer import DTYPES, MatrixOptimizer, caps_rownorm, compute_direction, take_row_sumsq
 from .spectral_cap import cap_factors, spectral_cap, start_vectors
 from .whole_matrix_exchange import assign_owners, gather_directions, owner_directions, plan_buckets
 
@@ -192,11 +192,14 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
         for key, f in zip(inputs, factors):
             out[key] = (out[key][0], out[key][1] * f.to(out[key][1].dtype))
 
-    @staticmethod
-    def _start_column_sums(keys: list, inputs: dict, comm: ShardComm):
-        """Partial column sums of squares of the tall buckets (each [B, 1, n], fp32), flattened into one buffer
-        and all-reduced asynchronously: (buffer, sizes, handle)."""
-        partial = [row_sumsq(inputs[key], tall=True).reshape(-1) for key in keys]
+    def _start_column_sums(self, keys: list, inputs: dict, comm: ShardComm):
+        """Partial column sums of squares of the tall buckets (each [B, 1, n], fp32; those a fused momentum pass
+        left in the workspace, else computed here), flattened into one buffer and all-reduced asynchronously:
+        (buffer, sizes, handle)."""
+        partial = []
+        for key in keys:
+            sums = take_row_sumsq(self._bucket_workspace(key))
+            partial.append((row_sumsq(inputs[key], tall=True) if sums is None else sums).reshape(-1))
         flat = torch.cat(partial)
         return flat, [t.numel() for t in partial], comm.all_reduce(flat)
 
