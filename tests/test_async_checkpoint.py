@@ -196,3 +196,59 @@ def test_a_crash_before_the_write_finishes_leaves_no_marker_and_resume_skips_it(
     resumed.fit()
     assert "step_00000004.dcp.tmp" in caplog.text  # reported and removed
     assert [r["step"] for r in read_metrics(tiny_cfg.run_dir) if "train/loss" in r] == [2, 4, 4, 6]  # from step 2
+
+
+# 2 ranks: 12 images per step, FSDP2 shards; steps 1-4, a save every 2 steps
+TWO_RANKS = ["model.hidden_size=32", "model.depth=2", "model.num_heads=2", "model.patch_size=8", "train.steps=4",
+             "train.batch_size=12", "train.warmup_steps=2", "train.log_every=1", "train.val_every=0",
+             "train.val_samples=4", "train.val_batch_size=4", "train.val_t_points=1", "train.sample_every=0",
+             "train.ckpt_every=2", "train.keep_last=0", "train.progress=false", "train.samples_per_class=1",
+             "train.sample_steps=1", "optimizer=adamw"]
+
+
+def _two_rank_runs(rank, world, port, root):
+    """A synchronous straight run; an async run whose step-2 save is held until step 3 begins, when rank 1 alone
+    receives SIGTERM; its resume=auto continuation."""
+    with gloo_group(rank, world, port):
+        from dit_train import train
+        from dit_train.train import run
+
+        run(compose(TWO_RANKS + [f"run_dir={root}/straight", "train.async_checkpoint=false"]))
+        gate, original_step, original_write = threading.Event(), train.Trainer.train_step, dcp.FileSystemWriter.write_data
+
+        def step(self, *args, **kwargs):
+            if self.state.step == 2:
+                assert self.saver.pending is not None and not self.saver.pending.done()  # step 2's save in flight
+                gate.set()
+                if rank == 1:  # the signal reaches one rank; the step's all-reduce carries its vote
+                    self.preemption.signal_name = "SIGTERM"
+            return original_step(self, *args, **kwargs)
+
+        def write(self, *args, **kwargs):
+            if "step_00000002" in str(self.path):
+                assert gate.wait(timeout=120)
+            return original_write(self, *args, **kwargs)
+
+        train.Trainer.train_step, dcp.FileSystemWriter.write_data = step, write
+        try:
+            with pytest.raises(Preempted, match="step 3"):
+                run(compose(TWO_RANKS + [f"run_dir={root}/cut", "train.async_checkpoint=true"]))
+        finally:
+            gate.set()
+            train.Trainer.train_step, dcp.FileSystemWriter.write_data = original_step, original_write
+        run(compose(TWO_RANKS + [f"run_dir={root}/cut", "train.async_checkpoint=true", "train.resume=auto"]))
+
+
+def test_two_ranks_preempted_with_a_save_in_flight_resume_as_a_synchronous_run(tmp_path):
+    spawn_ranks(_two_rank_runs, 2, (str(tmp_path),))
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    assert [os.path.basename(p) for p in ckpt.list_checkpoints(str(cut))] == \
+        ["step_00000002.dcp", "step_00000003.dcp", "step_00000004.dcp"]
+    assert losses(cut) == losses(straight) and sorted(losses(cut)) == [1, 2, 3, 4]
+    last = lambda run_dir: os.path.join(ckpt.checkpoint_dir(str(run_dir)), "step_00000004.dcp")
+    for part in ("model", "ema", "optimizer"):
+        a, b = ckpt.read_tensors(last(straight), part), ckpt.read_tensors(last(cut), part)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
+    rows = read_metrics(cut)
+    assert [r["step"] for r in rows if set(r) == {"step", "ckpt/save_s"}] == [2, 3, 4]  # staged: async
+    assert [r["ckpt/step"] for r in rows if "ckpt/write_s" in r] == [2, 3, 4]
