@@ -6,7 +6,9 @@
 - `train_state.json`: the TrainState (train_state.py: step = data position, schedule, training generator, EMA
   count, run time, skipped steps, best FD) and the resolved config, written by rank 0;
 - `COMPLETE`, written last. Everything goes into `step_N.dcp.tmp/`, which is renamed when complete, so only
-  complete folders are ever listed; leftovers of an interrupted save are reported and removed.
+  complete folders are ever listed; leftovers of an interrupted save are reported and removed. The tensors may
+  be written in the background (start_save: DCP's async_save); the marker and the rename wait for the write
+  (PendingSave.finish; checkpoint_saver.py decides when).
 
 Loading never executes code from the file: DCP's metadata is unpickled with an allow-list of DCP's own
 dataclasses, its non-tensor items with `torch.load(weights_only=True)`, and the train state is JSON.
