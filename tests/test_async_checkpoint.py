@@ -69,13 +69,20 @@ def markers(run_dir) -> list[str]:
                   for f in files if f == ckpt.MARKER)
 
 
-def test_auto_is_on_for_cuda_only_and_the_key_is_checked():
+def test_auto_is_on_for_cuda_only_the_key_is_checked_and_may_change_on_resume():
     assert resolve_async("auto", torch.device("cuda", 0)) and not resolve_async("auto", torch.device("cpu"))
     assert resolve_async(True, torch.device("cpu")) and not resolve_async(False, torch.device("cuda", 0))
+    from omegaconf import OmegaConf
+
     from dit_train.config import ConfigError, validate
+    from dit_train.resume_policy import config_changes
 
     with pytest.raises(ConfigError, match=r"train.async_checkpoint='yes' is not valid: choose auto \(on for CUDA"):
         validate(compose(["run_dir=/tmp/unused", "train.async_checkpoint=yes"]))
+    now = OmegaConf.to_container(compose(["run_dir=/tmp/unused", "train.async_checkpoint=true"]), resolve=True)
+    recorded_before_the_key = OmegaConf.to_container(compose(["run_dir=/tmp/unused"]), resolve=True)
+    del recorded_before_the_key["train"]["async_checkpoint"]
+    assert config_changes(recorded_before_the_key, now) == []  # how a checkpoint is written is not the experiment
 
 
 def test_the_save_is_what_the_step_left_even_when_later_steps_change_it_before_the_write(tiny_cfg, monkeypatch):
@@ -252,3 +259,23 @@ def test_two_ranks_preempted_with_a_save_in_flight_resume_as_a_synchronous_run(t
     rows = read_metrics(cut)
     assert [r["step"] for r in rows if set(r) == {"step", "ckpt/save_s"}] == [2, 3, 4]  # staged: async
     assert [r["ckpt/step"] for r in rows if "ckpt/write_s" in r] == [2, 3, 4]
+
+
+def test_a_failed_background_write_is_raised_by_the_next_wait_and_leaves_nothing(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from dit_train.checkpoint_saver import CheckpointSaver
+
+    def full_disk(self, *args, **kwargs):
+        raise OSError(28, "No space left on device", str(self.path))
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", full_disk)
+    rows = []
+    saver = CheckpointSaver(str(tmp_path), keep_last=0, asynchronous=True, log_metrics=lambda s, m: rows.append(m))
+    saver.save(1, {"model": {"w": torch.ones(4)}}, {"step": 1})
+    saver.pending.future.exception(timeout=60)  # the write has failed in the background ...
+    saver.poll(2)  # ... which a poll, on one rank only, leaves alone
+    assert saver.pending is not None
+    with pytest.raises(CheckpointException, match="No space left"):  # DCP's error for every rank's failures
+        saver.wait(3)  # every rank waits at the same step, so all of them raise together
+    assert os.listdir(ckpt.checkpoint_dir(str(tmp_path))) == [] and [set(r) for r in rows] == [{"ckpt/save_s"}]
