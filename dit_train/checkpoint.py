@@ -6,7 +6,9 @@
 - `train_state.json`: the TrainState (train_state.py: step = data position, schedule, training generator, EMA
   count, run time, skipped steps, best FD) and the resolved config, written by rank 0;
 - `COMPLETE`, written last. Everything goes into `step_N.dcp.tmp/`, which is renamed when complete, so only
-  complete folders are ever listed; leftovers of an interrupted save are reported and removed.
+  complete folders are ever listed; leftovers of an interrupted save are reported and removed. The tensors may
+  be written in the background (start_save: DCP's async_save); the marker and the rename wait for the write
+  (PendingSave.finish; checkpoint_saver.py decides when).
 
 Loading never executes code from the file: DCP's metadata is unpickled with an allow-list of DCP's own
 dataclasses, its non-tensor items with `torch.load(weights_only=True)`, and the train state is JSON.
@@ -23,7 +25,9 @@ import os
 import pickle
 import re
 import shutil
+import time
 import warnings
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
@@ -37,6 +41,10 @@ log = logging.getLogger("dit_train")
 CKPT_RE = re.compile(r"^step_(\d{8})\.dcp$")
 LEGACY_RE = re.compile(r"^step_(\d{8})\.pt$")
 MARKER = "COMPLETE"
+# a save without a process group says it assumes a single process; it does (an async save says so from its writer
+# thread, after a catch_warnings around the call has ended, hence a filter for the process)
+SINGLE_PROCESS_WARNING = ".*assuming the intent is to (save|load) in a single process"
+warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
 TRAIN_STATE = "train_state.json"
 
 
@@ -135,35 +143,87 @@ def tensor_state(model, optimizer, ema_model) -> dict:
 def save(run_dir: str, step: int, tensors: dict, train_state: dict, keep_last: int) -> str:
     """Collective: every rank passes its own `tensors`; rank 0's `train_state` (JSON values) is written.
     Returns the final folder. On any error the temp folder is removed (a full disk is not filled further)."""
+    pending = start_save(run_dir, step, tensors, train_state)
+    pending.finish(keep_last)
+    _barrier()
+    return pending.final
+
+
+def start_save(run_dir: str, step: int, tensors: dict, train_state: dict, asynchronous: bool = False,
+               group=None) -> "PendingSave":
+    """Collective: the first half of a save. Synchronous: the tensors are written when it returns. Asynchronous
+    (torch.distributed.checkpoint.async_save): the tensors are copied to host memory before it returns (so the
+    next optimizer step cannot change what is saved) and written by a background thread whose collectives run
+    on `group` (a gloo group of their own, so they never interleave with training's). Either way the checkpoint
+    exists only once `finish()` has run: the marker and the rename follow the write."""
     final = checkpoint_path(run_dir, step)
     tmp = final + ".tmp"
-    try:
-        _write(tmp, tensors, train_state, step)
-        if _rank() == 0:
-            _publish(tmp, final)
-            prune_checkpoints(run_dir, keep_last)
-    except BaseException:
-        if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _barrier()
-    return final
-
-
-def _write(tmp: str, tensors: dict, train_state: dict, step: int) -> None:
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-        warnings.filterwarnings("ignore", message=".*single process.*")
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=not dist.is_initialized())
-    if _rank() == 0:  # DCP's coordinator returns once every rank's shards and the metadata are written
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        write_synced(json.dumps(train_state).encode(), os.path.join(tmp, TRAIN_STATE))
-        write_synced(json.dumps({"step": step, "world_size": world, "format": "dcp-v2"}).encode(),
-                     os.path.join(tmp, MARKER))
-        fsync_dir(tmp)
+    writer = dcp.FileSystemWriter(tmp, sync_files=True)
+    no_dist = not dist.is_initialized()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
+            started = time.perf_counter()
+            if asynchronous:
+                future = dcp.async_save(tensors, storage_writer=writer, process_group=group, no_dist=no_dist)
+                started = time.perf_counter()  # what follows is the background part
+            else:
+                future = Future()
+                future.set_result(dcp.save(tensors, storage_writer=writer, no_dist=no_dist))
+    except BaseException:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    # frozen now: the run goes on changing the live train state while the tensors are written
+    return PendingSave(run_dir, step, tmp, final, future, json.dumps(train_state).encode(), started)
+
+
+class PendingSave:
+    """A save whose tensors are being (or have been) written; `finish()` makes it a checkpoint."""
+
+    def __init__(self, run_dir: str, step: int, tmp: str, final: str, future: Future, train_state: bytes,
+                 started: float):
+        self.run_dir, self.step, self.tmp, self.final, self.future = run_dir, step, tmp, final, future
+        self.train_state, self.started = train_state, started
+        self.write_s = 0.0  # this rank's write (for an async save: from the end of staging to the end of its write)
+        future.add_done_callback(self._written)  # runs at once for a synchronous save
+
+    def _written(self, _future) -> None:
+        self.write_s = time.perf_counter() - self.started
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def finish(self, keep_last: int) -> dict:
+        """Waits for this rank's write; on rank 0 (whose write returns only once every rank's shards and the
+        metadata are on disk: DCP gathers the ranks' write results there) writes the train state and the
+        COMPLETE marker, renames the folder into place and prunes to `keep_last`. Returns rank 0's ckpt/write_s
+        and ckpt/bytes ({} elsewhere). A failed write removes the temp folder and raises."""
+        try:
+            self.future.result()
+            if _rank() != 0:
+                return {}
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            write_synced(self.train_state, os.path.join(self.tmp, TRAIN_STATE))
+            write_synced(json.dumps({"step": self.step, "world_size": world, "format": "dcp-v2"}).encode(),
+                         os.path.join(self.tmp, MARKER))
+            fsync_dir(self.tmp)
+            size = folder_bytes(self.tmp)
+            _publish(self.tmp, self.final)
+            prune_checkpoints(self.run_dir, keep_last)
+        except BaseException:
+            if _rank() == 0:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+        return {"ckpt/write_s": self.write_s, "ckpt/bytes": size}
+
+
+def folder_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
 def _publish(tmp: str, final: str) -> None:
@@ -230,8 +290,8 @@ def _read_metadata(path: str):
 
 def _dcp_load(state: dict, path: str) -> None:
     _read_metadata(path)  # refuses a metadata pickle that could run code with one clear line (DCP rewraps errors)
-    with warnings.catch_warnings():  # a single process without a group: "assuming ... a single process"; it is
-        warnings.filterwarnings("ignore", message=".*single process.*")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
         try:
             dcp.load(state, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner(),
                      no_dist=not dist.is_initialized())

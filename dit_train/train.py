@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from . import checkpoint as ckpt
 from .build import build_training
 from .cadence import every_n_steps
+from .checkpoint_saver import CheckpointSaver, resolve_async
 from .config import validate
 from .data import build_dataset, check_classes_fit
 from .data.order import train_batches
@@ -62,6 +63,8 @@ class Trainer:
         set_active_timer(self.timer)
         self.logger = MetricLogger(cfg.run_dir, cfg.logger, enabled=dist.is_main, resolved_config=self.state.config)
         self.evaluation = Evaluation(cfg, dist, self.val_set, self.logger)
+        self.saver = CheckpointSaver(cfg.run_dir, self.tc.keep_last,
+                                     resolve_async(self.tc.async_checkpoint, dist.device), self.logger.log)
         self.preemption = Preemption()
         self.throughput = Throughput()
         self.window = StepWindow()  # every step's timings, averaged into the next log row
@@ -69,18 +72,17 @@ class Trainer:
         self.bad_steps = 0  # non-finite steps in a row
 
     # ---- checkpoints -------------------------------------------------------------------------------------
-    def save(self) -> str:
-        """Collective: every rank writes its shards (a single process writes everything). Weights that are no
-        longer finite are never saved: the run stops and the newest checkpoint stays the last good one."""
+    def save(self) -> None:
+        """Collective: every rank writes its shards (a single process writes everything), in the background
+        with train.async_checkpoint (checkpoint_saver.py). Weights that are no longer finite are never saved: the
+        run stops and the newest checkpoint stays the last good one."""
         if not weights_finite(self.model):
+            self.saver.wait(self.state.step)  # a save in flight holds good weights: it is finished first
             good = ckpt.list_checkpoints(self.cfg.run_dir, remove_partial=False)
             raise TrainingStopped(f"step {self.state.step}: the weights are no longer finite, so they were not saved; "
                                   f"the last good checkpoint is {good[-1] if good else 'none'}")
         tensors = ckpt.tensor_state(self.model, self.optimizer, self.ema.model)
-        path = ckpt.save(self.cfg.run_dir, self.state.step, tensors, self.state.state_dict(), self.tc.keep_last)
-        if self.dist.is_main:
-            log.info("saved checkpoint %s", path)
-        return path
+        self.saver.save(self.state.step, tensors, self.state.state_dict())
 
     def resume(self) -> None:
         """Continue from the checkpoint resume_policy chose (a damaged newest one falls back, loudly, under
@@ -205,11 +207,14 @@ class Trainer:
         try:
             with self.preemption:
                 self.loop()
-            barrier()
+            self.saver.wait(self.state.step)
             summary = write_summary(self.cfg, self.state, self.throughput, self.evaluation.last_val,
                                     count_parameters(self.model), self.train_set.dataset_id, self.dist.is_main)
             self.logger.summary(summary)
             return summary
+        except TrainingStopped:
+            self.saver.wait(self.state.step)  # a save in flight from before the trouble holds good weights
+            raise
         finally:
             self.logger.close()
 
@@ -259,7 +264,9 @@ class Trainer:
             if self.preemption.requested:  # agreed by every rank at this step's all-reduce
                 if not saved:
                     self.save()
+                self.saver.wait(state.step)  # the run leaves with its checkpoint complete, never in flight
                 raise self.preemption.stop(state.step, self.cfg.run_dir)
+            self.saver.poll(state.step)
             data_start = clock.mark()
         if progress is not None:
             progress.close()

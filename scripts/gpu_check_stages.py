@@ -259,13 +259,17 @@ def stage_checkpoint(setup: Setup, optimizer: str, before: int = 2, after: int =
     """`before` steps, Trainer.save (DCP), `after` steps; then a new trainer resumes from that checkpoint
     (Trainer.resume, train.resume=<path>) and takes the same `after` steps: their losses, gradient norms and the
     final model and EMA weights must be bit-identical."""
+    from dit_train import checkpoint as ckpt
+
     cfg = compose(setup, optimizer, "checkpoint")
     with deterministic_algorithms():
         with built_trainer(cfg, setup.dist) as trainer:
             run_steps(trainer, before)
             t0 = time.perf_counter()
-            path = trainer.save()
+            trainer.save()  # in the background on CUDA (train.async_checkpoint=auto): save_s is what training waits
             save_s = time.perf_counter() - t0
+            trainer.saver.wait(trainer.state.step)
+            path = ckpt.list_checkpoints(cfg.run_dir)[-1]
             expected = run_steps(trainer, after)
             reference = {k: t.cpu() for k, t in _local_tensors(trainer).items()}
         del trainer
