@@ -359,6 +359,12 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     return total
 
 
+def clip_scaled(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """Whether clip_grad_norm_ changed the gradients (a device bool): its factor, as it computes it, below 1.
+    A factor of exactly 1 leaves every gradient bit for bit as it was."""
+    return (max_norm / (total + 1e-6)) < 1.0
+
+
 def shutdown_process_group() -> None:
     """Leave the process group cleanly. Every rank first waits, through the TCP store rather than the backend, until
     all ranks are past their last collective: a gloo rank that tears down while a peer is still finishing the last

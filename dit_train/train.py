@@ -30,7 +30,7 @@ from .hydra_run import agree_on_config
 from .logger import MetricLogger
 from .metrics import Throughput, read_summary, write_summary
 from .model import count_parameters
-from .parallel import (DistInfo, all_reduce_sum_, autocast, barrier, clip_grad_norm_, collective_timeouts,
+from .parallel import (DistInfo, all_reduce_sum_, autocast, barrier, clip_grad_norm_, clip_scaled, collective_timeouts,
                        init_distributed, resolve_plan, shutdown_process_group, wants_fsdp, weights_finite)
 from .preemption import Preemption
 from .resume_policy import resume_candidates
@@ -123,14 +123,18 @@ class Trainer:
         deferred_steps.py); the step's one host read is step_flags'."""
         t, eps, drop = self.global_batch_noise(x)
         loss = self.forward_backward(x, t, eps, drop, cond)
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.tc.grad_clip if self.tc.grad_clip > 0 else
-                                    float("inf"))
+        max_norm = self.tc.grad_clip if self.tc.grad_clip > 0 else float("inf")
+        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)
         # the global-batch loss and the ranks' stop votes in one all-reduce
         votes = all_reduce_sum_(torch.stack([loss.float(),
                                              torch.tensor(self.preemption.vote(), device=loss.device)]))
         loss = votes[0] / self.dist.world_size
-        finite, stop_votes = self.step_flags(torch.isfinite(loss) & torch.isfinite(grad_norm), votes[1])
+        finite, stop_votes, scaled = self.step_flags(torch.isfinite(loss) & torch.isfinite(grad_norm), votes[1],
+                                                     clip_scaled(grad_norm, max_norm))
         self.preemption.agree(stop_votes)
+        told = getattr(self.optimizer, "gradients_scaled", None)
+        if callable(told):  # an exchange started in backward holds only for unscaled gradients
+            told(scaled)
         if finite:
             with self.timer.phase("optimizer"):
                 self.optimizer.step()
@@ -147,14 +151,16 @@ class Trainer:
         return out
 
     @staticmethod
-    def step_flags(finite: torch.Tensor, stop_votes: torch.Tensor) -> tuple[bool, float]:
+    def step_flags(finite: torch.Tensor, stop_votes: torch.Tensor,
+                   scaled: torch.Tensor) -> tuple[bool, float, bool]:
         """The one host read of an ordinary step: whether to apply the update, and the ranks' stop votes, in one
         copy. Why it stays (docs/algorithms.md, "Host synchronisation"): skipping a non-finite step on the device
         would need a copy of every parameter and optimizer state to restore from, and host-side counters (the
         refresh schedule's step, the EMA's update count) that must not advance on a skipped step; the stop vote
-        rides along for free, so a signal stops the run at the next step boundary."""
-        flag, votes = torch.stack([finite.float(), stop_votes.float()]).tolist()
-        return flag > 0, votes
+        rides along for free, so a signal stops the run at the next step boundary, and so does whether clipping
+        scaled the gradients (an exchange started in backward, optim/backward_overlap.py, is then not used)."""
+        flag, votes, scaled = torch.stack([finite.float(), stop_votes.float(), scaled.float()]).tolist()
+        return flag > 0, votes, scaled > 0
 
     def forward_backward(self, x, t, eps, drop, cond: dict) -> torch.Tensor:
         """Loss and gradients of this rank's batch, in micro-batches of train.micro_batch_size (gradient

@@ -67,7 +67,7 @@ def main() -> None:
             trainer.train_step(x, cond)
 
         def no_read():
-            trainer.step_flags = lambda finite, votes: (True, 0.0)
+            trainer.step_flags = lambda finite, votes, scaled: (True, 0.0, True)
             trainer.train_step(x, cond)
 
         def per_step_reads():

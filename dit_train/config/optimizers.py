@@ -38,6 +38,7 @@ class MatrixConfig(AdamWConfig):
     distributed_mode: str = choice("gather", "owner")
     gather_dtype: str = choice("bf16", "fp32")
     bucket_mb: float = number("expected > 0", lambda v: v > 0)
+    overlap_exchange: bool = key()
 
 
 def _rownorm_scale():

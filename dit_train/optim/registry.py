@@ -25,7 +25,7 @@ from .routing import Routing, format_routing_table, route_parameters
 from .sharded_optimizer import ShardedMatrixOptimizer
 
 # keys of the sharded implementation only (a single process ignores them)
-PLACEMENT_KEYS = ("distributed_mode", "gather_dtype", "bucket_mb")
+PLACEMENT_KEYS = ("distributed_mode", "gather_dtype", "bucket_mb", "overlap_exchange")
 
 Builder = Callable[[nn.Module, dict], torch.optim.Optimizer]
 

@@ -26,7 +26,9 @@ checkpoint resumes under any placement):
 - gather_dtype: "bf16" | "fp32", the dtype in which the momentum input U travels and is stacked for the
   whole-matrix directions (bfloat16 = NS5's default compute dtype: the gathered input is then bit for bit the one
   a single process feeds NS5);
-- bucket_mb: bucket size in MB of whole matrices (in gather_dtype).
+- bucket_mb: bucket size in MB of whole matrices (in gather_dtype);
+- overlap_exchange: gather mode's exchange starts in backward, as each matrix's gradient is reduced
+  (backward_overlap.py); the trainer reports whether clipping scaled the gradients (`gradients_scaled`).
 
 Accounting (through the active PhaseTimer, see collectives.py): phases momentum / direction / comm (exposed wait only) /
 update, and comm bytes per collective. `last_whole_matrices` is how many whole-matrix directions this rank
@@ -38,6 +40,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .backward_overlap import BackwardExchange, prefetched_directions
 from .collectives import PhaseSwitch, ShardComm
 from .directions import inv_norms_from_sumsq, row_sumsq
 from .matrix_optimizer import DTYPES, MatrixOptimizer, caps_rownorm, compute_direction, take_row_sumsq
@@ -107,12 +110,34 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
     keep_whole_matrix_workspaces: bool | None = None
 
     def __init__(self, params, *, distributed_mode: str = "gather", gather_dtype: str = "bf16",
-                 bucket_mb: float = 16.0, **kwargs):
+                 bucket_mb: float = 16.0, overlap_exchange: bool = False, **kwargs):
         # the values are checked where the config is (dit_train.config.check_optimizer)
         self.distributed_mode, self.gather_dtype, self.bucket_mb = distributed_mode, gather_dtype, float(bucket_mb)
         self.last_whole_matrices = 0
         self._group = None
         super().__init__(params, **kwargs)
+        self._overlap = BackwardExchange(self) if overlap_exchange else None
+
+    # ---- the exchange behind backward (backward_overlap.py) ----------------------------------------------------
+    def gradients_scaled(self, scaled: bool) -> None:
+        """Whether the gradients were scaled (clipped) after backward: a prefetched exchange is then not used."""
+        if self._overlap is not None:
+            self._overlap.gradients_scaled(scaled)
+
+    def step(self, closure=None):
+        try:
+            loss = super().step(closure)
+            if self._overlap is not None:  # logged: how many matrices' exchange ran behind backward
+                self._last_info["opt/exchanged_in_backward"] = float(self._overlap.used)
+            return loss
+        finally:
+            if self._overlap is not None:
+                self._overlap.clear()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._overlap is not None:  # a skipped step leaves its prefetch behind
+            self._overlap.clear()
+        super().zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -132,8 +157,9 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
         return t.to_local() if hasattr(t, "to_local") else t
 
     def describe_placement(self) -> str:
+        behind = ", exchanged behind backward" if self._overlap is not None else ""
         return (f"sharded: whole-matrix directions in {self.distributed_mode} mode, U sent in {self.gather_dtype}, "
-                f"buckets of {self.bucket_mb:g} MB")
+                f"buckets of {self.bucket_mb:g} MB{behind}")
 
     # ---- the direction stage ----------------------------------------------------------------------------------
     def _input_dtype(self, kind: str, key, group: dict, param_dtype: torch.dtype) -> torch.dtype:
@@ -217,7 +243,10 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
             D, row_scale = compute_direction(kind, X, group, ws)
             return D if row_scale is None else D * row_scale  # a registered direction that returns a row scale
 
-        if self.distributed_mode == "gather":
+        prefetched = self._overlap.take(group, list(inputs), phases) if self._overlap is not None else None
+        if prefetched is not None:
+            out, self.last_whole_matrices = prefetched_directions(prefetched, compute, comm)
+        elif self.distributed_mode == "gather":
             out, self.last_whole_matrices = gather_directions(inputs, buckets, compute, comm, phases)
         else:
             owners = self._owners(buckets, comm.world)

@@ -1,0 +1,157 @@
+#!/usr/bin/env python
+"""The whole-matrix exchange behind backward (optimizer.overlap_exchange, optim/backward_overlap.py): exposed
+communication of muon in gather mode (a refresh every step) with the exchange in the step ("off") and started in
+FSDP2's post-reduce hooks ("on"), side by side in one run.
+
+N gloo processes (NCCL on CUDA) train one FSDP2-sharded DiT preset (the trainer's sharding plan) on random data:
+per step forward, backward, optimizer step, each optimizer in turn in every round (both hold their own momentum;
+the weights they move are the same model's), so background load hits both alike. Per step the ranks start
+together (barrier) and the slowest rank counts. Columns: exposed communication inside the step (`comm` phase:
+waiting on collectives), the optimizer step, backward, and backward + step; medians over rounds with [min, max].
+
+    python scripts/bench_backward_overlap.py --preset dit_m --hidden-size 384 --depth 6 --rounds 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+from bench_distributed import free_port, model_config  # noqa: E402
+
+MODES = {"off": False, "on": True}
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--preset", default="dit_m")
+    ap.add_argument("--hidden-size", type=int, default=384)
+    ap.add_argument("--depth", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=4, help="images per rank and step")
+    ap.add_argument("--rounds", type=int, default=8, help="timed rounds (one step of each mode per round)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--bucket-mb", type=float, default=4.0)
+    ap.add_argument("--threads", type=int, default=None)
+    return ap.parse_args(argv)
+
+
+def rank_main(rank, world, port, args, out_path):
+    import torch.distributed as dist
+
+    from dit_train.flow import velocity_loss
+    from dit_train.model import build_model
+    from dit_train.optim.registry import build_optimizer
+    from dit_train.parallel import ParallelPlan, apply_fsdp
+    from dit_train.timing import PhaseTimer, set_active_timer
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600), device_id=device if cuda else None)
+    try:
+        cfg = model_config(argparse.Namespace(preset=args.preset, hidden_size=args.hidden_size, depth=args.depth))
+        torch.manual_seed(0)
+        model = build_model(cfg, device=device)
+        apply_fsdp(model, model.blocks, ParallelPlan(sharded=True))
+        opts = {mode: build_optimizer(model, {"name": "muon", "lr": 1e-6, "weight_decay": 0.0,
+                                              "distributed_mode": "gather", "bucket_mb": args.bucket_mb,
+                                              "overlap_exchange": on})
+                for mode, on in MODES.items()}
+        timer = PhaseTimer(enabled=True, device=device)
+        set_active_timer(timer)
+        g = torch.Generator(device=device).manual_seed(rank)
+        shape = (args.batch, cfg.in_channels, cfg.image_size, cfg.image_size)
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        records = []
+        for r in range(args.warmup + args.rounds):
+            for mode, opt in opts.items():
+                x = torch.randn(shape, generator=g, device=device)
+                eps = torch.randn(shape, generator=g, device=device)
+                t = torch.rand(args.batch, generator=g, device=device)
+                y = torch.randint(0, cfg.num_classes, (args.batch,), generator=g, device=device)
+                sync()
+                dist.barrier()
+                timer.collect()
+                t0 = time.perf_counter()
+                with timer.phase("backward"):
+                    velocity_loss(model, x, t, eps, y=y).backward()
+                    sync()
+                t1 = time.perf_counter()
+                opt.gradients_scaled(False)  # no clipping here: the prefetch is used
+                opt.step()
+                sync()
+                t2 = time.perf_counter()
+                ph = timer.collect()
+                for other in opts.values():  # also drops the other's prefetch (its hooks fire in every backward)
+                    other.zero_grad(set_to_none=True)
+                if r >= args.warmup:
+                    records.append((r, mode, t1 - t0, t2 - t1, ph.get("time/comm", 0.0),
+                                    opt.step_info().get("opt/exchanged_in_backward", 0.0)))
+        everyone = [None] * world
+        dist.all_gather_object(everyone, records)
+        if rank == 0:
+            torch.save({"records": everyone, "params": sum(p.numel() for p in model.parameters())}, out_path)
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"bench_done/{rank}", "1")
+        store.wait([f"bench_done/{q}" for q in range(world)])
+    finally:
+        dist.destroy_process_group()
+
+
+def report(result, args) -> str:
+    per = {}  # (round, mode) -> slowest rank's (backward, step, comm), and matrices exchanged in backward
+    for records in result["records"]:
+        for r, mode, bwd, step, comm, used in records:
+            old = per.get((r, mode), (0.0, 0.0, 0.0, used))
+            per[(r, mode)] = (max(old[0], bwd), max(old[1], step), max(old[2], comm), used)
+    lines = [f"### {args.nproc} processes, {args.preset} width {args.hidden_size} depth {args.depth}, "
+             f"{result['params'] / 1e6:.1f}M params, {args.batch} images/rank, bucket_mb {args.bucket_mb:g}, "
+             f"{args.rounds} rounds: median [min, max] ms", "",
+             "| exchange | exposed comm in step | optimizer step | backward | backward + step | matrices behind backward |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    med = {}
+    for mode in MODES:
+        rows = [v for (r, m), v in sorted(per.items()) if m == mode]
+        cols = [[v[0] for v in rows], [v[1] for v in rows], [v[2] for v in rows], [v[0] + v[1] for v in rows]]
+        med[mode] = [statistics.median(c) for c in cols]
+        cell = [f"{statistics.median(c) * 1e3:.1f} [{min(c) * 1e3:.1f}, {max(c) * 1e3:.1f}]" for c in cols]
+        lines.append(f"| {mode} | {cell[2]} | {cell[1]} | {cell[0]} | {cell[3]} | {rows[0][3]:.0f} |")
+    on, off = med["on"], med["off"]
+    comm_ratio = on[2] / off[2] if off[2] else float("nan")
+    total_ratio = on[3] / off[3]
+    lines += ["", "targets (ratios of medians, on / off):",
+              f"- exposed comm in the step: {comm_ratio:.3f}, target <= 0.5: {'met' if comm_ratio <= 0.5 else 'MISSED'}",
+              f"- backward + step: {total_ratio:.3f}, target <= 1.0: {'met' if total_ratio <= 1.0 else 'MISSED'}"]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    args = parse(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.pt")
+        mp.start_processes(rank_main, args=(args.nproc, free_port(), args, out), nprocs=args.nproc,
+                           start_method="spawn")
+        print(report(torch.load(out, weights_only=True), args))
+
+
+if __name__ == "__main__":
+    main()
