@@ -23,12 +23,8 @@ from .config import ConfigError
 log = logging.getLogger("dit_train")
 
 MAY_CHANGE_ON_RESUME = (
-<<<<<<< HEAD
     "run_dir", "study", "study.*", "logger.*", "parallel.*", "optimizer.distributed_mode", "optimizer.bucket_mb",
-    "optimizer.compile_rownorm",
-=======
-    "run_dir", "study", "study.*", "logger.*", "parallel.*", "optimizer.distributed_mode", "optimizer.bucket_mb", "optimizer.overlap_exchange",
->>>>>>> overlap
+    "optimizer.compile_rownorm", "optimizer.overlap_exchange",
     "data.root", "vae.path", "vae.decode_batch_size", "eval.every_n_steps", "eval.cache_dir",
     "eval.encoder_path", "train.steps", "train.micro_batch_size", "train.resume", "train.init_from", "train.dry_run", "train.progress",
     "train.timing", "train.log_every", "train.val_every", "train.sample_every", "train.sample_steps",
