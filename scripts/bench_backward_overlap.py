@@ -19,7 +19,6 @@ import os
 import statistics
 import sys
 import time
-from datetime import timedelta
 
 import torch
 
@@ -27,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-from bench_distributed import free_port, model_config  # noqa: E402
+from bench_distributed import free_port, join_process_group, model_config  # noqa: E402
 
 MODES = {"off": False, "on": True}
 
@@ -55,14 +54,8 @@ def rank_main(rank, world, port, args, out_path):
     from dit_train.parallel import ParallelPlan, apply_fsdp
     from dit_train.timing import PhaseTimer, set_active_timer
 
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600), device_id=device if cuda else None)
+    device = join_process_group(rank, world, port, args.threads)
+    cuda = device.type == "cuda"
     try:
         cfg = model_config(argparse.Namespace(preset=args.preset, hidden_size=args.hidden_size, depth=args.depth))
         torch.manual_seed(0)

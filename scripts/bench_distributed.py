@@ -95,20 +95,28 @@ def sharded_model(cfg, device):
     return model
 
 
+def join_process_group(rank: int, world: int, port: int, threads: int | None) -> torch.device:
+    """A benchmark rank's device and process group: NCCL on its GPU, or gloo with the cores split between ranks."""
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600), device_id=device if cuda else None)
+    return device
+
+
 def rank_main(rank, world, port, args, out_path):
     import torch.distributed as dist
 
     from dit_train.optim.registry import build_optimizer
     from dit_train.timing import PhaseTimer, set_active_timer
 
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600), device_id=device if cuda else None)
+    device = join_process_group(rank, world, port, args.threads)
     try:
         cfg = model_config(args)
         model = sharded_model(cfg, device)
@@ -123,7 +131,7 @@ def rank_main(rank, world, port, args, out_path):
         timer = PhaseTimer(enabled=True, device=device)
         set_active_timer(timer)
         records = []  # (rep, label, step in cycle, wall s, phases, whole-matrix directions)
-        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         for rep in range(args.warmup + args.repeats):
             for label, opt in opts.items():
                 for k in range(CYCLE):
