@@ -7,9 +7,9 @@ rest (embedders, final layer). Parameters stay fp32 shards (what the optimizer a
 compute copies are `parallel.mixed_precision` (bf16 on CUDA by default) and gradients are reduce-scattered in
 `parallel.reduce_dtype` (fp32 by default).
 
-Weights are created once, on rank 0 with the usual seeded initialisation (so a sharded run starts from exactly
-the single-process weights), and scattered from there; every other rank builds on the meta device, so no rank but
-rank 0 ever holds a full copy (rank 0's is in host memory and freed after the scatter).
+Every rank builds the model on the meta device, applies the plan, allocates only its own shards and computes
+their initial values itself (weight_init: per-parameter seeded blocks, so a sharded run starts from exactly the
+single-process weights); no rank ever holds a full copy, and nothing is sent at start-up.
 """
 
 from __future__ import annotations
@@ -263,26 +263,6 @@ def parallelize(model: nn.Module, plan: ParallelPlan, trainable: bool = True) ->
     if plan.sharded:
         apply_fsdp(model, model.blocks, plan, trainable)
     return model
-
-
-@torch.no_grad()
-def materialize_from_rank0(model: nn.Module, reference: nn.Module | None, device: torch.device) -> None:
-    """Allocate a meta-built sharded model on `device` and fill it with rank 0's `reference` (a full model in
-    host memory, None on the other ranks): parameters and persistent buffers are broadcast one tensor at a time
-    and each rank keeps its shard; non-persistent buffers (e.g. the position table) are broadcast too."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    model.to_empty(device=device)
-    full = reference.state_dict() if reference is not None else {}
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    persistent = set(model.state_dict().keys())
-    ref_buffers = dict(reference.named_buffers()) if reference is not None else {}
-    for name, buf in model.named_buffers():
-        if name in persistent:
-            continue
-        if reference is not None:
-            buf.copy_(ref_buffers[name].to(buf.device))
-        dist.broadcast(buf, src=0)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
