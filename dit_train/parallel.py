@@ -84,7 +84,8 @@ def init_distributed(single_process_group: bool = False, device: str | torch.dev
     torchrun; NCCL on CUDA, gloo on CPU. `single_process_group`: also create a group of one for a plain
     single-process run (parallel.fsdp=true without torchrun), so FSDP2 can be used on one device. `device`
     overrides the default (cuda:LOCAL_RANK when CUDA is present, else cpu). A collective that waits longer than
-    `timeout_minutes` (a dead or hung peer) raises instead of hanging."""
+    `timeout_minutes` (a dead or hung peer; parallel.timeout_minutes, whose comment in conf/config.yaml sizes it)
+    raises instead of hanging."""
     os.environ.update(slurm_environment())
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
