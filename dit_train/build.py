@@ -9,33 +9,31 @@ from . import seeds
 from .ema import EMA
 from .model import build_model
 from .optim.registry import build_optimizer
-from .parallel import ParallelPlan, fsdp_mesh, materialize_from_rank0, parallelize
+from .parallel import ParallelPlan, fsdp_mesh, parallelize
 from .schedule import build_scheduler
 
 
-def build_models(cfg, plan: ParallelPlan, is_main: bool, device: torch.device):
-    """(model, EMA) starting from the seeded initialisation of a single process. Not sharded: the model on its
-    device and the EMA a copy. Sharded: both built on the meta device and sharded, then filled with rank 0's
-    seeded initialisation, and the EMA set to the same values."""
-    torch.manual_seed(seeds.seed_for("model_init", cfg.seed))
-    if not plan.sharded:
-        model = build_model(cfg.model).to(device)
-        ema = EMA(model, cfg.train.ema_decay)  # copied before checkpointing/compile wrap the blocks
-        return parallelize(model, plan), ema
-    reference = build_model(cfg.model) if is_main else None
-    mesh = fsdp_mesh(plan, device.type)  # one mesh (and its process groups) for the model and its EMA
+def build_models(cfg, plan: ParallelPlan, device: torch.device, initialise: bool = True):
+    """(model, EMA), the same way for any number of ranks: both built on the meta device and the plan applied
+    (FSDP2 shards when sharded), then each rank allocates its own part on `device` and computes it from the run
+    seed (model.reset_parameters: equal to a single process's weights, and no rank ever holds a full copy). The
+    EMA starts as a copy. initialise=False (a resume or fork, whose checkpoint overwrites every weight) leaves
+    the weights unset: only the position table, which no checkpoint holds, is computed."""
+    mesh = fsdp_mesh(plan, device.type) if plan.sharded else None  # one mesh (and its groups) for model and EMA
     model = parallelize(build_model(cfg.model, device="meta"), plan, mesh=mesh)
     shadow = parallelize(build_model(cfg.model, device="meta"), plan, trainable=False, mesh=mesh)
-    materialize_from_rank0(model, reference, device)
-    del reference
-    shadow.to_empty(device=device)
+    for m in (model, shadow):
+        m.to_empty(device=device)
+    model.reset_buffers()
+    if initialise:
+        model.reset_parameters(seeds.seed_for("model_init", cfg.seed))
     return model, EMA(model, cfg.train.ema_decay, shadow=shadow)
 
 
-def build_training(cfg, plan: ParallelPlan, is_main: bool, device: torch.device):
-    """(model, ema, optimizer, scheduler, training generator)."""
+def build_training(cfg, plan: ParallelPlan, device: torch.device, initialise: bool = True):
+    """(model, ema, optimizer, scheduler, training generator); initialise as in build_models."""
     tc = cfg.train
-    model, ema = build_models(cfg, plan, is_main, device)
+    model, ema = build_models(cfg, plan, device, initialise)
     optimizer = build_optimizer(model, cfg.optimizer)
     scheduler = build_scheduler(optimizer, tc.steps, tc.warmup_steps, tc.lr_schedule, tc.min_lr_ratio)
     # the same on every rank: each rank keeps its slice of the global batch's noise

@@ -6,7 +6,7 @@ How (the approach of torchtitan's scripts/estimate/estimation.py, our own code):
 - a "fake" process group of W ranks, this process being rank 0 (the largest dim-0 shards); its collectives
   return at once;
 - the model and its EMA shadow are built on the meta device and sharded by parallel.parallelize with the plan
-  from cfg.parallel, as build.build_models does on every rank but 0 (FSDP2 per block + root, bf16 compute / fp32
+  from cfg.parallel, as build.build_models does on every rank (FSDP2 per block + root, bf16 compute / fp32
   reduce as on CUDA). This happens before FakeTensorMode is entered: FSDP2 creates its device mesh there, and
   the mesh set-up fails inside FakeTensorMode on a data-dependent op;
 - inside FakeTensorMode the shards are allocated (to_empty: fake tensors, nothing real), the EMA, optimizer

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .weight_init import ONES, ZEROS, Rule, init_parameters, xavier_uniform
+
 
 @dataclass
 class DiTConfig:
@@ -220,36 +222,50 @@ class DiT(nn.Module):
         self.context_embedder = nn.Linear(cfg.text_dim, d) if cfg.text_dim else None
         self.blocks = nn.ModuleList([DiTBlock(cfg) for _ in range(cfg.depth)])
         self.final_layer = FinalLayer(d, p, C)
-        self.reset_parameters()
+        if not self.pos_embed.is_meta:  # on meta: shapes only, initialised after allocation (build.build_models)
+            self.reset_parameters()
+
+    def init_rules(self) -> dict[str, Rule]:
+        """DiT initialisation, per parameter name: xavier-uniform linears with zero biases, N(0, 0.02) class and
+        timestep embeddings, unit norms, and zeroed adaLN modulation, output layer and cross-attention output
+        (adaLN-Zero: every block starts as the identity)."""
+        rules = {}
+        for prefix, m in self.named_modules():
+            at = f"{prefix}." if prefix else ""
+            if isinstance(m, nn.Linear):
+                rules[at + "weight"] = xavier_uniform(m.weight.shape)
+                if m.bias is not None:
+                    rules[at + "bias"] = ZEROS
+            elif isinstance(m, RMSNorm):
+                rules[at + "weight"] = ONES
+            elif isinstance(m, nn.LayerNorm) and m.elementwise_affine:
+                rules[at + "weight"], rules[at + "bias"] = ONES, ZEROS
+            elif isinstance(m, nn.Embedding):
+                rules[at + "weight"] = Rule("normal", 0.02)
+        for lin in ("t_embedder.mlp.0", "t_embedder.mlp.2"):
+            rules[f"{lin}.weight"] = Rule("normal", 0.02)
+        zeroed = ["final_layer.adaLN_modulation.1", "final_layer.linear"]
+        zeroed += [f"blocks.{i}.adaLN_modulation.1" for i in range(len(self.blocks))]
+        for lin in zeroed:
+            rules[f"{lin}.weight"], rules[f"{lin}.bias"] = ZEROS, ZEROS
+        for i, block in enumerate(self.blocks):
+            if block.cross_attn is not None:  # cross-attention also starts as the identity
+                rules[f"blocks.{i}.cross_attn.proj.weight"] = ZEROS
+        return rules
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """DiT initialisation: xavier linears, N(0, 0.02) embeddings, zeroed adaLN and output (adaLN-Zero)."""
-        if self.pos_embed.is_meta:
-            return
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """The seeded initialisation (weight_init: the same values whether or not the parameters are FSDP2 shards,
+        on any number of ranks). seed=None draws one from torch's global generator, so torch.manual_seed still
+        chooses a standalone model; training passes the run's `model_init` seed."""
+        if seed is None:
+            seed = int(torch.randint(0, 2**63 - 1, ()).item())
+        init_parameters(self, self.init_rules(), seed)
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """The position table (not in checkpoints: computed, also after to_empty on a resume)."""
         self.pos_embed.copy_(sincos_pos_embed_2d(self.config.hidden_size, self.grid))
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.xavier_uniform_(m.weight)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, RMSNorm):
-                nn.init.ones_(m.weight)
-            elif isinstance(m, nn.LayerNorm) and m.elementwise_affine:
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
-        if self.y_embedder is not None:
-            nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
-        for lin in (self.t_embedder.mlp[0], self.t_embedder.mlp[2]):
-            nn.init.normal_(lin.weight, std=0.02)
-        for block in self.blocks:
-            nn.init.zeros_(block.adaLN_modulation[-1].weight)
-            nn.init.zeros_(block.adaLN_modulation[-1].bias)
-            if block.cross_attn is not None:  # cross-attention also starts as the identity
-                nn.init.zeros_(block.cross_attn.proj.weight)
-        for lin in (self.final_layer.adaLN_modulation[-1], self.final_layer.linear):
-            nn.init.zeros_(lin.weight)
-            nn.init.zeros_(lin.bias)
 
     def patchify(self, x: torch.Tensor) -> torch.Tensor:
         B, C, H, W = x.shape

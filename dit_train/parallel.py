@@ -12,9 +12,9 @@ within each group of W / R consecutive ranks (a node) and replicated across the 
 all-gathers and gradient reduce-scatters stay inside a group and only the gradient shards are all-reduced across
 groups. `shard_group` is the group a parameter's rows are split over, for every collective that sums over rows.
 
-Weights are created once, on rank 0 with the usual seeded initialisation (so a sharded run starts from exactly
-the single-process weights), and scattered from there; every other rank builds on the meta device, so no rank but
-rank 0 ever holds a full copy (rank 0's is in host memory and freed after the scatter).
+Every rank builds the model on the meta device, applies the plan, allocates only its own shards and computes
+their initial values itself (weight_init: per-parameter seeded blocks, so a sharded run starts from exactly the
+single-process weights); no rank ever holds a full copy, and nothing is sent at start-up.
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ def init_distributed(single_process_group: bool = False, device: str | torch.dev
     torchrun; NCCL on CUDA, gloo on CPU. `single_process_group`: also create a group of one for a plain
     single-process run (parallel.fsdp=true without torchrun), so FSDP2 can be used on one device. `device`
     overrides the default (cuda:LOCAL_RANK when CUDA is present, else cpu). A collective that waits longer than
-    `timeout_minutes` (a dead or hung peer) raises instead of hanging."""
+    `timeout_minutes` (a dead or hung peer; parallel.timeout_minutes, whose comment in conf/config.yaml sizes it)
+    raises instead of hanging."""
     os.environ.update(slurm_environment())
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -297,26 +298,6 @@ def parallelize(model: nn.Module, plan: ParallelPlan, trainable: bool = True, me
     if plan.sharded:
         apply_fsdp(model, model.blocks, plan, trainable, mesh)
     return model
-
-
-@torch.no_grad()
-def materialize_from_rank0(model: nn.Module, reference: nn.Module | None, device: torch.device) -> None:
-    """Allocate a meta-built sharded model on `device` and fill it with rank 0's `reference` (a full model in
-    host memory, None on the other ranks): parameters and persistent buffers are broadcast one tensor at a time
-    and each rank keeps its shard; non-persistent buffers (e.g. the position table) are broadcast too."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    model.to_empty(device=device)
-    full = reference.state_dict() if reference is not None else {}
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    persistent = set(model.state_dict().keys())
-    ref_buffers = dict(reference.named_buffers()) if reference is not None else {}
-    for name, buf in model.named_buffers():
-        if name in persistent:
-            continue
-        if reference is not None:
-            buf.copy_(ref_buffers[name].to(buf.device))
-        dist.broadcast(buf, src=0)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

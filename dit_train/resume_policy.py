@@ -4,7 +4,9 @@
 newest complete checkpoint (falling back past damaged ones); a path continues from that checkpoint or run folder.
 A resumed run must be the same experiment: its resolved config is compared key by key with the one the checkpoint
 was trained with, and only the keys in MAY_CHANGE_ON_RESUME may differ (cadence, lengths, paths, logging,
-how checkpoints are written, parallel layout, and how sharded optimizers exchange whole matrices, which does not change the maths). Anything else is refused in one line naming each key with both values; a deliberate change is
+how checkpoints are written, parallel layout, the Slurm job shape, and how sharded optimizers exchange whole
+matrices, which does not change the maths). Anything else is refused in one line naming each key with both values;
+a deliberate change is
 a fork (`train.init_from=RUN`: the weights, a fresh optimizer and step 0, in a new run folder).
 """
 
@@ -23,8 +25,8 @@ from .config import ConfigError
 log = logging.getLogger("dit_train")
 
 MAY_CHANGE_ON_RESUME = (
-    "run_dir", "study", "study.*", "logger.*", "parallel.*", "optimizer.distributed_mode", "optimizer.bucket_mb",
-    "optimizer.compile_rownorm", "optimizer.overlap_exchange",
+    "run_dir", "study", "study.*", "logger.*", "parallel.*", "model.launch.*", "optimizer.distributed_mode",
+    "optimizer.bucket_mb", "optimizer.compile_rownorm", "optimizer.overlap_exchange",
     "data.root", "vae.path", "vae.decode_batch_size", "eval.every_n_steps", "eval.cache_dir",
     "eval.encoder_path", "train.steps", "train.micro_batch_size", "train.resume", "train.init_from", "train.dry_run", "train.progress",
     "train.timing", "train.log_every", "train.val_every", "train.sample_every", "train.sample_steps",

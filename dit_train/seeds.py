@@ -13,7 +13,7 @@ import hashlib
 import torch
 
 STREAMS = (
-    "model_init",     # the global torch RNG before the weights are initialised
+    "model_init",     # the initial weights: block `index` = "parameter name/block number" (weight_init)
     "train_noise",    # timesteps, noise and condition dropout of every training step (shared by all ranks)
     "data_order",     # the permutation of epoch `index`
     "val_noise",      # the noise of validation batch `index`
@@ -25,13 +25,15 @@ STREAMS = (
 )
 
 
-def seed_for(stream: str, seed: int, index: int = 0) -> int:
-    """A 63-bit seed for draw `index` of `stream` in a run seeded with `seed`."""
+def seed_for(stream: str, seed: int, index: int | str = 0) -> int:
+    """A 63-bit seed for draw `index` of `stream` in a run seeded with `seed` (an int, or a name such as a
+    parameter's)."""
     if stream not in STREAMS:
         raise KeyError(f"unknown seed stream {stream!r}; known: {', '.join(STREAMS)}")
-    digest = hashlib.blake2b(f"{stream}/{int(seed)}/{int(index)}".encode(), digest_size=8).digest()
+    key = index if isinstance(index, str) else int(index)
+    digest = hashlib.blake2b(f"{stream}/{int(seed)}/{key}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-def generator(stream: str, seed: int, index: int = 0, device="cpu") -> torch.Generator:
+def generator(stream: str, seed: int, index: int | str = 0, device="cpu") -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed_for(stream, seed, index))

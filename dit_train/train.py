@@ -55,8 +55,12 @@ class Trainer:
         self.train_set = build_dataset(cfg.data, "train")
         self.val_set = build_dataset(cfg.data, "val")
         check_classes_fit(cfg.model, self.train_set)
+        # known before building: a resume or a fork overwrites every weight, so the seeded init is skipped for them
+        self.candidates = resume_candidates(cfg, remove_partial=dist.is_main)
+        barrier()
+        weights_from_checkpoint = bool(self.candidates or self.tc.init_from)
         self.model, self.ema, self.optimizer, self.scheduler, generator = \
-            build_training(cfg, self.plan, dist.is_main, dist.device)
+            build_training(cfg, self.plan, dist.device, initialise=not weights_from_checkpoint)
         self.state = TrainState(self.scheduler, generator, self.ema,
                                 config=OmegaConf.to_container(cfg, resolve=True))
         self.timer = PhaseTimer(enabled=self.tc.timing, device=dist.device)
@@ -87,8 +91,7 @@ class Trainer:
     def resume(self) -> None:
         """Continue from the checkpoint resume_policy chose (a damaged newest one falls back, loudly, under
         train.resume=auto), or start a fork from train.init_from's weights, or start fresh."""
-        candidates = resume_candidates(self.cfg, remove_partial=self.dist.is_main)
-        barrier()
+        candidates = self.candidates
         if not candidates:
             if self.tc.init_from:
                 source = ckpt.resolve_checkpoint(self.tc.init_from)

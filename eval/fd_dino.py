@@ -135,7 +135,7 @@ def main(argv=None) -> list[dict]:
     from dit_train.parallel import compute_precision
     from dit_train.sampling import make_sampler
 
-    dist_info = init_distributed(device=args.device)
+    dist_info = init_distributed(device=args.device, timeout_minutes=args.timeout_minutes)
     device, rank = dist_info.device, dist_info.rank
     log = print if rank == 0 else (lambda *a, **k: None)
     cfg = eval_cfg_from_args(args)

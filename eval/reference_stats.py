@@ -38,7 +38,7 @@ def main(argv=None) -> dict:
     from dit_train.fd.features import build_extractor
     from dit_train.fd.reference import load_or_compute_reference
 
-    dist = init_distributed(device=args.device)
+    dist = init_distributed(device=args.device, timeout_minutes=args.timeout_minutes)
     device, rank = dist.device, dist.rank
     cfg = eval_cfg_from_args(args)
     data_cfg = load_data_cfg(args.data, args.data_set)

@@ -36,6 +36,7 @@ sys.path.insert(0, ROOT)
 from dit_train.atomic_io import atomic_write_bytes  # noqa: E402
 from dit_train.checkpoint import newest_step  # noqa: E402
 from dit_train.run_info import git_commit  # noqa: E402
+from report import read_metrics  # noqa: E402  (scripts/report.py, next to this file)
 
 EXPERIMENTS = os.path.join(ROOT, "dit_train", "conf", "experiment")
 
@@ -124,19 +125,8 @@ def expand(study, extra: list[str], exclude_keys: list[str], selected: dict | No
 
 def final_val_loss(run_dir: str, steps: int) -> float | None:
     """The validation loss logged at the run's last step (None if the run has not logged it)."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return None
-    value = None
-    with open(path) as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if row.get("step") == steps and isinstance(row.get("val/loss"), (int, float)):
-                value = float(row["val/loss"])
-    return value
+    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    return next((float(r["val/loss"]) for r in rows if r.get("step") == steps and "val/loss" in r), None)
 
 
 def select_learning_rates(study, sweep_dir: str, scan_runs: list[dict], steps_of) -> dict:

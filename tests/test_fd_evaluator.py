@@ -214,3 +214,24 @@ def test_reference_stats_job(tmp_path):
     assert out["count"] == 24 and out["dataset_id"] == "fashion_mnist:val:32px" and os.path.isfile(out["path"])
     assert sum(out["class_counts"].values()) == 24
     assert job.main(args)["path"] == out["path"]
+
+
+@pytest.mark.parametrize("name,args", [("fd_dino", ["some_run"]), ("reference_stats", [])])
+def test_eval_jobs_wait_for_peers_as_long_as_training(name, args, monkeypatch):
+    """Their process group gets parallel.timeout_minutes (training's default, or --timeout-minutes)."""
+    from conftest import compose
+    from dit_train.fd.job_config import training_timeout_minutes
+
+    assert training_timeout_minutes() == compose().parallel.timeout_minutes
+    job = _load_script(name)
+    seen = []
+
+    def record(**kwargs):
+        seen.append(kwargs["timeout_minutes"])
+        raise KeyboardInterrupt  # stop before any work
+
+    monkeypatch.setattr(job, "init_distributed", record)
+    for extra, expected in (([], training_timeout_minutes()), (["--timeout-minutes", "90"], 90.0)):
+        with pytest.raises(KeyboardInterrupt):
+            job.main(args + extra)
+        assert seen.pop() == expected

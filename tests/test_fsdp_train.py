@@ -148,7 +148,9 @@ def test_export_gives_single_process_ema_weights(runs, tmp_path):
         sharded = load_file(str(tmp_path / name / "model.safetensors"))
         assert sharded.keys() == saved.keys()
         for k in saved:
-            torch.testing.assert_close(sharded[k], saved[k], rtol=1e-5, atol=1e-6, msg=f"{name}: {k}")
+            # the zero-initialised weights (adaLN, output layer) are ~1e-3 after 4 AdamW steps, and Adam's normalised
+            # step turns the ranks' summation order in their near-zero gradients into up to ~1.2e-6 of difference
+            torch.testing.assert_close(sharded[k], saved[k], rtol=1e-5, atol=5e-6, msg=f"{name}: {k}")
 
 
 def test_load_for_inference_reads_sharded_checkpoint(runs):

@@ -160,8 +160,32 @@ def test_slurm_launcher_job_description(model, nodes, tmp_path, monkeypatch):
     text = ex._executor._make_submission_file_text("python -m dit_train", "uid")
     assert f"#SBATCH --nodes={nodes}" in text
     assert "#SBATCH --gpus-per-node=8" in text and "#SBATCH --ntasks-per-node=8" in text
+    # host memory per task from the preset, not the cluster's default
+    assert f"#SBATCH --mem-per-gpu={cfg.model.launch.host_mem_gb}G" in text and "--mem=" not in text
     # submitit's time-limit warning; the trainer checkpoints on it, then submitit requeues the job
     assert "#SBATCH --signal=USR2@300" in text
+
+
+@pytest.mark.parametrize("model", sorted(f[:-5] for f in os.listdir(os.path.join(CONF_DIR, "model"))))
+def test_each_preset_asks_for_the_host_memory_its_tasks_need(model):
+    """model.launch.host_mem_gb (Slurm --mem-per-gpu) = 32 GB for the process + the rank's share of a checkpoint at
+    16 bytes per parameter, rounded up to 8 GB (conf/launcher/slurm.yaml)."""
+    from dit_train.model import build_model, count_parameters, load_preset
+
+    cfg = load_preset(model)
+    share = 16 * count_parameters(build_model(cfg, device="meta")) / (cfg.launch.nodes * cfg.launch.gpus_per_node)
+    assert cfg.launch.host_mem_gb == 8 * math.ceil((32 + share / 1e9) / 8)
+
+
+def test_the_job_shape_may_change_on_resume():
+    """A checkpoint written before model.launch.host_mem_gb existed, or on other nodes, resumes; the model may not
+    change."""
+    from dit_train.resume_policy import config_changes
+
+    saved = {"model": {"depth": 50, "launch": {"nodes": 4, "gpus_per_node": 8}}}
+    now = {"model": {"depth": 50, "launch": {"nodes": 2, "gpus_per_node": 8, "host_mem_gb": 40}}}
+    assert config_changes(saved, now) == []
+    assert config_changes(saved, {"model": {**now["model"], "depth": 48}}) == [("model.depth", 50, 48)]
 
 
 def write_run(folder, model, opt, seed, rows, summary=True, K=None, lr=None):

@@ -71,6 +71,7 @@ class ParallelConfig:
 class LaunchConfig:
     nodes: int = int_at_least(1)
     gpus_per_node: int = int_at_least(1)
+    host_mem_gb: int = int_at_least(1)
 
 
 @dataclass

@@ -46,6 +46,14 @@ def add_eval_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cache-dir")
     ap.add_argument("--seed", type=int)
     ap.add_argument("--device", default=None, help="cpu | cuda (default: cuda:LOCAL_RANK when available)")
+    ap.add_argument("--timeout-minutes", type=float, default=training_timeout_minutes(),
+                    help="a collective waiting longer (a dead or hung rank) ends the job (default: training's "
+                         "parallel.timeout_minutes, %(default)g)")
+
+
+def training_timeout_minutes() -> float:
+    """parallel.timeout_minutes of conf/config.yaml: the jobs wait for peers as long as training does."""
+    return float(OmegaConf.load(CONF_DIR / "config.yaml").parallel.timeout_minutes)
 
 
 def eval_cfg_from_args(args) -> DictConfig:
