@@ -110,7 +110,9 @@ def test_the_save_is_what_the_step_left_even_when_later_steps_change_it_before_t
     trainer.saver.wait(2)
     [path] = ckpt.list_checkpoints(tiny_cfg.run_dir)
     assert ckpt.read_train_state(path)["step"] == 1  # the train state is the save step's too
-    fresh = Trainer(tiny_cfg, DistInfo())
+    fresh_cfg = tiny_cfg.copy()
+    fresh_cfg.run_dir = tiny_cfg.run_dir + "_fresh"  # a new run: the first one's folder has a checkpoint now
+    fresh = Trainer(fresh_cfg, DistInfo())
     ckpt.load(path, fresh.model, fresh.optimizer, fresh.ema.model)
     for part, module in (("model", fresh.model), ("ema", fresh.ema.model)):
         for k, v in module.state_dict().items():
