@@ -66,14 +66,17 @@ def draw_block(rule: Rule, shape, seed: int, name: str, k: int) -> torch.Tensor:
 
 
 def owned_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(the tensor this rank writes, the global row where it starts): an FSDP2 parameter's local shard of dim 0,
-    or a plain parameter whole."""
-    from torch.distributed.tensor import DTensor, Shard
+    """(the tensor this rank writes, the global row where it starts): an FSDP2 parameter's local shard of dim 0
+    (under HSDP, (Replicate(), Shard(0)): every replica computes the same rows), or a plain parameter whole."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if not isinstance(param, DTensor):
         return param, 0
-    if any(not isinstance(p, Shard) or p.dim != 0 for p in param.placements) or len(param.placements) != 1:
-        raise ValueError(f"initialising a DTensor placed {param.placements}; only FSDP2's Shard(0) is supported")
+    shards = [p for p in param.placements if isinstance(p, Shard)]
+    if len(shards) > 1 or any(p.dim != 0 for p in shards) or \
+            any(not isinstance(p, (Shard, Replicate)) for p in param.placements):
+        raise ValueError(f"initialising a DTensor placed {param.placements}; only FSDP2's Shard(0) (with HSDP's "
+                         f"Replicate() before it) is supported")
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
