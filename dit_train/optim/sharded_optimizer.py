@@ -41,7 +41,8 @@ from .collectives import PhaseSwitch, ShardComm
 from .directions import inv_norms_from_sumsq, row_sumsq
 from .matrix_optimizer import DTYPES, MatrixOptimizer, caps_rownorm, compute_direction
 from .spectral_cap import cap_factors, spectral_cap, start_vectors
-from .whole_matrix_exchange import assign_owners, gather_directions, owner_directions, plan_buckets
+from .owner_exchange import owner_directions, plan_shares
+from .whole_matrix_exchange import gather_directions, plan_buckets
 
 LOCAL, REDUCE, WHOLE = "local", "reduce", "whole"
 
@@ -194,8 +195,6 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
         return flat, [t.numel() for t in partial], comm.all_reduce(flat)
 
     def _whole_directions(self, kind: str, inputs: dict, group: dict, comm: ShardComm, phases: PhaseSwitch) -> dict:
-        elem = DTYPES[self.gather_dtype].itemsize
-        buckets = plan_buckets({key: U.shape[0] for key, U in inputs.items()}, elem, self.bucket_mb * 2**20)
         keep = self.keep_whole_matrix_workspaces
         if keep is None:
             keep = next(iter(inputs.values())).device.type == "cpu"
@@ -208,20 +207,24 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
             return D if row_scale is None else D * row_scale  # a registered direction that returns a row scale
 
         if self.distributed_mode == "gather":
+            elem = DTYPES[self.gather_dtype].itemsize
+            buckets = plan_buckets({key: U.shape[0] for key, U in inputs.items()}, elem, self.bucket_mb * 2**20)
             out, self.last_whole_matrices = gather_directions(inputs, buckets, compute, comm, phases)
         else:
-            owners = self._owners(buckets, comm.world)
             out_dtype = DTYPES[group["ns_dtype"]] if kind == "spectral" else DTYPES[self.gather_dtype]
-            out, self.last_whole_matrices = owner_directions(inputs, buckets, owners, compute, out_dtype, comm,
-                                                             phases)
+            out, self.last_whole_matrices = owner_directions(inputs, self._shares(inputs, comm.world), compute,
+                                                             out_dtype, comm, phases)
         return {key: (D, None) for key, D in out.items()}
 
-    def _owners(self, buckets, world: int) -> dict:
-        sig = (tuple(tuple(b) for b in buckets), world)
-        cached = self.__dict__.get("_owner_cache")
+    def _shares(self, inputs: dict, world: int) -> dict:
+        """The owner mode's split of every shape group over the ranks (owner_exchange.plan_shares), kept while the
+        groups and the world size stay the same."""
+        groups = {key: (key[0], U.shape[0]) for key, U in inputs.items()}
+        sig = (tuple(groups.items()), world)
+        cached = self.__dict__.get("_share_cache")
         if cached is None or cached[0] != sig:
-            self._owner_cache = (sig, assign_owners(buckets, world))
-        return self._owner_cache[1]
+            self._share_cache = (sig, plan_shares(groups, world))
+        return self._share_cache[1]
 
     @staticmethod
     def _check_rows(key, U: Tensor, comm: ShardComm) -> None:
