@@ -84,7 +84,7 @@ def sharded_model(cfg, device):
     from dit_train.parallel import ParallelPlan, apply_fsdp
 
     model = build_model(cfg, device="meta")
-    apply_fsdp(model, model.blocks, ParallelPlan(fsdp=True))
+    apply_fsdp(model, model.blocks, ParallelPlan(sharded=True))
     model.to_empty(device=device)
     g = torch.Generator(device=device).manual_seed(1234 + torch.distributed.get_rank())
     with torch.no_grad():
