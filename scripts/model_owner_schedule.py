@@ -283,8 +283,8 @@ def main(argv=None) -> None:
     print(f"NS5 {'measured here x %g' % args.cpu_speedup if args.measure_cpu else '%g TFLOP/s' % args.tflops}, "
           f"{args.launch_us:g} us per batched call; {args.inter_gbit:g} Gbit/s between nodes, "
           f"{args.nvlink_gbyte:g} GB/s NVLink, {args.gpus_per_node} GPUs per node, {args.latency_us:g} us per "
-          f"collective; old schedules: {args.bucket_mb:g} MB buckets; owner: {args.per_rank or 'a group of'} "
-          f"matrices per rank per exchange, {args.in_flight} exchanges in flight\n")
+          f"collective; old schedules: {args.bucket_mb:g} MB buckets; owner: matrices per rank per exchange "
+          f"{args.per_rank or 'all of a group'}, {args.in_flight} exchanges in flight\n")
     print("| preset | W | ideal share s | owner s | / ideal | owner busiest NS5 s | owner network s | old owner s | "
           "/ ideal | gather s | / ideal | target owner <= 1.3x ideal |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
