@@ -124,6 +124,28 @@ def init_fake_process_group(world_size: int) -> None:
         dist.init_process_group("fake", world_size=world_size, rank=0, store=FakeStore())
 
 
+@contextlib.contextmanager
+def empty_all_to_all_inputs_allowed():
+    """The fake process group fills an all-to-all's output from this rank's own input and refuses an empty input
+    with a non-empty output (FakeProcessGroup.hpp), which owner mode issues when this rank owns none of an
+    exchange's matrices (optim/owner_exchange.py). Such a call returns here with its output unfilled: the fake
+    collectives' outputs are arbitrary anyway, only sizes count."""
+    import torch.distributed as dist
+
+    real = dist.all_to_all_single
+
+    def all_to_all_single(output, input, *args, **kwargs):
+        if input.numel() == 0:
+            return SimpleNamespace(wait=lambda: True) if kwargs.get("async_op") else None
+        return real(output, input, *args, **kwargs)
+
+    dist.all_to_all_single = all_to_all_single
+    try:
+        yield
+    finally:
+        dist.all_to_all_single = real
+
+
 def by_category(current: dict, peak: dict, params: int, ema_bytes: int, state: int, workspace: int):
     """(persistent, at peak) bytes by category, from the tracker's snapshots and the exact tensor counts."""
     persistent = {
@@ -196,7 +218,7 @@ def estimate(cfg, world_size: int, micro_batch: int, steps: int | None = None, f
         ema_tensors = [local(p) for p in ema.model.parameters()]
         for t in ema_tensors:
             tracker._update_and_maybe_create_winfos(t, _FSDPRefType.BUFFER)
-        with tracker.ignoring_propagation(), tracker:
+        with tracker.ignoring_propagation(), tracker, empty_all_to_all_inputs_allowed():
             for _ in range(steps):
                 _train_step(model, ema, optimizer, scheduler, x, y, Trainer.global_batch_noise(trainer, x), cfg)
                 tracker.reset_mod_stats()  # per-module stats are per iteration; the peak is kept

@@ -1,11 +1,14 @@
-"""The matrix optimizers on dim-0 shards (docs/algorithms.md §6–7, optim/sharded_optimizer.py), on CPU/gloo with 2 and 3 processes
-(a 1-D mesh) and 4 processes as a 2 x 2 HSDP mesh (replicate x shard: every collective within the shard group):
-every optimizer and both whole-matrix modes give the single-process parameters on the same gradients (4 steps:
-refresh, two RowNorm steps, refresh for periodic_rowwise); the counted bytes equal the analytic expectation per
-collective and rank; each direction is computed once in owner mode and on every rank in gather mode.
+"""The matrix optimizers on dim-0 shards (docs/algorithms.md §6–7, optim/sharded_optimizer.py), on CPU/gloo with 2, 3
+and 4 processes (a 1-D mesh) and 4 processes as a 2 x 2 HSDP mesh (replicate x shard: every collective within the
+shard group): every optimizer and both whole-matrix modes give the single-process parameters on the same gradients
+(4 steps: refresh, two RowNorm steps, refresh for periodic_rowwise), Muon bit for bit on the 1-D mesh; the counted
+bytes equal the analytic expectation per collective and rank; each direction is computed once in owner mode and on
+every rank in gather mode.
 
-The matrices cover wide, tall and square shapes, same-shape batches split across buckets, and shards that are
-uneven or empty (3 ranks: 50 -> 17/17/16 rows, 4 -> 2/2/0, 2 -> 1/1/0, 1 -> 1/0/0; 2 ranks: 1 -> 1/0).
+The matrices cover wide, tall and square shapes; shape groups of 1, 2 and 5 matrices (owner mode: fewer matrices
+than ranks, and 5 = 2 x 2 + 1 = 3 + 2 = 4 + 1, never a multiple of the ranks, so exchanges of W and a shorter
+last one); same-shape batches split across gather buckets; and shards that are uneven or empty (3 ranks: 50 ->
+17/17/16 rows, 4 -> 2/2/0, 2 -> 1/1/0, 1 -> 1/0/0; 2 ranks: 1 -> 1/0; 4 ranks: 50 -> 13/13/13/11, 2 -> 1/1/0/0).
 One spawn per mesh runs every case (process start-up is the cost); the parent compares.
 """
 
@@ -19,9 +22,10 @@ from conftest import gloo_group, spawn_ranks
 from dit_train.optim.collectives import shard_rows
 from dit_train.optim.matrix_optimizer import MatrixOptimizer
 from dit_train.optim.registry import build_optimizer
-from dit_train.optim.whole_matrix_exchange import Item, assign_owners, plan_buckets
+from dit_train.optim.owner_exchange import plan_exchanges
+from dit_train.optim.whole_matrix_exchange import plan_buckets
 
-SHAPES = [(24, 40), (24, 40), (40, 24), (40, 24), (32, 32), (4, 3), (2, 16), (1, 8), (50, 12)]
+SHAPES = [(24, 40), (24, 40), (40, 24), (40, 24), (32, 32), (4, 3), (2, 16), (1, 8), (50, 12)] + [(12, 20)] * 5
 STEPS = 4
 LR, WD = 0.02, 0.1
 KINDS = {"adamw": {},  # every parameter in the AdamW group (optimizer=adamw)
@@ -29,20 +33,21 @@ KINDS = {"adamw": {},  # every parameter in the AdamW group (optimizer=adamw)
          "periodic_rowwise": dict(direction="spectral", between="rownorm", refresh_every=3),
          "rownorm": dict(direction="rownorm"),
          "mud": dict(direction="mud")}
-SMALL = 0.003  # bucket_mb: ~3 KB buckets, so same-shape batches are split over several buckets
+SMALL = 0.003  # gather mode's bucket_mb: ~3 KB buckets, so same-shape batches are split over several buckets
 # name -> (optimizer, group kwargs shared with the single-process reference, placement kwargs)
 CASES = {
     "adamw": ("adamw", {}, {}),
-    "muon/gather": ("muon", {}, {}),
-    "muon/owner": ("muon", {}, {"distributed_mode": "owner"}),
-    "muon/gather/fp32/buckets": ("muon", {"ns_dtype": "fp32"}, {"gather_dtype": "fp32", "bucket_mb": SMALL}),
-    "muon/owner/fp32/buckets": ("muon", {"ns_dtype": "fp32"}, {"gather_dtype": "fp32", "bucket_mb": SMALL,
-                                                                   "distributed_mode": "owner"}),
-    "periodic_rowwise/gather/buckets": ("periodic_rowwise", {}, {"bucket_mb": SMALL}),
+    "muon/gather": ("muon", {}, {"distributed_mode": "gather"}),
+    "muon/owner": ("muon", {}, {}),  # owner mode is the default
+    "muon/gather/fp32/buckets": ("muon", {"ns_dtype": "fp32"}, {"gather_dtype": "fp32", "bucket_mb": SMALL,
+                                                                    "distributed_mode": "gather"}),
+    "muon/owner/fp32": ("muon", {"ns_dtype": "fp32"}, {"gather_dtype": "fp32", "distributed_mode": "owner"}),
+    "periodic_rowwise/gather/buckets": ("periodic_rowwise", {}, {"bucket_mb": SMALL,
+                                                                 "distributed_mode": "gather"}),
     "periodic_rowwise/owner": ("periodic_rowwise", {}, {"distributed_mode": "owner"}),
     "rownorm": ("rownorm", {}, {}),
-    "mud/gather": ("mud", {}, {"gather_dtype": "fp32"}),
-    "mud/owner/buckets": ("mud", {}, {"gather_dtype": "fp32", "distributed_mode": "owner", "bucket_mb": SMALL}),
+    "mud/gather": ("mud", {}, {"gather_dtype": "fp32", "distributed_mode": "gather"}),
+    "mud/owner": ("mud", {}, {"gather_dtype": "fp32", "distributed_mode": "owner"}),
     # the spectral RowNorm scale (optim/spectral_cap.py) on rank-1 gradients, where its cap is active
     "rownorm/spectral": ("rownorm", {"rownorm_scale": "spectral"}, {}),
     "periodic_rowwise/spectral/owner": ("periodic_rowwise", {"rownorm_scale": "spectral"},
@@ -127,7 +132,7 @@ def run_cases(rank, world, out_path, replicate=1):
         torch.save(results, out_path)
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=["2ranks", "3ranks", "4ranks"])
 def sharded(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"sharded{world}") / "results.pt"
@@ -153,19 +158,24 @@ def single_process(name, **group_kw):
 # ---- equality with the single process ---------------------------------------------------------------------------
 @pytest.mark.parametrize("name", list(CASES))
 def test_sharded_steps_equal_single_process(sharded, name):
-    """Per matrix, |W_sharded - W_single| relative to the distance moved |W_single - W_0|. fp32 directions agree to
-    fp32 rounding; bf16 NS5 reads bit-identical gathered inputs (gather_dtype bf16) and may differ only where
-    a bf16 batched GEMM over a different batch count rounds differently (measured here: not at all)."""
+    """Muon with bf16 NS5 (the default) reads bit-identical inputs (gather_dtype bf16), computes each matrix's
+    direction alone in its batch, and the update is elementwise on the rows: the parameters are bit for bit the
+    single process's, in both modes. Where sums run over shards (RowNorm and MUD on tall matrices, the spectral
+    RowNorm scale) or directions are fp32, they agree to fp32 rounding: per matrix, |W_sharded - W_single|
+    relative to the distance moved |W_single - W_0|."""
     world, results = sharded
     got = results[name]["params"]
     ref, start = single_process(name)
     kind, group_kw, placement = CASES[name]
-    bf16 = kind in ("muon", "periodic_rowwise") and group_kw.get("ns_dtype", "bf16") == "bf16"
-    tol = 1e-2 if bf16 else 2e-5
+    exact = kind == "muon" and group_kw.get("ns_dtype", "bf16") == "bf16"
     for i, (a, r, w0) in enumerate(zip(got, ref, start)):
         assert a.shape == r.shape
-        rel = ((a - r).norm() / (r - w0).norm()).item()
-        assert rel <= tol, f"{name}, {world} ranks, parameter {i} of shape {tuple(r.shape)}: relative error {rel:.2e}"
+        where = f"{name}, {world} ranks, parameter {i} of shape {tuple(r.shape)}"
+        if exact:
+            assert torch.equal(a, r), f"{where}: max difference {(a - r).abs().max().item():.2e}"
+        else:
+            rel = ((a - r).norm() / (r - w0).norm()).item()
+            assert rel <= 2e-5, f"{where}: relative error {rel:.2e}"
 
 
 # ---- HSDP: a 2 x 2 (replicate, shard) mesh ------------------------------------------------------------------
@@ -223,10 +233,10 @@ def expected_bytes(name, world, rank, refresh):
         whole = [(m, n) for m, n in SHAPES if m <= n]
     b_in = 2 if placement.get("gather_dtype", "bf16") == "bf16" else 4
     b_out = 4 if kind == "mud" or group_kw.get("ns_dtype") == "fp32" else 2
-    if placement.get("distributed_mode", "gather") == "gather":  # (p - 1) padded shards of every matrix
+    if placement.get("distributed_mode", "owner") == "gather":  # (p - 1) padded shards of every matrix
         out["all_gather"] = sum((world - 1) * math.ceil(m / world) * n * b_in for m, n in whole)
     else:  # to owners: my rows of others' matrices; back: the other ranks' rows of mine
-        owners = owners_of(whole, world, placement.get("bucket_mb", 16.0), b_in)
+        owners = owners_of(whole, world)
         sent = 0
         for i, (m, n) in enumerate(whole):
             mine = shard_rows(m, world)[rank][1]
@@ -235,16 +245,22 @@ def expected_bytes(name, world, rank, refresh):
     return out
 
 
-def owners_of(shapes, world, bucket_mb, elem):
-    counts = {}
-    for s in shapes:  # buckets keyed by shape in order of first appearance, as the optimizer stacks them
-        counts[(s,)] = counts.get((s,), 0) + 1
-    owner = assign_owners(plan_buckets(counts, elem, bucket_mb * 2**20), world)
+def owners_of(shapes, world, per_rank=1):
+    """Owner rank of every matrix: shape groups in order of first appearance, as the optimizer stacks them, split
+    into exchanges by plan_exchanges, each owning contiguous ranges in rank order."""
+    groups = {}
+    for s in shapes:
+        groups[s] = (s, groups.get(s, (s, 0))[1] + 1)
+    owner = {}
+    for ex in plan_exchanges(groups, world, per_rank):
+        for r in range(world):
+            first, count = ex.owned(r)
+            owner.update({(ex.key, j): r for j in range(first, first + count)})
     seen: dict = {}
     out = []
     for s in shapes:
         j = seen[s] = seen.get(s, -1) + 1
-        out.append(owner[Item((s,), j)])
+        out.append(owner[(s, j)])
     return out
 
 
@@ -280,13 +296,13 @@ def test_rownorm_on_wide_matrices_sends_nothing_and_tall_ones_n_floats():
     assert expected_bytes("rownorm", 3, 0, False) == {"all_reduce": 4 * (24 + 24 + 3 + 12)}
 
 
-@pytest.mark.parametrize("name", ["muon/gather", "muon/owner", "periodic_rowwise/owner", "mud/owner/buckets"])
+@pytest.mark.parametrize("name", ["muon/gather", "muon/owner", "periodic_rowwise/owner", "mud/owner"])
 def test_owner_mode_computes_each_direction_once_gather_mode_on_every_rank(sharded, name):
     world, results = sharded
     kind, _, placement = CASES[name]
     n_whole = len([s for s in SHAPES if kind != "mud" or s[0] <= s[1]])
     per_step = [sum(log[step][1] for log in results[name]["logs"]) for step in range(STEPS)]
-    once = placement.get("distributed_mode") == "owner"
+    once = placement.get("distributed_mode", "owner") == "owner"
     expected = [(n_whole if once else world * n_whole) if r else 0 for r in refresh_steps(kind)]
     assert per_step == expected
 
@@ -295,13 +311,9 @@ def test_owner_mode_bytes_are_about_2_over_p_of_gather_mode():
     """Even shards (p divides every m): per rank on average 2 (p - 1) / p^2 of the matrices against (p - 1) / p."""
     shapes, world = [(64, 32), (32, 96), (96, 32), (64, 64)] * 2, 4
     gather = sum((world - 1) * (m // world) * n * 2 for m, n in shapes)
-    counts = {}
-    for s in shapes:
-        counts[(s,)] = counts.get((s,), 0) + 1
-    owner = assign_owners(plan_buckets(counts, 2, 32 * 2**20), world)
+    owners = owners_of(shapes, world)
     per_rank = [0] * world
-    for it, o in owner.items():
-        m, n = it.shape
+    for (m, n), o in zip(shapes, owners):
         for r in range(world):
             per_rank[r] += (m - m // world) * n * 2 if r == o else (m // world) * n * 2
     assert sum(per_rank) / world == pytest.approx(2 / world * gather)
@@ -320,17 +332,36 @@ def test_shard_rows_follow_torch_chunk_like_fsdp2():
             assert all(s == sum(sizes[:i]) for i, (s, _) in enumerate(rows) if rows[i][1])
 
 
-def test_buckets_keep_shapes_together_and_owners_balance_flops():
+def test_gather_buckets_keep_shapes_together_within_the_size():
     counts = {((512, 512),): 9, ((1536, 512),): 8, ((512, 2048),): 8}
     buckets = plan_buckets(counts, 2, 8 * 2**20)
     items = [it for b in buckets for it in b]
     assert len(items) == 25 and len(set(items)) == 25
     assert all(sum(math.prod(it.shape) * 2 for it in b) <= 8 * 2**20 for b in buckets)
-    owner = assign_owners(buckets, 4)
+
+
+@pytest.mark.parametrize("per_rank", [1, 2, 0])
+@pytest.mark.parametrize("world", [2, 3, 4, 8, 32])
+def test_owner_exchanges_cover_every_matrix_once_and_balance_flops(world, per_rank):
+    """Each group is cut into exchanges of per_rank x world matrices (0: the whole group) that own contiguous rank
+    ranges and cover the group once, in order; a shorter exchange gives q or q + 1 per rank, the extra matrices
+    to the least-loaded ranks, so the busiest rank stays within one matrix (of the largest shape) of the mean:
+    the schedule's ideal share (preset-like groups, 1 and 2 matrices included)."""
     from dit_train.optim.directions import ns5_flops
 
-    load = [sum(ns5_flops(*it.shape) for it, o in owner.items() if o == r) for r in range(4)]
-    biggest = max(ns5_flops(*it.shape) for it in items)
+    shapes = {(512, 512): 9, (1536, 512): 8, (512, 2048): 8, (2048, 512): 7, (512, 256): 1, (1024, 512): 1}
+    exchanges = plan_exchanges({s: (s, c) for s, c in shapes.items()}, world, per_rank)
+    load, covered = [0] * world, {s: [] for s in shapes}
+    for ex in exchanges:
+        assert len(ex.counts) == world and max(ex.counts) - min(ex.counts) <= 1
+        assert ex.size <= (per_rank * world if per_rank else shapes[ex.key])
+        for r in range(world):
+            first, count = ex.owned(r)
+            covered[ex.key] += range(first, first + count)
+            load[r] += count * ns5_flops(*ex.key)
+    assert covered == {s: list(range(c)) for s, c in shapes.items()}
+    biggest = max(ns5_flops(*s) for s in shapes)
+    assert max(load) <= sum(load) / world + biggest
     assert max(load) - min(load) <= biggest
 
 

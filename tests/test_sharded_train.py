@@ -1,7 +1,7 @@
 """FSDP2 training with a matrix optimizer (optimizer=periodic_rowwise, K=3: refresh, RowNorm, RowNorm, refresh) on
 CPU/gloo: 2 ranks equal the single process of the same global batch; the sharded checkpoint (momentum shards and
-the periodic step counter) resumes exactly on 2 ranks and, resharded to uneven shards, on 3 ranks in owner mode;
-every logged step carries the optimizer's phases and counted bytes.
+the periodic step counter) resumes exactly on 2 ranks (gather mode) and, resharded to uneven shards, on 3 ranks in
+owner mode (the default); every logged step carries the optimizer's phases and counted bytes.
 
 One module fixture makes every run (process launches are the cost): the single-process reference in this process,
 one 2-rank spawn running the straight run and its resume, one 3-rank spawn (test_sharded_optim.spawn). Config and
@@ -36,10 +36,10 @@ def runs(tmp_path_factory):
     single = root / "single"
     run(compose(PERIODIC + [f"run_dir={single}"]))
     ck2 = root / "two" / "checkpoints" / "step_00000002.dcp"
-    spawn(train_jobs, 2, [PERIODIC + [f"run_dir={root / 'two'}"],
-                          PERIODIC + [f"run_dir={root / 'two_resumed'}", f"train.resume={ck2}"]])
-    spawn(train_jobs, 3, [PERIODIC + [f"run_dir={root / 'three_owner'}", f"train.resume={ck2}",
-                                      "optimizer.distributed_mode=owner"]])
+    gather = "optimizer.distributed_mode=gather"  # the 3-rank resume changes the mode too (owner: the default)
+    spawn(train_jobs, 2, [PERIODIC + [f"run_dir={root / 'two'}", gather],
+                          PERIODIC + [f"run_dir={root / 'two_resumed'}", f"train.resume={ck2}", gather]])
+    spawn(train_jobs, 3, [PERIODIC + [f"run_dir={root / 'three_owner'}", f"train.resume={ck2}"]])
     return {k: root / k for k in ("single", "two", "two_resumed", "three_owner")}
 
 

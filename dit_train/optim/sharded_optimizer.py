@@ -17,16 +17,18 @@ RowNorm's column sums of every tall bucket travel in one asynchronous all-reduce
 matrices are normalised (gloo's latency here is ~1.5 ms per collective); the factors are then those of
 row_inv_norms(U, reduce=all-reduce, tall=True). MUD on tall shards is mud_whiten with `reduce=` a blocking
 all-reduce (of n (n + 1) / 2 values per Gram: only tril(G) is used) and `tall=True`. The whole-matrix directions
-are in whole_matrix_exchange.py (bucketed all-gather, or all-to-all to one owner per matrix and back), computing with the
-single-device code on [L, m, n] batches.
+are in owner_exchange.py (all-to-all to one owner per matrix and back, W matrices per exchange) and
+whole_matrix_exchange.py (bucketed all-gather), computing with the single-device code on [L, m, n] batches.
 
 Placement settings are attributes, not param-group keys, so a state_dict is the same as MatrixOptimizer's (and a
 checkpoint resumes under any placement):
-- distributed_mode: "gather" | "owner";
+- distributed_mode: "owner" (default: each direction computed once, owner_exchange.py) | "gather" (every rank
+  computes every direction, whole_matrix_exchange.py);
 - gather_dtype: "bf16" | "fp32", the dtype in which the momentum input U travels and is stacked for the
   whole-matrix directions (bfloat16 = NS5's default compute dtype: the gathered input is then bit for bit the one
   a single process feeds NS5);
-- bucket_mb: bucket size in MB of whole matrices (in gather_dtype);
+- bucket_mb: gather mode's bucket size in MB of whole matrices (in gather_dtype); owner mode's exchanges follow
+  from the world size and the shape groups (W matrices each);
 - overlap_exchange: gather mode's exchange starts in backward, as each matrix's gradient is reduced
   (backward_overlap.py); the trainer reports whether clipping scaled the gradients (`gradients_scaled`).
 
@@ -45,7 +47,8 @@ from .collectives import PhaseSwitch, ShardComm
 from .directions import inv_norms_from_sumsq, row_sumsq
 from .matrix_optimizer import DTYPES, MatrixOptimizer, caps_rownorm, compute_direction, take_row_sumsq
 from .spectral_cap import cap_factors, spectral_cap, start_vectors
-from .whole_matrix_exchange import assign_owners, gather_directions, owner_directions, plan_buckets
+from .owner_exchange import owner_directions, plan_exchanges
+from .whole_matrix_exchange import gather_directions, plan_buckets
 
 LOCAL, REDUCE, WHOLE = "local", "reduce", "whole"
 
@@ -109,7 +112,7 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
     # False to account for what a CUDA run keeps.
     keep_whole_matrix_workspaces: bool | None = None
 
-    def __init__(self, params, *, distributed_mode: str = "gather", gather_dtype: str = "bf16",
+    def __init__(self, params, *, distributed_mode: str = "owner", gather_dtype: str = "bf16",
                  bucket_mb: float = 16.0, overlap_exchange: bool = False, **kwargs):
         # the values are checked where the config is (dit_train.config.check_optimizer)
         self.distributed_mode, self.gather_dtype, self.bucket_mb = distributed_mode, gather_dtype, float(bucket_mb)
@@ -158,8 +161,10 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
 
     def describe_placement(self) -> str:
         behind = ", exchanged behind backward" if self._overlap is not None else ""
+        owner = self.distributed_mode == "owner"
+        exchange = "W matrices per exchange" if owner else f"buckets of {self.bucket_mb:g} MB"
         return (f"sharded: whole-matrix directions in {self.distributed_mode} mode, U sent in {self.gather_dtype}, "
-                f"buckets of {self.bucket_mb:g} MB{behind}")
+                f"{exchange}{behind}")
 
     # ---- the direction stage ----------------------------------------------------------------------------------
     def _input_dtype(self, kind: str, key, group: dict, param_dtype: torch.dtype) -> torch.dtype:
@@ -230,8 +235,6 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
         return flat, [t.numel() for t in partial], comm.all_reduce(flat)
 
     def _whole_directions(self, kind: str, inputs: dict, group: dict, comm: ShardComm, phases: PhaseSwitch) -> dict:
-        elem = DTYPES[self.gather_dtype].itemsize
-        buckets = plan_buckets({key: U.shape[0] for key, U in inputs.items()}, elem, self.bucket_mb * 2**20)
         keep = self.keep_whole_matrix_workspaces
         if keep is None:
             keep = next(iter(inputs.values())).device.type == "cpu"
@@ -247,20 +250,24 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
         if prefetched is not None:
             out, self.last_whole_matrices = prefetched_directions(prefetched, compute, comm)
         elif self.distributed_mode == "gather":
+            elem = DTYPES[self.gather_dtype].itemsize
+            buckets = plan_buckets({key: U.shape[0] for key, U in inputs.items()}, elem, self.bucket_mb * 2**20)
             out, self.last_whole_matrices = gather_directions(inputs, buckets, compute, comm, phases)
         else:
-            owners = self._owners(buckets, comm.world)
             out_dtype = DTYPES[group["ns_dtype"]] if kind == "spectral" else DTYPES[self.gather_dtype]
-            out, self.last_whole_matrices = owner_directions(inputs, buckets, owners, compute, out_dtype, comm,
-                                                             phases)
+            out, self.last_whole_matrices = owner_directions(inputs, self._exchanges(inputs, comm.world), compute,
+                                                             out_dtype, comm, phases)
         return {key: (D, None) for key, D in out.items()}
 
-    def _owners(self, buckets, world: int) -> dict:
-        sig = (tuple(tuple(b) for b in buckets), world)
-        cached = self.__dict__.get("_owner_cache")
+    def _exchanges(self, inputs: dict, world: int) -> list:
+        """The owner mode's exchanges and owners (owner_exchange.plan_exchanges), kept while the groups and the
+        world size stay the same."""
+        groups = {key: (key[0], U.shape[0]) for key, U in inputs.items()}
+        sig = (tuple(groups.items()), world)
+        cached = self.__dict__.get("_exchange_cache")
         if cached is None or cached[0] != sig:
-            self._owner_cache = (sig, assign_owners(buckets, world))
-        return self._owner_cache[1]
+            self._exchange_cache = (sig, plan_exchanges(groups, world))
+        return self._exchange_cache[1]
 
     @staticmethod
     def _check_rows(key, U: Tensor, comm: ShardComm) -> None:
