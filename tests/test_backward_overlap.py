@@ -16,7 +16,7 @@ from test_sharded_optim import spawn
 pytestmark = needs_fashion
 
 BASE = [o for o in TINY if not o.startswith(("optimizer=", "train.sample_every=", "train.val_every="))] + [
-    "train.sample_every=0", "train.val_every=0"]
+    "train.sample_every=0", "train.val_every=0", "optimizer.distributed_mode=gather"]  # the overlap is gather mode's
 # name -> overrides; grad_clip 1e6 never scales the tiny model's gradients, 1e-4 always does
 CASES = {
     "muon": ["optimizer=muon", "train.grad_clip=1e6"],
@@ -76,3 +76,13 @@ def test_clipped_steps_gather_twice_unclipped_ones_once(runs):
     assert gathered(runs / "muon" / "true") == gathered(runs / "muon" / "false")
     on, off = gathered(runs / "muon/clipped" / "true"), gathered(runs / "muon/clipped" / "false")
     assert all(a > b > 0 for a, b in zip(on, off, strict=True)), (on, off)
+
+
+def test_the_overlap_is_refused_in_owner_mode_where_it_would_do_nothing():
+    from dit_train.config import ConfigError
+    from dit_train.config.validate import check_optimizer
+
+    with pytest.raises(ConfigError, match=r"optimizer.overlap_exchange=True is not valid: needs "
+                                          r"optimizer.distributed_mode=gather \(it is 'owner'\)"):
+        check_optimizer({"name": "muon", "overlap_exchange": True})
+    assert check_optimizer({"name": "muon", "overlap_exchange": True, "distributed_mode": "gather"})["overlap_exchange"]
