@@ -324,12 +324,16 @@ def load(path: str, model, optimizer, ema_model) -> dict:
 
 def load_weights(path: str, model, ema_model) -> None:
     """A fork (train.init_from): the model and EMA weights of a checkpoint, nothing else, into this run's
-    (possibly sharded) models."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    (possibly sharded) models. Collective under a process group, like `load`: each rank reads only its own shards
+    (resharded from however many ranks wrote them), so no rank holds a full copy (dit_15b: ~120 GB)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    full = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, read_tensors(path, "model"), options=full)
-    set_model_state_dict(ema_model, read_tensors(path, "ema"), options=full)
+    if not is_complete(path):
+        raise CheckpointError(f"{path!r} is not a complete step_N.dcp checkpoint; a fork starts from one")
+    state = {"model": get_model_state_dict(model), "ema": get_model_state_dict(ema_model)}
+    _dcp_load(state, path)
+    set_model_state_dict(model, state["model"])
+    set_model_state_dict(ema_model, state["ema"])
 
 
 def read_tensors(path: str, prefix: str) -> dict[str, torch.Tensor]:

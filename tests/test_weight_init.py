@@ -193,3 +193,34 @@ def test_a_resume_or_a_fork_skips_the_init(tmp_path, monkeypatch):
     assert all(torch.equal(v, source[k]) for k, v in fork.ema.model.state_dict().items())
     pos = fork.ema.model.pos_embed  # not in checkpoints: computed on every start
     assert torch.equal(pos, sincos_pos_embed_2d(pos.shape[1], fork.model.grid))
+
+
+def _fork_on_ranks(rank, world, port, source, out_dir, out_path):
+    from dit_train.parallel import DistInfo
+    from dit_train.train import Trainer
+
+    with gloo_group(rank, world, port):
+        fork = Trainer(compose(TINY_RUN + [f"run_dir={out_dir}", f"train.init_from={source}"]),
+                       DistInfo(rank=rank, world_size=world))
+        fork.resume()
+        tensors = gathered(fork.model, fork.ema)
+        fork.logger.close()
+    if rank == 0:
+        torch.save(tensors, out_path)
+
+
+@needs_fashion
+def test_a_fork_on_two_ranks_loads_each_shard_from_a_one_process_checkpoint(tmp_path, monkeypatch):
+    """train.init_from under FSDP2: the DCP load reshards the single process's checkpoint, every rank reading its
+    own rows, and the forked model and EMA equal the source's weights exactly."""
+    from dit_train import checkpoint as ckpt
+    from dit_train.train import run
+
+    run(compose(TINY_RUN + [f"run_dir={tmp_path / 'run'}"]))
+    source = ckpt.resolve_checkpoint(str(tmp_path / "run"))
+    spawn_ranks(_fork_on_ranks, 2, (str(tmp_path / "run"), str(tmp_path / "fork"), str(tmp_path / "t.pt")))
+    got = torch.load(tmp_path / "t.pt", weights_only=True)
+    for part in ("model", "ema"):
+        want = ckpt.read_tensors(source, part)
+        for k, v in want.items():
+            assert torch.equal(got[f"{part}.{k}"], v), (part, k)
