@@ -9,9 +9,10 @@ step exchanges itself). One spawn runs every job; the parent compares.
 import pytest
 import torch
 
-from conftest import compose, needs_fashion
+from conftest import needs_fashion
 from test_fsdp_train import TINY, metrics
 from test_sharded_optim import spawn
+from test_sharded_train import train_jobs
 
 pytestmark = needs_fashion
 
@@ -26,13 +27,6 @@ CASES = {
                                "optimizer.bucket_mb=0.003"],
 }
 REFRESHES = {"muon": 4, "muon/micro": 4, "muon/clipped": 0, "periodic_rowwise/micro": 2}  # of 4 steps
-
-
-def train_jobs(rank, world, jobs):
-    from dit_train.train import run
-
-    for overrides in jobs:
-        run(compose(overrides))
 
 
 @pytest.fixture(scope="module")
