@@ -129,8 +129,9 @@ class Trainer:
         max_norm = self.tc.grad_clip if self.tc.grad_clip > 0 else float("inf")
         grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)
         # the global-batch loss and the ranks' stop votes in one all-reduce
+        # (the vote is filled on the device: torch.tensor(vote, device=cuda) would be a blocking copy, a sync)
         votes = all_reduce_sum_(torch.stack([loss.float(),
-                                             torch.tensor(self.preemption.vote(), device=loss.device)]))
+                                             torch.full((), float(self.preemption.vote()), device=loss.device)]))
         loss = votes[0] / self.dist.world_size
         finite, stop_votes, scaled = self.step_flags(torch.isfinite(loss) & torch.isfinite(grad_norm), votes[1],
                                                      clip_scaled(grad_norm, max_norm))

@@ -38,6 +38,15 @@ def count_host_reads(monkeypatch, trainer) -> dict[int, list[str]]:
             return _original(self, *a, **kw)
 
         monkeypatch.setattr(torch.Tensor, method, counting)
+    # a device tensor made from host values (torch.tensor(v, device=...)) is a blocking copy on CUDA: a sync too
+    original_tensor = torch.tensor
+
+    def counting_tensor(*a, _original=original_tensor, **kw):
+        if kw.get("device") is not None:
+            record("tensor(device=)")
+        return _original(*a, **kw)
+
+    monkeypatch.setattr(torch, "tensor", counting_tensor)
     for owner, name in ((torch.cuda, "synchronize"), (timing.HostClock, "wait"), (timing.CudaClock, "wait")):
         original = getattr(owner, name)
 
