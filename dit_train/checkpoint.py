@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from .atomic_io import fsync_dir, write_synced
+from .parallel import barrier, rank
 
 log = logging.getLogger("dit_train")
 CKPT_RE = re.compile(r"^step_(\d{8})\.dcp$")
@@ -62,15 +63,6 @@ def checkpoint_path(run_dir: str, step: int) -> str:
 
 def is_complete(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, MARKER))
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 # ---- finding ------------------------------------------------------------------------------------------------
@@ -145,7 +137,7 @@ def save(run_dir: str, step: int, tensors: dict, train_state: dict, keep_last: i
     Returns the final folder. On any error the temp folder is removed (a full disk is not filled further)."""
     pending = start_save(run_dir, step, tensors, train_state)
     pending.finish(keep_last)
-    _barrier()
+    barrier()
     return pending.final
 
 
@@ -158,10 +150,10 @@ def start_save(run_dir: str, step: int, tensors: dict, train_state: dict, asynch
     exists only once `finish()` has run: the marker and the rename follow the write."""
     final = checkpoint_path(run_dir, step)
     tmp = final + ".tmp"
-    if _rank() == 0:
+    if rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    _barrier()
+    barrier()
     writer = dcp.FileSystemWriter(tmp, sync_files=True)
     no_dist = not dist.is_initialized()
     try:
@@ -175,7 +167,7 @@ def start_save(run_dir: str, step: int, tensors: dict, train_state: dict, asynch
                 future = Future()
                 future.set_result(dcp.save(tensors, storage_writer=writer, no_dist=no_dist))
     except BaseException:
-        if _rank() == 0:
+        if rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     # frozen now: the run goes on changing the live train state while the tensors are written
@@ -205,7 +197,7 @@ class PendingSave:
         and ckpt/bytes ({} elsewhere). A failed write removes the temp folder and raises."""
         try:
             self.future.result()
-            if _rank() != 0:
+            if rank() != 0:
                 return {}
             world = dist.get_world_size() if dist.is_initialized() else 1
             write_synced(self.train_state, os.path.join(self.tmp, TRAIN_STATE))
@@ -216,7 +208,7 @@ class PendingSave:
             _publish(self.tmp, self.final)
             prune_checkpoints(self.run_dir, keep_last)
         except BaseException:
-            if _rank() == 0:
+            if rank() == 0:
                 shutil.rmtree(self.tmp, ignore_errors=True)
             raise
         return {"ckpt/write_s": self.write_s, "ckpt/bytes": size}

@@ -13,6 +13,7 @@ background when not) and `ckpt/bytes`, with `ckpt/step`, at the step where the s
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 from typing import Callable
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
-from .parallel import barrier
+from .parallel import barrier, rank
 
 log = logging.getLogger("dit_train")
 
@@ -32,12 +33,15 @@ def resolve_async(choice, device: torch.device) -> bool:
 
 
 class CheckpointSaver:
-    def __init__(self, run_dir: str, keep_last: int, asynchronous: bool, log_metrics: Callable[[int, dict], None]):
+    def __init__(self, run_dir: str, keep_last: int, asynchronous: bool, log_metrics: Callable[[int, dict], None],
+                 timeout_minutes: float = 30.0):
         self.run_dir, self.keep_last, self.asynchronous = run_dir, keep_last, asynchronous
         self.log_metrics = log_metrics
         # DCP's writer thread runs collectives (plans, write results) while training runs its own: on a group of
-        # their own they cannot interleave; gloo, as async_save needs a CPU backend (the default may be NCCL)
-        self.group = dist.new_group(backend="gloo") if asynchronous and dist.is_initialized() else None
+        # their own they cannot interleave; gloo, as async_save needs a CPU backend (the default may be NCCL).
+        # Its wait for the slowest rank's write is bounded by parallel.timeout_minutes like every other collective.
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes)) \
+            if asynchronous and dist.is_initialized() else None
         self.pending: ckpt.PendingSave | None = None
 
     def save(self, step: int, tensors: dict, train_state: dict) -> None:
@@ -55,7 +59,7 @@ class CheckpointSaver:
         """Not collective: rank 0 finishes a save whose write has succeeded (a failed one is left to `wait`, which
         every rank calls at the same step, so that all raise together)."""
         p = self.pending
-        if p is not None and _rank() == 0 and p.done() and p.future.exception() is None:
+        if p is not None and rank() == 0 and p.done() and p.future.exception() is None:
             self._finish(step)
 
     def wait(self, step: int) -> None:
@@ -74,7 +78,3 @@ class CheckpointSaver:
         self.log_metrics(step, {**metrics, "ckpt/step": pending.step})
         log.info("saved checkpoint %s (%.2f GB, written in %.1f s)", pending.final, metrics["ckpt/bytes"] / 1e9,
                  metrics["ckpt/write_s"])
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0

@@ -145,6 +145,11 @@ def barrier() -> None:
         dist.barrier()
 
 
+def rank() -> int:
+    """This process's rank in the default group (0 without one)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def all_reduce_sum_(t: torch.Tensor) -> torch.Tensor:
     """In place over all ranks; the tensor itself for a single process."""
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -321,7 +326,7 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ for plain tensors; for FSDP2 shards (every gradient Shard(0) over the one
     mesh's shard dim) the squared norms of the local shards are summed, one all-reduce over the shard group gives
     the global norm (the replicas of an HSDP mesh hold the same gradients: summing over them would count each
-    W / R times), and the local shards are scaled: the same maths, one scalar of communication."""
+    R times), and the local shards are scaled: the same maths, one scalar of communication."""
     from torch.distributed.tensor import DTensor
 
     params = [p for p in parameters if p.grad is not None]

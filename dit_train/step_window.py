@@ -2,8 +2,8 @@
 
 Why: timers used to be read on logged steps only. With periodic_rowwise and log_every a multiple of K the logged
 steps were never refresh steps (log_every 10, K = 5: every logged step has t % 5 = 4), so the logged optimizer
-time was RowNorm's only. Here every step's timings (the host-side seconds PhaseTimer.collect() already returns)
-are summed, and a log row gets window means (docs/algorithms.md §7):
+time was RowNorm's only. Here every step's timings (read once per log window, deferred_steps.py) are summed,
+and a log row gets window means (docs/algorithms.md §7):
 
 - `time/<phase>`, `comm_bytes/<collective>`: mean over all steps of the window (a phase absent on a step counts 0);
 - `window/steps`: the window's number of steps (the weight of the row's means);

@@ -68,7 +68,8 @@ class Trainer:
         self.logger = MetricLogger(cfg.run_dir, cfg.logger, enabled=dist.is_main, resolved_config=self.state.config)
         self.evaluation = Evaluation(cfg, dist, self.val_set, self.logger)
         self.saver = CheckpointSaver(cfg.run_dir, self.tc.keep_last,
-                                     resolve_async(self.tc.async_checkpoint, dist.device), self.logger.log)
+                                     resolve_async(self.tc.async_checkpoint, dist.device), self.logger.log,
+                                     self.cfg.parallel.timeout_minutes)
         self.preemption = Preemption()
         self.throughput = Throughput()
         self.window = StepWindow()  # every step's timings, averaged into the next log row

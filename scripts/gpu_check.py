@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""One-GPU check of the trainer at full size, sized for about 6 minutes on one H100/H200 (at most 8: the budgets
+"""One-GPU check of the trainer at full size, sized for about 6 minutes on one H100/H200 (at most 7: the budgets
 below; not yet timed on a GPU) and for an 80 GB GPU. The stages are in gpu_check_stages.py; scripts/gpu_check.sh
 runs this after printing the device:
 

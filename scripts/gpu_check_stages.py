@@ -282,7 +282,7 @@ def stage_checkpoint(setup: Setup, optimizer: str, before: int = 2, after: int =
             step = trainer.state.step
             got = run_steps(trainer, after)
             differ = [k for k, t in _local_tensors(trainer).items() if not torch.equal(t.cpu(), reference[k])]
-    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs) / GIB
+    size = ckpt.folder_bytes(path) / GIB
     keys = ("train/loss", "train/grad_norm")
     same_metrics = all(a[0][k] == b[0][k] for a, b in zip(expected, got) for k in keys)
     problems = []

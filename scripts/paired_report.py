@@ -25,6 +25,7 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import Run, fmt, provenance, read_run  # noqa: E402
+from run_study import variant_label  # noqa: E402  (the key of study.json's lr_selection)
 
 # two-sided 95% quantiles of Student's t by degrees of freedom (1..30); normal beyond
 T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -82,13 +83,10 @@ def metrics_of(run: Run, target: float) -> dict[str, float]:
 def collect(sweep_dir: str, study: dict) -> tuple[dict, dict]:
     """({variant: {seed: Run}} at the selected lr, {variant: [(lr, final val loss at seed 0, selected)]})."""
     selection = study.get("lr_selection") or {}
-    chosen_lr = {}
-    for key, sel in selection.items():
-        chosen_lr[key] = sel["lr"]
+    chosen_lr = {key: sel["lr"] for key, sel in selection.items()}
     runs, scan = defaultdict(dict), defaultdict(list)
     for r in study["runs"]:
-        key = " ".join([r["model"], r["optimizer"], *([f"K={r['K']}"] if r.get("K") is not None else []),
-                        *([f"rownorm_scale={r['scale']}"] if r.get("scale") else [])])
+        key = variant_label(r)
         folder = os.path.join(sweep_dir, r["name"])
         run = read_run(folder, r["name"]) if os.path.isdir(folder) else None
         selected = key in chosen_lr and r["lr"] == chosen_lr[key]

@@ -59,12 +59,11 @@ class BackwardExchange:
     def __init__(self, opt):
         self.opt = opt
         self._group_of = {}
-        self._handles = []
         for group in opt.param_groups:
             if group["kind"] == "matrix":
                 for p in group["params"]:
                     self._group_of[p] = group
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._on_gradient))
+                    p.register_post_accumulate_grad_hook(self._on_gradient)  # for the optimizer's lifetime
         self._reset()
 
     def _reset(self) -> None:
@@ -176,12 +175,6 @@ class BackwardExchange:
             if b.work is not None:
                 b.work.wait()
         self._reset()
-
-    def remove(self) -> None:
-        self.clear()
-        for h in self._handles:
-            h.remove()
-        self._handles = []
 
 
 def prefetched_directions(wholes: dict, compute, comm: ShardComm) -> tuple[dict, int]:
