@@ -381,6 +381,9 @@ def load_for_inference(path: str, device="cpu"):
 
     weights, config, meta = load_ema_weights(path)
     cfg = OmegaConf.create(config)
-    model = build_model(cfg.model)
-    model.load_state_dict(weights)
+    # built on meta and given the checkpoint's tensors: no seeded init to draw and overwrite (dit_15b: minutes)
+    model = build_model(cfg.model, device="meta")
+    model.load_state_dict(weights, assign=True)
+    model.pos_embed = torch.empty(model.pos_embed.shape)  # not in checkpoints: computed
+    model.reset_buffers()
     return model.to(device).eval(), cfg, meta

@@ -75,3 +75,19 @@ def test_save_pretrained_keeps_every_architecture_option(tmp_path):
 def test_from_pretrained_names_a_folder_that_is_not_an_export(tmp_path):
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         DiT.from_pretrained(str(tmp_path))
+
+
+@needs_fashion
+def test_loading_for_inference_draws_no_init_and_holds_the_ema_weights(trained_run, monkeypatch):
+    """The checkpoint's tensors are the weights: nothing is drawn only to be overwritten (dit_15b: minutes)."""
+    from dit_train import checkpoint as ckpt
+    from dit_train.model import sincos_pos_embed_2d
+
+    def refuse(*a, **kw):
+        raise AssertionError("the seeded init ran")
+
+    monkeypatch.setattr(DiT, "reset_parameters", refuse)
+    model, _, _ = load_for_inference(str(trained_run))
+    ema = ckpt.read_tensors(ckpt.resolve_checkpoint(str(trained_run)), "ema")
+    assert all(torch.equal(v, ema[k]) for k, v in model.state_dict().items())
+    assert torch.equal(model.pos_embed, sincos_pos_embed_2d(model.pos_embed.shape[-1], model.grid))
