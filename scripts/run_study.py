@@ -9,8 +9,9 @@
 The grid is models x optimizers x seeds, with periodic_rowwise expanded over study.K, the RowNorm optimizers over
 study.rownorm_scale when given, and every optimizer over study.lr where a study scans learning rates, or each at its
 own study.lr.<optimizer> where a study tunes them. A study with study.lr_scan runs in two phases: its first seed at
-each value of the optimizer's scan, then the other seeds at the value with the lowest final validation loss (the
-choice and every scanned loss are recorded in study.json).
+each value of the optimizer's scan (grown by a factor of 2 beyond an end where the best value lies, up to
+study.lr_scan_extend times per end), then the other seeds at the value with the lowest final validation loss (the
+choice, every scanned loss and any growth are recorded in study.json).
 Each run's folder is <sweep_dir>/<sorted overrides> (Hydra's override_dirname), so rerunning finds finished runs
 (a checkpoint at the run's train.steps; a summary alone proves nothing) and skips them, and continues interrupted
 ones from their last checkpoint (the experiments set train.resume=auto): a study can be completed in pieces. One
@@ -105,15 +106,18 @@ def scan_values(study, opt: str) -> list:
     return list(values)
 
 
-def expand(study, extra: list[str], exclude_keys: list[str], selected: dict | None = None) -> list[dict]:
+def expand(study, extra: list[str], exclude_keys: list[str], selected: dict | None = None,
+           extended: dict | None = None) -> list[dict]:
     """Every run of the study. With study.lr_scan (a per-optimizer list of values) the study has two phases: the
-    first seed at every value of the optimizer's scan ("scan"), then the other seeds at the value the scan selected
-    ("seeds"; `selected` maps a variant label to that value, and a variant not yet selected has no seed runs)."""
+    first seed at every value of the optimizer's scan ("scan"; `extended` maps a variant label to the values its
+    scan grew by, see select_learning_rates), then the other seeds at the value the scan selected ("seeds";
+    `selected` maps a variant label to that value, and a variant not yet selected has no seed runs)."""
     runs = []
     for v in variants(study):
         if study.get("lr_scan") is not None:
             first, rest = study.seeds[0], list(study.seeds[1:])
-            runs += [make_run(v, lr, first, extra, exclude_keys, "scan") for lr in scan_values(study, v["optimizer"])]
+            values = scan_values(study, v["optimizer"]) + list((extended or {}).get(variant_label(v), []))
+            runs += [make_run(v, lr, first, extra, exclude_keys, "scan") for lr in sorted(values)]
             chosen = (selected or {}).get(variant_label(v))
             if chosen is not None:
                 runs += [make_run(v, chosen, s, extra, exclude_keys, "seeds") for s in rest]
@@ -129,13 +133,17 @@ def final_val_loss(run_dir: str, steps: int) -> float | None:
     return next((float(r["val/loss"]) for r in rows if r.get("step") == steps and "val/loss" in r), None)
 
 
-def select_learning_rates(study, sweep_dir: str, scan_runs: list[dict], steps_of) -> dict:
+def select_learning_rates(study, sweep_dir: str, scan_runs: list[dict], steps_of) -> tuple[dict, dict]:
     """For each variant whose scan runs have all finished: the value with the lowest final validation loss (NaN and
-    diverged runs lose). Returns {variant label: {"lr": chosen, "val_loss": {lr: loss}}}."""
+    diverged runs lose) - unless it is an end of the scan and the scan may still grow on that side (at most
+    study.lr_scan_extend values beyond each end of the configured grid, one factor of 2 at a time, the same rule
+    for every optimizer): then the next value out is asked for instead. Returns ({variant label: {"lr": chosen,
+    "val_loss": {lr: loss}}}, {variant label: the value to add to its scan})."""
     by_variant: dict[str, list[dict]] = {}
     for r in scan_runs:
         by_variant.setdefault(variant_label(r), []).append(r)
-    out = {}
+    allowed = int(study.get("lr_scan_extend") or 0)
+    chosen_lrs, more = {}, {}
     for label, members in by_variant.items():
         losses = {}
         for r in members:
@@ -147,8 +155,14 @@ def select_learning_rates(study, sweep_dir: str, scan_runs: list[dict], steps_of
             losses[r["lr"]] = loss if loss is not None and math.isfinite(loss) else math.inf
         else:
             chosen = min(losses, key=lambda lr: (losses[lr], lr))
-            out[label] = {"lr": chosen, "val_loss": {str(lr): v for lr, v in losses.items()}}
-    return out
+            grid = scan_values(study, members[0]["optimizer"])
+            if chosen == min(losses) and sum(lr < min(grid) for lr in losses) < allowed and len(losses) > 1:
+                more[label] = chosen / 2
+            elif chosen == max(losses) and sum(lr > max(grid) for lr in losses) < allowed and len(losses) > 1:
+                more[label] = chosen * 2
+            else:
+                chosen_lrs[label] = {"lr": chosen, "val_loss": {str(lr): v for lr, v in sorted(losses.items())}}
+    return chosen_lrs, more
 
 
 def load_experiment(name: str, overrides: list[str] = ()):
@@ -216,22 +230,36 @@ def main(argv=None) -> int:
             steps_cache[fixed] = load_experiment(args.experiment, [*fixed, *args.overrides]).train.steps
         return steps_cache[fixed]
 
-    def record(runs: list[dict], selection: dict | None = None) -> None:
+    def record(runs: list[dict], selection: dict | None = None, extended: dict | None = None) -> None:
         rec = {"experiment": args.experiment, **call, "notes": study.get("notes", ""), "invocations": invocations,
                "runs": [{k: v for k, v in r.items() if k != "overrides"} for r in runs]}
         if selection is not None:
             rec["lr_selection"] = selection
+        if extended:
+            rec["lr_scan_extended"] = extended
         # atomic: the record of a half-finished study must survive a crash mid-write
         atomic_write_bytes(json.dumps(rec, indent=2).encode(), os.path.join(sweep_dir, "study.json"))
 
-    record(runs)
-    failures = run_groups(runs, only, sweep_dir, steps_of, args)
-    if study.get("lr_scan") is not None:
-        selection = select_learning_rates(study, sweep_dir, runs, steps_of)
+    if study.get("lr_scan") is None:
+        record(runs)
+        failures = run_groups(runs, only, sweep_dir, steps_of, args)
+    else:  # the scan (growing at an end where its best value lies), then the other seeds at the chosen values
+        extended: dict[str, list] = {}
+        failures = 0
+        while True:
+            runs = expand(study, args.overrides, exclude, extended=extended)
+            record(runs, extended=extended)
+            failures += run_groups(runs, only, sweep_dir, steps_of, args)
+            selection, more = ({}, {}) if args.dry_run else select_learning_rates(study, sweep_dir, runs, steps_of)
+            if not more:
+                break
+            for label, lr in more.items():
+                print(f"[study] {label}: the best lr is at the end of its scan; adding lr={lr:g}")
+                extended.setdefault(label, []).append(lr)
         for label, chosen in selection.items():
             print(f"[study] {label}: lr={chosen['lr']} selected (final val loss by lr: {chosen['val_loss']})")
-        runs = expand(study, args.overrides, exclude, {k: v["lr"] for k, v in selection.items()})
-        record(runs, selection)
+        runs = expand(study, args.overrides, exclude, {k: v["lr"] for k, v in selection.items()}, extended)
+        record(runs, selection, extended)
         failures += run_groups([r for r in runs if r.get("phase") == "seeds"], only, sweep_dir, steps_of, args)
         waiting = len(variants(study)) - len(selection)
         if waiting:

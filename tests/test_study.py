@@ -93,7 +93,8 @@ def test_a_two_phase_study_scans_seed_0_then_runs_the_other_seeds_at_the_lowest_
             ckpt.save(str(run_dir), 600, {"model": {"w": torch.zeros(1)}}, {"step": 600}, keep_last=0)
             (run_dir / "metrics.jsonl").write_text(
                 json.dumps({"step": 400, "val/loss": 0.1}) + "\n" + json.dumps({"step": 600, "val/loss": final[key]}))
-    chosen = run_study.select_learning_rates(study, str(tmp_path), scan, lambda r: 600)
+    chosen, more = run_study.select_learning_rates(study, str(tmp_path), scan, lambda r: 600)
+    assert more == {}  # study.lr_scan_extend absent: an end of the scan is chosen as it is
     assert {k: v["lr"] for k, v in chosen.items()} == {
         "dit_s muon": 2e-2, "dit_s periodic_rowwise K=3 rownorm_scale=frobenius": 4e-3}
     assert chosen["dit_s muon"]["val_loss"] == {"0.01": 0.30, "0.02": 0.25}
@@ -105,6 +106,43 @@ def test_a_two_phase_study_scans_seed_0_then_runs_the_other_seeds_at_the_lowest_
     del study.lr_scan["muon"]
     with pytest.raises(ValueError, match=r"study.lr_scan has no values for optimizer 'muon'"):
         run_study.expand(study, [], [])
+
+
+def test_a_scan_whose_best_value_is_at_an_end_grows_there_up_to_lr_scan_extend(tmp_path):
+    """The same rule for every optimizer: the best value at the low end asks for half of it, at the high end for
+    twice it, at most study.lr_scan_extend values beyond each end of the configured grid; then it is chosen."""
+    from dit_train import checkpoint as ckpt
+
+    import torch
+
+    study = OmegaConf.create({"models": ["dit_s"], "optimizers": ["adamw", "muon"], "K": [3], "seeds": [0, 1],
+                              "lr_scan": {"adamw": [4e-3, 8e-3], "muon": [8e-3, 1.6e-2]}, "lr_scan_extend": 1})
+    # adamw: lower is better all the way down; muon: higher is better all the way up
+    loss = {("adamw", 2e-3): 0.20, ("adamw", 4e-3): 0.21, ("adamw", 8e-3): 0.22,
+            ("muon", 8e-3): 0.30, ("muon", 1.6e-2): 0.25, ("muon", 3.2e-2): 0.24}
+
+    def finish(runs):
+        for r in runs:
+            run_dir = tmp_path / r["name"]
+            if not run_dir.exists():
+                ckpt.save(str(run_dir), 600, {"model": {"w": torch.zeros(1)}}, {"step": 600}, keep_last=0)
+                (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 600, "val/loss": loss[(r["optimizer"], r["lr"])]}))
+
+    extended = {}
+    scan = run_study.expand(study, [], [], extended=extended)
+    finish(scan)
+    chosen, more = run_study.select_learning_rates(study, str(tmp_path), scan, lambda r: 600)
+    assert chosen == {} and more == {"dit_s adamw": 2e-3, "dit_s muon": 3.2e-2}
+    extended = {k: [v] for k, v in more.items()}
+    scan = run_study.expand(study, [], [], extended=extended)
+    assert sorted(r["lr"] for r in scan if r["optimizer"] == "adamw") == [2e-3, 4e-3, 8e-3]
+    finish(scan)
+    chosen, more = run_study.select_learning_rates(study, str(tmp_path), scan, lambda r: 600)
+    assert more == {}  # one value beyond each end at most: the new ends are chosen
+    assert {k: v["lr"] for k, v in chosen.items()} == {"dit_s adamw": 2e-3, "dit_s muon": 3.2e-2}
+    seeds = [r for r in run_study.expand(study, [], [], {k: v["lr"] for k, v in chosen.items()}, extended)
+             if r["phase"] == "seeds"]
+    assert {(r["optimizer"], r["lr"], r["seed"]) for r in seeds} == {("adamw", 2e-3, 1), ("muon", 3.2e-2, 1)}
 
 
 def test_tuned_study_uses_the_best_fd_lr_of_the_published_scan():
