@@ -5,7 +5,8 @@ the report there — so a published report sits next to the exact files its numb
     python scripts/publish_study.py sweeps/scaling_study_cpu docs/results/scaling_study_cpu
 
 Writes DEST/runs/<run>/{config.yaml, metrics.jsonl, summary.json, run_info.json} and DEST/runs/study.json,
-then DEST/report.md and its plots (scripts/report.py DEST/runs --out DEST). Runs already in DEST/runs that
+then DEST/report.md: scripts/paired_report.py's for a two-phase study (study.json with an lr_selection), else
+scripts/report.py's with its plots (`--out DEST` from DEST/runs either way). Runs already in DEST/runs that
 the sweep folder lacks are kept, so a study run in pieces on different machines can be published in pieces.
 """
 
@@ -19,6 +20,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+import paired_report  # noqa: E402
 import report  # noqa: E402
 import run_study  # noqa: E402
 from dit_train.atomic_io import atomic_write_bytes  # noqa: E402
@@ -58,6 +60,14 @@ def merge_study_record(src: str, dst: str) -> None:
     atomic_write_bytes(json.dumps(record, indent=2).encode(), dst)
 
 
+def read_study_record(folder: str) -> dict:
+    path = os.path.join(folder, "study.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweep_dir")
@@ -70,7 +80,11 @@ def main(argv=None) -> int:
     if n == 0:
         print(f"error: no run folders (config.yaml + metrics.jsonl) under {args.sweep_dir!r}", file=sys.stderr)
         return 2
-    report.build_report(os.path.join(args.dest, "runs"), args.dest)
+    runs = os.path.join(args.dest, "runs")
+    if "lr_selection" in read_study_record(runs):  # a two-phase study: paired differences at the selected lrs
+        paired_report.build(runs, args.dest)
+    else:
+        report.build_report(runs, args.dest)
     print(f"copied {n} run records to {os.path.join(args.dest, 'runs')}; wrote {os.path.join(args.dest, 'report.md')}")
     return 0
 

@@ -24,10 +24,13 @@ def rows(val: dict, fd: float, opt_s: float, step_s: float = 0.5) -> list[dict]:
     return sorted(out + [{"step": 600, "fd": fd}], key=lambda r: r["step"])
 
 
-def test_paired_differences_intervals_and_time_to_target(tmp_path):
-    sweep = tmp_path / "sweep"
+FINAL = {"adamw": [0.40, 0.42, 0.41], "muon": [0.30, 0.33, 0.31], "pr": [0.31, 0.32, 0.33]}
+
+
+def two_phase_sweep(sweep) -> None:
+    """Three variants x 3 seeds at their selected lrs, plus a losing scan value each, and their study.json."""
+    final = FINAL
     # final val loss per seed; each variant's curve is (2x, 1.5x, 1x) its final value at steps 200/400/600
-    final = {"adamw": [0.40, 0.42, 0.41], "muon": [0.30, 0.33, 0.31], "pr": [0.31, 0.32, 0.33]}
     fd = {"adamw": [100.0, 110.0, 105.0], "muon": [80.0, 85.0, 82.0], "pr": [81.0, 84.0, 86.0]}
     spec = {"adamw": ("adamw", None, None, 8e-3), "muon": ("muon", None, None, 1.6e-2),
             "pr": ("periodic_rowwise", 3, "spectral", 8e-3)}
@@ -49,6 +52,12 @@ def test_paired_differences_intervals_and_time_to_target(tmp_path):
                  "dit_s periodic_rowwise K=3 rownorm_scale=spectral": {"lr": 8e-3}}
     (sweep / "study.json").write_text(json.dumps({"experiment": "fab", "runs": study_runs,
                                                    "lr_selection": selection}))
+
+
+def test_paired_differences_intervals_and_time_to_target(tmp_path):
+    sweep = tmp_path / "sweep"
+    two_phase_sweep(sweep)
+    final = FINAL
     text = paired_report.build(str(sweep), None)
     assert "| periodic_rowwise K=3 (spectral) | 0.008 * (edge of the scan) | 0.3100 |" in text
     assert "| periodic_rowwise K=3 (spectral) | 0.016 | 0.9000 |" in text
@@ -79,3 +88,16 @@ def test_a_study_without_a_finished_scan_is_refused(tmp_path):
     (tmp_path / "study.json").write_text(json.dumps({"experiment": "optimizer_comparison_cpu", "runs": []}))
     with pytest.raises(SystemExit, match="has no lr_selection"):
         paired_report.build(str(tmp_path), None)
+
+
+def test_publishing_a_two_phase_study_writes_its_paired_report_rebuilt_exactly_from_the_records(tmp_path,
+                                                                                                 monkeypatch):
+    import publish_study
+
+    two_phase_sweep(tmp_path / "sweep")
+    monkeypatch.chdir(tmp_path)
+    assert publish_study.main(["sweep", "docs/results/fab"]) == 0
+    published = (tmp_path / "docs/results/fab/report.md").read_text()
+    assert published.startswith("# Paired optimizer comparison: fab")
+    assert "Built by `python scripts/paired_report.py docs/results/fab/runs --out docs/results/fab`" in published
+    assert paired_report.build("docs/results/fab/runs", "docs/results/fab") == published
