@@ -98,7 +98,7 @@ class BackwardExchange:
     def _reset(self) -> None:
         self._launched: list[_Bucket] = []
         self._open = _Bucket()
-        self._where: dict = {}  # param -> (bucket, entry)
+        self._where: dict = {}  # param -> where its U rows are: (bucket, entry) | owner mode (exchange, position)
         self._valid = True
         self._scaled = None  # unknown until the trainer says
         self._plans: dict = {}  # owner mode: id(group) -> _OwnerPlan
@@ -234,6 +234,7 @@ class BackwardExchange:
                 if b.work is not None:
                     self._comm.wait(b.work, phases)
                     b.work = None
+                    _used_on_current_stream(b.recv)
                 rows = b.recv.view(p_world, b.total)[:, e.offset:e.offset + e.chunk * n]
                 W = rows.reshape(p_world * e.chunk, n)[:m]
                 if whole is None:
@@ -254,6 +255,8 @@ class BackwardExchange:
         if plan.exchanges != exchanges or ids(plan.params) != ids(params):
             return {}
         launched, plan.launched = plan.launched, {}  # owner_directions waits for them now
+        for inb in launched.values():
+            _used_on_current_stream(inb.recv, inb.send)
         self.used += sum(exchanges[i].size for i in launched)
         return launched
 
@@ -266,6 +269,14 @@ class BackwardExchange:
             for inb in plan.launched.values():
                 inb.work.wait()
         self._reset()
+
+
+def _used_on_current_stream(*tensors: Tensor) -> None:
+    """The hooks run on FSDP2's post-reduce stream, where these buffers were allocated; the step reads them on the
+    current stream: tell CUDA's caching allocator, so that their blocks are not reused before that stream is done."""
+    for t in tensors:
+        if t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
 
 
 def prefetched_directions(wholes: dict, compute, comm: ShardComm) -> tuple[dict, int]:

@@ -128,11 +128,12 @@ def owner_directions(inputs: dict[tuple, Tensor], exchanges: list[Exchange], com
                      out_dtype: torch.dtype, comm: ShardComm, phases: PhaseSwitch,
                      launched: dict[int, _Inbound] | None = None) -> tuple[dict[tuple, Tensor], int]:
     """Owner mode; returns ({key: local rows of D}, number of whole-matrix directions computed here). `launched`:
-    {exchange index: its inbound all-to-all, already started from the same U rows}; the others start here.
-    Every rank must pass the same indices (collectives are matched in issue order)."""
+    {exchange index: its inbound all-to-all, already started from the same U rows}, emptied as they are used (so
+    each one's buffers go once assembled); the others start here. Every rank must pass the same indices
+    (collectives are matched in issue order)."""
     me = comm.rank
     out = {key: torch.empty(U.shape, dtype=out_dtype, device=U.device) for key, U in inputs.items()}
-    launched = dict(launched or {})
+    launched = {} if launched is None else launched
 
     def launch(i: int) -> _Inbound:
         ex = exchanges[i]
