@@ -10,7 +10,7 @@ step (the step then exchanges itself). The training loop with FSDP2 itself is te
 import pytest
 import torch
 
-from test_sharded_optim import LR, SHAPES, STEPS, WD, full_params, single_process, spawn, step_grads
+from test_sharded_optim import LR, STEPS, WD, full_params, spawn, step_grads
 
 from dit_train.optim.matrix_optimizer import MatrixOptimizer
 
