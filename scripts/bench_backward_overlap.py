@@ -1,15 +1,16 @@
 #!/usr/bin/env python
 """The whole-matrix exchange behind backward (optimizer.overlap_exchange, optim/backward_overlap.py): exposed
-communication of muon in gather mode (a refresh every step) with the exchange in the step ("off") and started in
-FSDP2's post-reduce hooks ("on"), side by side in one run.
+communication of muon (a refresh every step) in owner or gather mode (--mode) with the exchange in the step ("off")
+and started in FSDP2's post-reduce hooks ("on"), side by side in one run.
 
 N gloo processes (NCCL on CUDA) train one FSDP2-sharded DiT preset (the trainer's sharding plan) on random data:
 per step forward, backward, optimizer step, each optimizer in turn in every round (both hold their own momentum;
-the weights they move are the same model's), so background load hits both alike. Per step the ranks start
+the weights they move are the same model's), so background load hits both alike; the "on" optimizer's hooks
+are switched off for the "off" step's backward, so that backward carries no exchange. Per step the ranks start
 together (barrier) and the slowest rank counts. Columns: exposed communication inside the step (`comm` phase:
 waiting on collectives), the optimizer step, backward, and backward + step; medians over rounds with [min, max].
 
-    python scripts/bench_backward_overlap.py --preset dit_m --hidden-size 384 --depth 6 --rounds 8
+    python scripts/bench_backward_overlap.py --mode owner --hidden-size 384 --depth 6 --rounds 8
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def parse(argv=None):
     ap.add_argument("--batch", type=int, default=4, help="images per rank and step")
     ap.add_argument("--rounds", type=int, default=8, help="timed rounds (one step of each mode per round)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--bucket-mb", type=float, default=4.0)
+    ap.add_argument("--mode", choices=("owner", "gather"), default="owner", help="optimizer.distributed_mode")
+    ap.add_argument("--bucket-mb", type=float, default=4.0, help="gather mode's bucket size")
     ap.add_argument("--threads", type=int, default=None)
     return ap.parse_args(argv)
 
@@ -62,7 +64,7 @@ def rank_main(rank, world, port, args, out_path):
         model = build_model(cfg, device=device)
         apply_fsdp(model, model.blocks, ParallelPlan(sharded=True))
         opts = {mode: build_optimizer(model, {"name": "muon", "lr": 1e-6, "weight_decay": 0.0,
-                                              "distributed_mode": "gather", "bucket_mb": args.bucket_mb,
+                                              "distributed_mode": args.mode, "bucket_mb": args.bucket_mb,
                                               "overlap_exchange": on})
                 for mode, on in MODES.items()}
         timer = PhaseTimer(enabled=True, device=device)
@@ -77,6 +79,9 @@ def rank_main(rank, world, port, args, out_path):
                 eps = torch.randn(shape, generator=g, device=device)
                 t = torch.rand(args.batch, generator=g, device=device)
                 y = torch.randint(0, cfg.num_classes, (args.batch,), generator=g, device=device)
+                for other in opts.values():  # only the measured optimizer's hooks exchange in this backward
+                    if other is not opt and other._overlap is not None:
+                        other._overlap._valid = False  # reset by its zero_grad below
                 sync()
                 dist.barrier()
                 timer.collect()
@@ -90,7 +95,7 @@ def rank_main(rank, world, port, args, out_path):
                 sync()
                 t2 = time.perf_counter()
                 ph = timer.collect()
-                for other in opts.values():  # also drops the other's prefetch (its hooks fire in every backward)
+                for other in opts.values():
                     other.zero_grad(set_to_none=True)
                 if r >= args.warmup:
                     records.append((r, mode, t1 - t0, t2 - t1, ph.get("time/comm", 0.0),
@@ -112,8 +117,9 @@ def report(result, args) -> str:
         for r, mode, bwd, step, comm, used in records:
             old = per.get((r, mode), (0.0, 0.0, 0.0, used))
             per[(r, mode)] = (max(old[0], bwd), max(old[1], step), max(old[2], comm), used)
-    lines = [f"### {args.nproc} processes, {args.preset} width {args.hidden_size} depth {args.depth}, "
-             f"{result['params'] / 1e6:.1f}M params, {args.batch} images/rank, bucket_mb {args.bucket_mb:g}, "
+    bucket = f", bucket_mb {args.bucket_mb:g}" if args.mode == "gather" else ""
+    lines = [f"### muon, {args.mode} mode, {args.nproc} processes, {args.preset} width {args.hidden_size} depth "
+             f"{args.depth}, {result['params'] / 1e6:.1f}M params, {args.batch} images/rank{bucket}, "
              f"{args.rounds} rounds: median [min, max] ms", "",
              "| exchange | exposed comm in step | optimizer step | backward | backward + step | matrices behind backward |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]

@@ -1,9 +1,10 @@
-"""The whole-matrix exchange behind backward (optimizer.overlap_exchange, optim/backward_overlap.py) on 2 CPU/gloo
-ranks: training with it equals training without it bit for bit (every parameter of the final checkpoint, every
-logged loss and gradient norm), for muon and periodic_rowwise (K=3: refresh, RowNorm, RowNorm, refresh), with
-gradient accumulation (hooks fire on the syncing micro-batch only), with clipping that never scales the gradients
-(the prefetch is used on every refresh step) and with clipping that always does (the prefetch is dropped and the
-step exchanges itself). One spawn runs every job; the parent compares.
+"""The exchange behind backward (optimizer.overlap_exchange, optim/backward_overlap.py) on 2 CPU/gloo ranks, in
+gather and owner mode: training with it equals training without it bit for bit (every parameter of the final
+checkpoint, every logged loss and gradient norm), for muon and periodic_rowwise (K=3: refresh, RowNorm, RowNorm,
+refresh), with gradient accumulation (hooks fire on the syncing micro-batch only), with clipping that never scales
+the gradients (the prefetch is used on every refresh step) and with clipping that always does (the prefetch is
+dropped and the step exchanges itself). One spawn runs every job; the parent compares. The owner mode's
+optimizer-level cases (3 ranks, a matrix without gradient, a second backward) are tests/test_owner_overlap.py.
 """
 
 import pytest
@@ -17,16 +18,23 @@ from test_sharded_train import train_jobs
 pytestmark = needs_fashion
 
 BASE = [o for o in TINY if not o.startswith(("optimizer=", "train.sample_every=", "train.val_every="))] + [
-    "train.sample_every=0", "train.val_every=0", "optimizer.distributed_mode=gather"]  # the overlap is gather mode's
+    "train.sample_every=0", "train.val_every=0"]
+GATHER, OWNER = "optimizer.distributed_mode=gather", "optimizer.distributed_mode=owner"
 # name -> overrides; grad_clip 1e6 never scales the tiny model's gradients, 1e-4 always does
 CASES = {
-    "muon": ["optimizer=muon", "train.grad_clip=1e6"],
-    "muon/micro": ["optimizer=muon", "train.grad_clip=1e6", "train.micro_batch_size=2"],
-    "muon/clipped": ["optimizer=muon", "train.grad_clip=1e-4"],
+    "muon": ["optimizer=muon", "train.grad_clip=1e6", GATHER],
+    "muon/micro": ["optimizer=muon", "train.grad_clip=1e6", "train.micro_batch_size=2", GATHER],
+    "muon/clipped": ["optimizer=muon", "train.grad_clip=1e-4", GATHER],
     "periodic_rowwise/micro": ["optimizer=periodic_rowwise", "train.grad_clip=1e6", "train.micro_batch_size=3",
-                               "optimizer.bucket_mb=0.003"],
+                               "optimizer.bucket_mb=0.003", GATHER],
+    # owner mode: 2 ranks, shape groups of 1, 2 and 3 matrices (exchanges of 2 and shorter ones)
+    "owner/muon": ["optimizer=muon", "train.grad_clip=1e6", OWNER],
+    "owner/muon/clipped": ["optimizer=muon", "train.grad_clip=1e-4", OWNER],
+    "owner/periodic_rowwise/micro": ["optimizer=periodic_rowwise", "train.grad_clip=1e6",
+                                     "train.micro_batch_size=3", OWNER],
 }
-REFRESHES = {"muon": 4, "muon/micro": 4, "muon/clipped": 0, "periodic_rowwise/micro": 2}  # of 4 steps
+REFRESHES = {"muon": 4, "muon/micro": 4, "muon/clipped": 0, "periodic_rowwise/micro": 2,  # of 4 steps
+             "owner/muon": 4, "owner/muon/clipped": 0, "owner/periodic_rowwise/micro": 2}
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +44,7 @@ def runs(tmp_path_factory):
     for name, overrides in CASES.items():
         for on in ("true", "false"):
             jobs.append(BASE + overrides + [f"run_dir={root / name / on}", f"optimizer.overlap_exchange={on}"])
-    spawn(train_jobs, 2, jobs, timeout=480.0)
+    spawn(train_jobs, 2, jobs, timeout=900.0)
     return root
 
 
@@ -61,22 +69,20 @@ def test_overlap_equals_the_exchange_in_the_step_bit_for_bit(runs, name):
     assert all("opt/exchanged_in_backward" not in r for r in rows_off)
 
 
-def test_clipped_steps_gather_twice_unclipped_ones_once(runs):
-    """Where clipping scaled the gradients the early gather was wasted (the bytes trade-off); otherwise the bytes
-    are the step's own."""
-    def gathered(path):
-        return [r.get("comm_bytes/all_gather", 0) for r in metrics(path) if "train/loss" in r]
+@pytest.mark.parametrize("mode, collective", [("", "all_gather"), ("owner/", "all_to_all")])
+def test_clipped_steps_exchange_twice_unclipped_ones_once(runs, mode, collective):
+    """Where clipping scaled the gradients the early exchange was wasted (the bytes trade-off; in owner mode the
+    inbound all-to-all, about half the bytes); otherwise the bytes are the step's own."""
+    def sent(path):
+        return [r.get(f"comm_bytes/{collective}", 0) for r in metrics(path) if "train/loss" in r]
 
-    assert gathered(runs / "muon" / "true") == gathered(runs / "muon" / "false")
-    on, off = gathered(runs / "muon/clipped" / "true"), gathered(runs / "muon/clipped" / "false")
+    assert sent(runs / f"{mode}muon" / "true") == sent(runs / f"{mode}muon" / "false")
+    on, off = sent(runs / f"{mode}muon/clipped" / "true"), sent(runs / f"{mode}muon/clipped" / "false")
     assert all(a > b > 0 for a, b in zip(on, off, strict=True)), (on, off)
 
 
-def test_the_overlap_is_refused_in_owner_mode_where_it_would_do_nothing():
-    from dit_train.config import ConfigError
+def test_the_overlap_is_accepted_in_both_modes():
     from dit_train.config.validate import check_optimizer
 
-    with pytest.raises(ConfigError, match=r"optimizer.overlap_exchange=True is not valid: needs "
-                                          r"optimizer.distributed_mode=gather \(it is 'owner'\)"):
-        check_optimizer({"name": "muon", "overlap_exchange": True})
-    assert check_optimizer({"name": "muon", "overlap_exchange": True, "distributed_mode": "gather"})["overlap_exchange"]
+    for mode in ("owner", "gather"):
+        assert check_optimizer({"name": "muon", "overlap_exchange": True, "distributed_mode": mode})["overlap_exchange"]

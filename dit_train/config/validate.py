@@ -49,10 +49,6 @@ def check_optimizer(node) -> dict:
     name, values = _named("optimizer", node, OPTIMIZER_SCHEMAS)
     checked = check_fields("optimizer", OPTIMIZER_SCHEMAS[name], _with_yaml_defaults("optimizer", name, values),
                            what=f"optimizer {name!r}")
-    if checked.get("overlap_exchange") and checked.get("distributed_mode") != "gather":
-        # owner mode exchanges inside the step: the option would silently do nothing
-        raise invalid("optimizer.overlap_exchange", True,
-                      f"needs optimizer.distributed_mode=gather (it is {checked.get('distributed_mode')!r})")
     return checked
 
 

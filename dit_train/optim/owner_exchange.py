@@ -18,6 +18,8 @@ Schedule (after microsoft/dion's "megabatch": a shape group's matrices taken W a
   its return is issued, then the inbound all-to-all of exchange i + IN_FLIGHT. Collectives run in issue order on
   a GPU's communication stream, and each waits for the compute issued before it, so the inbound exchanges issued
   ahead are what is in flight while exchange i is computed. Returns are waited for at the end.
+- started in backward (`launched`, backward_overlap.py): inbound all-to-alls already issued during backward are
+  used as they are; the step issues only the others, at the same points of the same schedule.
 The bucket policy follows from W and the shapes; PER_RANK and IN_FLIGHT were chosen with
 scripts/model_owner_schedule.py (docs/bench_distributed.md): one matrix per rank keeps each exchange's buffers to
 one matrix per rank (whole-group exchanges hold up to 7 matrices of up to 192 MiB each at W = 8, 15B, and are
@@ -83,17 +85,19 @@ class _Inbound:
     ex: Exchange
     recv: Tensor
     work: object
+    send: Tensor  # kept until the all-to-all is waited for
 
 
-def _send_to_owners(ex: Exchange, U: Tensor, comm: ShardComm) -> _Inbound:
-    """Start the inbound all-to-all: to rank r this rank's rows of r's matrices (U's rows, as they lie)."""
+def send_to_owners(ex: Exchange, U: Tensor, comm: ShardComm) -> _Inbound:
+    """Start the inbound all-to-all: to rank r this rank's rows of r's matrices. U [ex.size, rows_here, n]: this
+    rank's rows of the exchange's matrices, in batch order (sent as they lie)."""
     rows_me, n = U.shape[1], U.shape[2]
     mine = ex.counts[comm.rank]
     in_splits = [c * rows_me * n for c in ex.counts]
     out_splits = [mine * rows * n for _, rows in comm.rows(ex.key[0][0])]
     recv = torch.empty(sum(out_splits), dtype=U.dtype, device=U.device)
-    send = U[ex.start:ex.start + ex.size].contiguous().view(-1)
-    return _Inbound(ex, recv, comm.all_to_all(recv, send, out_splits, in_splits))
+    send = U.contiguous().view(-1)
+    return _Inbound(ex, recv, comm.all_to_all(recv, send, out_splits, in_splits), send)
 
 
 def _assemble(inb: _Inbound, count: int, comm: ShardComm) -> Tensor:
@@ -121,12 +125,21 @@ def _return_rows(ex: Exchange, D: Tensor, out: Tensor, comm: ShardComm):
 
 
 def owner_directions(inputs: dict[tuple, Tensor], exchanges: list[Exchange], compute: Compute,
-                     out_dtype: torch.dtype, comm: ShardComm,
-                     phases: PhaseSwitch) -> tuple[dict[tuple, Tensor], int]:
-    """Owner mode; returns ({key: local rows of D}, number of whole-matrix directions computed here)."""
+                     out_dtype: torch.dtype, comm: ShardComm, phases: PhaseSwitch,
+                     launched: dict[int, _Inbound] | None = None) -> tuple[dict[tuple, Tensor], int]:
+    """Owner mode; returns ({key: local rows of D}, number of whole-matrix directions computed here). `launched`:
+    {exchange index: its inbound all-to-all, already started from the same U rows}, emptied as they are used (so
+    each one's buffers go once assembled); the others start here. Every rank must pass the same indices
+    (collectives are matched in issue order)."""
     me = comm.rank
     out = {key: torch.empty(U.shape, dtype=out_dtype, device=U.device) for key, U in inputs.items()}
-    launch = lambda i: _send_to_owners(exchanges[i], inputs[exchanges[i].key], comm)  # noqa: E731
+    launched = {} if launched is None else launched
+
+    def launch(i: int) -> _Inbound:
+        ex = exchanges[i]
+        early = launched.pop(i, None)
+        return early if early is not None else send_to_owners(ex, inputs[ex.key][ex.start:ex.start + ex.size], comm)
+
     inbound = [launch(i) for i in range(min(IN_FLIGHT, len(exchanges)))]
     returns, computed = [], 0
     for i, ex in enumerate(exchanges):

@@ -29,8 +29,9 @@ checkpoint resumes under any placement):
   a single process feeds NS5);
 - bucket_mb: gather mode's bucket size in MB of whole matrices (in gather_dtype); owner mode's exchanges follow
   from the world size and the shape groups (W matrices each);
-- overlap_exchange: gather mode's exchange starts in backward, as each matrix's gradient is reduced
-  (backward_overlap.py); the trainer reports whether clipping scaled the gradients (`gradients_scaled`).
+- overlap_exchange: the exchange starts in backward, as each matrix's gradient is reduced (backward_overlap.py;
+  gather mode: bucketed all-gathers, owner mode: each exchange's inbound all-to-all once all its matrices have
+  their rows); the trainer reports whether clipping scaled the gradients (`gradients_scaled`).
 
 Accounting (through the active PhaseTimer, see collectives.py): phases momentum / direction / comm (exposed wait only) /
 update, and comm bytes per collective. `last_whole_matrices` is how many whole-matrix directions this rank
@@ -246,23 +247,32 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
             D, row_scale = compute_direction(kind, X, group, ws)
             return D if row_scale is None else D * row_scale  # a registered direction that returns a row scale
 
+        if self.distributed_mode == "owner":
+            out_dtype = DTYPES[group["ns_dtype"]] if kind == "spectral" else DTYPES[self.gather_dtype]
+            exchanges = self._exchanges({key: U.shape[0] for key, U in inputs.items()}, comm.world)
+            launched = {}
+            if self._overlap is not None:  # inbound all-to-alls started in backward, if they hold
+                with_grad = {}
+                for p, _ in self._with_grad(group):
+                    local = self._local(p)
+                    with_grad.setdefault((tuple(p.shape), local.dtype, local.device), []).append(p)
+                launched = self._overlap.inbound(group, exchanges, {key: with_grad[key] for key in inputs})
+            out, self.last_whole_matrices = owner_directions(inputs, exchanges, compute, out_dtype, comm, phases,
+                                                             launched)
+            return {key: (D, None) for key, D in out.items()}
         prefetched = self._overlap.take(group, list(inputs), phases) if self._overlap is not None else None
         if prefetched is not None:
             out, self.last_whole_matrices = prefetched_directions(prefetched, compute, comm)
-        elif self.distributed_mode == "gather":
+        else:
             elem = DTYPES[self.gather_dtype].itemsize
             buckets = plan_buckets({key: U.shape[0] for key, U in inputs.items()}, elem, self.bucket_mb * 2**20)
             out, self.last_whole_matrices = gather_directions(inputs, buckets, compute, comm, phases)
-        else:
-            out_dtype = DTYPES[group["ns_dtype"]] if kind == "spectral" else DTYPES[self.gather_dtype]
-            out, self.last_whole_matrices = owner_directions(inputs, self._exchanges(inputs, comm.world), compute,
-                                                             out_dtype, comm, phases)
         return {key: (D, None) for key, D in out.items()}
 
-    def _exchanges(self, inputs: dict, world: int) -> list:
-        """The owner mode's exchanges and owners (owner_exchange.plan_exchanges), kept while the groups and the
-        world size stay the same."""
-        groups = {key: (key[0], U.shape[0]) for key, U in inputs.items()}
+    def _exchanges(self, counts: dict, world: int) -> list:
+        """The owner mode's exchanges and owners (owner_exchange.plan_exchanges) for shape groups {key: matrices},
+        kept while the groups and the world size stay the same (the hooks of backward_overlap.py plan with it too)."""
+        groups = {key: (key[0], count) for key, count in counts.items()}
         sig = (tuple(groups.items()), world)
         cached = self.__dict__.get("_exchange_cache")
         if cached is None or cached[0] != sig:
