@@ -98,7 +98,7 @@ def take_row_sumsq(ws: dict) -> Tensor | None:
 def _rownorm(U: Tensor, group: dict, ws: dict, *, reduce=None, tall=None) -> tuple[Tensor, Tensor | None]:
     sumsq = take_row_sumsq(ws)
     if sumsq is None:
-        return U, row_inv_norms(U, group["direction_eps"], reduce=reduce, tall=tall)
+        return U, row_inv_norms(U, group["direction_eps"], reduce=reduce, tall=tall, workspace=ws)
     return U, inv_norms_from_sumsq(sumsq if reduce is None else reduce(sumsq), group["direction_eps"])
 
 
