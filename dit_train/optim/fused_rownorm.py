@@ -1,21 +1,23 @@
-"""The elementwise passes of a RowNorm step as two compiled kernels per shape bucket (optional: `compile_rownorm`).
+"""The elementwise passes of a RowNorm step fused into two passes per shape bucket (optional: `compile_rownorm`).
 
 Eager, a RowNorm step is six torch ops per matrix (momentum lerp, Nesterov input stacked into U, U's row sums of
-squares, weight decay, scaled update) and ~2.3x the time of torch's fused AdamW kernel on the same matrices
+squares, weight decay, scaled update), ~2x the time of torch's fused AdamW kernel on the same matrices
 (docs/bench_optimizer.md). Every row's norm needs the whole row before any of the update can be written, so two
-passes are the fewest the maths allows; compiled by torch.compile (inductor: C++ on CPU, Triton on CUDA):
+passes are the fewest the maths allows:
 - momentum_pass: M <- lerp(M, G, 1 - mu); U = G + c M (c = mu / (1 - mu); or c M without Nesterov); U's sums of
   squares over the rows of O(U) (rows if wide, columns if tall), unreduced, so that a sharded caller sums a tall
   shard's columns over the ranks as before. U is written into the caller's stacked workspace only when the
   direction reads it (the spectral RowNorm scale's power iteration); otherwise nothing but M is stored;
 - update_pass: W <- decay W + alpha U s (s: the row factors, shaped to broadcast against W), with U read from the
   workspace or, when it was not stored, recomputed from G and M (two reads instead of one write and one read).
-Each call covers a whole bucket (same-shape matrices: one compiled call, not one per matrix, as guard checks and
-the call itself cost ~10-20 us each) with dynamic shapes, so a model compiles a handful of graphs.
-Column sums of a tall matrix reduce blocks of COLUMN_SUM_BLOCK rows first: inductor runs a plain reduction over
-dim -2 column strip by column strip down the whole matrix (strided), ~2x slower than this form on CPU.
-The results agree with the eager path to float rounding, not bit for bit: the compiled kernels contract
-multiply-adds and sum the squares in another order (tests/test_fused_rownorm.py).
+Read and written once each, that is 3 + 4 transfers per element, as many as fused AdamW's 7.
+On CPU the passes are C loops (native_rownorm.py) for the fp32/fp64 contiguous tensors they take: inductor's
+kernels for them read G and M twice (the reduction and the stores are two loop nests) and, at 1 thread on the
+benchmark model, were no faster than eager. Elsewhere (CUDA: Triton) the same two passes are torch.compile'd
+functions, one call per bucket with dynamic shapes; a tall matrix's column sums reduce blocks of
+COLUMN_SUM_BLOCK rows first, as inductor's plain reduction over dim -2 walks the columns with a stride on CPU.
+The results agree with the eager path to float rounding, not bit for bit: both backends contract multiply-adds
+and sum the squares in another order (tests/test_fused_rownorm.py).
 """
 
 from __future__ import annotations

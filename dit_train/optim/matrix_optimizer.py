@@ -165,8 +165,8 @@ class MatrixOptimizer(Optimizer):
             ns_dtype=_dtype_name(ns_dtype), ns_gram=ns_gram, mud_passes=mud_passes, mud_solve=mud_solve,
             direction_eps=direction_eps, rownorm_scale=rownorm_scale, betas=tuple(betas), eps=eps, adamw_impl=adamw_impl, step=0,
         )
-        # RowNorm steps' elementwise passes as compiled kernels (fused_rownorm.py): an implementation choice with
-        # the same maths, so an attribute (not a group key, not in the state_dict)
+        # RowNorm steps' elementwise passes fused (fused_rownorm.py: C loops on CPU, compiled kernels elsewhere): an
+        # implementation choice with the same maths, so an attribute (not a group key, not in the state_dict)
         self.compile_rownorm = bool(compile_rownorm)
         super().__init__(params, defaults)
         self._workspace: dict = {}
