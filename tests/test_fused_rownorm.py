@@ -1,7 +1,8 @@
-"""compile_rownorm (optim/fused_rownorm.py): RowNorm steps whose elementwise passes run as torch.compile'd kernels
-give the eager steps' parameters and momentum to float rounding, on wide, tall and square matrices, with and
-without Nesterov, weight decay, the spectral RowNorm scale and an empty matrix; a periodic schedule still runs its
-refresh steps eagerly. (The sharded path is in tests/test_sharded_optim.py's "compiled" case.)"""
+"""compile_rownorm (optim/fused_rownorm.py): RowNorm steps whose elementwise passes run fused, as C loops
+(optim/native_rownorm.py) or torch.compile'd kernels, give the eager steps' parameters and momentum to float
+rounding, on wide, tall, square and one-row matrices, with and without Nesterov, weight decay, the spectral RowNorm
+scale and an empty matrix; a periodic schedule still runs its refresh steps eagerly. (The sharded path is in
+tests/test_sharded_optim.py's "compiled" cases.)"""
 
 import pytest
 import torch
@@ -65,6 +66,7 @@ def test_compiled_rownorm_steps_equal_eager(kw, backend, monkeypatch):
 def test_c_loops_match_eager_passes_in_fp64():
     """The C loops alone, fp64, wide and tall, with U stored or not: M, U, the sums and W as the eager ops give
     them (to fp64 rounding)."""
+    assert native_rownorm.load() is not None, "the C kernels did not build (is there a C compiler?)"
     g = torch.Generator().manual_seed(1)
     for shape, tall in (((6, 20), False), ((20, 6), True)):
         G, M, W = (torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(3))
