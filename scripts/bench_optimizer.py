@@ -11,7 +11,8 @@ Rows:
 - periodic_rowwise: the refresh step (NS5), the non-refresh step (RowNorm), and the K-average
   (refresh + (K-1) non-refresh) / K for K = 1, 3, 5, 10; and the non-refresh step with rownorm_scale=spectral
   (RowNorm with its operator norm capped, optim/spectral_cap.py); both RowNorm steps again with compile_rownorm
-  (optim/fused_rownorm.py: the elementwise passes as torch.compile'd kernels; compiled during the warm-up).
+  (optim/fused_rownorm.py: the elementwise passes fused, on CPU as C loops (optim/native_rownorm.py, built once),
+  elsewhere torch.compile'd kernels; built or compiled during the warm-up).
 - torch.optim.Muon: on our matrix parameters, plus torch AdamW(foreach) on the rest (so it is the same work).
 - torch.optim.AdamW(foreach=True): every parameter (the baseline of "ratio to AdamW").
 NS5 efficiency: the plain iteration's flops (5 (4 r^2 c + 2 r^3) per matrix, whichever form runs) over the time of
@@ -53,7 +54,7 @@ def parse():
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--quick", action="store_true", help="only muon, periodic_rowwise, rownorm and the baselines")
     ap.add_argument("--no-compile", action="store_true",
-                    help="skip the compile_rownorm contenders (no inductor toolchain, or to save the compile time)")
+                    help="skip the compile_rownorm contenders (no C compiler, or to save the compile time)")
     return ap.parse_args()
 
 

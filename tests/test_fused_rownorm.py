@@ -1,17 +1,18 @@
-"""compile_rownorm (optim/fused_rownorm.py): RowNorm steps whose elementwise passes run as torch.compile'd kernels
-give the eager steps' parameters and momentum to float rounding, on wide, tall and square matrices, with and
-without Nesterov, weight decay, the spectral RowNorm scale and an empty matrix; a periodic schedule still runs its
-refresh steps eagerly. (The sharded path is in tests/test_sharded_optim.py's "compiled" case.)"""
+"""compile_rownorm (optim/fused_rownorm.py): RowNorm steps whose elementwise passes run fused, as C loops
+(optim/native_rownorm.py) or torch.compile'd kernels, give the eager steps' parameters and momentum to float
+rounding, on wide, tall, square and one-row matrices, with and without Nesterov, weight decay, the spectral RowNorm
+scale and an empty matrix; a periodic schedule still runs its refresh steps eagerly. (The sharded path is in
+tests/test_sharded_optim.py's "compiled" cases.)"""
 
 import pytest
 import torch
 
-from dit_train.optim import fused_rownorm
+from dit_train.optim import fused_rownorm, native_rownorm
 from dit_train.optim.matrix_optimizer import MatrixOptimizer
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
-SHAPES = [(24, 40), (24, 40), (40, 24), (32, 32), (50, 12), (0, 8)]
+SHAPES = [(24, 40), (24, 40), (40, 24), (32, 32), (50, 12), (1, 8), (0, 8)]  # (1, 8): one row, wide
 
 
 def run(compile_rownorm: bool, steps: int = 3, **kw):
@@ -27,14 +28,24 @@ def run(compile_rownorm: bool, steps: int = 3, **kw):
     return ps, start, opt
 
 
+@pytest.mark.parametrize("backend", ["c", "inductor"])
 @pytest.mark.parametrize("kw", [dict(direction="rownorm"),
                                 dict(direction="rownorm", nesterov=False, rownorm_scale="spectral"),
                                 dict(direction="spectral", between="rownorm", refresh_every=2)],
                          ids=["rownorm", "no-nesterov-spectral-scale", "periodic"])
-def test_compiled_rownorm_steps_equal_eager(kw, monkeypatch):
+def test_compiled_rownorm_steps_equal_eager(kw, backend, monkeypatch):
+    """Both CPU backends of compile_rownorm: the C loops (native_rownorm.py, the default where they build) and
+    the torch.compile kernels (what CUDA runs)."""
     eager, start, opt_e = run(False, **kw)
     used, kernel = [], fused_rownorm._kernel  # the compiled functions this case's steps ask for (the cache is shared)
-    monkeypatch.setattr(fused_rownorm, "_kernel", lambda fn: (used.append(fn), kernel(fn))[1])
+    monkeypatch.setattr(fused_rownorm, "_kernel", lambda fn, *variant: (used.append(fn), kernel(fn, *variant))[1])
+    for name in ("momentum", "update"):  # record the C loops' calls
+        fn = getattr(native_rownorm, name)
+        monkeypatch.setattr(native_rownorm, name, lambda *a, _fn=fn, _n=name, **k: (used.append(_n), _fn(*a, **k)))
+    if backend == "inductor":
+        monkeypatch.setattr(native_rownorm, "supports", lambda *tensors: False)
+    else:
+        assert native_rownorm.load() is not None, "the C kernels did not build (is there a C compiler?)"
     fused, _, opt_c = run(True, **kw)
     for a, r, w0 in zip(fused, eager, start):
         if r.numel() == 0:
@@ -42,5 +53,35 @@ def test_compiled_rownorm_steps_equal_eager(kw, monkeypatch):
         rel = ((a - r).norm() / (r - w0).norm()).item()
         assert rel <= 1e-5, f"shape {tuple(r.shape)}: relative error {rel:.2e}"
         torch.testing.assert_close(opt_c.state[a]["momentum_buffer"], opt_e.state[r]["momentum_buffer"])
-    assert set(used) == {fused_rownorm._momentum, fused_rownorm._update}  # this case took the fused path
+    # this case took the fused path, on the backend asked for
+    expected = {"momentum", "update"} if backend == "c" else {fused_rownorm._momentum, fused_rownorm._update}
+    assert set(used) == expected
     assert not any("row_sumsq" in ws for ws in opt_c._workspace.values())  # and every step's sums were used
+    # RowNorm's U (fp32 here; a refresh step's NS5 input is bf16) is formed only where the spectral scale's power
+    # iteration reads it; otherwise the update recomputes it from G and M
+    stored = any(("u", torch.float32) in ws for ws in opt_c._workspace.values())
+    assert stored == (kw.get("rownorm_scale") == "spectral")
+
+
+def test_c_loops_match_eager_passes_in_fp64():
+    """The C loops alone, fp64, wide and tall, with U stored or not: M, U, the sums and W as the eager ops give
+    them (to fp64 rounding)."""
+    assert native_rownorm.load() is not None, "the C kernels did not build (is there a C compiler?)"
+    g = torch.Generator().manual_seed(1)
+    for shape, tall in (((6, 20), False), ((20, 6), True)):
+        G, M, W = (torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(3))
+        keep, c = 0.05, 19.0
+        M_ref = M.clone().lerp_(G, keep)
+        X = G + c * M_ref
+        sums_ref = (X * X).sum(dim=0 if tall else 1)
+        s = torch.rand(shape[1] if tall else shape[0], dtype=torch.float64, generator=g)
+        W_ref = W * 0.9 + 0.1 * X * (s if tall else s[:, None])
+        for store in (True, False):
+            M1, U, sums, W1 = M.clone(), torch.zeros_like(G), torch.empty(len(s), dtype=torch.float64), W.clone()
+            native_rownorm.momentum(G, M1, U if store else None, sums, keep, c, True, tall)
+            native_rownorm.update(W1, G, M1, U if store else None, s, 0.9, 0.1, c, True, tall)
+            torch.testing.assert_close(M1, M_ref)
+            torch.testing.assert_close(sums, sums_ref)
+            torch.testing.assert_close(W1, W_ref)
+            if store:
+                torch.testing.assert_close(U, X)

@@ -1,58 +1,121 @@
-"""The elementwise passes of a RowNorm step as two compiled kernels per matrix (optional: `compile_rownorm`).
+"""The elementwise passes of a RowNorm step fused into two passes per shape bucket (optional: `compile_rownorm`).
 
-Eager, a RowNorm step passes over the matrices' memory 12 times per element: the momentum lerp (read G, M; write
-M), the Nesterov input stacked into U (read G, M; write U), U's row sums of squares (read U), weight decay (read
-and write W) and the scaled update (read W, U; write W). Every row's norm needs the whole row before any of the
-update can be written, so two passes are the fewest the maths allows; compiled by torch.compile (inductor: C++ on
-CPU, Triton on CUDA) they are 7 reads and writes per element, as many as a fused AdamW step:
-- momentum_pass: M <- lerp(M, G, 1 - mu); U = G + c M (c = mu / (1 - mu); or c M without Nesterov) written into
-  the caller's stacked workspace; and U's sums of squares over the rows of O(U) (rows if wide, columns if tall),
-  unreduced, so that a sharded caller sums a tall shard's columns over the ranks as before;
-- update_pass: W <- decay W + alpha U s (s: the row factors, shaped to broadcast against W).
-Each runs per matrix with dynamic shapes, so a model compiles a handful of graphs (wide/tall) whatever its shapes.
-The results agree with the eager path to float rounding, not bit for bit: the compiled kernels contract
-multiply-adds and sum the squares in another order (tests/test_fused_rownorm.py).
+Eager, a RowNorm step is six torch ops per matrix (momentum lerp, Nesterov input stacked into U, U's row sums of
+squares, weight decay, scaled update), ~2x the time of torch's fused AdamW kernel on the same matrices
+(docs/bench_optimizer.md). Every row's norm needs the whole row before any of the update can be written, so two
+passes are the fewest the maths allows:
+- momentum_pass: M <- lerp(M, G, 1 - mu); U = G + c M (c = mu / (1 - mu); or c M without Nesterov); U's sums of
+  squares over the rows of O(U) (rows if wide, columns if tall), unreduced, so that a sharded caller sums a tall
+  shard's columns over the ranks as before. U is written into the caller's stacked workspace only when the
+  direction reads it (the spectral RowNorm scale's power iteration); otherwise nothing but M is stored;
+- update_pass: W <- decay W + alpha U s (s: the row factors, shaped to broadcast against W), with U read from the
+  workspace or, when it was not stored, recomputed from G and M (two reads instead of one write and one read).
+Read and written once each, that is 3 + 4 transfers per element, as many as fused AdamW's 7.
+On CPU the passes are C loops (native_rownorm.py) for the fp32/fp64 contiguous tensors they take: inductor's
+kernels for them read G and M twice (the reduction and the stores are two loop nests) and, at 1 thread on the
+benchmark model, were no faster than eager. Elsewhere (CUDA: Triton) the same two passes are torch.compile'd
+functions, one call per bucket with dynamic shapes; a tall matrix's column sums reduce blocks of
+COLUMN_SUM_BLOCK rows first, as inductor's plain reduction over dim -2 walks the columns with a stride on CPU.
+The results agree with the eager path to float rounding, not bit for bit: both backends contract multiply-adds
+and sum the squares in another order (tests/test_fused_rownorm.py).
 """
 
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import Tensor
 
+from . import native_rownorm
 
-def _momentum(g: Tensor, buf: Tensor, u: Tensor, keep: float, c: float, nesterov: bool, tall: bool) -> Tensor:
-    buf.lerp_(g, keep)
-    x = (g + c * buf if nesterov else buf * c).to(u.dtype)
-    u.copy_(x)
+COLUMN_SUM_BLOCK = 16
+
+
+def _sumsq(x: Tensor, tall: bool) -> Tensor:
     x = x.to(torch.promote_types(x.dtype, torch.float32))
-    return (x * x).sum(dim=-2 if tall else -1, keepdim=True)
+    x = x * x
+    if not tall:
+        return x.sum(dim=-1, keepdim=True)
+    m, n = x.shape
+    if m % COLUMN_SUM_BLOCK == 0:
+        return x.view(m // COLUMN_SUM_BLOCK, COLUMN_SUM_BLOCK, n).sum(dim=1).sum(dim=0, keepdim=True)
+    return x.sum(dim=0, keepdim=True)
 
 
-def _update(p: Tensor, u: Tensor, s: Tensor, decay: float, alpha: float) -> None:
-    p.mul_(decay).addcmul_(u, s, value=alpha)
+def _direction_input(g: Tensor, buf: Tensor, c: float, nesterov: bool, dtype: torch.dtype) -> Tensor:
+    return (g + c * buf if nesterov else buf * c).to(dtype)
+
+
+def _momentum(grads: list[Tensor], bufs: list[Tensor], us: list[Tensor] | None, keep: float, c: float,
+              nesterov: bool, tall: bool, dtype: torch.dtype) -> Tensor:
+    sums = []
+    for j, (g, buf) in enumerate(zip(grads, bufs)):
+        buf.lerp_(g, keep)
+        x = _direction_input(g, buf, c, nesterov, dtype)
+        if us is not None:
+            us[j].copy_(x)
+        sums.append(_sumsq(x, tall))
+    return torch.stack(sums)
+
+
+def _update(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor], us: list[Tensor] | None,
+            scales: list[Tensor], decay: float, alpha: float, c: float, nesterov: bool, dtype: torch.dtype) -> None:
+    for j, (p, s) in enumerate(zip(params, scales)):
+        u = us[j] if us is not None else _direction_input(grads[j], bufs[j], c, nesterov, dtype)
+        p.mul_(decay).addcmul_(u, s, value=alpha)
 
 
 _compiled: dict = {}
 
 
-def _kernel(fn):
-    if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, dynamic=True)
-    return _compiled[fn]
+def _kernel(fn, *variant):
+    """fn compiled once per variant (bucket size, orientation, whether U is stored, ...): each variant gets its own
+    copy of fn's code, so that dynamo's per-code recompile limit (8) counts one variant's recompiles, not all."""
+    key = (fn, *variant)
+    if key not in _compiled:
+        copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
+        _compiled[key] = torch.compile(copy, dynamic=True)
+    return _compiled[key]
 
 
-def momentum_pass(grads: list[Tensor], bufs: list[Tensor], U: Tensor, mu: float, nesterov: bool,
-                  tall: bool) -> Tensor:
-    """The momentum update of every matrix of a bucket, U[j] = its direction input, and U's row sums of squares,
-    stacked ([B, m, 1] wide, [B, 1, n] tall; fp32, fp64 for fp64 input). `bufs` hold (1 - mu) M, as in
-    MatrixOptimizer. Empty shards run the same function uncompiled (a zero size would specialise a graph)."""
-    c = mu / (1.0 - mu) if nesterov else 1.0 / (1.0 - mu)
-    sums = [(_momentum if g.numel() == 0 else _kernel(_momentum))(g, b, u, 1.0 - mu, c, nesterov, tall)
-            for g, b, u in zip(grads, bufs, U.unbind(0))]
-    return torch.stack(sums)
+def _coefficient(mu: float, nesterov: bool) -> float:
+    """`bufs` hold (1 - mu) M, as in MatrixOptimizer: G + mu M = G + c buf, M = c buf."""
+    return mu / (1.0 - mu) if nesterov else 1.0 / (1.0 - mu)
 
 
-def update_pass(params: list[Tensor], U: Tensor, row_scale: Tensor, decay: float, alpha: float) -> None:
-    """W_j <- decay W_j + alpha U_j row_scale_j for the bucket's matrices, one pass each."""
-    for p, u, s in zip(params, U.unbind(0), row_scale.unbind(0)):
-        (_update if p.numel() == 0 else _kernel(_update))(p, u, s, decay, alpha)
+def momentum_pass(grads: list[Tensor], bufs: list[Tensor], U: Tensor, mu: float, nesterov: bool, tall: bool,
+                  store_u: bool) -> Tensor:
+    """The momentum update of every matrix of a bucket and U's row sums of squares, stacked ([B, m, 1] wide,
+    [B, 1, n] tall; fp32, fp64 for fp64 input); U[j] = the direction input of matrix j if store_u (U's dtype
+    either way). On CPU the C loops run (native_rownorm.py) where they take the tensors; empty shards run the
+    same function uncompiled (a zero size would specialise a graph)."""
+    us = list(U.unbind(0)) if store_u else None
+    keep, c = 1.0 - mu, _coefficient(mu, nesterov)
+    if U.numel() > 0 and U.dtype == grads[0].dtype and native_rownorm.supports(*grads, *bufs, *(us or [])):
+        sums = torch.empty((U.shape[0], 1, U.shape[2]) if tall else (*U.shape[:2], 1), dtype=U.dtype)
+        for j, (g, b) in enumerate(zip(grads, bufs)):
+            native_rownorm.momentum(g, b, None if us is None else us[j], sums[j], keep, c, nesterov, tall)
+        return sums
+    args = (grads, bufs, us, keep, c, nesterov, tall, U.dtype)
+    if U.numel() == 0:
+        return _momentum(*args)
+    return _kernel(_momentum, len(grads), tall, store_u)(*args)
+
+
+def update_pass(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor], U: Tensor, stored_u: bool,
+                row_scale: Tensor, decay: float, alpha: float, mu: float, nesterov: bool, tall: bool) -> None:
+    """W_j <- decay W_j + alpha U_j row_scale_j for the bucket's matrices, one pass; U_j recomputed from G_j and
+    the (updated) momentum unless momentum_pass stored it."""
+    us = list(U.unbind(0)) if stored_u else None
+    scales, c = list(row_scale.unbind(0)), _coefficient(mu, nesterov)
+    if (U.numel() > 0 and U.dtype == params[0].dtype
+            and native_rownorm.supports(*params, *grads, *bufs, *(us or []), *scales)):
+        for j, (p, s) in enumerate(zip(params, scales)):
+            native_rownorm.update(p, grads[j], bufs[j], None if us is None else us[j], s, decay, alpha, c,
+                                  nesterov, tall)
+        return
+    args = (params, grads, bufs, us, scales, decay, alpha, c, nesterov, U.dtype)
+    if U.numel() == 0:
+        return _update(*args)
+    _kernel(_update, len(params), tall, stored_u)(*args)

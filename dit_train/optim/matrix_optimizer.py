@@ -98,7 +98,7 @@ def take_row_sumsq(ws: dict) -> Tensor | None:
 def _rownorm(U: Tensor, group: dict, ws: dict, *, reduce=None, tall=None) -> tuple[Tensor, Tensor | None]:
     sumsq = take_row_sumsq(ws)
     if sumsq is None:
-        return U, row_inv_norms(U, group["direction_eps"], reduce=reduce, tall=tall)
+        return U, row_inv_norms(U, group["direction_eps"], reduce=reduce, tall=tall, workspace=ws)
     return U, inv_norms_from_sumsq(sumsq if reduce is None else reduce(sumsq), group["direction_eps"])
 
 
@@ -165,8 +165,8 @@ class MatrixOptimizer(Optimizer):
             ns_dtype=_dtype_name(ns_dtype), ns_gram=ns_gram, mud_passes=mud_passes, mud_solve=mud_solve,
             direction_eps=direction_eps, rownorm_scale=rownorm_scale, betas=tuple(betas), eps=eps, adamw_impl=adamw_impl, step=0,
         )
-        # RowNorm steps' elementwise passes as compiled kernels (fused_rownorm.py): an implementation choice with
-        # the same maths, so an attribute (not a group key, not in the state_dict)
+        # RowNorm steps' elementwise passes fused (fused_rownorm.py: C loops on CPU, compiled kernels elsewhere): an
+        # implementation choice with the same maths, so an attribute (not a group key, not in the state_dict)
         self.compile_rownorm = bool(compile_rownorm)
         super().__init__(params, defaults)
         self._workspace: dict = {}
@@ -235,11 +235,15 @@ class MatrixOptimizer(Optimizer):
         lr, wd = float(group["lr"]), group["weight_decay"]
         buckets = _buckets(params, shapes)
         fused = self.compile_rownorm and kind == "rownorm"
+        # the fused passes store U only for the spectral RowNorm scale, whose power iteration reads it; otherwise
+        # the update recomputes it from G and M
+        store_u = not fused or caps_rownorm(kind, group)
         with timer.phase("momentum"):
             if not fused:
                 torch._foreach_lerp_(bufs, grads, 1.0 - mu)  # buffer = (1 - mu) M: M <- mu M + G
             inputs = {key: self._stack_inputs(key, idx, grads, bufs, mu, nesterov,
-                                              self._input_dtype(kind, key, group, params[idx[0]].dtype), fused)
+                                              self._input_dtype(kind, key, group, params[idx[0]].dtype), fused,
+                                              store_u)
                       for key, idx in buckets.items()}
         directions = self._directions(kind, inputs, group, timer)
         with timer.phase("update"):
@@ -252,7 +256,8 @@ class MatrixOptimizer(Optimizer):
                 D, row_scale = directions[key]
                 bucket = [params[i] for i in idx]
                 if fused:  # weight decay and update in one pass; RowNorm always has a row scale
-                    update_pass(bucket, D, row_scale, decay, alpha)
+                    update_pass(bucket, [grads[i] for i in idx], [bufs[i] for i in idx], D, store_u, row_scale,
+                                decay, alpha, mu, nesterov, m > n)
                 else:
                     self._apply_update(bucket, D, row_scale, alpha)
 
@@ -309,20 +314,25 @@ class MatrixOptimizer(Optimizer):
         return self._workspace.setdefault(key, {})
 
     def _stack_inputs(self, key, idx: list[int], grads, bufs, mu: float, nesterov: bool, dtype,
-                      fused: bool = False) -> Tensor:
+                      fused: bool = False, store_u: bool = True) -> Tensor:
         """U = G + mu M (or M) for the bucket's matrices, written straight into a reused [B, m, n] workspace of the
         direction's input dtype: the Nesterov add, the cast and the stacking are one pass per matrix (torch has no
         foreach op that writes into slices of one tensor; a foreach add followed by a stack is 6x slower here).
         fused: the momentum update happens here too, with U's row sums of squares left in the workspace for the
-        RowNorm direction (fused_rownorm.momentum_pass)."""
+        RowNorm direction (fused_rownorm.momentum_pass); without store_u, U is not formed at all and a zero-stride
+        placeholder of its shape and dtype stands for it (the fused update recomputes U from G and M)."""
         ws = self._bucket_workspace(key)
         shape = (len(idx), *bufs[idx[0]].shape)  # the local shape (a shard's rows in the sharded subclass)
-        U = ws.get(("u", dtype))
-        if U is None or U.shape != shape:
-            U = ws[("u", dtype)] = torch.empty(shape, dtype=dtype, device=bufs[idx[0]].device)
+        device = bufs[idx[0]].device
+        if not store_u:
+            U = torch.zeros((), dtype=dtype, device=device).expand(shape)
+        else:
+            U = ws.get(("u", dtype))
+            if U is None or U.shape != shape:
+                U = ws[("u", dtype)] = torch.empty(shape, dtype=dtype, device=device)
         if fused:
             ws[ROW_SUMSQ] = momentum_pass([grads[i] for i in idx], [bufs[i] for i in idx], U, mu, nesterov,
-                                          key[0][0] > key[0][1])
+                                          key[0][0] > key[0][1], store_u)
             return U
         # bufs hold (1 - mu) M, so G + mu M = G + mu / (1 - mu) * buf and M = buf / (1 - mu)
         for j, i in enumerate(idx):

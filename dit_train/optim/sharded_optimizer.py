@@ -230,8 +230,9 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
         (buffer, sizes, handle)."""
         partial = []
         for key in keys:
-            sums = take_row_sumsq(self._bucket_workspace(key))
-            partial.append((row_sumsq(inputs[key], tall=True) if sums is None else sums).reshape(-1))
+            ws = self._bucket_workspace(key)
+            sums = take_row_sumsq(ws)
+            partial.append((row_sumsq(inputs[key], tall=True, workspace=ws) if sums is None else sums).reshape(-1))
         flat = torch.cat(partial)
         return flat, [t.numel() for t in partial], comm.all_reduce(flat)
 
