@@ -59,6 +59,8 @@ class Run:
     lr: float = math.nan  # optimizer.lr; part of the label only in sweeps that scan it
     val_curve: list = field(default_factory=list)  # (step, active_s, val_loss)
     fd_curve: list = field(default_factory=list)  # (step, active_s, fd)
+    train_curve: list = field(default_factory=list)  # (step, train loss: the log window's mean)
+    warmup_steps: int = 0
 
     @property
     def base(self) -> str:
@@ -67,8 +69,11 @@ class Run:
 
 
 def optimizer_label(opt_cfg: dict) -> str:
+    """'periodic_rowwise K=3 (spectral)': K for periodic_rowwise, and the RowNorm scale where the record has one
+    (runs recorded before the option existed used the frobenius rule and are labelled without it)."""
     name = opt_cfg.get("name", "?")
-    return f"{name} K={opt_cfg['K']}" if name == "periodic_rowwise" and "K" in opt_cfg else name
+    label = f"{name} K={opt_cfg['K']}" if name == "periodic_rowwise" and "K" in opt_cfg else name
+    return label + (f" ({opt_cfg['rownorm_scale']})" if opt_cfg.get("rownorm_scale") else "")
 
 
 def mean(xs):
@@ -118,9 +123,11 @@ def _read_run(folder: str, name: str) -> Run:
     with open(os.path.join(folder, "config.yaml")) as f:
         cfg = yaml.safe_load(f)
     run = Run(name=name, model=cfg["model"]["name"], optimizer=optimizer_label(cfg["optimizer"]),
-              seed=int(cfg.get("seed", 0)), lr=float(cfg["optimizer"].get("lr", math.nan)))
+              seed=int(cfg.get("seed", 0)), lr=float(cfg["optimizer"].get("lr", math.nan)),
+              warmup_steps=int(cfg.get("train", {}).get("warmup_steps", 0) or 0))
     rows = read_metrics(os.path.join(folder, "metrics.jsonl"))
     train = [r for r in rows if "train/loss" in r]
+    run.train_curve = [(r["step"], r["train/loss"]) for r in train]
     active_at = {r["step"]: r["active_time_s"] for r in train if "active_time_s" in r}
     run.steps = max((r["step"] for r in rows), default=0)
     for r in rows:
@@ -372,6 +379,25 @@ def table4(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
+def table5(runs: list[Run]) -> str:
+    """Per run: the highest train loss logged after warm-up (a spike or a collapse shows here, where the final
+    values may have recovered), its step, and the lowest train loss logged before it."""
+    lines = ["| model | optimizer | seed | peak train loss after warm-up | at step | lowest before it | "
+             "final train loss |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for model in model_order(runs):
+        for opt in optimizer_order({r.optimizer for r in runs if r.model == model}):
+            for r in sorted((r for r in runs if r.model == model and r.optimizer == opt), key=lambda r: r.seed):
+                after = [c for c in r.train_curve if c[0] > r.warmup_steps]
+                if not after:
+                    continue
+                step, peak = max(after, key=lambda c: c[1])
+                before = [c[1] for c in r.train_curve if c[0] < step]
+                low = f"{min(before):.4f}" if before else "—"
+                lines.append(f"| {model} | {opt} | {r.seed} | {peak:.4f} | {step} | {low} | "
+                             f"{r.train_curve[-1][1]:.4f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def status_table(runs: list[Run]) -> str:
     """One row per run folder: every number in the tables above is a mean of these."""
     lines = ["| run | status | steps | final val loss | best FD (step) | active time to best FD | git commit |",
@@ -538,6 +564,10 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
         *(["## Table 4 — learning-rate sensitivity",
            "Best FD / final validation loss at each learning rate (mean over seeds); the other tables compare "
            "optimizers at the same lr.", t4] if (t4 := table4(runs)) else []),
+        *(["## Table 5 — training stability",
+           "The highest train loss logged after the learning-rate warm-up (log-window means), with the lowest "
+           "logged before it: a peak far above that low is a spike, and a final value near the peak a collapse "
+           "that did not recover.", t5] if (t5 := table5(runs)) else []),
         "## Plots",
         "\n".join(f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in images),
         "## Runs",

@@ -226,11 +226,13 @@ def test_the_job_shape_may_change_on_resume():
     assert config_changes(saved, {"model": {**now["model"], "depth": 48}}) == [("model.depth", 50, 48)]
 
 
-def write_run(folder, model, opt, seed, rows, summary=True, K=None, lr=None):
+def write_run(folder, model, opt, seed, rows, summary=True, K=None, lr=None, scale=None, warmup=None):
     os.makedirs(folder, exist_ok=True)
-    o = {"name": opt, **({"K": K} if K else {}), **({"lr": lr} if lr is not None else {})}
+    o = {"name": opt, **({"K": K} if K else {}), **({"lr": lr} if lr is not None else {}),
+         **({"rownorm_scale": scale} if scale else {})}
     with open(os.path.join(folder, "config.yaml"), "w") as f:
-        yaml.safe_dump({"model": {"name": model}, "optimizer": o, "seed": seed}, f)
+        yaml.safe_dump({"model": {"name": model}, "optimizer": o, "seed": seed,
+                        **({"train": {"warmup_steps": warmup}} if warmup is not None else {})}, f)
     with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
@@ -461,6 +463,24 @@ def test_report_weights_window_means_by_their_step_counts_and_reads_old_records(
     assert "| dit_xs | muon | 50.0 ms | 1.000 | 250.0 ms | 1.000 |" in t2
     assert "refresh steps among the timed steps: periodic_rowwise K=5 8 of 40" in t2
     assert "1 run(s) were recorded before window means (no window/steps)" in t2
+
+
+def test_stability_table_finds_the_peak_after_warm_up_and_labels_the_rownorm_scale(tmp_path):
+    def curve(losses):  # train loss every 10 steps
+        return [{"step": 10 * (i + 1), "train/loss": v} for i, v in enumerate(losses)] + [
+            {"step": 10 * len(losses), "val/loss": losses[-1]}]
+
+    # warm-up ends at step 20: the 2.4 at step 10 is the start of training, not a spike
+    write_run(tmp_path / "f", "dit_m", "periodic_rowwise", 1, curve([2.4, 0.8, 2.3, 1.6, 1.3]), K=3,
+              scale="frobenius", warmup=20)
+    write_run(tmp_path / "s", "dit_m", "periodic_rowwise", 1, curve([2.4, 0.8, 0.7, 0.6, 0.5]), K=3,
+              scale="spectral", warmup=20)
+    write_run(tmp_path / "old", "dit_m", "periodic_rowwise", 0, curve([2.4, 0.8, 0.7]), K=3)  # before the option
+    text = report.build_report(str(tmp_path))
+    t5 = text.split("## Table 5")[1].split("## Plots")[0]
+    assert "| dit_m | periodic_rowwise K=3 (frobenius) | 1 | 2.3000 | 30 | 0.8000 | 1.3000 |" in t5
+    assert "| dit_m | periodic_rowwise K=3 (spectral) | 1 | 0.7000 | 30 | 0.8000 | 0.5000 |" in t5
+    assert "| dit_m | periodic_rowwise K=3 | 0 | 2.4000 | 10 | — | 0.7000 |" in t5  # no warm-up recorded: from step 1
 
 
 @pytest.mark.parametrize("study", ["scaling_study_cpu", "lr_scan_cpu", "scaling_study_cpu_tuned"])
