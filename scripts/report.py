@@ -190,7 +190,8 @@ def find_runs(sweep_dir: str) -> list[Run]:
         with open(study) as f:
             for r in json.load(f)["runs"]:
                 if r["name"] not in seen:
-                    label = f"periodic_rowwise K={r['K']}" if r.get("K") is not None else r["optimizer"]
+                    label = optimizer_label({"name": r["optimizer"], **({"K": r["K"]} if r.get("K") is not None else {}),
+                                             "rownorm_scale": r.get("scale")})
                     runs.append(Run(name=r["name"], model=r["model"], optimizer=label, seed=r["seed"],
                                     status="missing", lr=math.nan if r.get("lr") is None else float(r["lr"])))
     tag_learning_rates(runs)

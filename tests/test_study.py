@@ -476,7 +476,11 @@ def test_stability_table_finds_the_peak_after_warm_up_and_labels_the_rownorm_sca
     write_run(tmp_path / "s", "dit_m", "periodic_rowwise", 1, curve([2.4, 0.8, 0.7, 0.6, 0.5]), K=3,
               scale="spectral", warmup=20)
     write_run(tmp_path / "old", "dit_m", "periodic_rowwise", 0, curve([2.4, 0.8, 0.7]), K=3)  # before the option
+    with open(tmp_path / "study.json", "w") as f:  # a planned run not started yet counts under its own scale
+        json.dump({"runs": [{"name": "s2", "model": "dit_m", "optimizer": "periodic_rowwise", "K": 3,
+                             "scale": "spectral", "lr": None, "seed": 2}]}, f)
     text = report.build_report(str(tmp_path))
+    assert "| dit_m | periodic_rowwise K=3 (spectral) | 2 | finished, missing |" in text
     t5 = text.split("## Table 5")[1].split("## Plots")[0]
     assert "| dit_m | periodic_rowwise K=3 (frobenius) | 1 | 2.3000 | 30 | 0.8000 | 1.3000 |" in t5
     assert "| dit_m | periodic_rowwise K=3 (spectral) | 1 | 0.7000 | 30 | 0.8000 | 0.5000 |" in t5
