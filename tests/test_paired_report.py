@@ -71,7 +71,10 @@ def test_paired_differences_intervals_and_time_to_target(tmp_path):
     assert "| muon | val loss @600 | 3 | " in text and text.count("| lower |") >= 1
     # optimizer time: 0.04 vs 0.1 s per step for every seed -> -60%, no spread
     assert "| periodic_rowwise K=3 (spectral) | optimizer s/step | 3 | -60.0% | [-60.0, -60.0] | 3/3 | lower |" in text
-    # the target is AdamW's mean final loss 0.41; muon seed 0 (curve 0.60 @200, 0.45 @400, 0.30 @600) crosses it
+    # the target is the highest final loss, AdamW seed 1's 0.42: every run reaches it, so every pair has a time to it
+    assert "The target validation loss is the highest final value among the compared runs, 0.4200" in text
+    assert "| muon | steps to target | 3 | " in text and "| adamw | steps to target | 3 | " in text
+    # crossing: muon seed 0 (curve 0.60 @200, 0.45 @400, 0.30 @600) crosses it
     # at step 400 + 200 * (0.45 - 0.41) / 0.15
     run = paired_report.collect(str(sweep), json.loads((sweep / "study.json").read_text()))[0]["muon"][0]
     steps, secs = paired_report.crossing(run, 0.41)
