@@ -42,10 +42,11 @@ def start_vectors(batch: int, r: int, device, dtype) -> Tensor:
 
 def _matvecs(U: Tensor, s: Tensor, tall: bool):
     """(R^T x, R y) for R = O(U * s) with U [B, m, n] and the row factors s as [B, r_local]: matrix-vector products
-    that never form R, each reading U along its rows (U v and v^T U; a product with U.mT is ~3x slower on CPU).
+    that never form R. Both are vector-times-matrix bmm's: U v as v^T U^T (on CPU bmm(U, v) takes a path ~3x
+    slower than one read of U, measured at 3072 x 512: 9.5 ms against 3.2 ms).
     Wide: R = s * U; tall: R = (U * s)^T."""
-    def times_u(v):  # U v
-        return torch.bmm(U, v.unsqueeze(-1)).squeeze(-1)
+    def times_u(v):  # U v = (v^T U^T)^T
+        return torch.bmm(v.unsqueeze(1), U.mT).squeeze(1)
 
     def u_times(v):  # v^T U, i.e. U^T v
         return torch.bmm(v.unsqueeze(1), U).squeeze(1)
