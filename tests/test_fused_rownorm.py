@@ -29,10 +29,10 @@ def run(compile_rownorm: bool, steps: int = 3, **kw):
 
 
 @pytest.mark.parametrize("backend", ["c", "inductor"])
-@pytest.mark.parametrize("kw", [dict(direction="rownorm"),
+@pytest.mark.parametrize("kw", [dict(direction="rownorm", rownorm_scale="frobenius"),
                                 dict(direction="rownorm", nesterov=False, rownorm_scale="spectral"),
                                 dict(direction="spectral", between="rownorm", refresh_every=2)],
-                         ids=["rownorm", "no-nesterov-spectral-scale", "periodic"])
+                         ids=["rownorm-frobenius", "no-nesterov-spectral", "periodic-default-scale"])
 def test_compiled_rownorm_steps_equal_eager(kw, backend, monkeypatch):
     """Both CPU backends of compile_rownorm: the C loops (native_rownorm.py, the default where they build) and
     the torch.compile kernels (what CUDA runs)."""
@@ -60,7 +60,7 @@ def test_compiled_rownorm_steps_equal_eager(kw, backend, monkeypatch):
     # RowNorm's U (fp32 here; a refresh step's NS5 input is bf16) is formed only where the spectral scale's power
     # iteration reads it; otherwise the update recomputes it from G and M
     stored = any(("u", torch.float32) in ws for ws in opt_c._workspace.values())
-    assert stored == (kw.get("rownorm_scale") == "spectral")
+    assert stored == (kw.get("rownorm_scale", "spectral") == "spectral")  # spectral: the default
 
 
 def test_c_loops_match_eager_passes_in_fp64():

@@ -35,6 +35,7 @@ KINDS = {"adamw": {},  # every parameter in the AdamW group (optimizer=adamw)
          "mud": dict(direction="mud")}
 SMALL = 0.003  # gather mode's bucket_mb: ~3 KB buckets, so same-shape batches are split over several buckets
 # name -> (optimizer, group kwargs shared with the single-process reference, placement kwargs)
+FROBENIUS = {"rownorm_scale": "frobenius"}
 CASES = {
     "adamw": ("adamw", {}, {}),
     "muon/gather": ("muon", {}, {"distributed_mode": "gather"}),
@@ -42,10 +43,11 @@ CASES = {
     "muon/gather/fp32/buckets": ("muon", {"ns_dtype": "fp32"}, {"gather_dtype": "fp32", "bucket_mb": SMALL,
                                                                     "distributed_mode": "gather"}),
     "muon/owner/fp32": ("muon", {"ns_dtype": "fp32"}, {"gather_dtype": "fp32", "distributed_mode": "owner"}),
-    "periodic_rowwise/gather/buckets": ("periodic_rowwise", {}, {"bucket_mb": SMALL,
-                                                                 "distributed_mode": "gather"}),
-    "periodic_rowwise/owner": ("periodic_rowwise", {}, {"distributed_mode": "owner"}),
-    "rownorm": ("rownorm", {}, {}),
+    # the paper's frobenius RowNorm scale, named (the default is spectral)
+    "periodic_rowwise/gather/buckets": ("periodic_rowwise", FROBENIUS, {"bucket_mb": SMALL,
+                                                                        "distributed_mode": "gather"}),
+    "periodic_rowwise/owner": ("periodic_rowwise", FROBENIUS, {"distributed_mode": "owner"}),
+    "rownorm": ("rownorm", FROBENIUS, {}),
     "mud/gather": ("mud", {}, {"gather_dtype": "fp32", "distributed_mode": "gather"}),
     "mud/owner": ("mud", {}, {"gather_dtype": "fp32", "distributed_mode": "owner"}),
     # the spectral RowNorm scale (optim/spectral_cap.py) on rank-1 gradients, where its cap is active
@@ -56,7 +58,7 @@ CASES = {
     "periodic_rowwise/spectral/compiled": ("periodic_rowwise", {"rownorm_scale": "spectral"},
                                            {"compile_rownorm": True}),
     # ... and with the frobenius scale, where U is never formed (the update recomputes it from G and M)
-    "periodic_rowwise/compiled": ("periodic_rowwise", {}, {"compile_rownorm": True}),
+    "periodic_rowwise/compiled": ("periodic_rowwise", FROBENIUS, {"compile_rownorm": True}),
 }
 
 

@@ -76,8 +76,20 @@ def test_optimizer_steps_with_the_spectral_scale_move_rank_one_momentum_at_most_
         build_optimizer(torch.nn.Linear(4, 4), {"name": "rownorm", "rownorm_scale": "operator"})
     with pytest.raises(ValueError, match="rownorm_scale"):  # muon takes no RowNorm steps
         build_optimizer(torch.nn.Linear(4, 4), {"name": "muon", "rownorm_scale": "spectral"})
-    opt = build_optimizer(torch.nn.Linear(4, 4), {"name": "periodic_rowwise", "rownorm_scale": "spectral"})
+    opt = build_optimizer(torch.nn.Linear(4, 4), {"name": "periodic_rowwise", "rownorm_scale": "frobenius"})
+    assert {g["rownorm_scale"] for g in opt.param_groups} == {"frobenius"}
+
+
+@pytest.mark.parametrize("name", ["rownorm", "periodic_rowwise"])
+def test_the_default_scale_is_spectral_from_hydra_and_from_python(name):
+    """The shipped config and the constructor agree (docs/algorithms.md §4 says why spectral)."""
+    from conftest import compose
+
+    cfg = compose([f"optimizer={name}", "run_dir=/tmp/unused"])
+    assert cfg.optimizer.rownorm_scale == "spectral"
+    opt = build_optimizer(torch.nn.Linear(4, 4), {"name": name})
     assert {g["rownorm_scale"] for g in opt.param_groups} == {"spectral"}
+    assert MatrixOptimizer([torch.nn.Parameter(torch.zeros(4, 4))], lr=0.1).param_groups[0]["rownorm_scale"] == "spectral"
 
 
 def test_checkpoints_from_before_the_key_resume_under_the_papers_scale_only():

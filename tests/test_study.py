@@ -50,7 +50,9 @@ def test_lr_scan_extends_the_cpu_study_with_six_lrs_for_every_optimizer():
     assert list(scan.study.lr) == [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2] and list(scan.study.models) == ["dit_xs"]
     assert scan.train == base.train and scan.eval == base.eval and scan.study.optimizers == base.study.optimizers
     runs = run_study.expand(scan.study, [], list(scan.hydra.job.config.override_dirname.exclude_keys))
-    assert "model=dit_xs,optimizer.K=3,optimizer.lr=0.004,optimizer=periodic_rowwise,seed=0" in {r["name"] for r in runs}
+    # the published runs' RowNorm rule is named in their study (the default is spectral)
+    assert ("model=dit_xs,optimizer.K=3,optimizer.lr=0.004,optimizer.rownorm_scale=frobenius,"
+            "optimizer=periodic_rowwise,seed=0") in {r["name"] for r in runs}
 
 
 def test_a_tuned_study_runs_each_optimizer_at_its_own_lr():

@@ -153,7 +153,7 @@ class MatrixOptimizer(Optimizer):
         mud_passes: int = 1,
         mud_solve: str = "triangular",
         direction_eps: float = 1e-7,
-        rownorm_scale: str = "frobenius",
+        rownorm_scale: str = "spectral",
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         adamw_impl: str = "fused",
