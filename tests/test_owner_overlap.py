@@ -10,7 +10,7 @@ step (the step then exchanges itself). The training loop with FSDP2 itself is te
 import pytest
 import torch
 
-from test_sharded_optim import LR, STEPS, WD, full_params, spawn, step_grads
+from test_sharded_optim import LR, STEPS, WD, full_params, reference_run, spawn, step_grads
 
 from dit_train.optim.matrix_optimizer import MatrixOptimizer
 
@@ -92,18 +92,7 @@ def sharded(request, tmp_path_factory):
 def single(name):
     """The single-process reference on the same gradients (None where a matrix has none)."""
     kw, event = CASES[name]
-    W, b = full_params()
-    ps = [torch.nn.Parameter(w.clone()) for w in W]
-    pb = torch.nn.Parameter(b.clone())
-    opt = make(MatrixOptimizer, ps, pb, kw)
-    for step in range(STEPS):
-        G, gb = grads_of(step, event)
-        for p, g in zip(ps, G):
-            p.grad = g
-        pb.grad = gb
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return [p.detach() for p in ps] + [pb.detach()]
+    return reference_run(lambda ps, pb: make(MatrixOptimizer, ps, pb, kw), lambda step: grads_of(step, event))
 
 
 @pytest.mark.parametrize("name", list(CASES))

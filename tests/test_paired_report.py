@@ -29,7 +29,6 @@ FINAL = {"adamw": [0.40, 0.42, 0.41], "muon": [0.30, 0.33, 0.31], "pr": [0.31, 0
 
 def two_phase_sweep(sweep) -> None:
     """Three variants x 3 seeds at their selected lrs, plus a losing scan value each, and their study.json."""
-    final = FINAL
     # final val loss per seed; each variant's curve is (2x, 1.5x, 1x) its final value at steps 200/400/600
     fd = {"adamw": [100.0, 110.0, 105.0], "muon": [80.0, 85.0, 82.0], "pr": [81.0, 84.0, 86.0]}
     spec = {"adamw": ("adamw", None, None, 8e-3), "muon": ("muon", None, None, 1.6e-2),
@@ -38,7 +37,7 @@ def two_phase_sweep(sweep) -> None:
     for key, (opt, K, scale, lr) in spec.items():
         for seed in range(3):
             name = f"{key}_lr{lr}_s{seed}"
-            v = final[key][seed]
+            v = FINAL[key][seed]
             write_run(sweep / name, "dit_s", opt, seed, rows({200: 2 * v, 400: 1.5 * v, 600: v}, fd[key][seed],
                                                              {"adamw": 0.01, "muon": 0.1, "pr": 0.04}[key]), K=K, lr=lr)
             study_runs.append({"name": name, "model": "dit_s", "optimizer": opt, "K": K, "scale": scale, "lr": lr,
@@ -57,12 +56,11 @@ def two_phase_sweep(sweep) -> None:
 def test_paired_differences_intervals_and_time_to_target(tmp_path):
     sweep = tmp_path / "sweep"
     two_phase_sweep(sweep)
-    final = FINAL
     text = paired_report.build(str(sweep), None)
     assert "| periodic_rowwise K=3 (spectral) | 0.008 * (edge of the scan) | 0.3100 |" in text
     assert "| periodic_rowwise K=3 (spectral) | 0.016 | 0.9000 |" in text
 
-    diffs = [100 * (p - m) / m for p, m in zip(final["pr"], final["muon"])]
+    diffs = [100 * (p - m) / m for p, m in zip(FINAL["pr"], FINAL["muon"])]
     mean = sum(diffs) / 3
     half = scipy.stats.t.ppf(0.975, 2) * scipy.stats.tstd(diffs) / math.sqrt(3)
     row = f"| periodic_rowwise K=3 (spectral) | val loss @600 | 3 | {mean:+.1f}% | [{mean - half:+.1f}, {mean + half:+.1f}]"

@@ -144,19 +144,30 @@ def sharded(request, tmp_path_factory):
     return world, torch.load(out, weights_only=True)
 
 
-def single_process(name, **group_kw):
-    """The reference: MatrixOptimizer on whole tensors, same gradients (group_kw: overrides of the case's)."""
+def reference_run(build, grads_at):
+    """A single process on whole tensors from full_params: `build(matrices, bias)` makes the optimizer, `grads_at(step)`
+    gives (matrix gradients, bias gradient) for STEPS steps (a None gradient: that matrix has none this step).
+    Returns the final parameters, bias last."""
     W, b = full_params()
     ps = [torch.nn.Parameter(w.clone()) for w in W]
     pb = torch.nn.Parameter(b.clone())
-    opt = make_optimizer(MatrixOptimizer, ps, pb, name, **group_kw)
+    opt = build(ps, pb)
     for step in range(STEPS):
-        G, gb = step_grads(step, name)
+        G, gb = grads_at(step)
         for p, g in zip(ps, G):
             p.grad = g
         pb.grad = gb
         opt.step()
-    return [p.detach() for p in ps] + [pb.detach()], W + [b]
+        opt.zero_grad(set_to_none=True)
+    return [p.detach() for p in ps] + [pb.detach()]
+
+
+def single_process(name, **group_kw):
+    """The reference: MatrixOptimizer on whole tensors, same gradients (group_kw: overrides of the case's)."""
+    W, b = full_params()
+    final = reference_run(lambda ps, pb: make_optimizer(MatrixOptimizer, ps, pb, name, **group_kw),
+                          lambda step: step_grads(step, name))
+    return final, W + [b]
 
 
 # ---- equality with the single process ---------------------------------------------------------------------------
