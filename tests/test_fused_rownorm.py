@@ -77,11 +77,12 @@ def test_c_loops_match_eager_passes_in_fp64():
         s = torch.rand(shape[1] if tall else shape[0], dtype=torch.float64, generator=g)
         W_ref = W * 0.9 + 0.1 * X * (s if tall else s[:, None])
         for store in (True, False):
-            M1, U, sums, W1 = M.clone(), torch.zeros_like(G), torch.empty(len(s), dtype=torch.float64), W.clone()
-            native_rownorm.momentum(G, M1, U if store else None, sums, keep, c, True, tall)
-            native_rownorm.update(W1, G, M1, U if store else None, s, 0.9, 0.1, c, True, tall)
+            M1, U, sums, W1 = M.clone(), torch.zeros(1, *shape, dtype=torch.float64), torch.empty(1, len(s),
+                                                                                                  dtype=torch.float64), W.clone()
+            native_rownorm.momentum([G], [M1], U if store else None, sums, keep, c, True, tall)
+            native_rownorm.update([W1], [G], [M1], U if store else None, s[None], 0.9, 0.1, c, True, tall)
             torch.testing.assert_close(M1, M_ref)
-            torch.testing.assert_close(sums, sums_ref)
+            torch.testing.assert_close(sums[0], sums_ref)
             torch.testing.assert_close(W1, W_ref)
             if store:
-                torch.testing.assert_close(U, X)
+                torch.testing.assert_close(U[0], X)

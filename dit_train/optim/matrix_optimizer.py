@@ -302,7 +302,7 @@ class MatrixOptimizer(Optimizer):
             if caps_rownorm(kind, group):
                 keys = list(inputs)
                 problems = [whole_matrix_problem(inputs[k], out[k][1], k[0][0] > k[0][1]) for k in keys]
-                for k, f in zip(keys, cap_factors(problems)):
+                for k, f in zip(keys, cap_factors(problems, native=self.compile_rownorm)):
                     out[k] = (out[k][0], out[k][1] * f.to(out[k][1].dtype))
             return out
 
@@ -331,8 +331,8 @@ class MatrixOptimizer(Optimizer):
             if U is None or U.shape != shape:
                 U = ws[("u", dtype)] = torch.empty(shape, dtype=dtype, device=device)
         if fused:
-            ws[ROW_SUMSQ] = momentum_pass([grads[i] for i in idx], [bufs[i] for i in idx], U, mu, nesterov,
-                                          key[0][0] > key[0][1], store_u)
+            ws[ROW_SUMSQ], _ = momentum_pass([grads[i] for i in idx], [bufs[i] for i in idx], U, mu, nesterov,
+                                             key[0][0] > key[0][1], store_u)
             return U
         # bufs hold (1 - mu) M, so G + mu M = G + mu / (1 - mu) * buf and M = buf / (1 - mu)
         for j, i in enumerate(idx):

@@ -201,15 +201,17 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
                     out[key] = (inputs[key], inv_norms_from_sumsq(part.view(inputs[key].shape[0], 1, -1),
                                                                   group["direction_eps"]))
             if caps_rownorm(kind, group):
-                self._cap_row_scales(inputs, out, where, comm, phases)
+                self._cap_row_scales(inputs, out, where, comm, phases, self.compile_rownorm)
             return out
         finally:
             phases.close()
 
     @staticmethod
-    def _cap_row_scales(inputs: dict, out: dict, where: dict, comm: ShardComm, phases: PhaseSwitch) -> None:
+    def _cap_row_scales(inputs: dict, out: dict, where: dict, comm: ShardComm, phases: PhaseSwitch,
+                        native: bool) -> None:
         """The spectral RowNorm scale on shards (spectral_cap.py): wide shards hold rows of R, tall shards columns;
-        every bucket's power iteration advances together, one counted fp32 all-reduce per round (ROUNDS in all)."""
+        every bucket's power iteration advances together, one counted fp32 all-reduce per round (ROUNDS in all);
+        native: its products as C loops (compile_rownorm on CPU)."""
         problems = []
         for key, U in inputs.items():
             m, n = key[0]
@@ -220,7 +222,7 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
                 start, rows = comm.rows(m)[comm.rank]
                 x0 = x0[:, start:start + rows]
             problems.append((U, out[key][1], tall, x0, "cols" if tall else "rows", spectral_cap(r, c)))
-        factors = cap_factors(problems, lambda t: comm.all_reduce_(t, phases))
+        factors = cap_factors(problems, lambda t: comm.all_reduce_(t, phases), native)
         for key, f in zip(inputs, factors):
             out[key] = (out[key][0], out[key][1] * f.to(out[key][1].dtype))
 
