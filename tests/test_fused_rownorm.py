@@ -41,7 +41,8 @@ def test_compiled_rownorm_steps_equal_eager(kw, backend, monkeypatch):
     monkeypatch.setattr(fused_rownorm, "_kernel", lambda fn, *variant: (used.append(fn), kernel(fn, *variant))[1])
     for name in ("momentum", "update"):  # record the C loops' calls
         fn = getattr(native_rownorm, name)
-        monkeypatch.setattr(native_rownorm, name, lambda *a, _fn=fn, _n=name, **k: (used.append(_n), _fn(*a, **k)))
+        monkeypatch.setattr(native_rownorm, name,
+                            lambda *a, _fn=fn, _n=name, **k: (used.append(_n), _fn(*a, **k))[1])
     if backend == "inductor":
         monkeypatch.setattr(native_rownorm, "supports", lambda *tensors: False)
     else:
@@ -56,7 +57,8 @@ def test_compiled_rownorm_steps_equal_eager(kw, backend, monkeypatch):
     # this case took the fused path, on the backend asked for
     expected = {"momentum", "update"} if backend == "c" else {fused_rownorm._momentum, fused_rownorm._update}
     assert set(used) == expected
-    assert not any("row_sumsq" in ws for ws in opt_c._workspace.values())  # and every step's sums were used
+    # and every step's sums (and the spectral scale's first products) were used
+    assert not any(k in ws for ws in opt_c._workspace.values() for k in ("row_sumsq", "first_product"))
     # RowNorm's U (fp32 here; a refresh step's NS5 input is bf16) is formed only where the spectral scale's power
     # iteration reads it; otherwise the update recomputes it from G and M
     stored = any(("u", torch.float32) in ws for ws in opt_c._workspace.values())

@@ -9,8 +9,8 @@ import torch
 from dit_train.optim import native_rownorm
 from dit_train.optim.spectral_cap import _NativeProducts, _TorchProducts
 
-# B x rows x cols: several row blocks (BLOCK_ROWS = 128) and column strips (STRIP_COLS = 256), a partial last one,
-# and over the work threshold (2^16 elements per thread)
+# B x rows x cols: several row blocks (BLOCK_ROWS = 128), a partial last one, over the work threshold (2^16 elements
+# per thread); 2 matrices on 3 threads: the column sums split each matrix into strips
 SHAPES = [(3, 300, 270), (2, 270, 520)]
 DTYPES = [torch.float32, torch.float64]
 

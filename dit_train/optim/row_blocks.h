@@ -1,9 +1,11 @@
 /* A deterministic parallel loop for the C kernels of RowNorm steps (rownorm_kernels.c, power_iteration_kernels.c).
  *
- * A kernel splits its work into a fixed list of items (a matrix of the bucket times a block of BLOCK_ROWS rows, or
- * of STRIP_COLS columns) that does not depend on the thread count; each item writes only its own outputs (its
- * rows, its columns, or its own slot of partial sums, which the caller then adds up in item order). Threads only
- * decide who runs which item, so results are bit-identical for any thread count. Threads are plain pthreads
+ * A kernel splits its work into a fixed list of items (a matrix of the bucket times a block of BLOCK_ROWS rows)
+ * that does not depend on the thread count; each item writes only its own outputs (its rows, or its own slot of
+ * partial sums, which the caller then adds up in item order). Threads only decide who runs which item, so results
+ * are bit-identical for any thread count. (Column sums are the exception that needs no fixed partition: each
+ * column's sum runs over the rows in order whichever strip of columns an item takes, so their strips follow the
+ * thread count, and one thread reads whole rows.) Threads are plain pthreads
  * started per call (no pool to leak, nothing shared with torch's OpenMP runtime); where one cannot be started,
  * the calling thread runs its items. Calls with little work stay on the calling thread. */
 
@@ -13,7 +15,7 @@
 #include <pthread.h>
 
 #define BLOCK_ROWS 128                /* rows per item: one partial-sum vector per block */
-#define STRIP_COLS 256                /* columns per item of column-sum loops (1 KB of fp32 per row) */
+#define STRIP_ALIGN 16               /* column strips start at multiples of 16 columns (64 B of fp32) */
 #define MIN_WORK_PER_THREAD (1L << 16) /* elements: below ~64K a thread costs more than it saves */
 #define MAX_THREADS 64
 
@@ -33,12 +35,17 @@ static void *run_items(void *arg) {
 
 static long blocks_of(long n, long size) { return n > 0 ? (n + size - 1) / size : 0; }
 
-/* fn(ctx, k) for k in [0, items), on up to `threads` threads (contiguous ranges of items), `work` elements in all. */
-static void for_each_item(item_fn fn, void *ctx, long items, long work, int threads) {
+/* How many of `threads` are worth starting for `work` elements. */
+static int useful_threads(long work, int threads) {
     long useful = work / MIN_WORK_PER_THREAD;
     if (threads > useful) threads = (int)(useful > 0 ? useful : 1);
+    return threads > MAX_THREADS ? MAX_THREADS : threads;
+}
+
+/* fn(ctx, k) for k in [0, items), on up to `threads` threads (contiguous ranges of items), `work` elements in all. */
+static void for_each_item(item_fn fn, void *ctx, long items, long work, int threads) {
+    threads = useful_threads(work, threads);
     if (threads > items) threads = (int)items;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads <= 1) {
         item_range all = {fn, ctx, 0, items};
         run_items(&all);

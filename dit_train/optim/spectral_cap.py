@@ -16,10 +16,17 @@ some rows of R, `split="rows"`), or its columns (a tall matrix's dim-0 shards: `
 one sum over the ranks, of c floats per matrix for row splits (R^T x) and of r floats for column splits (R y);
 `cap_factors` runs the buckets in lock step so that every round is ONE collective for all buckets together (the
 `reduce` hook: sum a flat fp32 tensor over the ranks; None for a single process, where every sum is local).
+
+Cost: 2 ROUNDS - 1 = 5 matrix-vector products with U. Products with no sum over the ranks between them are
+computed together; under compile_rownorm on CPU they are C loops (native_rownorm.py) that then share one read of U
+(row i's dot product is complete at the end of row i, whose term of the next product is added while it is in
+cache): 3 reads of U instead of 5, and 2 for wide buckets, whose first product R^T x_0 the momentum pass forms
+while it writes U (fused_rownorm.momentum_pass).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Generator
 
@@ -36,8 +43,10 @@ def spectral_cap(r: int, c: int) -> float:
     return 1.0 + math.sqrt(r / c)
 
 
+@functools.lru_cache(maxsize=256)
 def start_vectors(batch: int, r: int, device, dtype) -> Tensor:
-    """x_0 for a [batch] of matrices with r rows: fixed by (batch, r), so identical on every rank and every step."""
+    """x_0 for a [batch] of matrices with r rows: fixed by (batch, r), so identical on every rank and every step
+    (cached: read only)."""
     g = torch.Generator().manual_seed(1_000_003 * r + batch)
     return torch.randn(batch, r, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
 
@@ -129,14 +138,18 @@ def _power_iteration(U: Tensor, row_scale: Tensor, tall: bool, x0: Tensor, split
 
 
 def cap_factors(problems: list[tuple[Tensor, Tensor, bool, Tensor, str | None, float]],
-                reduce: Callable[[Tensor], Tensor] | None = None, native: bool = False) -> list[Tensor]:
+                reduce: Callable[[Tensor], Tensor] | None = None, native: bool = False,
+                firsts: list[Tensor | None] | None = None) -> list[Tensor]:
     """min(1, cap / sigma) per matrix ([B, 1, 1], to multiply into the row factors) for each bucket's problem
     (U, row_scale, tall, x0, split, cap). All buckets advance together: each round one `reduce` of their partial
     sums in one flat fp32/fp64 tensor. native: the products as C loops where they take the tensors
-    (compile_rownorm on CPU; same maths, sums in another order)."""
+    (compile_rownorm on CPU; same maths, sums in another order). firsts: per problem, R^T x0 where the momentum pass
+    already formed it (fused_rownorm.momentum_pass; wide buckets), else None."""
     if not problems:
         return []
-    runs = [_power_iteration(U, s, tall, x0, split, native) for U, s, tall, x0, split, _ in problems]
+    firsts = firsts or [None] * len(problems)
+    runs = [_power_iteration(U, s, tall, x0, split, native, first)
+            for (U, s, tall, x0, split, _), first in zip(problems, firsts)]
     parts = [next(run) for run in runs]
     sigma2: list[Tensor | None] = [None] * len(runs)
     while True:
