@@ -1,13 +1,15 @@
-"""RowNorm's fused passes on CPU as hand-written C loops (rownorm_kernels.c), called through ctypes.
+"""RowNorm's C kernels on CPU (rownorm_kernels.c), called through ctypes: the fused momentum and update passes, and
+the spectral scale's power-iteration products (spectral_cap.py), one call per shape bucket.
 
 compile_rownorm's CPU path: inductor's kernels for these passes read G and M twice (the row sums and the stores
 are two loop nests) and walk tall matrices' columns with a stride, ~2x the time of torch's fused AdamW on the
-same matrices; these loops touch every element once, in memory order (docs/bench_optimizer.md). The source is
-compiled once per machine with the system C compiler (the one inductor needs too) into a cache folder, keyed by
-the source's hash and the host; without a compiler, `load()` gives None and the torch.compile kernels run.
+same matrices; these loops touch every element once, in memory order, and the products read U once per pair
+(docs/bench_optimizer.md). Work is spread over torch.get_num_threads() pthreads by a fixed partition into row
+blocks (row_blocks.h), so results do not depend on the thread count. The sources are compiled once per machine
+with the system C compiler (the one inductor needs too) into a cache folder, keyed by their hash and the host;
+without a compiler, `load()` gives None and the torch.compile kernels (passes) and torch ops (products) run.
 They take contiguous fp32/fp64 CPU tensors (`supports`); the momentum pass's sums come back in the input's dtype,
-as fp32 and fp64 are already the accumulation dtypes of the eager path.
-"""
+as fp32 and fp64 are already the accumulation dtypes of the eager path."""
 
 from __future__ import annotations
 
