@@ -6,13 +6,16 @@
  * are bit-identical for any thread count. (Column sums are the exception that needs no fixed partition: each
  * column's sum runs over the rows in order whichever strip of columns an item takes, so their strips follow the
  * thread count, and one thread reads whole rows.) Threads are plain pthreads
- * started per call (no pool to leak, nothing shared with torch's OpenMP runtime); where one cannot be started,
- * the calling thread runs its items. Calls with little work stay on the calling thread. */
+ * started per call (no pool to leak; joining torch's OpenMP team instead, by linking the same libgomp, ran 7x
+ * slower on two shared cores), taking items one at a time; where none can be started, the calling thread runs
+ * every item. Calls with little work stay on the calling thread. */
 
 #ifndef ROW_BLOCKS_H
 #define ROW_BLOCKS_H
 
 #include <pthread.h>
+#include <sched.h>
+#include <stdlib.h>
 
 #define BLOCK_ROWS 128                /* rows per item: one partial-sum vector per block */
 #define STRIP_ALIGN 16               /* column strips start at multiples of 16 columns (64 B of fp32) */
@@ -21,15 +24,31 @@
 
 typedef void (*item_fn)(void *ctx, long item);
 
+/* The items of one call, handed out one at a time: a thread that is not scheduled (other jobs on the cores) takes
+ * fewer items instead of holding up the others, and the caller waits for the items, not for the threads. The last
+ * participant to let go frees it (a helper may start after the call has returned). */
 typedef struct {
     item_fn fn;
     void *ctx;
-    long begin, end;
-} item_range;
+    long items, next, done; /* next, done: atomic */
+    int refs;               /* atomic */
+} item_queue;
 
-static void *run_items(void *arg) {
-    item_range *r = (item_range *)arg;
-    for (long k = r->begin; k < r->end; ++k) r->fn(r->ctx, k);
+static void drain(item_queue *q) {
+    long k;
+    while ((k = __atomic_fetch_add(&q->next, 1, __ATOMIC_RELAXED)) < q->items) {
+        q->fn(q->ctx, k);
+        __atomic_add_fetch(&q->done, 1, __ATOMIC_RELEASE);
+    }
+}
+
+static void release(item_queue *q) {
+    if (__atomic_sub_fetch(&q->refs, 1, __ATOMIC_ACQ_REL) == 0) free(q);
+}
+
+static void *helper(void *arg) {
+    drain(arg);
+    release(arg);
     return NULL;
 }
 
@@ -42,29 +61,28 @@ static int useful_threads(long work, int threads) {
     return threads > MAX_THREADS ? MAX_THREADS : threads;
 }
 
-/* fn(ctx, k) for k in [0, items), on up to `threads` threads (contiguous ranges of items), `work` elements in all. */
+/* fn(ctx, k) for k in [0, items), on up to `threads` threads, `work` elements in all; returns when all are done. */
 static void for_each_item(item_fn fn, void *ctx, long items, long work, int threads) {
     threads = useful_threads(work, threads);
     if (threads > items) threads = (int)items;
-    if (threads <= 1) {
-        item_range all = {fn, ctx, 0, items};
-        run_items(&all);
+    item_queue *q = threads > 1 ? malloc(sizeof *q) : NULL;
+    if (!q) {
+        for (long k = 0; k < items; ++k) fn(ctx, k);
         return;
     }
-    item_range ranges[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS];
-    for (int t = 0; t < threads; ++t) {
-        ranges[t] = (item_range){fn, ctx, items * t / threads, items * (t + 1) / threads};
-        started[t] = t > 0 && pthread_create(&ids[t], NULL, run_items, &ranges[t]) == 0;
-    }
-    run_items(&ranges[0]);
+    *q = (item_queue){fn, ctx, items, 0, 0, 1};
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     for (int t = 1; t < threads; ++t) {
-        if (started[t])
-            pthread_join(ids[t], NULL);
-        else
-            run_items(&ranges[t]);
+        pthread_t id;
+        __atomic_add_fetch(&q->refs, 1, __ATOMIC_RELAXED);
+        if (pthread_create(&id, &attr, helper, q) != 0) __atomic_sub_fetch(&q->refs, 1, __ATOMIC_RELAXED);
     }
+    pthread_attr_destroy(&attr);
+    drain(q);
+    while (__atomic_load_n(&q->done, __ATOMIC_ACQUIRE) < items) sched_yield();
+    release(q);
 }
 
 #endif
