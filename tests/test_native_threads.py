@@ -1,7 +1,10 @@
 """The C kernels of RowNorm steps (optim/native_rownorm.py) spread their work over torch's intra-op threads with a
-fixed partition into row blocks and column strips (optim/row_blocks.h): the momentum pass, the update and the
-spectral scale's power-iteration products give the same bits on 1 thread as on 2 and 3, on buckets big enough to
-be split, and the products equal the batched torch products to float rounding."""
+fixed partition into row blocks (optim/row_blocks.h): the momentum pass, the update and the spectral scale's
+power-iteration products give the same bits on 1 thread as on 2 and 3, on buckets big enough to be split, with
+OpenMP (torch's threads) and with the pthreads fallback; and the products equal the batched torch products to
+float rounding."""
+
+import ctypes
 
 import pytest
 import torch
@@ -15,9 +18,15 @@ SHAPES = [(3, 300, 270), (2, 270, 520)]
 DTYPES = [torch.float32, torch.float64]
 
 
-@pytest.fixture(autouse=True)
-def kernels_built():
+@pytest.fixture(autouse=True, params=["openmp", "pthreads"])
+def kernels_built(request, tmp_path_factory, monkeypatch):
+    """Both builds: with OpenMP (torch's threads; what load() builds here) and the pthreads fallback."""
     assert native_rownorm.load() is not None, "the C kernels did not build (is there a C compiler?)"
+    if request.param == "pthreads":
+        path = str(tmp_path_factory.mktemp("pthreads") / "kernels.so")
+        monkeypatch.setattr(native_rownorm, "OPENMP", ["-fno-openmp"])
+        native_rownorm._build(path)
+        monkeypatch.setattr(native_rownorm, "_lib", [ctypes.CDLL(path)])
     n = torch.get_num_threads()
     yield
     torch.set_num_threads(n)

@@ -4,8 +4,9 @@ the spectral scale's power-iteration products (spectral_cap.py), one call per sh
 compile_rownorm's CPU path: inductor's kernels for these passes read G and M twice (the row sums and the stores
 are two loop nests) and walk tall matrices' columns with a stride, ~2x the time of torch's fused AdamW on the
 same matrices; these loops touch every element once, in memory order, and the products read U once per pair
-(docs/bench_optimizer.md). Work is spread over torch.get_num_threads() pthreads by a fixed partition into row
-blocks (row_blocks.h), so results do not depend on the thread count. The sources are compiled once per machine
+(docs/bench_optimizer.md). Work is spread over torch.get_num_threads() threads (torch's OpenMP team; pthreads
+where -fopenmp does not build) by a fixed partition into row blocks (row_blocks.h), so results do not depend on
+the thread count. The sources are compiled once per machine
 with the system C compiler (the one inductor needs too) into a cache folder, keyed by their hash and the host;
 without a compiler, `load()` gives None and the torch.compile kernels (passes) and torch ops (products) run.
 They take contiguous fp32/fp64 CPU tensors (`supports`); the momentum pass's sums come back in the input's dtype,
@@ -31,6 +32,8 @@ SOURCE = os.path.join(HERE, "rownorm_kernels.c")
 # every file the library is built from: its cache key hashes them all
 PARTS = [SOURCE] + [os.path.join(HERE, f) for f in ("row_blocks.h", "rownorm_passes.inc", "power_iteration.inc")]
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-pthread", "-shared", "-fPIC"]
+# first choice: the threads of torch's OpenMP runtime (row_blocks.h); FLAGS alone where -fopenmp does not build
+OPENMP = ["-fopenmp"]
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _CTYPE = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double}
 BLOCK_ROWS = 128  # as in row_blocks.h
@@ -50,7 +53,10 @@ def _build(path: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".so")
     os.close(fd)
     try:  # build beside the target, then rename: ranks building at once each publish a whole library
-        subprocess.run([cc, *FLAGS, "-o", tmp, SOURCE], check=True, capture_output=True, text=True)
+        try:
+            subprocess.run([cc, *FLAGS, *OPENMP, "-o", tmp, SOURCE], check=True, capture_output=True, text=True)
+        except subprocess.CalledProcessError:
+            subprocess.run([cc, *FLAGS, "-o", tmp, SOURCE], check=True, capture_output=True, text=True)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -60,7 +66,7 @@ def _build(path: str) -> None:
 def load():
     """The compiled library, built on first use; None where it cannot be built (warns once)."""
     if not _lib:
-        digest = hashlib.sha256(" ".join(FLAGS).encode() + platform.node().encode())
+        digest = hashlib.sha256(" ".join(FLAGS + OPENMP).encode() + platform.node().encode())
         for part in PARTS:
             with open(part, "rb") as f:
                 digest.update(f.read())

@@ -1,14 +1,19 @@
-/* A deterministic parallel loop for the C kernels of RowNorm steps (rownorm_kernels.c, power_iteration_kernels.c).
+/* A deterministic parallel loop for the C kernels of RowNorm steps (rownorm_passes.inc, power_iteration.inc).
  *
  * A kernel splits its work into a fixed list of items (a matrix of the bucket times a block of BLOCK_ROWS rows)
  * that does not depend on the thread count; each item writes only its own outputs (its rows, or its own slot of
  * partial sums, which the caller then adds up in item order). Threads only decide who runs which item, so results
  * are bit-identical for any thread count. (Column sums are the exception that needs no fixed partition: each
  * column's sum runs over the rows in order whichever strip of columns an item takes, so their strips follow the
- * thread count, and one thread reads whole rows.) Threads are plain pthreads
- * started per call (no pool to leak; joining torch's OpenMP team instead, by linking the same libgomp, ran 7x
- * slower on two shared cores), taking items one at a time; where none can be started, the calling thread runs
- * every item. Calls with little work stay on the calling thread. */
+ * thread count, and one thread reads whole rows.) Threads take the items one at a time, so one that other jobs
+ * keep off the cores takes fewer of them instead of holding up the rest.
+ *
+ * Built with -fopenmp (native_rownorm.py's first choice), the threads are torch's own OpenMP team: the library
+ * links libgomp.so.1, which in a torch process is the copy torch has loaded. Threads of our own would compete with
+ * torch's, which keep spinning on the cores for a while after every torch op (measured: 2 pthreads were slower
+ * than 1 when a torch op ran just before; torch's team gives 1.3x). Without OpenMP: pthreads started per call,
+ * detached, the caller waiting for the items rather than the threads. Calls with little work stay on the calling
+ * thread. */
 
 #ifndef ROW_BLOCKS_H
 #define ROW_BLOCKS_H
@@ -24,9 +29,8 @@
 
 typedef void (*item_fn)(void *ctx, long item);
 
-/* The items of one call, handed out one at a time: a thread that is not scheduled (other jobs on the cores) takes
- * fewer items instead of holding up the others, and the caller waits for the items, not for the threads. The last
- * participant to let go frees it (a helper may start after the call has returned). */
+/* The items of one call, handed out one at a time. With pthreads the caller waits for the items, not for the
+ * threads, and the last participant to let go frees the queue (a helper may start after the call has returned). */
 typedef struct {
     item_fn fn;
     void *ctx;
@@ -65,6 +69,14 @@ static int useful_threads(long work, int threads) {
 static void for_each_item(item_fn fn, void *ctx, long items, long work, int threads) {
     threads = useful_threads(work, threads);
     if (threads > items) threads = (int)items;
+#ifdef _OPENMP
+    if (threads > 1) {
+        item_queue team = {fn, ctx, items, 0, 0, 1};
+#pragma omp parallel num_threads(threads)
+        drain(&team);
+        return;
+    }
+#endif
     item_queue *q = threads > 1 ? malloc(sizeof *q) : NULL;
     if (!q) {
         for (long k = 0; k < items; ++k) fn(ctx, k);
