@@ -66,8 +66,8 @@ def test_compiled_rownorm_steps_equal_eager(kw, backend, monkeypatch):
 
 
 def test_c_loops_match_eager_passes_in_fp64():
-    """The C loops alone, fp64, wide and tall, with U stored or not: M, U, the sums and W as the eager ops give
-    them (to fp64 rounding)."""
+    """The C loops alone (on a bucket of one matrix), fp64, wide and tall, with U stored or not: M, U, the sums and
+    W as the eager ops give them (to fp64 rounding)."""
     assert native_rownorm.load() is not None, "the C kernels did not build (is there a C compiler?)"
     g = torch.Generator().manual_seed(1)
     for shape, tall in (((6, 20), False), ((20, 6), True)):
@@ -79,8 +79,8 @@ def test_c_loops_match_eager_passes_in_fp64():
         s = torch.rand(shape[1] if tall else shape[0], dtype=torch.float64, generator=g)
         W_ref = W * 0.9 + 0.1 * X * (s if tall else s[:, None])
         for store in (True, False):
-            M1, U, sums, W1 = M.clone(), torch.zeros(1, *shape, dtype=torch.float64), torch.empty(1, len(s),
-                                                                                                  dtype=torch.float64), W.clone()
+            M1, W1 = M.clone(), W.clone()
+            U, sums = torch.zeros(1, *shape, dtype=torch.float64), torch.empty(1, len(s), dtype=torch.float64)
             native_rownorm.momentum([G], [M1], U if store else None, sums, keep, c, True, tall)
             native_rownorm.update([W1], [G], [M1], U if store else None, s[None], 0.9, 0.1, c, True, tall)
             torch.testing.assert_close(M1, M_ref)
