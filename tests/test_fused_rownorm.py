@@ -41,7 +41,8 @@ def test_compiled_rownorm_steps_equal_eager(kw, backend, monkeypatch):
     monkeypatch.setattr(fused_rownorm, "_kernel", lambda fn, *variant: (used.append(fn), kernel(fn, *variant))[1])
     for name in ("momentum", "update"):  # record the C loops' calls
         fn = getattr(native_rownorm, name)
-        monkeypatch.setattr(native_rownorm, name, lambda *a, _fn=fn, _n=name, **k: (used.append(_n), _fn(*a, **k)))
+        monkeypatch.setattr(native_rownorm, name,
+                            lambda *a, _fn=fn, _n=name, **k: (used.append(_n), _fn(*a, **k))[1])
     if backend == "inductor":
         monkeypatch.setattr(native_rownorm, "supports", lambda *tensors: False)
     else:
@@ -56,7 +57,8 @@ def test_compiled_rownorm_steps_equal_eager(kw, backend, monkeypatch):
     # this case took the fused path, on the backend asked for
     expected = {"momentum", "update"} if backend == "c" else {fused_rownorm._momentum, fused_rownorm._update}
     assert set(used) == expected
-    assert not any("row_sumsq" in ws for ws in opt_c._workspace.values())  # and every step's sums were used
+    # and every step's sums (and the spectral scale's first products) were used
+    assert not any(k in ws for ws in opt_c._workspace.values() for k in ("row_sumsq", "first_product"))
     # RowNorm's U (fp32 here; a refresh step's NS5 input is bf16) is formed only where the spectral scale's power
     # iteration reads it; otherwise the update recomputes it from G and M
     stored = any(("u", torch.float32) in ws for ws in opt_c._workspace.values())
@@ -64,8 +66,8 @@ def test_compiled_rownorm_steps_equal_eager(kw, backend, monkeypatch):
 
 
 def test_c_loops_match_eager_passes_in_fp64():
-    """The C loops alone, fp64, wide and tall, with U stored or not: M, U, the sums and W as the eager ops give
-    them (to fp64 rounding)."""
+    """The C loops alone (on a bucket of one matrix), fp64, wide and tall, with U stored or not: M, U, the sums and
+    W as the eager ops give them (to fp64 rounding)."""
     assert native_rownorm.load() is not None, "the C kernels did not build (is there a C compiler?)"
     g = torch.Generator().manual_seed(1)
     for shape, tall in (((6, 20), False), ((20, 6), True)):
@@ -77,11 +79,12 @@ def test_c_loops_match_eager_passes_in_fp64():
         s = torch.rand(shape[1] if tall else shape[0], dtype=torch.float64, generator=g)
         W_ref = W * 0.9 + 0.1 * X * (s if tall else s[:, None])
         for store in (True, False):
-            M1, U, sums, W1 = M.clone(), torch.zeros_like(G), torch.empty(len(s), dtype=torch.float64), W.clone()
-            native_rownorm.momentum(G, M1, U if store else None, sums, keep, c, True, tall)
-            native_rownorm.update(W1, G, M1, U if store else None, s, 0.9, 0.1, c, True, tall)
+            M1, W1 = M.clone(), W.clone()
+            U, sums = torch.zeros(1, *shape, dtype=torch.float64), torch.empty(1, len(s), dtype=torch.float64)
+            native_rownorm.momentum([G], [M1], U if store else None, sums, keep, c, True, tall)
+            native_rownorm.update([W1], [G], [M1], U if store else None, s[None], 0.9, 0.1, c, True, tall)
             torch.testing.assert_close(M1, M_ref)
-            torch.testing.assert_close(sums, sums_ref)
+            torch.testing.assert_close(sums[0], sums_ref)
             torch.testing.assert_close(W1, W_ref)
             if store:
-                torch.testing.assert_close(U, X)
+                torch.testing.assert_close(U[0], X)

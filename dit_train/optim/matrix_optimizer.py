@@ -39,7 +39,7 @@ from torch.optim.adam import adam as _adam_functional
 from ..timing import active_timer
 from .directions import inv_norms_from_sumsq, mud_whiten, newton_schulz5, row_inv_norms
 from .fused_rownorm import momentum_pass, update_pass
-from .spectral_cap import cap_factors, whole_matrix_problem
+from .spectral_cap import cap_factors, start_vectors, whole_matrix_problem
 
 SCALE_RULES = ("moonlight", "keller", "none")
 ROWNORM_SCALES = ("frobenius", "spectral")  # docs/algorithms.md §4; spectral: spectral_cap.py
@@ -93,6 +93,14 @@ ROW_SUMSQ = "row_sumsq"
 
 def take_row_sumsq(ws: dict) -> Tensor | None:
     return ws.pop(ROW_SUMSQ, None)
+
+
+# ... and, for a wide bucket under the spectral RowNorm scale, the power iteration's first product R^T x0
+FIRST_PRODUCT = "first_product"
+
+
+def take_first_products(workspaces: list[dict]) -> list[Tensor | None]:
+    return [ws.pop(FIRST_PRODUCT, None) for ws in workspaces]
 
 
 def _rownorm(U: Tensor, group: dict, ws: dict, *, reduce=None, tall=None) -> tuple[Tensor, Tensor | None]:
@@ -238,12 +246,14 @@ class MatrixOptimizer(Optimizer):
         # the fused passes store U only for the spectral RowNorm scale, whose power iteration reads it; otherwise
         # the update recomputes it from G and M
         store_u = not fused or caps_rownorm(kind, group)
+        # ... and then the momentum pass also forms the power iteration's first product of wide buckets
+        fold_eps = group["direction_eps"] if fused and caps_rownorm(kind, group) else None
         with timer.phase("momentum"):
             if not fused:
                 torch._foreach_lerp_(bufs, grads, 1.0 - mu)  # buffer = (1 - mu) M: M <- mu M + G
             inputs = {key: self._stack_inputs(key, idx, grads, bufs, mu, nesterov,
                                               self._input_dtype(kind, key, group, params[idx[0]].dtype), fused,
-                                              store_u)
+                                              store_u, fold_eps)
                       for key, idx in buckets.items()}
         directions = self._directions(kind, inputs, group, timer)
         with timer.phase("update"):
@@ -302,7 +312,8 @@ class MatrixOptimizer(Optimizer):
             if caps_rownorm(kind, group):
                 keys = list(inputs)
                 problems = [whole_matrix_problem(inputs[k], out[k][1], k[0][0] > k[0][1]) for k in keys]
-                for k, f in zip(keys, cap_factors(problems)):
+                firsts = take_first_products([self._bucket_workspace(k) for k in keys])
+                for k, f in zip(keys, cap_factors(problems, native=self.compile_rownorm, firsts=firsts)):
                     out[k] = (out[k][0], out[k][1] * f.to(out[k][1].dtype))
             return out
 
@@ -314,13 +325,14 @@ class MatrixOptimizer(Optimizer):
         return self._workspace.setdefault(key, {})
 
     def _stack_inputs(self, key, idx: list[int], grads, bufs, mu: float, nesterov: bool, dtype,
-                      fused: bool = False, store_u: bool = True) -> Tensor:
+                      fused: bool = False, store_u: bool = True, fold_eps: float | None = None) -> Tensor:
         """U = G + mu M (or M) for the bucket's matrices, written straight into a reused [B, m, n] workspace of the
         direction's input dtype: the Nesterov add, the cast and the stacking are one pass per matrix (torch has no
         foreach op that writes into slices of one tensor; a foreach add followed by a stack is 6x slower here).
         fused: the momentum update happens here too, with U's row sums of squares left in the workspace for the
         RowNorm direction (fused_rownorm.momentum_pass); without store_u, U is not formed at all and a zero-stride
-        placeholder of its shape and dtype stands for it (the fused update recomputes U from G and M)."""
+        placeholder of its shape and dtype stands for it (the fused update recomputes U from G and M). fold_eps (the
+        spectral RowNorm scale, fused): a wide bucket's momentum pass also leaves R^T x0 in the workspace."""
         ws = self._bucket_workspace(key)
         shape = (len(idx), *bufs[idx[0]].shape)  # the local shape (a shard's rows in the sharded subclass)
         device = bufs[idx[0]].device
@@ -331,8 +343,12 @@ class MatrixOptimizer(Optimizer):
             if U is None or U.shape != shape:
                 U = ws[("u", dtype)] = torch.empty(shape, dtype=dtype, device=device)
         if fused:
-            ws[ROW_SUMSQ] = momentum_pass([grads[i] for i in idx], [bufs[i] for i in idx], U, mu, nesterov,
-                                          key[0][0] > key[0][1], store_u)
+            tall = key[0][0] > key[0][1]
+            x0 = self._start_vectors(key, U) if fold_eps is not None and not tall else None
+            ws[ROW_SUMSQ], first = momentum_pass([grads[i] for i in idx], [bufs[i] for i in idx], U, mu, nesterov,
+                                                 tall, store_u, x0, fold_eps or 0.0)
+            if first is not None:
+                ws[FIRST_PRODUCT] = first
             return U
         # bufs hold (1 - mu) M, so G + mu M = G + mu / (1 - mu) * buf and M = buf / (1 - mu)
         for j, i in enumerate(idx):
@@ -341,6 +357,10 @@ class MatrixOptimizer(Optimizer):
             else:
                 torch.mul(bufs[i], 1.0 / (1.0 - mu), out=U[j])
         return U
+
+    def _start_vectors(self, key, U: Tensor) -> Tensor:
+        """The spectral scale's start vectors x0 of a wide bucket, for its rows held here (all of them)."""
+        return start_vectors(U.shape[0], key[0][0], U.device, torch.promote_types(U.dtype, torch.float32))
 
     def _apply_update(self, params: list[Tensor], D: Tensor, row_scale: Tensor | None, alpha: float) -> None:
         """W_i += alpha * D_i (* row_scale_i) for the bucket's matrices (weight decay is already applied)."""

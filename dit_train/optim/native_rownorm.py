@@ -1,13 +1,16 @@
-"""RowNorm's fused passes on CPU as hand-written C loops (rownorm_kernels.c), called through ctypes.
+"""RowNorm's C kernels on CPU (rownorm_kernels.c), called through ctypes: the fused momentum and update passes, and
+the spectral scale's power-iteration products (spectral_cap.py), one call per shape bucket.
 
 compile_rownorm's CPU path: inductor's kernels for these passes read G and M twice (the row sums and the stores
 are two loop nests) and walk tall matrices' columns with a stride, ~2x the time of torch's fused AdamW on the
-same matrices; these loops touch every element once, in memory order (docs/bench_optimizer.md). The source is
-compiled once per machine with the system C compiler (the one inductor needs too) into a cache folder, keyed by
-the source's hash and the host; without a compiler, `load()` gives None and the torch.compile kernels run.
+same matrices; these loops touch every element once, in memory order, and the products read U once per pair
+(docs/bench_optimizer.md). Work is spread over torch.get_num_threads() threads (torch's OpenMP team; pthreads
+where -fopenmp does not build) by a fixed partition into row blocks (row_blocks.h), so results do not depend on
+the thread count. The sources are compiled once per machine
+with the system C compiler (the one inductor needs too) into a cache folder, keyed by their hash and the host;
+without a compiler, `load()` gives None and the torch.compile kernels (passes) and torch ops (products) run.
 They take contiguous fp32/fp64 CPU tensors (`supports`); the momentum pass's sums come back in the input's dtype,
-as fp32 and fp64 are already the accumulation dtypes of the eager path.
-"""
+as fp32 and fp64 are already the accumulation dtypes of the eager path."""
 
 from __future__ import annotations
 
@@ -18,15 +21,22 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 import warnings
 
 import torch
 from torch import Tensor
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rownorm_kernels.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC"]
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE = os.path.join(HERE, "rownorm_kernels.c")
+# every file the library is built from: its cache key hashes them all
+PARTS = [SOURCE] + [os.path.join(HERE, f) for f in ("row_blocks.h", "rownorm_passes.inc", "power_iteration.inc")]
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-pthread", "-shared", "-fPIC"]
+# first choice: the threads of torch's OpenMP runtime (row_blocks.h); FLAGS alone where -fopenmp does not build
+OPENMP = ["-fopenmp"]
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _CTYPE = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double}
+BLOCK_ROWS = 128  # as in row_blocks.h
 _lib: list = []  # [] not tried yet; [None] unavailable; [CDLL] loaded
 
 
@@ -43,7 +53,10 @@ def _build(path: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".so")
     os.close(fd)
     try:  # build beside the target, then rename: ranks building at once each publish a whole library
-        subprocess.run([cc, *FLAGS, "-o", tmp, SOURCE], check=True, capture_output=True, text=True)
+        try:
+            subprocess.run([cc, *FLAGS, *OPENMP, "-o", tmp, SOURCE], check=True, capture_output=True, text=True)
+        except subprocess.CalledProcessError:
+            subprocess.run([cc, *FLAGS, "-o", tmp, SOURCE], check=True, capture_output=True, text=True)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -53,8 +66,11 @@ def _build(path: str) -> None:
 def load():
     """The compiled library, built on first use; None where it cannot be built (warns once)."""
     if not _lib:
-        with open(SOURCE, "rb") as f:
-            key = hashlib.sha256(f.read() + " ".join(FLAGS).encode() + platform.node().encode()).hexdigest()[:16]
+        digest = hashlib.sha256(" ".join(FLAGS + OPENMP).encode() + platform.node().encode())
+        for part in PARTS:
+            with open(part, "rb") as f:
+                digest.update(f.read())
+        key = digest.hexdigest()[:16]
         path = os.path.join(_cache_dir(), f"rownorm_kernels_{key}.so")
         try:
             if not os.path.exists(path):
@@ -79,20 +95,72 @@ def _ptr(t: Tensor | None):
     return None if t is None else ctypes.c_void_p(t.data_ptr())
 
 
-def momentum(g: Tensor, m: Tensor, u: Tensor | None, sums: Tensor, keep: float, c: float, nesterov: bool,
-             tall: bool) -> None:
-    """m <- lerp(m, g, keep); x = g + c m (or c m); u <- x if given; sums <- x's sums of squares over the rows
-    (wide: [rows] values) or the columns (tall: [cols] values)."""
-    real = _CTYPE[g.dtype]
-    getattr(load(), f"rownorm_momentum_{_SUFFIX[g.dtype]}")(
-        _ptr(g), _ptr(m), _ptr(u), _ptr(sums), ctypes.c_long(g.shape[0]), ctypes.c_long(g.shape[1]), real(keep),
-        real(c), ctypes.c_int(nesterov), ctypes.c_int(tall))
+def _ptrs(ts: list[Tensor]):
+    return (ctypes.c_void_p * len(ts))(*[t.data_ptr() for t in ts])
 
 
-def update(p: Tensor, g: Tensor, m: Tensor, u: Tensor | None, s: Tensor, decay: float, alpha: float, c: float,
-           nesterov: bool, tall: bool) -> None:
-    """p <- decay p + alpha x s, x = u or g + c m (c m without Nesterov); s per row (wide) or column (tall)."""
-    real = _CTYPE[p.dtype]
-    getattr(load(), f"rownorm_update_{_SUFFIX[p.dtype]}")(
-        _ptr(p), _ptr(g), _ptr(m), _ptr(u), _ptr(s), ctypes.c_long(p.shape[0]), ctypes.c_long(p.shape[1]),
-        real(decay), real(alpha), real(c), ctypes.c_int(nesterov), ctypes.c_int(tall))
+_scratch: dict = {}
+
+
+def scratch(numel: int, dtype: torch.dtype) -> Tensor:
+    """A reused buffer of at least numel elements, one per (calling thread, dtype): fresh allocations of this size
+    page-fault on every call."""
+    key = (threading.get_ident(), dtype)
+    buf = _scratch.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _scratch[key] = torch.empty(max(numel, 1), dtype=dtype)
+    return buf
+
+
+def blocks(rows: int) -> int:
+    """Blocks of rows per matrix (row_blocks.h's BLOCK_ROWS), for sizing the partial sums' scratch."""
+    return -(-rows // BLOCK_ROWS)
+
+
+def momentum(grads: list[Tensor], bufs: list[Tensor], U: Tensor | None, sums: Tensor, keep: float, c: float,
+             nesterov: bool, tall: bool, x0: Tensor | None = None, eps: float = 0.0) -> Tensor | None:
+    """For each matrix j of a bucket: m_j <- lerp(m_j, g_j, keep); x = g_j + c m_j (or c m_j); U[j] <- x if U is
+    given; sums[j] <- x's sums of squares over the rows (wide: [rows]) or the columns (tall: [cols]). With x0
+    ([B, rows], wide and U given): also returns R^T x0 ([B, cols]) for R = x / max(sqrt(sums), eps), the first
+    product of the spectral scale's power iteration, added up while each row is in cache."""
+    B, (rows, cols) = len(grads), grads[0].shape
+    real, dtype = _CTYPE[grads[0].dtype], grads[0].dtype
+    fold = x0 is not None and not tall and U is not None
+    y0 = torch.empty(B, cols, dtype=dtype) if fold else None
+    partial = scratch(B * blocks(rows) * cols, dtype) if fold else None
+    getattr(load(), f"rownorm_momentum_{_SUFFIX[dtype]}")(
+        _ptrs(grads), _ptrs(bufs), _ptr(U), _ptr(sums), _ptr(x0 if fold else None), _ptr(y0), _ptr(partial),
+        ctypes.c_long(B), ctypes.c_long(rows), ctypes.c_long(cols), real(keep), real(c), ctypes.c_int(nesterov),
+        ctypes.c_int(tall), real(eps), ctypes.c_int(torch.get_num_threads()))
+    return y0
+
+
+def update(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor], U: Tensor | None, scales: Tensor,
+           decay: float, alpha: float, c: float, nesterov: bool, tall: bool) -> None:
+    """p_j <- decay p_j + alpha x s_j, x = U[j] or g_j + c m_j (c m_j without Nesterov); scales: the bucket's
+    row factors, [B, rows, 1] (wide) or [B, 1, cols] (tall)."""
+    real, (rows, cols) = _CTYPE[params[0].dtype], params[0].shape
+    getattr(load(), f"rownorm_update_{_SUFFIX[params[0].dtype]}")(
+        _ptrs(params), _ptrs(grads), _ptrs(bufs), _ptr(U), _ptr(scales), ctypes.c_long(len(params)),
+        ctypes.c_long(rows), ctypes.c_long(cols), real(decay), real(alpha), real(c), ctypes.c_int(nesterov),
+        ctypes.c_int(tall), ctypes.c_int(torch.get_num_threads()))
+
+
+# power_iteration.inc's products, numbered as its enum
+WIDE_FIRST, WIDE_PAIR, TALL_PAIR, TALL_LAST = range(4)
+
+
+def power_iteration_round(kind: int, U: Tensor, s: Tensor, x: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """One round's products on a bucket U [B, rows, cols] with row factors s ([B, rows] wide, [B, cols] tall),
+    as (vector over the columns [B, cols] or None, vector over the rows [B, rows] or None):
+    WIDE_FIRST (U^T (s x), None), WIDE_PAIR (y' = R^T x', x' = s (U x)), TALL_PAIR (s U^T (U (s x)), None),
+    TALL_LAST (None, U (s x))."""
+    B, rows, cols = U.shape
+    dtype = U.dtype
+    y = None if kind == TALL_LAST else torch.empty(B, cols, dtype=dtype)
+    r = torch.empty(B, rows, dtype=dtype) if kind in (WIDE_PAIR, TALL_LAST) else None
+    buf = scratch(B * (blocks(rows) + 1) * cols, dtype)
+    getattr(load(), f"power_iteration_round_{_SUFFIX[dtype]}")(
+        ctypes.c_int(kind), _ptr(U), _ptr(s), _ptr(x), _ptr(y), _ptr(r), _ptr(buf), ctypes.c_long(B),
+        ctypes.c_long(rows), ctypes.c_long(cols), ctypes.c_int(torch.get_num_threads()))
+    return y, r

@@ -41,12 +41,14 @@ computed in the last step (gather: every matrix on every rank; owner: each matri
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from .backward_overlap import BackwardExchange, prefetched_directions
-from .collectives import PhaseSwitch, ShardComm
+from .collectives import PhaseSwitch, ShardComm, shard_rows
 from .directions import inv_norms_from_sumsq, row_sumsq
-from .matrix_optimizer import DTYPES, MatrixOptimizer, caps_rownorm, compute_direction, take_row_sumsq
+from .matrix_optimizer import (DTYPES, MatrixOptimizer, caps_rownorm, compute_direction, take_first_products,
+                               take_row_sumsq)
 from .spectral_cap import cap_factors, spectral_cap, start_vectors
 from .owner_exchange import owner_directions, plan_exchanges
 from .whole_matrix_exchange import gather_directions, plan_buckets
@@ -206,23 +208,29 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
         finally:
             phases.close()
 
-    @staticmethod
-    def _cap_row_scales(inputs: dict, out: dict, where: dict, comm: ShardComm, phases: PhaseSwitch) -> None:
+    def _cap_row_scales(self, inputs: dict, out: dict, where: dict, comm: ShardComm, phases: PhaseSwitch) -> None:
         """The spectral RowNorm scale on shards (spectral_cap.py): wide shards hold rows of R, tall shards columns;
-        every bucket's power iteration advances together, one counted fp32 all-reduce per round (ROUNDS in all)."""
+        every bucket's power iteration advances together, one counted fp32 all-reduce per round (ROUNDS in all);
+        with compile_rownorm on CPU its products are C loops."""
         problems = []
         for key, U in inputs.items():
             m, n = key[0]
             tall = where[key] == REDUCE
             r, c = (n, m) if tall else (m, n)
-            x0 = start_vectors(U.shape[0], r, U.device, torch.promote_types(U.dtype, torch.float32))
-            if not tall:  # this rank's rows of R are its rows of the matrix
-                start, rows = comm.rows(m)[comm.rank]
-                x0 = x0[:, start:start + rows]
+            if tall:
+                x0 = start_vectors(U.shape[0], r, U.device, torch.promote_types(U.dtype, torch.float32))
+            else:  # this rank's rows of R are its rows of the matrix
+                x0 = self._start_vectors(key, U)
             problems.append((U, out[key][1], tall, x0, "cols" if tall else "rows", spectral_cap(r, c)))
-        factors = cap_factors(problems, lambda t: comm.all_reduce_(t, phases))
+        firsts = take_first_products([self._bucket_workspace(key) for key in inputs])
+        factors = cap_factors(problems, lambda t: comm.all_reduce_(t, phases), self.compile_rownorm, firsts)
         for key, f in zip(inputs, factors):
             out[key] = (out[key][0], out[key][1] * f.to(out[key][1].dtype))
+
+    def _start_vectors(self, key, U: Tensor) -> Tensor:
+        """This rank's rows of a wide bucket's start vectors."""
+        start, rows = shard_rows(key[0][0], dist.get_world_size(self._group))[dist.get_rank(self._group)]
+        return super()._start_vectors(key, U)[:, start:start + rows].contiguous()
 
     def _start_column_sums(self, keys: list, inputs: dict, comm: ShardComm):
         """Partial column sums of squares of the tall buckets (each [B, 1, n], fp32; those a fused momentum pass

@@ -16,15 +16,24 @@ some rows of R, `split="rows"`), or its columns (a tall matrix's dim-0 shards: `
 one sum over the ranks, of c floats per matrix for row splits (R^T x) and of r floats for column splits (R y);
 `cap_factors` runs the buckets in lock step so that every round is ONE collective for all buckets together (the
 `reduce` hook: sum a flat fp32 tensor over the ranks; None for a single process, where every sum is local).
+
+Cost: 2 ROUNDS - 1 = 5 matrix-vector products with U. Products with no sum over the ranks between them are
+computed together; under compile_rownorm on CPU they are C loops (native_rownorm.py) that then share one read of U
+(row i's dot product is complete at the end of row i, whose term of the next product is added while it is in
+cache): 3 reads of U instead of 5, and 2 for wide buckets, whose first product R^T x_0 the momentum pass forms
+while it writes U (fused_rownorm.momentum_pass).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Generator
 
 import torch
 from torch import Tensor
+
+from . import native_rownorm
 
 ROUNDS = 3  # R^T matvecs per matrix (and ROUNDS - 1 R matvecs); 3 = Rayleigh quotient at G^2 x_0
 
@@ -34,66 +43,113 @@ def spectral_cap(r: int, c: int) -> float:
     return 1.0 + math.sqrt(r / c)
 
 
+@functools.lru_cache(maxsize=256)
 def start_vectors(batch: int, r: int, device, dtype) -> Tensor:
-    """x_0 for a [batch] of matrices with r rows: fixed by (batch, r), so identical on every rank and every step."""
+    """x_0 for a [batch] of matrices with r rows: fixed by (batch, r), so identical on every rank and every step
+    (cached: read only)."""
     g = torch.Generator().manual_seed(1_000_003 * r + batch)
     return torch.randn(batch, r, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
 
 
-def _matvecs(U: Tensor, s: Tensor, tall: bool):
-    """(R^T x, R y) for R = O(U * s) with U [B, m, n] and the row factors s as [B, r_local]: matrix-vector products
-    that never form R. Both are vector-times-matrix bmm's: U v as v^T U^T (on CPU bmm(U, v) takes a path ~3x
-    slower than one read of U, measured at 3072 x 512: 9.5 ms against 3.2 ms).
-    Wide: R = s * U; tall: R = (U * s)^T."""
-    def times_u(v):  # U v = (v^T U^T)^T
-        return torch.bmm(v.unsqueeze(1), U.mT).squeeze(1)
+class _TorchProducts:
+    """The products of a bucket's power iteration as batched torch ops, vectors kept [B, 1, k] (no reshapes per
+    round). Both are vector-times-matrix bmm's: U v as v^T U^T (on CPU bmm(U, v) takes a path ~3x slower than one
+    read of U, measured at 3072 x 512: 9.5 ms against 3.2 ms). Wide: R = s U; tall: R = (U s)^T."""
 
-    def u_times(v):  # v^T U, i.e. U^T v
-        return torch.bmm(v.unsqueeze(1), U).squeeze(1)
+    def __init__(self, U: Tensor, s: Tensor, x0: Tensor):
+        self.U, self.s, self.x0 = U, s.reshape(U.shape[0], 1, -1), self.vector(x0)
 
-    if tall:
-        return (lambda x: times_u(s * x)), (lambda y: s * u_times(y))
-    return (lambda x: u_times(s * x)), (lambda y: s * times_u(y))
+    @staticmethod
+    def vector(v):  # [B, k] -> this class's layout
+        return v.unsqueeze(1)
+
+    def wide_first(self, x):  # R^T x = (s x)^T U
+        return torch.bmm(x * self.s, self.U)
+
+    def wide_pair(self, y):  # (R^T x', x' = R y)
+        x = torch.bmm(y, self.U.mT) * self.s
+        return torch.bmm(x * self.s, self.U), x
+
+    def tall_pair(self, x):  # R (R^T x) = s U^T (U (s x))
+        return torch.bmm(torch.bmm(x * self.s, self.U.mT), self.U) * self.s
+
+    def tall_last(self, x):  # R^T x = U (s x)
+        return torch.bmm(x * self.s, self.U.mT)
+
+
+class _NativeProducts:
+    """The same products as C loops (native_rownorm.power_iteration_round): each round reads U once."""
+
+    def __init__(self, U: Tensor, s: Tensor, x0: Tensor):
+        self.U, self.s, self.x0 = U, s.reshape(U.shape[0], -1), x0
+
+    @staticmethod
+    def vector(v):
+        return v
+
+    def wide_first(self, x):
+        return native_rownorm.power_iteration_round(native_rownorm.WIDE_FIRST, self.U, self.s, x)[0]
+
+    def wide_pair(self, y):
+        return native_rownorm.power_iteration_round(native_rownorm.WIDE_PAIR, self.U, self.s, y)
+
+    def tall_pair(self, x):
+        return native_rownorm.power_iteration_round(native_rownorm.TALL_PAIR, self.U, self.s, x)[0]
+
+    def tall_last(self, x):
+        return native_rownorm.power_iteration_round(native_rownorm.TALL_LAST, self.U, self.s, x)[1]
 
 
 Rounds = Generator[Tensor, Tensor, Tensor]
 
 
-def _power_iteration(U: Tensor, row_scale: Tensor, tall: bool, x0: Tensor, split: str | None) -> Rounds:
-    """Yields, each round, the [B, k] partial sums this rank contributes and receives their sum over the ranks;
+def _products(U: Tensor, row_scale: Tensor, x0: Tensor, native: bool):
+    """The bucket's products: C loops where asked for (compile_rownorm on CPU) and they take the tensors."""
+    Uw = U if U.dtype == x0.dtype else U.to(x0.dtype)
+    s = row_scale.reshape(U.shape[0], -1).to(x0.dtype)
+    if native and native_rownorm.supports(Uw, s, x0.contiguous()):  # a rows split's x0 is a slice
+        return _NativeProducts(Uw, s, x0.contiguous())
+    return _TorchProducts(Uw, s, x0)
+
+
+def _power_iteration(U: Tensor, row_scale: Tensor, tall: bool, x0: Tensor, split: str | None,
+                     native: bool = False, first: Tensor | None = None) -> Rounds:
+    """Yields, each round, the partial sums this rank contributes and receives their sum over the ranks;
     returns sigma^2 per matrix ([B]). split: None (whole matrices), "rows" (this rank holds some rows of R; x0 is
-    its slice) or "cols" (this rank holds some columns of R)."""
-    work = x0.dtype
-    Uw = U if U.dtype == work else U.to(work)
-    s = row_scale.reshape(U.shape[0], -1).to(work)
-    rt, r_ = _matvecs(Uw, s, tall)
-    x = x0
-    for _ in range(ROUNDS - 1):
-        if split == "cols":  # R y = sum over the column blocks
-            x = yield r_(rt(x))
-        else:  # whole, or rows: R^T x sums over the row blocks; R y is then local
-            x = r_((yield rt(x)))
-    # Rayleigh quotient ||R^T x||^2 / ||x||^2; the squared norms of split vectors are summed over the ranks
-    y = rt(x)
-    if split == "cols":
-        num = yield y.square().sum(-1, keepdim=True)
-        return num.squeeze(-1) / x.square().sum(-1)
-    if split == "rows":
-        y_and_norm = yield torch.cat([y, x.square().sum(-1, keepdim=True)], dim=-1)
-        y, xx = y_and_norm[:, :-1], y_and_norm[:, -1]
-        return y.square().sum(-1) / xx
-    y = yield y
-    return y.square().sum(-1) / x.square().sum(-1)
+    its slice) or "cols" (this rank holds some columns of R). Products that follow each other without a sum over
+    the ranks between them go together (one read of U in the C loops): wide R^T x, then (R y, R^T of it) twice;
+    tall (R^T x, R of it) twice, then R^T x. first: R^T x0 when the momentum pass already formed it (wide)."""
+    p = _products(U, row_scale, x0, native)
+    if tall:  # R^T x is local in both placements; R y sums over the column blocks ("cols")
+        x = p.x0
+        for _ in range(ROUNDS - 1):
+            x = yield p.tall_pair(x)
+        num = yield p.tall_last(x).square().sum(-1, keepdim=True)
+        return (num / x.square().sum(-1, keepdim=True)).reshape(-1)
+    # wide: R^T x sums over the row blocks ("rows"); R y is local
+    y = yield (p.wide_first(p.x0) if first is None else p.vector(first))
+    for r in range(ROUNDS - 1):
+        y, x = p.wide_pair(y)
+        if r < ROUNDS - 2:
+            y = yield y
+    # the Rayleigh quotient ||R^T x||^2 / ||x||^2, both squared norms summed over the ranks in one collective
+    both = yield torch.cat([y, x.square().sum(-1, keepdim=True)], dim=-1)
+    return (both[..., :-1].square().sum(-1) / both[..., -1]).reshape(-1)
 
 
 def cap_factors(problems: list[tuple[Tensor, Tensor, bool, Tensor, str | None, float]],
-                reduce: Callable[[Tensor], Tensor] | None = None) -> list[Tensor]:
+                reduce: Callable[[Tensor], Tensor] | None = None, native: bool = False,
+                firsts: list[Tensor | None] | None = None) -> list[Tensor]:
     """min(1, cap / sigma) per matrix ([B, 1, 1], to multiply into the row factors) for each bucket's problem
     (U, row_scale, tall, x0, split, cap). All buckets advance together: each round one `reduce` of their partial
-    sums in one flat fp32/fp64 tensor."""
+    sums in one flat fp32/fp64 tensor. native: the products as C loops where they take the tensors
+    (compile_rownorm on CPU; same maths, sums in another order). firsts: per problem, R^T x0 where the momentum pass
+    already formed it (fused_rownorm.momentum_pass; wide buckets), else None."""
     if not problems:
         return []
-    runs = [_power_iteration(U, s, tall, x0, split) for U, s, tall, x0, split, _ in problems]
+    firsts = firsts or [None] * len(problems)
+    runs = [_power_iteration(U, s, tall, x0, split, native, first)
+            for (U, s, tall, x0, split, _), first in zip(problems, firsts)]
     parts = [next(run) for run in runs]
     sigma2: list[Tensor | None] = [None] * len(runs)
     while True:
@@ -109,12 +165,12 @@ def cap_factors(problems: list[tuple[Tensor, Tensor, bool, Tensor, str | None, f
         if any(v is not None for v in sigma2):  # every bucket runs the same number of rounds
             break
         parts = nxt
-    out = []
-    for (U, *_, cap), s2 in zip(problems, sigma2):
-        sigma = torch.nan_to_num(s2, nan=0.0).clamp_min(0.0).sqrt()
-        factor = torch.where(sigma > cap, cap / sigma.clamp_min(1e-30), torch.ones_like(sigma))
-        out.append(factor.view(-1, 1, 1))
-    return out
+    # the factors of every bucket at once (a few ops instead of a few per bucket)
+    sigma = torch.nan_to_num(torch.cat(sigma2), nan=0.0).clamp_min(0.0).sqrt()
+    caps = torch.tensor([cap for (*_, cap), s2 in zip(problems, sigma2) for _ in range(s2.numel())],
+                        dtype=sigma.dtype, device=sigma.device)
+    factor = torch.where(sigma > caps, caps / sigma.clamp_min(1e-30), torch.ones_like(sigma))
+    return [f.view(-1, 1, 1) for f in factor.split([s2.numel() for s2 in sigma2])]
 
 
 def whole_matrix_problem(U: Tensor, row_scale: Tensor, tall: bool):
