@@ -88,3 +88,27 @@ def test_c_loops_match_eager_passes_in_fp64():
             torch.testing.assert_close(W1, W_ref)
             if store:
                 torch.testing.assert_close(U[0], X)
+
+
+def test_compile_rownorm_auto_fuses_where_the_c_loops_run():
+    """auto (the default): the C loops for fp32/fp64 CPU parameters, eager for others (bf16 here; CUDA's DTensors
+    report device type cuda, like the meta tensors below); a bad value is refused in one line."""
+    from conftest import compose
+
+    from dit_train.config import ConfigError, validate
+
+    assert native_rownorm.load() is not None, "the C kernels did not build (is there a C compiler?)"
+
+    def fused(*matrices, setting="auto"):
+        return MatrixOptimizer([torch.nn.Parameter(m) for m in matrices], lr=0.1,
+                               compile_rownorm=setting).compile_rownorm
+
+    assert fused(torch.zeros(4, 8), torch.zeros(8, 4, dtype=torch.float64))
+    assert not fused(torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.bfloat16))
+    assert not fused(torch.zeros(4, 8, device="meta"))
+    assert fused(torch.zeros(4, 8, device="meta"), setting=True) and not fused(torch.zeros(4, 8), setting=False)
+    with pytest.raises(ValueError, match="compile_rownorm='yes' is not valid; choose auto, true or false"):
+        fused(torch.zeros(4, 8), setting="yes")
+    assert compose(["optimizer=periodic_rowwise", "run_dir=/tmp/unused"]).optimizer.compile_rownorm == "auto"
+    with pytest.raises(ConfigError, match="compile_rownorm"):
+        validate(compose(["optimizer=rownorm", "optimizer.compile_rownorm=yes", "run_dir=/tmp/unused"]))

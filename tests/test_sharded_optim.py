@@ -36,6 +36,7 @@ KINDS = {"adamw": {},  # every parameter in the AdamW group (optimizer=adamw)
 SMALL = 0.003  # gather mode's bucket_mb: ~3 KB buckets, so same-shape batches are split over several buckets
 # name -> (optimizer, group kwargs shared with the single-process reference, placement kwargs)
 FROBENIUS = {"rownorm_scale": "frobenius"}
+EAGER = {"compile_rownorm": False}  # the RowNorm passes as torch ops: what CUDA runs (compile_rownorm auto)
 CASES = {
     "adamw": ("adamw", {}, {}),
     "muon/gather": ("muon", {}, {"distributed_mode": "gather"}),
@@ -44,15 +45,15 @@ CASES = {
                                                                     "distributed_mode": "gather"}),
     "muon/owner/fp32": ("muon", {"ns_dtype": "fp32"}, {"gather_dtype": "fp32", "distributed_mode": "owner"}),
     # the paper's frobenius RowNorm scale, named (the default is spectral)
-    "periodic_rowwise/gather/buckets": ("periodic_rowwise", FROBENIUS, {"bucket_mb": SMALL,
-                                                                        "distributed_mode": "gather"}),
-    "periodic_rowwise/owner": ("periodic_rowwise", FROBENIUS, {"distributed_mode": "owner"}),
-    "rownorm": ("rownorm", FROBENIUS, {}),
+    "periodic_rowwise/gather/buckets": ("periodic_rowwise", {**FROBENIUS, **EAGER},
+                                        {"bucket_mb": SMALL, "distributed_mode": "gather"}),
+    "periodic_rowwise/owner": ("periodic_rowwise", {**FROBENIUS, **EAGER}, {"distributed_mode": "owner"}),
+    "rownorm": ("rownorm", {**FROBENIUS, **EAGER}, {}),
     "mud/gather": ("mud", {}, {"gather_dtype": "fp32", "distributed_mode": "gather"}),
     "mud/owner": ("mud", {}, {"gather_dtype": "fp32", "distributed_mode": "owner"}),
     # the spectral RowNorm scale (optim/spectral_cap.py) on rank-1 gradients, where its cap is active
-    "rownorm/spectral": ("rownorm", {"rownorm_scale": "spectral"}, {}),
-    "periodic_rowwise/spectral/owner": ("periodic_rowwise", {"rownorm_scale": "spectral"},
+    "rownorm/spectral": ("rownorm", {"rownorm_scale": "spectral", **EAGER}, {}),
+    "periodic_rowwise/spectral/owner": ("periodic_rowwise", {"rownorm_scale": "spectral", **EAGER},
                                         {"distributed_mode": "owner"}),
     # RowNorm's elementwise passes compiled (optim/fused_rownorm.py): the same column sums travel
     "periodic_rowwise/spectral/compiled": ("periodic_rowwise", {"rownorm_scale": "spectral"},

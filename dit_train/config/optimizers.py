@@ -5,7 +5,7 @@ mirrors those files. Adding an optimizer: a schema here, a builder in dit_train/
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from .fields import choice, int_at_least, key, number
 from .schema import DTYPE_NAMES
@@ -47,14 +47,15 @@ def _rownorm_scale():
 
 
 def _compile_rownorm():
-    # conf/optimizer/_rownorm_scale.yaml: RowNorm steps as compiled kernels (optim/fused_rownorm.py)
-    return key("true or false")
+    # conf/optimizer/_rownorm_scale.yaml: RowNorm steps as fused kernels (optim/fused_rownorm.py)
+    return choice("auto", True, False, valid="choose auto (the C loops on CPU where they build, eager elsewhere), "
+                                             "true or false")
 
 
 @dataclass
 class RowNormConfig(MatrixConfig):
     rownorm_scale: str = _rownorm_scale()
-    compile_rownorm: bool = _compile_rownorm()
+    compile_rownorm: Any = _compile_rownorm()
 
 
 @dataclass
@@ -68,7 +69,7 @@ class MuonConfig(MatrixConfig):
 class PeriodicRowwiseConfig(MuonConfig):
     K: int = int_at_least(1)
     rownorm_scale: str = _rownorm_scale()
-    compile_rownorm: bool = _compile_rownorm()
+    compile_rownorm: Any = _compile_rownorm()
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""The elementwise passes of a RowNorm step fused into two passes per shape bucket (optional: `compile_rownorm`).
+"""The elementwise passes of a RowNorm step fused into two passes per shape bucket (`compile_rownorm`; `auto`,
+the default, fuses where they run as C loops).
 
 Eager, a RowNorm step is six torch ops per matrix (momentum lerp, Nesterov input stacked into U, U's row sums of
 squares, weight decay, scaled update), ~2x the time of torch's fused AdamW kernel on the same matrices
@@ -26,10 +27,25 @@ import types
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from . import native_rownorm
 
 COLUMN_SUM_BLOCK = 16
+
+
+def resolve_compile_rownorm(setting, matrices: list) -> bool:
+    """compile_rownorm as the optimizer runs it. "auto" (the default): on where the passes run as the C loops (every
+    matrix parameter on CPU in fp32/fp64, and the library builds), eager elsewhere: on CUDA a RowNorm step is a few
+    milliseconds of memory traffic, and the torch.compile'd kernels it would take have not run on a GPU yet
+    (true opts in). DTensor parameters report their mesh's device type and their dtype, as their shards have. Fake
+    tensors (the memory estimate runs the real step on them) have no memory for C loops to read: eager."""
+    if setting == "auto":
+        return bool(matrices) and all(p.device.type == "cpu" and p.dtype in (torch.float32, torch.float64)
+                                      and not is_fake(p) for p in matrices) and native_rownorm.load() is not None
+    if not isinstance(setting, bool):
+        raise ValueError(f"compile_rownorm={setting!r} is not valid; choose auto, true or false")
+    return setting
 
 
 def _sumsq(x: Tensor, tall: bool) -> Tensor:

@@ -38,7 +38,7 @@ from torch.optim.adam import adam as _adam_functional
 
 from ..timing import active_timer
 from .directions import inv_norms_from_sumsq, mud_whiten, newton_schulz5, row_inv_norms
-from .fused_rownorm import momentum_pass, update_pass
+from .fused_rownorm import momentum_pass, resolve_compile_rownorm, update_pass
 from .spectral_cap import cap_factors, start_vectors, whole_matrix_problem
 
 SCALE_RULES = ("moonlight", "keller", "none")
@@ -165,7 +165,7 @@ class MatrixOptimizer(Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         adamw_impl: str = "fused",
-        compile_rownorm: bool = False,
+        compile_rownorm: bool | str = "auto",
     ):
         defaults = dict(
             kind="matrix", lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, scale=scale,
@@ -173,10 +173,11 @@ class MatrixOptimizer(Optimizer):
             ns_dtype=_dtype_name(ns_dtype), ns_gram=ns_gram, mud_passes=mud_passes, mud_solve=mud_solve,
             direction_eps=direction_eps, rownorm_scale=rownorm_scale, betas=tuple(betas), eps=eps, adamw_impl=adamw_impl, step=0,
         )
+        super().__init__(params, defaults)
         # RowNorm steps' elementwise passes fused (fused_rownorm.py: C loops on CPU, compiled kernels elsewhere): an
         # implementation choice with the same maths, so an attribute (not a group key, not in the state_dict)
-        self.compile_rownorm = bool(compile_rownorm)
-        super().__init__(params, defaults)
+        self.compile_rownorm = resolve_compile_rownorm(
+            compile_rownorm, [p for g in self.param_groups if g["kind"] == "matrix" for p in g["params"]])
         self._workspace: dict = {}
         self._last_info: dict[str, float] = {}
         self.routing_table: str = ""

@@ -26,6 +26,7 @@ import warnings
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "rownorm_kernels.c")
@@ -78,17 +79,18 @@ def load():
             _lib.append(ctypes.CDLL(path))
         except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
             detail = getattr(e, "stderr", "") or e
-            warnings.warn(f"compile_rownorm: the C RowNorm kernels could not be built ({detail}); "
-                          "using the torch.compile kernels on CPU")
+            warnings.warn(f"compile_rownorm: the C RowNorm kernels could not be built ({detail}); RowNorm steps on "
+                          "CPU run eagerly (compile_rownorm=auto) or as torch.compile kernels (true)")
             _lib.append(None)
     return _lib[0]
 
 
 def supports(*tensors: Tensor) -> bool:
-    """Whether the C loops take these tensors (one dtype, fp32/fp64, contiguous, on CPU) and the library loads."""
+    """Whether the C loops take these tensors (one dtype, fp32/fp64, contiguous, on CPU, with memory: not fake) and
+    the library loads."""
     dtype = tensors[0].dtype
     return (dtype in _SUFFIX and all(t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
-                                     for t in tensors) and load() is not None)
+                                     and not is_fake(t) for t in tensors) and load() is not None)
 
 
 def _ptr(t: Tensor | None):
