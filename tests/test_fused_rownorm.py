@@ -110,5 +110,10 @@ def test_compile_rownorm_auto_fuses_where_the_c_loops_run():
     with pytest.raises(ValueError, match="compile_rownorm='yes' is not valid; choose auto, true or false"):
         fused(torch.zeros(4, 8), setting="yes")
     assert compose(["optimizer=periodic_rowwise", "run_dir=/tmp/unused"]).optimizer.compile_rownorm == "auto"
+    from dit_train.optim.registry import build_optimizer  # the run's optimizer line says which path auto took
+
+    for dtype, path in ((torch.float32, "fused"), (torch.bfloat16, "eager")):
+        opt = build_optimizer(torch.nn.Linear(8, 8, dtype=dtype), {"name": "rownorm"})
+        assert f"RowNorm passes {path} (compile_rownorm auto)" in opt.routing_table
     with pytest.raises(ConfigError, match="compile_rownorm"):
         validate(compose(["optimizer=rownorm", "optimizer.compile_rownorm=yes", "run_dir=/tmp/unused"]))

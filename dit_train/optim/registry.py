@@ -76,6 +76,9 @@ def build_matrix(model: nn.Module, c: dict, *, name: str, direction: str,
     sched = f"{direction} when step % {K} == 0, {between} otherwise" if between else f"{direction} every step"
     dtype = f", NS5 in {c['ns_dtype']}" if "ns_dtype" in c else ""
     dtype += f", RowNorm scale {c['rownorm_scale']}" if "rownorm_scale" in c else ""
+    if "compile_rownorm" in c:  # what compile_rownorm (auto by default) resolved to on these parameters
+        dtype += f", RowNorm passes {'fused' if opt.compile_rownorm else 'eager'} " \
+                 f"(compile_rownorm {c['compile_rownorm']})"
     where = f"; {opt.describe_placement()}" if sharded else ""
     opt.routing_table = _describe(
         name, routing,
