@@ -136,3 +136,17 @@ def update_pass(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor], U
     if U.numel() == 0:
         return _update(*args)
     _kernel(_update, len(params), tall, stored_u)(*args)
+
+
+def one_pass_takes(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor]) -> bool:
+    """Whether `one_pass` runs on this bucket: the C loops take its tensors (fp32/fp64, contiguous, on CPU)."""
+    return bool(params) and native_rownorm.supports(*params, *grads, *bufs)
+
+
+def one_pass(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor], mu: float, nesterov: bool, tall: bool,
+             eps: float, decay: float, alpha: float) -> None:
+    """momentum_pass, the frobenius row factors (directions.inv_norms_from_sumsq) and update_pass in one C call,
+    bit for bit: for a bucket whose row factors are local (whole rows of a wide matrix, whole columns of a tall
+    one), each row's (wide) or column strip's (tall) G and M are read back from the cache instead of memory."""
+    native_rownorm.step(params, grads, bufs, 1.0 - mu, _coefficient(mu, nesterov), nesterov, tall, eps, decay,
+                        alpha)
