@@ -11,7 +11,11 @@ passes are the fewest the maths allows:
   direction reads it (the spectral RowNorm scale's power iteration); otherwise nothing but M is stored;
 - update_pass: W <- decay W + alpha U s (s: the row factors, shaped to broadcast against W), with U read from the
   workspace or, when it was not stored, recomputed from G and M (two reads instead of one write and one read).
-Read and written once each, that is 3 + 4 transfers per element, as many as fused AdamW's 7.
+Read and written once each, that is 3 + 4 transfers per element, as many as fused AdamW's 7. With the frobenius
+scale, a bucket whose row factors are local (`one_pass`: C loops only) runs both passes in one call, reordered so
+that the update reads G and M back from the cache: a wide matrix's chunk of rows right after its momentum (G, M
+and W read once from memory: 5 transfers), a tall matrix's columns right after the whole matrix's momentum (from
+L3); the same bits as the two passes.
 On CPU the passes are C loops (native_rownorm.py) for the fp32/fp64 contiguous tensors they take: inductor's
 kernels for them read G and M twice (the reduction and the stores are two loop nests) and, at 1 thread on the
 benchmark model, were no faster than eager. Elsewhere (CUDA: Triton) the same two passes are torch.compile'd
@@ -136,3 +140,17 @@ def update_pass(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor], U
     if U.numel() == 0:
         return _update(*args)
     _kernel(_update, len(params), tall, stored_u)(*args)
+
+
+def one_pass_takes(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor]) -> bool:
+    """Whether `one_pass` runs on this bucket: the C loops take its tensors (fp32/fp64, contiguous, on CPU)."""
+    return bool(params) and native_rownorm.supports(*params, *grads, *bufs)
+
+
+def one_pass(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor], mu: float, nesterov: bool, tall: bool,
+             eps: float, decay: float, alpha: float) -> None:
+    """momentum_pass, the frobenius row factors (directions.inv_norms_from_sumsq) and update_pass in one C call,
+    bit for bit: for a bucket whose row factors are local (whole rows of a wide matrix, whole columns of a tall
+    one), each row's (wide) or column strip's (tall) G and M are read back from the cache instead of memory."""
+    native_rownorm.step(params, grads, bufs, 1.0 - mu, _coefficient(mu, nesterov), nesterov, tall, eps, decay,
+                        alpha)

@@ -38,7 +38,7 @@ from torch.optim.adam import adam as _adam_functional
 
 from ..timing import active_timer
 from .directions import inv_norms_from_sumsq, mud_whiten, newton_schulz5, row_inv_norms
-from .fused_rownorm import momentum_pass, resolve_compile_rownorm, update_pass
+from .fused_rownorm import momentum_pass, one_pass, one_pass_takes, resolve_compile_rownorm, update_pass
 from .spectral_cap import cap_factors, start_vectors, whole_matrix_problem
 
 SCALE_RULES = ("moonlight", "keller", "none")
@@ -249,13 +249,18 @@ class MatrixOptimizer(Optimizer):
         store_u = not fused or caps_rownorm(kind, group)
         # ... and then the momentum pass also forms the power iteration's first product of wide buckets
         fold_eps = group["direction_eps"] if fused and caps_rownorm(kind, group) else None
+        # with the frobenius scale, buckets whose row factors are local take momentum, factors and update in one
+        # C pass in the update phase (fused_rownorm.one_pass): no U, no direction
+        one = {key for key, idx in buckets.items()
+               if fused and not caps_rownorm(kind, group) and self._row_factors_local(key)
+               and one_pass_takes(*[[ts[i] for i in idx] for ts in (params, grads, bufs)])}
         with timer.phase("momentum"):
             if not fused:
                 torch._foreach_lerp_(bufs, grads, 1.0 - mu)  # buffer = (1 - mu) M: M <- mu M + G
             inputs = {key: self._stack_inputs(key, idx, grads, bufs, mu, nesterov,
                                               self._input_dtype(kind, key, group, params[idx[0]].dtype), fused,
                                               store_u, fold_eps)
-                      for key, idx in buckets.items()}
+                      for key, idx in buckets.items() if key not in one}
         directions = self._directions(kind, inputs, group, timer)
         with timer.phase("update"):
             decay = 1.0 - lr * wd
@@ -264,8 +269,12 @@ class MatrixOptimizer(Optimizer):
             for key, idx in buckets.items():
                 m, n = key[0]
                 alpha = -lr * update_scale(group["scale"], m, n)
-                D, row_scale = directions[key]
                 bucket = [params[i] for i in idx]
+                if key in one:
+                    one_pass(bucket, [grads[i] for i in idx], [bufs[i] for i in idx], mu, nesterov, m > n,
+                             group["direction_eps"], decay, alpha)
+                    continue
+                D, row_scale = directions[key]
                 if fused:  # weight decay and update in one pass; RowNorm always has a row scale
                     update_pass(bucket, [grads[i] for i in idx], [bufs[i] for i in idx], D, store_u, row_scale,
                                 decay, alpha, mu, nesterov, m > n)
@@ -300,6 +309,10 @@ class MatrixOptimizer(Optimizer):
     @staticmethod
     def _local(t: Tensor) -> Tensor:
         return t
+
+    def _row_factors_local(self, key) -> bool:
+        """Whether a bucket's RowNorm row factors come from the matrices held here alone (whole matrices: yes)."""
+        return True
 
     def _input_dtype(self, kind: str, key, group: dict, param_dtype: torch.dtype) -> torch.dtype:
         """Dtype of the stacked direction input: NS5 reads its compute dtype directly (the cast is fused into the

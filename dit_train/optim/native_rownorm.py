@@ -148,6 +148,40 @@ def update(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor], U: Ten
         ctypes.c_int(tall), ctypes.c_int(torch.get_num_threads()))
 
 
+_sqrt: dict = {}
+
+
+def _torch_sqrt(dtype: torch.dtype):
+    """The function torch's CPU sqrt runs for this dtype where it is not the correctly rounded one: MKL's vmsSqrt_64 /
+    vmdSqrt_64 (high-accuracy mode, not always correctly rounded) in builds with MKL, found in libtorch_cpu; None
+    (the C loops' own sqrt, as torch's vectorised one) without MKL."""
+    if dtype not in _sqrt:
+        fn = None
+        if torch.backends.mkl.is_available():
+            try:
+                lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+                fn = ctypes.cast(getattr(lib, "vmsSqrt_64" if dtype == torch.float32 else "vmdSqrt_64"),
+                                 ctypes.c_void_p)
+            except (OSError, AttributeError):
+                fn = None
+        _sqrt[dtype] = fn
+    return _sqrt[dtype]
+
+
+def step(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor], keep: float, c: float, nesterov: bool,
+         tall: bool, eps: float, decay: float, alpha: float) -> None:
+    """momentum, then the row factors 1 / max(|row|, eps), then update, for a bucket whose factors need no other
+    rank's sums, in one call that reads each item's G and M back while they are in cache (rownorm_step); the
+    factors bit for bit as directions.inv_norms_from_sumsq computes them (torch's own sqrt)."""
+    B, (rows, cols) = len(params), params[0].shape
+    real, dtype = _CTYPE[params[0].dtype], params[0].dtype
+    sums = scratch(B * (cols if tall else blocks(rows) * BLOCK_ROWS), dtype)
+    getattr(load(), f"rownorm_step_{_SUFFIX[dtype]}")(
+        _ptrs(params), _ptrs(grads), _ptrs(bufs), _ptr(sums), ctypes.c_long(B), ctypes.c_long(rows),
+        ctypes.c_long(cols), real(keep), real(c), ctypes.c_int(nesterov), ctypes.c_int(tall), real(eps),
+        real(decay), real(alpha), _torch_sqrt(dtype), ctypes.c_int(torch.get_num_threads()))
+
+
 # power_iteration.inc's products, numbered as its enum
 WIDE_FIRST, WIDE_PAIR, TALL_PAIR, TALL_LAST = range(4)
 

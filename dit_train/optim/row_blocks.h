@@ -26,6 +26,11 @@
 #define STRIP_ALIGN 16               /* column strips start at multiples of 16 columns (64 B of fp32) */
 #define MIN_WORK_PER_THREAD (1L << 16) /* elements: below ~64K a thread costs more than it saves */
 #define MAX_THREADS 64
+/* the one-pass step (rownorm_passes.inc): columns per item of a tall bucket (whole matrices at DiT widths: a matrix's
+ * G and M are read back from the L3 cache), and bytes of G and M per chunk of a wide bucket's rows (read back
+ * from L2) */
+#define STEP_STRIP 1024
+#define STEP_CHUNK_BYTES (24L << 10)
 
 typedef void (*item_fn)(void *ctx, long item);
 

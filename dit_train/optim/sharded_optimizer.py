@@ -170,6 +170,10 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
                 f"{exchange}{behind}")
 
     # ---- the direction stage ----------------------------------------------------------------------------------
+    def _row_factors_local(self, key) -> bool:
+        """A wide matrix's shards hold whole rows; a tall one's column sums are all-reduced (placement)."""
+        return placement("rownorm", *key[0]) == LOCAL
+
     def _input_dtype(self, kind: str, key, group: dict, param_dtype: torch.dtype) -> torch.dtype:
         if placement(kind, *key[0]) == WHOLE:
             return DTYPES[self.gather_dtype]
