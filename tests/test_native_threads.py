@@ -13,7 +13,7 @@ from dit_train.optim import native_rownorm
 from dit_train.optim.spectral_cap import _NativeProducts, _TorchProducts
 
 # B x rows x cols: several row blocks (BLOCK_ROWS = 128), a partial last one, over the work threshold (2^16 elements
-# per thread); 2 matrices on 3 threads: the column sums split each matrix into strips
+# per thread); 2 matrices on 3 threads
 SHAPES = [(3, 300, 270), (2, 270, 520)]
 DTYPES = [torch.float32, torch.float64]
 
@@ -97,3 +97,35 @@ def test_products_equal_the_torch_products(tall, dtype):
         y0 = native_rownorm.momentum(list(U.unbind(0)), M, Ub, sums, 1.0, 0.0, True, False, x0, 1e-7)
         r = sums.sqrt().clamp_min(1e-7).reciprocal().reshape(B, -1)
         close(y0, flat(_TorchProducts(U, r, x0).wide_first(x0.unsqueeze(1))), tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tall", [False, True], ids=["wide", "tall"])
+def test_streamed_u_equals_u_written_through_the_cache(tall, dtype):
+    """A bucket's U from STREAM_MIN_BYTES (16 MiB) up is written with streaming stores (row_blocks.h): the same bits
+    for U, M, the sums and the folded first product as the same matrices one call each (8-9 MiB, plain stores).
+    Rows of 1000 (fp32) or 500 (fp64) values start off the 64-byte lines, so the unaligned head and the tail run."""
+    rows, cols = (1000, 2200) if not tall else (2200, 1000)
+    if dtype == torch.float64:
+        cols //= 2
+    shape = (2, rows, cols)
+    assert 2 * rows * cols * dtype.itemsize >= 16 << 20 > rows * cols * dtype.itemsize
+
+    def run(pieces):
+        G, M = bucket(shape, dtype, 1), bucket(shape, dtype, 2)
+        x0 = torch.randn(2, rows, generator=torch.Generator().manual_seed(4), dtype=dtype)
+        us, sums_, ys = [], [], []
+        for idx in pieces:
+            U = torch.empty(len(idx), rows, cols, dtype=dtype)
+            sums = torch.empty((len(idx), 1, cols) if tall else (len(idx), rows, 1), dtype=dtype)
+            y0 = native_rownorm.momentum([G[i] for i in idx], [M[i] for i in idx], U, sums, 0.05, 19.0, True, tall,
+                                         x0[idx].contiguous(), 1e-7)
+            us += U.unbind(0)
+            sums_ += sums.unbind(0)
+            ys += [] if y0 is None else y0.unbind(0)
+        return us + sums_ + ys + M
+
+    streamed, plain = run([[0, 1]]), run([[0], [1]])
+    assert len(streamed) == len(plain)
+    for a, b in zip(streamed, plain):
+        assert torch.equal(a, b)

@@ -1,5 +1,5 @@
-"""The frobenius RowNorm step in one C pass per bucket (fused_rownorm.one_pass: momentum, row factors and update
-with each row's or column strip's G and M read back from the cache) gives the same bits as the two passes with the
+"""The frobenius RowNorm step in one C call per bucket (fused_rownorm.one_pass: momentum, row factors and update;
+a wide bucket's rows read back from the cache, a tall bucket's two sweeps one after the other) gives the same bits as the two passes with the
 factors computed by torch between them (momentum_pass, directions.inv_norms_from_sumsq, update_pass), on any
 thread count and in both builds (OpenMP, pthreads), and MatrixOptimizer takes it where the factors are local."""
 
@@ -14,7 +14,7 @@ from dit_train.optim import matrix_optimizer
 from dit_train.optim.matrix_optimizer import MatrixOptimizer
 
 # B x rows x cols: wide rows over several chunks and row blocks (BLOCK_ROWS = 128) with a partial last one; square
-# (wide); tall with several column strips (STEP_STRIP = 1024) and a partial last one
+# (wide); tall over several row blocks with a partial last one
 SHAPES = [(3, 300, 270), (2, 130, 130), (2, 5, 1000), (3, 270, 40), (1, 1100, 1030)]
 DTYPES = [torch.float32, torch.float64]
 

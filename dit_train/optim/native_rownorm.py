@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "rownorm_kernels.c")
 # every file the library is built from: its cache key hashes them all
 PARTS = [SOURCE] + [os.path.join(HERE, f) for f in ("row_blocks.h", "rownorm_passes.inc", "power_iteration.inc")]
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-pthread", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-pthread", "-shared", "-fPIC"]
 # first choice: the threads of torch's OpenMP runtime (row_blocks.h); FLAGS alone where -fopenmp does not build
 OPENMP = ["-fopenmp"]
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
@@ -129,7 +129,8 @@ def momentum(grads: list[Tensor], bufs: list[Tensor], U: Tensor | None, sums: Te
     real, dtype = _CTYPE[grads[0].dtype], grads[0].dtype
     fold = x0 is not None and not tall and U is not None
     y0 = torch.empty(B, cols, dtype=dtype) if fold else None
-    partial = scratch(B * blocks(rows) * cols, dtype) if fold else None
+    # per block of rows: its part of R^T x0 (fold) or of the column sums (tall)
+    partial = scratch(B * blocks(rows) * cols, dtype) if fold or tall else None
     getattr(load(), f"rownorm_momentum_{_SUFFIX[dtype]}")(
         _ptrs(grads), _ptrs(bufs), _ptr(U), _ptr(sums), _ptr(x0 if fold else None), _ptr(y0), _ptr(partial),
         ctypes.c_long(B), ctypes.c_long(rows), ctypes.c_long(cols), real(keep), real(c), ctypes.c_int(nesterov),
@@ -175,7 +176,7 @@ def step(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor], keep: fl
     factors bit for bit as directions.inv_norms_from_sumsq computes them (torch's own sqrt)."""
     B, (rows, cols) = len(params), params[0].shape
     real, dtype = _CTYPE[params[0].dtype], params[0].dtype
-    sums = scratch(B * (cols if tall else blocks(rows) * BLOCK_ROWS), dtype)
+    sums = scratch(B * ((blocks(rows) + 1) * cols if tall else blocks(rows) * BLOCK_ROWS), dtype)
     getattr(load(), f"rownorm_step_{_SUFFIX[dtype]}")(
         _ptrs(params), _ptrs(grads), _ptrs(bufs), _ptr(sums), ctypes.c_long(B), ctypes.c_long(rows),
         ctypes.c_long(cols), real(keep), real(c), ctypes.c_int(nesterov), ctypes.c_int(tall), real(eps),

@@ -3,10 +3,8 @@
  * A kernel splits its work into a fixed list of items (a matrix of the bucket times a block of BLOCK_ROWS rows)
  * that does not depend on the thread count; each item writes only its own outputs (its rows, or its own slot of
  * partial sums, which the caller then adds up in item order). Threads only decide who runs which item, so results
- * are bit-identical for any thread count. (Column sums are the exception that needs no fixed partition: each
- * column's sum runs over the rows in order whichever strip of columns an item takes, so their strips follow the
- * thread count, and one thread reads whole rows.) Threads take the items one at a time, so one that other jobs
- * keep off the cores takes fewer of them instead of holding up the rest.
+ * are bit-identical for any thread count. Threads take the items one at a time, so one that other jobs keep off
+ * the cores takes fewer of them instead of holding up the rest.
  *
  * Built with -fopenmp (native_rownorm.py's first choice), the threads are torch's own OpenMP team: the library
  * links libgomp.so.1, which in a torch process is the copy torch has loaded. Threads of our own would compete with
@@ -23,13 +21,14 @@
 #include <stdlib.h>
 
 #define BLOCK_ROWS 128                /* rows per item: one partial-sum vector per block */
-#define STRIP_ALIGN 16               /* column strips start at multiples of 16 columns (64 B of fp32) */
 #define MIN_WORK_PER_THREAD (1L << 16) /* elements: below ~64K a thread costs more than it saves */
 #define MAX_THREADS 64
-/* the one-pass step (rownorm_passes.inc): columns per item of a tall bucket (whole matrices at DiT widths: a matrix's
- * G and M are read back from the L3 cache), and bytes of G and M per chunk of a wide bucket's rows (read back
- * from L2) */
-#define STEP_STRIP 1024
+/* the one-pass step (rownorm_passes.inc): bytes of G and M per chunk of a wide bucket's rows (read back from L2) */
+/* blocks of rows per item of the power iteration's products, read in turn (power_iteration.inc) */
+#define PI_GROUP 4
+/* the momentum pass writes U with streaming stores from this size of U up (rownorm_passes.inc: stream_row): the
+ * power iteration then reads it from memory; smaller buckets' U is read back from the cache */
+#define STREAM_MIN_BYTES (16L << 20)
 #define STEP_CHUNK_BYTES (24L << 10)
 
 typedef void (*item_fn)(void *ctx, long item);
