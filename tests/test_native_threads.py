@@ -4,8 +4,6 @@ power-iteration products give the same bits on 1 thread as on 2 and 3, on bucket
 OpenMP (torch's threads) and with the pthreads fallback; and the products equal the batched torch products to
 float rounding."""
 
-import ctypes
-
 import pytest
 import torch
 
@@ -18,18 +16,8 @@ SHAPES = [(3, 300, 270), (2, 270, 520)]
 DTYPES = [torch.float32, torch.float64]
 
 
-@pytest.fixture(autouse=True, params=["openmp", "pthreads"])
-def kernels_built(request, tmp_path_factory, monkeypatch):
-    """Both builds: with OpenMP (torch's threads; what load() builds here) and the pthreads fallback."""
-    assert native_rownorm.load() is not None, "the C kernels did not build (is there a C compiler?)"
-    if request.param == "pthreads":
-        path = str(tmp_path_factory.mktemp("pthreads") / "kernels.so")
-        monkeypatch.setattr(native_rownorm, "OPENMP", ["-fno-openmp"])
-        native_rownorm._build(path)
-        monkeypatch.setattr(native_rownorm, "_lib", [ctypes.CDLL(path)])
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
+# both builds: with OpenMP (torch's threads) and the pthreads fallback (conftest.native_kernels)
+pytestmark = pytest.mark.usefixtures("native_kernels")
 
 
 def bucket(shape, dtype, seed=0):

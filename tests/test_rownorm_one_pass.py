@@ -3,7 +3,6 @@ a wide bucket's rows read back from the cache, a tall bucket's two sweeps one af
 factors computed by torch between them (momentum_pass, directions.inv_norms_from_sumsq, update_pass), on any
 thread count and in both builds (OpenMP, pthreads), and MatrixOptimizer takes it where the factors are local."""
 
-import ctypes
 
 import pytest
 import torch
@@ -19,27 +18,8 @@ SHAPES = [(3, 300, 270), (2, 130, 130), (2, 5, 1000), (3, 270, 40), (1, 1100, 10
 DTYPES = [torch.float32, torch.float64]
 
 
-@pytest.fixture(scope="module")
-def pthreads_build(tmp_path_factory):
-    """The kernels built without OpenMP (threads of their own), once for the module."""
-    path = str(tmp_path_factory.mktemp("pthreads") / "kernels.so")
-    openmp, native_rownorm.OPENMP = native_rownorm.OPENMP, ["-fno-openmp"]
-    try:
-        native_rownorm._build(path)
-    finally:
-        native_rownorm.OPENMP = openmp
-    return ctypes.CDLL(path)
-
-
-@pytest.fixture(autouse=True, params=["openmp", "pthreads"])
-def kernels_built(request, monkeypatch):
-    """Both builds, as in tests/test_native_threads.py; the thread count restored afterwards."""
-    assert native_rownorm.load() is not None, "the C kernels did not build (is there a C compiler?)"
-    if request.param == "pthreads":
-        monkeypatch.setattr(native_rownorm, "_lib", [request.getfixturevalue("pthreads_build")])
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
+# both builds (OpenMP and the pthreads fallback), as tests/test_native_threads.py
+pytestmark = pytest.mark.usefixtures("native_kernels")
 
 
 def bucket(shape, dtype, seed):
