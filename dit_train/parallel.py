@@ -354,7 +354,10 @@ def clip_scaled(total: torch.Tensor, max_norm: float) -> torch.Tensor:
 def shutdown_process_group() -> None:
     """Leave the process group cleanly. Every rank first waits, through the TCP store rather than the backend, until
     all ranks are past their last collective: a gloo rank that tears down while a peer is still finishing the last
-    collective can abort that peer ("terminate called without an active exception", ~1 in 30 runs here)."""
+    collective can abort that peer ("terminate called without an active exception", ~1 in 30 runs here). Rank 0
+    then waits until every other rank is past that wait too: where rank 0 hosts the store (init from MASTER_ADDR,
+    as the tests do; torchrun's agent hosts its own), a rank 0 that left first closed the store under a peer still
+    reading it ("Connection reset by peer")."""
     if not dist.is_initialized():
         return
     try:
@@ -363,5 +366,9 @@ def shutdown_process_group() -> None:
             store = dist.distributed_c10d._get_default_store()
             store.set(f"dit_train/finished/{rank}", "1")
             store.wait([f"dit_train/finished/{r}" for r in range(world)])
+            if rank == 0:
+                store.wait([f"dit_train/left/{r}" for r in range(1, world)])
+            else:
+                store.set(f"dit_train/left/{rank}", "1")
     finally:
         dist.destroy_process_group()

@@ -1,12 +1,12 @@
 """Injected faults: preemption signals, kill -9 in the middle of checkpoint writes."""
 
 import json
+import multiprocessing
 import os
 import random
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
@@ -60,30 +60,30 @@ def test_preemption_signal_checkpoints_exits_requeueable_and_resumes(tmp_path, s
     assert json.load(open(run_dir / "summary.json"))["steps"] == step + 3
 
 
-WRITER = textwrap.dedent("""
-    import sys, torch
-    from dit_train import checkpoint as ckpt
-    run_dir, start = sys.argv[1], int(sys.argv[2])
+def write_checkpoints(run_dir: str, start: int, saved) -> None:
+    """Save a checkpoint per step from `start` on, reporting each completed save through the pipe `saved`."""
     for step in range(start, start + 1000):
         # ~8 MB of payload whose every value is the step: a torn file could not pass the check
         tensors = {"model": {"w": torch.full((2_000_000,), float(step))}}
         ckpt.save(run_dir, step, tensors, {"step": step}, keep_last=2)
-        print(step, flush=True)
-""")
+        saved.send(step)
 
 
 def test_kill_9_during_saves_never_loses_the_newest_complete_checkpoint(tmp_path):
-    script = tmp_path / "writer.py"
-    script.write_text(WRITER)
+    # each writer is a process of its own (forked from conftest's fork server, which has imported torch), killed
+    # with SIGKILL at a random point after its first completed save, often mid-write
+    ctx = multiprocessing.get_context("forkserver")
     rng = random.Random(0)
     newest_seen = -1
     for trial in range(20):
-        proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), str(newest_seen + 1)],
-                                stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": ROOT})
-        proc.stdout.readline()  # at least one save completed in this process
-        time.sleep(rng.uniform(0.0, 0.3))  # then die at a random point, often mid-write
+        receive, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=write_checkpoints, args=(str(tmp_path), newest_seen + 1, send))
+        proc.start()
+        assert receive.poll(120), f"trial {trial}: no save completed"  # at least one save in this process
+        time.sleep(rng.uniform(0.0, 0.3))
         proc.kill()
-        proc.wait()
+        proc.join()
+        assert proc.exitcode == -signal.SIGKILL
         path = ckpt.list_checkpoints(str(tmp_path))[-1]  # also removes the partial save
         step = ckpt.read_train_state(path)["step"]
         assert torch.all(ckpt.read_tensors(path, "model")["w"] == step), f"trial {trial}: torn checkpoint {path}"

@@ -218,7 +218,7 @@ def test_a_hung_peer_ends_the_survivor_with_one_line_after_the_timeout():
 
     from conftest import free_port
 
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")  # conftest: the server has imported torch and the trainer
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_hung_peer, args=(r, port, queue)) for r in range(2)]
