@@ -36,7 +36,7 @@ MAY_CHANGE_ON_RESUME = (
 
 # Keys added after runs were recorded, with the value that reproduces what those runs did: a checkpoint whose config
 # lacks the key resumes under that value (and only that one).
-ADDED_LATER = {"optimizer.rownorm_scale": "frobenius", "optimizer.spectral_estimate": "restart"}
+ADDED_LATER = {"optimizer.rownorm_scale": "frobenius"}
 
 
 def resume_candidates(cfg, remove_partial: bool = False) -> list[str]:

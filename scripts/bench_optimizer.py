@@ -44,13 +44,8 @@ from dit_train.timing import PhaseTimer, set_active_timer  # noqa: E402
 
 # the RowNorm step's variants: (contender suffix, label); spectral is the default scale (docs/algorithms.md §4)
 # and of its elementwise passes (eager, or compile_rownorm: the default on CPU where the C loops build)
-# and of the spectral scale's estimate (persistent: one round per step, folded into the two passes; restart: 3
-# rounds from a fixed start, U written and read back)
-SCALES_AND_PATHS = ((" spectral", ", rownorm_scale=spectral restart, eager"),
-                    (" spectral persistent", ", rownorm_scale=spectral persistent, eager"),
-                    ("", ", rownorm_scale=frobenius, eager"),
-                    (" spectral compiled", ", rownorm_scale=spectral restart, compile_rownorm"),
-                    (" spectral persistent compiled", ", rownorm_scale=spectral persistent, compile_rownorm"),
+SCALES_AND_PATHS = ((" spectral", ", rownorm_scale=spectral, eager"), ("", ", rownorm_scale=frobenius, eager"),
+                    (" spectral compiled", ", rownorm_scale=spectral, compile_rownorm"),
                     (" compiled", ", rownorm_scale=frobenius, compile_rownorm"))
 
 
@@ -140,16 +135,11 @@ def main():
         "periodic_rowwise": {"name": "periodic_rowwise", "K": 10, "rownorm_scale": "frobenius",
                              "compile_rownorm": False},
         "periodic_rowwise spectral": {"name": "periodic_rowwise", "K": 10, "rownorm_scale": "spectral",
-                                      "spectral_estimate": "restart", "compile_rownorm": False},
-        "periodic_rowwise spectral persistent": {"name": "periodic_rowwise", "K": 10, "rownorm_scale": "spectral",
-                                                 "spectral_estimate": "persistent", "compile_rownorm": False},
+                                      "compile_rownorm": False},
         "periodic_rowwise compiled": {"name": "periodic_rowwise", "K": 10, "rownorm_scale": "frobenius",
                                       "compile_rownorm": True},
         "periodic_rowwise spectral compiled": {"name": "periodic_rowwise", "K": 10, "rownorm_scale": "spectral",
-                                               "spectral_estimate": "restart", "compile_rownorm": True},
-        "periodic_rowwise spectral persistent compiled": {"name": "periodic_rowwise", "K": 10,
-                                                          "rownorm_scale": "spectral",
-                                                          "spectral_estimate": "persistent", "compile_rownorm": True},
+                                               "compile_rownorm": True},
         "rownorm": {"name": "rownorm"},  # the shipped config (spectral; compile_rownorm auto)
         "mud": {"name": "mud"},
         "mud (explicit inverse + GEMM)": {"name": "mud", "mud_solve": "inverse"},
@@ -185,9 +175,8 @@ def main():
 
     def periodic_step(opt, refresh: bool):
         def fn():
-            # step 2, not 1: the run's first RowNorm step (1) starts the persistent estimate with extra rounds
             for g in opt.param_groups:
-                g["step"] = 0 if refresh else 2
+                g["step"] = 0 if refresh else 1
             opt.step()
         return fn
 
@@ -267,21 +256,17 @@ def main():
         ("rownorm / torch AdamW(foreach)", lambda t: t["rownorm"] / t["torch.optim.AdamW(foreach)"], "<=", 0.8),
     ]
     # issue 16: RowNorm at memory speed, for the fused steps (the eager rows above are torch ops, unfused): the
-    # frobenius step and the spectral one with the persistent estimate move as many bytes as fused AdamW (target
-    # 1.2x); the spectral step with the restart estimate moves more (its floor)
+    # frobenius step moves as many bytes as fused AdamW (target 1.2x); the spectral step moves more (its floor)
     floor = spectral_floor_ratio(shapes, sum(p.numel() for p in rest))
     for suffix, what, goal in ((" compiled", "rownorm_scale=frobenius, compile_rownorm", 1.2),
-                               (" spectral persistent compiled",
-                                "rownorm_scale=spectral persistent, compile_rownorm", 1.2),
-                               (" spectral compiled", "rownorm_scale=spectral restart, compile_rownorm",
-                                1.2 * floor)):
+                               (" spectral compiled", "rownorm_scale=spectral, compile_rownorm", 1.2 * floor)):
         checks += [
             (f"periodic_rowwise non-refresh step ({what}) / our fused adamw",
              lambda t, s=suffix: t["periodic_rowwise non-refresh" + s] / t["adamw"], "<=", goal),
             (f"periodic_rowwise K=3 average ({what}) / our muon", lambda t, s=suffix: k3(t, s) / t["muon"], "<=", 0.4),
         ]
-    print(f"targets (ratio of medians; ratio of minima in brackets; the restart spectral step's is 1.2x its "
-          f"memory-traffic floor, {floor:.2f}x fused AdamW's bytes at this model):")
+    print(f"targets (ratio of medians; ratio of minima in brackets; the spectral step's is 1.2x its memory-traffic "
+          f"floor, {floor:.2f}x fused AdamW's bytes at this model):")
     for name, f, op, goal in checks:
         try:
             a, b = f(med), f(lo)

@@ -46,11 +46,6 @@ def _rownorm_scale():
     return choice("frobenius", "spectral")
 
 
-def _spectral_estimate():
-    # conf/optimizer/_rownorm_scale.yaml: how the spectral scale estimates ||R||_2 (optim/spectral_cap.py)
-    return choice("persistent", "restart")
-
-
 def _compile_rownorm():
     # conf/optimizer/_rownorm_scale.yaml: RowNorm steps as fused kernels (optim/fused_rownorm.py)
     return choice("auto", True, False, valid="choose auto (the C loops on CPU where they build, eager elsewhere), "
@@ -60,7 +55,6 @@ def _compile_rownorm():
 @dataclass
 class RowNormConfig(MatrixConfig):
     rownorm_scale: str = _rownorm_scale()
-    spectral_estimate: str = _spectral_estimate()
     compile_rownorm: Any = _compile_rownorm()
 
 
@@ -75,7 +69,6 @@ class MuonConfig(MatrixConfig):
 class PeriodicRowwiseConfig(MuonConfig):
     K: int = int_at_least(1)
     rownorm_scale: str = _rownorm_scale()
-    spectral_estimate: str = _spectral_estimate()
     compile_rownorm: Any = _compile_rownorm()
 
 

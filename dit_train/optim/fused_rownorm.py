@@ -108,16 +108,15 @@ def momentum_pass(grads: list[Tensor], bufs: list[Tensor], U: Tensor, mu: float,
                   store_u: bool, x0: Tensor | None = None, eps: float = 0.0) -> tuple[Tensor, Tensor | None]:
     """The momentum update of every matrix of a bucket and U's row sums of squares, stacked ([B, m, 1] wide,
     [B, 1, n] tall; fp32, fp64 for fp64 input); U[j] = the direction input of matrix j if store_u (U's dtype
-    either way). Returns (sums, fold or None): given x0 ([B, m], a vector over the matrices' rows: the spectral
-    scale's start or carried vectors, spectral_cap.py), the C loops also return, added up while each row is in cache,
-    wide R^T x0 with R = U / max(|row|, eps), tall U^T x0 ([B, n]); elsewhere None, and the caller forms it from
-    the stored U. On CPU the C loops run (native_rownorm.py) where they take the tensors; empty shards run the same
-    function uncompiled (a zero size would specialise a graph)."""
+    either way). Returns (sums, R^T x0 or None): given x0 ([B, m], the spectral scale's start vectors), the C loops
+    also return the power iteration's first product for a wide bucket (spectral_cap.py), R = U / max(|row|, eps);
+    elsewhere None, and the power iteration computes it. On CPU the C loops run (native_rownorm.py) where they
+    take the tensors; empty shards run the same function uncompiled (a zero size would specialise a graph)."""
     us = list(U.unbind(0)) if store_u else None
     keep, c = 1.0 - mu, _coefficient(mu, nesterov)
     if U.numel() > 0 and U.dtype == grads[0].dtype and native_rownorm.supports(*grads, *bufs, *(us or [])):
         sums = torch.empty((U.shape[0], 1, U.shape[2]) if tall else (*U.shape[:2], 1), dtype=U.dtype)
-        fold = x0 if x0 is not None and x0.dtype == U.dtype and x0.is_contiguous() else None
+        fold = x0 if store_u and x0 is not None and x0.dtype == U.dtype and x0.is_contiguous() else None
         y0 = native_rownorm.momentum(grads, bufs, U if store_u else None, sums, keep, c, nesterov, tall, fold, eps)
         return sums, y0
     args = (grads, bufs, us, keep, c, nesterov, tall, U.dtype)
@@ -127,25 +126,20 @@ def momentum_pass(grads: list[Tensor], bufs: list[Tensor], U: Tensor, mu: float,
 
 
 def update_pass(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor], U: Tensor, stored_u: bool,
-                row_scale: Tensor, decay: float, alpha: float, mu: float, nesterov: bool, tall: bool,
-                w: Tensor | None = None) -> Tensor | None:
+                row_scale: Tensor, decay: float, alpha: float, mu: float, nesterov: bool, tall: bool) -> None:
     """W_j <- decay W_j + alpha U_j row_scale_j for the bucket's matrices, one pass; U_j recomputed from G_j and
-    the (updated) momentum unless momentum_pass stored it. w ([B, n], the persistent spectral estimate's weights):
-    the C loops also return (U_j row_scale_j) w_j per row ([B, m]) from the rows in cache; elsewhere None, and the
-    caller forms it from the stored U."""
+    the (updated) momentum unless momentum_pass stored it."""
     c = _coefficient(mu, nesterov)
     if (U.numel() > 0 and U.dtype == params[0].dtype
-            and native_rownorm.supports(*params, *grads, *bufs, *([U] if stored_u else []), row_scale,
-                                        *([] if w is None else [w]))):
-        return native_rownorm.update(params, grads, bufs, U if stored_u else None, row_scale, decay, alpha, c,
-                                     nesterov, tall, w)
+            and native_rownorm.supports(*params, *grads, *bufs, *([U] if stored_u else []), row_scale)):
+        native_rownorm.update(params, grads, bufs, U if stored_u else None, row_scale, decay, alpha, c, nesterov,
+                              tall)
+        return
     us = list(U.unbind(0)) if stored_u else None
     args = (params, grads, bufs, us, list(row_scale.unbind(0)), decay, alpha, c, nesterov, U.dtype)
     if U.numel() == 0:
-        _update(*args)
-    else:
-        _kernel(_update, len(params), tall, stored_u)(*args)
-    return None
+        return _update(*args)
+    _kernel(_update, len(params), tall, stored_u)(*args)
 
 
 def one_pass_takes(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor]) -> bool:

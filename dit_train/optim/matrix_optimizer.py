@@ -39,8 +39,7 @@ from torch.optim.adam import adam as _adam_functional
 from ..timing import active_timer
 from .directions import inv_norms_from_sumsq, mud_whiten, newton_schulz5, row_inv_norms
 from .fused_rownorm import momentum_pass, one_pass, one_pass_takes, resolve_compile_rownorm, update_pass
-from .spectral_cap import (ROUNDS, SPECTRAL_ESTIMATES, cap_factors, next_vectors, persistent_cap_factors, spectral_cap,
-                           start_vector, start_vectors, whole_matrix_problem)
+from .spectral_cap import cap_factors, start_vectors, whole_matrix_problem
 
 SCALE_RULES = ("moonlight", "keller", "none")
 ROWNORM_SCALES = ("frobenius", "spectral")  # docs/algorithms.md §4; spectral: spectral_cap.py
@@ -104,12 +103,6 @@ def take_first_products(workspaces: list[dict]) -> list[Tensor | None]:
     return [ws.pop(FIRST_PRODUCT, None) for ws in workspaces]
 
 
-# ... and, under the persistent spectral estimate, the bucket's carried vectors stacked ([B, m], this step's start)
-# and, once the factors are known, what the update pass needs to form the next ones: (w, keep)
-CARRIED, NEXT_VECTORS = "carried_vectors", "next_vectors"
-VECTOR_STATE = "spectral_vector"  # the optimizer state key of a matrix's carried vector
-
-
 def _rownorm(U: Tensor, group: dict, ws: dict, *, reduce=None, tall=None) -> tuple[Tensor, Tensor | None]:
     sumsq = take_row_sumsq(ws)
     if sumsq is None:
@@ -169,7 +162,6 @@ class MatrixOptimizer(Optimizer):
         mud_solve: str = "triangular",
         direction_eps: float = 1e-7,
         rownorm_scale: str = "spectral",
-        spectral_estimate: str = "restart",
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         adamw_impl: str = "fused",
@@ -179,8 +171,7 @@ class MatrixOptimizer(Optimizer):
             kind="matrix", lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, scale=scale,
             direction=direction, refresh_every=refresh_every, between=between, ns_steps=ns_steps,
             ns_dtype=_dtype_name(ns_dtype), ns_gram=ns_gram, mud_passes=mud_passes, mud_solve=mud_solve,
-            direction_eps=direction_eps, rownorm_scale=rownorm_scale, spectral_estimate=spectral_estimate,
-            betas=tuple(betas), eps=eps, adamw_impl=adamw_impl, step=0,
+            direction_eps=direction_eps, rownorm_scale=rownorm_scale, betas=tuple(betas), eps=eps, adamw_impl=adamw_impl, step=0,
         )
         super().__init__(params, defaults)
         # RowNorm steps' elementwise passes fused (fused_rownorm.py: C loops on CPU, compiled kernels elsewhere): an
@@ -189,7 +180,6 @@ class MatrixOptimizer(Optimizer):
             compile_rownorm, [p for g in self.param_groups if g["kind"] == "matrix" for p in g["params"]])
         self._workspace: dict = {}
         self._last_info: dict[str, float] = {}
-        self._first_rounds = 0  # this step's extra power-iteration rounds (persistent estimate, first RowNorm step)
         self.routing_table: str = ""
 
     def add_param_group(self, param_group: dict) -> None:
@@ -204,7 +194,6 @@ class MatrixOptimizer(Optimizer):
         super().__setstate__(state)
         self._workspace = {}
         self._last_info = {}
-        self._first_rounds = 0
         self.__dict__.setdefault("routing_table", "")
         self.__dict__.setdefault("compile_rownorm", False)
         for group in self.param_groups:  # states saved before the short dtype names say 'bfloat16'
@@ -255,17 +244,10 @@ class MatrixOptimizer(Optimizer):
         lr, wd = float(group["lr"]), group["weight_decay"]
         buckets = _buckets(params, shapes)
         fused = self.compile_rownorm and kind == "rownorm"
-        persistent = caps_persistent(kind, group)
-        vectors = self._carried_vectors(group) if persistent else None
-        # a run's first RowNorm step starts the persistent estimate with the restart estimate's rounds, from U
-        first = persistent and group["step"] == self._first_rownorm_step(group)
-        # the fused passes store U where the direction reads it: the restart spectral scale's power iteration, and
-        # the persistent one's products on its first step or where the C loops (which form them in the passes) do
-        # not take the bucket; otherwise the update recomputes U from G and M
-        store_u = {key: not fused or (caps_rownorm(kind, group) and (
-            not persistent or first or not one_pass_takes(*[[ts[i] for i in idx] for ts in (params, grads, bufs)])))
-            for key, idx in buckets.items()}
-        # ... and then the momentum pass also forms the first product (restart: wide buckets; persistent: all)
+        # the fused passes store U only for the spectral RowNorm scale, whose power iteration reads it; otherwise
+        # the update recomputes it from G and M
+        store_u = not fused or caps_rownorm(kind, group)
+        # ... and then the momentum pass also forms the power iteration's first product of wide buckets
         fold_eps = group["direction_eps"] if fused and caps_rownorm(kind, group) else None
         # with the frobenius scale, buckets whose row factors are local take momentum, factors and update in one
         # C pass in the update phase (fused_rownorm.one_pass): no U, no direction
@@ -275,15 +257,10 @@ class MatrixOptimizer(Optimizer):
         with timer.phase("momentum"):
             if not fused:
                 torch._foreach_lerp_(bufs, grads, 1.0 - mu)  # buffer = (1 - mu) M: M <- mu M + G
-            inputs = {}
-            for key, idx in buckets.items():
-                if key in one:
-                    continue
-                carried = torch.stack([vectors[i] for i in idx]) if persistent else None
-                inputs[key] = self._stack_inputs(key, idx, grads, bufs, mu, nesterov,
-                                                 self._input_dtype(kind, key, group, params[idx[0]].dtype), fused,
-                                                 store_u[key], fold_eps, carried, fold_carried=not first)
-        self._first_rounds = ROUNDS - 1 if first else 0
+            inputs = {key: self._stack_inputs(key, idx, grads, bufs, mu, nesterov,
+                                              self._input_dtype(kind, key, group, params[idx[0]].dtype), fused,
+                                              store_u, fold_eps)
+                      for key, idx in buckets.items() if key not in one}
         directions = self._directions(kind, inputs, group, timer)
         with timer.phase("update"):
             decay = 1.0 - lr * wd
@@ -298,32 +275,11 @@ class MatrixOptimizer(Optimizer):
                              group["direction_eps"], decay, alpha)
                     continue
                 D, row_scale = directions[key]
-                w = None
-                if persistent:
-                    w, keep = self._bucket_workspace(key).pop(NEXT_VECTORS)
                 if fused:  # weight decay and update in one pass; RowNorm always has a row scale
-                    v = update_pass(bucket, [grads[i] for i in idx], [bufs[i] for i in idx], D, store_u[key],
-                                    row_scale, decay, alpha, mu, nesterov, m > n, w)
+                    update_pass(bucket, [grads[i] for i in idx], [bufs[i] for i in idx], D, store_u, row_scale,
+                                decay, alpha, mu, nesterov, m > n)
                 else:
                     self._apply_update(bucket, D, row_scale, alpha)
-                    v = None
-                if persistent:
-                    self._carry_vectors([vectors[i] for i in idx], v if v is not None else
-                                        next_vectors(D, row_scale, m > n, w), keep)
-
-    def _first_rownorm_step(self, group: dict) -> int | None:
-        """The first optimizer step (0-based) at which the group takes a RowNorm direction, None if never."""
-        return next((t for t in range(group["refresh_every"] + 1) if self.direction_at(group, t) == "rownorm"), None)
-
-    def _carried_vectors(self, group: dict) -> list[Tensor]:
-        """The persistent spectral estimate's vectors (this process's rows), aligned with _matrix_tensors."""
-        return [self._local(state[VECTOR_STATE]) for _, state in self._with_grad(group)]
-
-    @staticmethod
-    def _carry_vectors(vectors: list[Tensor], new: Tensor, keep: Tensor) -> None:
-        """Each matrix's next vector where `keep` (its z was finite and not 0), else its vector as it was."""
-        old = torch.stack(vectors)
-        torch._foreach_copy_(vectors, list(torch.where(keep[:, None], new.to(old.dtype), old).unbind(0)))
 
     def _matrix_tensors(self, group: dict) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[tuple]]:
         """(params, grads, momentum buffers, matrix shapes) of the group's matrices that have a gradient, creating
@@ -334,10 +290,6 @@ class MatrixOptimizer(Optimizer):
         for p, state in self._with_grad(group):
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            # created before the first step that reads it, so that a state_dict loaded into a fresh optimizer
-            # (which torch's loaders first step with zero gradients) has a place for it
-            if VECTOR_STATE not in state and carries_vectors(group):
-                state[VECTOR_STATE] = self._new_vector(p)
             params.append(self._local(p))
             grads.append(self._local(p.grad))
             bufs.append(self._local(state["momentum_buffer"]))
@@ -358,10 +310,6 @@ class MatrixOptimizer(Optimizer):
     def _local(t: Tensor) -> Tensor:
         return t
 
-    def _new_vector(self, p: Tensor) -> Tensor:
-        """The persistent spectral estimate's first vector for matrix parameter p (spectral_cap.start_vector)."""
-        return start_vector(*p.shape, p.device, torch.promote_types(p.dtype, torch.float32))
-
     def _row_factors_local(self, key) -> bool:
         """Whether a bucket's RowNorm row factors come from the matrices held here alone (whole matrices: yes)."""
         return True
@@ -375,29 +323,13 @@ class MatrixOptimizer(Optimizer):
         """The direction of every bucket: {key: (D, row_scale)}."""
         with timer.phase("direction"):
             out = {key: self._direction(kind, key, U, group) for key, U in inputs.items()}
-            if caps_persistent(kind, group):
-                self._cap_persistent(inputs, out, {k: k[0][0] > k[0][1] for k in inputs}, None)
-            elif caps_rownorm(kind, group):
+            if caps_rownorm(kind, group):
                 keys = list(inputs)
                 problems = [whole_matrix_problem(inputs[k], out[k][1], k[0][0] > k[0][1]) for k in keys]
                 firsts = take_first_products([self._bucket_workspace(k) for k in keys])
                 for k, f in zip(keys, cap_factors(problems, native=self.compile_rownorm, firsts=firsts)):
                     out[k] = (out[k][0], out[k][1] * f.to(out[k][1].dtype))
             return out
-
-    def _cap_persistent(self, inputs: dict, out: dict, tall: dict, reduce) -> None:
-        """The persistent spectral estimate's factors folded into every bucket's row factors, and its weights for
-        the next vectors left in the workspace for the update pass (spectral_cap.persistent_cap_factors; `reduce`
-        sums over the ranks, None in one process)."""
-        problems = []
-        for key, U in inputs.items():
-            m, n = key[0]
-            ws = self._bucket_workspace(key)
-            problems.append((U, out[key][1], tall[key], ws.pop(CARRIED), ws.pop(FIRST_PRODUCT, None),
-                             spectral_cap(*sorted((m, n)))))
-        for key, (f, w, keep) in zip(inputs, persistent_cap_factors(problems, reduce, self._first_rounds)):
-            out[key] = (out[key][0], out[key][1] * f.to(out[key][1].dtype))
-            self._bucket_workspace(key)[NEXT_VECTORS] = (w, keep)
 
     def _direction(self, kind: str, key, U: Tensor, group: dict) -> tuple[Tensor, Tensor | None]:
         """Direction of one bucket; single device: the whole matrices are here, no reduce."""
@@ -407,17 +339,14 @@ class MatrixOptimizer(Optimizer):
         return self._workspace.setdefault(key, {})
 
     def _stack_inputs(self, key, idx: list[int], grads, bufs, mu: float, nesterov: bool, dtype,
-                      fused: bool = False, store_u: bool = True, fold_eps: float | None = None,
-                      carried: Tensor | None = None, fold_carried: bool = True) -> Tensor:
+                      fused: bool = False, store_u: bool = True, fold_eps: float | None = None) -> Tensor:
         """U = G + mu M (or M) for the bucket's matrices, written straight into a reused [B, m, n] workspace of the
         direction's input dtype: the Nesterov add, the cast and the stacking are one pass per matrix (torch has no
         foreach op that writes into slices of one tensor; a foreach add followed by a stack is 6x slower here).
         fused: the momentum update happens here too, with U's row sums of squares left in the workspace for the
         RowNorm direction (fused_rownorm.momentum_pass); without store_u, U is not formed at all and a zero-stride
         placeholder of its shape and dtype stands for it (the fused update recomputes U from G and M). fold_eps (the
-        spectral RowNorm scale, fused): a wide bucket's momentum pass also leaves R^T x0 in the workspace.
-        carried (the persistent spectral estimate: the bucket's vectors, [B, m]): kept in the workspace for the
-        direction, and the fused momentum pass folds them instead of x0 (wide R^T v, tall U^T v) if fold_carried."""
+        spectral RowNorm scale, fused): a wide bucket's momentum pass also leaves R^T x0 in the workspace."""
         ws = self._bucket_workspace(key)
         shape = (len(idx), *bufs[idx[0]].shape)  # the local shape (a shard's rows in the sharded subclass)
         device = bufs[idx[0]].device
@@ -427,13 +356,9 @@ class MatrixOptimizer(Optimizer):
             U = ws.get(("u", dtype))
             if U is None or U.shape != shape:
                 U = ws[("u", dtype)] = torch.empty(shape, dtype=dtype, device=device)
-        if carried is not None:
-            ws[CARRIED] = carried
         if fused:
             tall = key[0][0] > key[0][1]
             x0 = self._start_vectors(key, U) if fold_eps is not None and not tall else None
-            if carried is not None:
-                x0 = carried if fold_carried else None
             ws[ROW_SUMSQ], first = momentum_pass([grads[i] for i in idx], [bufs[i] for i in idx], U, mu, nesterov,
                                                  tall, store_u, x0, fold_eps or 0.0)
             if first is not None:
@@ -492,19 +417,6 @@ def caps_rownorm(kind: str, group: dict) -> bool:
     return kind == "rownorm" and group.get("rownorm_scale", "frobenius") == "spectral"
 
 
-def caps_persistent(kind: str, group: dict) -> bool:
-    """Whether this step's spectral cap takes the persistent estimate (spectral_cap.py); groups saved before the key
-    existed restart."""
-    return caps_rownorm(kind, group) and group.get("spectral_estimate", "restart") == "persistent"
-
-
-def carries_vectors(group: dict) -> bool:
-    """Whether a matrix group keeps a persistent spectral estimate's vector per matrix: some of its steps are
-    spectral-capped RowNorm steps under the persistent estimate."""
-    return group["kind"] == "matrix" and "rownorm" in (group["direction"], group["between"]) and caps_persistent(
-        "rownorm", group)
-
-
 def _buckets(params: list[Tensor], shapes: list[tuple]) -> dict[tuple, list[int]]:
     """Indices of same-(matrix shape, dtype, device) matrices, which are stacked and processed as one batch."""
     out: dict[tuple, list[int]] = defaultdict(list)
@@ -536,8 +448,5 @@ def _check_group(group: dict, accepts_dtensors: bool = False) -> None:
         if group.get("rownorm_scale", "frobenius") not in ROWNORM_SCALES:
             raise ValueError(f"rownorm_scale={group['rownorm_scale']!r} is not valid; choose one of "
                              f"{', '.join(ROWNORM_SCALES)}")
-        if group.get("spectral_estimate", "restart") not in SPECTRAL_ESTIMATES:
-            raise ValueError(f"spectral_estimate={group['spectral_estimate']!r} is not valid; choose one of "
-                             f"{', '.join(SPECTRAL_ESTIMATES)}")
         # momentum, K, scale and adamw_impl are config values: dit_train.config.check_optimizer checks them
         group["ns_dtype"] = _dtype_name(group["ns_dtype"])

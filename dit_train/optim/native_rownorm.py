@@ -123,34 +123,30 @@ def momentum(grads: list[Tensor], bufs: list[Tensor], U: Tensor | None, sums: Te
              nesterov: bool, tall: bool, x0: Tensor | None = None, eps: float = 0.0) -> Tensor | None:
     """For each matrix j of a bucket: m_j <- lerp(m_j, g_j, keep); x = g_j + c m_j (or c m_j); U[j] <- x if U is
     given; sums[j] <- x's sums of squares over the rows (wide: [rows]) or the columns (tall: [cols]). With x0
-    ([B, rows], a vector over the matrix's rows): also returns, added up while each row is in cache, ([B, cols])
-    wide: R^T x0 for R = x / max(sqrt(sums), eps) (a product of the spectral scale, spectral_cap.py); tall: x^T x0
-    (its column factors are not known until every row is summed: the caller applies them)."""
+    ([B, rows], wide and U given): also returns R^T x0 ([B, cols]) for R = x / max(sqrt(sums), eps), the first
+    product of the spectral scale's power iteration, added up while each row is in cache."""
     B, (rows, cols) = len(grads), grads[0].shape
     real, dtype = _CTYPE[grads[0].dtype], grads[0].dtype
-    fold = x0 is not None
+    fold = x0 is not None and not tall and U is not None
     y0 = torch.empty(B, cols, dtype=dtype) if fold else None
-    # per block of rows: its part of the column sums (tall), then its part of the fold (x0 given)
-    partial = scratch((tall + fold) * B * blocks(rows) * cols, dtype) if fold or tall else None
+    # per block of rows: its part of R^T x0 (fold) or of the column sums (tall)
+    partial = scratch(B * blocks(rows) * cols, dtype) if fold or tall else None
     getattr(load(), f"rownorm_momentum_{_SUFFIX[dtype]}")(
-        _ptrs(grads), _ptrs(bufs), _ptr(U), _ptr(sums), _ptr(x0), _ptr(y0), _ptr(partial),
+        _ptrs(grads), _ptrs(bufs), _ptr(U), _ptr(sums), _ptr(x0 if fold else None), _ptr(y0), _ptr(partial),
         ctypes.c_long(B), ctypes.c_long(rows), ctypes.c_long(cols), real(keep), real(c), ctypes.c_int(nesterov),
         ctypes.c_int(tall), real(eps), ctypes.c_int(torch.get_num_threads()))
     return y0
 
 
 def update(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor], U: Tensor | None, scales: Tensor,
-           decay: float, alpha: float, c: float, nesterov: bool, tall: bool, w: Tensor | None = None) -> Tensor | None:
+           decay: float, alpha: float, c: float, nesterov: bool, tall: bool) -> None:
     """p_j <- decay p_j + alpha x s_j, x = U[j] or g_j + c m_j (c m_j without Nesterov); scales: the bucket's
-    row factors, [B, rows, 1] (wide) or [B, 1, cols] (tall). With w ([B, cols]): also returns, per row i of each
-    matrix, (x s)_i . w ([B, rows]; wide: s_i (x_i . w), tall: x_i . w with s already in w), from the row in cache."""
+    row factors, [B, rows, 1] (wide) or [B, 1, cols] (tall)."""
     real, (rows, cols) = _CTYPE[params[0].dtype], params[0].shape
-    v = torch.empty(len(params), rows, dtype=params[0].dtype) if w is not None else None
     getattr(load(), f"rownorm_update_{_SUFFIX[params[0].dtype]}")(
-        _ptrs(params), _ptrs(grads), _ptrs(bufs), _ptr(U), _ptr(scales), _ptr(w), _ptr(v),
-        ctypes.c_long(len(params)), ctypes.c_long(rows), ctypes.c_long(cols), real(decay), real(alpha), real(c),
-        ctypes.c_int(nesterov), ctypes.c_int(tall), ctypes.c_int(torch.get_num_threads()))
-    return v
+        _ptrs(params), _ptrs(grads), _ptrs(bufs), _ptr(U), _ptr(scales), ctypes.c_long(len(params)),
+        ctypes.c_long(rows), ctypes.c_long(cols), real(decay), real(alpha), real(c), ctypes.c_int(nesterov),
+        ctypes.c_int(tall), ctypes.c_int(torch.get_num_threads()))
 
 
 _sqrt: dict = {}

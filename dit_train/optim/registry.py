@@ -62,7 +62,7 @@ def build_matrix(model: nn.Module, c: dict, *, name: str, direction: str,
                        "weight_decay": adamw_wd})
     K = c.get("K") or 1
     kwargs = {k: c[k] for k in ("ns_steps", "ns_dtype", "ns_gram", "mud_passes", "mud_solve", "rownorm_scale",
-                                "spectral_estimate", "compile_rownorm") if k in c}
+                                "compile_rownorm") if k in c}
     # FSDP2 shards (DTensor parameters) take the sharded implementation, with its placement keys
     sharded = any(hasattr(p, "to_local") for _, p in routing.matrix)
     cls = ShardedMatrixOptimizer if sharded else MatrixOptimizer
@@ -76,7 +76,6 @@ def build_matrix(model: nn.Module, c: dict, *, name: str, direction: str,
     sched = f"{direction} when step % {K} == 0, {between} otherwise" if between else f"{direction} every step"
     dtype = f", NS5 in {c['ns_dtype']}" if "ns_dtype" in c else ""
     dtype += f", RowNorm scale {c['rownorm_scale']}" if "rownorm_scale" in c else ""
-    dtype += f" ({c['spectral_estimate']} estimate)" if c.get("rownorm_scale") == "spectral" else ""
     if "compile_rownorm" in c:  # what compile_rownorm (auto by default) resolved to on these parameters
         dtype += f", RowNorm passes {'fused' if opt.compile_rownorm else 'eager'} " \
                  f"(compile_rownorm {c['compile_rownorm']})"

@@ -47,9 +47,9 @@ from torch import Tensor
 from .backward_overlap import BackwardExchange, prefetched_directions
 from .collectives import PhaseSwitch, ShardComm, shard_rows
 from .directions import inv_norms_from_sumsq, row_sumsq
-from .matrix_optimizer import (DTYPES, MatrixOptimizer, caps_persistent, caps_rownorm, compute_direction,
-                               take_first_products, take_row_sumsq)
-from .spectral_cap import cap_factors, spectral_cap, start_vector, start_vectors
+from .matrix_optimizer import (DTYPES, MatrixOptimizer, caps_rownorm, compute_direction, take_first_products,
+                               take_row_sumsq)
+from .spectral_cap import cap_factors, spectral_cap, start_vectors
 from .owner_exchange import owner_directions, plan_exchanges
 from .whole_matrix_exchange import gather_directions, plan_buckets
 
@@ -206,10 +206,7 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
                 for key, part in zip(sums, flat.split(parts)):
                     out[key] = (inputs[key], inv_norms_from_sumsq(part.view(inputs[key].shape[0], 1, -1),
                                                                   group["direction_eps"]))
-            if caps_persistent(kind, group):  # one counted all-reduce of z and ||v||^2 for every bucket
-                self._cap_persistent(inputs, out, {key: where[key] == REDUCE for key in inputs},
-                                     lambda t: comm.all_reduce_(t, phases))
-            elif caps_rownorm(kind, group):
+            if caps_rownorm(kind, group):
                 self._cap_row_scales(inputs, out, where, comm, phases)
             return out
         finally:
@@ -233,17 +230,6 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
         factors = cap_factors(problems, lambda t: comm.all_reduce_(t, phases), self.compile_rownorm, firsts)
         for key, f in zip(inputs, factors):
             out[key] = (out[key][0], out[key][1] * f.to(out[key][1].dtype))
-
-    def _new_vector(self, p) -> Tensor:
-        """The persistent spectral estimate's first vector, sharded like p's rows (a DTensor of the same placement,
-        so it checkpoints and reshards with the momentum)."""
-        from torch.distributed.tensor import DTensor
-
-        m, n = p.shape
-        start, rows = shard_rows(m, dist.get_world_size(self._group))[dist.get_rank(self._group)]
-        full = start_vector(m, n, p.device, torch.promote_types(p.dtype, torch.float32))
-        return DTensor.from_local(full[start:start + rows].clone(), p.device_mesh, p.placements, run_check=False,
-                                  shape=torch.Size([m]), stride=(1,))
 
     def _start_vectors(self, key, U: Tensor) -> Tensor:
         """This rank's rows of a wide bucket's start vectors."""

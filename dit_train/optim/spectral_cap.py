@@ -17,20 +17,7 @@ one sum over the ranks, of c floats per matrix for row splits (R^T x) and of r f
 `cap_factors` runs the buckets in lock step so that every round is ONE collective for all buckets together (the
 `reduce` hook: sum a flat fp32 tensor over the ranks; None for a single process, where every sum is local).
 
-Two estimates (`spectral_estimate`):
-- `persistent` (the default): one round per step from a vector carried in the optimizer state, as spectral
-  normalisation of GAN weights carries its vector across steps. In W's own coordinates (m x n, RowNorm's factors
-  on its rows if wide, its columns if tall: Rw = R or R^T), with v over W's rows: z = Rw^T v, sigma^2 =
-  ||z||^2 / ||v||^2 (the Rayleigh quotient at v, a lower bound on ||R||_2), and the next vector v' = Phi z / ||z||
-  for the capped direction Phi (a positive multiple of Rw z: one power-iteration round per step, so the estimate
-  improves over steps while U, a momentum, changes slowly). z is added up in the momentum pass and v' in the
-  update pass, each row's term while the row is in cache: no U stored, no extra read, one sum over the ranks
-  (z and ||v||^2: v is sharded like W's rows, so v' is local). A matrix whose z is 0 (U = 0: a zero-initialised
-  gate's layers at step 0) or not finite keeps its vector. `persistent_cap_factors`.
-- `restart`: ROUNDS rounds from the fixed start vector on every step (what runs recorded before the key used):
-  the rest of this docstring.
-
-Cost of `restart`: 2 ROUNDS - 1 = 5 matrix-vector products with U. Products with no sum over the ranks between them are
+Cost: 2 ROUNDS - 1 = 5 matrix-vector products with U. Products with no sum over the ranks between them are
 computed together; under compile_rownorm on CPU they are C loops (native_rownorm.py) that then share one read of U
 (row i's dot product is complete at the end of row i, whose term of the next product is added while it is in
 cache): 3 reads of U instead of 5, and 2 for wide buckets, whose first product R^T x_0 the momentum pass forms
@@ -49,9 +36,6 @@ from torch import Tensor
 from . import native_rownorm
 
 ROUNDS = 3  # R^T matvecs per matrix (and ROUNDS - 1 R matvecs); 3 = Rayleigh quotient at G^2 x_0
-
-
-SPECTRAL_ESTIMATES = ("persistent", "restart")
 
 
 def spectral_cap(r: int, c: int) -> float:
@@ -202,74 +186,3 @@ def capped_row_norm_scale(U: Tensor, row_scale: Tensor, tall: bool | None = None
     tall = U.shape[-2] > U.shape[-1] if tall is None else tall
     (f,) = cap_factors([whole_matrix_problem(U, row_scale, tall)])
     return row_scale * f.to(row_scale.dtype)
-
-
-def start_vector(m: int, n: int, device, dtype) -> Tensor:
-    """The persistent estimate's first v for an m x n matrix (over its m rows): fixed by the shape, so every rank
-    computes the same one and keeps its own rows of it."""
-    g = torch.Generator().manual_seed(1_000_003 * m + n)
-    return torch.randn(m, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
-
-
-def _z(problems: list, vectors: list[Tensor], folds: list, reduce) -> list[tuple[Tensor, Tensor]]:
-    """(z = Rw^T v [B, n], ||v||^2 [B]) per problem, summed over the ranks in one `reduce`; a fold is z's partial
-    sum from the momentum pass (wide R^T v, tall U^T v), else formed here from U."""
-    parts = []
-    for (U, s, tall, *_), v, fold in zip(problems, vectors, folds):
-        if fold is None:  # wide (s v)^T U, tall v^T U (s applied after the sum)
-            vv = v.unsqueeze(1) * (1 if tall else s.reshape(v.shape[0], 1, -1).to(v.dtype))
-            fold = torch.bmm(vv, U.to(v.dtype)).squeeze(1)
-        parts.append(torch.cat([fold, v.square().sum(-1, keepdim=True)], dim=-1))
-    if reduce is not None:
-        flat = reduce(torch.cat([p.reshape(-1) for p in parts]))
-        parts = [f.view_as(p) for f, p in zip(flat.split([p.numel() for p in parts]), parts)]
-    out = []
-    for (U, s, tall, *_), part in zip(problems, parts):
-        z = part[:, :-1]
-        out.append((z * s.reshape(z.shape).to(z.dtype) if tall else z, part[:, -1]))
-    return out
-
-
-def _unit(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(z / ||z|| (0 where not kept), ||z||, keep: ||z|| finite and not 0) per matrix."""
-    znorm = z.square().sum(-1).sqrt()
-    keep = torch.isfinite(znorm) & (znorm > 0)
-    return torch.where(keep[:, None], z / znorm.clamp_min(1e-30)[:, None], torch.zeros_like(z)), znorm, keep
-
-
-def persistent_cap_factors(problems: list[tuple[Tensor, Tensor, bool, Tensor, Tensor | None, float]],
-                           reduce: Callable[[Tensor], Tensor] | None = None,
-                           first_rounds: int = 0) -> list[tuple[Tensor, Tensor, Tensor]]:
-    """The persistent estimate (module docstring) for each bucket's problem (U [B, m, n] or its rows held here,
-    row_scale (RowNorm's factors: [B, m, 1] wide, [B, 1, n] tall, whole), tall, v [B, m] (the vectors' rows held
-    here), fold (z's partial sums from the momentum pass, [B, n]: wide R^T v, tall U^T v; None: formed here from
-    U), cap). `reduce` sums a flat tensor over the ranks holding the other rows: one collective for all buckets.
-    first_rounds: power-iteration rounds on v before the step's own, from U (stored) with one `reduce` each, on a
-    run's first RowNorm step, whose v is the start vector (folds must then be None): that step's estimate is then
-    the restart estimate's, ROUNDS rounds from a fixed start, and later ones carry on from it.
-    Returns per bucket (factor min(1, cap / sigma) [B, 1, 1], w [B, n], keep [B]): the next vector is
-    (U * row_scale * factor) w, the capped direction times w, for the matrices where keep is true."""
-    if not problems:
-        return []
-    vectors, folds = [p[3] for p in problems], [p[4] for p in problems]
-    for _ in range(first_rounds):
-        for i, ((U, s, tall, *_), (z, _)) in enumerate(zip(problems, _z(problems, vectors, folds, reduce))):
-            zhat, _, keep = _unit(z)
-            v = next_vectors(U, s, tall, zhat * s.reshape(z.shape).to(z.dtype) if tall else zhat)
-            vectors[i] = torch.where(keep[:, None], v, vectors[i])
-    out = []
-    for (U, s, tall, v, _, cap), (z, vv) in zip(problems, _z(problems, vectors, folds, reduce)):
-        zhat, znorm, keep = _unit(z)
-        sigma = torch.nan_to_num(znorm / vv.sqrt(), nan=0.0)
-        factor = torch.where(sigma > cap, cap / sigma.clamp_min(1e-30), torch.ones_like(sigma))
-        # tall: the column factors of the capped direction go into w; wide: its row factors multiply U w's rows
-        w = zhat * (s.reshape(z.shape).to(z.dtype) * factor[:, None]) if tall else zhat
-        out.append((factor.view(-1, 1, 1), w.contiguous(), keep))
-    return out
-
-
-def next_vectors(U: Tensor, row_scale: Tensor, tall: bool, w: Tensor) -> Tensor:
-    """v' = (U row_scale) w per matrix ([B, m]) from a stored U, as the C update pass forms it: row_scale is the
-    capped direction's, [B, m, 1] wide (applied to U w's rows) or [B, 1, n] tall (already in w)."""
-    v = torch.bmm(w.unsqueeze(1).to(U.dtype), U.mT).squeeze(1).to(w.dtype)
-    return v if tall else v * row_scale.reshape(v.shape).to(v.dtype)
