@@ -1,0 +1,38 @@
+"""scripts/spectral_estimate_accuracy.py: the spectral RowNorm scale's estimate against the SVD's norm."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, needs_fashion
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from spectral_estimate_accuracy import estimates  # noqa: E402
+
+
+@pytest.mark.parametrize("shape", [(48, 80), (80, 48)], ids=["wide", "tall"])
+def test_estimates_are_exact_for_rank_1_and_a_lower_bound_otherwise(shape):
+    g = torch.Generator().manual_seed(0)
+    m, n = shape
+    rank1 = torch.randn(m, 1, generator=g, dtype=torch.float64) @ torch.randn(1, n, generator=g, dtype=torch.float64)
+    exact, estimate, cap = estimates(rank1, 1e-7)
+    assert exact == pytest.approx(min(m, n) ** 0.5, rel=1e-9)  # unit rows, all parallel
+    assert estimate == pytest.approx(exact, rel=1e-9)
+    assert cap == pytest.approx(1 + (min(m, n) / max(m, n)) ** 0.5)
+    exact, estimate, _ = estimates(torch.randn(m, n, generator=g, dtype=torch.float64), 1e-7)
+    assert estimate <= exact * (1 + 1e-12) and estimate > 0.5 * exact
+
+
+@needs_fashion
+def test_the_script_prints_a_table_of_the_rownorm_steps():
+    r = subprocess.run([sys.executable, "scripts/spectral_estimate_accuracy.py", "--steps", "5", "--window", "3",
+                        "experiment=debug"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in r.stdout.splitlines()
+            if line.startswith("| 0-2 |") or line.startswith("| 3-5 |")}
+    # K = 3, optimizer steps 0-4: RowNorm at 1, 2 (window 0-2) and 4 (window 3-5)
+    assert rows == {"0-2": "2", "3-5": "1"}, r.stdout[-3000:]
