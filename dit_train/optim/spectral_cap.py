@@ -113,7 +113,7 @@ def _products(U: Tensor, row_scale: Tensor, x0: Tensor, native: bool):
 
 
 def _power_iteration(U: Tensor, row_scale: Tensor, tall: bool, x0: Tensor, split: str | None,
-                     native: bool = False, first: Tensor | None = None) -> Rounds:
+                     native: bool = False, first: Tensor | None = None, rounds: int = ROUNDS) -> Rounds:
     """Yields, each round, the partial sums this rank contributes and receives their sum over the ranks;
     returns sigma^2 per matrix ([B]). split: None (whole matrices), "rows" (this rank holds some rows of R; x0 is
     its slice) or "cols" (this rank holds some columns of R). Products that follow each other without a sum over
@@ -122,15 +122,15 @@ def _power_iteration(U: Tensor, row_scale: Tensor, tall: bool, x0: Tensor, split
     p = _products(U, row_scale, x0, native)
     if tall:  # R^T x is local in both placements; R y sums over the column blocks ("cols")
         x = p.x0
-        for _ in range(ROUNDS - 1):
+        for _ in range(rounds - 1):
             x = yield p.tall_pair(x)
         num = yield p.tall_last(x).square().sum(-1, keepdim=True)
         return (num / x.square().sum(-1, keepdim=True)).reshape(-1)
     # wide: R^T x sums over the row blocks ("rows"); R y is local
     y = yield (p.wide_first(p.x0) if first is None else p.vector(first))
-    for r in range(ROUNDS - 1):
+    for r in range(rounds - 1):
         y, x = p.wide_pair(y)
-        if r < ROUNDS - 2:
+        if r < rounds - 2:
             y = yield y
     # the Rayleigh quotient ||R^T x||^2 / ||x||^2, both squared norms summed over the ranks in one collective
     both = yield torch.cat([y, x.square().sum(-1, keepdim=True)], dim=-1)
@@ -139,16 +139,19 @@ def _power_iteration(U: Tensor, row_scale: Tensor, tall: bool, x0: Tensor, split
 
 def cap_factors(problems: list[tuple[Tensor, Tensor, bool, Tensor, str | None, float]],
                 reduce: Callable[[Tensor], Tensor] | None = None, native: bool = False,
-                firsts: list[Tensor | None] | None = None) -> list[Tensor]:
+                firsts: list[Tensor | None] | None = None, rounds: int = ROUNDS) -> list[Tensor]:
     """min(1, cap / sigma) per matrix ([B, 1, 1], to multiply into the row factors) for each bucket's problem
     (U, row_scale, tall, x0, split, cap). All buckets advance together: each round one `reduce` of their partial
     sums in one flat fp32/fp64 tensor. native: the products as C loops where they take the tensors
     (compile_rownorm on CPU; same maths, sums in another order). firsts: per problem, R^T x0 where the momentum pass
-    already formed it (fused_rownorm.momentum_pass; wide buckets), else None."""
+    already formed it (fused_rownorm.momentum_pass; wide buckets), else None. rounds: ROUNDS, the optimizer's; others
+    for measuring the estimate (scripts/spectral_estimate_accuracy.py)."""
+    if rounds < 2:
+        raise ValueError(f"rounds={rounds} is not valid: the power iteration takes >= 2 rounds")
     if not problems:
         return []
     firsts = firsts or [None] * len(problems)
-    runs = [_power_iteration(U, s, tall, x0, split, native, first)
+    runs = [_power_iteration(U, s, tall, x0, split, native, first, rounds)
             for (U, s, tall, x0, split, _), first in zip(problems, firsts)]
     parts = [next(run) for run in runs]
     sigma2: list[Tensor | None] = [None] * len(runs)
