@@ -20,6 +20,10 @@ def main(cfg) -> None:
 
     try:
         run(cfg)
+        if cfg.train.dry_run:  # it writes nothing: no run folder holding only Hydra's own files either
+            from hydra.core.hydra_config import HydraConfig
+
+            remove_stray_hydra_dir(HydraConfig.get().runtime.output_dir)
     except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
         # bad input: one line, no traceback, and no run folder holding only Hydra's own files
         from hydra.core.hydra_config import HydraConfig

@@ -74,6 +74,24 @@ def config_changes(saved: dict, now: dict) -> list[tuple[str, object, object]]:
             and not any(fnmatch.fnmatchcase(k, p) for p in MAY_CHANGE_ON_RESUME)]
 
 
+def describe_changes(changes: list[tuple[str, object, object]]) -> str:
+    """The changes for the one-line refusal: where a config group itself changed (its `name`: another optimizer,
+    model, data set), that name change comes first and stands for the group's other keys, which follow from it and
+    are only counted; every other change is listed with both values."""
+    swapped = {k[: -len(".name")] for k, _, _ in changes if k.endswith(".name")}
+    group_of = {k: k.rsplit(".", 1)[0] if "." in k else "" for k, _, _ in changes}
+    follow = {g: sum(group_of[k] == g and not k.endswith(".name") for k, _, _ in changes) for g in swapped}
+    first, rest = [], []
+    for k, old, new in changes:
+        line = f"{k}: {json.dumps(old)} -> {json.dumps(new)}"
+        if k.endswith(".name") and group_of[k] in swapped:
+            n = follow[group_of[k]]
+            first.append(line + (f" (and {n} other key{'s' * (n != 1)} of {group_of[k]})" if n else ""))
+        elif group_of[k] not in swapped:
+            rest.append(line)
+    return "; ".join(first + rest)
+
+
 def check_resume(cfg) -> str | None:
     """The checkpoint this run will continue from (None: fresh), after checking it is the same experiment."""
     for path in resume_candidates(cfg):
@@ -88,7 +106,7 @@ def check_resume(cfg) -> str | None:
             continue
         changes = config_changes(saved, OmegaConf.to_container(cfg, resolve=True))
         if changes:
-            listed = "; ".join(f"{k}: {json.dumps(old)} -> {json.dumps(new)}" for k, old, new in changes)
+            listed = describe_changes(changes)
             raise ConfigError(f"train.resume={cfg.train.resume}: {path} was trained with another config ({listed}); "
                               f"these keys cannot change on resume: start a fresh run in a new run_dir, or fork "
                               f"this one with train.init_from={cfg.run_dir} (its weights, a fresh optimizer, step 0)")

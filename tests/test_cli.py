@@ -28,6 +28,9 @@ def test_dry_run_every_preset_from_any_directory(tmp_path):
     r = cli("model=dit_15b", "train.dry_run=true", cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr
     assert "15,158,211,088 parameters" in r.stdout and "dry run" in r.stdout
+    # nothing written, not even Hydra's runs/<date>/<time>/ folder (its empty root may stay)
+    assert [(os.path.relpath(d, tmp_path), sub, files) for d, sub, files in os.walk(tmp_path)] in (
+        [(".", [], [])], [(".", ["runs"], []), ("runs", [], [])])
 
 
 BAD = [

@@ -3,6 +3,7 @@ one writer per folder; summaries that tell the truth; clean one-line failures; n
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -52,6 +53,17 @@ def test_resume_with_a_changed_experiment_is_refused_before_anything_is_written(
         run(tiny(tmp_path / "run", "train.resume=auto", "train.steps=6", *change))
     assert named in str(e.value) and "train.init_from" in str(e.value) and "\n" not in str(e.value)
     assert {f: read(tmp_path / "run" / f) for f in before} == before  # provenance untouched
+
+
+def test_a_swapped_optimizer_is_named_first_and_stands_for_the_keys_that_follow_from_it(tmp_path):
+    """periodic_rowwise -> adamw changes a dozen optimizer keys (K, momentum, ... absent); the line names the swap
+    first and counts those, so that it still shows at once what changed (and any other change beside it)."""
+    run(tiny(tmp_path / "run"))
+    with pytest.raises(ConfigError, match="cannot change on resume") as e:
+        run(tiny(tmp_path / "run", "train.resume=auto", "optimizer=adamw", "train.batch_size=8"))
+    changes = str(e.value).split("another config (", 1)[1].split("); these keys", 1)[0]
+    assert re.fullmatch(r'optimizer\.name: "periodic_rowwise" -> "adamw" \(and \d+ other keys of optimizer\); '
+                        r'train\.batch_size: 4 -> 8', changes), changes
 
 
 def test_resume_may_change_length_cadence_and_paths(tmp_path):
