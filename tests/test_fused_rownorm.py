@@ -119,3 +119,31 @@ def test_compile_rownorm_auto_fuses_where_the_c_loops_run():
         assert f"RowNorm passes {path} (compile_rownorm auto)" in opt.routing_table
     with pytest.raises(ConfigError, match="compile_rownorm"):
         validate(compose(["optimizer=rownorm", "optimizer.compile_rownorm=yes", "run_dir=/tmp/unused"]))
+
+
+ZEN4 = "vendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nflags\t\t: fpu sse avx2 avx512f avx512bw\n"
+
+
+@pytest.mark.parametrize("cpuinfo, width", [
+    (ZEN4, 256),  # 512-bit operations split into two 256-bit halves
+    (ZEN4.replace("avx512f avx512bw", ""), 512),  # Zen 3: no AVX-512, the flag changes nothing
+    (ZEN4.replace("cpu family\t: 25", "cpu family\t: 26"), 512),  # Zen 5
+    (ZEN4.replace("AuthenticAMD", "GenuineIntel").replace(": 25", ": 6"), 512),
+    ("", 512),
+], ids=["zen4", "zen3", "zen5", "intel", "unknown"])
+def test_the_c_loops_are_built_for_256_bit_vectors_on_zen4_only(cpuinfo, width):
+    assert native_rownorm.vector_width(cpuinfo) == width
+
+
+def test_the_build_benchmark_builds_another_variant_and_times_it():
+    """scripts/bench_rownorm_builds.py: sources copied, -DPI_GROUP and the vector width applied, a table row each."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    r = subprocess.run([sys.executable, "scripts/bench_rownorm_builds.py", "--preset", "dit_xs", "--hidden-size", "64",
+                        "--depth", "1", "--widths", "256", "--pi-groups", "1", "--repeats", "1"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| 256")]
+    assert len(rows) == 1 and rows[0].split("|")[2].strip() == "1", r.stdout

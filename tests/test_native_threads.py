@@ -11,8 +11,10 @@ from dit_train.optim import native_rownorm
 from dit_train.optim.spectral_cap import _NativeProducts, _TorchProducts
 
 # B x rows x cols: several row blocks (BLOCK_ROWS = 128), a partial last one, over the work threshold (2^16 elements
-# per thread); 2 matrices on 3 threads
-SHAPES = [(3, 300, 270), (2, 270, 520)]
+# per thread); 2 matrices on 3 threads; rows of >= DOT4_MIN_COLS (1024) values, whose dot products the power
+# iteration takes 4 rows at a time where a group of 4 blocks (here spanning both matrices) has the row
+SHAPES = [(3, 300, 270), (2, 270, 520), (2, 300, 1100)]
+SHAPE_IDS = ["300x270", "270x520", "300x1100"]
 DTYPES = [torch.float32, torch.float64]
 
 
@@ -47,7 +49,7 @@ def one_step(shape, dtype, tall, threads):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tall", [False, True], ids=["wide", "tall"])
-@pytest.mark.parametrize("shape", SHAPES, ids=["300x270", "270x520"])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 def test_results_do_not_depend_on_the_thread_count(shape, tall, dtype):
     ref = one_step(shape, dtype, tall, 1)
     for threads in (2, 3):
@@ -57,9 +59,10 @@ def test_results_do_not_depend_on_the_thread_count(shape, tall, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tall", [False, True], ids=["wide", "tall"])
-def test_products_equal_the_torch_products(tall, dtype):
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_products_equal_the_torch_products(tall, dtype, shape):
     g = torch.Generator().manual_seed(6)
-    B, rows, cols = SHAPES[0]
+    B, rows, cols = shape
     U = torch.randn(B, rows, cols, generator=g, dtype=dtype)
     s = torch.rand(B, cols if tall else rows, generator=g, dtype=dtype) + 0.5
     x0 = torch.randn(B, cols if tall else rows, generator=g, dtype=dtype)

@@ -18,6 +18,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -32,7 +33,27 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "rownorm_kernels.c")
 # every file the library is built from: its cache key hashes them all
 PARTS = [SOURCE] + [os.path.join(HERE, f) for f in ("row_blocks.h", "rownorm_passes.inc", "power_iteration.inc")]
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-pthread", "-shared", "-fPIC"]
+
+
+def vector_width(cpuinfo: str | None = None) -> int:
+    """The vector width the C loops are built for (-mprefer-vector-width): 256 bits on AMD Zen 4 (family 25 with
+    AVX-512), whose cores execute a 512-bit operation as two 256-bit halves: there the 256-bit build's spectral
+    RowNorm step takes 0.84x the 512-bit build's time (the power iteration's dot products are latency-bound chains;
+    docs/bench_optimizer.md); 512 elsewhere (chosen on an Intel host, where the wider vectors kept more reads in
+    flight). cpuinfo: the text of /proc/cpuinfo (read here when None; 512 where it cannot be read)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return 512
+    zen4 = ("AuthenticAMD" in cpuinfo and re.search(r"^cpu family\s*:\s*25\s*$", cpuinfo, re.M) is not None
+            and re.search(r"^flags\s*:.*\bavx512f\b", cpuinfo, re.M) is not None)
+    return 256 if zen4 else 512
+
+
+FLAGS = ["-O3", "-march=native", f"-mprefer-vector-width={vector_width()}", "-fopenmp-simd", "-pthread", "-shared",
+         "-fPIC"]
 # first choice: the threads of torch's OpenMP runtime (row_blocks.h); FLAGS alone where -fopenmp does not build
 OPENMP = ["-fopenmp"]
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}

@@ -24,8 +24,11 @@
 #define MIN_WORK_PER_THREAD (1L << 16) /* elements: below ~64K a thread costs more than it saves */
 #define MAX_THREADS 64
 /* the one-pass step (rownorm_passes.inc): bytes of G and M per chunk of a wide bucket's rows (read back from L2) */
-/* blocks of rows per item of the power iteration's products, read in turn (power_iteration.inc) */
+/* blocks of rows per item of the power iteration's products, read in turn (power_iteration.inc); -DPI_GROUP=n
+ * builds another (scripts/bench_rownorm_builds.py) */
+#ifndef PI_GROUP
 #define PI_GROUP 4
+#endif
 /* the momentum pass writes U with streaming stores from this size of U up (rownorm_passes.inc: stream_row): the
  * power iteration then reads it from memory; smaller buckets' U is read back from the cache */
 #define STREAM_MIN_BYTES (16L << 20)
