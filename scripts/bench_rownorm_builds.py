@@ -94,8 +94,9 @@ def main() -> None:
     for b in builds:
         med = {name: statistics.median(times[(b, name)]) * 1e3 for name in steps}
         mark = " (shipped here)" if b == shipped else ""
-        print(f"| {b[0]}{mark} | {b[1]} | {med['adamw']:.1f} | {med['spectral']:.1f} | "
-              f"{med['spectral'] / med['adamw']:.2f} | {med['frobenius']:.1f} | {med['frobenius'] / med['adamw']:.2f} |")
+        ratio = {name: med[name] / med["adamw"] for name in ("spectral", "frobenius")}
+        print(f"| {b[0]}{mark} | {b[1]} | {med['adamw']:.1f} | {med['spectral']:.1f} | {ratio['spectral']:.2f} | "
+              f"{med['frobenius']:.1f} | {ratio['frobenius']:.2f} |")
 
 
 if __name__ == "__main__":

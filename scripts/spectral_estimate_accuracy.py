@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dit_train.optim.directions import row_inv_norms  # noqa: E402
+from dit_train.optim.fused_rownorm import _coefficient, _direction_input  # noqa: E402
 from dit_train.optim.spectral_cap import ROUNDS, cap_factors, spectral_cap, whole_matrix_problem  # noqa: E402
 
 PROBE = 1e-6  # a cap below any norm: factor = PROBE / sigma, so sigma = PROBE / factor
@@ -72,13 +73,13 @@ def main() -> None:
         rownorm = opt.direction_at(group, t) == "rownorm"
         out = step(*a, **k)
         if rownorm:
-            mu, c = group["momentum"], group["momentum"] / (1 - group["momentum"])
+            c = _coefficient(group["momentum"], group["nesterov"])
             per = []
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                buf = opt.state[p]["momentum_buffer"]  # (1 - mu) M after the step's update
-                U = (p.grad + c * buf if group["nesterov"] else buf / (1 - mu)).double()
+                # the step's direction input from its gradient and the momentum buffer as the step left it
+                U = _direction_input(p.grad, opt.state[p]["momentum_buffer"], c, group["nesterov"], torch.float64)
                 per.append(estimates(U, group["direction_eps"], rounds))
             rows.append((t, per))
         return out

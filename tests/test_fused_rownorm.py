@@ -4,9 +4,13 @@ rounding, on wide, tall, square and one-row matrices, with and without Nesterov,
 scale and an empty matrix; a periodic schedule still runs its refresh steps eagerly. (The sharded path is in
 tests/test_sharded_optim.py's "compiled" cases.)"""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
+from conftest import ROOT
 from dit_train.optim import fused_rownorm, native_rownorm
 from dit_train.optim.matrix_optimizer import MatrixOptimizer
 
@@ -137,10 +141,6 @@ def test_the_c_loops_are_built_for_256_bit_vectors_on_zen4_only(cpuinfo, width):
 
 def test_the_build_benchmark_builds_another_variant_and_times_it():
     """scripts/bench_rownorm_builds.py: sources copied, -DPI_GROUP and the vector width applied, a table row each."""
-    import subprocess
-    import sys
-
-    from conftest import ROOT
     r = subprocess.run([sys.executable, "scripts/bench_rownorm_builds.py", "--preset", "dit_xs", "--hidden-size", "64",
                         "--depth", "1", "--widths", "256", "--pi-groups", "1", "--repeats", "1"], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)

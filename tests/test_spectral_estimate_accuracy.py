@@ -30,13 +30,12 @@ def test_estimates_are_exact_for_rank_1_and_a_lower_bound_otherwise(shape):
 
 @needs_fashion
 def test_the_script_prints_a_table_of_the_rownorm_steps():
-    r = subprocess.run([sys.executable, "scripts/spectral_estimate_accuracy.py", "--steps", "5", "--window", "3", "--rounds", "3,6",
-                        "experiment=debug"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": ROOT})
+    r = subprocess.run([sys.executable, "scripts/spectral_estimate_accuracy.py", "--steps", "5", "--window", "3",
+                        "--rounds", "3,6", "experiment=debug"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [[c.strip() for c in line.split("|")[1:5]] for line in r.stdout.splitlines()
             if line.startswith("| 0-2 |") or line.startswith("| 3-5 |")]
     # K = 3, optimizer steps 0-4: RowNorm at 1, 2 (window 0-2) and 4 (window 3-5); a row per round count
     assert [(w, steps, rounds) for w, steps, _, rounds in rows] == [("0-2", "2", "3"), ("0-2", "2", "6"),
                                                                    ("3-5", "1", "3"), ("3-5", "1", "6")], r.stdout
-

@@ -38,7 +38,7 @@ PARTS = [SOURCE] + [os.path.join(HERE, f) for f in ("row_blocks.h", "rownorm_pas
 def vector_width(cpuinfo: str | None = None) -> int:
     """The vector width the C loops are built for (-mprefer-vector-width): 256 bits on AMD Zen 4 (family 25 with
     AVX-512), whose cores execute a 512-bit operation as two 256-bit halves: there the 256-bit build's spectral
-    RowNorm step takes 0.84x the 512-bit build's time (the power iteration's dot products are latency-bound chains;
+    RowNorm step takes 0.87x the 512-bit build's time (the power iteration's dot products are latency-bound chains;
     docs/bench_optimizer.md); 512 elsewhere (chosen on an Intel host, where the wider vectors kept more reads in
     flight). cpuinfo: the text of /proc/cpuinfo (read here when None; 512 where it cannot be read)."""
     if cpuinfo is None:
