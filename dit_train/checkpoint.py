@@ -10,8 +10,9 @@
   be written in the background (start_save: DCP's async_save); the marker and the rename wait for the write
   (PendingSave.finish; checkpoint_saver.py decides when).
 
-Loading never executes code from the file: DCP's metadata is unpickled with an allow-list of DCP's own
-dataclasses, its non-tensor items with `torch.load(weights_only=True)`, and the train state is JSON.
+Loading never executes code from the file: DCP's metadata is read by checkpoint_metadata.py (exact names, shard
+files inside the folder only), its non-tensor items with `torch.load(weights_only=True)`, and the train state is
+JSON.
 Single-file `step_N.pt` checkpoints of earlier versions are read-only (EMA weights for export, sampling and FD),
 also loaded with `weights_only=True`.
 """
@@ -35,6 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from . import checkpoint_metadata
 from .atomic_io import fsync_dir, write_synced
 from .parallel import barrier, rank
 
@@ -232,29 +234,12 @@ def _publish(tmp: str, final: str) -> None:
 
 
 # ---- reading, as data ---------------------------------------------------------------------------------------
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's .metadata is a pickle: allow DCP's own dataclasses, torch dtypes/sizes/layouts and paths only."""
-
-    SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-    SAFE = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-            ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}
-
-    def find_class(self, module, name):
-        obj = super().find_class(module, name) if module.startswith(("torch", "pathlib", "collections")) else None
-        if (module, name) in self.SAFE or (module in self.SAFE_MODULES and isinstance(obj, type)) or \
-                (module == "torch" and isinstance(obj, torch.dtype)):
-            return obj
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a checkpoint never "
-                                     f"holds: refusing to load it (it could run code)")
-
-
 class _SafeReader(dcp.FileSystemReader):
     def read_metadata(self, *args, **kwargs):
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        with open(os.path.join(self.path, ".metadata"), "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if getattr(metadata, "storage_meta", None) is None:
+        metadata = checkpoint_metadata.read(str(self.path))
+        if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -276,8 +261,11 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 def _read_metadata(path: str):
     try:
         return _SafeReader(path).read_metadata()
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(f"checkpoint {path!r}: {e}") from None
+    except checkpoint_metadata.RefusedMetadata as e:
+        raise CheckpointError(f"checkpoint {path!r}: {e}: refusing to load it (it could run code or read files "
+                              f"outside it)") from None
+    except (checkpoint_metadata.DamagedMetadata, OSError) as e:
+        raise CheckpointError(f"checkpoint {path!r} is damaged: {e}; use an earlier checkpoint") from None
 
 
 def _dcp_load(state: dict, path: str) -> None:
@@ -288,15 +276,57 @@ def _dcp_load(state: dict, path: str) -> None:
             dcp.load(state, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner(),
                      no_dist=not dist.is_initialized())
         except CheckpointException as e:  # DCP collects every rank's failure into one (BaseException) error
-            if "weights_only" not in str(e) and "Unpickl" not in str(e):
-                raise
-            raise CheckpointError(f"checkpoint {path!r} holds objects other than tensors and plain values; "
-                                  f"refusing to load it (it could run code)") from None
+            raise CheckpointError(_describe_load_failure(path, e)) from None
+
+
+def _describe_load_failure(path: str, e: CheckpointException) -> str:
+    """One line for a failed DCP read: a pickled item that names code (refused by torch's weights-only
+    unpickler) is refused as such; anything else (a truncated or missing shard file) is damage."""
+    errors = [failure[0] if isinstance(failure, tuple) else failure for failure in e.failures.values()]
+    refused = [err for err in errors if isinstance(err, pickle.UnpicklingError) and "Weights only" in str(err)]
+    if refused:
+        named = [line.strip() for line in str(refused[0]).splitlines() if "GLOBAL" in line or "global" in line]
+        return (f"checkpoint {path!r} holds objects other than tensors and plain values"
+                f"{f' ({named[0][:160]})' if named else ''}; refusing to load it (it could run code)")
+    first = errors[0] if errors else e
+    detail = str(first).strip().splitlines()[0] if str(first).strip() else "the file ends early"
+    return (f"checkpoint {path!r} is damaged: reading its shards failed ({type(first).__name__}: {detail[:200]}); "
+            f"use an earlier checkpoint")
 
 
 def read_train_state(path: str) -> dict:
-    with open(os.path.join(path, TRAIN_STATE)) as f:
-        return json.load(f)
+    """A checkpoint's train_state.json, checked as data from elsewhere: a JSON object with an integer step (and,
+    where present, the run's config as an object). One line on anything else."""
+    file = os.path.join(path, TRAIN_STATE)
+    try:
+        with open(file, "rb") as f:
+            state = json.loads(f.read())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file!r} is damaged (not JSON: {e}); use an earlier checkpoint") from None
+    if not isinstance(state, dict) or type(state.get("step")) is not int or state["step"] < 0 \
+            or not isinstance(state.get("config", {}), dict):
+        raise CheckpointError(f"{file!r} is not a dit_train train state (expected a JSON object with an integer "
+                              f"'step' and the run's 'config' object); use an earlier checkpoint")
+    return state
+
+
+def saved_config(path: str, state: dict | None = None) -> dict:
+    """The run config a checkpoint was written with (what sampling, export, FD and resume checks read)."""
+    state = read_train_state(path) if state is None else state
+    if "config" not in state:
+        raise CheckpointError(f"{os.path.join(path, TRAIN_STATE)!r} does not record the run's config, which "
+                              f"sampling, export, FD and resume need; use a checkpoint written by dit_train")
+    return state["config"]
+
+
+def literal_config(node):
+    """A saved config with every string taken literally: `${` escaped, so that OmegaConf resolves nothing from a
+    checkpoint's config (a crafted `${oc.env:...}` would copy the reader's environment into configs and logs)."""
+    if isinstance(node, str):
+        return node.replace("${", "\\${")
+    if isinstance(node, dict):
+        return {k: literal_config(v) for k, v in node.items()}
+    return [literal_config(v) for v in node] if isinstance(node, list) else node
 
 
 def load(path: str, model, optimizer, ema_model) -> dict:
@@ -370,7 +400,7 @@ def load_ema_weights(path: str) -> tuple[dict[str, torch.Tensor], dict, dict]:
         state = _read_legacy(path)
         weights, fmt = state["ema"]["model"], "pt"
     meta = {"step": state["step"], "active_time_s": state.get("active_time_s", 0.0), "path": path, "format": fmt}
-    return weights, state["config"], meta
+    return weights, saved_config(path, state), meta
 
 
 def load_for_inference(path: str, device="cpu"):
@@ -380,7 +410,7 @@ def load_for_inference(path: str, device="cpu"):
     from .model import build_model
 
     weights, config, meta = load_ema_weights(path)
-    cfg = OmegaConf.create(config)
+    cfg = OmegaConf.create(literal_config(config))
     # built on meta and given the checkpoint's tensors: no seeded init to draw and overwrite (dit_15b: minutes)
     model = build_model(cfg.model, device="meta")
     model.load_state_dict(weights, assign=True)

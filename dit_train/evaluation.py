@@ -37,7 +37,9 @@ def reference_data_config(data_cfg):
         raise ValueError(f"FD of a latent run compares with the images the latents were made from, but "
                          f"{data_cfg.root}/latents_info.json does not name them: re-encode with "
                          f"scripts/encode_latents.py, or set eval.every_n_steps=0")
-    return OmegaConf.create(source)
+    from .checkpoint import literal_config
+
+    return OmegaConf.create(literal_config(source))  # a file from elsewhere: its strings are taken literally
 
 
 def update_best_fd(best: dict | None, result: dict, step: int, active_time_s: float) -> dict | None:

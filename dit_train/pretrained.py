@@ -68,9 +68,20 @@ def load_pretrained(cls, path: str, device="cpu"):
     from .model import DiTConfig
 
     folder = _local_folder(path)
-    with open(os.path.join(folder, CONFIG_FILE)) as f:
-        config = json.load(f)
+    file = os.path.join(folder, CONFIG_FILE)
+    try:
+        with open(file, "rb") as f:
+            config = json.loads(f.read())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file!r} is damaged (not JSON: {e}); export the model again") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file!r} is not a model config (expected a JSON object of the DiT's architecture keys)")
     names = {f.name for f in fields(DiTConfig)}
-    model = cls(DiTConfig(**{k: v for k, v in config.items() if k in names}))
+    architecture = DiTConfig(**{k: v for k, v in config.items() if k in names})
+    try:
+        architecture.validate()  # a folder from elsewhere: types and ranges checked before anything is built
+    except ValueError as e:
+        raise ValueError(f"{file!r}: {e}") from None
+    model = cls(architecture)
     model.load_state_dict(load_file(os.path.join(folder, WEIGHTS_FILE)))
     return model.to(device).eval()

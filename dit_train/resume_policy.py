@@ -98,7 +98,7 @@ def check_resume(cfg) -> str | None:
         if not ckpt.is_complete(path):
             return path  # a read-only file of an earlier version: loading it says why it cannot resume
         try:
-            saved = ckpt.read_train_state(path)["config"]
+            saved = ckpt.saved_config(path)
         except (OSError, ValueError, KeyError) as e:
             if cfg.train.resume != "auto":
                 raise

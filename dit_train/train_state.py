@@ -32,11 +32,23 @@ class TrainState:
                 "ema_num_updates": self.ema.num_updates, "config": self.config}
 
     def load_state_dict(self, state: dict) -> None:
-        self.step = int(state["step"])
-        self.active_time_s = float(state["active_time_s"])
-        self.skipped_steps = int(state["skipped_steps"])
-        self.best_fd = state["best_fd"]
-        self.scheduler.load_state_dict(state["scheduler"])
-        raw = bytearray(base64.b64decode(state["generator"]))
-        self.generator.set_state(torch.frombuffer(raw, dtype=torch.uint8).clone())
-        self.ema.num_updates = int(state["ema_num_updates"])
+        """A checkpoint's train state (from elsewhere, maybe crafted): the scheduler takes only the keys of its own
+        state (LRScheduler.load_state_dict sets any key as an attribute); anything missing or of the wrong type
+        is one line."""
+        from .checkpoint import CheckpointError
+
+        try:
+            unknown = set(state["scheduler"]) - set(self.scheduler.state_dict())
+            if unknown:
+                raise ValueError(f"scheduler state has keys {sorted(unknown)} that this run's scheduler lacks")
+            step, active, skipped = int(state["step"]), float(state["active_time_s"]), int(state["skipped_steps"])
+            generator = torch.frombuffer(bytearray(base64.b64decode(state["generator"], validate=True)),
+                                         dtype=torch.uint8).clone()
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.generator.set_state(generator)
+            self.ema.num_updates = int(state["ema_num_updates"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"the checkpoint's train state is damaged or not dit_train's "
+                                  f"({type(e).__name__}: {e}); use an earlier checkpoint") from None
+        self.step, self.active_time_s, self.skipped_steps = step, active, skipped
+        self.best_fd = state.get("best_fd")

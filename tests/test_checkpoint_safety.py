@@ -1,11 +1,16 @@
 """Checkpoints are data, not code: a checkpoint whose pickled parts would run code when loaded is refused by every
 reader (resume, export, sampling and the FD jobs all go through dit_train.checkpoint), and nothing runs."""
 
+import importlib
+import io
 import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from dit_train import checkpoint as ckpt
 
@@ -66,3 +71,238 @@ def test_code_in_a_legacy_single_file_checkpoint_is_refused(tmp_path):
         with pytest.raises(ckpt.CheckpointError, match="could run code"):
             reader(str(tmp_path / "run"))
     assert not (tmp_path / "pwned").exists()
+
+
+# ---- the metadata pickle, attacked by name -------------------------------------------------------------------
+def stack_global(module: str, name: str, call_args: tuple | None = None) -> bytes:
+    """A protocol-4 pickle that looks up `module`/`name` with STACK_GLOBAL (which follows dotted names) and, with
+    `call_args`, calls it (REDUCE): what a crafted `.metadata` does to reach code."""
+    def text(s):
+        b = s.encode()
+        return b"\x8c" + bytes([len(b)]) + b if len(b) < 256 else b"X" + len(b).to_bytes(4, "little") + b
+
+    body = text(module) + text(name) + pickle.STACK_GLOBAL
+    if call_args is not None:
+        body += pickle.dumps(tuple(call_args), protocol=4)[2:-1] + pickle.REDUCE  # the args tuple, unframed
+    return pickle.PROTO + b"\x04" + body + pickle.STOP
+
+
+DCP_FS = "torch.distributed.checkpoint.filesystem"
+DOTTED_PAYLOADS = {  # the review's payloads: each reaches a callable through an allowed module by a dotted name
+    "Popen": (DCP_FS, "torch._strobelight.cli_function_profiler.subprocess.Popen"),
+    "FileIO": (DCP_FS, "io.FileIO"),
+    "CDLL": ("torch", "ctypes.CDLL"),
+    "os.system": (DCP_FS, "os.system"),
+    "makedirs": ("pathlib", "os.makedirs"),
+    "eval": ("collections", "_sys.modules.builtins.eval"),
+}
+
+
+@pytest.mark.parametrize("payload", sorted(DOTTED_PAYLOADS))
+def test_dotted_names_in_metadata_reach_nothing_in_any_reader(tmp_path, payload):
+    """Each payload's call would create a file if it ran; every reader (sampling/export/FD: load_ema_weights and
+    load_for_inference; resume: load; fork: load_weights; read_tensors) refuses it in one line and nothing runs."""
+    module, name = DOTTED_PAYLOADS[payload]
+    marker = tmp_path / "pwned"
+    args = {"Popen": (["sh", "-c", f"touch {marker}"],), "FileIO": (str(marker), "w"), "CDLL": (None,),
+            "os.system": (f"touch {marker}",), "makedirs": (str(marker),), "eval": (f"open({str(marker)!r}, 'w')",)}
+    run_dir, path = saved_run(tmp_path)
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        f.write(stack_global(module, name, args[payload]))
+    model, ema = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
+    readers = [lambda: ckpt.load_ema_weights(run_dir), lambda: ckpt.load_for_inference(run_dir),
+               lambda: ckpt.load(path, model, torch.optim.SGD(model.parameters(), lr=0.1), ema),
+               lambda: ckpt.load_weights(path, model, ema), lambda: ckpt.read_tensors(path, "ema")]
+    for reader in readers:
+        with pytest.raises(ckpt.CheckpointError, match=f"names {module}.{name}.*refusing to load") as e:
+            reader()
+        assert "\n" not in str(e.value)
+    assert not marker.exists()
+
+
+def reachable_names():
+    """(module, dotted name) pairs reachable from the modules an honest `.metadata` names: every attribute of
+    those modules and every attribute of those attributes (the dotted names protocol 4 would follow)."""
+    import collections
+    import pathlib
+
+    import torch.distributed.checkpoint.metadata as md
+
+    names = set()
+    for module in (md, ckpt.dcp.filesystem, torch, torch.serialization, pathlib, collections):
+        for a in dir(module):
+            names.add((module.__name__, a))
+            obj = getattr(module, a, None)
+            for b in dir(obj) if obj is not None and not isinstance(obj, (str, bytes, int, float)) else ():
+                names.add((module.__name__, f"{a}.{b}"))
+    return sorted(names)
+
+
+def test_only_the_exact_allowed_names_resolve(tmp_path):
+    """A fuzz over every name reachable from the allowed modules (tens of thousands): each is refused, except the
+    exact (module, name) pairs of the allow-list, which resolve to the very object of that name."""
+    from dit_train import checkpoint_metadata as cm
+
+    resolved = {}
+    pairs = reachable_names() + [("builtins", "eval"), ("os", "system"), ("subprocess", "Popen"),
+                                 ("torch", "load"), ("torch.serialization", "load"), ("io", "FileIO")]
+    assert len(pairs) > 10000
+    for module, name in pairs:
+        try:
+            resolved[(module, name)] = cm._Unpickler(io.BytesIO(stack_global(module, name))).load()
+        except cm.RefusedMetadata:
+            pass
+    assert set(resolved) <= set(cm.ALLOWED)
+    for (module, name), obj in resolved.items():
+        target = importlib.import_module(module)
+        for part in name.split("."):  # what the name means, resolved independently of the unpickler
+            target = getattr(target, part)
+        assert obj is target, (module, name)
+    assert {n for n in cm.ALLOWED if n[0] != "torch" or n[1] == "Size"} <= set(resolved)
+
+
+def test_build_may_not_set_attributes_of_our_own_code():
+    """BUILD on a class, a function or an enum member would change code every later checkpoint load runs."""
+    from dit_train import checkpoint_metadata as cm
+
+    targets = [("torch.distributed.checkpoint.metadata", "Metadata"), ("torch.serialization", "_get_layout"),
+               ("collections", "OrderedDict")]
+    for module, name in targets:
+        state = pickle.dumps({"__setstate__": None, "cache": {}}, protocol=4)[2:-1]
+        data = stack_global(module, name)[:-1] + state + pickle.BUILD + pickle.STOP
+        with pytest.raises(cm.RefusedMetadata, match="sets attributes"):
+            cm.loads(data)
+    layout_cache = torch.serialization._get_layout.__dict__.get("cache")
+    assert layout_cache is None or all(isinstance(v, torch.layout) for v in layout_cache.values())
+
+
+def rewrite_metadata(path: str, change) -> None:
+    """Edit a real checkpoint's metadata with `change(metadata)` and write it back with the standard pickler."""
+    from dit_train import checkpoint_metadata as cm
+
+    metadata = cm.read(path)
+    change(metadata)
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+
+
+@pytest.mark.parametrize("where", ["../../../secret.distcp", "/etc/passwd", "sub/__0_0.distcp", ".hidden.distcp"])
+def test_metadata_cannot_point_at_files_outside_the_checkpoint(tmp_path, where):
+    run_dir, path = saved_run(tmp_path)
+    (tmp_path / "secret.distcp").write_bytes(open(os.path.join(path, "__0_0.distcp"), "rb").read())
+
+    def elsewhere(metadata):
+        for info in metadata.storage_data.values():
+            info.relative_path = where
+
+    rewrite_metadata(path, elsewhere)
+    with pytest.raises(ckpt.CheckpointError, match="not a shard file in its folder.*refusing"):
+        ckpt.load_ema_weights(run_dir)
+
+
+def test_metadata_may_not_ask_for_byte_transforms(tmp_path):
+    run_dir, path = saved_run(tmp_path)
+
+    def transformed(metadata):
+        for info in metadata.storage_data.values():
+            info.transform_descriptors = ["zstd"]
+
+    rewrite_metadata(path, transformed)
+    with pytest.raises(ckpt.CheckpointError, match="byte transforms"):
+        ckpt.load_ema_weights(run_dir)
+
+
+# ---- damaged files: one line that says damaged, never "could run code" ----------------------------------------
+@pytest.mark.parametrize("damage", ["empty metadata", "truncated metadata", "garbage metadata",
+                                    "truncated shard", "missing shard", "metadata of another kind"])
+def test_a_damaged_checkpoint_is_reported_as_damaged(tmp_path, damage):
+    run_dir, path = saved_run(tmp_path)
+    meta, shard = os.path.join(path, ".metadata"), os.path.join(path, "__0_0.distcp")
+    if damage == "empty metadata":
+        open(meta, "wb").close()
+    elif damage == "truncated metadata":
+        data = open(meta, "rb").read()
+        open(meta, "wb").write(data[: len(data) // 2])
+    elif damage == "garbage metadata":
+        open(meta, "wb").write(os.urandom(300))
+    elif damage == "truncated shard":
+        os.truncate(shard, os.path.getsize(shard) // 2)
+    elif damage == "missing shard":
+        os.remove(shard)
+    else:
+        open(meta, "wb").write(pickle.dumps({"state_dict_metadata": {}}))
+    with pytest.raises(ckpt.CheckpointError, match="is damaged") as e:
+        ckpt.load_ema_weights(run_dir)
+    assert "\n" not in str(e.value) and "could run code" not in str(e.value)
+
+
+def test_sample_command_refuses_a_crafted_checkpoint_in_one_line(tmp_path):
+    """The user's side: `python -m dit_train.sample RUN` on a run folder from elsewhere whose metadata would run a
+    shell command: one line on stderr, a non-zero exit, and the command never ran."""
+    run_dir, path = saved_run(tmp_path)
+    marker = tmp_path / "pwned"
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        f.write(stack_global(*DOTTED_PAYLOADS["Popen"], (["sh", "-c", f"touch {marker}"],)))
+    for module in ("dit_train.sample", "dit_train.export"):
+        args = [sys.executable, "-m", module, run_dir] + ([str(tmp_path / "out")] if "export" in module else [])
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0 and not marker.exists()
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "Warning" not in ln]
+        assert len(lines) == 1 and "refusing to load" in lines[0], proc.stderr
+
+
+# ---- the JSON beside the tensors ------------------------------------------------------------------------------
+@pytest.mark.parametrize("content, match", [
+    (b'{"step": 1, "conf', "is damaged \\(not JSON"),
+    (b'[1, 2]', "not a dit_train train state"),
+    (b'{"step": "1", "config": {}}', "not a dit_train train state"),
+    (b'{"step": 1, "config": "model=dit_s"}', "not a dit_train train state"),
+    (b'{"step": 1}', "does not record the run's config"),
+])
+def test_a_damaged_train_state_is_one_line_naming_the_file(tmp_path, content, match):
+    run_dir, path = saved_run(tmp_path)
+    with open(os.path.join(path, ckpt.TRAIN_STATE), "wb") as f:
+        f.write(content)
+    with pytest.raises(ckpt.CheckpointError, match=match) as e:
+        ckpt.load_ema_weights(run_dir)
+    assert ckpt.TRAIN_STATE in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_saved_config_resolves_nothing(tmp_path, monkeypatch):
+    """`${oc.env:...}` in a crafted checkpoint's config stays a literal string: the reader's environment is never
+    copied into the config it hands to sampling, export or FD."""
+    monkeypatch.setenv("DIT_TRAIN_TEST_SECRET", "s3cret")
+    config = {"model": {"name": "${oc.env:DIT_TRAIN_TEST_SECRET}"}, "run_dir": ["${oc.env:HOME}"]}
+    literal = OmegaConf.create(ckpt.literal_config(config))
+    assert literal.model.name == "${oc.env:DIT_TRAIN_TEST_SECRET}" and literal.run_dir[0] == "${oc.env:HOME}"
+    assert "s3cret" not in OmegaConf.to_yaml(literal, resolve=True)
+
+
+def test_a_train_state_cannot_set_scheduler_attributes(tmp_path):
+    """LRScheduler.load_state_dict sets every key it is given as an attribute: a crafted train state's scheduler
+    entry may hold only the keys of the run's own scheduler."""
+    from dit_train.ema import EMA
+    from dit_train.train_state import TrainState
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ts = TrainState(scheduler=sched, generator=torch.Generator(), ema=EMA(model, 0.9))
+    state = ts.state_dict()
+    state["scheduler"] = {**state["scheduler"], "optimizer": {"param_groups": []}, "step": None}
+    with pytest.raises(ckpt.CheckpointError, match=r"keys \['optimizer', 'step'\]"):
+        ts.load_state_dict(state)
+    assert sched.optimizer is opt
+    ts.load_state_dict(ts.state_dict())  # its own state loads
+
+
+@pytest.mark.parametrize("content, match", [(b'{"hidden', "is damaged \\(not JSON"), (b'[]', "not a model config"),
+                                            (b'{"hidden_size": "big"}', "model.hidden_size='big' is not valid")])
+def test_an_exported_folder_from_elsewhere_is_checked_before_anything_is_built(tmp_path, content, match):
+    from dit_train.model import DiT, DiTConfig
+
+    DiT(DiTConfig(image_size=8, patch_size=2, hidden_size=32, depth=1, num_heads=2)).save_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_bytes(content)
+    with pytest.raises(ValueError, match=match) as e:
+        DiT.from_pretrained(str(tmp_path))
+    assert "config.json" in str(e.value) and "\n" not in str(e.value)
