@@ -181,7 +181,7 @@ def estimate(cfg, world_size: int, micro_batch: int, steps: int | None = None, f
     from .model import build_model
     from .optim.registry import build_optimizer
     from .optim.sharded_optimizer import ShardedMatrixOptimizer
-    from .parallel import DistInfo, local, parallelize, resolve_plan
+    from .parallel import DistInfo, fsdp_mesh, local, parallelize, resolve_plan
     from .schedule import build_scheduler
     from .train import Trainer
 
@@ -194,8 +194,11 @@ def estimate(cfg, world_size: int, micro_batch: int, steps: int | None = None, f
         raise ValueError("the estimate is for FSDP2 runs: parallel.fsdp must not be false")
     tc = cfg.train
     steps = steps or steps_for(cfg.optimizer)
-    model = parallelize(build_model(cfg.model, device="meta"), plan)
-    shadow = parallelize(build_model(cfg.model, device="meta"), plan, trainable=False)
+    # the mesh of the estimate's own (fake CPU) tensors: left to parallelize, a host with a visible GPU gets a cuda
+    # mesh that the CPU shards cannot use
+    mesh = fsdp_mesh(plan, device.type)
+    model = parallelize(build_model(cfg.model, device="meta"), plan, mesh=mesh)
+    shadow = parallelize(build_model(cfg.model, device="meta"), plan, trainable=False, mesh=mesh)
     # meta tensors are not fake tensors: allow them in, to_empty turns them into fake CPU tensors
     with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
         model.to_empty(device=device)

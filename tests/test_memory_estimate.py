@@ -86,3 +86,18 @@ def test_the_study_config_fits_an_80_gb_gpu_by_the_committed_estimate():
                    and r["micro_batch"] == cfg.train.batch_size // world]
             assert row, (model, opt, world)
             assert row[-1]["peak"]["total"] < 74.5 * 2**30, (model, opt, row[-1]["peak"]["total"] / 2**30)
+
+
+def test_the_estimate_runs_where_cuda_is_visible():
+    """On a GPU node torch.cuda.is_available() is True, and parallelize's default mesh would be a cuda mesh that the
+    estimate's fake CPU shards cannot use (every gpu_check training row failed for the estimator's sake). With
+    CUDA made visible on this CPU build the estimate runs and says what it says without."""
+    script = (f"import sys, runpy, torch; torch.cuda.is_available = lambda: True; "
+              f"sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+    cmd = [sys.executable, "-c", script, f"{ROOT}/scripts/estimate_memory.py", "--preset", "dit_1b3",
+           "--world-size", str(WORLD), "--optimizer", "adamw", "--micro-batch", "2", "--json", *SHRINK]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {k: seen[k] for k in ("persistent", "peak")} == {k: v for k, v in estimate("adamw").items()
+                                                             if k in ("persistent", "peak")}
