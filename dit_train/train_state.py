@@ -14,6 +14,13 @@ from dataclasses import dataclass, field
 import torch
 
 
+CPU_STATE_BYTES = 5056  # torch.Generator's mt19937 state on the CPU (a CUDA generator's Philox state is 16 bytes)
+
+
+class DeviceKindChanged(ValueError):
+    """A run's checkpoint taken to another device kind (cpu <-> cuda)."""
+
+
 @dataclass
 class TrainState:
     scheduler: object  # torch.optim.lr_scheduler.LRScheduler
@@ -29,6 +36,7 @@ class TrainState:
         return {"step": self.step, "active_time_s": self.active_time_s, "skipped_steps": self.skipped_steps,
                 "best_fd": self.best_fd, "scheduler": self.scheduler.state_dict(),
                 "generator": base64.b64encode(self.generator.get_state().numpy().tobytes()).decode(),
+                "generator_device": self.generator.device.type,
                 "ema_num_updates": self.ema.num_updates, "config": self.config}
 
     def load_state_dict(self, state: dict) -> None:
@@ -44,9 +52,19 @@ class TrainState:
             step, active, skipped = int(state["step"]), float(state["active_time_s"]), int(state["skipped_steps"])
             generator = torch.frombuffer(bytearray(base64.b64decode(state["generator"], validate=True)),
                                          dtype=torch.uint8).clone()
+            written_on = state.get("generator_device") or ("cpu" if generator.numel() == CPU_STATE_BYTES else "cuda")
+            here = self.generator.device.type
+            if written_on != here:
+                raise DeviceKindChanged(
+                    f"the checkpoint was written by a {written_on} run and this run trains on {here}: the training "
+                    f"generator's state ({'mt19937' if written_on == 'cpu' else 'Philox'}) does not carry across "
+                    f"device kinds, so the run could not continue exactly; resume on {written_on}, or start a new "
+                    f"run from its weights with train.init_from=<checkpoint>")
             self.scheduler.load_state_dict(state["scheduler"])
             self.generator.set_state(generator)
             self.ema.num_updates = int(state["ema_num_updates"])
+        except DeviceKindChanged as e:
+            raise CheckpointError(str(e)) from None
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"the checkpoint's train state is damaged or not dit_train's "
                                   f"({type(e).__name__}: {e}); use an earlier checkpoint") from None
