@@ -169,10 +169,12 @@ def by_category(current: dict, peak: dict, params: int, ema_bytes: int, state: i
     return persistent, at_peak
 
 
-def estimate(cfg, world_size: int, micro_batch: int, steps: int | None = None, fake: bool = True) -> dict:
+def estimate(cfg, world_size: int, micro_batch: int, steps: int | None = None, fake: bool = True,
+             micro_batches: int = 1) -> dict:
     """Bytes per rank (rank 0) of `steps` training steps of `cfg` on `world_size` ranks with `micro_batch` images
-    per rank. Returns {"persistent": {...}, "peak": {...}, "steps": n, "seconds": s} (bytes). fake=False runs on
-    real tensors (small models only: to check the fake run against a real one)."""
+    per rank per forward, `micro_batches` forwards per step (gradient accumulation, synced as the trainer does).
+    Returns {"persistent": {...}, "peak": {...}, "steps": n, "seconds": s} (bytes). fake=False runs on real
+    tensors (small models only: to check the fake run against a real one)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
 
@@ -225,7 +227,9 @@ def estimate(cfg, world_size: int, micro_batch: int, steps: int | None = None, f
             tracker._update_and_maybe_create_winfos(t, _FSDPRefType.BUFFER)
         with tracker.ignoring_propagation(), tracker, empty_all_to_all_inputs_allowed():
             for _ in range(steps):
-                _train_step(model, ema, optimizer, scheduler, x, y, Trainer.global_batch_noise(trainer, x), cfg)
+                # per-module stats are per forward (the tracker refuses a second one); the peak is kept
+                _train_step(model, plan, ema, optimizer, scheduler, x, y, Trainer.global_batch_noise(trainer, x), cfg,
+                            micro_batches, between=tracker.reset_mod_stats)
                 tracker.reset_mod_stats()  # per-module stats are per iteration; the peak is kept
             current = tracker.get_tracker_snapshot("current")[device]
         peak = tracker.get_tracker_snapshot("peak")[device]
@@ -238,16 +242,24 @@ def estimate(cfg, world_size: int, micro_batch: int, steps: int | None = None, f
     return {"persistent": persistent, "peak": at_peak, "steps": steps, "seconds": time.perf_counter() - t0}
 
 
-def _train_step(model, ema, optimizer, scheduler, x, y, noise, cfg) -> None:
+def _train_step(model, plan, ema, optimizer, scheduler, x, y, noise, cfg, micro_batches: int = 1,
+                between=None) -> None:
     """Trainer.train_step's tensor work (train.py), without what needs real values: the finite checks, .item()
-    and the 2-scalar loss/preemption all-reduce (8 bytes)."""
+    and the 2-scalar loss/preemption all-reduce (8 bytes). `micro_batches` backwards of `x` accumulate, synced by
+    the trainer's own micro_batch_sync."""
     from .flow import velocity_loss
     from .parallel import autocast, clip_grad_norm_
+    from .train import micro_batch_sync
 
     t, eps, drop = noise
-    with autocast(cfg.train.precision, x.device):
-        loss = velocity_loss(model, x, t, eps, drop_mask=drop, y=y)
-    loss.backward()
+    for i in range(micro_batches):
+        if micro_batches > 1:
+            micro_batch_sync(model, plan, optimizer, last=i == micro_batches - 1)
+            if i and between is not None:
+                between()
+        with autocast(cfg.train.precision, x.device):
+            loss = velocity_loss(model, x, t, eps, drop_mask=drop, y=y)
+        loss.backward()
     clip = cfg.train.grad_clip
     clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
     optimizer.step()

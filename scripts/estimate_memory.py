@@ -56,8 +56,9 @@ def run_one(args) -> dict:
     torch.set_num_threads(1)  # fake tensors do no arithmetic
     cfg = compose(args.preset, args.optimizer, args.activation_checkpointing, args.overrides)
     micro = args.micro_batch or cfg.train.batch_size // args.world_size
-    out = estimate(cfg, args.world_size, micro, fake=not args.real_tensors)
+    out = estimate(cfg, args.world_size, micro, fake=not args.real_tensors, micro_batches=args.micro_batches)
     out.update(preset=args.preset, optimizer=args.optimizer, world_size=args.world_size, micro_batch=micro,
+               micro_batches=args.micro_batches,
                activation_checkpointing=args.activation_checkpointing, overrides=list(args.overrides))
     return out
 
@@ -164,6 +165,8 @@ def main(argv=None) -> None:
     ap.add_argument("--optimizer", default="adamw")
     ap.add_argument("--world-size", type=int, default=8)
     ap.add_argument("--micro-batch", type=int, default=None, help="images per rank (default batch_size / W)")
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="forwards per step (gradient accumulation: train.batch_size / W / train.micro_batch_size)")
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON line (bytes)")
     ap.add_argument("--real-tensors", action="store_true",

@@ -36,9 +36,11 @@ def runs(tmp_path_factory):
         FOUR + [f"run_dir={root / 'reduce_bf16'}", "parallel.reduce_dtype=bf16"],
         PERIODIC + [f"run_dir={root / 'hsdp'}", "parallel.replicate=2"],
         PERIODIC + [f"run_dir={root / 'hsdp_resumed'}", "parallel.replicate=2", f"train.resume={ck2}"],
+        PERIODIC + [f"run_dir={root / 'hsdp_micro'}", "parallel.replicate=2", "train.micro_batch_size=2",
+                    "optimizer.overlap_exchange=true"],
     ], timeout=600)
     return {k: root / k for k in ("single", "single_periodic", "fsdp", "reshard_2", "reduce_bf16", "hsdp",
-                                  "hsdp_resumed")}
+                                  "hsdp_resumed", "hsdp_micro")}
 
 
 @needs_fashion
@@ -49,6 +51,16 @@ def test_hsdp_matches_the_single_process(runs):
     for key in ("train/loss", "train/grad_norm", "val/loss"):
         assert_close(losses(runs["hsdp"], key), losses(runs["single_periodic"], key), rtol=1e-5)
     assert losses(runs["hsdp"], "opt/refresh") == {1: 1.0, 2: 0.0, 3: 0.0, 4: 1.0}
+
+
+@needs_fashion
+def test_hsdp_gradient_accumulation_matches_the_single_process(runs):
+    """2 micro-batches per rank: reduce-scattered after each, all-reduced across the replicas after the last only
+    (train.micro_batch_sync), with the exchange behind backward armed for the last backward: the single process's
+    numbers, and the refresh steps' exchange still runs behind backward."""
+    for key in ("train/loss", "train/grad_norm", "val/loss"):
+        assert_close(losses(runs["hsdp_micro"], key), losses(runs["single_periodic"], key), rtol=1e-5)
+    assert losses(runs["hsdp_micro"], "opt/exchanged_in_backward")[1] > 0
 
 
 @needs_fashion

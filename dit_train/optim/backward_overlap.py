@@ -3,7 +3,7 @@
 Without it, a refresh step exchanges every matrix's momentum input U = G + mu M' (M' = mu M + G) inside
 optimizer.step(), after the whole backward. With it, FSDP2's post-reduce hook of each sharded matrix parameter
 (`register_post_accumulate_grad_hook`, which FSDP2 calls on the sharded parameter once its gradient is reduce-
-scattered, i.e. only on the backward that syncs: with gradient accumulation, the last micro-batch's) computes that
+scattered; with gradient accumulation the trainer arms it for the last micro-batch's backward only) computes that
 matrix's U rows, and the exchange starts while the rest of the backward runs:
 - gather mode: the rows are queued; every `bucket_mb` of whole matrices one all-gather starts, and the last partial
   bucket starts when the backward ends (an autograd engine callback). step() waits for the buffers, assembles each
@@ -105,9 +105,12 @@ class BackwardExchange:
         self._comm = None
         self._flush_queued = False
         self.used = 0  # matrices whose prefetched U the step used
+        self.armed = True  # False during the backwards of all but a step's last micro-batch (partial gradients)
 
     # ---- during backward --------------------------------------------------------------------------------------
     def _on_gradient(self, p) -> None:
+        if not self.armed:
+            return
         opt, group = self.opt, self._group_of[p]
         from .sharded_optimizer import WHOLE, placement
 

@@ -130,6 +130,12 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
         if self._overlap is not None:
             self._overlap.gradients_scaled(scaled)
 
+    def backward_is_final(self, final: bool) -> None:
+        """Gradient accumulation: whether the coming backward is the step's last. FSDP2 reduce-scatters after every
+        micro-batch, so the hooks see partial gradients on the others and must not exchange them."""
+        if self._overlap is not None:
+            self._overlap.armed = bool(final)
+
     def step(self, closure=None):
         try:
             loss = super().step(closure)
