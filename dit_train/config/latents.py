@@ -31,8 +31,15 @@ def read_latents_info(root: str) -> dict:
     path = os.path.join(root, LATENTS_INFO)
     if not os.path.isfile(path):
         return {}
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            info = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is torn or not JSON ({e}); encode the latents again into a new folder with "
+                          f"scripts/encode_latents.py") from None
+    if not isinstance(info, dict):
+        raise ConfigError(f"{path} holds a JSON {type(info).__name__}, expected the object encode_latents.py writes")
+    return info
 
 
 def check_latent_run(model: dict, data: dict, vae: dict, needs_decoding: bool) -> None:
