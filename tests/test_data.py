@@ -256,3 +256,32 @@ def test_the_training_command_refuses_bad_latents_in_one_line(tmp_path, fault):
                          f"data.num_classes=10 allows labels 0..9",
                 "torn_info": f"error: {tmp_path}/lat/latents_info.json is torn or not JSON"}[fault]
     assert r.stderr.startswith(expected)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_skipped_images_are_counted_with_loader_workers(tmp_path, num_workers):
+    """The skipped set filled in a worker process was lost: data/skipped logged 0 with num_workers >= 1."""
+    from dit_train.data.order import train_batches
+
+    make_folder(tmp_path, corrupt=True)
+    cfg = OmegaConf.create({"name": "image_folder", "root": str(tmp_path), "image_size": 16, "skip_corrupt": True})
+    ds = build_dataset(cfg, "train")
+    batches = list(train_batches(ds, global_batch=7, seed=0, start_step=0, total_steps=2, num_workers=num_workers))
+    assert len(batches) == 2 and batches[0][0].shape == (7, 3, 16, 16) and batches[0][1].shape == (7,)
+    assert ds.skipped == {str(tmp_path / "dog" / "bad.png")}
+
+
+def test_the_training_log_counts_a_skipped_image_read_by_a_loader_worker(tmp_path):
+    from conftest import compose
+    from dit_train.train import run
+    from test_fsdp_train import metrics
+
+    make_folder(tmp_path / "data", corrupt=True)
+    run(compose(["data=image_folder", f"data.root={tmp_path / 'data'}", "data.image_size=16", "data.channels=3",
+                 "data.skip_corrupt=true", "model.in_channels=3", "model.image_size=16", "model.num_classes=2",
+                 "model.hidden_size=32", "model.depth=1", "model.num_heads=1", "model.patch_size=8",
+                 "train.steps=2", "train.batch_size=7", "train.num_workers=1", "train.log_every=1",
+                 "train.val_every=0", "train.sample_every=0", "eval.every_n_steps=0", "train.progress=false",
+                 f"run_dir={tmp_path / 'run'}"]))
+    rows = [r for r in metrics(tmp_path / "run") if "train/loss" in r]
+    assert [r["step"] for r in rows] == [1, 2] and [r.get("data/skipped") for r in rows] == [1, 1]
