@@ -49,6 +49,10 @@ def check_latent_run(model: dict, data: dict, vae: dict, needs_decoding: bool) -
                           f"{encode_hint(model)}")
     if not os.path.isdir(root):
         raise invalid("data.root", root, f"not a folder of latent shards; {encode_hint(model)}")
+    info = read_latents_info(root)
+    if info.get("complete") is False:  # written before the first shard, completed after the last
+        raise invalid("data.root", root, "its encoding stopped before every shard was written: rerun the same "
+                                         "scripts/encode_latents.py command to finish it")
     path = vae["path"]
     if path is None:
         if needs_decoding:
@@ -59,7 +63,6 @@ def check_latent_run(model: dict, data: dict, vae: dict, needs_decoding: bool) -
         return
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise invalid("vae.path", path, "expected a diffusers AutoencoderKL folder (config.json + weights)")
-    info = read_latents_info(root)
     if "scaling_factor" in info:
         now = vae_scaling(path)
         then = (float(info["scaling_factor"]), float(info["shift_factor"]))
