@@ -26,7 +26,6 @@ import json
 import math
 import os
 import sys
-
 from pathlib import Path
 
 import torch
@@ -34,7 +33,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dit_train.atomic_io import atomic_write_bytes  # noqa: E402
-from dit_train.config.latents import LATENTS_INFO, read_latents_info  # noqa: E402
+from dit_train.config.latents import LATENTS_INFO, read_latents_info, vae_scaling  # noqa: E402
 from dit_train.data import build_dataset  # noqa: E402
 from dit_train.fd.features import _fingerprint  # noqa: E402
 from dit_train.fd.job_config import load_data_cfg  # noqa: E402
@@ -66,25 +65,34 @@ def image_list(ds, n: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def encoding_record(args, codec, source: dict, datasets: dict) -> dict:
+def encoding_record(args, source: dict, datasets: dict) -> dict:
     """latents_info.json: everything the shards' contents depend on (batch size aside: it only groups the work)."""
     splits = [{"split": split, "images": n, "latents": n * (2 if args.flip else 1),
                "shards": math.ceil(n / args.shard_size), "image_list": image_list(ds, n)}
               for split, (ds, n) in datasets.items()]
-    return {"vae": os.path.abspath(args.vae), "vae_files": vae_files(args.vae), "scaling_factor": codec.scale,
-            "shift_factor": codec.shift, "flip": bool(args.flip), "shard_size": args.shard_size, "source": source,
+    scale, shift = vae_scaling(args.vae)
+    return {"vae": os.path.abspath(args.vae), "vae_files": vae_files(args.vae), "scaling_factor": scale,
+            "shift_factor": shift, "flip": bool(args.flip), "shard_size": args.shard_size, "source": source,
             "splits": splits, "complete": False}
 
 
 def resume_conflict(old: dict, new: dict, out: str) -> str | None:
-    """Why the shards in `out` (recorded in `old`) cannot be continued by this run (`new`); None: they can."""
+    """Why the shards in `out` (recorded in `old`) cannot be continued by this run (`new`), and what to do; None:
+    they can."""
     if not old:
         if glob.glob(os.path.join(out, "*", "shard_*.safetensors")):
-            return f"{out} holds latent shards but no {LATENTS_INFO} that says how they were made"
+            return f"{out} holds latent shards but no {LATENTS_INFO} that says how they were made; choose another --out"
         return None
     missing = [k for k in new if k not in old]
     if missing:
-        return f"{out}/{LATENTS_INFO} does not record {', '.join(missing)} (an older encode_latents.py wrote it)"
+        return (f"{out}/{LATENTS_INFO} does not record {', '.join(missing)} (an older encode_latents.py wrote it); "
+                f"choose another --out")
+    differs = settings_conflict(old, new, out)
+    return differs and f"{differs}; rerun with the settings in {out}/{LATENTS_INFO}, or choose another --out"
+
+
+def settings_conflict(old: dict, new: dict, out: str) -> str | None:
+    """The first setting of this run that differs from the one the shards were made with; None: none does."""
     if (old["vae_files"], old["scaling_factor"], old["shift_factor"]) != \
             (new["vae_files"], new["scaling_factor"], new["shift_factor"]):
         return f"{out} holds latents made with another VAE ({old['vae']}), not --vae {new['vae']}"
@@ -106,7 +114,7 @@ def resume_conflict(old: dict, new: dict, out: str) -> str | None:
 
 
 @torch.no_grad()
-def encode_split(codec, ds, n: int, split: str, args, rank: int, world: int, progress) -> dict:
+def encode_split(codec, ds, n: int, split: str, args, rank: int, world: int, progress) -> None:
     folder = os.path.join(args.out, split)
     os.makedirs(folder, exist_ok=True)
     shards = math.ceil(n / args.shard_size)
@@ -152,22 +160,23 @@ def main(argv=None) -> dict:
         args.image_size = 256
     from dit_train.vae import LatentCodec
 
+    if not os.path.isfile(os.path.join(args.vae, "config.json")):
+        raise SystemExit(f"error: --vae {args.vae} is not a diffusers AutoencoderKL folder (config.json + weights)")
     dist = init_distributed()
-    codec = LatentCodec(args.vae, dist.device, args.batch_size)
     source = source_config(args)
     datasets = {}
     for split in args.splits.split(","):
         ds = build_dataset(source, split)
         datasets[split] = ds, min(len(ds), args.limit) if args.limit else len(ds)
-    info = encoding_record(args, codec, source, datasets)
+    info = encoding_record(args, source, datasets)
     try:
         old = read_latents_info(args.out)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     conflict = resume_conflict(old, info, args.out)
     if conflict:
-        raise SystemExit(f"error: {conflict}; rerun with the settings in {args.out}/{LATENTS_INFO}, or choose "
-                         f"another --out")
+        raise SystemExit(f"error: {conflict}")
+    codec = LatentCodec(args.vae, dist.device, args.batch_size)
     this_run = {s["split"] for s in info["splits"]}
     info["splits"] = [s for s in old.get("splits", []) if s["split"] not in this_run] + info["splits"]
     info_path = os.path.join(args.out, LATENTS_INFO)

@@ -194,3 +194,12 @@ def test_the_refusal_is_one_line_on_the_command_line(tmp_path):
     assert r.stderr.splitlines()[-1] == (f"error: {tmp_path}/lat holds latents made with --shard-size 2, not 4; rerun "
                                          f"with the settings in {tmp_path}/lat/latents_info.json, or choose another "
                                          f"--out")
+
+
+def test_a_vae_path_that_is_not_a_vae_folder_is_one_line_before_anything_is_written(tmp_path):
+    image_folder(tmp_path / "img")
+    with pytest.raises(SystemExit, match=rf"^error: --vae {tmp_path}/nope is not a diffusers AutoencoderKL folder "
+                                         rf"\(config.json \+ weights\)$"):
+        load_encoder()(["--vae", str(tmp_path / "nope"), "--images", str(tmp_path / "img"), "--out",
+                        str(tmp_path / "lat"), "--image-size", "16"])
+    assert not (tmp_path / "lat").exists()
