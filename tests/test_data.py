@@ -1,6 +1,8 @@
 import gzip
 import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -9,7 +11,9 @@ from omegaconf import OmegaConf
 from PIL import Image
 from safetensors.torch import save_file
 
-from conftest import FASHION_ROOT, needs_fashion
+from conftest import FASHION_ROOT, ROOT, needs_fashion
+from dit_train.config import ConfigError
+from dit_train.config.latents import read_latents_info
 from dit_train.data.order import StepBatchSampler
 from dit_train.data import build_dataset
 
@@ -220,9 +224,6 @@ def test_a_truncated_latent_shard_is_one_line_naming_the_file(tmp_path, keep):
 
 
 def test_a_torn_latents_info_is_one_line_naming_the_file(tmp_path):
-    from dit_train.config import ConfigError
-    from dit_train.config.latents import read_latents_info
-
     (tmp_path / "latents_info.json").write_text('{"vae": "/w/vae", "scaling_fac')
     with pytest.raises(ConfigError, match=rf"^{tmp_path}/latents_info.json is torn or not JSON \(.*\); encode "):
         read_latents_info(str(tmp_path))
@@ -233,11 +234,6 @@ def test_a_torn_latents_info_is_one_line_naming_the_file(tmp_path):
 
 @pytest.mark.parametrize("fault", ["label", "torn_info"])
 def test_the_training_command_refuses_bad_latents_in_one_line(tmp_path, fault):
-    import subprocess
-    import sys
-
-    from conftest import ROOT
-
     write_latent_split(tmp_path / "lat", labels=torch.tensor([0, 1, 2, 10]) if fault == "label" else None)
     write_latent_split(tmp_path / "lat", "val")
     if fault == "torn_info":

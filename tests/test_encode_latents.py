@@ -10,6 +10,8 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 from conftest import ROOT
+from dit_train.config import ConfigError
+from dit_train.config.latents import check_latent_run
 from dit_train.data import build_dataset
 
 
@@ -105,9 +107,6 @@ def test_a_resumed_encoding_refuses_another_vae_and_continues_with_its_own(tmp_p
     """Interrupted (a corrupt image stops it after the first shard), then rerun with another VAE of the same
     factors: the old code kept the first shard, encoded the rest with the new VAE and recorded only that one."""
     from safetensors.torch import load_file
-
-    from dit_train.config import ConfigError
-    from dit_train.config.latents import check_latent_run
 
     encode = load_encoder()
     save_tiny_vae(tmp_path / "vae", seed=0)
