@@ -10,26 +10,32 @@ Images come from an image folder (--images: root/<class>/<images>, or root/train
 of the trainer (--data NAME, --data-set KEY=VALUE). The VAE is diffusers' AutoencoderKL from a local folder; a
 latent is (mean of the posterior - shift_factor) * scaling_factor (dit_train/vae.py), stored as fp16 with int64
 labels in out/<split>/shard_NNNNN.safetensors (the factors in each shard's metadata too). --flip stores every image
-and its horizontal mirror, as DiT's feature extraction does. Shards are written atomically and an existing one is
-skipped, so an interrupted run continues where it stopped. out/latents_info.json records the VAE, its factors and
-the source images, which the trainer checks against vae.path and uses as the FD reference of latent runs.
+and its horizontal mirror, as DiT's feature extraction does. out/latents_info.json, written before the first shard,
+records the VAE (its files' fingerprints), its factors, the source images and the settings that decide what each
+shard holds; the trainer checks it against vae.path and uses the source as the FD reference of latent runs.
+Shards are written atomically and an existing one is skipped, so an interrupted run continues where it stopped:
+only with the VAE, images, --flip and --shard-size recorded (else one line, and nothing is written).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import hashlib
 import json
 import math
 import os
 import sys
+from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dit_train.atomic_io import atomic_write_bytes  # noqa: E402
-from dit_train.config.latents import LATENTS_INFO, read_latents_info  # noqa: E402
+from dit_train.config.latents import LATENTS_INFO, read_latents_info, vae_scaling  # noqa: E402
 from dit_train.data import build_dataset  # noqa: E402
+from dit_train.fd.features import _fingerprint  # noqa: E402
 from dit_train.fd.job_config import load_data_cfg  # noqa: E402
 from dit_train.parallel import barrier, init_distributed, shutdown_process_group  # noqa: E402
 
@@ -45,10 +51,70 @@ def source_config(args) -> dict:
     return {**cfg, "image_size": args.image_size or cfg["image_size"]}
 
 
+def vae_files(path: str) -> dict:
+    """Fingerprints of the VAE folder's config and weights: the same VAE wherever its folder lies."""
+    names = sorted(f for f in os.listdir(path) if f == "config.json" or f.endswith((".safetensors", ".bin")))
+    return {f: _fingerprint(Path(path, f)) for f in names}
+
+
+def image_list(ds, n: int) -> str:
+    """Which images the split's first n items are: an image folder's files and labels in order, else the dataset
+    id (a file added, removed or renamed shifts every later shard's contents)."""
+    items = getattr(ds, "samples", None)
+    text = "".join(f"{p}\t{y}\n" for p, y in items[:n]) if items is not None else f"{ds.dataset_id}:{n}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def encoding_record(args, source: dict, datasets: dict) -> dict:
+    """latents_info.json: everything the shards' contents depend on (batch size aside: it only groups the work)."""
+    splits = [{"split": split, "images": n, "latents": n * (2 if args.flip else 1),
+               "shards": math.ceil(n / args.shard_size), "image_list": image_list(ds, n)}
+              for split, (ds, n) in datasets.items()]
+    scale, shift = vae_scaling(args.vae)
+    return {"vae": os.path.abspath(args.vae), "vae_files": vae_files(args.vae), "scaling_factor": scale,
+            "shift_factor": shift, "flip": bool(args.flip), "shard_size": args.shard_size, "source": source,
+            "splits": splits, "complete": False}
+
+
+def resume_conflict(old: dict, new: dict, out: str) -> str | None:
+    """Why the shards in `out` (recorded in `old`) cannot be continued by this run (`new`), and what to do; None:
+    they can."""
+    if not old:
+        if glob.glob(os.path.join(out, "*", "shard_*.safetensors")):
+            return f"{out} holds latent shards but no {LATENTS_INFO} that says how they were made; choose another --out"
+        return None
+    missing = [k for k in new if k not in old]
+    if missing:
+        return (f"{out}/{LATENTS_INFO} does not record {', '.join(missing)} (an older encode_latents.py wrote it); "
+                f"choose another --out")
+    differs = settings_conflict(old, new, out)
+    return differs and f"{differs}; rerun with the settings in {out}/{LATENTS_INFO}, or choose another --out"
+
+
+def settings_conflict(old: dict, new: dict, out: str) -> str | None:
+    """The first setting of this run that differs from the one the shards were made with; None: none does."""
+    if (old["vae_files"], old["scaling_factor"], old["shift_factor"]) != \
+            (new["vae_files"], new["scaling_factor"], new["shift_factor"]):
+        return f"{out} holds latents made with another VAE ({old['vae']}), not --vae {new['vae']}"
+    if old["flip"] != new["flip"]:
+        return f"{out} holds latents made {'with' if old['flip'] else 'without'} --flip"
+    if old["shard_size"] != new["shard_size"]:
+        return f"{out} holds latents made with --shard-size {old['shard_size']}, not {new['shard_size']}"
+    for key in sorted(set(old["source"]) | set(new["source"])):
+        if old["source"].get(key) != new["source"].get(key):
+            return (f"{out} holds latents made from source {key}={old['source'].get(key)!r}, not "
+                    f"{new['source'].get(key)!r} (--images/--data/--data-set/--image-size)")
+    recorded = {s["split"]: s for s in old["splits"]}
+    for s in new["splits"]:
+        then = recorded.get(s["split"], s)
+        if (then["images"], then["image_list"]) != (s["images"], s["image_list"]):
+            return (f"{out} holds {s['split']} latents of {then['images']} images, now {s['images']} images or "
+                    f"other files (--limit, or images added, removed or renamed)")
+    return None
+
+
 @torch.no_grad()
-def encode_split(codec, source: dict, split: str, args, rank: int, world: int, progress) -> dict:
-    ds = build_dataset(source, split)
-    n = min(len(ds), args.limit) if args.limit else len(ds)
+def encode_split(codec, ds, n: int, split: str, args, rank: int, world: int, progress) -> None:
     folder = os.path.join(args.out, split)
     os.makedirs(folder, exist_ok=True)
     shards = math.ceil(n / args.shard_size)
@@ -73,7 +139,6 @@ def encode_split(codec, source: dict, split: str, args, rank: int, world: int, p
             os.replace(tmp, path)
         if progress is not None:
             progress.update(stop - start)
-    return {"split": split, "images": n, "latents": n * (2 if args.flip else 1), "shards": shards}
 
 
 def main(argv=None) -> dict:
@@ -95,26 +160,44 @@ def main(argv=None) -> dict:
         args.image_size = 256
     from dit_train.vae import LatentCodec
 
+    if not os.path.isfile(os.path.join(args.vae, "config.json")):
+        raise SystemExit(f"error: --vae {args.vae} is not a diffusers AutoencoderKL folder (config.json + weights)")
     dist = init_distributed()
-    codec = LatentCodec(args.vae, dist.device, args.batch_size)
-    old = read_latents_info(args.out)
-    if old and (float(old["scaling_factor"]), float(old["shift_factor"])) != (codec.scale, codec.shift):
-        raise SystemExit(f"error: {args.out} holds latents of another VAE ({old['vae']}); choose another --out")
     source = source_config(args)
+    datasets = {}
+    for split in args.splits.split(","):
+        ds = build_dataset(source, split)
+        datasets[split] = ds, min(len(ds), args.limit) if args.limit else len(ds)
+    info = encoding_record(args, source, datasets)
+    try:
+        old = read_latents_info(args.out)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    conflict = resume_conflict(old, info, args.out)
+    if conflict:
+        raise SystemExit(f"error: {conflict}")
+    codec = LatentCodec(args.vae, dist.device, args.batch_size)
+    this_run = {s["split"] for s in info["splits"]}
+    info["splits"] = [s for s in old.get("splits", []) if s["split"] not in this_run] + info["splits"]
+    info_path = os.path.join(args.out, LATENTS_INFO)
+    if dist.is_main:  # before the first shard: an interrupted run's shards are never without their record
+        os.makedirs(args.out, exist_ok=True)
+        atomic_write_bytes(json.dumps(info, indent=2).encode(), info_path)
+    barrier()
     progress = None
     if dist.is_main:
         from tqdm import tqdm
 
         progress = tqdm(desc="encode", unit="img", dynamic_ncols=True)
-    splits = [encode_split(codec, source, s, args, dist.rank, dist.world_size, progress) for s in args.splits.split(",")]
+    for split, (ds, n) in datasets.items():
+        encode_split(codec, ds, n, split, args, dist.rank, dist.world_size, progress)
     if progress is not None:
         progress.close()
     barrier()  # every rank's shards are on disk
-    info = {"vae": os.path.abspath(args.vae), "scaling_factor": codec.scale, "shift_factor": codec.shift,
-            "flip": bool(args.flip), "source": source, "splits": splits}
+    info["complete"] = True
     if dist.is_main:
-        atomic_write_bytes(json.dumps(info, indent=2).encode(), os.path.join(args.out, LATENTS_INFO))
-        print(json.dumps(splits))
+        atomic_write_bytes(json.dumps(info, indent=2).encode(), info_path)
+        print(json.dumps([s for s in info["splits"] if s["split"] in this_run]))
     shutdown_process_group()
     return info
 

@@ -1,6 +1,8 @@
 import gzip
 import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -9,7 +11,9 @@ from omegaconf import OmegaConf
 from PIL import Image
 from safetensors.torch import save_file
 
-from conftest import FASHION_ROOT, needs_fashion
+from conftest import FASHION_ROOT, ROOT, needs_fashion
+from dit_train.config import ConfigError
+from dit_train.config.latents import read_latents_info
 from dit_train.data.order import StepBatchSampler
 from dit_train.data import build_dataset
 
@@ -166,3 +170,114 @@ def test_more_classes_than_the_model_has_is_one_line_before_training(tmp_path, c
                    "model.num_heads=1", "model.patch_size=8", f"run_dir={tmp_path / 'run'}"])
     with pytest.raises(ConfigError, match=f"model.num_classes=10 is not valid: the training data has {classes} classes"):
         Trainer(cfg, DistInfo())
+
+
+def write_latent_split(root, split="train", latents=None, labels=None):
+    os.makedirs(root / split, exist_ok=True)
+    latents = torch.randn(4, 4, 8, 8).half() if latents is None else latents
+    labels = torch.arange(len(latents)) if labels is None else labels
+    save_file({"latents": latents, "labels": labels}, str(root / split / "shard_00000.safetensors"))
+    return root / split / "shard_00000.safetensors"
+
+
+@pytest.mark.parametrize("latents, labels, message", [
+    (None, torch.tensor([0, 1, 2, 10]), r"has label 10: data.num_classes=10 allows labels 0..9 \(label 10 is the "
+                                        r"guidance null class\)"),
+    (None, torch.tensor([0, 11, 2, 3]), r"has label 11: data.num_classes=10 allows labels 0..9"),
+    (None, torch.tensor([0, -1, 2, 3]), r"has label -1: data.num_classes=10 allows labels 0..9"),
+    (None, torch.tensor([0.0, 1.0, 2.0, 3.0]), r"has labels of dtype F32, expected integers \(I64, I32"),
+    (None, torch.arange(3), r"has labels of shape \[3\], expected \[4\] \(one per latent\)"),
+    (torch.randint(-50, 50, (4, 4, 8, 8)), None, r"has latents of dtype I64, expected floating point"),
+])
+def test_bad_latent_labels_or_dtypes_are_one_line_naming_the_shard(tmp_path, latents, labels, message):
+    """Label num_classes trained as the guidance null class, label 11 was an IndexError mid-run, int64 latents
+    trained (loss 94): each is now refused when the shards are opened."""
+    write_latent_split(tmp_path, latents=latents, labels=labels)
+    cfg = OmegaConf.create({"name": "latents", "root": str(tmp_path), "image_size": 8, "channels": 4,
+                            "num_classes": 10})
+    with pytest.raises(ValueError, match=r"^latent shard \S+shard_00000\.safetensors " + message) as e:
+        build_dataset(cfg, "train")
+    assert "\n" not in str(e.value)
+
+
+def test_good_latent_labels_pass_and_an_unconditional_set_takes_any_label(tmp_path):
+    write_latent_split(tmp_path, labels=torch.tensor([0, 9, 3, 3], dtype=torch.int32))
+    cfg = OmegaConf.create({"name": "latents", "root": str(tmp_path), "image_size": 8, "channels": 4,
+                            "num_classes": 10})
+    assert [build_dataset(cfg, "train")[i][1] for i in range(4)] == [0, 9, 3, 3]
+    write_latent_split(tmp_path, labels=torch.tensor([0, 900, 3, 3]))
+    cfg.num_classes = 0  # labels unused
+    assert len(build_dataset(cfg, "train")) == 4
+
+
+@pytest.mark.parametrize("keep", [0, 40, -100])
+def test_a_truncated_latent_shard_is_one_line_naming_the_file(tmp_path, keep):
+    path = write_latent_split(tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(data[:keep])  # empty, inside the header, inside the tensors
+    cfg = OmegaConf.create({"name": "latents", "root": str(tmp_path), "image_size": 8, "channels": 4,
+                            "num_classes": 10})
+    with pytest.raises(ValueError, match=rf"^latent shard {path} is truncated or not a safetensors file \(.*\); "
+                                         rf"delete it and rerun scripts/encode_latents.py") as e:
+        build_dataset(cfg, "train")
+    assert "\n" not in str(e.value)
+
+
+def test_a_torn_latents_info_is_one_line_naming_the_file(tmp_path):
+    (tmp_path / "latents_info.json").write_text('{"vae": "/w/vae", "scaling_fac')
+    with pytest.raises(ConfigError, match=rf"^{tmp_path}/latents_info.json is torn or not JSON \(.*\); encode "):
+        read_latents_info(str(tmp_path))
+    (tmp_path / "latents_info.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match=r"latents_info.json holds a JSON list, expected the object"):
+        read_latents_info(str(tmp_path))
+
+
+@pytest.mark.parametrize("fault", ["label", "torn_info"])
+def test_the_training_command_refuses_bad_latents_in_one_line(tmp_path, fault):
+    write_latent_split(tmp_path / "lat", labels=torch.tensor([0, 1, 2, 10]) if fault == "label" else None)
+    write_latent_split(tmp_path / "lat", "val")
+    if fault == "torn_info":
+        (tmp_path / "lat" / "latents_info.json").write_text('{"vae": "/w/va')
+        os.makedirs(tmp_path / "vae")
+        (tmp_path / "vae" / "config.json").write_text('{"scaling_factor": 0.18215}')
+    cmd = [sys.executable, "-m", "dit_train", "data=latents", f"data.root={tmp_path / 'lat'}", "data.num_classes=10",
+           "data.image_size=8", "model.in_channels=4", "model.image_size=8", "model.patch_size=2",
+           "model.hidden_size=32", "model.depth=1", "model.num_heads=2", "model.num_classes=10",
+           "train.sample_every=0", "eval.every_n_steps=0", "train.steps=2", "train.batch_size=4",
+           f"run_dir={tmp_path / 'run'}", *([f"vae.path={tmp_path / 'vae'}"] if fault == "torn_info" else [])]
+    r = subprocess.run(cmd, cwd=str(tmp_path), capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    expected = {"label": f"error: latent shard {tmp_path}/lat/train/shard_00000.safetensors has label 10: "
+                         f"data.num_classes=10 allows labels 0..9",
+                "torn_info": f"error: {tmp_path}/lat/latents_info.json is torn or not JSON"}[fault]
+    assert r.stderr.startswith(expected)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_skipped_images_are_counted_with_loader_workers(tmp_path, num_workers):
+    """The skipped set filled in a worker process was lost: data/skipped logged 0 with num_workers >= 1."""
+    from dit_train.data.order import train_batches
+
+    make_folder(tmp_path, corrupt=True)
+    cfg = OmegaConf.create({"name": "image_folder", "root": str(tmp_path), "image_size": 16, "skip_corrupt": True})
+    ds = build_dataset(cfg, "train")
+    batches = list(train_batches(ds, global_batch=7, seed=0, start_step=0, total_steps=2, num_workers=num_workers))
+    assert len(batches) == 2 and batches[0][0].shape == (7, 3, 16, 16) and batches[0][1].shape == (7,)
+    assert ds.skipped == {str(tmp_path / "dog" / "bad.png")}
+
+
+def test_the_training_log_counts_a_skipped_image_read_by_a_loader_worker(tmp_path):
+    from conftest import compose
+    from dit_train.train import run
+    from test_fsdp_train import metrics
+
+    make_folder(tmp_path / "data", corrupt=True)
+    run(compose(["data=image_folder", f"data.root={tmp_path / 'data'}", "data.image_size=16", "data.channels=3",
+                 "data.skip_corrupt=true", "model.in_channels=3", "model.image_size=16", "model.num_classes=2",
+                 "model.hidden_size=32", "model.depth=1", "model.num_heads=1", "model.patch_size=8",
+                 "train.steps=2", "train.batch_size=7", "train.num_workers=1", "train.log_every=1",
+                 "train.val_every=0", "train.sample_every=0", "eval.every_n_steps=0", "train.progress=false",
+                 f"run_dir={tmp_path / 'run'}"]))
+    rows = [r for r in metrics(tmp_path / "run") if "train/loss" in r]
+    assert [r["step"] for r in rows] == [1, 2] and [r.get("data/skipped") for r in rows] == [1, 1]

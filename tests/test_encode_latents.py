@@ -1,22 +1,34 @@
+import importlib.util
+import json
 import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from omegaconf import OmegaConf
 from PIL import Image
 
 from conftest import ROOT
+from dit_train.config import ConfigError
+from dit_train.config.latents import check_latent_run
 from dit_train.data import build_dataset
 
 
-def test_encode_image_folder_with_tiny_random_vae_then_train_reads_it(tmp_path):
+def save_tiny_vae(folder, sample_size=16, seed=0):
+    """A random-init diffusers AutoencoderKL (8x8x4 latents of 16 px images)."""
     from diffusers import AutoencoderKL
 
+    torch.manual_seed(seed)
     vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16),
                         down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                        layers_per_block=1, norm_num_groups=4, sample_size=16)
-    vae.save_pretrained(tmp_path / "vae")
+                        layers_per_block=1, norm_num_groups=4, sample_size=sample_size)
+    vae.save_pretrained(folder)
+    return vae
+
+
+def test_encode_image_folder_with_tiny_random_vae_then_train_reads_it(tmp_path):
+    vae = save_tiny_vae(tmp_path / "vae")
     for split, n in (("train", 3), ("val", 2)):
         for c in ("a", "b"):
             os.makedirs(tmp_path / "img" / split / c)
@@ -46,15 +58,11 @@ def test_encode_image_folder_with_tiny_random_vae_then_train_reads_it(tmp_path):
 
 def test_two_ranks_encode_the_same_shards_as_one(tmp_path):
     """Under torchrun the shards are dealt over the ranks; the result equals the single-process encoding."""
-    from diffusers import AutoencoderKL
     from safetensors.torch import load_file
 
     from conftest import free_port
 
-    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16),
-                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                        layers_per_block=1, norm_num_groups=4, sample_size=32)
-    vae.save_pretrained(tmp_path / "vae")
+    save_tiny_vae(tmp_path / "vae", sample_size=32)
     args = ["--vae", str(tmp_path / "vae"), "--data", "fashion_mnist", "--limit", "20", "--shard-size", "6",
             "--batch-size", "4", "--splits", "val"]
     script = os.path.join(ROOT, "scripts", "encode_latents.py")
@@ -72,3 +80,125 @@ def test_two_ranks_encode_the_same_shards_as_one(tmp_path):
         a, b = load_file(str(tmp_path / "one" / "val" / name)), load_file(str(tmp_path / "two" / "val" / name))
         assert torch.equal(a["latents"], b["latents"]) and torch.equal(a["labels"], b["labels"])
     assert (tmp_path / "two" / "latents_info.json").is_file()
+
+
+def load_encoder():
+    spec = importlib.util.spec_from_file_location("encode_latents", os.path.join(ROOT, "scripts", "encode_latents.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def image_folder(root, per_class=3):
+    """root/a and root/b, `per_class` 20x18 images each: train and val are the same folder."""
+    for c in ("a", "b"):
+        os.makedirs(root / c, exist_ok=True)
+        for i in range(per_class):
+            Image.new("RGB", (20, 18), (i * 60, 100 if c == "a" else 200, 0)).save(root / c / f"{i}.png")
+
+
+def folder_state(folder):
+    """Every file under `folder` with its bytes: what a refused run must leave as it found it."""
+    return {os.path.relpath(os.path.join(d, f), folder): open(os.path.join(d, f), "rb").read()
+            for d, _, files in os.walk(folder) for f in files}
+
+
+def test_a_resumed_encoding_refuses_another_vae_and_continues_with_its_own(tmp_path):
+    """Interrupted (a corrupt image stops it after the first shard), then rerun with another VAE of the same
+    factors: the old code kept the first shard, encoded the rest with the new VAE and recorded only that one."""
+    from safetensors.torch import load_file
+
+    encode = load_encoder()
+    save_tiny_vae(tmp_path / "vae", seed=0)
+    save_tiny_vae(tmp_path / "other_vae", seed=1)
+    image_folder(tmp_path / "img")
+    (tmp_path / "img" / "b" / "2.png").write_bytes(b"not a png")
+    args = ["--images", str(tmp_path / "img"), "--out", str(tmp_path / "lat"), "--image-size", "16",
+            "--shard-size", "4", "--splits", "train"]
+    with pytest.raises(ValueError, match=r"corrupt image .*2\.png"):
+        encode(["--vae", str(tmp_path / "vae"), *args])
+    assert sorted(os.listdir(tmp_path / "lat" / "train")) == ["shard_00000.safetensors"]
+    with pytest.raises(ConfigError, match=r"data.root=.* is not valid: its encoding stopped before every shard was "
+                                          r"written: rerun the same scripts/encode_latents.py command"):
+        check_latent_run({"name": "dit_s"}, {"root": str(tmp_path / "lat")}, {"path": str(tmp_path / "vae")}, True)
+    Image.new("RGB", (20, 18), (120, 200, 0)).save(tmp_path / "img" / "b" / "2.png")  # the image, repaired
+    before = folder_state(tmp_path / "lat")
+    with pytest.raises(SystemExit, match=rf"^error: {tmp_path}/lat holds latents made with another VAE "
+                                         rf"\({tmp_path}/vae\), not --vae {tmp_path}/other_vae; rerun with the "
+                                         rf"settings in {tmp_path}/lat/latents_info.json, or choose another --out$"):
+        encode(["--vae", str(tmp_path / "other_vae"), *args])
+    assert folder_state(tmp_path / "lat") == before
+    info = encode(["--vae", str(tmp_path / "vae"), *args])
+    assert info["complete"] and json.loads((tmp_path / "lat" / "latents_info.json").read_text()) == info
+    # the resumed folder holds what one uninterrupted run writes
+    encode(["--vae", str(tmp_path / "vae"), *args[:2], "--out", str(tmp_path / "whole"), *args[4:]])
+    for name in ("shard_00000.safetensors", "shard_00001.safetensors"):
+        a, b = load_file(str(tmp_path / "lat" / "train" / name)), load_file(str(tmp_path / "whole" / "train" / name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    check_latent_run({"name": "dit_s"}, {"root": str(tmp_path / "lat")}, {"path": str(tmp_path / "vae")}, True)
+
+
+@pytest.mark.parametrize("change, message", [
+    (["--shard-size", "4"], r" holds latents made with --shard-size 2, not 4"),
+    (["--flip"], r" holds latents made without --flip"),
+    (["--image-size", "32"], r" holds latents made from source image_size=16, not 32 \(--images/--data/"),
+    (["--limit", "5"], r" holds train latents of 6 images, now 5 images or other files \(--limit, or "),
+    ("added image", r" holds train latents of 6 images, now 7 images or other files"),
+    ("renamed image", r" holds train latents of 6 images, now 6 images or other files"),
+    ("no record", r" holds latent shards but no latents_info.json that says how they were made"),
+    ("torn record", r"/latents_info.json is torn or not JSON \(.*\); encode the latents again into a new folder"),
+    ("old record", r"/latents_info.json does not record vae_files, shard_size, .*\(an older encode_latents.py"),
+])
+def test_a_resumed_encoding_refuses_other_settings_before_writing(tmp_path, change, message):
+    """--shard-size 4 over shards of 2 skipped shard 1 (images 2-3, not 4-7) and left images never encoded while
+    latents_info.json counted them; every setting that changes what a shard holds is checked the same way."""
+    encode = load_encoder()
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img")
+    args = ["--vae", str(tmp_path / "vae"), "--images", str(tmp_path / "img"), "--out", str(tmp_path / "lat"),
+            "--image-size", "16", "--shard-size", "2", "--splits", "train"]
+    encode(args)
+    os.remove(tmp_path / "lat" / "train" / "shard_00002.safetensors")  # as if interrupted before the last shard
+    info_path = tmp_path / "lat" / "latents_info.json"
+    if change == "added image":
+        Image.new("RGB", (20, 18)).save(tmp_path / "img" / "a" / "3.png")
+    elif change == "renamed image":
+        os.rename(tmp_path / "img" / "a" / "1.png", tmp_path / "img" / "a" / "9.png")
+    elif change == "no record":
+        os.remove(info_path)
+    elif change == "torn record":
+        info_path.write_text(info_path.read_text()[:50])
+    elif change == "old record":  # what the encoder wrote before it recorded its settings
+        old = json.loads(info_path.read_text())
+        info_path.write_text(json.dumps({k: old[k] for k in ("vae", "scaling_factor", "shift_factor", "flip",
+                                                             "source", "splits")}))
+    before = folder_state(tmp_path / "lat")
+    with pytest.raises(SystemExit, match=rf"^error: {tmp_path}/lat" + message) as e:
+        encode(args + (change if isinstance(change, list) else []))
+    assert "\n" not in str(e.value)
+    assert folder_state(tmp_path / "lat") == before  # nothing written, the missing shard still missing
+
+
+def test_the_refusal_is_one_line_on_the_command_line(tmp_path):
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img")
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "encode_latents.py"), "--vae", str(tmp_path / "vae"),
+           "--images", str(tmp_path / "img"), "--out", str(tmp_path / "lat"), "--image-size", "16",
+           "--shard-size", "2", "--splits", "train"]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    assert subprocess.run(cmd, capture_output=True, timeout=120, env=env).returncode == 0
+    r = subprocess.run(cmd[:-4] + ["--shard-size", "4", "--splits", "train"], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.splitlines()[-1] == (f"error: {tmp_path}/lat holds latents made with --shard-size 2, not 4; rerun "
+                                         f"with the settings in {tmp_path}/lat/latents_info.json, or choose another "
+                                         f"--out")
+
+
+def test_a_vae_path_that_is_not_a_vae_folder_is_one_line_before_anything_is_written(tmp_path):
+    image_folder(tmp_path / "img")
+    with pytest.raises(SystemExit, match=rf"^error: --vae {tmp_path}/nope is not a diffusers AutoencoderKL folder "
+                                         rf"\(config.json \+ weights\)$"):
+        load_encoder()(["--vae", str(tmp_path / "nope"), "--images", str(tmp_path / "img"), "--out",
+                        str(tmp_path / "lat"), "--image-size", "16"])
+    assert not (tmp_path / "lat").exists()

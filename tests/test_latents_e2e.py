@@ -63,7 +63,9 @@ def test_encoder_writes_flipped_pairs_and_records_the_source(latents):
 
     info = json.loads((latents / "lat" / "latents_info.json").read_text())
     assert info["source"]["name"] == "fashion_mnist" and info["flip"] is True
-    assert info["splits"][0] == {"split": "train", "images": 48, "latents": 96, "shards": 2}
+    assert info["complete"] is True and info["shard_size"] == 32
+    assert {k: info["splits"][0][k] for k in ("split", "images", "latents", "shards")} == \
+        {"split": "train", "images": 48, "latents": 96, "shards": 2}
     ds = build_dataset(compose(overrides(latents, "/tmp/unused")).data, "train")
     assert len(ds) == 96 and ds[0][1] == ds[1][1]  # an image and its mirror, same label
 

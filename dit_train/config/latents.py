@@ -31,8 +31,15 @@ def read_latents_info(root: str) -> dict:
     path = os.path.join(root, LATENTS_INFO)
     if not os.path.isfile(path):
         return {}
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            info = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is torn or not JSON ({e}); encode the latents again into a new folder with "
+                          f"scripts/encode_latents.py") from None
+    if not isinstance(info, dict):
+        raise ConfigError(f"{path} holds a JSON {type(info).__name__}, expected the object encode_latents.py writes")
+    return info
 
 
 def check_latent_run(model: dict, data: dict, vae: dict, needs_decoding: bool) -> None:
@@ -42,6 +49,10 @@ def check_latent_run(model: dict, data: dict, vae: dict, needs_decoding: bool) -
                           f"{encode_hint(model)}")
     if not os.path.isdir(root):
         raise invalid("data.root", root, f"not a folder of latent shards; {encode_hint(model)}")
+    info = read_latents_info(root)
+    if info.get("complete") is False:  # written before the first shard, completed after the last
+        raise invalid("data.root", root, "its encoding stopped before every shard was written: rerun the same "
+                                         "scripts/encode_latents.py command to finish it")
     path = vae["path"]
     if path is None:
         if needs_decoding:
@@ -52,7 +63,6 @@ def check_latent_run(model: dict, data: dict, vae: dict, needs_decoding: bool) -
         return
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise invalid("vae.path", path, "expected a diffusers AutoencoderKL folder (config.json + weights)")
-    info = read_latents_info(root)
     if "scaling_factor" in info:
         now = vae_scaling(path)
         then = (float(info["scaling_factor"]), float(info["shift_factor"]))

@@ -1,7 +1,10 @@
 """Precomputed latent shards (safetensors), as written by scripts/encode_latents.py:
 root/<split>/*.safetensors, each holding `latents` [N, C, H, W] and either `labels` [N] (int64) or
 `text_emb` [N, L, D] (+ optional `text_mask` [N, L]). Shards are opened lazily (memory-mapped), so the whole
-set never has to fit in RAM. A shard whose latent shape differs from the configured one names both shapes."""
+set never has to fit in RAM. Every shard is checked when the set is opened, each fault one line naming the file:
+a latent shape other than the configured one, latents that are not floating point, labels that are not integers
+or lie outside 0..data.num_classes-1 (label num_classes is the guidance null class, a larger one an IndexError
+mid-run), a truncated file."""
 
 from __future__ import annotations
 
@@ -9,8 +12,34 @@ import bisect
 import glob
 import os
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch.utils.data import Dataset
+
+
+LABEL_DTYPES = ("I64", "I32", "I16", "I8", "U8")
+
+
+def open_shard(path: str):
+    try:
+        return safe_open(path, framework="pt")
+    except SafetensorError as e:
+        raise ValueError(f"latent shard {path} is truncated or not a safetensors file ({e}); delete it and rerun "
+                         f"scripts/encode_latents.py, which writes the missing shards") from None
+
+
+def check_labels(path: str, f, count: int, num_classes: int) -> None:
+    """One label per latent, an integer in 0..num_classes-1 (any label when num_classes is 0: unconditional)."""
+    dtype, shape = f.get_slice("labels").get_dtype(), f.get_slice("labels").get_shape()
+    if dtype not in LABEL_DTYPES:
+        raise ValueError(f"latent shard {path} has labels of dtype {dtype}, expected integers "
+                         f"({', '.join(LABEL_DTYPES)})")
+    if list(shape) != [count]:
+        raise ValueError(f"latent shard {path} has labels of shape {list(shape)}, expected [{count}] (one per latent)")
+    labels = f.get_tensor("labels").long()
+    bad = labels[(labels < 0) | (labels >= num_classes)]
+    if num_classes and len(bad):
+        raise ValueError(f"latent shard {path} has label {int(bad[0])}: data.num_classes={num_classes} allows "
+                         f"labels 0..{num_classes - 1} (label {num_classes} is the guidance null class)")
 
 
 class LatentShards(Dataset):
@@ -27,7 +56,7 @@ class LatentShards(Dataset):
         self.files, self.offsets, total = [], [], 0
         self.text = None
         for path in files:
-            with safe_open(path, framework="pt") as f:
+            with open_shard(path) as f:
                 keys = set(f.keys())
                 if "latents" not in keys:
                     raise ValueError(f"latent shard {path} has no 'latents' tensor (keys: {sorted(keys)})")
@@ -37,9 +66,15 @@ class LatentShards(Dataset):
                         f"latent shard {path} has latents of shape {list(shape[1:])} per item, expected "
                         f"{list(expected)} (data.channels, data.image_size, data.image_size)"
                     )
+                dtype = f.get_slice("latents").get_dtype()
+                if not dtype.startswith(("F", "BF")):  # an integer latent trains as noise of the wrong scale
+                    raise ValueError(f"latent shard {path} has latents of dtype {dtype}, expected floating point "
+                                     f"(F16, BF16, F32)")
                 has_text = "text_emb" in keys
                 if "labels" not in keys and not has_text:
                     raise ValueError(f"latent shard {path} has neither 'labels' nor 'text_emb'")
+                if not has_text:
+                    check_labels(path, f, shape[0], cfg.num_classes)
                 if self.text is None:
                     self.text = has_text
                 elif self.text != has_text:

@@ -6,7 +6,7 @@ would have seen. Each rank loads its own contiguous slice of the global batch.""
 from __future__ import annotations
 
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, Sampler, default_collate, get_worker_info
 
 from .. import seeds
 
@@ -45,8 +45,23 @@ def train_batches(dataset, global_batch: int, seed: int, start_step: int, total_
     `pin_memory` (for a CUDA device) puts them in page-locked memory, so that the trainer's non_blocking copies
     are asynchronous (from pageable memory a copy makes the host wait)."""
     sampler = StepBatchSampler(len(dataset), global_batch, seed, start_step, total_steps, rank, world_size)
-    return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                      persistent_workers=num_workers > 0, pin_memory=pin_memory)
+    counts_in_workers = num_workers > 0 and hasattr(dataset, "skipped")
+    loader = DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                        persistent_workers=num_workers > 0, pin_memory=pin_memory,
+                        collate_fn=with_worker_skipped if counts_in_workers else None)
+    return merge_skipped(loader, dataset.skipped) if counts_in_workers else loader
+
+
+def with_worker_skipped(samples):
+    """A worker's batch with what its copy of the dataset has skipped so far (data.skip_corrupt): that set lives
+    in the worker process, the trainer logs the main process's."""
+    return default_collate(samples), set(get_worker_info().dataset.skipped)
+
+
+def merge_skipped(loader, skipped: set):
+    for batch, worker_skipped in loader:
+        skipped |= worker_skipped
+        yield batch
 
 
 def fixed_batches(dataset, num: int, batch_size: int, rank: int = 0, world_size: int = 1):
