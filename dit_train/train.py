@@ -20,7 +20,7 @@ from .build import build_training
 from .cadence import every_n_steps
 from .checkpoint_saver import CheckpointSaver, resolve_async
 from .config import validate
-from .data import build_dataset, check_classes_fit
+from .data import build_dataset, check_classes_fit, loader_workers
 from .data.order import train_batches
 from .deferred_steps import DeferredSteps, PendingStep, StepNumbers
 from .dry_run import dry_run
@@ -247,7 +247,8 @@ class Trainer:
         """This rank's training batches from the current step up to `until` (default train.steps)."""
         tc, dist = self.tc, self.dist
         return train_batches(self.train_set, tc.batch_size, self.cfg.seed, self.state.step,
-                             tc.steps if until is None else until, dist.rank, dist.world_size, tc.num_workers,
+                             tc.steps if until is None else until, dist.rank, dist.world_size,
+                             loader_workers(tc.num_workers, self.cfg.data.name, dist.device),
                              pin_memory=dist.device.type == "cuda")
 
     def step_on(self, x: torch.Tensor, y, data_start) -> dict:

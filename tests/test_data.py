@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from PIL import Image
 from safetensors.torch import save_file
 
-from conftest import FASHION_ROOT, ROOT, needs_fashion
+from conftest import FASHION_ROOT, ROOT, compose, needs_fashion
 from dit_train.config import ConfigError
 from dit_train.config.latents import read_latents_info
 from dit_train.data.order import StepBatchSampler
@@ -281,3 +281,25 @@ def test_the_training_log_counts_a_skipped_image_read_by_a_loader_worker(tmp_pat
                  f"run_dir={tmp_path / 'run'}"]))
     rows = [r for r in metrics(tmp_path / "run") if "train/loss" in r]
     assert [r["step"] for r in rows] == [1, 2] and [r.get("data/skipped") for r in rows] == [1, 1]
+
+
+def test_loader_workers_auto_reads_files_in_workers_on_cuda_only():
+    """train.num_workers=auto: file-reading data (latent shards: three safetensors slices per item; decoded
+    images) is assembled in 4 loader workers on CUDA, so the step never waits on reads in the main process;
+    in-memory data and CPU runs (whose cores the step uses) stay in the main process; an integer is taken as is."""
+    from dit_train.data import loader_workers
+
+    assert loader_workers("auto", "latents", "cuda:3") == 4
+    assert loader_workers("auto", "image_folder", torch.device("cuda")) == 4
+    assert loader_workers("auto", "fashion_mnist", "cuda") == 0
+    assert loader_workers("auto", "latents", "cpu") == 0
+    assert loader_workers(2, "fashion_mnist", "cpu") == 2 and loader_workers(0, "latents", "cuda") == 0
+
+
+@pytest.mark.parametrize("value", ["-1", "some", "1.5"])
+def test_num_workers_takes_auto_or_a_count(value):
+    from dit_train.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=rf"train.num_workers=.* is not valid: choose auto .* or an integer >= 0"):
+        validate(compose(["run_dir=/tmp/unused", f"train.num_workers={value}"]))
+    validate(compose(["run_dir=/tmp/unused", "train.num_workers=auto"]))

@@ -41,7 +41,8 @@ class TrainConfig:
     init_from: Optional[str] = key("expected null or an existing run folder / checkpoint")
     dry_run: bool = key()
     max_bad_steps: int = int_at_least(0)
-    num_workers: int = int_at_least(0)
+    num_workers: Any = key("choose auto (4 for file-reading data on CUDA, else 0) or an integer >= 0",
+                           lambda v: v == "auto" or (type(v) is int and v >= 0))
     progress: bool = key()
     timing: bool = key()
 
