@@ -8,7 +8,7 @@ import torch
 from dit_train.optim.directions import row_inv_norms
 from dit_train.optim.matrix_optimizer import MatrixOptimizer, update_scale
 from dit_train.optim.registry import build_optimizer
-from dit_train.optim.spectral_cap import capped_row_norm_scale, spectral_cap
+from dit_train.optim.spectral_cap import capped_row_norm_scale, spectral_cap, whole_matrix_problem
 
 SHAPES = [(256, 256), (256, 1024), (1024, 256)]  # width 256: square, wide (MLP out), tall (MLP in)
 
@@ -31,6 +31,34 @@ def test_rank_one_input_is_capped_to_the_full_rank_value(shape):
     before, after = spectral_norms(phi(U, "frobenius")), spectral_norms(phi(U, "spectral"))
     torch.testing.assert_close(before, torch.full_like(before, min(m, n) ** 0.5))  # 16 at r = 256
     assert (after <= cap * (1 + 1e-4)).all() and (after >= cap * 0.999).all(), (after, cap)
+
+
+# (m, n, the cap 1 + sqrt(r / c) worked out by hand with r = min(m, n), c = max(m, n)); both orientations
+NON_SQUARE = [(64, 1024, 1.25), (1024, 64, 1.25), (128, 512, 1.5), (512, 128, 1.5)]
+
+
+@pytest.mark.parametrize("m, n, cap", NON_SQUARE)
+def test_the_cap_is_the_operator_norm_rownorm_gives_gaussian_input_of_that_shape(m, n, cap):
+    """What the cap is meant to be (docs/algorithms.md §4): the operator norm of the unit rows of a Gaussian
+    r x c matrix (R ~ X / sqrt(c), largest singular value ~ 1 + sqrt(r / c)), here measured by SVD of the
+    row-normalised wide orientation (the columns of a tall U); the cap the optimizer passes for U of that shape is
+    the same number. A transposed ratio (1 + sqrt(c / r): 5 at 64 x 1024) is 4x off."""
+    U = torch.randn(3, m, n, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    R = U / U.norm(dim=-1 if m <= n else -2, keepdim=True)
+    measured = spectral_norms(R)
+    assert ((measured / cap - 1).abs() < 0.04).all(), (measured, cap)
+    assert spectral_cap(min(m, n), max(m, n)) == pytest.approx(cap, rel=1e-12)
+    assert whole_matrix_problem(U.float(), row_inv_norms(U.float()), m > n)[-1] == pytest.approx(cap, rel=1e-12)
+
+
+@pytest.mark.parametrize("m, n, cap", NON_SQUARE)
+def test_rank_one_non_square_input_is_capped_to_the_hand_computed_value(m, n, cap):
+    """The spectral scale's output on rank-1 input has operator norm 1 + sqrt(r / c) (not sqrt(r) = 8 or 11.3, and
+    not a cap from the other ratio), against a number written out here rather than the function's own."""
+    g = torch.Generator().manual_seed(5)
+    U = torch.randn(2, m, 1, generator=g) @ torch.randn(2, 1, n, generator=g)
+    after = spectral_norms(phi(U, "spectral"))
+    torch.testing.assert_close(after, torch.full_like(after, cap), rtol=1e-3, atol=0)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
