@@ -127,3 +127,27 @@ def test_the_trainer_draws_training_times_from_the_configured_flow():
     assert t.shape == eps.shape[:1] == drop.shape == (20000,)
     assert abs(logit.mean().item() - (0.4 + math.log(2.0))) < 0.05 and abs(logit.std().item() / 1.5 - 1) < 0.03
     assert abs(drop.float().mean().item() - 0.25) < 0.02
+
+
+def test_validation_loss_over_more_ranks_than_rows_equals_one_process():
+    """Rank r evaluates tensor_split(batch, world)[r]; a rank with no rows evaluates one row at weight 0 (so every
+    rank makes the same model calls) and must add nothing, to the loss or to the count. 4 ranks over batches of
+    3 and 2 rows: the summed totals (what the all-reduce gives each rank) yield the single-process numbers."""
+    x0 = torch.randn(5, 1, 4, 4, generator=torch.Generator().manual_seed(9))
+    batches = [(x0[:3], torch.zeros(3, dtype=torch.long)), (x0[3:], torch.zeros(2, dtype=torch.long))]
+
+    class Scaled(torch.nn.Module):
+        def forward(self, x, t, **kw):
+            return 0.5 * x
+
+    grid, world = validation_t_grid(2), 4
+    single = validation_loss(Scaled(), batches, grid, seed=3)
+    totals = {}
+    for rank in range(world):  # first pass: each rank's totals, as it would hand them to the all-reduce
+        validation_loss(Scaled(), batches, grid, seed=3, rank=rank, world_size=world,
+                        reduce=lambda t, rank=rank: totals.__setitem__(rank, t.clone()))
+    summed = sum(totals.values())
+    for rank in range(world):
+        out = validation_loss(Scaled(), batches, grid, seed=3, rank=rank, world_size=world,
+                              reduce=lambda t: t.copy_(summed))
+        assert out == pytest.approx(single, rel=1e-6)

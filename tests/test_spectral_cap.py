@@ -68,6 +68,21 @@ def test_gaussian_input_keeps_its_rownorm_direction(shape):
     assert ((spec - frob).norm(dim=(-2, -1)) <= 0.03 * frob.norm(dim=(-2, -1))).all()
 
 
+def test_the_scale_only_ever_shrinks_and_leaves_norms_below_the_cap_alone():
+    """min(1, cap / sigma): never a factor above 1. Unit orthonormal rows (RowNorm leaves them as they are,
+    ||R||_2 = 1) at 8 x 1024 sit below the cap 1 + sqrt(8 / 1024) = 1.088 and pass exactly unchanged; Gaussian input,
+    whose ||R||_2 is just under its cap (1.98 against 2 at 256 x 256), is never scaled up."""
+    g = torch.Generator().manual_seed(6)
+    Q, _ = torch.linalg.qr(torch.randn(2, 1024, 8, generator=g, dtype=torch.float64))
+    rows = Q.mT.float().contiguous()
+    rs = row_inv_norms(rows)
+    assert torch.equal(capped_row_norm_scale(rows, rs), rs)
+    for shape in SHAPES:
+        U = torch.randn(3, *shape, generator=g)
+        rs = row_inv_norms(U)
+        assert (capped_row_norm_scale(U, rs) <= rs).all()
+
+
 @pytest.mark.parametrize("rank", [4, 32])
 def test_low_rank_input_overshoots_the_cap_by_little(rank):
     """Power iteration underestimates ||R||_2 when the top singular values are close: the cap then holds within
