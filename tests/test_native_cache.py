@@ -82,7 +82,9 @@ def test_fresh_processes_rebuild_a_truncated_cached_library_once(cached, tmp_pat
     os.truncate(lib, len(whole) // 2)
     log, cc = tmp_path / "cc.log", tmp_path / "cc"
     real = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    cc.write_text(f'#!/bin/sh\nfor a; do [ "$prev" = -o ] && echo "$a" >> {log}; prev=$a; done\nexec {real} "$@"\n')
+    # logs its output file, and takes 2 s more: the other process arrives while the first one builds
+    cc.write_text(f'#!/bin/sh\nfor a; do [ "$prev" = -o ] && echo "$a" >> {log}; prev=$a; done\nsleep 2\n'
+                  f'exec {real} "$@"\n')
     cc.chmod(0o755)
     procs = [use_kernels(cache, CC=str(cc)) for _ in range(2)]
     errs = []
@@ -93,4 +95,5 @@ def test_fresh_processes_rebuild_a_truncated_cached_library_once(cached, tmp_pat
     assert sum(REBUILT in err for err in errs) == 1, errs
     assert len(set(log.read_text().split())) == 1, log.read_text()  # one temp file: one build
     assert read(lib) == whole and native_rownorm._intact(lib)
-    assert sorted(os.listdir(os.path.dirname(lib))) == sorted(os.path.basename(lib) + s for s in ("", ".sha256", ".lock"))
+    names = sorted(os.listdir(os.path.dirname(lib)))
+    assert names == sorted(os.path.basename(lib) + suffix for suffix in ("", ".sha256", ".lock")), names
