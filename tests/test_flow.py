@@ -1,3 +1,6 @@
+import math
+
+import pytest
 import torch
 
 from dit_train.flow import (euler_sample, interpolate, sample_t, validation_loss, validation_t_grid,
@@ -70,6 +73,26 @@ def test_logit_normal_and_uniform_t():
     assert shifted.mean() > u.mean() + 0.1  # shift moves mass towards noise (t = 1)
 
 
+@pytest.mark.parametrize("mean, std, shift", [(0.0, 1.0, 1.0), (-0.5, 1.6, 1.0), (0.3, 0.8, 3.0)])
+def test_logit_normal_t_has_the_configured_moments(mean, std, shift):
+    """logit(t) ~ N(mean, std) (docs/algorithms.md §1), and SD3's shift t' = s t / (1 + (s - 1) t) is exactly
+    t' / (1 - t') = s t / (1 - t): logit(t') = logit(t) + log s, the mean moves by log s and the std stays.
+    40000 draws: the sample std is within ~0.4% (one standard error) of the true one, so 3% fails a std scaled
+    by 0.9 by a wide margin."""
+    t = sample_t(40000, "logit_normal", mean, std, shift, generator=torch.Generator().manual_seed(7)).double()
+    logit = torch.log(t) - torch.log1p(-t)
+    assert abs(logit.mean().item() - (mean + math.log(shift))) < 0.03 * std
+    assert abs(logit.std().item() / std - 1) < 0.03
+
+
+def test_shifted_uniform_t_has_the_shift_maps_distribution():
+    """Uniform t shifted by s: P(t' <= a) = P(t <= a / (s - (s - 1) a)) = a / (s - (s - 1) a)."""
+    s = 3.0
+    t = sample_t(40000, "uniform", shift=s, generator=torch.Generator().manual_seed(8))
+    for a in (0.25, 0.5, 0.75, 0.9):
+        assert abs(t.le(a).float().mean().item() - a / (s - (s - 1) * a)) < 0.01
+
+
 def test_validation_loss_is_fixed_and_per_bin():
     x0 = torch.randn(6, 1, 4, 4)
     batches = [(x0[:3], torch.zeros(3, dtype=torch.long)), (x0[3:], torch.zeros(3, dtype=torch.long))]
@@ -85,3 +108,46 @@ def test_validation_loss_is_fixed_and_per_bin():
     assert a == b and len(a) == 5
     # the zero model's loss is E|eps - x0|^2, independent of t
     assert abs(a["val/loss"] - a["val/loss_t0.125"]) < 1e-6
+
+
+def test_the_trainer_draws_training_times_from_the_configured_flow():
+    """Trainer.global_batch_noise hands flow.t_mean / t_std / shift to sample_t: logit(t) of a large batch has the
+    configured mean (+ log shift) and std, and the label-dropout rate is model.class_dropout_prob."""
+    from types import SimpleNamespace
+
+    from conftest import compose
+    from dit_train.train import Trainer
+
+    cfg = compose(["run_dir=/tmp/unused", "flow.t_mean=0.4", "flow.t_std=1.5", "flow.shift=2.0",
+                   "model.class_dropout_prob=0.25"])
+    trainer = SimpleNamespace(cfg=cfg, dist=SimpleNamespace(world_size=2, rank=1, device="cpu"),
+                              state=SimpleNamespace(generator=torch.Generator().manual_seed(0)))
+    t, eps, drop = Trainer.global_batch_noise(trainer, torch.zeros(20000, 1))
+    logit = (torch.log(t) - torch.log1p(-t)).double()
+    assert t.shape == eps.shape[:1] == drop.shape == (20000,)
+    assert abs(logit.mean().item() - (0.4 + math.log(2.0))) < 0.05 and abs(logit.std().item() / 1.5 - 1) < 0.03
+    assert abs(drop.float().mean().item() - 0.25) < 0.02
+
+
+def test_validation_loss_over_more_ranks_than_rows_equals_one_process():
+    """Rank r evaluates tensor_split(batch, world)[r]; a rank with no rows evaluates one row at weight 0 (so every
+    rank makes the same model calls) and must add nothing, to the loss or to the count. 4 ranks over batches of
+    3 and 2 rows: the summed totals (what the all-reduce gives each rank) yield the single-process numbers."""
+    x0 = torch.randn(5, 1, 4, 4, generator=torch.Generator().manual_seed(9))
+    batches = [(x0[:3], torch.zeros(3, dtype=torch.long)), (x0[3:], torch.zeros(2, dtype=torch.long))]
+
+    class Scaled(torch.nn.Module):
+        def forward(self, x, t, **kw):
+            return 0.5 * x
+
+    grid, world = validation_t_grid(2), 4
+    single = validation_loss(Scaled(), batches, grid, seed=3)
+    totals = {}
+    for rank in range(world):  # first pass: each rank's totals, as it would hand them to the all-reduce
+        validation_loss(Scaled(), batches, grid, seed=3, rank=rank, world_size=world,
+                        reduce=lambda t, rank=rank: totals.__setitem__(rank, t.clone()))
+    summed = sum(totals.values())
+    for rank in range(world):
+        out = validation_loss(Scaled(), batches, grid, seed=3, rank=rank, world_size=world,
+                              reduce=lambda t: t.copy_(summed))
+        assert out == pytest.approx(single, rel=1e-6)

@@ -55,6 +55,26 @@ def test_ns5_against_svd_polar_factor(shape, dtype):
 
 
 @pytest.mark.parametrize("gram", [False, True])
+def test_one_ns5_step_is_the_quintic_with_muons_coefficients(gram):
+    """One fp64 step maps each singular value s of X / ||X||_F to a s + b s^3 + c s^5 with
+    (a, b, c) = (3.4445, -4.7750, 2.0315) (docs/algorithms.md §3; torch.optim.Muon's defaults), singular vectors
+    kept; a typo in a coefficient's third decimal moves the values by ~1e-3, far outside fp64 rounding."""
+    from torch.optim import _muon
+
+    a, b, c = 3.4445, -4.7750, 2.0315
+    assert (_muon.DEFAULT_A, _muon.DEFAULT_B, _muon.DEFAULT_C) == (a, b, c)
+    g = gen(13)
+    P, _ = torch.linalg.qr(torch.randn(4, 4, generator=g, dtype=torch.float64))
+    Q, _ = torch.linalg.qr(torch.randn(12, 4, generator=g, dtype=torch.float64))
+    s = torch.tensor([3.0, 2.0, 1.0, 0.5], dtype=torch.float64)
+    X = (P * s) @ Q.mT
+    n = s / s.norm()
+    expected = (P * (a * n + b * n ** 3 + c * n ** 5)) @ Q.mT
+    torch.testing.assert_close(newton_schulz5(X, steps=1, dtype=torch.float64, eps=0.0, gram=gram), expected,
+                               atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("gram", [False, True])
 def test_ns5_batched_equals_per_matrix_and_input_untouched(gram):
     X = torch.randn(3, 24, 80, generator=gen(1))
     X[1] *= 1e-3  # per-matrix normalisation: scale of one matrix must not affect the others
@@ -197,6 +217,15 @@ def test_rownorm_unit_rows_and_frobenius(shape, dtype):
 
 
 # ---- MUD ------------------------------------------------------------------------------------------------------
+def test_rownorm_floors_the_norm_at_eps_not_its_square():
+    """1 / max(||row||, eps): a row of norm 1e-5 (tiny gradients) still comes out with unit norm, and only rows
+    below eps = 1e-7 are scaled by 1 / eps (a floor on the sum of squares instead would stop at norm 3e-4)."""
+    X = torch.zeros(3, 16, dtype=torch.float64)
+    X[0, 0], X[1, :4], X[2, 5] = 1e-5, 5e-5, 1e-9
+    torch.testing.assert_close(row_inv_norms(X).flatten(), torch.tensor([1e5, 1e4, 1e7], dtype=torch.float64))
+    torch.testing.assert_close(row_norm(X).norm(dim=1), torch.tensor([1.0, 1.0, 1e-2], dtype=torch.float64))
+
+
 def _orth_err(Q):
     Q = oriented(Q).double()
     return (Q @ Q.mT - torch.eye(Q.shape[-2], dtype=torch.float64)).norm().item()

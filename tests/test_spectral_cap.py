@@ -8,7 +8,7 @@ import torch
 from dit_train.optim.directions import row_inv_norms
 from dit_train.optim.matrix_optimizer import MatrixOptimizer, update_scale
 from dit_train.optim.registry import build_optimizer
-from dit_train.optim.spectral_cap import capped_row_norm_scale, spectral_cap
+from dit_train.optim.spectral_cap import capped_row_norm_scale, spectral_cap, whole_matrix_problem
 
 SHAPES = [(256, 256), (256, 1024), (1024, 256)]  # width 256: square, wide (MLP out), tall (MLP in)
 
@@ -33,11 +33,54 @@ def test_rank_one_input_is_capped_to_the_full_rank_value(shape):
     assert (after <= cap * (1 + 1e-4)).all() and (after >= cap * 0.999).all(), (after, cap)
 
 
+# (m, n, the cap 1 + sqrt(r / c) worked out by hand with r = min(m, n), c = max(m, n)); both orientations
+NON_SQUARE = [(64, 1024, 1.25), (1024, 64, 1.25), (128, 512, 1.5), (512, 128, 1.5)]
+
+
+@pytest.mark.parametrize("m, n, cap", NON_SQUARE)
+def test_the_cap_is_the_operator_norm_rownorm_gives_gaussian_input_of_that_shape(m, n, cap):
+    """What the cap is meant to be (docs/algorithms.md §4): the operator norm of the unit rows of a Gaussian
+    r x c matrix (R ~ X / sqrt(c), largest singular value ~ 1 + sqrt(r / c)), here measured by SVD of the
+    row-normalised wide orientation (the columns of a tall U); the cap the optimizer passes for U of that shape is
+    the same number. A transposed ratio (1 + sqrt(c / r): 5 at 64 x 1024) is 4x off."""
+    U = torch.randn(3, m, n, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    R = U / U.norm(dim=-1 if m <= n else -2, keepdim=True)
+    measured = spectral_norms(R)
+    assert ((measured / cap - 1).abs() < 0.04).all(), (measured, cap)
+    assert spectral_cap(min(m, n), max(m, n)) == pytest.approx(cap, rel=1e-12)
+    assert whole_matrix_problem(U.float(), row_inv_norms(U.float()), m > n)[-1] == pytest.approx(cap, rel=1e-12)
+
+
+@pytest.mark.parametrize("m, n, cap", NON_SQUARE)
+def test_rank_one_non_square_input_is_capped_to_the_hand_computed_value(m, n, cap):
+    """The spectral scale's output on rank-1 input has operator norm 1 + sqrt(r / c) (not sqrt(r) = 8 or 11.3, and
+    not a cap from the other ratio), against a number written out here rather than the function's own."""
+    g = torch.Generator().manual_seed(5)
+    U = torch.randn(2, m, 1, generator=g) @ torch.randn(2, 1, n, generator=g)
+    after = spectral_norms(phi(U, "spectral"))
+    torch.testing.assert_close(after, torch.full_like(after, cap), rtol=1e-3, atol=0)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_gaussian_input_keeps_its_rownorm_direction(shape):
     U = torch.randn(3, *shape, generator=torch.Generator().manual_seed(1))
     frob, spec = phi(U, "frobenius"), phi(U, "spectral")
     assert ((spec - frob).norm(dim=(-2, -1)) <= 0.03 * frob.norm(dim=(-2, -1))).all()
+
+
+def test_the_scale_only_ever_shrinks_and_leaves_norms_below_the_cap_alone():
+    """min(1, cap / sigma): never a factor above 1. Unit orthonormal rows (RowNorm leaves them as they are,
+    ||R||_2 = 1) at 8 x 1024 sit below the cap 1 + sqrt(8 / 1024) = 1.088 and pass exactly unchanged; Gaussian input,
+    whose ||R||_2 is just under its cap (1.98 against 2 at 256 x 256), is never scaled up."""
+    g = torch.Generator().manual_seed(6)
+    Q, _ = torch.linalg.qr(torch.randn(2, 1024, 8, generator=g, dtype=torch.float64))
+    rows = Q.mT.float().contiguous()
+    rs = row_inv_norms(rows)
+    assert torch.equal(capped_row_norm_scale(rows, rs), rs)
+    for shape in SHAPES:
+        U = torch.randn(3, *shape, generator=g)
+        rs = row_inv_norms(U)
+        assert (capped_row_norm_scale(U, rs) <= rs).all()
 
 
 @pytest.mark.parametrize("rank", [4, 32])

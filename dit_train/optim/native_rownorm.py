@@ -9,12 +9,16 @@ where -fopenmp does not build) by a fixed partition into row blocks (row_blocks.
 the thread count. The sources are compiled once per machine
 with the system C compiler (the one inductor needs too) into a cache folder, keyed by their hash and the host;
 without a compiler, `load()` gives None and the torch.compile kernels (passes) and torch ops (products) run.
+The cached library is checked against the SHA-256 recorded beside it before every load and rebuilt where they
+differ: loading a truncated .so kills the process with SIGBUS, not an error.
 They take contiguous fp32/fp64 CPU tensors (`supports`); the momentum pass's sums come back in the input's dtype,
 as fp32 and fp64 are already the accumulation dtypes of the eager path."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import os
 import platform
@@ -28,6 +32,8 @@ import warnings
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
+
+from ..atomic_io import atomic_write_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "rownorm_kernels.c")
@@ -67,26 +73,63 @@ def _cache_dir() -> str:
     return os.path.join(root, "dit_train")
 
 
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _checksum_path(path: str) -> str:
+    return path + ".sha256"
+
+
+def _intact(path: str) -> bool:
+    """Whether the library at path is the whole file its build recorded (a missing record counts as damaged)."""
+    try:
+        with open(_checksum_path(path)) as f:
+            return f.read().strip() == _sha256(path)
+    except OSError:
+        return False
+
+
 def _build(path: str) -> None:
+    """Compile into a temp file beside path, fsync it, rename it over path, then record its SHA-256 (after the
+    library, so a crash in between leaves a record that does not match and the next load rebuilds)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or $CC) on PATH")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".so")
     os.close(fd)
-    try:  # build beside the target, then rename: ranks building at once each publish a whole library
+    try:  # a process killed mid-build leaves the old library or none, never part of one
         try:
             subprocess.run([cc, *FLAGS, *OPENMP, "-o", tmp, SOURCE], check=True, capture_output=True, text=True)
         except subprocess.CalledProcessError:
             subprocess.run([cc, *FLAGS, "-o", tmp, SOURCE], check=True, capture_output=True, text=True)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        digest = _sha256(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+    atomic_write_bytes(digest.encode(), _checksum_path(path))  # fsyncs the folder: both renames are durable
+
+
+@contextlib.contextmanager
+def _build_lock(path: str):
+    """One process at a time builds the library at path: the other ranks of the host wait, then load its build."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def load():
-    """The compiled library, built on first use; None where it cannot be built (warns once)."""
+    """The compiled library, built on first use and rebuilt where it does not match its recorded checksum; None
+    where it cannot be built (warns once)."""
     if not _lib:
         digest = hashlib.sha256(" ".join(FLAGS + OPENMP).encode() + platform.node().encode())
         for part in PARTS:
@@ -95,8 +138,13 @@ def load():
         key = digest.hexdigest()[:16]
         path = os.path.join(_cache_dir(), f"rownorm_kernels_{key}.so")
         try:
-            if not os.path.exists(path):
-                _build(path)
+            if not _intact(path):
+                with _build_lock(path):
+                    if not _intact(path):  # else another process built it while this one waited
+                        if os.path.exists(path) and os.path.exists(_checksum_path(path)):
+                            warnings.warn(f"compile_rownorm: the cached C RowNorm kernels {path} do not match "
+                                          "their recorded checksum (truncated or altered); rebuilding them")
+                        _build(path)
             _lib.append(ctypes.CDLL(path))
         except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
             detail = getattr(e, "stderr", "") or e

@@ -1,0 +1,30 @@
+"""dit_train/vae.py's latent convention against diffusers' own (SD3 / Flux pipelines): latent = (z - shift) * scale
+to train on, z = latent / scale + shift to decode, with a VAE whose shift_factor is non-zero as SD3's and Flux's
+are (the tests' other VAEs have none, so a sign error in the shift would pass them)."""
+
+import torch
+
+from dit_train.vae import LatentCodec
+
+SCALE, SHIFT = 1.5, 0.6
+
+
+def test_codec_applies_scaling_and_shift_factor_as_diffusers_pipelines_do(tmp_path):
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16),
+                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                        layers_per_block=1, norm_num_groups=4, sample_size=16, scaling_factor=SCALE,
+                        shift_factor=SHIFT).eval()
+    vae.save_pretrained(tmp_path / "vae")
+    codec = LatentCodec(str(tmp_path / "vae"), "cpu", batch_size=2)
+    images = torch.rand(3, 3, 16, 16, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    with torch.no_grad():
+        z = vae.encode(images).latent_dist.mean
+        latents = codec.encode(images)
+        torch.testing.assert_close(latents, (z - SHIFT) * SCALE)
+        # a latent the model produced: the pipelines decode latent / scale + shift
+        made = torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(1))
+        torch.testing.assert_close(codec.decode(made), vae.decode(made / SCALE + SHIFT).sample.clamp(-1, 1))
+        # encode then decode gives the VAE's own reconstruction of the posterior mean
+        torch.testing.assert_close(codec.decode(latents), vae.decode(z).sample.clamp(-1, 1))
