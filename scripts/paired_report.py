@@ -34,7 +34,7 @@ from collections import defaultdict
 import scipy.stats
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import Run, fmt, provenance, read_run  # noqa: E402
+from report import Run, banner, fmt, provenance, read_run  # noqa: E402
 from run_study import variant_label  # noqa: E402  (the key of study.json's lr_selection)
 
 VAL_STEPS = (200, 400, 600)
@@ -197,7 +197,7 @@ def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN) -
     out_arg = "" if out_dir == sweep_dir else f" --out {out_dir}"
     margin_arg = "" if margin == DEFAULT_MARGIN else f" --margin {margin:g}"
 
-    lines = [f"# Paired optimizer comparison: {study.get('experiment', '?')}",
+    lines = [f"# Paired optimizer comparison: {study.get('experiment', '?')}", banner(study),
              f"Built by `python scripts/paired_report.py {sweep_dir}{out_arg}{margin_arg}` from {len(eval_runs)} "
              f"finished runs at the selected learning rates (evaluation seeds {_seeds(seeds)}). Selection seeds "
              f"{_seeds(chosen_by)} chose the learning rates and are excluded from every evaluation row.",

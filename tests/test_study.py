@@ -436,6 +436,19 @@ def test_publish_copies_records_only_and_keeps_earlier_pieces(tmp_path):
     assert publish_study.main([str(tmp_path / "nothing"), str(dest)]) == 2
 
 
+def test_a_published_banner_heads_the_report_and_survives_republishing(tmp_path):
+    """A study superseded after it was published says so at the top of its report, rebuilt from its records."""
+    sweep, dest = tmp_path / "sweep", tmp_path / "docs"
+    write_run(sweep / "a", "dit_xs", "adamw", 0, train_rows(0.01, 0.1, 0) + [{"step": 4, "val/loss": 0.5}])
+    (sweep / "study.json").write_text(json.dumps({"experiment": "fab", "command": "c", "runs": []}))
+    assert publish_study.main([str(sweep), str(dest)]) == 0
+    record = json.loads((dest / "runs" / "study.json").read_text())
+    (dest / "runs" / "study.json").write_text(json.dumps({**record, "banner": "Superseded by `later_study`."}))
+    assert publish_study.main([str(sweep), str(dest)]) == 0  # the sweep's own study.json has no banner
+    text = (dest / "report.md").read_text()
+    assert text.startswith("# Study report: fab\n\n> **Read first.** Superseded by `later_study`.\n\n")
+
+
 @needs_fashion
 def test_smoke_study_end_to_end_then_rerun_skips(tmp_path):
     from dit_train.fd.features import inception_weights_path
