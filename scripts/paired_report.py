@@ -199,10 +199,12 @@ def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN) -
 
     lines = [f"# Paired optimizer comparison: {study.get('experiment', '?')}", banner(study),
              f"Built by `python scripts/paired_report.py {sweep_dir}{out_arg}{margin_arg}` from {len(eval_runs)} "
-             f"finished runs at the selected learning rates (evaluation seeds {_seeds(seeds)}). Selection seeds "
-             f"{_seeds(chosen_by)} chose the learning rates and are excluded from every evaluation row.",
+             f"finished runs at the selected learning rates (evaluation seeds {_seeds(seeds)}). Selection "
+             f"seed{'s' if len(chosen_by) > 1 else ''} {_seeds(chosen_by)} chose the learning rates and "
+             f"{'are' if len(chosen_by) > 1 else 'is'} excluded from every evaluation row.",
              provenance(study, eval_runs), study.get("notes", ""),
-             f"## Learning-rate scan (selection seeds {_seeds(chosen_by)}, final EMA validation loss"
+             f"## Learning-rate scan (selection seed{'s' if len(chosen_by) > 1 else ''} {_seeds(chosen_by)}, final EMA "
+             f"validation loss"
              f"{', mean over the seeds' if len(chosen_by) > 1 else ''}; * = selected, the lowest)",
              "| variant | lr | final val loss |", "| --- | ---: | ---: |"]
     for variant in sorted(scan):

@@ -68,7 +68,7 @@ def test_paired_differences_intervals_and_time_to_target(tmp_path):
     assert "| periodic_rowwise K=3 (spectral) | 0.016 | 0.9000 |" in text
 
     # the evaluation rows pair seeds 1-3 only: seed 0 chose the lr
-    assert "Selection seeds 0 chose the learning rates and are excluded from every evaluation row" in text
+    assert "Selection seed 0 chose the learning rates and is excluded from every evaluation row" in text
     evaluation = text.split("## Including selection seed 0")[0]
     diffs = pr_vs_muon([1, 2, 3])
     ref = scipy.stats.ttest_1samp(diffs, 0.0).confidence_interval(0.95)
