@@ -9,8 +9,9 @@ turn (interleaved, so background load hits all of them alike); the table reports
 Rows:
 - adamw, muon, rownorm, mud: our registry, full model (matrix update + AdamW on the rest).
 - periodic_rowwise: the refresh step (NS5), the non-refresh step (RowNorm) with each RowNorm scale (spectral, the
-  default: its operator norm capped by power iteration, optim/spectral_cap.py; frobenius, the paper's rule), and
-  the K-average (refresh + (K-1) non-refresh) / K for K = 1, 3, 5, 10; both RowNorm steps again with compile_rownorm
+  default: its operator norm scaled toward a cap by a power-iteration estimate, optim/spectral_cap.py; frobenius,
+  the paper's rule), and the K-average (refresh + (K-1) non-refresh) / K for K = 1, 3, 5, 10; both RowNorm steps
+  again with compile_rownorm
   (optim/fused_rownorm.py: the elementwise passes fused, on CPU as C loops (optim/native_rownorm.py, built once),
   elsewhere torch.compile'd kernels; built or compiled during the warm-up).
 - torch.optim.Muon: on our matrix parameters, plus torch AdamW(foreach) on the rest (so it is the same work).

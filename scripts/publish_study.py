@@ -46,11 +46,15 @@ def publish(sweep_dir: str, dest: str) -> int:
 
 
 def merge_study_record(src: str, dst: str) -> None:
-    """The sweep's study.json, keeping the commands already published (another piece of the same study)."""
+    """The sweep's study.json, keeping the commands already published (another piece of the same study) and the
+    published banner (report.banner)."""
     if not os.path.exists(src):
         return
     with open(src) as f:
         record = json.load(f)
+    published = read_study_record(os.path.dirname(dst))
+    if published.get("banner"):
+        record["banner"] = published["banner"]
     calls = run_study.previous_invocations(os.path.dirname(dst)) + run_study.previous_invocations(os.path.dirname(src))
     unique = []
     for c in calls:

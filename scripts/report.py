@@ -59,7 +59,7 @@ class Run:
     lr: float = math.nan  # optimizer.lr; part of the label only in sweeps that scan it
     val_curve: list = field(default_factory=list)  # (step, active_s, val_loss)
     fd_curve: list = field(default_factory=list)  # (step, active_s, fd)
-    train_curve: list = field(default_factory=list)  # (step, train loss: the log window's mean)
+    train_curve: list = field(default_factory=list)  # (step, train loss: the logged step's own batch, not a mean)
     warmup_steps: int = 0
 
     @property
@@ -491,6 +491,12 @@ def plots(runs: list[Run], out_dir: str) -> list[str]:
     return written
 
 
+def banner(study: dict) -> str:
+    """study.json's `banner`: what a reader must know first about a published study (that a later one supersedes
+    it, or what it cannot show), added to the record after it ran."""
+    return f"> **Read first.** {study['banner']}" if study.get("banner") else ""
+
+
 def provenance(study: dict, runs: list[Run]) -> str:
     """The sweep commands (study.json keeps every invocation) and the commits that produced the run folders."""
     calls = study.get("invocations") or ([study] if "command" in study else [])
@@ -543,6 +549,7 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
     n_done = sum(r.status == "finished" for r in runs)
     parts = [
         f"# Study report: {study.get('experiment', os.path.basename(os.path.abspath(sweep_dir)))}",
+        banner(study),
         f"Built by `python scripts/report.py {sweep_dir}{'' if out_dir == sweep_dir else f' --out {out_dir}'}` "
         f"from {len(runs)} runs ({n_done} finished).",
         provenance(study, runs),
@@ -566,7 +573,8 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
            "Best FD / final validation loss at each learning rate (mean over seeds); the other tables compare "
            "optimizers at the same lr.", t4] if (t4 := table4(runs)) else []),
         *(["## Table 5 — training stability",
-           "The highest train loss logged after the learning-rate warm-up (log-window means), with the lowest "
+           "The highest train loss logged after the learning-rate warm-up (each the logged step's own batch, "
+           "not a window mean: one batch's noise is in it), with the lowest "
            "logged before it: a peak far above that low is a spike, and a final value near the peak a collapse "
            "that did not recover.", t5] if (t5 := table5(runs)) else []),
         "## Plots",

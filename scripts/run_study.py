@@ -8,10 +8,13 @@
 
 The grid is models x optimizers x seeds, with periodic_rowwise expanded over study.K, the RowNorm optimizers over
 study.rownorm_scale when given, and every optimizer over study.lr where a study scans learning rates, or each at its
-own study.lr.<optimizer> where a study tunes them. A study with study.lr_scan runs in two phases: its first seed at
-each value of the optimizer's scan (grown by a factor of 2 beyond an end where the best value lies, up to
-study.lr_scan_extend times per end), then the other seeds at the value with the lowest final validation loss (the
-choice, every scanned loss and any growth are recorded in study.json).
+own study.lr.<optimizer> where a study tunes them. A study with study.lr_scan runs in two phases: its selection seeds
+at each value of the optimizer's scan (grown beyond an end where the best value lies by the grid's own spacing at
+that end, up to study.lr_scan_extend times per end), then its evaluation seeds at the value with the lowest final
+validation loss, averaged over the selection seeds (the choice, every scanned loss, any growth and the selection
+seeds are recorded in study.json). The selection seeds are study.selection_seeds, never among study.seeds, which are
+all evaluated; without study.selection_seeds (the older protocol) the first of study.seeds selects and the rest
+are evaluated.
 Each run's folder is <sweep_dir>/<sorted overrides> (Hydra's override_dirname), so rerunning finds finished runs
 (a checkpoint at the run's train.steps; a summary alone proves nothing) and skips them, and continues interrupted
 ones from their last checkpoint (the experiments set train.resume=auto): a study can be completed in pieces. One
@@ -106,18 +109,30 @@ def scan_values(study, opt: str) -> list:
     return list(values)
 
 
+def scan_seeds(study) -> tuple[list, list]:
+    """(selection seeds, evaluation seeds) of a two-phase study."""
+    if study.get("selection_seeds") is None:
+        return [study.seeds[0]], list(study.seeds[1:])
+    chooser, evaluated = list(study.selection_seeds), list(study.seeds)
+    shared = sorted(set(chooser) & set(evaluated))
+    if shared or not chooser:
+        raise ValueError(f"study.selection_seeds {chooser} must be non-empty and share no seed with study.seeds "
+                         f"{evaluated} (shared: {shared}): a seed that chose the lr is never evaluated")
+    return chooser, evaluated
+
+
 def expand(study, extra: list[str], exclude_keys: list[str], selected: dict | None = None,
            extended: dict | None = None) -> list[dict]:
     """Every run of the study. With study.lr_scan (a per-optimizer list of values) the study has two phases: the
-    first seed at every value of the optimizer's scan ("scan"; `extended` maps a variant label to the values its
-    scan grew by, see select_learning_rates), then the other seeds at the value the scan selected ("seeds";
+    selection seeds at every value of the optimizer's scan ("scan"; `extended` maps a variant label to the values its
+    scan grew by, see select_learning_rates), then the evaluation seeds at the value the scan selected ("seeds";
     `selected` maps a variant label to that value, and a variant not yet selected has no seed runs)."""
     runs = []
     for v in variants(study):
         if study.get("lr_scan") is not None:
-            first, rest = study.seeds[0], list(study.seeds[1:])
+            chooser, rest = scan_seeds(study)
             values = scan_values(study, v["optimizer"]) + list((extended or {}).get(variant_label(v), []))
-            runs += [make_run(v, lr, first, extra, exclude_keys, "scan") for lr in sorted(values)]
+            runs += [make_run(v, lr, s, extra, exclude_keys, "scan") for lr in sorted(values) for s in chooser]
             chosen = (selected or {}).get(variant_label(v))
             if chosen is not None:
                 runs += [make_run(v, chosen, s, extra, exclude_keys, "seeds") for s in rest]
@@ -134,32 +149,35 @@ def final_val_loss(run_dir: str, steps: int) -> float | None:
 
 
 def select_learning_rates(study, sweep_dir: str, scan_runs: list[dict], steps_of) -> tuple[dict, dict]:
-    """For each variant whose scan runs have all finished: the value with the lowest final validation loss (NaN and
-    diverged runs lose) - unless it is an end of the scan and the scan may still grow on that side (at most
-    study.lr_scan_extend values beyond each end of the configured grid, one factor of 2 at a time, the same rule
-    for every optimizer): then the next value out is asked for instead. Returns ({variant label: {"lr": chosen,
-    "val_loss": {lr: loss}}}, {variant label: the value to add to its scan})."""
+    """For each variant whose scan runs have all finished: the value with the lowest final validation loss, the mean
+    over the selection seeds (NaN and diverged runs lose) - unless it is an end of the scan and the scan may still
+    grow on that side (at most study.lr_scan_extend values beyond each end of the configured grid, one step of the
+    grid's spacing at that end at a time, the same rule for every optimizer): then the next value out is asked for
+    instead. Returns ({variant label: {"lr": chosen, "val_loss": {lr: loss}}}, {variant label: the value to add to
+    its scan})."""
     by_variant: dict[str, list[dict]] = {}
     for r in scan_runs:
         by_variant.setdefault(variant_label(r), []).append(r)
     allowed = int(study.get("lr_scan_extend") or 0)
     chosen_lrs, more = {}, {}
     for label, members in by_variant.items():
-        losses = {}
+        per_seed: dict = {}
         for r in members:
             run_dir = os.path.join(sweep_dir, r["name"])
             steps = steps_of(r)
             if not finished(run_dir, steps):
                 break
             loss = final_val_loss(run_dir, steps)
-            losses[r["lr"]] = loss if loss is not None and math.isfinite(loss) else math.inf
+            per_seed.setdefault(r["lr"], []).append(loss if loss is not None and math.isfinite(loss) else math.inf)
         else:
+            losses = {lr: sum(v) / len(v) for lr, v in per_seed.items()}
             chosen = min(losses, key=lambda lr: (losses[lr], lr))
-            grid = scan_values(study, members[0]["optimizer"])
+            grid = sorted(scan_values(study, members[0]["optimizer"]))
+            low, high = (grid[1] / grid[0], grid[-1] / grid[-2]) if len(grid) > 1 else (2.0, 2.0)
             if chosen == min(losses) and sum(lr < min(grid) for lr in losses) < allowed and len(losses) > 1:
-                more[label] = chosen / 2
+                more[label] = float(f"{chosen / low:.3g}")
             elif chosen == max(losses) and sum(lr > max(grid) for lr in losses) < allowed and len(losses) > 1:
-                more[label] = chosen * 2
+                more[label] = float(f"{chosen * high:.3g}")
             else:
                 chosen_lrs[label] = {"lr": chosen, "val_loss": {str(lr): v for lr, v in sorted(losses.items())}}
     return chosen_lrs, more
@@ -233,6 +251,8 @@ def main(argv=None) -> int:
     def record(runs: list[dict], selection: dict | None = None, extended: dict | None = None) -> None:
         rec = {"experiment": args.experiment, **call, "notes": study.get("notes", ""), "invocations": invocations,
                "runs": [{k: v for k, v in r.items() if k != "overrides"} for r in runs]}
+        if study.get("lr_scan") is not None:
+            rec["selection_seeds"] = scan_seeds(study)[0]
         if selection is not None:
             rec["lr_selection"] = selection
         if extended:

@@ -1,5 +1,6 @@
-"""scripts/paired_report.py on fabricated run folders: runs paired by seed at each variant's selected lr, the 95%
-t-interval of the per-seed relative differences (against scipy), and the interpolated time to a target loss."""
+"""scripts/paired_report.py on fabricated run folders: runs paired by seed at each variant's selected lr, the selection
+seeds kept out of the evaluation rows, the 95% t-interval of the per-seed relative differences and the TOST
+equivalence verdict (both against scipy), and the interpolated time to a target loss."""
 
 import json
 import math
@@ -19,23 +20,25 @@ import paired_report  # noqa: E402
 def rows(val: dict, fd: float, opt_s: float, step_s: float = 0.5) -> list[dict]:
     """Window-mean train rows every 100 steps (10 steps per window), validation at 200/400/600, FD at the end."""
     out = [{"step": s, "train/loss": 1.0, "time/optimizer": opt_s, "time/step": step_s, "window/steps": 10,
-            "opt/refresh_steps": 3, "active_time_s": s * step_s} for s in range(100, 601, 100)]
+            "time/forward": 0.1, "time/backward": 0.2, "opt/refresh_steps": 3, "active_time_s": s * step_s}
+           for s in range(100, 601, 100)]
     out += [{"step": s, "val/loss": v} for s, v in val.items()]
     return sorted(out + [{"step": 600, "fd": fd}], key=lambda r: r["step"])
 
 
-FINAL = {"adamw": [0.40, 0.42, 0.41], "muon": [0.30, 0.33, 0.31], "pr": [0.31, 0.32, 0.33]}
+FINAL = {"adamw": [0.40, 0.42, 0.41, 0.415], "muon": [0.30, 0.33, 0.31, 0.32], "pr": [0.29, 0.32, 0.33, 0.325]}
+SEEDS = range(4)  # seed 0 is the scan's (the selection seed), 1-3 are evaluated
 
 
-def two_phase_sweep(sweep) -> None:
-    """Three variants x 3 seeds at their selected lrs, plus a losing scan value each, and their study.json."""
+def two_phase_sweep(sweep, study_extra: dict | None = None) -> None:
+    """Three variants x 4 seeds at their selected lrs, plus a losing scan value each, and their study.json."""
     # final val loss per seed; each variant's curve is (2x, 1.5x, 1x) its final value at steps 200/400/600
-    fd = {"adamw": [100.0, 110.0, 105.0], "muon": [80.0, 85.0, 82.0], "pr": [81.0, 84.0, 86.0]}
+    fd = {"adamw": [100.0, 110.0, 105.0, 107.0], "muon": [80.0, 85.0, 82.0, 83.0], "pr": [81.0, 84.0, 86.0, 85.0]}
     spec = {"adamw": ("adamw", None, None, 8e-3), "muon": ("muon", None, None, 1.6e-2),
             "pr": ("periodic_rowwise", 3, "spectral", 8e-3)}
     study_runs = []
     for key, (opt, K, scale, lr) in spec.items():
-        for seed in range(3):
+        for seed in SEEDS:
             name = f"{key}_lr{lr}_s{seed}"
             v = FINAL[key][seed]
             write_run(sweep / name, "dit_s", opt, seed, rows({200: 2 * v, 400: 1.5 * v, 600: v}, fd[key][seed],
@@ -49,29 +52,41 @@ def two_phase_sweep(sweep) -> None:
                            "seed": 0, "phase": "scan"})
     selection = {"dit_s adamw": {"lr": 8e-3}, "dit_s muon": {"lr": 1.6e-2},
                  "dit_s periodic_rowwise K=3 rownorm_scale=spectral": {"lr": 8e-3}}
-    (sweep / "study.json").write_text(json.dumps({"experiment": "fab", "runs": study_runs,
-                                                   "lr_selection": selection}))
+    (sweep / "study.json").write_text(json.dumps({"experiment": "fab", "runs": study_runs, "lr_selection": selection,
+                                                   **(study_extra or {})}))
+
+
+def pr_vs_muon(seeds) -> list[float]:
+    return [100 * (FINAL["pr"][s] - FINAL["muon"][s]) / FINAL["muon"][s] for s in seeds]
 
 
 def test_paired_differences_intervals_and_time_to_target(tmp_path):
     sweep = tmp_path / "sweep"
     two_phase_sweep(sweep)
     text = paired_report.build(str(sweep), None)
-    assert "| periodic_rowwise K=3 (spectral) | 0.008 * (edge of the scan) | 0.3100 |" in text
+    assert "| periodic_rowwise K=3 (spectral) | 0.008 * (edge of the scan) | 0.2900 |" in text
     assert "| periodic_rowwise K=3 (spectral) | 0.016 | 0.9000 |" in text
 
-    diffs = [100 * (p - m) / m for p, m in zip(FINAL["pr"], FINAL["muon"])]
+    # the evaluation rows pair seeds 1-3 only: seed 0 chose the lr
+    assert "Selection seed 0 chose the learning rates and is excluded from every evaluation row" in text
+    evaluation = text.split("## Including selection seed 0")[0]
+    diffs = pr_vs_muon([1, 2, 3])
+    ref = scipy.stats.ttest_1samp(diffs, 0.0).confidence_interval(0.95)
     mean = sum(diffs) / 3
-    half = scipy.stats.t.ppf(0.975, 2) * scipy.stats.tstd(diffs) / math.sqrt(3)
-    row = f"| periodic_rowwise K=3 (spectral) | val loss @600 | 3 | {mean:+.1f}% | [{mean - half:+.1f}, {mean + half:+.1f}]"
-    assert row in text, text
+    row = (f"| periodic_rowwise K=3 (spectral) | val loss @600 | 3 | {mean:+.2f}% | "
+           f"[{ref.low:+.2f}, {ref.high:+.2f}]")
+    assert row in evaluation, evaluation
     # Muon against AdamW: every seed lower, and the interval excludes 0
-    assert "| muon | val loss @600 | 3 | " in text and text.count("| lower |") >= 1
-    # optimizer time: 0.04 vs 0.1 s per step for every seed -> -60%, no spread
-    assert "| periodic_rowwise K=3 (spectral) | optimizer s/step | 3 | -60.0% | [-60.0, -60.0] | 3/3 | lower |" in text
-    # the target is the highest final loss, AdamW seed 1's 0.42: every run reaches it, so every pair has a time to it
-    assert "The target validation loss is the highest final value among the compared runs, 0.4200" in text
-    assert "| muon | steps to target | 3 | " in text and "| adamw | steps to target | 3 | " in text
+    assert "| muon | val loss @600 | 3 | " in evaluation and evaluation.count("| lower |") >= 1
+    # optimizer time: 0.04 vs 0.1 s per step for every seed -> -60%, no spread, so also beyond a 1% margin
+    assert ("| periodic_rowwise K=3 (spectral) | optimizer s/step | 3 | -60.00% | [-60.00, -60.00] | 3/3 | lower | "
+            "[-60.00, -60.00] | better |") in evaluation
+    # the target is the highest final loss of the evaluated runs, AdamW seed 1's 0.42
+    assert "The target validation loss is the highest final value among the compared runs, 0.4200" in evaluation
+    assert "| muon | steps to target | 3 | " in evaluation and "| adamw | steps to target | 3 | " in evaluation
+    # the selection seed ran at the selected lr (the old protocol): its rows only in the labelled section
+    biased = text.split("## Including selection seed 0")[1]
+    assert f"| periodic_rowwise K=3 (spectral) | val loss @600 | 4 | {sum(pr_vs_muon(SEEDS)) / 4:+.2f}% |" in biased
     # crossing: muon seed 0 (curve 0.60 @200, 0.45 @400, 0.30 @600) crosses it
     # at step 400 + 200 * (0.45 - 0.41) / 0.15
     run = paired_report.collect(str(sweep), json.loads((sweep / "study.json").read_text()))[0]["muon"][0]
@@ -80,9 +95,55 @@ def test_paired_differences_intervals_and_time_to_target(tmp_path):
     assert math.isnan(paired_report.crossing(run, 0.1)[0])
 
 
-def test_t_quantiles_match_scipy():
-    for dof in range(1, 31):
-        assert paired_report.t975(dof) == pytest.approx(scipy.stats.t.ppf(0.975, dof), abs=1e-3)
+def test_selection_seeds_recorded_by_the_runner_are_never_evaluated(tmp_path):
+    sweep = tmp_path / "sweep"
+    two_phase_sweep(sweep, {"selection_seeds": [0, 1]})
+    text = paired_report.build(str(sweep), None)
+    assert "(evaluation seeds 2, 3)" in text and "Selection seeds 0, 1 chose the learning rates" in text
+    evaluation = text.split("## Including selection seed")[0]
+    assert "| periodic_rowwise K=3 (spectral) | val loss @600 | 2 | " in evaluation
+    assert "| val loss @600 | 3 |" not in evaluation and "| val loss @600 | 4 |" not in evaluation
+
+
+def test_intervals_use_the_exact_t_quantile():
+    # n=5: the rounded table value 2.776 (t(0.975, 4) = 2.7764) moved published bounds by 0.1
+    diffs = [-0.53, 0.13, 1.45, 0.93, 1.06]
+    mean, lo, hi = paired_report.interval(diffs)
+    ref = scipy.stats.ttest_1samp(diffs, 0.0).confidence_interval(0.95)
+    assert (lo, hi) == (pytest.approx(ref.low, rel=1e-12), pytest.approx(ref.high, rel=1e-12))
+    _, lo90, hi90 = paired_report.interval(diffs, 0.90)
+    ref90 = scipy.stats.ttest_1samp(diffs, 0.0).confidence_interval(0.90)
+    assert (lo90, hi90) == (pytest.approx(ref90.low, rel=1e-12), pytest.approx(ref90.high, rel=1e-12))
+
+
+@pytest.mark.parametrize("diffs, margin, verdict", [
+    ([0.2, -0.1, 0.3, 0.0, 0.1, -0.2, 0.25, 0.05], 1.0, "equivalent"),
+    ([0.13, 1.45, 0.93, 1.06], 1.0, "not shown equivalent"),  # optimizer_comparison_cpu, spectral vs Muon, seeds 1-4
+    ([2.1, 2.6, 1.9, 2.4, 2.2], 1.0, "worse"),
+    ([-2.1, -2.6, -1.9, -2.4, -2.2], 1.0, "better"),
+    ([0.13, 1.45, 0.93, 1.06], 2.0, "equivalent"),
+])
+def test_equivalence_is_two_one_sided_t_tests(diffs, margin, verdict):
+    lo, hi, got = paired_report.equivalence(diffs, margin)
+    ref = scipy.stats.ttest_1samp(diffs, 0.0).confidence_interval(0.90)
+    assert (lo, hi) == (pytest.approx(ref.low, rel=1e-12), pytest.approx(ref.high, rel=1e-12))
+    # TOST by hand: H0 mean <= -margin and H0 mean >= +margin, each rejected at 5%
+    p_low = scipy.stats.ttest_1samp(diffs, -margin, alternative="greater").pvalue
+    p_high = scipy.stats.ttest_1samp(diffs, margin, alternative="less").pvalue
+    assert (max(p_low, p_high) < 0.05) == (got == "equivalent")
+    assert got == verdict
+
+
+def test_the_margin_is_named_in_the_report_and_a_bad_one_is_refused(tmp_path, capsys):
+    sweep = tmp_path / "sweep"
+    two_phase_sweep(sweep)
+    paired_report.main([str(sweep), "--margin", "2.5"])
+    text = (sweep / "report.md").read_text()
+    assert f"Built by `python scripts/paired_report.py {sweep} --margin 2.5`" in text
+    assert "| equivalence at ±2.5% |" in text
+    for bad in ("0", "-1", "nan"):
+        with pytest.raises(SystemExit, match=f"--margin {bad} must be a positive number of percent"):
+            paired_report.main([str(sweep), "--margin", bad])
 
 
 def test_a_study_without_a_finished_scan_is_refused(tmp_path):

@@ -27,7 +27,8 @@ def compose_with_hydra(overrides):
 
 
 @pytest.mark.parametrize("experiment", ["scaling_study", "scaling_study_cpu", "smoke", "lr_scan_cpu",
-                                        "scaling_study_cpu_tuned", "optimizer_comparison_cpu"])
+                                        "scaling_study_cpu_tuned", "optimizer_comparison_cpu",
+                                        "optimizer_confirmation_cpu"])
 def test_experiments_compose_and_expand(experiment):
     cfg = compose_with_hydra([f"experiment={experiment}", "run_dir=/tmp/unused"])
     assert cfg.study.name == experiment
@@ -36,9 +37,9 @@ def test_experiments_compose_and_expand(experiment):
     n_opt = len(run_study.variants(cfg.study)) // len(cfg.study.models)
     lr = cfg.study.get("lr")
     n_lr = len(lr) if OmegaConf.is_list(lr) else 1  # a scan's values, or one (tuned or shared) lr per optimizer
-    if cfg.study.get("lr_scan") is not None:  # before its scan finishes: the first seed at every scanned value
-        assert len(runs) == sum(len(run_study.scan_values(cfg.study, v["optimizer"]))
-                                for v in run_study.variants(cfg.study))
+    if cfg.study.get("lr_scan") is not None:  # before its scan finishes: the selection seeds at every scanned value
+        assert len(runs) == len(run_study.scan_seeds(cfg.study)[0]) * sum(
+            len(run_study.scan_values(cfg.study, v["optimizer"])) for v in run_study.variants(cfg.study))
     else:
         assert len(runs) == len(cfg.study.models) * n_opt * n_lr * len(cfg.study.seeds)
     assert len({r["name"] for r in runs}) == len(runs)
@@ -145,6 +146,65 @@ def test_a_scan_whose_best_value_is_at_an_end_grows_there_up_to_lr_scan_extend(t
     seeds = [r for r in run_study.expand(study, [], [], {k: v["lr"] for k, v in chosen.items()}, extended)
              if r["phase"] == "seeds"]
     assert {(r["optimizer"], r["lr"], r["seed"]) for r in seeds} == {("adamw", 2e-3, 1), ("muon", 3.2e-2, 1)}
+
+
+def finish_runs(tmp_path, runs, loss_of) -> None:
+    """A checkpoint at step 600 and a final validation loss for each run."""
+    from dit_train import checkpoint as ckpt
+
+    import torch
+
+    for r in runs:
+        run_dir = tmp_path / r["name"]
+        ckpt.save(str(run_dir), 600, {"model": {"w": torch.zeros(1)}}, {"step": 600}, keep_last=0)
+        (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 600, "val/loss": loss_of(r)}))
+
+
+def test_selection_seeds_choose_the_lr_by_their_mean_and_are_never_evaluated(tmp_path):
+    study = OmegaConf.create({"models": ["dit_s"], "optimizers": ["muon"], "K": [3], "selection_seeds": [5, 6],
+                              "seeds": [1, 2, 3], "lr_scan": {"muon": [4e-3, 5.66e-3, 8e-3]}})
+    scan = run_study.expand(study, [], [])
+    assert {r["phase"] for r in scan} == {"scan"} and len(scan) == 6 and {r["seed"] for r in scan} == {5, 6}
+    # seed 5 alone would pick 4e-3; the mean over seeds 5 and 6 picks 5.66e-3
+    loss = {(4e-3, 5): 0.20, (4e-3, 6): 0.26, (5.66e-3, 5): 0.21, (5.66e-3, 6): 0.22, (8e-3, 5): 0.30, (8e-3, 6): 0.30}
+    finish_runs(tmp_path, scan, lambda r: loss[(r["lr"], r["seed"])])
+    chosen, more = run_study.select_learning_rates(study, str(tmp_path), scan, lambda r: 600)
+    assert more == {} and chosen["dit_s muon"]["lr"] == 5.66e-3
+    assert chosen["dit_s muon"]["val_loss"]["0.004"] == pytest.approx(0.23)
+    runs = run_study.expand(study, [], [], {"dit_s muon": 5.66e-3})
+    assert {(r["lr"], r["seed"]) for r in runs if r["phase"] == "seeds"} == {(5.66e-3, 1), (5.66e-3, 2), (5.66e-3, 3)}
+    study.seeds = [1, 5]
+    with pytest.raises(ValueError, match=r"study.selection_seeds \[5, 6\] must be non-empty and share no seed with "
+                                         r"study.seeds \[1, 5\] \(shared: \[5\]\)"):
+        run_study.expand(study, [], [])
+
+
+def test_a_scan_grows_by_its_own_spacing(tmp_path):
+    study = OmegaConf.create({"models": ["dit_s"], "optimizers": ["muon"], "K": [3], "selection_seeds": [7],
+                              "seeds": [1], "lr_scan": {"muon": [8e-3, 1.13e-2, 1.6e-2]}, "lr_scan_extend": 1})
+    scan = run_study.expand(study, [], [])
+    finish_runs(tmp_path, scan, lambda r: 1 / r["lr"] ** 0.1)  # higher is better all the way up
+    assert run_study.select_learning_rates(study, str(tmp_path), scan, lambda r: 600)[1] == {"dit_s muon": 2.27e-2}
+
+
+def test_the_confirmatory_study_is_preregistered():
+    """optimizer_confirmation_cpu as issue 30 item 2 asks: 2 selection seeds never evaluated, >= 8 fresh evaluation
+    seeds, a sqrt(2) lr grid bracketing each earlier optimum, 600 steps, FD from >= 1000 samples."""
+    cfg = compose_with_hydra(["experiment=optimizer_confirmation_cpu", "run_dir=/tmp/unused"])
+    study = cfg.study
+    chooser, evaluated = run_study.scan_seeds(study)
+    earlier = compose_with_hydra(["experiment=optimizer_comparison_cpu", "run_dir=/tmp/unused"]).study.seeds
+    assert len(chooser) == 2 and len(evaluated) >= 8 and not set(evaluated) & (set(chooser) | set(earlier))
+    assert cfg.train.steps == 600 and cfg.eval.num_samples >= 1000 and cfg.eval.every_n_steps == 600
+    earlier_optimum = {"muon": 8e-3, "periodic_rowwise": 1.25e-2}
+    for opt, grid in study.lr_scan.items():
+        assert all(b / a == pytest.approx(2 ** 0.5, rel=2e-3) for a, b in zip(grid, grid[1:]))
+        assert grid[0] < earlier_optimum[opt] / 1.4 and grid[-1] > earlier_optimum[opt] * 1.4
+    scan = run_study.expand(study, [], list(cfg.hydra.job.config.override_dirname.exclude_keys))
+    every = run_study.expand(study, [], [], {"dit_s muon": 8e-3, "dit_s periodic_rowwise K=3 rownorm_scale=spectral":
+                                             1.13e-2})
+    assert len(scan) == 20 and len(every) == 40
+    assert {r["seed"] for r in every if r["phase"] == "seeds"} == set(evaluated)
 
 
 def test_tuned_study_uses_the_best_fd_lr_of_the_published_scan():
@@ -374,6 +434,19 @@ def test_publish_copies_records_only_and_keeps_earlier_pieces(tmp_path):
     text = (dest / "report.md").read_text()
     assert f"--out {dest}" in text and "| dit_xs | adamw | 1 | finished |" in text and "| dit_s | adamw | 1 |" in text
     assert publish_study.main([str(tmp_path / "nothing"), str(dest)]) == 2
+
+
+def test_a_published_banner_heads_the_report_and_survives_republishing(tmp_path):
+    """A study superseded after it was published says so at the top of its report, rebuilt from its records."""
+    sweep, dest = tmp_path / "sweep", tmp_path / "docs"
+    write_run(sweep / "a", "dit_xs", "adamw", 0, train_rows(0.01, 0.1, 0) + [{"step": 4, "val/loss": 0.5}])
+    (sweep / "study.json").write_text(json.dumps({"experiment": "fab", "command": "c", "runs": []}))
+    assert publish_study.main([str(sweep), str(dest)]) == 0
+    record = json.loads((dest / "runs" / "study.json").read_text())
+    (dest / "runs" / "study.json").write_text(json.dumps({**record, "banner": "Superseded by `later_study`."}))
+    assert publish_study.main([str(sweep), str(dest)]) == 0  # the sweep's own study.json has no banner
+    text = (dest / "report.md").read_text()
+    assert text.startswith("# Study report: fab\n\n> **Read first.** Superseded by `later_study`.\n\n")
 
 
 @needs_fashion
