@@ -19,6 +19,7 @@ from . import checkpoint as ckpt
 from .build import build_training
 from .cadence import every_n_steps
 from .checkpoint_saver import CheckpointSaver, resolve_async
+from .comm_volume import describe_run, ranks_per_node
 from .config import validate
 from .data import build_dataset, check_classes_fit, loader_workers
 from .data.order import train_batches
@@ -229,6 +230,8 @@ class Trainer:
                   f"data {self.train_set.dataset_id} ({len(self.train_set)} train / {len(self.val_set)} val)")
             print(f"optimizer {self.cfg.optimizer.name}:\n{self.optimizer.routing_table}")
             print(f"parallel: {self.dist.world_size} process(es) on {self.dist.device.type}; {self.plan.describe()}")
+            if self.plan.sharded and self.dist.world_size > 1:
+                print(describe_run(self.model, self.plan, self.dist.world_size, ranks_per_node(self.dist.world_size)))
         try:
             with self.preemption:
                 self.loop()

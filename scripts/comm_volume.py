@@ -27,7 +27,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-GB = 1e9
+from dit_train.comm_volume import GB, crossing_nodes, fsdp_volumes  # noqa: E402
+
 PRESETS = ("dit_1b3", "dit_4b", "dit_9b", "dit_15b")
 
 
@@ -47,13 +48,9 @@ def preset_counts(preset: str) -> dict:
 
 def volumes(counts: dict, shard: int, replicas: int, reduce_bytes: int, reshard: bool) -> dict:
     """Bytes per rank per step of each collective for a shard group of `shard` ranks and `replicas` groups."""
-    P, M, S, R = counts["params"], counts["matrix"], shard, replicas
-    regathered = sum(counts["blocks"][:-1]) if reshard else 0
-    out = {"ag_fwd": (S - 1) / S * P * 2, "ag_bwd": (S - 1) / S * regathered * 2,
-           "rs": (S - 1) / S * P * reduce_bytes,
-           "ar_replicas": 2 * (R - 1) / R * P / S * reduce_bytes,
-           "muon_gather": (S - 1) / S * M * 2, "muon_owner": 2 * (S - 1) / S**2 * M * 2 * 2}
-    out["fsdp_total"] = out["ag_fwd"] + out["ag_bwd"] + out["rs"] + out["ar_replicas"]
+    M, S = counts["matrix"], shard
+    out = fsdp_volumes(counts["params"], counts["blocks"], shard, replicas, reduce_bytes, reshard)
+    out.update(muon_gather=(S - 1) / S * M * 2, muon_owner=2 * (S - 1) / S**2 * M * 2 * 2)
     return out
 
 
@@ -70,8 +67,7 @@ def table(presets, nodes: int, gpus: int, reduce_dtype: str, reshard: bool) -> s
         counts = preset_counts(preset)
         for layout, shard, replicas in (("FSDP", world, 1), ("HSDP", gpus, nodes)):
             v = volumes(counts, shard, replicas, reduce_bytes, reshard)
-            # plain FSDP: every collective spans all nodes; HSDP: only the replica all-reduce leaves a node
-            crosses = v["fsdp_total"] if replicas == 1 else v["ar_replicas"]
+            crosses = crossing_nodes(v, replicas, nodes)
             g = lambda k: f"{v[k] / GB:.1f}"  # noqa: E731
             lines.append(f"| {preset} | {counts['params'] / 1e9:.2f} B | {layout} {replicas} x {shard} | "
                          f"{g('ag_fwd')} | {g('ag_bwd')} | {g('rs')} | {g('ar_replicas')} | "

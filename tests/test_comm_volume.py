@@ -4,6 +4,7 @@ import importlib.util
 import os
 
 import pytest
+import torch
 
 from conftest import ROOT
 
@@ -35,3 +36,38 @@ def test_dit_15b_on_4_nodes_moves_about_117_gb_per_rank_under_fsdp_and_11_betwee
     assert fsdp["fsdp_total"] / 1e9 == pytest.approx(116.8, abs=0.05)
     assert hsdp["ar_replicas"] / 1e9 == pytest.approx(11.4, abs=0.05)
     assert "| dit_15b | 15.16 B | HSDP 4 x 8 |" in cv.table(["dit_15b"], 4, 8, "fp32", True)
+
+
+def test_an_integer_reshard_regathers_within_its_group():
+    from dit_train.comm_volume import fsdp_volumes
+
+    v = fsdp_volumes(1000, [300, 300, 300], shard=8, replicas=1, reduce_bytes=4, reshard=2)
+    assert v["ag_bwd"] == 1 / 2 * 600 * 2 and v["ag_fwd"] == 7 / 8 * 2000
+
+
+@pytest.mark.parametrize("replicate, env, nodes", [(4, {"LOCAL_WORLD_SIZE": "8"}, 4),
+                                                   (1, {"SLURM_NTASKS_PER_NODE": "8(x4)"}, 4), (1, {}, 1)])
+def test_the_start_line_gives_a_runs_traffic_between_nodes(monkeypatch, replicate, env, nodes):
+    """What a sharded run prints at start: dit_15b on 32 ranks moves ~117 GB per rank per step through FSDP2;
+    between 4 nodes all of it under plain FSDP, only the replicas' all-reduce under HSDP (2 x 3/4 x P/8 x 4 bytes:
+    11.4 GB, docs/scaling_out.md's table), nothing on one node."""
+    from dit_train.comm_volume import describe_run, ranks_per_node
+    from dit_train.model import build_model, load_preset
+    from dit_train.parallel import DistInfo, resolve_plan
+
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    model = build_model(load_preset("dit_15b"), device="meta")
+    P = sum(p.numel() for p in model.parameters())
+    last = sum(p.numel() for p in model.blocks[-1].parameters())
+    plan = resolve_plan({"replicate": replicate, "mixed_precision": "bf16"}, DistInfo(0, 32, torch.device("cpu")))
+    S = 32 // replicate
+    total = (S - 1) / S * (2 * P + 2 * (sum(p.numel() for p in model.blocks.parameters()) - last) + 4 * P) \
+        + 2 * (replicate - 1) / replicate * P / S * 4
+    crossing = 0 if nodes == 1 else (2 * 3 / 4 * P / 8 * 4 if replicate > 1 else total)
+    line = describe_run(model, plan, 32, ranks_per_node(32))
+    assert line == (f"FSDP2 traffic per rank per step: {total / 1e9:.2f} GB, {crossing / 1e9:.2f} GB of it between "
+                    f"nodes ({nodes} node(s) of {32 // nodes} ranks{', HSDP' if replicate > 1 else ''})")
+    assert 116 < total / 1e9 < 118
