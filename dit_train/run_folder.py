@@ -1,5 +1,6 @@
 """The run folder before training writes to it: the resume decision and its config check, then (rank 0) the
-folder, its one-writer lock, the removal of dead writers' temp files, and the provenance files."""
+folder, its one-writer lock, the removal of dead writers' temp files, and the provenance files (run_info.json,
+config.yaml, and Hydra's deferred `.hydra/` record of the command)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 
 from .atomic_io import remove_stale_temp_files
 from .config import ConfigError
+from .hydra_files import write_hydra_files
 from .parallel import DistInfo, broadcast_object
 from .resume_policy import check_resume
 from .run_info import write_run_info
@@ -28,6 +30,7 @@ def prepare_run_folder(cfg, dist: DistInfo) -> RunLock | None:
             for stale in remove_stale_temp_files(cfg.run_dir):
                 log.warning("removed %s, left by a writer that died mid-write", stale)
             write_run_info(cfg, cfg.run_dir)
+            write_hydra_files(cfg, cfg.run_dir)
         except Exception as e:  # noqa: BLE001 - handed to every rank, raised as it is on rank 0
             if lock is not None:
                 lock.release()

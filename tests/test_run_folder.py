@@ -95,6 +95,34 @@ def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
     run(tiny(tmp_path / "run"))  # released: the folder is usable again
 
 
+def test_a_refused_command_leaves_the_run_folders_hydra_record_untouched(tmp_path):
+    """`.hydra/` of an explicit run folder records the command that made (or last resumed) the run: a resume refused
+    by the config check, or a writer refused by the lock, must not overwrite it with the refused command."""
+    run_dir = tmp_path / "run"
+    first = cli(tmp_path, f"run_dir={run_dir}")
+    assert first.returncode == 0, first.stderr[-2000:]
+    record = {f: read(run_dir / ".hydra" / f) for f in ("config.yaml", "overrides.yaml", "hydra.yaml")}
+    assert b"model.depth=1" in record["overrides.yaml"] and b"train.resume" not in record["overrides.yaml"]
+
+    refused = cli(tmp_path, f"run_dir={run_dir}", "train.resume=auto", "model.depth=2")
+    assert refused.returncode == 2 and refused.stderr.startswith("error: train.resume=auto: "), refused.stderr
+    assert "model.depth: 1 -> 2" in refused.stderr and refused.stderr.strip().count("\n") == 0
+    assert {f: read(run_dir / ".hydra" / f) for f in record} == record
+
+    holder = RunLock(str(run_dir)).acquire()
+    try:
+        busy = cli(tmp_path, f"run_dir={run_dir}", "train.resume=auto", "train.steps=6")
+    finally:
+        holder.release()
+    assert busy.returncode == 2 and "is in use by" in busy.stderr, busy.stderr
+    assert {f: read(run_dir / ".hydra" / f) for f in record} == record
+
+    resumed = cli(tmp_path, f"run_dir={run_dir}", "train.resume=auto", "train.steps=6")  # accepted: recorded
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert b"train.resume=auto" in read(run_dir / ".hydra" / "overrides.yaml")
+    assert b"run:\n    dir: " + str(run_dir).encode() in read(run_dir / ".hydra" / "hydra.yaml")
+
+
 def test_default_run_folders_differ_for_jobs_started_in_the_same_second():
     code = "from dit_train.run_names import run_suffix; print(run_suffix())"
     env = {**os.environ, "PYTHONPATH": ROOT, "SLURM_ARRAY_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": "3"}
