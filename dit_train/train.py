@@ -20,7 +20,7 @@ from .build import build_training
 from .cadence import every_n_steps
 from .checkpoint_saver import CheckpointSaver, resolve_async
 from .config import validate
-from .data import build_dataset, check_classes_fit
+from .data import build_dataset, check_classes_fit, fingerprint
 from .data.order import train_batches
 from .deferred_steps import DeferredSteps, PendingStep, StepNumbers
 from .dry_run import dry_run
@@ -61,8 +61,8 @@ class Trainer:
         weights_from_checkpoint = bool(self.candidates or self.tc.init_from)
         self.model, self.ema, self.optimizer, self.scheduler, generator = \
             build_training(cfg, self.plan, dist.device, initialise=not weights_from_checkpoint)
-        self.state = TrainState(self.scheduler, generator, self.ema,
-                                config=OmegaConf.to_container(cfg, resolve=True))
+        self.state = TrainState(self.scheduler, generator, self.ema, config=OmegaConf.to_container(cfg, resolve=True),
+                                data_fingerprint=fingerprint(self.train_set, self.val_set) if dist.is_main else None)
         self.timer = PhaseTimer(enabled=self.tc.timing, device=dist.device)
         set_active_timer(self.timer)
         self.logger = MetricLogger(cfg.run_dir, cfg.logger, enabled=dist.is_main, resolved_config=self.state.config)

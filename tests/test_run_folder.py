@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, compose, needs_fashion, stop_signal_during_step
+from conftest import FASHION_ROOT, ROOT, compose, needs_fashion, stop_signal_during_step
 from dit_train import checkpoint as ckpt
 from dit_train.config import ConfigError
 from dit_train.parallel import DistInfo
@@ -46,6 +46,9 @@ def read(path):
     (["optimizer=rownorm"], 'optimizer.name: "periodic_rowwise" -> "rownorm"'),
     (["train.batch_size=8"], "train.batch_size: 4 -> 8"),
     (["model.hidden_size=64"], "model.hidden_size: 32 -> 64"),
+    # FSDP's compute and reduction dtypes change the losses as train.precision does
+    (["parallel.mixed_precision=bf16"], 'parallel.mixed_precision: "auto" -> "bf16"'),
+    (["parallel.reduce_dtype=bf16"], 'parallel.reduce_dtype: "fp32" -> "bf16"'),
 ])
 def test_resume_with_a_changed_experiment_is_refused_before_anything_is_written(tmp_path, change, named):
     run(tiny(tmp_path / "run"))
@@ -65,6 +68,47 @@ def test_a_swapped_optimizer_is_named_first_and_stands_for_the_keys_that_follow_
     changes = str(e.value).split("another config (", 1)[1].split("); these keys", 1)[0]
     assert re.fullmatch(r'optimizer\.name: "periodic_rowwise" -> "adamw" \(and \d+ other keys of optimizer\); '
                         r'train\.batch_size: 4 -> 8', changes), changes
+
+
+def fashion_copy(folder, train=None, val=None):
+    """The Fashion-MNIST idx files in `folder`: all of them, or the first `train` / `val` images of each split."""
+    import gzip
+    import struct
+
+    from dit_train.data.fashion_mnist import FILES, read_idx
+
+    os.makedirs(folder)
+    for split, n in (("train", train), ("val", val)):
+        for stem in FILES[split]:
+            data = read_idx(os.path.join(FASHION_ROOT, stem + ".gz"))[:n]
+            header = bytes([0, 0, 8, data.ndim]) + struct.pack(">" + "I" * data.ndim, *data.shape)
+            with gzip.open(os.path.join(folder, stem + ".gz"), "wb") as f:
+                f.write(header + data.tobytes())
+
+
+def test_resume_follows_the_data_not_its_path(tmp_path, caplog):
+    """data.root may move (the same data resumes) but not change: another data set behind the same or another path
+    is refused in one line naming both fingerprints, before anything is written."""
+    fashion_copy(tmp_path / "data")
+    run(tiny(tmp_path / "run", f"data.root={tmp_path / 'data'}"))
+    os.rename(tmp_path / "data", tmp_path / "moved")
+    with caplog.at_level("INFO", logger="dit_train"):
+        out = run(tiny(tmp_path / "run", f"data.root={tmp_path / 'moved'}", "train.resume=auto", "train.steps=6"))
+    assert out["steps"] == 6 and any("the same data" in r.getMessage() for r in caplog.records)
+
+    fashion_copy(tmp_path / "small", train=1000, val=100)
+    before = {f: read(tmp_path / "run" / f) for f in ("config.yaml", "run_info.json", "summary.json", "metrics.jsonl")}
+    for root in ("small", "moved"):  # another folder; the run's own folder with its content replaced
+        if root == "moved":
+            os.rename(tmp_path / "moved", tmp_path / "full")
+            os.rename(tmp_path / "small", tmp_path / "moved")
+        with pytest.raises(ConfigError, match=r"^train.resume=auto: data.root=\S+ holds other data than \S+ was "
+                                              r"trained on") as e:
+            run(tiny(tmp_path / "run", f"data.root={tmp_path / root}", "train.resume=auto", "train.steps=8"))
+        message = str(e.value)
+        assert "1000 train + 100 val items" in message and "60000 train + 10000 val items" in message, message
+        assert ("it was trained from data.root=" in message) == (root == "small") and "\n" not in message
+        assert {f: read(tmp_path / "run" / f) for f in before} == before
 
 
 def test_resume_may_change_length_cadence_and_paths(tmp_path):
