@@ -51,6 +51,15 @@ def _split_metrics(path: str, step: int) -> tuple[bytes, bytes, list[int]]:
     return b"".join(keep), b"".join(later), steps
 
 
+def _summary_after(path: str, step: int) -> str | None:
+    """How summary.json belongs to steps after `step` ("steps 30"; "unreadable": it could not say), else None."""
+    try:
+        steps = read_summary(path).get("steps")
+    except (ValueError, AttributeError):  # torn, or not a JSON object: kept, not trusted
+        return "unreadable"
+    return f"steps {steps}" if isinstance(steps, int) and steps > step else None
+
+
 def _listed(names: list[str]) -> str:
     return ", ".join(names) if len(names) <= 4 else f"{names[0]} ... {names[-1]} ({len(names)} files)"
 
@@ -73,23 +82,24 @@ def set_aside_after(run_dir: str, step: int, resumed_from: str) -> str | None:
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     keep, later_rows, row_steps = _split_metrics(metrics_path, step)
     summary_path = os.path.join(run_dir, "summary.json")
-    summary_steps = read_summary(summary_path).get("steps", 0) if os.path.exists(summary_path) else 0
-    if not (checkpoints or samples or row_steps or summary_steps > step):
+    summary = _summary_after(summary_path, step)
+    if not (checkpoints or samples or row_steps or summary):
         return None
     folder = _new_folder(run_dir, step)
     atomic_write_bytes(f"What this run folder held after step {step} when, at {time.strftime('%Y-%m-%d %H:%M:%S')}, "
                        f"the run resumed from {resumed_from} and so abandoned it: the later checkpoints, the "
-                       f"metrics.jsonl rows of the later steps, sample grids and summary.json. Nothing here is read by "
-                       f"dit_train; train.resume=<a checkpoint in here> continues that timeline instead.\n".encode(),
+                       f"metrics.jsonl rows of the later steps, sample grids and summary.json. dit_train reads nothing here; "
+                       f"to continue that timeline, resume one of its checkpoints in a run folder of its own "
+                       f"(train.resume=<a checkpoint in here> run_dir=<a new folder>).\n".encode(),
                        os.path.join(folder, NOTE))
     moved = []
     if row_steps:  # the rows first in their own file, then the run's file without them
         atomic_write_bytes(later_rows, os.path.join(folder, "metrics.jsonl"))
         atomic_write_bytes(keep, metrics_path)
         moved.append(f"metrics.jsonl rows of steps {min(row_steps)}-{max(row_steps)} ({len(row_steps)} rows)")
-    if summary_steps > step:
+    if summary:
         os.replace(summary_path, os.path.join(folder, "summary.json"))
-        moved.append(f"summary.json (steps {summary_steps})")
+        moved.append(f"summary.json ({summary})")
     for sub, names in (("samples", samples), ("checkpoints", checkpoints)):
         if names:
             os.makedirs(os.path.join(folder, sub))

@@ -176,6 +176,33 @@ def test_a_resume_from_an_earlier_checkpoint_owns_the_run_and_sets_the_abandoned
     assert os.listdir(run_dir / "abandoned") == [aside.name]  # nothing after 12 to set aside this time
 
 
+def test_setting_aside_keeps_torn_rows_and_moves_what_it_cannot_read(tmp_path):
+    """What a crash can leave: rows logged past the last checkpoint, a torn last row, a save without its marker, an
+    unreadable summary. Everything after the step is moved (none of it deleted), the rest stays where it was."""
+    from dit_train.timeline import set_aside_after
+
+    run_dir = tmp_path / "run"
+    os.makedirs(run_dir / "checkpoints" / "step_00000020.dcp")  # no COMPLETE marker: moved all the same
+    os.makedirs(run_dir / "checkpoints" / "step_00000012.dcp")
+    os.makedirs(run_dir / "samples")
+    for name in ("step_00000012.png", "fd_step_00000010.png", "step_00000020.png"):
+        (run_dir / "samples" / name).write_bytes(name.encode())
+    rows = [json.dumps({"step": s, "train/loss": 1.0}) + "\n" for s in range(1, 16)]
+    (run_dir / "metrics.jsonl").write_text("".join(rows) + '{"step": 16, "train/lo')
+    (run_dir / "summary.json").write_text('{"steps": 2')
+    told = set_aside_after(str(run_dir), 12, "somewhere/step_00000012.dcp")
+    [aside] = [run_dir / "abandoned" / d for d in os.listdir(run_dir / "abandoned")]
+    assert (run_dir / "metrics.jsonl").read_text() == "".join(rows[:12]) + '{"step": 16, "train/lo'
+    assert (aside / "metrics.jsonl").read_text() == "".join(rows[12:])
+    assert (aside / "summary.json").read_text() == '{"steps": 2' and not (run_dir / "summary.json").exists()
+    assert os.listdir(aside / "checkpoints") == ["step_00000020.dcp"]
+    assert os.listdir(run_dir / "checkpoints") == ["step_00000012.dcp"]
+    assert os.listdir(aside / "samples") == ["step_00000020.png"]
+    assert sorted(os.listdir(run_dir / "samples")) == ["fd_step_00000010.png", "step_00000012.png"]
+    assert "metrics.jsonl rows of steps 13-15 (3 rows)" in told and "summary.json (unreadable)" in told
+    assert set_aside_after(str(run_dir), 12, "somewhere/step_00000012.dcp") is None  # nothing left after 12
+
+
 # ---- one writer -------------------------------------------------------------------------------------------------
 def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
     os.makedirs(tmp_path / "run")
