@@ -36,6 +36,7 @@ from .preemption import Preemption
 from .resume_policy import resume_candidates
 from .run_folder import prepare_run_folder
 from .step_window import StepWindow
+from .timeline import set_aside_after
 from .timing import PhaseTimer, set_active_timer
 from .train_state import TrainState
 
@@ -107,6 +108,11 @@ class Trainer:
                 if self.tc.resume != "auto" or path == candidates[-1]:
                     raise
                 log.warning("checkpoint %s is unreadable (%s); trying the previous one", path, e)
+        if path != candidates[0] and self.dist.is_main:  # the damaged newer ones end an abandoned timeline now
+            with self.logger.paused():  # metrics.jsonl is rewritten without that timeline's rows
+                moved = set_aside_after(self.cfg.run_dir, self.state.step, path)
+            if moved:
+                log.warning(moved)
         self.timer.take()  # drop anything timed while loading
         log.info("resumed from %s at step %d", path, self.state.step)
 

@@ -176,6 +176,28 @@ def test_a_resume_from_an_earlier_checkpoint_owns_the_run_and_sets_the_abandoned
     assert os.listdir(run_dir / "abandoned") == [aside.name]  # nothing after 12 to set aside this time
 
 
+def test_a_resume_that_falls_back_past_a_damaged_checkpoint_sets_that_timeline_aside(tmp_path, caplog):
+    """resume=auto skips a checkpoint whose tensors cannot be read and continues from the one before: a branch too.
+    The damaged checkpoint is kept (moved aside, not overwritten by the branch's save of the same step) and
+    metrics.jsonl reads each step once."""
+    run_dir = tmp_path / "run"
+    run(tiny(run_dir))
+    newest = ckpt.checkpoint_path(str(run_dir), 4)
+    for name in os.listdir(newest):
+        if name.endswith(".distcp"):
+            open(os.path.join(newest, name), "wb").close()  # truncated: its tensors are gone
+    with caplog.at_level("WARNING", logger="dit_train"):
+        out = run(tiny(run_dir, "train.resume=auto", "train.steps=6"))
+    assert out["steps"] == 6 and any("is unreadable" in r.getMessage() for r in caplog.records)
+    [aside] = [run_dir / "abandoned" / d for d in os.listdir(run_dir / "abandoned")]
+    assert aside.name.endswith("-after-step-2") and os.listdir(aside / "checkpoints") == ["step_00000004.dcp"]
+    assert any(os.path.getsize(aside / "checkpoints" / "step_00000004.dcp" / f) == 0
+               for f in os.listdir(aside / "checkpoints" / "step_00000004.dcp"))  # the damaged one itself
+    assert json.load(open(aside / "summary.json"))["steps"] == 4
+    assert train_row_steps(run_dir) == list(range(1, 7))
+    assert [json.loads(r)["step"] for r in (aside / "metrics.jsonl").read_text().splitlines()][0] == 3
+
+
 def test_setting_aside_keeps_torn_rows_and_moves_what_it_cannot_read(tmp_path):
     """What a crash can leave: rows logged past the last checkpoint, a torn last row, a save without its marker, an
     unreadable summary. Everything after the step is moved (none of it deleted), the rest stays where it was."""
