@@ -86,12 +86,12 @@ def set_aside_after(run_dir: str, step: int, resumed_from: str) -> str | None:
     if not (checkpoints or samples or row_steps or summary):
         return None
     folder = _new_folder(run_dir, step)
-    atomic_write_bytes(f"What this run folder held after step {step} when, at {time.strftime('%Y-%m-%d %H:%M:%S')}, "
-                       f"the run resumed from {resumed_from} and so abandoned it: the later checkpoints, the "
-                       f"metrics.jsonl rows of the later steps, sample grids and summary.json. dit_train reads nothing here; "
-                       f"to continue that timeline, resume one of its checkpoints in a run folder of its own "
-                       f"(train.resume=<a checkpoint in here> run_dir=<a new folder>).\n".encode(),
-                       os.path.join(folder, NOTE))
+    note = (f"What this run folder held after step {step} when, at {time.strftime('%Y-%m-%d %H:%M:%S')}, the run "
+            f"resumed from {resumed_from} and so abandoned it: the later checkpoints, the metrics.jsonl rows of the "
+            f"later steps, sample grids and summary.json. dit_train reads nothing here; to continue that timeline, "
+            f"resume one of its checkpoints in a run folder of its own (train.resume=<a checkpoint in here> "
+            f"run_dir=<a new folder>).\n")
+    atomic_write_bytes(note.encode(), os.path.join(folder, NOTE))
     moved = []
     if row_steps:  # the rows first in their own file, then the run's file without them
         atomic_write_bytes(later_rows, os.path.join(folder, "metrics.jsonl"))
@@ -108,4 +108,5 @@ def set_aside_after(run_dir: str, step: int, resumed_from: str) -> str | None:
             fsync_dir(os.path.join(run_dir, sub))
             moved.append(f"{sub} {_listed(names)}")
     fsync_dir(run_dir)
-    return f"resuming from step {step} abandons what {run_dir} held after it; moved aside to {folder}: " + "; ".join(moved)
+    return (f"resuming from step {step} abandons what {run_dir} held after it; moved aside to {folder}: "
+            + "; ".join(moved))

@@ -184,7 +184,8 @@ def test_the_data_fingerprint_follows_the_data_not_its_folder(tmp_path, kind):
     else:
         for split, n in (("train", 5), ("val", 2)):
             os.makedirs(data / split)
-            save_file({"latents": torch.randn(n, 4, 8, 8), "labels": torch.arange(n)}, str(data / split / "a.safetensors"))
+            save_file({"latents": torch.randn(n, 4, 8, 8), "labels": torch.arange(n)},
+                      str(data / split / "a.safetensors"))
     first = data_fingerprint(cfg(data))
     assert first["train"] == (6 if kind == "image_folder" else 5) and len(first["sha256"]) == 16
     shutil.move(str(data), str(tmp_path / "moved"))
