@@ -9,6 +9,7 @@ import sys
 import hydra
 
 from .config import CONF_DIR, ConfigError, check_command_line, remove_stray_hydra_dir
+from .hydra_files import defer_hydra_files
 from .preemption import Preempted, Preemption
 
 
@@ -78,6 +79,10 @@ def cli() -> None:
             print(f"error: {describe_os_error(e)}", file=sys.stderr)
             sys.exit(1)
         sys.argv.append(f"hydra.run.dir={run_dir}")
+        if not any(a.startswith("hydra.output_subdir=") for a in sys.argv[1:]):
+            # ... but `.hydra/` only once the run is accepted: a refused resume or second writer would overwrite the
+            # run's record of its command (run_folder.py writes them after its checks)
+            sys.argv.append(defer_hydra_files())
     main()
 
 

@@ -4,6 +4,7 @@ see wandb_run.py). Only rank 0 logs."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -42,6 +43,17 @@ class MetricLogger:
         self.file.write(json.dumps({"step": step, **clean}) + "\n")
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in metrics.items()}, step=step)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """metrics.jsonl closed for the body (which may replace the file), then opened again for appending."""
+        if self.enabled:
+            self.file.close()
+        try:
+            yield
+        finally:
+            if self.enabled:
+                self.file = open(self.path, "a", buffering=1)
 
     def log_image(self, step: int, key: str, path: str) -> None:
         if self.enabled and self.wandb is not None:

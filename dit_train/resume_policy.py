@@ -8,6 +8,10 @@ how checkpoints are written, parallel layout, the Slurm job shape, and how shard
 matrices, which does not change the maths). Anything else is refused in one line naming each key with both values;
 a deliberate change is
 a fork (`train.init_from=RUN`: the weights, a fresh optimizer and step 0, in a new run folder).
+The parallel keys that change the numbers (the dtypes of FSDP's gathered weights and gradient reductions) may not
+change, like train.precision. `data.root` is a path, but what matters is the data behind it: checkpoints record a
+fingerprint of the data (data/__init__.py), and a resume whose data has another fingerprint is refused, wherever
+the folder now lives; a checkpoint without one (written by an earlier version) keeps its data.root.
 """
 
 from __future__ import annotations
@@ -21,13 +25,15 @@ from omegaconf import OmegaConf
 
 from . import checkpoint as ckpt
 from .config import ConfigError
+from .data import data_fingerprint, describe_fingerprint
 
 log = logging.getLogger("dit_train")
 
 MAY_CHANGE_ON_RESUME = (
-    "run_dir", "study", "study.*", "logger.*", "parallel.*", "model.launch.*", "optimizer.distributed_mode",
-    "optimizer.bucket_mb", "optimizer.compile_rownorm", "optimizer.overlap_exchange",
-    "data.root", "vae.path", "vae.decode_batch_size", "eval.every_n_steps", "eval.cache_dir",
+    "run_dir", "study", "study.*", "logger.*", "parallel.fsdp", "parallel.reshard_after_forward", "parallel.replicate",
+    "parallel.activation_checkpointing", "parallel.timeout_minutes", "parallel.compile", "model.launch.*",
+    "optimizer.distributed_mode", "optimizer.bucket_mb", "optimizer.compile_rownorm", "optimizer.overlap_exchange",
+    "vae.path", "vae.decode_batch_size", "eval.every_n_steps", "eval.cache_dir",
     "eval.encoder_path", "train.steps", "train.micro_batch_size", "train.resume", "train.init_from", "train.dry_run", "train.progress",
     "train.timing", "train.log_every", "train.val_every", "train.sample_every", "train.sample_steps",
     "train.samples_per_class", "train.cfg_scale", "train.ckpt_every", "train.keep_last", "train.async_checkpoint",
@@ -98,17 +104,37 @@ def check_resume(cfg) -> str | None:
         if not ckpt.is_complete(path):
             return path  # a read-only file of an earlier version: loading it says why it cannot resume
         try:
-            saved = ckpt.saved_config(path)
+            state = ckpt.read_train_state(path)
+            saved = ckpt.saved_config(path, state)
         except (OSError, ValueError, KeyError) as e:
             if cfg.train.resume != "auto":
                 raise
             log.warning("checkpoint %s has no readable train state (%s); trying the previous one", path, e)
             continue
+        recorded = state.get("data_fingerprint")
         changes = config_changes(saved, OmegaConf.to_container(cfg, resolve=True))
+        if recorded is not None:  # the data is checked by its fingerprint below, wherever it lives now
+            changes = [c for c in changes if c[0] != "data.root"]
         if changes:
             listed = describe_changes(changes)
             raise ConfigError(f"train.resume={cfg.train.resume}: {path} was trained with another config ({listed}); "
                               f"these keys cannot change on resume: start a fresh run in a new run_dir, or fork "
                               f"this one with train.init_from={cfg.run_dir} (its weights, a fresh optimizer, step 0)")
+        if recorded is not None:
+            check_same_data(cfg, path, recorded, saved.get("data", {}).get("root"))
         return path
     return None
+
+
+def check_same_data(cfg, path: str, recorded: dict, saved_root) -> None:
+    """Refuse, in one line, a resume whose data differs from the data the checkpoint was trained on."""
+    now = data_fingerprint(cfg.data)
+    root = cfg.data.get("root")
+    if now != recorded:
+        moved = f" (it was trained from data.root={saved_root})" if saved_root != root else ""
+        raise ConfigError(f"train.resume={cfg.train.resume}: data.root={root} holds other data than {path} was "
+                          f"trained on{moved}: {describe_fingerprint(now)}, but the checkpoint recorded "
+                          f"{describe_fingerprint(recorded)}; resume with that data, or fork with "
+                          f"train.init_from={cfg.run_dir} in a new run_dir to train on this data")
+    if saved_root != root:
+        log.info("data.root moved from %s to %s: the same data (%s)", saved_root, root, describe_fingerprint(now))

@@ -1,33 +1,44 @@
 """The run folder before training writes to it: the resume decision and its config check, then (rank 0) the
-folder, its one-writer lock, the removal of dead writers' temp files, and the provenance files."""
+folder, its one-writer lock, the removal of dead writers' temp files, setting aside what an abandoned timeline left
+after the step the run resumes from (timeline.py), and the provenance files (run_info.json,
+config.yaml, and Hydra's deferred `.hydra/` record of the command)."""
 
 from __future__ import annotations
 
 import logging
 import os
 
+from . import checkpoint as ckpt
 from .atomic_io import remove_stale_temp_files
 from .config import ConfigError
+from .hydra_files import write_hydra_files
 from .parallel import DistInfo, broadcast_object
 from .resume_policy import check_resume
 from .run_info import write_run_info
 from .run_lock import RunLock
+from .timeline import set_aside_after
 
 log = logging.getLogger("dit_train")
 
 
 def prepare_run_folder(cfg, dist: DistInfo) -> RunLock | None:
     """Before anything is written: the resume decision and its config check, then (rank 0) the folder, its
-    lock, the removal of dead writers' temp files, and the provenance files. Any refusal reaches every rank."""
+    lock, the removal of dead writers' temp files, what was after the resumed step set aside, and the provenance
+    files. Any refusal reaches every rank."""
     lock, error = None, None
     if dist.is_main:
         try:
-            check_resume(cfg)
+            resumed_from = check_resume(cfg)
             os.makedirs(cfg.run_dir, exist_ok=True)
             lock = RunLock(cfg.run_dir).acquire()
             for stale in remove_stale_temp_files(cfg.run_dir):
                 log.warning("removed %s, left by a writer that died mid-write", stale)
+            if resumed_from is not None and ckpt.is_complete(resumed_from):
+                moved = set_aside_after(cfg.run_dir, ckpt.read_train_state(resumed_from)["step"], resumed_from)
+                if moved:
+                    log.warning(moved)
             write_run_info(cfg, cfg.run_dir)
+            write_hydra_files(cfg, cfg.run_dir)
         except Exception as e:  # noqa: BLE001 - handed to every rank, raised as it is on rank 0
             if lock is not None:
                 lock.release()

@@ -21,7 +21,7 @@ from .cadence import every_n_steps
 from .checkpoint_saver import CheckpointSaver, resolve_async
 from .comm_volume import describe_run, ranks_per_node
 from .config import validate
-from .data import build_dataset, check_classes_fit, loader_workers
+from .data import build_dataset, check_classes_fit, fingerprint, loader_workers
 from .data.order import train_batches
 from .deferred_steps import DeferredSteps, PendingStep, StepNumbers
 from .dry_run import dry_run
@@ -37,6 +37,7 @@ from .preemption import Preemption
 from .resume_policy import resume_candidates
 from .run_folder import prepare_run_folder
 from .step_window import StepWindow
+from .timeline import set_aside_after
 from .timing import PhaseTimer, set_active_timer
 from .train_state import TrainState
 
@@ -76,8 +77,8 @@ class Trainer:
         weights_from_checkpoint = bool(self.candidates or self.tc.init_from)
         self.model, self.ema, self.optimizer, self.scheduler, generator = \
             build_training(cfg, self.plan, dist.device, initialise=not weights_from_checkpoint)
-        self.state = TrainState(self.scheduler, generator, self.ema,
-                                config=OmegaConf.to_container(cfg, resolve=True))
+        self.state = TrainState(self.scheduler, generator, self.ema, config=OmegaConf.to_container(cfg, resolve=True),
+                                data_fingerprint=fingerprint(self.train_set, self.val_set) if dist.is_main else None)
         self.timer = PhaseTimer(enabled=self.tc.timing, device=dist.device)
         set_active_timer(self.timer)
         self.logger = MetricLogger(cfg.run_dir, cfg.logger, enabled=dist.is_main, resolved_config=self.state.config)
@@ -122,6 +123,11 @@ class Trainer:
                 if self.tc.resume != "auto" or path == candidates[-1]:
                     raise
                 log.warning("checkpoint %s is unreadable (%s); trying the previous one", path, e)
+        if path != candidates[0] and self.dist.is_main:  # the damaged newer ones end an abandoned timeline now
+            with self.logger.paused():  # metrics.jsonl is rewritten without that timeline's rows
+                moved = set_aside_after(self.cfg.run_dir, self.state.step, path)
+            if moved:
+                log.warning(moved)
         self.timer.take()  # drop anything timed while loading
         log.info("resumed from %s at step %d", path, self.state.step)
 

@@ -31,13 +31,15 @@ class TrainState:
     skipped_steps: int = 0
     best_fd: dict | None = None  # {"fd", "step", "active_time_s"} of the lowest FD so far
     config: dict = field(default_factory=dict)  # the resolved run config, for export/sampling/FD jobs
+    data_fingerprint: dict | None = None  # data/__init__.py: what data the run trains on, checked on resume
 
     def state_dict(self) -> dict:
         return {"step": self.step, "active_time_s": self.active_time_s, "skipped_steps": self.skipped_steps,
                 "best_fd": self.best_fd, "scheduler": self.scheduler.state_dict(),
                 "generator": base64.b64encode(self.generator.get_state().numpy().tobytes()).decode(),
                 "generator_device": self.generator.device.type,
-                "ema_num_updates": self.ema.num_updates, "config": self.config}
+                "ema_num_updates": self.ema.num_updates, "config": self.config,
+                "data_fingerprint": self.data_fingerprint}
 
     def load_state_dict(self, state: dict) -> None:
         """A checkpoint's train state (from elsewhere, maybe crafted): the scheduler takes only the keys of its own

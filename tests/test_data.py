@@ -303,3 +303,32 @@ def test_num_workers_takes_auto_or_a_count(value):
     with pytest.raises(ConfigError, match=rf"train.num_workers=.* is not valid: choose auto .* or an integer >= 0"):
         validate(compose(["run_dir=/tmp/unused", f"train.num_workers={value}"]))
     validate(compose(["run_dir=/tmp/unused", "train.num_workers=auto"]))
+
+
+@pytest.mark.parametrize("kind", ["image_folder", "latents"])
+def test_the_data_fingerprint_follows_the_data_not_its_folder(tmp_path, kind):
+    """What a resume checks data.root against (resume_policy.py): a moved folder keeps its fingerprint; one more
+    item, a renamed class or shard, or another split changes it."""
+    from dit_train.data import data_fingerprint
+
+    def cfg(folder):
+        extra = {"image_size": 16} if kind == "image_folder" else {"image_size": 8, "channels": 4}
+        return OmegaConf.create({"name": kind, "root": str(folder), **extra})
+
+    data = tmp_path / "data"
+    if kind == "image_folder":
+        make_folder(data)
+    else:
+        for split, n in (("train", 5), ("val", 2)):
+            os.makedirs(data / split)
+            save_file({"latents": torch.randn(n, 4, 8, 8), "labels": torch.arange(n)},
+                      str(data / split / "a.safetensors"))
+    first = data_fingerprint(cfg(data))
+    assert first["train"] == (6 if kind == "image_folder" else 5) and len(first["sha256"]) == 16
+    shutil.move(str(data), str(tmp_path / "moved"))
+    assert data_fingerprint(cfg(tmp_path / "moved")) == first
+    if kind == "image_folder":
+        os.rename(tmp_path / "moved" / "dog", tmp_path / "moved" / "wolf")  # same images, other labels' names
+    else:
+        os.rename(tmp_path / "moved" / "val" / "a.safetensors", tmp_path / "moved" / "val" / "b.safetensors")
+    assert data_fingerprint(cfg(tmp_path / "moved"))["sha256"] != first["sha256"]

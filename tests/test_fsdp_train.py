@@ -60,7 +60,9 @@ def runs(tmp_path_factory):
     from dit_train.train import run
 
     single = root / "single"
-    run(compose(TINY + [f"run_dir={single}"]))
+    # bf16 compute weights recorded (a single process gathers no weights: it computes in fp32 all the same), so that
+    # its checkpoint may resume sharded with them below: a resume may not change parallel.mixed_precision
+    run(compose(TINY + [f"run_dir={single}", "parallel.mixed_precision=bf16"]))
 
     # torchrun, Hydra's own run folder: each rank resolves hydra.run.dir differently (as ${now:...} can), and
     # every rank must still land in rank 0's folder

@@ -12,11 +12,12 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, compose, needs_fashion, stop_signal_during_step
+from conftest import FASHION_ROOT, ROOT, compose, needs_fashion, stop_signal_during_step
 from dit_train import checkpoint as ckpt
 from dit_train.config import ConfigError
 from dit_train.parallel import DistInfo
 from dit_train.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, Preempted
+from dit_train.run_folder import prepare_run_folder
 from dit_train.run_lock import RunFolderBusy, RunLock
 from dit_train.train import Trainer, TrainingStopped, run
 
@@ -45,6 +46,9 @@ def read(path):
     (["optimizer=rownorm"], 'optimizer.name: "periodic_rowwise" -> "rownorm"'),
     (["train.batch_size=8"], "train.batch_size: 4 -> 8"),
     (["model.hidden_size=64"], "model.hidden_size: 32 -> 64"),
+    # FSDP's compute and reduction dtypes change the losses as train.precision does
+    (["parallel.mixed_precision=bf16"], 'parallel.mixed_precision: "auto" -> "bf16"'),
+    (["parallel.reduce_dtype=bf16"], 'parallel.reduce_dtype: "fp32" -> "bf16"'),
 ])
 def test_resume_with_a_changed_experiment_is_refused_before_anything_is_written(tmp_path, change, named):
     run(tiny(tmp_path / "run"))
@@ -66,6 +70,47 @@ def test_a_swapped_optimizer_is_named_first_and_stands_for_the_keys_that_follow_
                         r'train\.batch_size: 4 -> 8', changes), changes
 
 
+def fashion_copy(folder, train=None, val=None):
+    """The Fashion-MNIST idx files in `folder`: all of them, or the first `train` / `val` images of each split."""
+    import gzip
+    import struct
+
+    from dit_train.data.fashion_mnist import FILES, read_idx
+
+    os.makedirs(folder)
+    for split, n in (("train", train), ("val", val)):
+        for stem in FILES[split]:
+            data = read_idx(os.path.join(FASHION_ROOT, stem + ".gz"))[:n]
+            header = bytes([0, 0, 8, data.ndim]) + struct.pack(">" + "I" * data.ndim, *data.shape)
+            with gzip.open(os.path.join(folder, stem + ".gz"), "wb") as f:
+                f.write(header + data.tobytes())
+
+
+def test_resume_follows_the_data_not_its_path(tmp_path, caplog):
+    """data.root may move (the same data resumes) but not change: another data set behind the same or another path
+    is refused in one line naming both fingerprints, before anything is written."""
+    fashion_copy(tmp_path / "data")
+    run(tiny(tmp_path / "run", f"data.root={tmp_path / 'data'}"))
+    os.rename(tmp_path / "data", tmp_path / "moved")
+    with caplog.at_level("INFO", logger="dit_train"):
+        out = run(tiny(tmp_path / "run", f"data.root={tmp_path / 'moved'}", "train.resume=auto", "train.steps=6"))
+    assert out["steps"] == 6 and any("the same data" in r.getMessage() for r in caplog.records)
+
+    fashion_copy(tmp_path / "small", train=1000, val=100)
+    before = {f: read(tmp_path / "run" / f) for f in ("config.yaml", "run_info.json", "summary.json", "metrics.jsonl")}
+    for root in ("small", "moved"):  # another folder; the run's own folder with its content replaced
+        if root == "moved":
+            os.rename(tmp_path / "moved", tmp_path / "full")
+            os.rename(tmp_path / "small", tmp_path / "moved")
+        with pytest.raises(ConfigError, match=r"^train.resume=auto: data.root=\S+ holds other data than \S+ was "
+                                              r"trained on") as e:
+            run(tiny(tmp_path / "run", f"data.root={tmp_path / root}", "train.resume=auto", "train.steps=8"))
+        message = str(e.value)
+        assert "1000 train + 100 val items" in message and "60000 train + 10000 val items" in message, message
+        assert ("it was trained from data.root=" in message) == (root == "small") and "\n" not in message
+        assert {f: read(tmp_path / "run" / f) for f in before} == before
+
+
 def test_resume_may_change_length_cadence_and_paths(tmp_path):
     run(tiny(tmp_path / "run"))
     out = run(tiny(tmp_path / "run", "train.resume=auto", "train.steps=6", "train.log_every=2",
@@ -82,6 +127,104 @@ def test_fork_starts_from_the_weights_with_a_fresh_optimizer(tmp_path):
     assert all(torch.equal(v, source[k]) for k, v in fork.model.state_dict().items())
 
 
+# ---- one timeline -----------------------------------------------------------------------------------------------
+def train_row_steps(run_dir):
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if "train/loss" in json.loads(line)]
+
+
+def test_a_resume_from_an_earlier_checkpoint_owns_the_run_and_sets_the_abandoned_steps_aside(tmp_path, caplog):
+    """30 steps (keep_last=3), an explicit resume from step 10, preempted at 12: the abandoned steps 11-30
+    (checkpoints, metrics rows, summary) are moved aside, not deleted; step_10 is not pruned; resume=auto then
+    continues the branch from 12 to 30 and writes its summary, and metrics.jsonl reads 1..30 once."""
+    run_dir = tmp_path / "run"
+    long = ["train.steps=30", "train.ckpt_every=10", "train.keep_last=3"]
+    run(tiny(run_dir, *long))
+    rows = (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
+    summary = read(run_dir / "summary.json")
+    step_10 = ckpt.checkpoint_path(str(run_dir), 10)
+
+    cfg = tiny(run_dir, *long, f"train.resume={step_10}")
+    with caplog.at_level("WARNING", logger="dit_train"):
+        lock = prepare_run_folder(cfg, DistInfo())
+    try:
+        trainer = Trainer(cfg, DistInfo())
+        stop_signal_during_step(trainer, 12)
+        with pytest.raises(Preempted, match="step 12"):
+            trainer.fit()
+    finally:
+        lock.release()
+    assert [os.path.basename(p) for p in ckpt.list_checkpoints(str(run_dir))] == \
+        ["step_00000010.dcp", "step_00000012.dcp"]
+    [aside] = [run_dir / "abandoned" / d for d in os.listdir(run_dir / "abandoned")]
+    assert aside.name.endswith("-after-step-10") and (aside / "ABANDONED.txt").exists()
+    assert sorted(os.listdir(aside / "checkpoints")) == ["step_00000020.dcp", "step_00000030.dcp"]
+    assert ckpt.read_train_state(str(aside / "checkpoints" / "step_00000030.dcp"))["step"] == 30
+    assert read(aside / "summary.json") == summary
+    assert (aside / "metrics.jsonl").read_text().splitlines(keepends=True) == \
+        [r for r in rows if json.loads(r)["step"] > 10]
+    assert train_row_steps(run_dir) == list(range(1, 13))
+    told = [r.getMessage() for r in caplog.records if "moved aside" in r.getMessage()]
+    assert len(told) == 1 and str(aside) in told[0] and "step_00000020.dcp, step_00000030.dcp" in told[0]
+    assert "metrics.jsonl rows of steps 11-30" in told[0] and "summary.json (steps 30)" in told[0]
+
+    out = run(tiny(run_dir, *long, "train.resume=auto"))  # the branch, not the abandoned step 30
+    assert out["steps"] == 30 and json.load(open(run_dir / "summary.json"))["steps"] == 30
+    assert train_row_steps(run_dir) == list(range(1, 31))
+    assert [os.path.basename(p) for p in ckpt.list_checkpoints(str(run_dir))] == \
+        ["step_00000012.dcp", "step_00000020.dcp", "step_00000030.dcp"]
+    assert os.listdir(run_dir / "abandoned") == [aside.name]  # nothing after 12 to set aside this time
+
+
+def test_a_resume_that_falls_back_past_a_damaged_checkpoint_sets_that_timeline_aside(tmp_path, caplog):
+    """resume=auto skips a checkpoint whose tensors cannot be read and continues from the one before: a branch too.
+    The damaged checkpoint is kept (moved aside, not overwritten by the branch's save of the same step) and
+    metrics.jsonl reads each step once."""
+    run_dir = tmp_path / "run"
+    run(tiny(run_dir))
+    newest = ckpt.checkpoint_path(str(run_dir), 4)
+    for name in os.listdir(newest):
+        if name.endswith(".distcp"):
+            open(os.path.join(newest, name), "wb").close()  # truncated: its tensors are gone
+    with caplog.at_level("WARNING", logger="dit_train"):
+        out = run(tiny(run_dir, "train.resume=auto", "train.steps=6"))
+    assert out["steps"] == 6 and any("is unreadable" in r.getMessage() for r in caplog.records)
+    [aside] = [run_dir / "abandoned" / d for d in os.listdir(run_dir / "abandoned")]
+    assert aside.name.endswith("-after-step-2") and os.listdir(aside / "checkpoints") == ["step_00000004.dcp"]
+    assert any(os.path.getsize(aside / "checkpoints" / "step_00000004.dcp" / f) == 0
+               for f in os.listdir(aside / "checkpoints" / "step_00000004.dcp"))  # the damaged one itself
+    assert json.load(open(aside / "summary.json"))["steps"] == 4
+    assert train_row_steps(run_dir) == list(range(1, 7))
+    assert [json.loads(r)["step"] for r in (aside / "metrics.jsonl").read_text().splitlines()][0] == 3
+
+
+def test_setting_aside_keeps_torn_rows_and_moves_what_it_cannot_read(tmp_path):
+    """What a crash can leave: rows logged past the last checkpoint, a torn last row, a save without its marker, an
+    unreadable summary. Everything after the step is moved (none of it deleted), the rest stays where it was."""
+    from dit_train.timeline import set_aside_after
+
+    run_dir = tmp_path / "run"
+    os.makedirs(run_dir / "checkpoints" / "step_00000020.dcp")  # no COMPLETE marker: moved all the same
+    os.makedirs(run_dir / "checkpoints" / "step_00000012.dcp")
+    os.makedirs(run_dir / "samples")
+    for name in ("step_00000012.png", "fd_step_00000010.png", "step_00000020.png"):
+        (run_dir / "samples" / name).write_bytes(name.encode())
+    rows = [json.dumps({"step": s, "train/loss": 1.0}) + "\n" for s in range(1, 16)]
+    (run_dir / "metrics.jsonl").write_text("".join(rows) + '{"step": 16, "train/lo')
+    (run_dir / "summary.json").write_text('{"steps": 2')
+    told = set_aside_after(str(run_dir), 12, "somewhere/step_00000012.dcp")
+    [aside] = [run_dir / "abandoned" / d for d in os.listdir(run_dir / "abandoned")]
+    assert (run_dir / "metrics.jsonl").read_text() == "".join(rows[:12]) + '{"step": 16, "train/lo'
+    assert (aside / "metrics.jsonl").read_text() == "".join(rows[12:])
+    assert (aside / "summary.json").read_text() == '{"steps": 2' and not (run_dir / "summary.json").exists()
+    assert os.listdir(aside / "checkpoints") == ["step_00000020.dcp"]
+    assert os.listdir(run_dir / "checkpoints") == ["step_00000012.dcp"]
+    assert os.listdir(aside / "samples") == ["step_00000020.png"]
+    assert sorted(os.listdir(run_dir / "samples")) == ["fd_step_00000010.png", "step_00000012.png"]
+    assert "metrics.jsonl rows of steps 13-15 (3 rows)" in told and "summary.json (unreadable)" in told
+    assert set_aside_after(str(run_dir), 12, "somewhere/step_00000012.dcp") is None  # nothing left after 12
+
+
 # ---- one writer -------------------------------------------------------------------------------------------------
 def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
     os.makedirs(tmp_path / "run")
@@ -93,6 +236,34 @@ def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
     finally:
         holder.release()
     run(tiny(tmp_path / "run"))  # released: the folder is usable again
+
+
+def test_a_refused_command_leaves_the_run_folders_hydra_record_untouched(tmp_path):
+    """`.hydra/` of an explicit run folder records the command that made (or last resumed) the run: a resume refused
+    by the config check, or a writer refused by the lock, must not overwrite it with the refused command."""
+    run_dir = tmp_path / "run"
+    first = cli(tmp_path, f"run_dir={run_dir}")
+    assert first.returncode == 0, first.stderr[-2000:]
+    record = {f: read(run_dir / ".hydra" / f) for f in ("config.yaml", "overrides.yaml", "hydra.yaml")}
+    assert b"model.depth=1" in record["overrides.yaml"] and b"train.resume" not in record["overrides.yaml"]
+
+    refused = cli(tmp_path, f"run_dir={run_dir}", "train.resume=auto", "model.depth=2")
+    assert refused.returncode == 2 and refused.stderr.startswith("error: train.resume=auto: "), refused.stderr
+    assert "model.depth: 1 -> 2" in refused.stderr and refused.stderr.strip().count("\n") == 0
+    assert {f: read(run_dir / ".hydra" / f) for f in record} == record
+
+    holder = RunLock(str(run_dir)).acquire()
+    try:
+        busy = cli(tmp_path, f"run_dir={run_dir}", "train.resume=auto", "train.steps=6")
+    finally:
+        holder.release()
+    assert busy.returncode == 2 and "is in use by" in busy.stderr, busy.stderr
+    assert {f: read(run_dir / ".hydra" / f) for f in record} == record
+
+    resumed = cli(tmp_path, f"run_dir={run_dir}", "train.resume=auto", "train.steps=6")  # accepted: recorded
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert b"train.resume=auto" in read(run_dir / ".hydra" / "overrides.yaml")
+    assert b"run:\n    dir: " + str(run_dir).encode() in read(run_dir / ".hydra" / "hydra.yaml")
 
 
 def test_default_run_folders_differ_for_jobs_started_in_the_same_second():

@@ -3,6 +3,8 @@ conditioned latents, a dict with the embedding). Every dataset has a stable `dat
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from omegaconf import OmegaConf
 
@@ -51,3 +53,24 @@ def check_classes_fit(model_cfg, dataset) -> None:
     if model_cfg.num_classes and found and found > model_cfg.num_classes:
         raise ConfigError(f"model.num_classes={model_cfg.num_classes} is not valid: the training data has {found} "
                           f"classes ({dataset.dataset_id}); set model.num_classes={found}")
+
+
+def fingerprint(train_set, val_set) -> dict:
+    """The data a run trains and validates on, as JSON values that stay the same when its folder moves: the item
+    counts and a hash of both splits' content_index(). Recorded in every checkpoint's train state; a resume with
+    other data is refused (resume_policy.py)."""
+    h = hashlib.sha256()
+    for dataset in (train_set, val_set):
+        for chunk in dataset.content_index():
+            h.update(chunk)
+        h.update(b"\0end of split\0")
+    return {"train": len(train_set), "val": len(val_set), "sha256": h.hexdigest()[:16]}
+
+
+def data_fingerprint(data_cfg) -> dict:
+    """fingerprint() of the data `data_cfg` names (builds both splits: indexes, no image is decoded)."""
+    return fingerprint(build_dataset(data_cfg, "train"), build_dataset(data_cfg, "val"))
+
+
+def describe_fingerprint(fp: dict) -> str:
+    return f"{fp['train']} train + {fp['val']} val items, sha256 {fp['sha256']}"

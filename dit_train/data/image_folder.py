@@ -65,10 +65,17 @@ class ImageFolder(Dataset):
         if not self.samples:
             raise ValueError(f"data.root={root!r} contains no images")
         self.num_classes = len(self.classes)
+        self.root = root
         self.dataset_id = f"image_folder:{os.path.abspath(root)}:{len(self.samples)}:{self.size}px"
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    def content_index(self):
+        """What identifies this split's data wherever it lives (data/__init__.py: data_fingerprint): the file list
+        (paths relative to the split's folder) with the labels; no file is opened or stat-ed, so a file rewritten
+        under the same name is not noticed."""
+        return ["".join(f"{os.path.relpath(p, self.root)}\t{label}\n" for p, label in self.samples).encode()]
 
     def __getitem__(self, i):
         for attempt in range(len(self.samples)):

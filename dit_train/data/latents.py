@@ -90,6 +90,13 @@ class LatentShards(Dataset):
     def __len__(self) -> int:
         return self.total
 
+    def content_index(self):
+        """What identifies this split's data wherever it lives (data/__init__.py: data_fingerprint): each shard's
+        name, item count and size in bytes (the shards themselves are not read)."""
+        counts = [b - a for a, b in zip(self.offsets, self.offsets[1:] + [self.total])]
+        return ["".join(f"{os.path.basename(p)}\t{n}\t{os.path.getsize(p)}\n"
+                        for p, n in zip(self.files, counts)).encode()]
+
     def _shard(self, k: int):
         if k not in self._handles:  # opened per process (DataLoader workers included), kept open
             self._handles[k] = safe_open(self.files[k], framework="pt")

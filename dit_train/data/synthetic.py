@@ -19,6 +19,10 @@ class Synthetic(Dataset):
     def __len__(self) -> int:
         return self.size
 
+    def content_index(self):
+        """What identifies this split's data (data/__init__.py: data_fingerprint): it is made from these values."""
+        return [f"{self.seed}:{self.shape}:{self.size}:{self.num_classes}".encode()]
+
     def __getitem__(self, i):
         g = seeds.generator("synthetic", self.seed, i)
         return torch.randn(self.shape, generator=g), int(torch.randint(self.num_classes, (1,), generator=g))
