@@ -7,7 +7,6 @@ from .run_names import run_suffix
 __version__ = "0.1.0"
 
 
-
 def _documented_config(*, _root_) -> str:
     from .config.help_text import documented_config
 
