@@ -6,5 +6,14 @@ from .run_names import run_suffix
 
 __version__ = "0.1.0"
 
-# used by hydra.run.dir / hydra.sweep.dir in conf/config.yaml; registered wherever the package is imported
+
+def _documented_config(*, _root_) -> str:
+    from .config.help_text import documented_config
+
+    return documented_config(_root_)
+
+
+# used by hydra.run.dir / hydra.sweep.dir and hydra.help.template in conf/config.yaml; registered wherever the
+# package is imported
 OmegaConf.register_new_resolver("run_suffix", run_suffix, replace=True)
+OmegaConf.register_new_resolver("documented_config", _documented_config, replace=True)

@@ -41,6 +41,10 @@ def read_summary(path: str) -> dict:
         return {}
 
 
+def _loss(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{x:.4f}"  # no validation (train.val_every=0), no step logged
+
+
 def write_summary(cfg, state, throughput: Throughput, last_val: dict, params: int, dataset_id: str,
                   is_main: bool) -> dict:
     summary = {
@@ -58,7 +62,7 @@ def write_summary(cfg, state, throughput: Throughput, last_val: dict, params: in
     }
     if is_main:
         atomic_write_bytes(json.dumps(summary, indent=2).encode(), os.path.join(cfg.run_dir, "summary.json"))
-        print(f"done: steps={summary['steps']} train_loss={summary['train_loss']:.4f} "
-              f"val_loss={summary['val_loss']:.4f} imgs/s={summary['imgs_per_s']:.1f} "
+        print(f"done: steps={summary['steps']} train_loss={_loss(summary['train_loss'])} "
+              f"val_loss={_loss(summary['val_loss'])} imgs/s={summary['imgs_per_s']:.1f} "
               f"active_time={summary['active_time_s']:.0f}s run_dir={cfg.run_dir}")
     return summary

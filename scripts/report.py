@@ -15,6 +15,8 @@ Writes report.md and PNG plots next to it:
 - Table 3 (model x optimizer): validation loss at equal active training time.
 - Runs: one row per folder (status, final val loss, best FD, git commit) — what every table number traces to.
 - Plots: validation loss vs step and vs active time per size; FD vs active time; stacked per-phase step time.
+A value a table cannot give is `n/a (why)`, never nan; a plot is drawn only where there are points (a run's single
+point as a marker), with the axis values written out (no offset).
 """
 
 from __future__ import annotations
@@ -231,6 +233,11 @@ def fmt(values: list[float], digits: int = 4) -> str:
     return f"{statistics.mean(vals):.{digits}g} ± {statistics.stdev(vals):.2g}"
 
 
+def cell(x: float, template: str, why: str) -> str:
+    """x through template (e.g. "{:.1f} ms"), or "n/a (why)" where there is no value: a report shows no nan."""
+    return f"n/a ({why})" if math.isnan(x) else template.format(x)
+
+
 def ratio(a: float, b: float) -> str:
     if math.isnan(a) or math.isnan(b) or b == 0:
         return "n/a"
@@ -294,8 +301,10 @@ def table2(runs: list[Run]) -> str:
             o, s = mean([r.optimizer_s for r in g]), mean([r.step_s for r in g])
             c, a = mean([r.comm_bytes for r in g]), mean([r.best_fd_active_s for r in g])
             red = "n/a" if math.isnan(a) or math.isnan(ref_act) or not ref_act else f"{(1 - a / ref_act) * 100:+.1f}%"
-            lines.append(f"| {model} | {opt} | {o * 1000:.1f} ms | {ratio(o, ref_opt)} | {s * 1000:.1f} ms | "
-                         f"{ratio(s, ref_step)} | {c:.0f} | {ratio(c, ref_comm)} | {a:.0f} s | {red} |")
+            lines.append(f"| {model} | {opt} | {cell(o * 1000, '{:.1f} ms', 'not timed')} | {ratio(o, ref_opt)} | "
+                         f"{cell(s * 1000, '{:.1f} ms', 'not timed')} | {ratio(s, ref_step)} | "
+                         f"{cell(c, '{:.0f}', 'not timed')} | {ratio(c, ref_comm)} | "
+                         f"{cell(a, '{:.0f} s', 'no FD')} | {red} |")
     return "\n".join(lines)
 
 
@@ -347,11 +356,19 @@ def table3(runs: list[Run]) -> str:
         budget = min(ends)
         at = {o: [value_at(r.val_curve, budget) for r in g] for (m, o), g in by.items() if m == model}
         for opt in optimizer_order(set(at)):
-            ref = mean(at.get(peer(opt, "adamw"), []))
+            adamw = peer(opt, "adamw")
+            ref, own = mean(at.get(adamw, [])), mean(at[opt])
             steps = [value_at([(s, a, float(s)) for s, a, _ in r.val_curve], budget) for r in by[(model, opt)]]
-            gain = ("—" if opt == peer(opt, "adamw") or math.isnan(ref)
-                    else f"{(ref - mean(at[opt])) / ref * 100:+.1f}%")
-            lines.append(f"| {model} | {opt} | {budget:.3g} s | {mean(steps):.0f} | {fmt(at[opt])} | {gain} |")
+            none = "no validation by the budget"  # a run whose first validation point comes later
+            if opt == adamw or adamw not in at:
+                gain = "—"
+            elif math.isnan(own) or math.isnan(ref):
+                gain = f"n/a ({none}{'' if math.isnan(own) else ' for AdamW'})"
+            else:
+                gain = f"{(ref - own) / ref * 100:+.1f}%"
+            val = fmt(at[opt]) if not math.isnan(own) else f"n/a ({none})"
+            lines.append(f"| {model} | {opt} | {budget:.3g} s | {cell(mean(steps), '{:.0f}', none)} | {val} | "
+                         f"{gain} |")
     return "\n".join(lines)
 
 
@@ -415,6 +432,17 @@ def plots(runs: list[Run], out_dir: str) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
+    # no '+4.354e2' above an axis: values close together (one FD point per run) read as written
+    with matplotlib.rc_context({"axes.formatter.useoffset": False}):
+        return _plots(runs, out_dir)
+
+
+def finite_points(pts: list, xi: int) -> list:
+    """The (step, active time, value) points with a finite x (column xi) and value: what a plot can draw."""
+    return [p for p in pts if not (math.isnan(p[xi]) or math.isnan(p[2]))]
+
+
+def _plots(runs: list[Run], out_dir: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     written = []
@@ -441,14 +469,18 @@ def plots(runs: list[Run], out_dir: str) -> list[str]:
             ax.legend(fontsize=7)
 
     def curves(kind, xi, fname, ylabel, xlabel):
-        fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
-        for ax, model in zip(axes[0], models):
+        drawn = {r.name: finite_points(r.val_curve if kind == "val" else r.fd_curve, xi) for r in done}
+        shown = [m for m in models if any(drawn[r.name] for r in done if r.model == m)]
+        if not shown:  # no plot without data
+            return
+        fig, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 4), squeeze=False)
+        for ax, model in zip(axes[0], shown):
             for r in (r for r in done if r.model == model):
-                pts = r.val_curve if kind == "val" else r.fd_curve
+                pts = drawn[r.name]
                 if pts:
                     style = styles.get(r.lr, "-") if " lr=" in r.optimizer else "-"
                     ax.plot([p[xi] for p in pts], [p[2] for p in pts], color=colors[r.base],
-                            linestyle=style, alpha=0.8,
+                            linestyle=style, alpha=0.8, marker="o" if len(pts) == 1 else None,
                             label=f"{r.optimizer}" if r.seed == min(x.seed for x in done if x.model == model
                                                                      and x.optimizer == r.optimizer) else None)
             ax.set_title(model)
@@ -463,11 +495,12 @@ def plots(runs: list[Run], out_dir: str) -> list[str]:
 
     curves("val", 0, "val_loss_vs_step.png", "validation velocity loss", "step")
     curves("val", 1, "val_loss_vs_active_time.png", "validation velocity loss", "active training time (s)")
-    if any(r.fd_curve for r in done):
-        curves("fd", 1, "fd_vs_active_time.png", "FD", "active training time (s)")
+    curves("fd", 1, "fd_vs_active_time.png", "FD", "active training time (s)")
     if scan:
         written.append(lr_plot(runs, models, colors, out_dir, plt))
 
+    if all(math.isnan(r.step_s) for r in runs if r.status == "finished"):
+        return written  # no run timed its phases (train.timing=false): no empty bar chart
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
         opts = optimizer_order({r.optimizer for r in runs if r.model == model and r.status == "finished"})

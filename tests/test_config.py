@@ -38,12 +38,12 @@ def test_default_and_study_configs_validate_with_the_model_matching_the_data():
 
 def test_shared_yamls_are_not_options():
     assert group_options("optimizer") == ["adamw", "mud", "muon", "periodic_rowwise", "rownorm"]
-    assert os.path.exists(os.path.join(CONF_DIR, "optimizer", "_matrix_base.yaml"))
+    assert os.path.exists(os.path.join(CONF_DIR, "_optimizer_matrix_base.yaml"))
 
 
 def test_each_optimizer_yaml_holds_only_its_own_keys():
     """A key of a shared file appears in an optimizer's own yaml only to change its value (mud's gather_dtype),
-    and no key is repeated with one value across all matrix optimizer yamls (it belongs in _matrix_base.yaml)."""
+    and no key is repeated with one value across all matrix optimizer yamls (it belongs in _optimizer_matrix_base.yaml)."""
     own = {name: OmegaConf.to_container(OmegaConf.load(os.path.join(CONF_DIR, "optimizer", f"{name}.yaml")))
            for name in group_options("optimizer")}
     for name, raw in own.items():

@@ -4,6 +4,8 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import compose
+from dit_train.dry_run import dry_run
 from dit_train.model import DiT, DiTConfig
 from dit_train.optim.registry import build_optimizer
 from dit_train.optim.routing import format_routing_table, name_matches, route_parameters
@@ -48,7 +50,7 @@ def test_routing_on_meta_device_and_table():
     assert lines[0].startswith("| group | tensors | params")
     assert lines[2].startswith(f"| matrix | {len(r.matrix)} | {n_matrix:,}")
     assert lines[3].startswith(f"| adamw | {len(r.adamw)} | {n_adamw:,}")
-    assert len(format_routing_table(r, verbose=True).splitlines()) == 4 + len(r.matrix) + len(r.adamw)
+    assert lines[4] == "per tensor: optimizer.routing.table()" and len(lines) == 5  # DiT: nothing routed by shape
     opt = build_optimizer(model, {"name": "muon"})  # the trainer's dry run builds on meta: nothing allocated
     assert table in opt.routing_table
 
@@ -103,12 +105,13 @@ class Plain(nn.Module):
 def test_generic_module_rule_and_overrides():
     m = Plain()
     r = route_parameters(m)
-    assert names(r.matrix) == {"hidden.weight", "head.weight"}
+    assert names(r.matrix) == {"hidden.weight", "head.weight", "table"}  # a free 2-D parameter: by shape
     assert "frozen.weight" not in names(r.adamw) | names(r.matrix)
+    assert {"emb.weight", "stem.weight"} <= names(r.adamw)
     r = route_parameters(m, matrix_patterns=["table"], adamw_patterns=["head"])
     assert names(r.matrix) == {"hidden.weight", "table"}
     assert "head.weight" in names(r.adamw)
-    r = route_parameters(m, adamw_patterns=[])  # an empty list replaces the defaults: nothing forced
+    r = route_parameters(m, adamw_patterns=["table"])
     assert names(r.matrix) == {"hidden.weight", "head.weight"}
     with pytest.raises(ValueError, match="only 2-D"):
         route_parameters(m, matrix_patterns=["stem"])
@@ -134,3 +137,55 @@ def test_name_matching_is_component_wise():
     assert name_matches("blocks.3.attn.qkv.weight", "blocks.*.attn.qkv")
     assert name_matches("_orig_mod.x_embedder.proj.weight", "x_embedder")  # torch.compile prefix
     assert not name_matches("my_x_embedder.proj.weight", "x_embedder")
+
+
+def test_multihead_attention_in_proj_takes_the_matrix_update():
+    """nn.Transformer: every 2-D weight takes the matrix update, as torch.optim.Muon's users route them. The
+    in_proj_weight of nn.MultiheadAttention is a bare parameter, not an nn.Linear: it used to go to AdamW
+    silently (7 of 10 matrices, 52% of the parameters). The table names the ones routed by shape."""
+    m = nn.Transformer(d_model=32, nhead=2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=64,
+                       batch_first=True)
+    r = route_parameters(m)
+    two_d = {n for n, p in m.named_parameters() if p.ndim == 2}
+    assert len(two_d) == 10 and names(r.matrix) == two_d
+    in_proj = ["encoder.layers.0.self_attn.in_proj_weight", "decoder.layers.0.self_attn.in_proj_weight",
+               "decoder.layers.0.multihead_attn.in_proj_weight"]
+    assert all(r.reasons[n] == "2-D, not an nn.Linear weight: by shape" for n in in_proj)
+    summary = format_routing_table(r)
+    assert f"| matrix | 10 | {sum(p.numel() for n, p in m.named_parameters() if n in two_d):,}" in summary
+    assert (f"note: 2-D parameters outside nn.Linear take the matrix update by shape (3): {', '.join(in_proj)}; "
+            "optimizer.adamw_patterns keeps them on AdamW") in summary.splitlines()
+    opt = build_optimizer(m, {"name": "muon"})
+    matrix = {id(p) for g in opt.param_groups if g["kind"] == "matrix" for p in g["params"]}
+    assert id(m.encoder.layers[0].self_attn.in_proj_weight) in matrix and len(matrix) == 10
+
+
+def test_per_tensor_table_from_the_optimizer():
+    """optimizer.routing.table(): one row per trainable parameter, in model order, with shape, group and why;
+    convolution weights are named as not flattened, in the table and the printed summary."""
+    m = Plain()
+    opt = build_optimizer(m, {"name": "rownorm"})
+    rows = opt.routing.table().splitlines()
+    assert rows[:2] == ["| parameter | shape | group | why |", "| --- | --- | --- | --- |"]
+    trainable = [n for n, p in m.named_parameters() if p.requires_grad]
+    assert [row.split(" | ")[0].lstrip("| ") for row in rows[2:]] == trainable
+    assert "| table | (4, 8) | matrix | 2-D, not an nn.Linear weight: by shape |" in rows
+    assert "| hidden.weight | (16, 8) | matrix | 2-D nn.Linear weight |" in rows
+    assert "| emb.weight | (10, 8) | adamw | embedding table |" in rows
+    assert ("| stem.weight | (8, 3, 3, 3) | adamw | 4-D convolution weight: not flattened, the matrix update takes "
+            "2-D weights |") in rows
+    assert ("note: convolution weights take AdamW, not flattened to [out, in*kh*kw] (1): stem.weight"
+            in opt.routing_table.splitlines())
+    baseline = build_optimizer(m, {"name": "adamw"})
+    assert all(row.endswith("| adamw | AdamW for every parameter |") for row in baseline.routing.table().splitlines()[2:])
+
+
+def test_dry_run_prints_the_per_tensor_table(capsys):
+    """`python -m dit_train optimizer=muon train.dry_run=true` shows where each parameter went and why."""
+    dry_run(compose(["model=dit_xs", "optimizer=muon", "train.dry_run=true", "run_dir=/tmp/unused"]))
+    out = capsys.readouterr().out.splitlines()
+    assert "| parameter | shape | group | why |" in out
+    assert any(line.startswith("| blocks.0.attn.qkv.weight | (") and line.endswith("| matrix | 2-D nn.Linear weight |")
+               for line in out)
+    assert any(line.startswith("| final_layer.linear.weight | (") and "| adamw | adamw_patterns 'final_layer.linear' |"
+               in line for line in out)

@@ -76,6 +76,12 @@ def _type_text(tp) -> str:
             str: "expected a string"}.get(tp, f"expected {getattr(tp, '__name__', tp)}")
 
 
+def accepted(f, tp) -> str:
+    """What the schema field `f` of type `tp` accepts, in the words of its error message."""
+    rule = f.metadata.get("rule")
+    return rule.valid if rule else _type_text(tp)
+
+
 def check_fields(prefix: str, schema, values: Mapping, what: str | None = None) -> dict:
     """The values of `values` checked against the dataclass `schema`: no unknown key, no missing key (a field
     without a default is required), each value of its annotated type and inside its Rule. Returns a plain dict
@@ -89,7 +95,7 @@ def check_fields(prefix: str, schema, values: Mapping, what: str | None = None) 
     for f in fields(schema):
         path, tp = f"{prefix}.{f.name}", hints[f.name]
         rule = f.metadata.get("rule")
-        valid = rule.valid if rule else _type_text(tp)
+        valid = accepted(f, tp)
         if f.name not in values:
             if f.default is MISSING:
                 raise ConfigError(f"{path} is missing: {valid}")

@@ -1,5 +1,6 @@
 """The yamls under dit_train/conf: which options a group offers, and one option's values with its in-group
-`defaults:` (e.g. conf/optimizer/muon.yaml on top of _matrix_base.yaml on top of _base.yaml). Library calls with a
+`defaults:` (e.g. conf/optimizer/muon.yaml on top of conf/_optimizer_matrix_base.yaml on top of
+conf/_optimizer_base.yaml). Library calls with a
 partial config take their missing values from here, so the yamls are the one place defaults live."""
 
 from __future__ import annotations
@@ -13,30 +14,43 @@ CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 
 def group_options(group: str) -> list[str]:
-    """The options of a config group; files starting with '_' hold shared keys and are not options."""
+    """The options of a config group: every yaml in its folder (shared keys live outside the group folders, so
+    that neither `--help` nor tab completion offers them)."""
     folder = os.path.join(CONF_DIR, group)
-    return sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".yaml") and not f.startswith("_"))
+    return sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".yaml"))
 
 
 def is_group(name: str) -> bool:
     return os.path.isdir(os.path.join(CONF_DIR, name))
 
 
-@lru_cache(maxsize=None)
-def _load_option(group: str, option: str) -> DictConfig:
-    raw = OmegaConf.load(os.path.join(CONF_DIR, group, f"{option}.yaml"))
-    merged = OmegaConf.create()
-    parents = list(raw.pop("defaults", None) or [])
+def option_files(group: str, option: str) -> list[str]:
+    """The yaml files of conf/<group>/<option>.yaml in the order Hydra merges them: its `defaults:` entries (names
+    within the group, or `/<shared file>@_here_` at the conf root, in this group's package) where they stand, the
+    file itself at `_self_`. Entries that choose other groups (an experiment's `override /eval: ...`) are skipped."""
+    # `/_optimizer_base@_here_`: a shared file at the conf root, merged into this group's package
+    path = option[1:].removesuffix("@_here_") if option.startswith("/") else os.path.join(group, option)
+    path = os.path.join(CONF_DIR, f"{path}.yaml")
+    parents = list(OmegaConf.load(path).get("defaults") or [])
     if "_self_" not in parents:
         parents.append("_self_")
-    for parent in parents:
-        merged = OmegaConf.merge(merged, raw if parent == "_self_" else _load_option(group, str(parent)))
+    return [f for parent in parents if isinstance(parent, str)
+            for f in ([path] if parent == "_self_" else option_files(group, parent))]
+
+
+@lru_cache(maxsize=None)
+def _load_option(group: str, option: str) -> DictConfig:
+    merged = OmegaConf.create()
+    for path in option_files(group, option):
+        raw = OmegaConf.load(path)
+        raw.pop("defaults", None)
+        merged = OmegaConf.merge(merged, raw)
     return merged
 
 
 def load_option(group: str, option: str) -> DictConfig:
-    """conf/<group>/<option>.yaml with its `defaults:` (names within the group) merged in, as Hydra composes it.
-    A fresh copy each call."""
+    """conf/<group>/<option>.yaml with its `defaults:` (names within the group, or `/<shared file>@_here_`) merged
+    in, as Hydra composes it; `option` may itself be such a defaults entry. A fresh copy each call."""
     return OmegaConf.create(_load_option(group, option))
 
 

@@ -1,6 +1,6 @@
 """Schemas of the optimizers (conf/optimizer/<name>.yaml). The keys shared by all optimizers are in
-conf/optimizer/_base.yaml, those shared by the matrix optimizers in _matrix_base.yaml; the inheritance here
-mirrors those files. Adding an optimizer: a schema here, a builder in dit_train/optim/registry.py, a yaml."""
+conf/_optimizer_base.yaml, those shared by the matrix optimizers in conf/_optimizer_matrix_base.yaml; the
+inheritance here mirrors those files. Adding an optimizer: a schema here, a builder in dit_train/optim/registry.py, a yaml."""
 
 from __future__ import annotations
 
@@ -42,12 +42,12 @@ class MatrixConfig(AdamWConfig):
 
 
 def _rownorm_scale():
-    # conf/optimizer/_rownorm_scale.yaml: RowNorm's scale rule (docs/algorithms.md §4)
+    # conf/_optimizer_rownorm_scale.yaml: RowNorm's scale rule (docs/algorithms.md §4)
     return choice("frobenius", "spectral")
 
 
 def _compile_rownorm():
-    # conf/optimizer/_rownorm_scale.yaml: RowNorm steps as fused kernels (optim/fused_rownorm.py)
+    # conf/_optimizer_rownorm_scale.yaml: RowNorm steps as fused kernels (optim/fused_rownorm.py)
     return choice("auto", True, False, valid="choose auto (the C loops on CPU where they build, eager elsewhere), "
                                              "true or false")
 

@@ -1,7 +1,8 @@
 """The optimizer registry: `optimizer=<name>` on the command line -> conf/optimizer/<name>.yaml -> build_optimizer.
 
     OPTIMIZERS: name -> builder(model, cfg: dict) -> torch.optim.Optimizer
-    build_optimizer(model, cfg) -> optimizer with `.routing_table: str` and `.step_info() -> dict[str, float]`
+    build_optimizer(model, cfg) -> optimizer with `.routing_table: str` (the summary printed at start), `.routing`
+    (a Routing: `.routing.table()` lists every parameter, its shape, its group and why) and `.step_info()`
 
 Adding an optimizer: write `dit_train/optim/<name>.py` with a `build(model, values)` (usually `build_matrix(model,
 values, direction=..., ...)` from here, or any torch.optim.Optimizer), add `"<name>": <name>.build` to OPTIMIZERS,
@@ -41,6 +42,7 @@ def build_adamw(model: nn.Module, c: dict) -> MatrixOptimizer:
     groups = [{"params": [p for _, p in routing.adamw], "kind": "adamw"}]
     opt = MatrixOptimizer(groups, lr=c["lr"], weight_decay=c["weight_decay"], betas=tuple(c["betas"]), eps=c["eps"],
                           adamw_impl=c["adamw_impl"])
+    opt.routing = routing
     opt.routing_table = _describe("adamw", routing, f"AdamW on every parameter, lr {c['lr']:g}, "
                                                     f"weight_decay {c['weight_decay']:g}, betas {c['betas']}")
     return opt
@@ -80,6 +82,7 @@ def build_matrix(model: nn.Module, c: dict, *, name: str, direction: str,
         dtype += f", RowNorm passes {'fused' if opt.compile_rownorm else 'eager'} " \
                  f"(compile_rownorm {c['compile_rownorm']})"
     where = f"; {opt.describe_placement()}" if sharded else ""
+    opt.routing = routing
     opt.routing_table = _describe(
         name, routing,
         f"matrix direction {sched}{dtype}; momentum {c['momentum']:g} (nesterov {c['nesterov']}), scale "

@@ -1,9 +1,12 @@
 """Which parameters get the matrix update and which get AdamW (docs/algorithms.md §4), for any nn.Module.
 
-Default rule: a trainable parameter is a *matrix* parameter iff it is 2-D, it is the `weight` of an nn.Linear
-(subclasses included; not nn.Embedding, not a convolution, not a free nn.Parameter) and its name does not match
-one of the input/output-layer patterns. Everything else (biases, norms, embedding tables, patch embedders, the
-final projection, positional tables) goes to AdamW.
+Default rule: a trainable parameter is a *matrix* parameter iff it is 2-D, it is not an embedding table
+(nn.Embedding, nn.EmbeddingBag) and its name does not match one of the input/output-layer patterns. That is every
+nn.Linear weight, and, by shape as torch.optim.Muon's and moonlight's users route them, every other 2-D parameter
+(nn.MultiheadAttention's in_proj_weight, hand-written weights): the printed table names those. Everything else
+(biases, norms, embedding tables, patch embedders, the final projection, positional tables, convolution weights)
+goes to AdamW. Convolution weights are not flattened to [out, in*kh*kw]: the table says so; `matrix_patterns`
+cannot force them (only 2-D parameters take the matrix update).
 
 Overrides come from the optimizer config:
 - `matrix_patterns`: names forced to the matrix update (must be 2-D), checked first;
@@ -42,6 +45,8 @@ DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
     "lm_head",
 )
 
+CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
 MATRIX = "matrix"
 ADAMW = "adamw"
 
@@ -68,6 +73,11 @@ def _first_match(name: str, patterns: Iterable[str]) -> str | None:
     return None
 
 
+# reasons the summary table names parameters for, so that neither rule is silent
+BY_SHAPE = "2-D, not an nn.Linear weight: by shape"
+CONVOLUTION = "convolution weight: not flattened, the matrix update takes 2-D weights"
+
+
 @dataclass
 class Routing:
     """Parameters by group, in model order: (name, parameter) pairs, and why each went where it did."""
@@ -75,6 +85,14 @@ class Routing:
     matrix: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     adamw: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     reasons: dict[str, str] = field(default_factory=dict)
+
+    def table(self) -> str:
+        """One markdown row per trainable parameter, in model order: name, shape, group, why."""
+        group = {name: MATRIX for name, _ in self.matrix} | {name: ADAMW for name, _ in self.adamw}
+        shapes = {name: tuple(p.shape) for name, p in self.matrix + self.adamw}
+        lines = ["| parameter | shape | group | why |", "| --- | --- | --- | --- |"]
+        lines += [f"| {name} | {shapes[name]} | {group[name]} | {why} |" for name, why in self.reasons.items()]
+        return "\n".join(lines)
 
     def group_of(self, name: str) -> str:
         if any(n == name for n, _ in self.matrix):
@@ -101,6 +119,8 @@ def route_parameters(
         if bad:
             raise ValueError(f"optimizer.{key} must be a list of dotted name patterns (strings), got {bad!r}")
     linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
+    convolutions = {id(m.weight) for m in model.modules() if isinstance(m, CONVOLUTIONS)}
     routing = Routing()
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -117,10 +137,14 @@ def route_parameters(
             why = "AdamW for every parameter"
         elif (hit := _first_match(name, adamw_patterns)) is not None:
             why = f"adamw_patterns {hit!r}"
-        elif p.ndim == 2 and id(p) in linear_weights:
-            group, why = MATRIX, "2-D nn.Linear weight"
+        elif id(p) in tables:
+            why = "embedding table"
+        elif id(p) in convolutions:
+            why = f"{p.ndim}-D {CONVOLUTION}"
+        elif p.ndim == 2:
+            group, why = MATRIX, "2-D nn.Linear weight" if id(p) in linear_weights else BY_SHAPE
         else:
-            why = f"{p.ndim}-D" if p.ndim != 2 else "2-D, not an nn.Linear weight"
+            why = f"{p.ndim}-D"
         (routing.matrix if group == MATRIX else routing.adamw).append((name, p))
         routing.reasons[name] = why
     return routing
@@ -133,17 +157,27 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def format_routing_table(routing: Routing, verbose: bool = False) -> str:
-    """A markdown table: group, number of tensors, number of parameters (and the share of parameters).
-    verbose=True appends one line per parameter: group, shape, name, reason."""
+def _some(names: list[str], shown: int = 3) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def format_routing_table(routing: Routing) -> str:
+    """A markdown table: group, number of tensors, number of parameters (and the share of parameters); then a note
+    naming the 2-D parameters routed by shape and the convolution weights left on AdamW, if any."""
     rows = [(MATRIX, routing.matrix), (ADAMW, routing.adamw)]
     total = sum(p.numel() for _, ps in rows for _, p in ps) or 1
     lines = ["| group | tensors | params | share |", "| --- | ---: | ---: | ---: |"]
     for group, ps in rows:
         n = sum(p.numel() for _, p in ps)
         lines.append(f"| {group} | {len(ps)} | {n:,} ({_count(n)}) | {100 * n / total:.1f}% |")
-    if verbose:
-        for group, ps in rows:
-            for name, p in ps:
-                lines.append(f"  {group:6s} {str(tuple(p.shape)):>16s}  {name}  [{routing.reasons.get(name, '')}]")
+    by_shape = [name for name, why in routing.reasons.items() if why == BY_SHAPE]
+    convs = [name for name, why in routing.reasons.items() if why.endswith(CONVOLUTION)]
+    if by_shape:
+        lines.append(f"note: 2-D parameters outside nn.Linear take the matrix update by shape ({len(by_shape)}): "
+                     f"{_some(by_shape)}; optimizer.adamw_patterns keeps them on AdamW")
+    if convs:
+        lines.append(f"note: convolution weights take AdamW, not flattened to [out, in*kh*kw] ({len(convs)}): "
+                     f"{_some(convs)}")
+    lines.append("per tensor: optimizer.routing.table()")
     return "\n".join(lines)
