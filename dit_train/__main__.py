@@ -20,7 +20,11 @@ def main(cfg) -> None:
     from .train import TrainingStopped, run  # torch is imported only once the command line is known to be good
 
     try:
-        run(cfg)
+        from hydra.core.hydra_config import HydraConfig
+
+        from .resume_config import continue_saved_config
+
+        run(continue_saved_config(cfg, list(HydraConfig.get().overrides.task)))
         if cfg.train.dry_run:  # it writes nothing: no run folder holding only Hydra's own files either
             from hydra.core.hydra_config import HydraConfig
 

@@ -92,6 +92,10 @@ def check_command_line(argv: list[str], world_size: int | None = None) -> None:
         check_launcher(overrides)
         for job in job_overrides(overrides):
             cfg = _compose_job(job)
+            if cfg.train.get("resume") is not None or cfg.train.get("init_from") is not None:
+                from ..resume_config import continue_saved_config  # reads the checkpoint: only for resumes
+
+                cfg = continue_saved_config(cfg, job)
             validate(cfg, world_size)
             check_extras(cfg)
     except ConfigError as e:

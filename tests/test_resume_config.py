@@ -1,0 +1,66 @@
+"""`dit-train run_dir=X train.resume=auto` continues a run however it was started: the run's saved config with only
+what the command line sets on top (dit_train/resume_config.py). Before, a resume of any non-default run was refused
+unless the original command was repeated in full (each key it did not repeat listed as a change)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, needs_fashion
+
+pytestmark = needs_fashion
+TINY = ["model.hidden_size=32", "model.depth=2", "model.num_heads=2", "model.patch_size=8", "train.batch_size=8",
+        "train.val_every=0", "train.sample_every=0", "eval.every_n_steps=0", "train.progress=false",
+        "train.log_every=1", "logger.wandb.mode=disabled"]
+
+
+def dit_train(*args, cwd):
+    proc = subprocess.run([sys.executable, "-m", "dit_train", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def steps_logged(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [r["step"] for r in map(json.loads, f) if "train/loss" in r]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A non-default run: muon at its own lr, a tiny model, 2 steps with a checkpoint."""
+    root = tmp_path_factory.mktemp("resume_config")
+    rc, out, err = dit_train(f"run_dir={root / 'run'}", "optimizer=muon", "optimizer.lr=3e-3", *TINY,
+                             "train.steps=2", "train.ckpt_every=2", cwd=root)
+    assert rc == 0, err
+    return root
+
+
+def test_a_resume_needs_only_the_run_folder_and_what_changes(run):
+    rc, out, err = dit_train(f"run_dir={run / 'run'}", "train.resume=auto", "train.steps=3", cwd=run)
+    assert rc == 0, err
+    log = out + err
+    assert "continuing with the config saved in" in log and "the command line changes train.steps" in log
+    assert steps_logged(run / "run") == [1, 2, 3]
+    saved = json.load(open(run / "run" / "checkpoints" / "step_00000003.dcp" / "train_state.json"))["config"]
+    assert saved["optimizer"]["name"] == "muon" and saved["optimizer"]["lr"] == 3e-3 and saved["model"]["depth"] == 2
+
+
+@pytest.mark.parametrize("change, named", [(["model.depth=3"], "model.depth: 2 -> 3); these keys"),
+                                          (["optimizer=adamw"], 'optimizer.name: "muon" -> "adamw" (and ')])
+def test_a_change_outside_the_resume_policy_is_refused_naming_only_it(run, change, named):
+    before = sorted(os.listdir(run / "run"))
+    rc, out, err = dit_train(f"run_dir={run / 'run'}", "train.resume=auto", *change, cwd=run)
+    assert rc == 2 and err.strip().count("\n") == 0 and named in err, err
+    assert sorted(os.listdir(run / "run")) == before
+
+
+def test_a_fork_starts_from_its_sources_config_with_the_command_lines_changes(run):
+    rc, out, err = dit_train(f"run_dir={run / 'fork'}", f"train.init_from={run / 'run'}", "optimizer.lr=1e-3",
+                             "train.steps=2", cwd=run)
+    assert rc == 0, err
+    config = json.load(open(run / "fork" / "checkpoints" / "step_00000002.dcp" / "train_state.json"))["config"]
+    assert config["optimizer"]["name"] == "muon" and config["optimizer"]["lr"] == 1e-3
+    assert config["model"]["hidden_size"] == 32 and config["train"]["batch_size"] == 8
