@@ -51,6 +51,14 @@ def start_vectors(batch: int, r: int, device, dtype) -> Tensor:
     return torch.randn(batch, r, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
 
 
+@functools.lru_cache(maxsize=256)
+def cap_vector(caps: tuple[tuple[float, int], ...], device, dtype) -> Tensor:
+    """The caps of a step's matrices, (cap, how many matrices) per bucket, as one tensor on `device`: filled there
+    (no copy from host memory, which a tensor made from a Python list would be on CUDA) once per set of buckets
+    (cached: read only)."""
+    return torch.cat([torch.full((n,), cap, dtype=dtype, device=device) for cap, n in caps])
+
+
 class _TorchProducts:
     """The products of a bucket's power iteration as batched torch ops, vectors kept [B, 1, k] (no reshapes per
     round). Both are vector-times-matrix bmm's: U v as v^T U^T (on CPU bmm(U, v) takes a path ~3x slower than one
@@ -170,8 +178,7 @@ def cap_factors(problems: list[tuple[Tensor, Tensor, bool, Tensor, str | None, f
         parts = nxt
     # the factors of every bucket at once (a few ops instead of a few per bucket)
     sigma = torch.nan_to_num(torch.cat(sigma2), nan=0.0).clamp_min(0.0).sqrt()
-    caps = torch.tensor([cap for (*_, cap), s2 in zip(problems, sigma2) for _ in range(s2.numel())],
-                        dtype=sigma.dtype, device=sigma.device)
+    caps = cap_vector(tuple((cap, s2.numel()) for (*_, cap), s2 in zip(problems, sigma2)), sigma.device, sigma.dtype)
     factor = torch.where(sigma > caps, caps / sigma.clamp_min(1e-30), torch.ones_like(sigma))
     return [f.view(-1, 1, 1) for f in factor.split([s2.numel() for s2 in sigma2])]
 
