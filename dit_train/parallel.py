@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .matmul_precision import allow_tf32_globally
+
 log = logging.getLogger("dit_train")
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -105,9 +107,7 @@ def init_distributed(single_process_group: bool = False, device: str | torch.dev
         device = torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        # what fp32 work remains (fp32 runs, the optimizer's fp32 GEMMs) uses TF32 tensor cores
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+        allow_tf32_globally()  # the model's fp32 matmuls; the optimizer's run in full fp32 (matmul_precision.py)
     if not dist.is_initialized():
         if world > 1:
             dist.init_process_group(backend_for(device), device_id=device if device.type == "cuda" else None,

@@ -33,6 +33,7 @@ from typing import Callable, Generator
 import torch
 from torch import Tensor
 
+from ..matmul_precision import ieee_fp32_matmuls
 from . import native_rownorm
 
 ROUNDS = 3  # R^T matvecs per matrix (and ROUNDS - 1 R matvecs); 3 = Rayleigh quotient at G^2 x_0
@@ -145,6 +146,7 @@ def _power_iteration(U: Tensor, row_scale: Tensor, tall: bool, x0: Tensor, split
     return (both[..., :-1].square().sum(-1) / both[..., -1]).reshape(-1)
 
 
+@ieee_fp32_matmuls()
 def cap_factors(problems: list[tuple[Tensor, Tensor, bool, Tensor, str | None, float]],
                 reduce: Callable[[Tensor], Tensor] | None = None, native: bool = False,
                 firsts: list[Tensor | None] | None = None, rounds: int = ROUNDS) -> list[Tensor]:
