@@ -34,7 +34,7 @@ def resolve_async(choice, device: torch.device) -> bool:
 
 class CheckpointSaver:
     def __init__(self, run_dir: str, keep_last: int, asynchronous: bool, log_metrics: Callable[[int, dict], None],
-                 timeout_minutes: float = 30.0):
+                 timeout_minutes: float = 10.0):
         self.run_dir, self.keep_last, self.asynchronous = run_dir, keep_last, asynchronous
         self.log_metrics = log_metrics
         # DCP's writer thread runs collectives (plans, write results) while training runs its own: on a group of
