@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .backend_env import use_nccl_environment
+from .backend_env import use_gloo_interface, use_nccl_environment
 from .matmul_precision import allow_tf32_globally
 
 log = logging.getLogger("dit_train")
@@ -114,6 +114,7 @@ def init_distributed(single_process_group: bool = False, device: str | torch.dev
         if backend_for(device) == "nccl" and (world > 1 or single_process_group):
             use_nccl_environment()
         if world > 1:
+            use_gloo_interface()  # the default group on CPU, async checkpoints' group on GPU
             dist.init_process_group(backend_for(device), device_id=device if device.type == "cuda" else None,
                                     timeout=datetime.timedelta(minutes=timeout_minutes))
         elif single_process_group:
