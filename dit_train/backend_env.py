@@ -9,8 +9,8 @@
   kept: torch warns about the old one on every rank.
 - The flight recorder: the last TORCH_FR_BUFFER_SIZE collectives of every rank, written on a timeout
   (TORCH_NCCL_DUMP_ON_TIMEOUT) to TORCH_FR_DUMP_TEMP_FILE<rank>, which `record_nccl_traces` points into the run
-  folder once it is known (torch opens the file at the first dump). `python -m torch.distributed.flight_recorder.fr_trace
-  <folder>` then says which collective which rank was stuck in.
+  folder once it is known (torch opens the file at the first dump). `torchfrtrace <folder>` then says which
+  collective which rank was stuck in.
 - GLOO_SOCKET_IFNAME: a gloo group (the default group on CPU, the asynchronous checkpoints' own group on GPU) binds
   to the address this host's name resolves to unless told an interface, and on many hosts that name resolves to
   127.0.1.1 (Debian's /etc/hosts), which no other node can reach. `use_gloo_interface` names the interface this
@@ -31,31 +31,27 @@ import torch.distributed as dist
 log = logging.getLogger("dit_train")
 SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's (first) IPv4 address
 
-# current name -> the older spellings torch still reads
-NCCL_ALIASES = {
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": ("NCCL_ASYNC_ERROR_HANDLING",),
-    "TORCH_NCCL_BLOCKING_WAIT": ("NCCL_BLOCKING_WAIT",),
-    "TORCH_NCCL_DESYNC_DEBUG": ("NCCL_DESYNC_DEBUG",),
-    "TORCH_FR_BUFFER_SIZE": ("TORCH_NCCL_TRACE_BUFFER_SIZE",),
-    "TORCH_FR_DUMP_TEMP_FILE": ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE",),
-}
-DEPRECATED = ("NCCL_ASYNC_ERROR_HANDLING", "NCCL_BLOCKING_WAIT", "NCCL_DESYNC_DEBUG")  # torch warns about these
-NCCL_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_BUFFER_SIZE": "2000"}
+# deprecated spelling -> current name (torch warns about the old ones on every rank)
+RENAMED = {"NCCL_ASYNC_ERROR_HANDLING": "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+           "NCCL_BLOCKING_WAIT": "TORCH_NCCL_BLOCKING_WAIT", "NCCL_DESYNC_DEBUG": "TORCH_NCCL_DESYNC_DEBUG"}
+# current name -> the older name torch also reads: a user's setting under either is kept
+OLDER_NAME = {"TORCH_FR_BUFFER_SIZE": "TORCH_NCCL_TRACE_BUFFER_SIZE",
+              "TORCH_FR_DUMP_TEMP_FILE": "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"}
+NCCL_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                 "TORCH_FR_BUFFER_SIZE": "2000"}
 TRACE_FOLDER = "nccl_traces"
 
 
 def _is_set(environ, name: str) -> bool:
-    return any(n in environ for n in (name, *NCCL_ALIASES.get(name, ())))
+    return name in environ or OLDER_NAME.get(name, name) in environ
 
 
 def use_nccl_environment(environ=os.environ) -> None:
-    """Before the NCCL group is created: the deprecated spellings renamed (values kept), then NCCL_DEFAULTS for
-    what neither spelling sets."""
-    for current, old in NCCL_ALIASES.items():
-        for name in old:
-            if name in DEPRECATED and name in environ:
-                value = environ.pop(name)
-                environ.setdefault(current, value)
+    """Before the NCCL group is created: the deprecated spellings renamed (values kept; a current name already set
+    wins, as in torch), then NCCL_DEFAULTS for what no spelling sets."""
+    for old, current in RENAMED.items():
+        if old in environ:
+            environ.setdefault(current, environ.pop(old))
     for name, value in NCCL_DEFAULTS.items():
         if not _is_set(environ, name):
             environ[name] = value

@@ -17,8 +17,8 @@ from dit_train import backend_env
 from dit_train.backend_env import record_nccl_traces, use_gloo_interface
 from dit_train.parallel import init_distributed
 
-NAMES = sorted({*backend_env.NCCL_DEFAULTS, *backend_env.NCCL_ALIASES,
-                *(n for old in backend_env.NCCL_ALIASES.values() for n in old)})
+NAMES = sorted({*backend_env.NCCL_DEFAULTS, *backend_env.RENAMED, *backend_env.RENAMED.values(),
+                *backend_env.OLDER_NAME, *backend_env.OLDER_NAME.values()})
 
 
 @pytest.fixture
@@ -73,7 +73,7 @@ def test_a_deprecated_spelling_moves_to_the_current_name_with_its_value(clean_en
     clean_env.setenv("NCCL_ASYNC_ERROR_HANDLING", "2")
     clean_env.setenv("NCCL_BLOCKING_WAIT", "1")
     env = group_created(clean_env, "cuda")["env"]
-    assert not any(name in env for name in backend_env.DEPRECATED)
+    assert not any(name in env for name in backend_env.RENAMED)
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2" and env["TORCH_NCCL_BLOCKING_WAIT"] == "1"
 
 
