@@ -28,9 +28,9 @@ def clean_env(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0")):
         monkeypatch.setenv(name, value)
-    before = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     yield monkeypatch
-    torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = before
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 def group_created(monkeypatch, device: str) -> dict:
@@ -57,7 +57,7 @@ def test_the_nccl_group_gets_the_current_variables_and_a_ten_minute_timeout(clea
                                      "TORCH_FR_BUFFER_SIZE": "2000"}
     assert seen["timeout"] == datetime.timedelta(minutes=10)
     assert compose().parallel.timeout_minutes == 10  # the trainer's default too
-    assert torch.backends.cuda.matmul.fp32_precision == "tf32"  # the model's fp32 matmuls (matmul_precision.py)
+    assert torch.backends.cuda.matmul.allow_tf32  # the model's fp32 matmuls (matmul_precision.py)
 
 
 def test_user_settings_are_kept_under_either_spelling(clean_env):

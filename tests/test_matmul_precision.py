@@ -19,7 +19,7 @@ MATMULS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.d
 
 
 class MatmulPrecisions(TorchDispatchMode):
-    """The CUDA fp32 matmul precision in force at each fp32 matmul."""
+    """Whether CUDA fp32 matmuls may use TF32 at each fp32 matmul ("tf32" or "ieee")."""
 
     def __init__(self):
         super().__init__()
@@ -27,23 +27,24 @@ class MatmulPrecisions(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in MATMULS and any(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args):
-            self.seen.append(torch.backends.cuda.matmul.fp32_precision)
+            self.seen.append("tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee")
         return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture
 def tf32_everywhere():
     """TF32 allowed globally, as on a CUDA run; the process's settings restored afterwards."""
-    before = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     allow_tf32_globally()
     yield
-    torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = before
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 def run_watched(fn):
     with MatmulPrecisions() as watch:
         fn()
-    assert torch.backends.cuda.matmul.fp32_precision == "tf32"  # the model's setting, back after the computation
+    assert torch.backends.cuda.matmul.allow_tf32  # the model's setting, back after the computation
+    assert torch._C._get_cublas_allow_tf32()  # what torch itself reads (dynamo's global state): readable
     return watch.seen
 
 
