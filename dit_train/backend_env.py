@@ -108,8 +108,8 @@ def spans_nodes(environ) -> bool:
 
 
 def use_gloo_interface(environ=os.environ) -> None:
-    """Before any gloo group of a multi-process job: GLOO_SOCKET_IFNAME = the interface that reaches MASTER_ADDR,
-    unless set. ValueError (one line) where that is the loopback interface on a job that spans nodes (the first
+    """Before a gloo group of a multi-process job (a CPU job's default group, init_distributed; an NCCL job's async
+    checkpoint group, CheckpointSaver): GLOO_SOCKET_IFNAME = the interface that reaches MASTER_ADDR, unless set. ValueError (one line) where that is the loopback interface on a job that spans nodes (the first
     node, whose name resolves to 127.x here): no other node could reach it."""
     master = environ.get("MASTER_ADDR")
     if "GLOO_SOCKET_IFNAME" in environ or not master:

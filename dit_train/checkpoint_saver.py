@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.utils._pytree import tree_leaves
 
 from . import checkpoint as ckpt
+from .backend_env import use_gloo_interface
 from .parallel import barrier, local, rank
 
 log = logging.getLogger("dit_train")
@@ -67,8 +68,11 @@ class CheckpointSaver:
         # DCP's writer thread runs collectives (plans, write results) while training runs its own: on a group of
         # their own they cannot interleave; gloo, as async_save needs a CPU backend (the default may be NCCL).
         # Its wait for the slowest rank's write is bounded by parallel.timeout_minutes like every other collective.
-        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes)) \
-            if asynchronous and dist.is_initialized() else None
+        # On several nodes gloo must be told the interface the other nodes reach (backend_env.use_gloo_interface).
+        self.group = None
+        if asynchronous and dist.is_initialized():
+            use_gloo_interface()
+            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
         self.pending: ckpt.PendingSave | None = None
         self.stager: DefaultStager | None = None  # made at the first asynchronous save, for its tensors' device
 

@@ -113,8 +113,9 @@ def init_distributed(single_process_group: bool = False, device: str | torch.dev
     if not dist.is_initialized():
         if backend_for(device) == "nccl" and (world > 1 or single_process_group):
             use_nccl_environment()
+        elif world > 1:  # a gloo default group (an NCCL job's one gloo group, for async saves: CheckpointSaver)
+            use_gloo_interface()
         if world > 1:
-            use_gloo_interface()  # the default group on CPU, async checkpoints' group on GPU
             dist.init_process_group(backend_for(device), device_id=device if device.type == "cuda" else None,
                                     timeout=datetime.timedelta(minutes=timeout_minutes))
         elif single_process_group:

@@ -181,3 +181,15 @@ def test_two_gloo_ranks_on_127_0_0_2_bind_the_loopback_interface():
             if p.is_alive():
                 p.kill()
     assert results == [(r, loopback_interface(), [2.0, 2.0]) for r in range(2)]
+
+
+def test_an_nccl_job_names_the_interface_before_its_async_checkpoint_group(clean_env, tmp_path):
+    """The GPU path: no gloo default group, so the interface is set where the one gloo group is created."""
+    from dit_train.checkpoint_saver import CheckpointSaver
+
+    clean_env.setenv("MASTER_ADDR", "127.0.0.2")
+    seen = {}
+    clean_env.setattr(dist, "is_initialized", lambda: True)
+    clean_env.setattr(dist, "new_group", lambda **kw: seen.update(kw, env=os.environ.get("GLOO_SOCKET_IFNAME")))
+    CheckpointSaver(str(tmp_path), keep_last=0, asynchronous=True, log_metrics=lambda s, m: None)
+    assert seen["backend"] == "gloo" and seen["env"] == loopback_interface()
