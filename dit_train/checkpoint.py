@@ -144,12 +144,14 @@ def save(run_dir: str, step: int, tensors: dict, train_state: dict, keep_last: i
 
 
 def start_save(run_dir: str, step: int, tensors: dict, train_state: dict, asynchronous: bool = False,
-               group=None) -> "PendingSave":
+               group=None, stager=None) -> "PendingSave":
     """Collective: the first half of a save. Synchronous: the tensors are written when it returns. Asynchronous
     (torch.distributed.checkpoint.async_save): the tensors are copied to host memory before it returns (so the
-    next optimizer step cannot change what is saved) and written by a background thread whose collectives run
-    on `group` (a gloo group of their own, so they never interleave with training's). Either way the checkpoint
-    exists only once `finish()` has run: the marker and the rename follow the write."""
+    next optimizer step cannot change what is saved), by `stager` (a DCP AsyncStager kept across saves, whose
+    buffers are reused; None: fresh copies), and written by a background thread whose collectives run on `group`
+    (a gloo group of their own, so they never interleave with training's). Either way the checkpoint exists only
+    once `finish()` has run: the marker and the rename follow the write. The PendingSave's `stage_s` is the
+    copy's time (0 for a synchronous save)."""
     final = checkpoint_path(run_dir, step)
     tmp = final + ".tmp"
     if rank() == 0:
@@ -162,8 +164,11 @@ def start_save(run_dir: str, step: int, tensors: dict, train_state: dict, asynch
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
             started = time.perf_counter()
+            stage_s = 0.0
             if asynchronous:
-                future = dcp.async_save(tensors, storage_writer=writer, process_group=group, no_dist=no_dist)
+                future = dcp.async_save(tensors, storage_writer=writer, process_group=group, no_dist=no_dist,
+                                        async_stager=stager)
+                stage_s = time.perf_counter() - started
                 started = time.perf_counter()  # what follows is the background part
             else:
                 future = Future()
@@ -173,16 +178,16 @@ def start_save(run_dir: str, step: int, tensors: dict, train_state: dict, asynch
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     # frozen now: the run goes on changing the live train state while the tensors are written
-    return PendingSave(run_dir, step, tmp, final, future, json.dumps(train_state).encode(), started)
+    return PendingSave(run_dir, step, tmp, final, future, json.dumps(train_state).encode(), started, stage_s)
 
 
 class PendingSave:
     """A save whose tensors are being (or have been) written; `finish()` makes it a checkpoint."""
 
     def __init__(self, run_dir: str, step: int, tmp: str, final: str, future: Future, train_state: bytes,
-                 started: float):
+                 started: float, stage_s: float = 0.0):
         self.run_dir, self.step, self.tmp, self.final, self.future = run_dir, step, tmp, final, future
-        self.train_state, self.started = train_state, started
+        self.train_state, self.started, self.stage_s = train_state, started, stage_s
         self.write_s = 0.0  # this rank's write (for an async save: from the end of staging to the end of its write)
         future.add_done_callback(self._written)  # runs at once for a synchronous save
 

@@ -6,9 +6,14 @@ becomes a checkpoint (train state, COMPLETE marker, rename, pruning: checkpoint.
 its write: rank 0 looks after every step (`poll`) and finishes it once done, and `wait` finishes it on every
 rank. A run that crashes before then leaves a temp folder without a marker, which resume=auto skips and removes.
 
+An asynchronous save copies this rank's tensors to host memory through one DCP stager kept for the whole run, so
+the host buffers are allocated (and on CUDA pinned) at the first save and reused by every later one: a buffer is
+free again by the next save, since that save first waits for the one in flight.
+
 Metrics (metrics.jsonl, rank 0): `ckpt/save_s`, the time the save kept training waiting (including a wait for
-the previous save), at the save step; `ckpt/write_s` (the write: inside save_s when synchronous, in the
-background when not) and `ckpt/bytes`, with `ckpt/step`, at the step where the save is finished.
+the previous save), and for an asynchronous save `ckpt/stage_gbps`, the copy to host memory in GB/s (this rank's
+tensor bytes over the copy's time), at the save step; `ckpt/write_s` (the write: inside save_s when synchronous, in
+the background when not) and `ckpt/bytes`, with `ckpt/step`, at the step where the save is finished.
 """
 
 from __future__ import annotations
@@ -20,9 +25,12 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.utils._pytree import tree_leaves
 
 from . import checkpoint as ckpt
-from .parallel import barrier, rank
+from .backend_env import use_gloo_interface
+from .parallel import barrier, local, rank
 
 log = logging.getLogger("dit_train")
 
@@ -32,25 +40,54 @@ def resolve_async(choice, device: torch.device) -> bool:
     return device.type == "cuda" if choice == "auto" else bool(choice)
 
 
+def staging_options(device: torch.device) -> StagingOptions:
+    """How an asynchronous save copies tensors on `device` to host memory. CUDA: into pinned (page-locked) buffers,
+    which the copy engine fills at the link's rate without a bounce through a pageable staging area, as non-blocking
+    copies followed by one synchronize; elsewhere plain copies (pinning needs CUDA). Staging is not itself put in the
+    background: the next optimizer step changes the tensors in place, so the copy must be complete when the save
+    returns. No shared memory: the write runs in a thread of this process."""
+    cuda = device.type == "cuda"
+    return StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                          use_non_blocking_copy=cuda)
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def local_bytes(tree) -> int:
+    """The bytes of this rank's tensors in a state dict (a DTensor's local shard)."""
+    return sum(local(t).numel() * t.element_size() for t in _tensors(tree))
+
+
 class CheckpointSaver:
     def __init__(self, run_dir: str, keep_last: int, asynchronous: bool, log_metrics: Callable[[int, dict], None],
-                 timeout_minutes: float = 30.0):
+                 timeout_minutes: float = 10.0):
         self.run_dir, self.keep_last, self.asynchronous = run_dir, keep_last, asynchronous
         self.log_metrics = log_metrics
         # DCP's writer thread runs collectives (plans, write results) while training runs its own: on a group of
         # their own they cannot interleave; gloo, as async_save needs a CPU backend (the default may be NCCL).
         # Its wait for the slowest rank's write is bounded by parallel.timeout_minutes like every other collective.
-        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes)) \
-            if asynchronous and dist.is_initialized() else None
+        # On several nodes gloo must be told the interface the other nodes reach (backend_env.use_gloo_interface).
+        self.group = None
+        if asynchronous and dist.is_initialized():
+            use_gloo_interface()
+            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
         self.pending: ckpt.PendingSave | None = None
+        self.stager: DefaultStager | None = None  # made at the first asynchronous save, for its tensors' device
 
     def save(self, step: int, tensors: dict, train_state: dict) -> None:
         """Collective. Returns once this save's tensors are written (synchronous) or staged (asynchronous)."""
         t0 = time.perf_counter()
         self.wait(step)
-        self.pending = ckpt.start_save(self.run_dir, step, tensors, train_state, self.asynchronous, self.group)
+        if self.asynchronous and self.stager is None:
+            leaves = _tensors(tensors)
+            self.stager = DefaultStager(staging_options(leaves[0].device if leaves else torch.device("cpu")))
+        self.pending = ckpt.start_save(self.run_dir, step, tensors, train_state, self.asynchronous, self.group,
+                                       self.stager)
         if self.asynchronous:
-            self.log_metrics(step, {"ckpt/save_s": time.perf_counter() - t0})
+            self.log_metrics(step, {"ckpt/save_s": time.perf_counter() - t0,
+                                    "ckpt/stage_gbps": local_bytes(tensors) / max(self.pending.stage_s, 1e-9) / 1e9})
         else:
             self._finish(step, save_started=t0)
             barrier()

@@ -31,6 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .backend_env import use_gloo_interface, use_nccl_environment
+from .matmul_precision import allow_tf32_globally
+
 log = logging.getLogger("dit_train")
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -83,14 +86,15 @@ def slurm_environment(environ=os.environ) -> dict[str, str]:
 
 
 def init_distributed(single_process_group: bool = False, device: str | torch.device | None = None,
-                     timeout_minutes: float = 30.0) -> DistInfo:
+                     timeout_minutes: float = 10.0) -> DistInfo:
     """The one process-group set-up, for training and the evaluation jobs: from torchrun's environment
     (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR/PORT), or from Slurm's when srun started one task per GPU without
     torchrun; NCCL on CUDA, gloo on CPU. `single_process_group`: also create a group of one for a plain
     single-process run (parallel.fsdp=true without torchrun), so FSDP2 can be used on one device. `device`
     overrides the default (cuda:LOCAL_RANK when CUDA is present, else cpu). A collective that waits longer than
     `timeout_minutes` (a dead or hung peer; parallel.timeout_minutes, whose comment in conf/config.yaml sizes it)
-    raises instead of hanging."""
+    raises instead of hanging (gloo), or takes the process down with a flight-recorder dump (NCCL: the variables
+    of backend_env.py, set before the group where the user has not set them)."""
     os.environ.update(slurm_environment())
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -105,10 +109,12 @@ def init_distributed(single_process_group: bool = False, device: str | torch.dev
         device = torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        # what fp32 work remains (fp32 runs, the optimizer's fp32 GEMMs) uses TF32 tensor cores
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+        allow_tf32_globally()  # the model's fp32 matmuls; the optimizer's run in full fp32 (matmul_precision.py)
     if not dist.is_initialized():
+        if backend_for(device) == "nccl" and (world > 1 or single_process_group):
+            use_nccl_environment()
+        elif world > 1:  # a gloo default group (an NCCL job's one gloo group, for async saves: CheckpointSaver)
+            use_gloo_interface()
         if world > 1:
             dist.init_process_group(backend_for(device), device_id=device if device.type == "cuda" else None,
                                     timeout=datetime.timedelta(minutes=timeout_minutes))

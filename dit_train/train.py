@@ -16,6 +16,7 @@ import torch
 from omegaconf import OmegaConf
 
 from . import checkpoint as ckpt
+from .backend_env import record_nccl_traces
 from .build import build_training
 from .cadence import every_n_steps
 from .checkpoint_saver import CheckpointSaver, resolve_async
@@ -357,6 +358,7 @@ def run(cfg) -> dict:
             return dry_run(cfg)
         with collective_timeouts(cfg.parallel.timeout_minutes):
             lock = prepare_run_folder(cfg, dist)
+            record_nccl_traces(cfg.run_dir)
             return Trainer(cfg, dist).fit()
     finally:
         if lock is not None:

@@ -2,7 +2,7 @@
 collectives run on a gloo group of their own): what is saved is the state at the save step even when the next steps
 change the tensors before the write; a save is a checkpoint only after its write; a preempted run leaves its newest
 checkpoint complete; a crash before the write has finished leaves no marker; and the run equals a synchronous one
-bit for bit, on 1 process and on 2 ranks.
+bit for bit, on 1 process and on 2 ranks. The staging buffers are reused from save to save (pinned on CUDA only).
 
 Writes are held back by a gate on the file-system writer (the background thread waits on it), so "in flight" is a
 state the tests set up, not a race they hope to win."""
@@ -123,7 +123,8 @@ def test_the_save_is_what_the_step_left_even_when_later_steps_change_it_before_t
         assert torch.equal(v, saved_opt[k]), k
     rows = [r for r in read_metrics(tiny_cfg.run_dir) if any(k.startswith("ckpt/") for k in r)]
     assert [r["step"] for r in rows] == [1, 2]
-    assert set(rows[0]) == {"step", "ckpt/save_s"}  # the blocking part, at the save step
+    assert set(rows[0]) == {"step", "ckpt/save_s", "ckpt/stage_gbps"}  # the blocking part, at the save step
+    assert rows[0]["ckpt/stage_gbps"] > 0
     assert rows[1]["ckpt/step"] == 1 and rows[1]["ckpt/write_s"] > 0 and \
         rows[1]["ckpt/bytes"] == ckpt.folder_bytes(path)  # the write, where it was seen finished
     trainer.logger.close()
@@ -174,7 +175,7 @@ def test_preempted_while_a_save_is_in_flight_leaves_complete_checkpoints_and_res
             assert torch.equal(v, b.state_dict()[k]), k
     assert losses(straight_cfg.run_dir) == losses(cut_cfg.run_dir)
     rows = read_metrics(cut_cfg.run_dir)
-    assert [r["step"] for r in rows if set(r) == {"step", "ckpt/save_s"}] == [2, 3, 4, 6]  # staged: async
+    assert [r["step"] for r in rows if set(r) == {"step", "ckpt/save_s", "ckpt/stage_gbps"}] == [2, 3, 4, 6]  # async
     assert [r["ckpt/step"] for r in rows if "ckpt/write_s" in r] == [2, 3, 4, 6]  # every save finished
     assert all("ckpt/save_s" in r and "ckpt/bytes" in r for r in read_metrics(straight_cfg.run_dir)
                if "ckpt/write_s" in r)  # synchronous: one row per save
@@ -259,7 +260,7 @@ def test_two_ranks_preempted_with_a_save_in_flight_resume_as_a_synchronous_run(t
         a, b = ckpt.read_tensors(last(straight), part), ckpt.read_tensors(last(cut), part)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
     rows = read_metrics(cut)
-    assert [r["step"] for r in rows if set(r) == {"step", "ckpt/save_s"}] == [2, 3, 4]  # staged: async
+    assert [r["step"] for r in rows if set(r) == {"step", "ckpt/save_s", "ckpt/stage_gbps"}] == [2, 3, 4]  # async
     assert [r["ckpt/step"] for r in rows if "ckpt/write_s" in r] == [2, 3, 4]
 
 
@@ -280,4 +281,67 @@ def test_a_failed_background_write_is_raised_by_the_next_wait_and_leaves_nothing
     assert saver.pending is not None
     with pytest.raises(CheckpointException, match="No space left"):  # DCP's error for every rank's failures
         saver.wait(3)  # every rank waits at the same step, so all of them raise together
-    assert os.listdir(ckpt.checkpoint_dir(str(tmp_path))) == [] and [set(r) for r in rows] == [{"ckpt/save_s"}]
+    assert os.listdir(ckpt.checkpoint_dir(str(tmp_path))) == []
+    assert [set(r) for r in rows] == [{"ckpt/save_s", "ckpt/stage_gbps"}]
+
+
+def test_staging_takes_pinned_buffers_on_cuda_only(tmp_path, monkeypatch):
+    """The stager's options follow the device of the saved tensors (fake CUDA tensors here: no GPU needed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dit_train import checkpoint_saver
+    from dit_train.checkpoint_saver import CheckpointSaver, staging_options
+
+    cuda, cpu = staging_options(torch.device("cuda", 0)), staging_options(torch.device("cpu"))
+    assert cuda.use_pinned_memory and cuda.use_non_blocking_copy and not cpu.use_pinned_memory
+    assert not cpu.use_non_blocking_copy  # DCP refuses non-blocking copies without an accelerator
+    assert not cuda.use_async_staging and not cpu.use_async_staging  # complete before the next step changes them
+    chosen = []
+
+    class Pending:
+        stage_s = 0.5
+
+    monkeypatch.setattr(checkpoint_saver, "DefaultStager", lambda options: chosen.append(options) or "stager")
+    monkeypatch.setattr(ckpt, "start_save", lambda *args: Pending())
+    with FakeTensorMode():
+        on_cuda = {"model": {"w": torch.empty(1000, 250, device="cuda")}}
+    rows = []
+    for tensors in (on_cuda, {"model": {"w": torch.zeros(1000, 250)}}):
+        saver = CheckpointSaver(str(tmp_path), keep_last=0, asynchronous=True, log_metrics=lambda s, m: rows.append(m))
+        saver.save(1, tensors, {"step": 1})
+        saver.pending = None
+    assert chosen == [cuda, cpu]
+    assert [r["ckpt/stage_gbps"] for r in rows] == [pytest.approx(1e6 / 0.5 / 1e9)] * 2  # 1 MB in 0.5 s
+
+
+def test_async_saves_reuse_their_staging_buffers_and_each_round_trips_bit_for_bit(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from dit_train.checkpoint_saver import CheckpointSaver
+
+    staged = []  # what each save's writer was given, kept alive: fresh buffers could not land on the same memory
+    original = dcp.FileSystemWriter.write_data
+
+    def capture(self, plan, planner):
+        staged.append({k: v for k, v in planner.state_dict.items()})
+        return original(self, plan, planner)
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", capture)
+    g = torch.Generator().manual_seed(0)
+    live = {"w": torch.randn(256, 64, generator=g), "m": torch.randn(4096, generator=g).double()}
+    saver = CheckpointSaver(str(tmp_path), keep_last=0, asynchronous=True, log_metrics=lambda s, m: None)
+    expected = {}
+    for step in (1, 2, 3):
+        saver.save(step, {"model": live}, {"step": step})
+        expected[step] = {k: v.clone() for k, v in live.items()}
+        for v in live.values():  # the next steps change the tensors in place while the write is in flight
+            v.mul_(-1.5).add_(0.25)
+        saver.wait(step)
+    assert len(staged) == 3
+    for later in staged[1:]:
+        assert {k: v.data_ptr() for k, v in later.items()} == {k: v.data_ptr() for k, v in staged[0].items()}
+    for step, values in expected.items():
+        back = {"model": {k: torch.empty_like(v) for k, v in values.items()}}
+        dcp.load(back, storage_reader=FileSystemReader(ckpt.checkpoint_path(str(tmp_path), step)), no_dist=True)
+        for k, v in values.items():
+            assert torch.equal(back["model"][k], v) and back["model"][k].dtype == v.dtype, (step, k)

@@ -18,6 +18,8 @@ is one of its buffers, valid until the next call with the same workspace.
 - newton_schulz5: the spectral direction (Muon's quintic Newton-Schulz map, NS5), in bf16 by default.
 - row_norm:       every row of the r x c side scaled to unit norm (row_inv_norms: just the factors).
 - mud_whiten:     MUD's triangular whitening, in fp32 (fp64 for fp64 input).
+
+Their fp32 matmuls are full fp32 on CUDA too, where the model's may use TF32 (matmul_precision.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+
+from ..matmul_precision import ieee_fp32_matmuls
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 Reduce = Callable[[Tensor], Tensor] | None
@@ -109,6 +113,7 @@ def _left_plus(Z: Tensor, P: Tensor, beta: float, tall: bool, out: Tensor) -> Te
 
 
 # ---- NS5 ------------------------------------------------------------------------------------------------------
+@ieee_fp32_matmuls()
 def newton_schulz5(
     X: Tensor,
     steps: int = 5,
@@ -251,6 +256,7 @@ def row_norm(X: Tensor, eps: float = 1e-7, *, out_dtype: torch.dtype | None = No
 
 
 # ---- MUD ------------------------------------------------------------------------------------------------------
+@ieee_fp32_matmuls()
 def mud_whiten(
     X: Tensor,
     passes: int = 1,

@@ -36,6 +36,7 @@ from typing import Callable, Generator
 import torch
 from torch import Tensor
 
+from ..matmul_precision import ieee_fp32_matmuls
 from . import native_rownorm
 
 ROUNDS = 3  # R^T matvecs per matrix (and ROUNDS - 1 R matvecs); 3 = Rayleigh quotient at G^2 x_0
@@ -53,6 +54,14 @@ def start_vectors(batch: int, r: int, device, dtype) -> Tensor:
     (cached: read only)."""
     g = torch.Generator().manual_seed(1_000_003 * r + batch)
     return torch.randn(batch, r, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def cap_vector(caps: tuple[tuple[float, int], ...], device, dtype) -> Tensor:
+    """The caps of a step's matrices, (cap, how many matrices) per bucket, as one tensor on `device`: filled there
+    (no copy from host memory, which a tensor made from a Python list would be on CUDA) once per set of buckets
+    (cached: read only)."""
+    return torch.cat([torch.full((n,), cap, dtype=dtype, device=device) for cap, n in caps])
 
 
 class _TorchProducts:
@@ -141,6 +150,7 @@ def _power_iteration(U: Tensor, row_scale: Tensor, tall: bool, x0: Tensor, split
     return (both[..., :-1].square().sum(-1) / both[..., -1]).reshape(-1)
 
 
+@ieee_fp32_matmuls()
 def cap_factors(problems: list[tuple[Tensor, Tensor, bool, Tensor, str | None, float]],
                 reduce: Callable[[Tensor], Tensor] | None = None, native: bool = False,
                 firsts: list[Tensor | None] | None = None, rounds: int = ROUNDS) -> list[Tensor]:
@@ -174,8 +184,7 @@ def cap_factors(problems: list[tuple[Tensor, Tensor, bool, Tensor, str | None, f
         parts = nxt
     # the factors of every bucket at once (a few ops instead of a few per bucket)
     sigma = torch.nan_to_num(torch.cat(sigma2), nan=0.0).clamp_min(0.0).sqrt()
-    caps = torch.tensor([cap for (*_, cap), s2 in zip(problems, sigma2) for _ in range(s2.numel())],
-                        dtype=sigma.dtype, device=sigma.device)
+    caps = cap_vector(tuple((cap, s2.numel()) for (*_, cap), s2 in zip(problems, sigma2)), sigma.device, sigma.dtype)
     factor = torch.where(sigma > caps, caps / sigma.clamp_min(1e-30), torch.ones_like(sigma))
     return [f.view(-1, 1, 1) for f in factor.split([s2.numel() for s2 in sigma2])]
 
