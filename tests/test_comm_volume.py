@@ -71,3 +71,17 @@ def test_the_start_line_gives_a_runs_traffic_between_nodes(monkeypatch, replicat
     assert line == (f"FSDP2 traffic per rank per step: {total / 1e9:.2f} GB, {crossing / 1e9:.2f} GB of it between "
                     f"nodes ({nodes} node(s) of {32 // nodes} ranks{', HSDP' if replicate > 1 else ''})")
     assert 116 < total / 1e9 < 118
+
+
+@pytest.mark.parametrize("preset, world, replicas", [("dit_15b", 32, 4), ("dit_9b", 16, 2), ("dit_1b3", 8, 1)])
+def test_the_scaling_study_shards_within_a_node_and_replicates_across_nodes(preset, world, replicas):
+    """HSDP for the multi-node presets (one replica per node of model.launch): what leaves a node per step drops
+    from all of FSDP's traffic to the replicas' all-reduce; the config validates at the preset's launch size (its
+    memory: tests/test_memory_estimate.py)."""
+    from conftest import compose
+    from dit_train.config import validate
+
+    cfg = compose(["experiment=scaling_study", f"model={preset}", "run_dir=/tmp/unused", "data.root=/tmp",
+                   "train.sample_every=0", "eval.every_n_steps=0"])
+    assert cfg.parallel.replicate == replicas == cfg.model.launch.nodes
+    validate(cfg, world_size=world)
