@@ -107,6 +107,9 @@ class DiTTrainPipeline(DiffusionPipeline):
             raise ValueError(f"output_type={output_type!r} is not valid: choose pil, np or pt")
         model, device = self.transformer, self._execution_device
         cfg = model.config
+        if int(cfg.text_dim):
+            raise ValueError(f"text_dim={cfg.text_dim}: a text-conditioned model needs caption embeddings, which this "
+                             f"pipeline does not take")
         labels = self._labels(class_labels, batch_size).to(device)
         conditional = int(cfg.num_classes) > 0
         shape = (labels.shape[0], int(cfg.in_channels), int(cfg.image_size), int(cfg.image_size))

@@ -124,6 +124,26 @@ def test_the_transformer_loads_alone_and_nothing_in_the_folder_runs(tmp_path):
     assert not marker.exists()
 
 
+def test_bad_requests_are_one_line_before_any_work(tmp_path):
+    from dit_train.export import latent_vae
+
+    with pytest.raises(ValueError, match="--vae=None is not valid") as e:  # a latent run whose VAE is not given
+        latent_vae({"data": {"name": "latents"}, "vae": {"path": None}}, None)
+    assert "\n" not in str(e.value)
+    model = random_dit()
+    save_export(model.state_dict(), model.config, str(tmp_path / "out"))
+    pipe = DiTTrainPipeline.from_pretrained(str(tmp_path / "out"))
+    for kwargs, match in [({"class_labels": [10]}, "class_labels=\\[10\\] is not valid: .* 0..9"),
+                          ({}, "class_labels is required"),
+                          ({"class_labels": [1], "num_inference_steps": 0}, "num_inference_steps=0")]:
+        with pytest.raises(ValueError, match=match):
+            pipe(**kwargs)
+    text = random_dit(text_dim=12)
+    save_export(text.state_dict(), text.config, str(tmp_path / "text"))
+    with pytest.raises(ValueError, match="text-conditioned model needs caption embeddings"):
+        DiTTrainPipeline.from_pretrained(str(tmp_path / "text"))(class_labels=[1])
+
+
 @pytest.mark.parametrize("umask", [0o022, 0o077])
 def test_exported_files_get_the_umasks_mode(tmp_path, umask):
     vae = tiny_vae(tmp_path / "vae", shift_factor=0.0)
