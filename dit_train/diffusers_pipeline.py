@@ -32,6 +32,7 @@ from diffusers.pipelines.pipeline_utils import ImagePipelineOutput  # noqa: E402
 from .images import to_uint8  # noqa: E402
 from .model import DiT, DiTConfig  # noqa: E402
 
+
 class DiTTrainTransformer2DModel(ModelMixin, DiT, ConfigMixin):
     """Our DiT with diffusers' config and weight loading (the `transformer` folder of an export): the same modules,
     parameter names and forward(x, t, y, ...) as dit_train.model.DiT. ModelMixin comes first (its loading and saving
@@ -45,7 +46,8 @@ class DiTTrainTransformer2DModel(ModelMixin, DiT, ConfigMixin):
                  class_dropout_prob: float = 0.1, qk_norm: bool = False, swiglu: bool = False, text_dim: int = 0,
                  torch_dtype: str | None = None, dit_train: dict | None = None):
         """torch_dtype and dit_train (the provenance export records) are kept in the config, unused by the model."""
-        self._gradient_checkpointing_func = None  # what ModelMixin.__init__ sets (its super() chain ends in DiT's)
+        # ModelMixin.__init__'s one attribute (ModelMixin.__init__ itself would call DiT's without a config)
+        self._gradient_checkpointing_func = None
         DiT.__init__(self, DiTConfig(image_size, in_channels, patch_size, hidden_size, depth, num_heads, mlp_ratio,
                                      num_classes, class_dropout_prob, qk_norm, swiglu, text_dim))
 
