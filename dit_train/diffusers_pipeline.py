@@ -17,6 +17,9 @@ Loading reads local folders only and never runs code from them: the classes are 
 
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 import torch
 
@@ -64,6 +67,34 @@ class DiTTrainTransformer2DModel(ModelMixin, DiT, ConfigMixin):
         """DiT.__init__ stores its DiTConfig; here that is the registered config, which holds the same fields."""
 
 
+LIBRARIES = {"transformer": {"dit_train.diffusers_pipeline"}, "scheduler": {"diffusers"}, "vae": {"diffusers", None}}
+
+
+def check_pipeline_index(folder: str) -> None:
+    """One line unless `folder` is a local export whose model_index.json names this pipeline and components from
+    this module or diffusers only."""
+    from .pretrained import PIPELINE_FILE
+
+    path = os.path.join(folder, PIPELINE_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{folder!r} has no {PIPELINE_FILE}: not a local folder written by python -m "
+                                f"dit_train.export (an interrupted export writes {PIPELINE_FILE} last)")
+    try:
+        with open(path, "rb") as f:
+            index = json.loads(f.read())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path!r} is damaged (not JSON: {e}); export the model again") from None
+    if not isinstance(index, dict) or index.get("_class_name") != "DiTTrainPipeline":
+        raise ValueError(f"{path!r} does not describe a DiTTrainPipeline (its _class_name is "
+                         f"{index.get('_class_name') if isinstance(index, dict) else index!r})")
+    for name, entry in index.items():
+        library = entry[0] if isinstance(entry, list) and len(entry) == 2 else entry
+        if not name.startswith("_") and library not in LIBRARIES.get(name, ()):
+            raise ValueError(f"{path!r}: component {name}={entry!r} is not valid: expected one of the library "
+                             f"names {sorted(map(str, LIBRARIES.get(name, ())))} (an export's transformer, scheduler "
+                             f"and vae)")
+
+
 class DiTTrainPipeline(DiffusionPipeline):
     """Class-conditional (or unconditional) sampling of an exported DiT: `transformer` + `scheduler` (+ `vae` for a
     latent run)."""
@@ -78,8 +109,10 @@ class DiTTrainPipeline(DiffusionPipeline):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """diffusers' loader on a local folder, without remote code (components come from this module and diffusers
-        only; a .py file in the folder is never imported)."""
+        """diffusers' loader on a local export folder, without remote code: model_index.json is checked first, so
+        the components come from this module and diffusers only (diffusers would import any module it names) and a
+        .py file in the folder is never imported."""
+        check_pipeline_index(str(pretrained_model_name_or_path))
         kwargs.update(trust_remote_code=False, local_files_only=True, custom_pipeline=None)
         return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 

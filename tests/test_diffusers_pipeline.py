@@ -114,14 +114,26 @@ def test_the_transformer_loads_alone_and_nothing_in_the_folder_runs(tmp_path):
     with torch.no_grad():
         assert torch.equal(loaded(x, t, y=torch.tensor([1, 10]), context=ctx),
                            model(x, t, y=torch.tensor([1, 10]), context=ctx))
-    # a folder that names code of its own: diffusers would import evil.py only with trust_remote_code
+    # a folder that names code of its own (diffusers would import evil.py with trust_remote_code): refused first
     marker = tmp_path / "ran"
     (tmp_path / "out" / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass Evil: pass\n")
     index = json.loads((tmp_path / "out" / "model_index.json").read_text())
     (tmp_path / "out" / "model_index.json").write_text(json.dumps({**index, "_class_name": ["evil", "Evil"]}))
-    with pytest.raises(ValueError, match="trust_remote_code"):
+    with pytest.raises(ValueError, match="does not describe a DiTTrainPipeline"):
         DiTTrainPipeline.from_pretrained(str(tmp_path / "out"))
+    # nor does a component name a module of its own (diffusers imports whatever module model_index.json names)
+    (tmp_path / "out" / "transformer" / "evil.py").write_text((tmp_path / "out" / "evil.py").read_text())
+    for entry in (["evil", "Evil"], ["antigravity", "X"]):
+        (tmp_path / "out" / "model_index.json").write_text(json.dumps({**index, "transformer": entry}))
+        with pytest.raises(ValueError, match=f"component transformer=.*{entry[0]}.* is not valid") as e:
+            DiTTrainPipeline.from_pretrained(str(tmp_path / "out"))
+        assert "\n" not in str(e.value)
     assert not marker.exists()
+    (tmp_path / "out" / "model_index.json").write_bytes(b'{"_class_name": "DiT')  # torn
+    with pytest.raises(ValueError, match="model_index.json' is damaged"):
+        DiTTrainPipeline.from_pretrained(str(tmp_path / "out"))
+    with pytest.raises(FileNotFoundError, match="has no model_index.json"):
+        DiTTrainPipeline.from_pretrained(str(tmp_path / "out" / "transformer"))
 
 
 def test_bad_requests_are_one_line_before_any_work(tmp_path):
