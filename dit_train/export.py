@@ -53,6 +53,9 @@ def latent_vae(config: dict, vae: str | None) -> str | None:
     if not path or not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"--vae={path!r} is not valid: a latent run's export includes the VAE that made its latents;"
                          f" pass --vae /path/to/vae (the AutoencoderKL folder given to encode_latents.py --vae)")
+    from .extras import require
+
+    require("diffusers", "latents", "exporting a latent run's VAE")
     return path
 
 
