@@ -4,13 +4,14 @@
     pipe = DiTTrainPipeline.from_pretrained("OUT_DIR")   # a folder written by python -m dit_train.export
     images = pipe(class_labels=[0, 3], num_inference_steps=50, guidance_scale=2.5).images
 
-Not diffusers' DiTTransformer2DModel: its timestep features, patch embedding and output head differ from ours, and it
-has no qk-norm, SwiGLU or text cross-attention, so a conversion would change the outputs. The pipeline is our Euler
+Not diffusers' DiTTransformer2DModel: its timestep features have other frequencies (downscale_freq_shift=1), so a
+conversion would change the outputs, and it has no qk-norm, SwiGLU or text cross-attention. The pipeline is our Euler
 sampler with classifier-free guidance (dit_train.flow.euler_sample) written with diffusers'
 FlowMatchEulerDiscreteScheduler: the same time grid (sigmas 1 -> 0 in equal steps, t = sigma, 1 = noise), the same
 null class, and for latent runs the same decoding (vae.LatentCodec: z / scaling_factor + shift_factor). With
 `generator=dit_train.seeds.generator("grid_noise", seed)` it gives the images of `python -m dit_train.sample --seed
-seed` (fp32 weights; the sample command runs under the run's train.precision autocast).
+seed` for up to --batch-size images (one noise draw; fp32 weights, while the sample command runs under the run's
+train.precision autocast).
 
 Loading reads local folders only and never runs code from them: the classes are this module's and diffusers'.
 """
