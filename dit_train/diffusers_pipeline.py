@@ -125,9 +125,9 @@ class DiTTrainPipeline(DiffusionPipeline):
         if class_labels is None:
             raise ValueError(f"class_labels is required: this model has classes 0..{num_classes - 1}")
         labels = torch.as_tensor(class_labels if not isinstance(class_labels, int) else [class_labels]).long()
-        bad = [c for c in labels.tolist() if not 0 <= c < num_classes]
-        if labels.dim() != 1 or bad:
-            raise ValueError(f"class_labels={class_labels!r} is not valid: a list of class ids in 0..{num_classes - 1}")
+        if labels.dim() != 1 or len(labels) == 0 or not ((labels >= 0) & (labels < num_classes)).all():
+            raise ValueError(f"class_labels={class_labels!r} is not valid: a non-empty list of class ids in "
+                             f"0..{num_classes - 1}")
         return labels
 
     @torch.no_grad()

@@ -146,6 +146,7 @@ def test_bad_requests_are_one_line_before_any_work(tmp_path):
     save_export(model.state_dict(), model.config, str(tmp_path / "out"))
     pipe = DiTTrainPipeline.from_pretrained(str(tmp_path / "out"))
     for kwargs, match in [({"class_labels": [10]}, "class_labels=\\[10\\] is not valid: .* 0..9"),
+                          ({"class_labels": [[1, 2]]}, "is not valid"), ({"class_labels": []}, "is not valid"),
                           ({}, "class_labels is required"),
                           ({"class_labels": [1], "num_inference_steps": 0}, "num_inference_steps=0")]:
         with pytest.raises(ValueError, match=match):
