@@ -32,8 +32,8 @@ def export_ema(source: str, out_dir: str, dtype: str = "fp32", vae: str | None =
     from .pretrained import save_export
 
     if out_dir.endswith(".safetensors"):
-        raise ValueError(f"OUT_DIR={out_dir!r} is not valid: export writes a folder (config.json + "
-                         f"model.safetensors); give a folder path")
+        raise ValueError(f"OUT_DIR={out_dir!r} is not valid: export writes a folder (a diffusers pipeline); give "
+                         f"a folder path")
     if dtype not in DTYPES:
         raise ValueError(f"--dtype={dtype!r} is not valid: choose one of {', '.join(DTYPES)}")
     weights, config, meta = load_ema_weights(source)
@@ -48,6 +48,9 @@ def export_ema(source: str, out_dir: str, dtype: str = "fp32", vae: str | None =
 def latent_vae(config: dict, vae: str | None) -> str | None:
     """The VAE folder a latent run's export includes (checked before anything is written); None for image runs."""
     if config["data"].get("name") != "latents":
+        if vae is not None:
+            raise ValueError(f"--vae={vae!r} is not valid here: this run trained on images (data="
+                             f"{config['data'].get('name')}); only a latent run's export includes a VAE")
         return None
     path = vae or (config.get("vae") or {}).get("path")
     if not path or not os.path.isfile(os.path.join(path, "config.json")):
@@ -63,7 +66,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dit_train.export", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("source", help="run folder or step_N.dcp checkpoint folder")
-    ap.add_argument("out_dir", help="output folder (config.json + model.safetensors)")
+    ap.add_argument("out_dir", help="output folder (model_index.json, transformer/, scheduler/[, vae/])")
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="weight dtype in the file (default fp32)")
     ap.add_argument("--vae", default=None, help="VAE folder of a latent run (default: the run's vae.path)")
     args = ap.parse_args(argv)

@@ -142,6 +142,8 @@ def test_bad_requests_are_one_line_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="--vae=None is not valid") as e:  # a latent run whose VAE is not given
         latent_vae({"data": {"name": "latents"}, "vae": {"path": None}}, None)
     assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="only a latent run's export includes a VAE"):
+        latent_vae({"data": {"name": "fashion_mnist"}}, "/some/vae")
     model = random_dit()
     save_export(model.state_dict(), model.config, str(tmp_path / "out"))
     pipe = DiTTrainPipeline.from_pretrained(str(tmp_path / "out"))
