@@ -1,12 +1,15 @@
 """Export a run's EMA weights as a model folder that other code can load.
 
-    python -m dit_train.export RUN_DIR_OR_CHECKPOINT OUT_DIR [--dtype fp32|bf16|fp16]
+    python -m dit_train.export RUN_DIR_OR_CHECKPOINT OUT_DIR [--dtype fp32|bf16|fp16] [--vae VAE_DIR]
 
-OUT_DIR gets `model.safetensors` (the EMA state dict under the DiT's parameter names) and `config.json` (the DiT's
-architecture keys, and under "dit_train" the step, the source checkpoint and the run's whole config):
+OUT_DIR is a diffusers pipeline folder (layout in dit_train/pretrained.py): `transformer/` holds the EMA state dict
+under the DiT's parameter names and `config.json` (the DiT's architecture keys, and under "dit_train" the step, the
+source checkpoint and the run's whole config); a latent run's VAE (vae.path, or --vae) is copied to `vae/`:
 
     from dit_train.model import DiT
     model = DiT.from_pretrained("OUT_DIR")
+    from dit_train.diffusers_pipeline import DiTTrainPipeline      # the [latents] extra
+    pipe = DiTTrainPipeline.from_pretrained("OUT_DIR")
 
 The input is a run folder (its newest complete checkpoint) or a checkpoint folder (step_N.dcp, written by any
 number of ranks; consolidated here without a process group); read-only step_N.pt files of earlier versions work
@@ -22,15 +25,15 @@ import sys
 from .pretrained import DTYPES
 
 
-def export_ema(source: str, out_dir: str, dtype: str = "fp32") -> dict:
+def export_ema(source: str, out_dir: str, dtype: str = "fp32", vae: str | None = None) -> dict:
     """Write the EMA model of `source` to the folder `out_dir`; returns the provenance written to config.json."""
     from .checkpoint import load_ema_weights
     from .model import DiTConfig
-    from .pretrained import save_pretrained
+    from .pretrained import save_export
 
     if out_dir.endswith(".safetensors"):
-        raise ValueError(f"OUT_DIR={out_dir!r} is not valid: export writes a folder (config.json + "
-                         f"model.safetensors); give a folder path")
+        raise ValueError(f"OUT_DIR={out_dir!r} is not valid: export writes a folder (a diffusers pipeline); give "
+                         f"a folder path")
     if dtype not in DTYPES:
         raise ValueError(f"--dtype={dtype!r} is not valid: choose one of {', '.join(DTYPES)}")
     weights, config, meta = load_ema_weights(source)
@@ -38,24 +41,43 @@ def export_ema(source: str, out_dir: str, dtype: str = "fp32") -> dict:
     architecture.validate()
     provenance = {"step": meta["step"], "source": os.path.abspath(meta["path"]), "format": meta["format"],
                   "run_config": config}
-    save_pretrained(weights, architecture, out_dir, dtype, provenance)
+    save_export(weights, architecture, out_dir, dtype, provenance, latent_vae(config, vae))
     return provenance
+
+
+def latent_vae(config: dict, vae: str | None) -> str | None:
+    """The VAE folder a latent run's export includes (checked before anything is written); None for image runs."""
+    if config["data"].get("name") != "latents":
+        if vae is not None:
+            raise ValueError(f"--vae={vae!r} is not valid here: this run trained on images (data="
+                             f"{config['data'].get('name')}); only a latent run's export includes a VAE")
+        return None
+    path = vae or (config.get("vae") or {}).get("path")
+    if not path or not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"--vae={path!r} is not valid: a latent run's export includes the VAE that made its latents;"
+                         f" pass --vae /path/to/vae (the AutoencoderKL folder given to encode_latents.py --vae)")
+    from .extras import require
+
+    require("diffusers", "latents", "exporting a latent run's VAE")
+    return path
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dit_train.export", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("source", help="run folder or step_N.dcp checkpoint folder")
-    ap.add_argument("out_dir", help="output folder (config.json + model.safetensors)")
+    ap.add_argument("out_dir", help="output folder (model_index.json, transformer/, scheduler/[, vae/])")
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="weight dtype in the file (default fp32)")
+    ap.add_argument("--vae", default=None, help="VAE folder of a latent run (default: the run's vae.path)")
     args = ap.parse_args(argv)
     try:
-        meta = export_ema(args.source, args.out_dir, args.dtype)
+        meta = export_ema(args.source, args.out_dir, args.dtype, args.vae)
     except (FileNotFoundError, KeyError, ValueError) as e:  # CheckpointError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.out_dir}: EMA weights at step {meta['step']} ({meta['format']} checkpoint {meta['source']}, "
-          f"{args.dtype}); load with DiT.from_pretrained({args.out_dir!r})")
+          f"{args.dtype}); load with DiT.from_pretrained({args.out_dir!r}) or, in diffusers, "
+          f"dit_train.diffusers_pipeline.DiTTrainPipeline.from_pretrained({args.out_dir!r})")
     return 0
 
 

@@ -34,9 +34,14 @@ class LatentCodec:
                for x in images.split(self.batch_size)]
         return torch.cat(out)
 
-    @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents -> images in [-1, 1], float32, `batch_size` latents per VAE call."""
-        out = [self.vae.decode(z.to(self.device, torch.float32) / self.scale + self.shift).sample.float()
-               for z in latents.split(self.batch_size)]
-        return torch.cat(out).clamp(-1, 1)
+        return decode_latents(self.vae, latents, self.scale, self.shift, self.batch_size)
+
+
+@torch.no_grad()
+def decode_latents(vae, latents: torch.Tensor, scale: float, shift: float, batch_size: int = 16) -> torch.Tensor:
+    """The inverse of the encoding convention, also used by the diffusers pipeline of an export."""
+    device = next(vae.parameters()).device
+    out = [vae.decode(z.to(device, torch.float32) / scale + shift).sample.float() for z in latents.split(batch_size)]
+    return torch.cat(out).clamp(-1, 1)

@@ -29,10 +29,9 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dit_train.atomic_io import atomic_write_bytes  # noqa: E402
+from dit_train.atomic_io import atomic_save_tensors, atomic_write_bytes  # noqa: E402
 from dit_train.config.latents import LATENTS_INFO, read_latents_info, vae_scaling  # noqa: E402
 from dit_train.data import build_dataset  # noqa: E402
 from dit_train.fd.features import _fingerprint  # noqa: E402
@@ -134,9 +133,8 @@ def encode_split(codec, ds, n: int, split: str, args, rank: int, world: int, pro
                     y = y.repeat_interleave(2)
                 latents.append(codec.encode(x).half().cpu())
                 labels.append(y)
-            tmp = f"{path}.tmp-{os.getpid()}"
-            save_file({"latents": torch.cat(latents).contiguous(), "labels": torch.cat(labels)}, tmp, metadata=meta)
-            os.replace(tmp, path)
+            atomic_save_tensors({"latents": torch.cat(latents).contiguous(), "labels": torch.cat(labels)}, path,
+                                meta)
         if progress is not None:
             progress.update(stop - start)
 

@@ -1,6 +1,7 @@
 import importlib.util
 import json
 import os
+import stat
 import subprocess
 import sys
 
@@ -40,6 +41,9 @@ def test_encode_image_folder_with_tiny_random_vae_then_train_reads_it(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert sorted(os.listdir(tmp_path / "lat" / "train")) == ["shard_00000.safetensors", "shard_00001.safetensors"]
+    umask = os.umask(0o022)
+    os.umask(umask)  # the subprocess's: readable like any other output, not safetensors' 0600
+    assert stat.S_IMODE(os.stat(tmp_path / "lat" / "train" / "shard_00000.safetensors").st_mode) == 0o666 & ~umask
     cfg = OmegaConf.create({"name": "latents", "root": str(tmp_path / "lat"), "image_size": 8, "channels": 4})
     ds = build_dataset(cfg, "train")
     assert len(ds) == 6 and ds[5][1] == 1 and ds[0][0].shape == (4, 8, 8)

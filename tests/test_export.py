@@ -1,5 +1,6 @@
-"""python -m dit_train.export RUN OUT_DIR writes config.json + model.safetensors, and DiT.from_pretrained(OUT_DIR)
-gives back the run's EMA model: the same outputs, without diffusers or huggingface_hub."""
+"""python -m dit_train.export RUN OUT_DIR writes a diffusers pipeline folder (transformer/config.json + weights,
+scheduler/, model_index.json), and DiT.from_pretrained(OUT_DIR) gives back the run's EMA model: the same outputs,
+without diffusers or huggingface_hub (the diffusers path: tests/test_diffusers_pipeline.py)."""
 
 import json
 import sys
@@ -35,8 +36,8 @@ def test_export_round_trip_gives_the_same_outputs(trained_run, tmp_path, monkeyp
     out = tmp_path / "exported"
     assert export_main([str(trained_run), str(out)]) == 0
     assert "DiT.from_pretrained" in capsys.readouterr().out
-    config = json.loads((out / "config.json").read_text())
-    assert config["_class_name"] == "DiT" and config["hidden_size"] == 32 and config["torch_dtype"] == "float32"
+    config = json.loads((out / "transformer" / "config.json").read_text())
+    assert config["_class_name"] == "DiTTrainTransformer2DModel" and config["hidden_size"] == 32 and config["torch_dtype"] == "float32"
     assert config["dit_train"]["step"] == 3 and config["dit_train"]["run_config"]["model"]["name"] == "dit_s"
     for blocked in ("diffusers", "huggingface_hub"):  # reading an export needs neither
         monkeypatch.setitem(sys.modules, blocked, None)
@@ -73,7 +74,7 @@ def test_save_pretrained_keeps_every_architecture_option(tmp_path):
 
 
 def test_from_pretrained_names_a_folder_that_is_not_an_export(tmp_path):
-    with pytest.raises(FileNotFoundError, match="has no config.json"):
+    with pytest.raises(FileNotFoundError, match="has no model_index.json or config.json"):
         DiT.from_pretrained(str(tmp_path))
 
 

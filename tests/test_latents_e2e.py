@@ -156,3 +156,20 @@ def test_the_sample_command_decodes_a_latent_run(runs):
 
     images, labels, _, meta = sample(str(runs["single"]), classes=[0, 1], per_class=1, steps=1)
     assert images.shape == (2, 3, 32, 32) and images.abs().max() <= 1 and meta["step"] == 4
+
+
+def test_an_exported_latent_run_samples_in_diffusers_like_the_sample_command(runs, tmp_path):
+    """python -m dit_train.export copies the run's VAE (vae.path) into the pipeline folder, and the diffusers pipeline
+    decodes like `python -m dit_train.sample` (tests/test_diffusers_pipeline.py: the non-zero shift_factor)."""
+    from dit_train import seeds
+    from dit_train.diffusers_pipeline import DiTTrainPipeline
+    from dit_train.export import main as export_main
+    from dit_train.sample import sample
+
+    assert export_main([str(runs["single"]), str(tmp_path / "out")]) == 0
+    pipe = DiTTrainPipeline.from_pretrained(str(tmp_path / "out"))
+    ours, _, _, _ = sample(str(runs["single"]), classes=[0, 1], per_class=1, steps=2, cfg_scale=2.5, seed=3)
+    out = pipe(class_labels=[0, 1], num_inference_steps=2, guidance_scale=2.5,
+               generator=seeds.generator("grid_noise", 3), output_type="pt").images
+    assert out.shape == (2, 3, 32, 32)
+    torch.testing.assert_close(out, (ours + 1) / 2, rtol=0, atol=1e-4)

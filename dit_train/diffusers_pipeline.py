@@ -1,0 +1,187 @@
+"""The exported model in diffusers (the [latents] extra): our DiT as a diffusers model and a small pipeline around it.
+
+    from dit_train.diffusers_pipeline import DiTTrainPipeline
+    pipe = DiTTrainPipeline.from_pretrained("OUT_DIR")   # a folder written by python -m dit_train.export
+    images = pipe(class_labels=[0, 3], num_inference_steps=50, guidance_scale=2.5).images
+
+Not diffusers' DiTTransformer2DModel: its timestep features have other frequencies (downscale_freq_shift=1), so a
+conversion would change the outputs, and it has no qk-norm, SwiGLU or text cross-attention. The pipeline is our Euler
+sampler with classifier-free guidance (dit_train.flow.euler_sample) written with diffusers'
+FlowMatchEulerDiscreteScheduler: the same time grid (sigmas 1 -> 0 in equal steps, t = sigma, 1 = noise), the same
+null class, and for latent runs the same decoding (vae.LatentCodec: z / scaling_factor + shift_factor). With
+`generator=dit_train.seeds.generator("grid_noise", seed)` it gives the images of `python -m dit_train.sample --seed
+seed` for up to --batch-size images (one noise draw; fp32 weights, while the sample command runs under the run's
+train.precision autocast).
+
+Loading reads local folders only and never runs code from them: the classes are this module's and diffusers'.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+
+from .extras import require
+
+require("diffusers", "latents", "loading an export with diffusers")
+
+from diffusers import AutoencoderKL, DiffusionPipeline, FlowMatchEulerDiscreteScheduler  # noqa: E402
+from diffusers.configuration_utils import ConfigMixin, register_to_config  # noqa: E402
+from diffusers.models.modeling_utils import ModelMixin  # noqa: E402
+from diffusers.pipelines.pipeline_utils import ImagePipelineOutput  # noqa: E402
+
+from .images import to_uint8  # noqa: E402
+from .model import DiT, DiTConfig  # noqa: E402
+
+
+class DiTTrainTransformer2DModel(ModelMixin, DiT, ConfigMixin):
+    """Our DiT with diffusers' config and weight loading (the `transformer` folder of an export): the same modules,
+    parameter names and forward(x, t, y, ...) as dit_train.model.DiT. ModelMixin comes first (its loading and saving
+    win over DiT's), nn.Module before ConfigMixin (module attributes resolve as in any torch model)."""
+
+    config_name = "config.json"
+
+    @register_to_config
+    def __init__(self, image_size: int = 32, in_channels: int = 1, patch_size: int = 2, hidden_size: int = 256,
+                 depth: int = 6, num_heads: int = 4, mlp_ratio: float = 4.0, num_classes: int = 10,
+                 class_dropout_prob: float = 0.1, qk_norm: bool = False, swiglu: bool = False, text_dim: int = 0,
+                 torch_dtype: str | None = None, dit_train: dict | None = None):
+        """torch_dtype and dit_train (the provenance export records) are kept in the config, unused by the model."""
+        # ModelMixin.__init__'s one attribute (ModelMixin.__init__ itself would call DiT's without a config)
+        self._gradient_checkpointing_func = None
+        DiT.__init__(self, DiTConfig(image_size, in_channels, patch_size, hidden_size, depth, num_heads, mlp_ratio,
+                                     num_classes, class_dropout_prob, qk_norm, swiglu, text_dim))
+
+    def reset_parameters(self, seed: int | None = None) -> None:
+        if not self.x_embedder.proj.weight.is_meta:  # diffusers with accelerate builds on meta, then loads
+            super().reset_parameters(seed)
+
+    @property
+    def config(self):
+        return self._internal_dict  # diffusers' frozen config: DiT reads the same keys as attributes
+
+    @config.setter
+    def config(self, value: DiTConfig) -> None:
+        """DiT.__init__ stores its DiTConfig; here that is the registered config, which holds the same fields."""
+
+
+LIBRARIES = {"transformer": {"dit_train.diffusers_pipeline"}, "scheduler": {"diffusers"}, "vae": {"diffusers", None}}
+
+
+def check_pipeline_index(folder: str) -> None:
+    """One line unless `folder` is a local export whose model_index.json names this pipeline and components from
+    this module or diffusers only."""
+    from .pretrained import PIPELINE_FILE
+
+    path = os.path.join(folder, PIPELINE_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{folder!r} has no {PIPELINE_FILE}: not a local folder written by python -m "
+                                f"dit_train.export (an interrupted export writes {PIPELINE_FILE} last)")
+    try:
+        with open(path, "rb") as f:
+            index = json.loads(f.read())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path!r} is damaged (not JSON: {e}); export the model again") from None
+    if not isinstance(index, dict) or index.get("_class_name") != "DiTTrainPipeline":
+        raise ValueError(f"{path!r} does not describe a DiTTrainPipeline (its _class_name is "
+                         f"{index.get('_class_name') if isinstance(index, dict) else index!r})")
+    for name, entry in index.items():
+        library = entry[0] if isinstance(entry, list) and len(entry) == 2 else entry
+        if not name.startswith("_") and library not in LIBRARIES.get(name, ()):
+            raise ValueError(f"{path!r}: component {name}={entry!r} is not valid: expected one of the library "
+                             f"names {sorted(map(str, LIBRARIES.get(name, ())))} (an export's transformer, scheduler "
+                             f"and vae)")
+
+
+class DiTTrainPipeline(DiffusionPipeline):
+    """Class-conditional (or unconditional) sampling of an exported DiT: `transformer` + `scheduler` (+ `vae` for a
+    latent run)."""
+
+    model_cpu_offload_seq = "transformer->vae"
+    _optional_components = ["vae"]
+
+    def __init__(self, transformer: DiTTrainTransformer2DModel, scheduler: FlowMatchEulerDiscreteScheduler,
+                 vae: AutoencoderKL | None = None):
+        super().__init__()
+        self.register_modules(transformer=transformer, scheduler=scheduler, vae=vae)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """diffusers' loader on a local export folder, without remote code: model_index.json is checked first, so
+        the components come from this module and diffusers only (diffusers would import any module it names) and a
+        .py file in the folder is never imported."""
+        check_pipeline_index(str(pretrained_model_name_or_path))
+        kwargs.update(trust_remote_code=False, local_files_only=True, custom_pipeline=None)
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+
+    def _labels(self, class_labels, batch_size: int | None) -> torch.Tensor:
+        num_classes = int(self.transformer.config.num_classes)
+        if num_classes == 0:  # unconditional: class_labels only says how many images
+            n = batch_size or (len(class_labels) if class_labels is not None else 1)
+            return torch.zeros(n, dtype=torch.long)
+        if class_labels is None:
+            raise ValueError(f"class_labels is required: this model has classes 0..{num_classes - 1}")
+        labels = torch.as_tensor(class_labels if not isinstance(class_labels, int) else [class_labels]).long()
+        if labels.dim() != 1 or len(labels) == 0 or not ((labels >= 0) & (labels < num_classes)).all():
+            raise ValueError(f"class_labels={class_labels!r} is not valid: a non-empty list of class ids in "
+                             f"0..{num_classes - 1}")
+        return labels
+
+    @torch.no_grad()
+    def __call__(self, class_labels=None, num_inference_steps: int = 50, guidance_scale: float = 1.0,
+                 generator: torch.Generator | None = None, batch_size: int | None = None, output_type: str = "pil",
+                 return_dict: bool = True):
+        """Images for `class_labels` (for an unconditional model: `batch_size` images). guidance_scale 1 = no
+        guidance; output_type "pil", "np" (HWC in [0, 1]) or "pt" (CHW in [0, 1])."""
+        if num_inference_steps < 1 or guidance_scale < 0:
+            raise ValueError(f"num_inference_steps={num_inference_steps} / guidance_scale={guidance_scale} is not "
+                             f"valid: expected steps >= 1, scale >= 0")
+        if output_type not in ("pil", "np", "pt"):
+            raise ValueError(f"output_type={output_type!r} is not valid: choose pil, np or pt")
+        model, device = self.transformer, self._execution_device
+        cfg = model.config
+        if int(cfg.text_dim):
+            raise ValueError(f"text_dim={cfg.text_dim}: a text-conditioned model needs caption embeddings, which this "
+                             f"pipeline does not take")
+        labels = self._labels(class_labels, batch_size).to(device)
+        conditional = int(cfg.num_classes) > 0
+        shape = (labels.shape[0], int(cfg.in_channels), int(cfg.image_size), int(cfg.image_size))
+        x = torch.randn(shape, generator=generator, device=device)
+        # our grid: t = 1, 1 - 1/N, ..., 1/N, then 0 (the scheduler appends the terminal sigma)
+        self.scheduler.set_timesteps(sigmas=np.linspace(1.0, 0.0, num_inference_steps + 1)[:-1], device=device)
+        guided = conditional and guidance_scale != 1.0
+        n = x.shape[0]
+        drop = torch.arange(2 * n, device=device) >= n  # second half: the null class
+        for i, timestep in enumerate(self.progress_bar(self.scheduler.timesteps)):
+            t = self.scheduler.sigmas[i].to(device).expand(n)
+            if guided:
+                v_c, v_u = model(torch.cat([x, x]), torch.cat([t, t]), y=torch.cat([labels, labels]),
+                                 drop_mask=drop).chunk(2)
+                v = v_u + guidance_scale * (v_c - v_u)
+            else:
+                v = model(x, t, y=labels if conditional else None)
+            x = self.scheduler.step(v.to(x.dtype), timestep, x).prev_sample
+        images = self._decode(x)
+        if output_type == "pt":
+            images = (images + 1) / 2
+        elif output_type == "np":
+            images = ((images + 1) / 2).permute(0, 2, 3, 1).cpu().numpy()
+        else:
+            from PIL import Image
+
+            images = [Image.fromarray(to_uint8(image)) for image in images]  # the PNG pixels of dit_train.sample
+        self.maybe_free_model_hooks()
+        return ImagePipelineOutput(images=images) if return_dict else (images,)
+
+    def _decode(self, x: torch.Tensor) -> torch.Tensor:
+        """Images in [-1, 1]: the latents decoded by the VAE as vae.LatentCodec.decode does, or x itself."""
+        if self.vae is None:
+            return x.float().clamp(-1, 1)
+        from .vae import decode_latents
+
+        scale = self.vae.config.scaling_factor
+        shift = self.vae.config.shift_factor
+        return decode_latents(self.vae, x, float(scale or 1.0), float(shift or 0.0))
