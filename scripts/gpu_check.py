@@ -38,7 +38,7 @@ STAGES = (
     ("dit15b_w8_ac", 70, 300, "the same with activation checkpointing"),
     ("dit1b3_eager", 60, 300, "dit_1b3 through the trainer, eager"),
     ("dit1b3_compile_ac", 130, 900, "dit_1b3 through the trainer, compiled, activation checkpointing"),
-    ("checkpoint", 75, 400, "asynchronous DCP save + resume through the trainer (dit_1b3, 12 blocks)"),
+    ("checkpoint", 75, 400, "asynchronous DCP save + resume through the trainer (dit_1b3, 8 blocks)"),
 )
 SETUP_S = 15  # gpu_check.sh before and after the stages: device query, plan, table
 GPU_BUDGET_S = 540  # 9 minutes

@@ -24,6 +24,8 @@ GEMM_MIN_OF_SPEC = 0.5
 # dense bf16 tensor-core peaks (TFLOP/s, NVIDIA data sheets, no sparsity), the MFU denominator; first match wins
 SPEC_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("GH200", 989.4), ("H200", 989.4), ("H100", 989.4),
                     ("H800", 989.4), ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.0))
+# loss of a step after resume against the same step before: closer than this is the kernels' nondeterminism
+RESUMED_LOSS_RTOL = 1e-3
 # NS5 forms: the automatic choice (Gram at c >= 2r) must be within this of the faster form at batch 8
 NS5_CHOICE_SLACK = 1.10
 # host reads per training step: Trainer.step_flags' one read (docs/algorithms.md, "Host synchronisation")
@@ -119,9 +121,9 @@ def stage_env(ctx) -> dict:
     q, k, v = (torch.randn(batch, 32, 256, 128, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     used = sdpa_backends(q, k, v)
     values["sdpa_backends"] = used
-    fused = bool(used) and "math" not in used
-    checks.append(check("SDPA kernel at head dim 128 (forward + backward)", ", ".join(used) or "none seen",
-                        "a fused kernel (flash / cudnn / efficient), not math", fused))
+    checks.append(check("SDPA kernel at head dim 128 (forward + backward)",
+                        ", ".join(used) or "none seen by the profiler (not judged)",
+                        "a fused kernel (flash / cudnn / efficient), not math", "math" not in used if used else None))
     # the GEMM rate in the compute dtype: square matmuls back to back, median of 5 rounds
     n = 8192 if device.type == "cuda" else 256
     reps = 20 if device.type == "cuda" else 3
@@ -454,7 +456,7 @@ def stage_dit15b(ctx) -> dict:
     return {"checks": checks, "values": values}
 
 
-def memory_checks(ctx, device: torch.device, values: dict) -> list[dict]:
+def memory_checks(ctx, device: torch.device, values: dict, compiled: bool = False) -> list[dict]:
     """The process's peak allocated and reserved bytes against the background estimate of the same configuration
     (judged now if it has finished, else when the table is made: gpu_check_table.settle)."""
     from gpu_check_table import memory_check
@@ -463,7 +465,8 @@ def memory_checks(ctx, device: torch.device, values: dict) -> list[dict]:
     if device.type == "cuda":
         memory = {"allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
                   "reserved_gib": torch.cuda.max_memory_reserved(device) / GIB,
-                  "device_gib": torch.cuda.get_device_properties(device).total_memory / GIB}
+                  "device_gib": torch.cuda.get_device_properties(device).total_memory / GIB,
+                  **({"upper_only": True} if compiled else {})}
     values["memory"] = memory
     return [memory_check(ctx.results_dir, ctx.name, memory)]
 
@@ -527,7 +530,7 @@ def trainer_dist(ctx):
     return init_distributed(single_process_group=True, device=device_for(ctx))
 
 
-def trainer_checks(ctx, cfg, results, label: str) -> tuple[list[dict], dict]:
+def trainer_checks(ctx, cfg, results, label: str, compiled: bool = False) -> tuple[list[dict], dict]:
     from dit_train.model_flops import training_flops_per_image
 
     device = torch.device(ctx.device_type)
@@ -548,7 +551,7 @@ def trainer_checks(ctx, cfg, results, label: str) -> tuple[list[dict], dict]:
         values["mfu"] = flops / step_s / denominator
         checks.append(check(f"MFU (model FLOPs / step time / {against})", f"{values['mfu']:.1%}",
                             "reported (first measurement)", None))
-    checks += memory_checks(ctx, device, values)
+    checks += memory_checks(ctx, device, values, compiled)
     return checks, values
 
 
@@ -568,7 +571,7 @@ def stage_dit1b3_compile_ac(ctx) -> dict:
     cfg = trainer_config(ctx, "compile_ac", checkpointing=True, compiled=True)
     with built_trainer(cfg, dist) as trainer:
         results = run_steps(trainer, 1 + 3, ctx)
-    checks, values = trainer_checks(ctx, cfg, results, "dit_1b3 compiled + AC")
+    checks, values = trainer_checks(ctx, cfg, results, "dit_1b3 compiled + AC", compiled=True)
     values["compile_step_s"] = results[0][1]
     checks.insert(1, check("first step (compiling the blocks)", f"{results[0][1]:.1f} s", "reported", None))
     eager = ((ctx.previous("dit1b3_eager") or {}).get("values") or {}).get("first_loss")
@@ -586,48 +589,70 @@ def stage_dit1b3_compile_ac(ctx) -> dict:
 
 # ---- checkpoint ---------------------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def deterministic_algorithms():
-    """Kernels with a deterministic variant use it (CUDA: flash-attention backward among them); one without one
-    raises, naming itself. (CUBLAS_WORKSPACE_CONFIG is set before CUDA starts: stage_checkpoint.)"""
+def deterministic_algorithms(nondeterministic: list):
+    """Kernels with a deterministic variant use it; one without one warns (warn_only: the check must not stop at
+    it) and is named in `nondeterministic`. (CUBLAS_WORKSPACE_CONFIG is set before CUDA starts: stage_checkpoint.)"""
     before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        yield
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            yield
     finally:
         torch.use_deterministic_algorithms(before)
+        nondeterministic.extend(sorted({str(w.message).split(" does not have a deterministic")[0][:120]
+                                        for w in seen if "deterministic" in str(w.message)}))
 
 
-def _local_tensors(trainer) -> dict[str, torch.Tensor]:
+def flat_tensors(tree, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of nested dicts / lists (a checkpoint's tensor state) by its path: local shards, on the host."""
     from dit_train.parallel import local
 
-    named = [(f"model.{k}", p) for k, p in trainer.model.named_parameters()]
-    named += [(f"ema.{k}", p) for k, p in trainer.ema.model.named_parameters()]
-    return {k: local(p).detach() for k, p in named}
+    if isinstance(tree, torch.Tensor):
+        return {prefix: local(tree).detach().cpu().clone()}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    out = {}
+    for k, v in items:
+        out.update(flat_tensors(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def trainer_state(trainer) -> dict[str, torch.Tensor]:
+    """What a checkpoint holds of the trainer's tensors (model, optimizer, EMA), on the host."""
+    from dit_train import checkpoint as ckpt
+
+    return flat_tensors(ckpt.tensor_state(trainer.model, trainer.optimizer, trainer.ema.model))
+
+
+def differing(a: dict, b: dict) -> list[str]:
+    return sorted(set(a) ^ set(b)) + [k for k in a if k in b and not torch.equal(a[k], b[k])]
 
 
 def stage_checkpoint(ctx, before: int = 2, after: int = 2) -> dict:
-    """`before` steps, an asynchronous Trainer.save (DCP), `after` steps; a new trainer resumes from that checkpoint
-    and takes the same `after` steps: losses, gradient norms, model and EMA weights must be bit-identical."""
+    """`before` steps, an asynchronous Trainer.save (DCP), `after` steps; a new trainer resumes from that checkpoint:
+    its tensors must be the saved ones bit for bit, and its `after` steps the same as the first trainer's (bit for
+    bit under deterministic algorithms; a kernel without a deterministic variant is named instead of failed)."""
     from dit_train import checkpoint as ckpt
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS; read when CUDA starts
     dist = trainer_dist(ctx)
-    # dit_1b3's blocks at 12 deep (0.55 B parameters, ~7 GB of checkpoint): GB/s at size, within the stage's time
-    extra = [*([] if ctx.smoke else ["model.depth=12"]), "train.async_checkpoint=true"]
+    # dit_1b3 at 8 blocks deep (0.35 B parameters, ~4 GB of checkpoint): GB/s at size, within the stage's time
+    extra = [*([] if ctx.smoke else ["model.depth=8"]), "train.async_checkpoint=true"]
     cfg = trainer_config(ctx, "checkpoint", extra=extra)
-    saved = {}
-    with deterministic_algorithms():
+    saved, nondeterministic = {}, []
+    with deterministic_algorithms(nondeterministic):
         with built_trainer(cfg, dist) as trainer:
             run_steps(trainer, before)
+            at_save = trainer_state(trainer)
             forward = trainer.saver.log_metrics
-            trainer.saver.log_metrics = lambda step, m: (saved.update(m), forward(step, m))  # ckpt/save_s, write_s
+            trainer.saver.log_metrics = lambda step, m: (saved.update(m), forward(step, m))  # ckpt/write_s, bytes
             t0 = time.perf_counter()
             trainer.save()  # returns once the shards are staged in host memory: what training waits for
             staged_s = time.perf_counter() - t0
             trainer.saver.wait(trainer.state.step)
             path = ckpt.list_checkpoints(cfg.run_dir)[-1]
             expected = run_steps(trainer, after)
-            reference = {k: t.cpu() for k, t in _local_tensors(trainer).items()}
+            reference = trainer_state(trainer)
         del trainer
         resumed = trainer_config(ctx, "checkpoint", extra=[*extra, f"train.resume={path}"])
         with built_trainer(resumed, dist) as trainer:
@@ -635,25 +660,37 @@ def stage_checkpoint(ctx, before: int = 2, after: int = 2) -> dict:
             trainer.resume()
             load_s = time.perf_counter() - t0
             step = trainer.state.step
+            loaded = differing(at_save, trainer_state(trainer))
             got = run_steps(trainer, after)
-            differ = [k for k, t in _local_tensors(trainer).items() if not torch.equal(t.cpu(), reference[k])]
+            differ = differing(reference, trainer_state(trainer))
     size = saved.get("ckpt/bytes") or ckpt.folder_bytes(path)
     write_s = saved.get("ckpt/write_s")
     gb = size / 1e9
     keys = ("train/loss", "train/grad_norm")
     same = all(a[0][k] == b[0][k] for a, b in zip(expected, got) for k in keys)
-    values = {"bytes": size, "staged_s": staged_s, "write_s": write_s, "load_s": load_s}
+    values = {"bytes": size, "staged_s": staged_s, "write_s": write_s, "load_s": load_s,
+              "nondeterministic": nondeterministic}
+    # After an exact resume, steps that differ a little are the kernels' doing (one without a deterministic variant,
+    # named when torch knows it); lost state (the noise generator, the schedule, a moment) changes the loss itself.
+    rel = max((abs(a[0]["train/loss"] - b[0]["train/loss"]) / abs(a[0]["train/loss"]) for a, b in zip(expected, got)),
+              default=0.0)
+    small = rel <= RESUMED_LOSS_RTOL
+    why = ("nondeterministic: " + "; ".join(nondeterministic)) if nondeterministic else "no kernel reported itself"
     checks = [
         check("asynchronous save: staging (what training waits for)",
               f"{gb:.2f} GB in {staged_s:.2f} s = {gb / staged_s:.2f} GB/s", "reported", None),
         check("background write", f"{write_s:.2f} s = {gb / write_s:.2f} GB/s" if write_s else "not reported",
               "reported (ckpt/write_s)", None if write_s else False),
         check("resume", f"step {step} in {load_s:.2f} s = {gb / load_s:.2f} GB/s", f"step {before}", step == before),
-        check(f"next {after} steps after resume: losses and grad norms", "bit-identical" if same else ", ".join(
-            f"{a[0]['train/loss']!r} vs {b[0]['train/loss']!r}" for a, b in zip(expected, got)), "bit-identical",
-              same),
-        check("model + EMA tensors after those steps", f"{len(reference) - len(differ)} of {len(reference)} identical"
-              + (f", first differing {differ[0]}" if differ else ""), "all identical", not differ),
+        check("model, optimizer and EMA tensors after resume", f"{len(at_save) - len(loaded)} of {len(at_save)} "
+              f"as saved" + (f", first differing {loaded[0]}" if loaded else ""), "all bit-identical", not loaded),
+        check(f"next {after} steps: losses and grad norms", "bit-identical" if same else
+              f"relative loss difference {rel:.1e} ({why})", f"bit-identical (deterministic algorithms); a "
+              f"difference <= {RESUMED_LOSS_RTOL:g} is reported, not failed", True if same else (None if small else False)),
+        check("model, optimizer and EMA tensors after those steps",
+              f"{len(reference) - len(differ)} of {len(reference)} identical"
+              + (f", first differing {differ[0]}" if differ else ""), "all bit-identical (as the steps)",
+              True if not differ else (None if small else False)),
     ]
     return {"checks": checks, "values": values}
 

@@ -65,13 +65,12 @@ def test_cpu_smoke_runs_every_stage_and_each_passes(tmp_path):
     assert ("checkpoint", "model + EMA tensors after those steps") in checks
     assert any(k[0] == "dit1b3_compile_ac" and k[1].startswith("first loss vs eager") and c["ok"]
                for k, c in checks.items())
-    for stage in ("dit15b_w32", "dit15b_w8_ac", "dit1b3_eager"):  # the estimate of the stage's own configuration
-        est = rows[stage]["checks"][-1] if stage == "dit1b3_eager" else next(
-            c for c in rows[stage]["checks"] if c["what"].startswith("memory estimate"))
-        assert est["ok"] is not False and "GiB" in gpu_check_table.settle(str(res), rows[stage])["checks"][-1][
-            "measured"] if stage == "dit1b3_eager" else est["ok"] is not False
-    names = {c["what"].split(",")[0] for c in rows["optimizers"]["checks"]}
-    assert {"adamw", "muon", "periodic_rowwise (K=2", "rownorm", "mud"} <= names | {n.split(")")[0] for n in names}
+    # the estimate of every stage's own configuration ran; one still running at the stage's end is judged in the table
+    estimates = [line for line in table.splitlines() if "| memory estimate of this configuration |" in line]
+    assert len(estimates) == 6 and all(" GiB | it ran" in line and line.endswith("| ok |") for line in estimates)
+    optimizers = [c["what"] for c in rows["optimizers"]["checks"]]
+    assert len(optimizers) == 13 and all(c["ok"] for c in rows["optimizers"]["checks"])
+    assert {w.split(",")[0].split(" (")[0] for w in optimizers} == {"adamw", "muon", "periodic_rowwise", "rownorm", "mud"}
 
 
 def test_a_killed_stage_is_a_fail_line_and_the_next_stage_still_runs(tmp_path):
