@@ -18,29 +18,32 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (name, GPU timeout s, CPU smoke timeout s, what it checks), in the order they run: what decides the most first,
-# compile + activation checkpointing before the checkpoint. GPU: the sum with SETUP_S is under 9 minutes by
-# construction (tests/test_gpu_check.py). CPU smoke: only a hang's limit (a loaded 2-core host runs the stages 5x
+# compile + activation checkpointing before the checkpoint. GPU: their sum, with a kill grace each and SETUP_S, is
+# at most 9 minutes by construction (tests/test_gpu_check.py). CPU smoke: only a hang's limit (a loaded 2-core host runs the stages 5x
 # slower than an idle one; the compile stage is a cold inductor compile).
 STAGES = (
     ("env", 20, 240, "versions, SDPA backend at head dim 128, bf16 GEMM rate"),
     ("ns5", 20, 240, "NS5 at dit_15b's matrix shapes, batch 1 and 8, Gram vs plain"),
     ("optimizers", 25, 300, "every optimizer's refresh and RowNorm steps at dit_15b's shapes, 1 and 8 ranks"),
     ("dit15b_w32", 40, 300, "dit_15b as rank 0 of 32, periodic_rowwise K=3, no activation checkpointing"),
-    ("dit15b_w32_ac", 40, 300, "the same with activation checkpointing"),
-    ("dit15b_w8", 40, 300, "dit_15b as rank 0 of 8, no activation checkpointing"),
+    ("dit15b_w32_ac", 35, 300, "the same with activation checkpointing"),
+    ("dit15b_w8", 35, 300, "dit_15b as rank 0 of 8, no activation checkpointing"),
     ("dit15b_w8_ac", 70, 300, "the same with activation checkpointing"),
     ("dit1b3_eager", 60, 300, "dit_1b3 through the trainer, eager"),
     ("dit1b3_compile_ac", 130, 900, "dit_1b3 through the trainer, compiled, activation checkpointing"),
     ("checkpoint", 75, 400, "asynchronous DCP save + resume through the trainer (dit_1b3, 8 blocks)"),
 )
-SETUP_S = 15  # gpu_check.sh before and after the stages: device query, plan, table
+SETUP_S = 10  # gpu_check.sh before and after the stages: device query (5 s at most), plan, one line per stage, table
+KILL_GRACE_S = 2  # a stage that outlives its timeout by this much is killed (SIGKILL after the SIGTERM)
 GPU_BUDGET_S = 540  # 9 minutes
 ESTIMATE_TIMEOUT_S = 300  # each background memory estimate (CPU, one thread)
 
@@ -83,12 +86,16 @@ def plan(smoke: bool, only: list[str] | None) -> list[tuple[str, float]]:
 class Context:
     """What a stage knows: its device, deadline, the results of the stages before it, and where to write."""
 
-    def __init__(self, name: str, results_dir: str, timeout_s: float, smoke: bool):
+    def __init__(self, name: str, results_dir: str, timeout_s: float, smoke: bool, work_dir: str | None = None):
         self.name, self.results_dir, self.smoke = name, results_dir, smoke
         self.started = time.monotonic()
         # the stage ends its own work before this; the rest of the timeout is for writing its line
         self.deadline = self.started + timeout_s - min(10.0, 0.15 * timeout_s)
         self.notes: list[str] = []
+        # run folders (a checkpoint of ~4 GB among them) go to a temporary folder, removed with the stage (and by
+        # gpu_check.sh, whose --work-dir it is in, after a stage that was killed), never to the results folder:
+        # that stays small enough to be copied back from a GPU machine
+        self.work_dir = tempfile.mkdtemp(prefix=f"{name}_", dir=work_dir)
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -109,10 +116,10 @@ def append_line(results_dir: str, row: dict) -> None:
         os.fsync(f.fileno())
 
 
-def run_stage(name: str, results_dir: str, timeout_s: float, smoke: bool) -> int:
+def run_stage(name: str, results_dir: str, timeout_s: float, smoke: bool, work_dir: str | None = None) -> int:
     sys.path.insert(0, ROOT)
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    ctx = Context(name, results_dir, timeout_s, smoke)
+    ctx = Context(name, results_dir, timeout_s, smoke, work_dir)
     row = {"stage": name, "ok": False, "checks": [], "values": {}}
     from gpu_check_table import passed
 
@@ -126,6 +133,8 @@ def run_stage(name: str, results_dir: str, timeout_s: float, smoke: bool) -> int
         traceback.print_exc()
         text = str(e).strip().splitlines()
         row["error"] = f"{type(e).__name__}: {text[0][:300] if text else ''}".rstrip(": ")
+    finally:
+        shutil.rmtree(ctx.work_dir, ignore_errors=True)
     row["seconds"] = round(time.monotonic() - ctx.started, 1)
     if ctx.notes:
         row["notes"] = ctx.notes
@@ -143,14 +152,15 @@ def main(argv=None) -> int:
     ap.add_argument("--stage", default=None, help="run this stage")
     ap.add_argument("--results", default=None, help="the results folder (results.jsonl, estimates)")
     ap.add_argument("--timeout", type=float, default=None, help="the stage's timeout in seconds")
+    ap.add_argument("--work-dir", default=None, help="where the stage's temporary run folders go")
     args = ap.parse_args(argv)
     if args.plan:
         for name, t in plan(args.cpu_smoke, args.only.split(",") if args.only else None):
             print(f"{name}\t{t:g}")
         return 0
     if args.budget:  # the GPU's 9 minutes (on CPU: the stages' timeouts), and each estimate's timeout
-        total = GPU_BUDGET_S if not args.cpu_smoke else SETUP_S + sum(s[2] for s in STAGES)
-        print(total, ESTIMATE_TIMEOUT_S)
+        total = GPU_BUDGET_S if not args.cpu_smoke else SETUP_S + sum(s[2] + KILL_GRACE_S for s in STAGES)
+        print(total, ESTIMATE_TIMEOUT_S, KILL_GRACE_S)
         return 0
     if args.estimates:
         stages = [name for name, _ in plan(args.cpu_smoke, args.only.split(",") if args.only else None)]
@@ -164,7 +174,7 @@ def main(argv=None) -> int:
     if not args.results or not os.path.isdir(args.results):
         ap.error(f"--results {args.results!r} is not a folder")
     timeout = args.timeout or dict(plan(args.cpu_smoke, None))[args.stage]
-    return run_stage(args.stage, args.results, timeout, args.cpu_smoke)
+    return run_stage(args.stage, args.results, timeout, args.cpu_smoke, args.work_dir)
 
 
 if __name__ == "__main__":

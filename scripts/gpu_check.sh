@@ -40,9 +40,11 @@ print(' '.join(m for m in ('torch', 'hydra', 'omegaconf', 'numpy', 'safetensors'
   exit 2
 fi
 PLAN=$("$PY" scripts/gpu_check.py --plan $SMOKE ${ONLY:+--only "$ONLY"}) || exit 2
-read -r BUDGET ESTIMATE_TIMEOUT < <("$PY" scripts/gpu_check.py --budget $SMOKE)
+read -r BUDGET ESTIMATE_TIMEOUT KILL_GRACE < <("$PY" scripts/gpu_check.py --budget $SMOKE)
 BUDGET=$(awk "BEGIN{printf \"%d\", $BUDGET * $SCALE}")
 start=$(date +%s)
+# default: under $OUT when it is a folder (what a lent GPU machine copies back), else a new temporary folder
+if [ -z "$RESULTS" ] && [ -n "${OUT:-}" ] && [ -d "$OUT" ] && [ -w "$OUT" ]; then RESULTS="$OUT/gpu_check"; fi
 RESULTS=${RESULTS:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")}
 mkdir -p "$RESULTS"
 if [ -e "$RESULTS/results.jsonl" ]; then
@@ -51,9 +53,11 @@ fi
 if [ -z "$OUT_MD" ]; then
   if [ -n "$SMOKE" ]; then OUT_MD="$RESULTS/gpu_check.md"; else OUT_MD=docs/gpu_check.md; fi
 fi
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_work.XXXXXX")  # the stages' run folders, removed at the end
+trap 'rm -rf "$WORK"' EXIT
 echo "gpu_check: results in $RESULTS"
 if [ -z "$SMOKE" ]; then
-  timeout 15 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader \
+  timeout 5 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader \
     > "$RESULTS/nvidia-smi.txt" 2>&1; cat "$RESULTS/nvidia-smi.txt"
 fi
 
@@ -82,9 +86,11 @@ while IFS=$'\t' read -r name t; do
   t=$(awk "BEGIN{print $t * $SCALE}")
   PLANNED="$PLANNED${PLANNED:+,}$name"
   echo "== $name (timeout $t s)"
-  timeout -k 5 "$t" "$PY" scripts/gpu_check.py --stage "$name" --results "$RESULTS" --timeout "$t" $SMOKE \
+  timeout -k "$KILL_GRACE" "$t" "$PY" scripts/gpu_check.py --stage "$name" --results "$RESULTS" --timeout "$t" \
+    --work-dir "$WORK" $SMOKE \
     > "$RESULTS/$name.log" 2>&1 < /dev/null
   rc=$?
+  rm -rf "${WORK:?}"/*  # what a killed stage left
   "$PY" scripts/gpu_check_table.py --results "$RESULTS" --ensure "$name" --rc "$rc" --timeout "$t" \
     --log "$RESULTS/$name.log"
   [ "$rc" -eq 0 ] || { echo "   (last lines of $RESULTS/$name.log)"; tail -n 8 "$RESULTS/$name.log" | cut -c1-300 | sed 's/^/   | /'; }
@@ -102,7 +108,9 @@ COMMAND="bash scripts/gpu_check.sh${SMOKE:+ $SMOKE}${ONLY:+ --only $ONLY}"
 "$PY" scripts/gpu_check_table.py --results "$RESULTS" --render --planned "$PLANNED" --out "$OUT_MD" \
   --command "$COMMAND" --date "$(date -u '+%Y-%m-%d %H:%M UTC')"
 status=$?
-if [ -z "$SMOKE" ] && [ "$OUT_MD" = docs/gpu_check.md ]; then cp "$RESULTS/results.jsonl" docs/gpu_check.jsonl; fi
+if [ -z "$SMOKE" ] && [ "$OUT_MD" = docs/gpu_check.md ]; then
+  cp "$RESULTS/results.jsonl" docs/gpu_check.jsonl; cp docs/gpu_check.md "$RESULTS/gpu_check.md"
+fi
 echo "gpu_check: done in $(( $(date +%s) - start )) s (exit status $status); table in $OUT_MD, logs in $RESULTS"
 exit $status
 }

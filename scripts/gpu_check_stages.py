@@ -480,7 +480,7 @@ def trainer_config(ctx, name: str, checkpointing: bool = False, compiled: bool =
 
     B = TRAINER_BATCH["smoke" if ctx.smoke else "gpu"]
     p = "fp32" if ctx.smoke else "bf16"
-    work = os.path.join(ctx.results_dir, "runs", name)
+    work = os.path.join(ctx.work_dir, name)
     with initialize_config_dir(config_dir=os.path.join(ROOT, "dit_train", "conf"), version_base="1.3"):
         return hcompose(config_name="config", overrides=[
             "model=dit_1b3", *(SMOKE_TRAINER if ctx.smoke else []), f"optimizer={OPTIMIZER}", "optimizer.K=3",

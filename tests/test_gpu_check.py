@@ -35,7 +35,7 @@ def lines(results_dir) -> list[dict]:
 
 
 def test_the_gpu_plan_fits_nine_minutes_and_compile_is_not_last():
-    total = gpu_check.SETUP_S + sum(gpu_s for _, gpu_s, _, _ in gpu_check.STAGES)
+    total = gpu_check.SETUP_S + sum(gpu_s + gpu_check.KILL_GRACE_S for _, gpu_s, _, _ in gpu_check.STAGES)
     assert total <= gpu_check.GPU_BUDGET_S == 540
     assert STAGES.index("dit1b3_compile_ac") < len(STAGES) - 1
     assert STAGES[:2] == ["env", "ns5"]  # what decides the most first
