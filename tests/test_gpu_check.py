@@ -2,9 +2,9 @@
 finishes (a killed, crashed or raising stage is a FAIL line and the others stay), the GPU plan under 9 minutes by
 construction, and the CPU smoke test of every stage passing.
 
-test_cpu_smoke_runs_every_stage_and_each_passes is the slow one (all ten stages and six memory estimates, each in
-its own process, a cold CPU compile among them: about 4 minutes on an idle 2-core host, more under load); the
-others take seconds."""
+test_cpu_smoke_runs_every_stage_and_each_passes is the slow one: all ten stages and six memory estimates, each in
+its own process, a cold CPU compile among them; 290-340 s measured on this 2-core host shared with four other jobs
+(load ~10). The others take seconds."""
 
 import json
 import os
@@ -62,7 +62,8 @@ def test_cpu_smoke_runs_every_stage_and_each_passes(tmp_path):
     # what each stage measured, next to what it is held against
     checks = {(r["stage"], c["what"]): c for r in rows.values() for c in r["checks"]}
     assert checks[("env", "SDPA kernel at head dim 128 (forward + backward)")]["measured"] == "flash (CPU)"
-    assert ("checkpoint", "model + EMA tensors after those steps") in checks
+    assert checks[("checkpoint", "model, optimizer and EMA tensors after resume")]["ok"] is True
+    assert checks[("checkpoint", "model, optimizer and EMA tensors after those steps")]["ok"] is True
     assert any(k[0] == "dit1b3_compile_ac" and k[1].startswith("first loss vs eager") and c["ok"]
                for k, c in checks.items())
     # the estimate of every stage's own configuration ran; one still running at the stage's end is judged in the table
