@@ -32,11 +32,9 @@ done
 if ! [[ "$SCALE" =~ ^[0-9]*\.?[0-9]+$ ]] || [ "$(awk "BEGIN{print ($SCALE > 0)}")" != 1 ]; then
   echo "gpu_check.sh: --timeout-scale '$SCALE' is not valid: a positive number" >&2; exit 2
 fi
-if ! missing=$("$PY" -c "
-import importlib.util as u
-print(' '.join(m for m in ('torch', 'hydra', 'omegaconf', 'numpy', 'safetensors', 'tqdm', 'yaml') if u.find_spec(m) is None))
-" 2>&1) || [ -n "$missing" ]; then
-  echo "gpu_check.sh: missing Python packages for $PY: ${missing:-python does not run}; install them first (scripts/setup.sh)" >&2
+# what every stage imports, with this checkout first on the path: a missing package is one line, before anything runs
+if ! err=$("$PY" -c "import torch, hydra, dit_train.train" 2>&1); then
+  echo "gpu_check.sh: $PY cannot import the trainer: $(printf '%s\n' "$err" | tail -n 1); install what it names first (scripts/setup.sh keeps an installed torch)" >&2
   exit 2
 fi
 PLAN=$("$PY" scripts/gpu_check.py --plan $SMOKE ${ONLY:+--only "$ONLY"}) || exit 2

@@ -156,3 +156,17 @@ def test_a_results_folder_is_never_appended_to(tmp_path):
     proc = run_script("--cpu-smoke", "--results", str(tmp_path), timeout=120)
     assert proc.returncode == 2 and "already holds a results.jsonl" in proc.stderr
     assert (tmp_path / "results.jsonl").read_text() == "{}\n"
+
+
+def test_a_python_without_the_trainer_is_refused_in_one_line(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'Traceback ...' >&2\necho \"ModuleNotFoundError: No module named 'hydra'\" >&2\n"
+                    "exit 1\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake)}
+    proc = subprocess.run(["bash", SCRIPT, "--cpu-smoke", "--results", str(tmp_path / "r")], capture_output=True,
+                          text=True, env=env, timeout=60)
+    assert proc.returncode == 2 and proc.stderr == (
+        f"gpu_check.sh: {fake} cannot import the trainer: ModuleNotFoundError: No module named 'hydra'; install what "
+        "it names first (scripts/setup.sh keeps an installed torch)\n")
+    assert not (tmp_path / "r").exists()
