@@ -312,18 +312,18 @@ def stage_optimizers(ctx) -> dict:
 
 # ---- dit_15b as rank 0 of W: real tensors, fake process group -----------------------------------------------------
 @contextlib.contextmanager
-def counting_host_syncs(device: torch.device, sink: list):
-    """Every synchronising CUDA call inside (torch.cuda.set_sync_debug_mode 'warn'), as the first frame of this
-    repository's code that made it; nothing on CPU."""
-    if device.type != "cuda":
-        yield
-        return
+def sync_warnings(sink: list):
+    """Every "synchronizing CUDA operation" warning inside (torch.cuda.set_sync_debug_mode 'warn' issues one per
+    synchronising call), appended to `sink` as the innermost frame of this repository's code outside the check that
+    made it (path:line); other warnings are shown as usual."""
     import traceback
 
     def show(message, category, filename, lineno, file=None, line=None):
-        if "synchronizing" not in str(message).lower() and "synchroniz" not in str(message).lower():
+        if "synchroniz" not in str(message).lower():
             return previous(message, category, filename, lineno, file, line)
-        ours = [f for f in traceback.extract_stack()[:-1] if ROOT in f.filename and "gpu_check" not in f.filename]
+        check_itself = os.path.join(ROOT, "scripts", "gpu_check")
+        ours = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(ROOT + os.sep)
+                and not f.filename.startswith(check_itself)]
         where = ours[-1] if ours else None
         sink.append(f"{os.path.relpath(where.filename, ROOT)}:{where.lineno}" if where else f"{filename}:{lineno}")
 
@@ -331,12 +331,24 @@ def counting_host_syncs(device: torch.device, sink: list):
         warnings.simplefilter("always")
         previous = warnings.showwarning
         warnings.showwarning = show
+        try:
+            yield
+        finally:
+            warnings.showwarning = previous
+
+
+@contextlib.contextmanager
+def counting_host_syncs(device: torch.device, sink: list):
+    """The synchronising CUDA calls inside, in `sink` (sync_warnings); nothing on CPU."""
+    if device.type != "cuda":
+        yield
+        return
+    with sync_warnings(sink):
         torch.cuda.set_sync_debug_mode("warn")
         try:
             yield
         finally:
             torch.cuda.set_sync_debug_mode("default")
-            warnings.showwarning = previous
 
 
 def sharded_step(model, ema, optimizer, scheduler, cfg, noise_of, x, y) -> None:

@@ -170,3 +170,19 @@ def test_a_python_without_the_trainer_is_refused_in_one_line(tmp_path):
         f"gpu_check.sh: {fake} cannot import the trainer: ModuleNotFoundError: No module named 'hydra'; install what "
         "it names first (scripts/setup.sh keeps an installed torch)\n")
     assert not (tmp_path / "r").exists()
+
+
+def test_host_syncs_are_counted_where_the_repository_made_them():
+    """The dit_15b stages' sync count: each 'synchronizing CUDA operation' warning (what set_sync_debug_mode('warn')
+    issues on CUDA) is one sync, located at this repository's innermost frame; other warnings pass through."""
+    import warnings
+
+    import gpu_check_stages
+
+    sink = []
+    with pytest.warns(UserWarning, match="something else"):
+        with gpu_check_stages.sync_warnings(sink):
+            for _ in range(2):
+                warnings.warn("called a synchronizing CUDA operation", UserWarning)  # the line counted
+            warnings.warn("something else", UserWarning)
+    assert len(sink) == 2 and sink[0] == sink[1] and sink[0].startswith("tests/test_gpu_check.py:")
