@@ -37,6 +37,10 @@ if ! err=$("$PY" -c "import torch, hydra, dit_train.train" 2>&1); then
   echo "gpu_check.sh: $PY cannot import the trainer: $(printf '%s\n' "$err" | tail -n 1); install what it names first (scripts/setup.sh keeps an installed torch)" >&2
   exit 2
 fi
+if [ -z "$SMOKE" ] && ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+  echo "gpu_check.sh: no CUDA device is visible to $PY (torch.cuda.is_available() is False); run it on a GPU machine, or --cpu-smoke to check the check on CPU" >&2
+  exit 2
+fi
 PLAN=$("$PY" scripts/gpu_check.py --plan $SMOKE ${ONLY:+--only "$ONLY"}) || exit 2
 read -r BUDGET ESTIMATE_TIMEOUT KILL_GRACE < <("$PY" scripts/gpu_check.py --budget $SMOKE)
 BUDGET=$(awk "BEGIN{printf \"%d\", $BUDGET * $SCALE}")

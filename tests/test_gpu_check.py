@@ -186,3 +186,11 @@ def test_host_syncs_are_counted_where_the_repository_made_them():
                 warnings.warn("called a synchronizing CUDA operation", UserWarning)  # the line counted
             warnings.warn("something else", UserWarning)
     assert len(sink) == 2 and sink[0] == sink[1] and sink[0].startswith("tests/test_gpu_check.py:")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a host without a visible GPU")
+def test_without_a_gpu_the_check_says_so_in_one_line_before_anything_runs(tmp_path):
+    proc = run_script("--results", str(tmp_path / "r"), timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "no CUDA device is visible" in proc.stderr and "--cpu-smoke" in proc.stderr
+    assert not (tmp_path / "r").exists()
