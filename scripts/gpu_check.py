@@ -26,20 +26,21 @@ import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# (name, GPU timeout s, CPU smoke timeout s, what it checks), in the order they run: what decides the most first,
-# compile + activation checkpointing before the checkpoint. GPU: their sum, with a kill grace each and SETUP_S, is
-# at most 9 minutes by construction (tests/test_gpu_check.py). CPU smoke: only a hang's limit (a loaded 2-core host runs the stages 5x
+# (name, GPU timeout s, CPU smoke timeout s, what it checks), in the order they run: what decides the most first
+# (env with room for a first CUDA initialisation, slow on a GPU without persistence mode), compile + activation
+# checkpointing before the checkpoint. GPU: their sum, with a kill grace each and SETUP_S, is at most 9 minutes by
+# construction (tests/test_gpu_check.py). CPU smoke: only a hang's limit (a loaded 2-core host runs the stages 5x
 # slower than an idle one; the compile stage is a cold inductor compile).
 STAGES = (
-    ("env", 20, 240, "versions, SDPA backend at head dim 128, bf16 GEMM rate"),
+    ("env", 30, 240, "versions, SDPA backend at head dim 128, bf16 GEMM rate"),
     ("ns5", 20, 240, "NS5 at dit_15b's matrix shapes, batch 1 and 8, Gram vs plain"),
     ("optimizers", 25, 300, "every optimizer's refresh and RowNorm steps at dit_15b's shapes, 1 and 8 ranks"),
     ("dit15b_w32", 40, 300, "dit_15b as rank 0 of 32, periodic_rowwise K=3, no activation checkpointing"),
     ("dit15b_w32_ac", 35, 300, "the same with activation checkpointing"),
     ("dit15b_w8", 35, 300, "dit_15b as rank 0 of 8, no activation checkpointing"),
     ("dit15b_w8_ac", 70, 300, "the same with activation checkpointing"),
-    ("dit1b3_eager", 60, 300, "dit_1b3 through the trainer, eager"),
-    ("dit1b3_compile_ac", 130, 900, "dit_1b3 through the trainer, compiled, activation checkpointing"),
+    ("dit1b3_eager", 55, 300, "dit_1b3 through the trainer, eager"),
+    ("dit1b3_compile_ac", 125, 900, "dit_1b3 through the trainer, compiled, activation checkpointing"),
     ("checkpoint", 75, 400, "asynchronous DCP save + resume through the trainer (dit_1b3, 8 blocks)"),
 )
 SETUP_S = 10  # gpu_check.sh before and after the stages: device query (5 s at most), plan, one line per stage, table
@@ -148,7 +149,8 @@ def main(argv=None) -> int:
     ap.add_argument("--plan", action="store_true", help="print the stages to run and their timeouts")
     ap.add_argument("--only", default=None, help="comma-separated stages (with --plan, --estimates)")
     ap.add_argument("--estimates", action="store_true", help="print the memory estimates to start")
-    ap.add_argument("--budget", action="store_true", help="print the seconds the whole check and each estimate may take")
+    ap.add_argument("--budget", action="store_true",
+                    help="print the seconds the whole check and each estimate may take, and the kill grace")
     ap.add_argument("--stage", default=None, help="run this stage")
     ap.add_argument("--results", default=None, help="the results folder (results.jsonl, estimates)")
     ap.add_argument("--timeout", type=float, default=None, help="the stage's timeout in seconds")

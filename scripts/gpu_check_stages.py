@@ -698,7 +698,8 @@ def stage_checkpoint(ctx, before: int = 2, after: int = 2) -> dict:
               f"as saved" + (f", first differing {loaded[0]}" if loaded else ""), "all bit-identical", not loaded),
         check(f"next {after} steps: losses and grad norms", "bit-identical" if same else
               f"relative loss difference {rel:.1e} ({why})", f"bit-identical (deterministic algorithms); a "
-              f"difference <= {RESUMED_LOSS_RTOL:g} is reported, not failed", True if same else (None if small else False)),
+              f"difference <= {RESUMED_LOSS_RTOL:g} is reported, not failed",
+              True if same else (None if small else False)),
         check("model, optimizer and EMA tensors after those steps",
               f"{len(reference) - len(differ)} of {len(reference)} identical"
               + (f", first differing {differ[0]}" if differ else ""), "all bit-identical (as the steps)",
@@ -707,6 +708,7 @@ def stage_checkpoint(ctx, before: int = 2, after: int = 2) -> dict:
     return {"checks": checks, "values": values}
 
 
-STAGE_FUNCTIONS = {"env": stage_env, "ns5": stage_ns5, "optimizers": stage_optimizers, **{name: stage_dit15b for name in SHARD_RUNS},
+STAGE_FUNCTIONS = {"env": stage_env, "ns5": stage_ns5, "optimizers": stage_optimizers,
+                   **{name: stage_dit15b for name in SHARD_RUNS},
                    "dit1b3_eager": stage_dit1b3_eager, "dit1b3_compile_ac": stage_dit1b3_compile_ac,
                    "checkpoint": stage_checkpoint}

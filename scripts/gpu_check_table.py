@@ -64,7 +64,8 @@ def estimate_of(results_dir: str, stage: str) -> tuple[float | None, str, bool]:
 
 def memory_check(results_dir: str, stage: str, memory: dict) -> dict:
     """The stage's peak against the estimate of its configuration; `memory` holds allocated_gib, reserved_gib and
-    device_gib, and upper_only for a compiled run (empty on CPU: only whether the estimate ran). Pending while the estimate runs: settle() redoes it."""
+    device_gib, and upper_only for a compiled run (empty on CPU: only whether the estimate ran). Pending while the
+    estimate runs: settle() redoes it."""
     what = "max_memory_allocated / estimate" if memory else "memory estimate of this configuration"
     # a compiled run's peak is held to the eager estimate from above only (inductor may need less than eager)
     lo, hi = (0.0 if memory.get("upper_only") else 1 / ESTIMATE_TOLERANCE), ESTIMATE_TOLERANCE
