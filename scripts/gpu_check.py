@@ -67,12 +67,13 @@ def estimate_jobs(smoke: bool) -> dict[str, list[str]]:
     for stage, (world, ac, batch) in SHARD_RUNS.items():
         jobs[stage] = ["--preset", "dit_15b", "--world-size", str(world), "--optimizer", OPTIMIZER,
                        "--micro-batch", str(SMOKE_SHARD_BATCH if smoke else batch),
-                       *(["--activation-checkpointing"] if ac else []), *(SMOKE_MODEL if smoke else [])]
+                       *(["--activation-checkpointing"] if ac else []), "optimizer.K=3", *(SMOKE_MODEL if smoke else [])]
     trainer = [*SMOKE_TRAINER, "train.precision=fp32", "parallel.mixed_precision=fp32"] if smoke else []
     for stage, ac in (("dit1b3_eager", False), ("dit1b3_compile_ac", True)):
         jobs[stage] = ["--preset", "dit_1b3", "--world-size", "1", "--optimizer", OPTIMIZER, "--micro-batch",
                        str(TRAINER_BATCH["smoke" if smoke else "gpu"]),
-                       *(["--activation-checkpointing"] if ac else []), "parallel.fsdp=true", *trainer]
+                       *(["--activation-checkpointing"] if ac else []), "optimizer.K=3", "parallel.fsdp=true",
+                       *trainer]
     return jobs
 
 

@@ -196,3 +196,31 @@ def test_without_a_gpu_the_check_says_so_in_one_line_before_anything_runs(tmp_pa
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert "no CUDA device is visible" in proc.stderr and "--cpu-smoke" in proc.stderr
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("smoke", [False, True])
+@pytest.mark.parametrize("stage", ["dit1b3_eager", "dit1b3_compile_ac"])
+def test_the_trainer_stages_are_compared_with_the_estimate_of_their_own_configuration(stage, smoke, tmp_path):
+    """The estimate (scripts/estimate_memory.py, the scaling study's config) and the trainer stage's config agree on
+    everything the peak depends on."""
+    from types import SimpleNamespace
+
+    import estimate_memory
+    import gpu_check_stages
+
+    args = gpu_check.estimate_jobs(smoke)[stage]
+    flags = {a: args[i + 1] for i, a in enumerate(args) if a in ("--preset", "--world-size", "--optimizer",
+                                                                  "--micro-batch")}
+    overrides = [a for a in args if "=" in a]
+    estimated = estimate_memory.compose(flags["--preset"], flags["--optimizer"], "--activation-checkpointing" in args,
+                                        overrides)
+    ctx = SimpleNamespace(smoke=smoke, work_dir=str(tmp_path))
+    compiled = stage == "dit1b3_compile_ac"
+    run = gpu_check_stages.trainer_config(ctx, stage, checkpointing=compiled, compiled=compiled)
+    assert run.model == estimated.model and run.optimizer == estimated.optimizer
+    for key in ("fsdp", "mixed_precision", "reduce_dtype", "reshard_after_forward", "replicate",
+                "activation_checkpointing"):
+        assert run.parallel[key] == estimated.parallel[key], key
+    for key in ("precision", "grad_clip", "ema_decay", "micro_batch_size"):
+        assert run.train[key] == estimated.train[key], key
+    assert run.train.batch_size == int(flags["--micro-batch"]) and flags["--world-size"] == "1"
