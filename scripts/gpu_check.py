@@ -16,7 +16,6 @@ This module imports neither torch nor the package at its top: --plan and --estim
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -109,21 +108,12 @@ class Context:
         return read_results(self.results_dir).get(stage)
 
 
-def append_line(results_dir: str, row: dict) -> None:
-    """One JSON line, appended and flushed to disk at once: a later crash loses nothing written before it."""
-    path = os.path.join(results_dir, "results.jsonl")
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def run_stage(name: str, results_dir: str, timeout_s: float, smoke: bool, work_dir: str | None = None) -> int:
     sys.path.insert(0, ROOT)
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     ctx = Context(name, results_dir, timeout_s, smoke, work_dir)
     row = {"stage": name, "ok": False, "checks": [], "values": {}}
-    from gpu_check_table import passed
+    from gpu_check_table import append_row, passed
 
     try:
         import gpu_check_stages
@@ -140,7 +130,7 @@ def run_stage(name: str, results_dir: str, timeout_s: float, smoke: bool, work_d
     row["seconds"] = round(time.monotonic() - ctx.started, 1)
     if ctx.notes:
         row["notes"] = ctx.notes
-    append_line(results_dir, row)
+    append_row(results_dir, row)
     return 0 if row["ok"] else 1
 
 

@@ -34,6 +34,18 @@ def read_results(results_dir: str) -> dict[str, dict]:
     return out
 
 
+def append_row(results_dir: str, row: dict) -> None:
+    """One JSON line appended and flushed to disk at once (a later crash loses nothing written before it), on a
+    line of its own even after a torn line (a stage killed while writing)."""
+    path = os.path.join(results_dir, RESULTS)
+    with open(path, "a+b") as f:
+        f.seek(0, os.SEEK_END)
+        torn = f.tell() > 0 and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n"
+        f.write((b"\n" if torn else b"") + json.dumps(row).encode() + b"\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def passed(row: dict) -> bool:
     """A stage passes when it ran to the end (no error) and none of its checks failed."""
     return not row.get("error") and bool(row.get("checks")) and all(c["ok"] is not False for c in row["checks"])
@@ -114,8 +126,7 @@ def ensure(results_dir: str, stage: str, rc: int, timeout_s: float, log: str | N
         tail = log_tail(log) if log else ""
         row = {"stage": stage, "ok": False, "checks": [], "values": {}, "seconds": timeout_s if rc in (124, 137)
                else None, "error": why + (f"; its log ends: {tail}" if tail else "")}
-        with open(os.path.join(results_dir, RESULTS), "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_row(results_dir, row)
     return row
 
 

@@ -3,7 +3,7 @@ finishes (a killed, crashed or raising stage is a FAIL line and the others stay)
 construction, and the CPU smoke test of every stage passing.
 
 test_cpu_smoke_runs_every_stage_and_each_passes is the slow one: all ten stages and six memory estimates, each in
-its own process, a cold CPU compile among them; 290-340 s measured on this 2-core host shared with four other jobs
+its own process, a cold CPU compile among them; 244-340 s measured on this 2-core host shared with four other jobs
 (load ~10). The others take seconds."""
 
 import json
@@ -140,6 +140,9 @@ def test_a_torn_results_line_is_skipped_and_the_table_keeps_the_text_around_it(t
     assert rc == 1 and text.startswith("# intro\n\n" + gpu_check_table.BEGIN) and text.endswith("## after\n")
     assert "old table" not in text and "| ns5 | not run |" in text and "| env | PASS | 3 |" in text
     assert "m / x" in text and "NVIDIA H200" in text and "1 of 2 stages passed" in text
+    # the line written for the stage that was killed while writing starts a line of its own
+    gpu_check_table.ensure(str(tmp_path), "ns5", 137, 20, None)
+    assert gpu_check_table.read_results(str(tmp_path))["ns5"]["error"].startswith("killed by its 20 s timeout")
 
 
 @pytest.mark.parametrize("args, message", [
