@@ -48,7 +48,10 @@ GPU_BUDGET_S = 540  # 9 minutes
 ESTIMATE_TIMEOUT_S = 300  # each background memory estimate (CPU, one thread)
 
 # dit_15b as rank 0 of W ranks: (stage, W, activation checkpointing, images per rank on the GPU). 1024 / W is the
-# scaling study's; without checkpointing at W = 8 that is 423 GiB (docs/memory_estimate.jsonl), so 16 (~90 GiB).
+# scaling study's; without checkpointing at W = 8 that is 423 GiB (docs/memory_estimate.jsonl), so 16 (~75 GiB).
+# Plain FSDP over all W (1/W of every parameter per rank), whatever the study's HSDP layout: its 4 x 8 job keeps
+# rank 0 of 8's state with 32 images per GPU, between the W = 32 and W = 8 runs here.
+SHARD_OVERRIDES = ["optimizer.K=3", "parallel.replicate=1"]
 SHARD_RUNS = {"dit15b_w32": (32, False, 32), "dit15b_w32_ac": (32, True, 32),
               "dit15b_w8": (8, False, 16), "dit15b_w8_ac": (8, True, 128)}
 SMOKE_SHARD_BATCH = 2
@@ -66,7 +69,8 @@ def estimate_jobs(smoke: bool) -> dict[str, list[str]]:
     for stage, (world, ac, batch) in SHARD_RUNS.items():
         jobs[stage] = ["--preset", "dit_15b", "--world-size", str(world), "--optimizer", OPTIMIZER,
                        "--micro-batch", str(SMOKE_SHARD_BATCH if smoke else batch),
-                       *(["--activation-checkpointing"] if ac else []), "optimizer.K=3", *(SMOKE_MODEL if smoke else [])]
+                       *(["--activation-checkpointing"] if ac else []), *SHARD_OVERRIDES,
+                       *(SMOKE_MODEL if smoke else [])]
     trainer = [*SMOKE_TRAINER, "train.precision=fp32", "parallel.mixed_precision=fp32"] if smoke else []
     for stage, ac in (("dit1b3_eager", False), ("dit1b3_compile_ac", True)):
         jobs[stage] = ["--preset", "dit_1b3", "--world-size", "1", "--optimizer", OPTIMIZER, "--micro-batch",

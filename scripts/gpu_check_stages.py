@@ -14,7 +14,8 @@ from collections import defaultdict
 
 import torch
 
-from gpu_check import OPTIMIZER, ROOT, SHARD_RUNS, SMOKE_MODEL, SMOKE_SHARD_BATCH, SMOKE_TRAINER, TRAINER_BATCH
+from gpu_check import (OPTIMIZER, ROOT, SHARD_OVERRIDES, SHARD_RUNS, SMOKE_MODEL, SMOKE_SHARD_BATCH, SMOKE_TRAINER,
+                       TRAINER_BATCH)
 
 GIB = 1024**3
 # first-step loss of compile + activation checkpointing against the eager stage: same weights, batch and noise
@@ -393,7 +394,7 @@ def stage_dit15b(ctx) -> dict:
     world, ac, batch = SHARD_RUNS[ctx.name]
     device = device_for(ctx)
     batch = SMOKE_SHARD_BATCH if ctx.smoke else batch
-    cfg = estimate_config("dit_15b", OPTIMIZER, ac, [*(SMOKE_MODEL if ctx.smoke else []), "optimizer.K=3"])
+    cfg = estimate_config("dit_15b", OPTIMIZER, ac, [*SHARD_OVERRIDES, *(SMOKE_MODEL if ctx.smoke else [])])
     init_distributed(device=device)  # the trainer's device set-up, no process group (WORLD_SIZE is 1)
     init_fake_process_group(world)
     info = DistInfo(rank=0, world_size=world, device=device)
