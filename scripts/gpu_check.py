@@ -1,204 +1,177 @@
 #!/usr/bin/env python
-"""One-GPU check of the trainer at full size, sized for about 6 minutes on one H100/H200 (at most 7: the budgets
-below; not yet timed on a GPU) and for an 80 GB GPU. The stages are in gpu_check_stages.py; scripts/gpu_check.sh
-runs this after printing the device:
+"""One stage of the GPU check (scripts/gpu_check.sh runs each in its own process under `timeout`, in the order of
+STAGES; the stages are in gpu_check_stages.py, the table in gpu_check_table.py).
 
-- gemm: the GEMM rate in the compute dtype, the denominator of MFU;
-- ns5 (bf16): the optimizer's NS5 over the model's matrices against the same-shape bf16 bmm and that rate;
-- train <optimizer> for adamw, muon, periodic_rowwise, rownorm and mud, one trainer alive at a time (built by the
-  trainer's own code, dit_1b3 under FSDP2 on a group of one, bf16, synthetic latents of the preset's shape): step
-  time, MFU (model FLOPs per step, dit_train/model_flops.py, over step time and the gemm rate), peak memory
-  (torch.cuda.max_memory_allocated) against dit_train/memory_estimate.py's estimate of the same configuration;
-- checkpoint: DCP save and resume through the trainer, the next steps bit-identical;
-- compile + AC: parallel.compile and parallel.activation_checkpointing, a few steps, first loss against eager.
+    python scripts/gpu_check.py --plan [--cpu-smoke] [--only env,ns5]   # "name<TAB>timeout s" per stage
+    python scripts/gpu_check.py --estimates [--cpu-smoke]               # "key<TAB>estimate_memory.py arguments"
+    python scripts/gpu_check.py --stage NAME --results DIR --timeout S [--cpu-smoke]
 
-Each stage runs under its own time budget (and all under --total-budget); a failure is a FAIL row, not a crash.
-The markdown table is printed and written to --out after every stage. Exit status 0 only if every stage passed.
+A stage appends one JSON line to DIR/results.jsonl when it finishes, whatever happened inside it (an exception is
+its FAIL line); gpu_check.sh writes the line of a stage that was killed or died without one. A stage sizes its
+work to its timeout (it stops taking steps before it), so the timeout only stops a hang.
 
-    python scripts/gpu_check.py [--out docs/gpu_check.md] [--batch-size 32] [hydra overrides, e.g. model.depth=8]
-    python scripts/gpu_check.py --cpu-smoke --out /tmp/gpu_check.md   # the same stages on CPU: tiny model, fp32
+This module imports neither torch nor the package at its top: --plan and --estimates answer at once.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import multiprocessing
 import os
 import shutil
 import sys
 import tempfile
 import time
-from functools import partial
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-OPTIMIZERS = ("adamw", "muon", "periodic_rowwise", "rownorm", "mud")
-# seconds each stage may take at most on the GPU (the whole check: --total-budget). A dit_1b3 trainer starts by
-# drawing its 1.3B initial weights on the host (weight_init, one process: ~30 s); the checkpoint stage builds two. The CPU
-# smoke test has SMOKE_BUDGET_SCALE times as long: there they only stop a hang (a cold CPU compile takes a minute).
-BUDGET_S = {"gemm": 30, "ns5": 45, "train": 90, "checkpoint": 150, "compile": 180}
-SMOKE_BUDGET_SCALE = 4
-GPU_MODEL = ["model=dit_1b3"]
-SMOKE_MODEL = ["model=dit_xs", "model.hidden_size=64", "model.num_heads=2", "model.depth=2", "model.patch_size=8"]
+# (name, GPU timeout s, CPU smoke timeout s, what it checks), in the order they run: what decides the most first
+# (env with room for a first CUDA initialisation, slow on a GPU without persistence mode), compile + activation
+# checkpointing before the checkpoint. GPU: their sum, with a kill grace each and SETUP_S, is at most 9 minutes by
+# construction (tests/test_gpu_check.py). CPU smoke: only a hang's limit (a loaded 2-core host runs the stages 5x
+# slower than an idle one; the compile stage is a cold inductor compile).
+STAGES = (
+    ("env", 30, 240, "versions, SDPA backend at head dim 128, bf16 GEMM rate"),
+    ("ns5", 20, 240, "NS5 at dit_15b's matrix shapes, batch 1 and 8, Gram vs plain"),
+    ("optimizers", 25, 300, "every optimizer's refresh and RowNorm steps at dit_15b's shapes, 1 and 8 ranks"),
+    ("dit15b_w32", 40, 300, "dit_15b as rank 0 of 32, periodic_rowwise K=3, no activation checkpointing"),
+    ("dit15b_w32_ac", 35, 300, "the same with activation checkpointing"),
+    ("dit15b_w8", 35, 300, "dit_15b as rank 0 of 8, no activation checkpointing"),
+    ("dit15b_w8_ac", 70, 300, "the same with activation checkpointing"),
+    ("dit1b3_eager", 55, 300, "dit_1b3 through the trainer, eager"),
+    ("dit1b3_compile_ac", 125, 900, "dit_1b3 through the trainer, compiled, activation checkpointing"),
+    ("checkpoint", 75, 400, "asynchronous DCP save + resume through the trainer (dit_1b3, 8 blocks)"),
+)
+SETUP_S = 10  # gpu_check.sh before and after the stages: device query (5 s at most), plan, one line per stage, table
+KILL_GRACE_S = 2  # a stage that outlives its timeout by this much is killed (SIGKILL after the SIGTERM)
+GPU_BUDGET_S = 540  # 9 minutes
+ESTIMATE_TIMEOUT_S = 300  # each background memory estimate (CPU, one thread)
 
-
-def parse(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cpu-smoke", action="store_true",
-                    help="run every stage on CPU (gloo, fp32) with a tiny model: checks the check itself")
-    ap.add_argument("--out", default=None, help="the markdown table's file (default docs/gpu_check.md; smoke: "
-                                                "gpu_check_smoke.md in the temporary folder, not to replace a GPU's)")
-    ap.add_argument("--batch-size", type=int, default=None, help="images per step (default 32; smoke: 4)")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per training stage, after one warm-up step")
-    ap.add_argument("--total-budget", type=float, default=None,
-                    help="seconds for the whole check (default 420: with the host-sync benchmark after it, under 8 minutes; smoke: 900)")
-    ap.add_argument("--checkpoint-optimizer", default="periodic_rowwise", choices=OPTIMIZERS)
-    ap.add_argument("--compile-optimizer", default="adamw", choices=OPTIMIZERS)
-    ap.add_argument("--work-dir", default=None, help="run folders and the checkpoint (default: a temporary folder, "
-                                                     "removed afterwards)")
-    ap.add_argument("overrides", nargs="*", help="hydra overrides for every stage's config, after the preset's")
-    args = ap.parse_args(argv)
-    args.out = args.out or (os.path.join(tempfile.gettempdir(), "gpu_check_smoke.md") if args.cpu_smoke
-                            else os.path.join(ROOT, "docs", "gpu_check.md"))
-    for key in ("batch_size", "steps", "total_budget"):
-        value = getattr(args, key)
-        if value is not None and value <= 0:
-            ap.error(f"--{key.replace('_', '-')}={value} is not valid: it must be positive")
-    return args
-
-
-def check_device(args) -> None:
-    """One-line errors before anything is built: one process, and a GPU unless --cpu-smoke."""
-    import torch
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != 1:
-        raise SystemExit(f"gpu_check: WORLD_SIZE={world} is not valid: the check runs as one process "
-                         f"(python scripts/gpu_check.py, not torchrun)")
-    if not args.cpu_smoke and not torch.cuda.is_available():
-        raise SystemExit("gpu_check: no CUDA device is visible (torch.cuda.is_available() is False); "
-                         "run it on a GPU, or --cpu-smoke to check the check on CPU")
+# dit_15b as rank 0 of W ranks: (stage, W, activation checkpointing, images per rank on the GPU). 1024 / W is the
+# scaling study's; without checkpointing at W = 8 that is 423 GiB (docs/memory_estimate.jsonl), so 16 (~75 GiB).
+# Plain FSDP over all W (1/W of every parameter per rank), whatever the study's HSDP layout: its 4 x 8 job keeps
+# rank 0 of 8's state with 32 images per GPU, between the W = 32 and W = 8 runs here.
+SHARD_OVERRIDES = ["optimizer.K=3", "parallel.replicate=1"]
+SHARD_RUNS = {"dit15b_w32": (32, False, 32), "dit15b_w32_ac": (32, True, 32),
+              "dit15b_w8": (8, False, 16), "dit15b_w8_ac": (8, True, 128)}
+SMOKE_SHARD_BATCH = 2
+OPTIMIZER = "periodic_rowwise"  # the optimizer of the sharded and trainer stages (K=3: refresh and RowNorm steps)
+TRAINER_BATCH = {"gpu": 32, "smoke": 4}
+# the smoke test's model: the preset's block structure at 64 wide and 2 deep (seconds on a CPU)
+SMOKE_MODEL = ["model.hidden_size=64", "model.num_heads=2", "model.depth=2"]
+SMOKE_TRAINER = [*SMOKE_MODEL, "model.patch_size=8"]
 
 
-def make_setup(args, work_dir: str):
-    from dit_train.parallel import init_distributed
-    from gpu_check_stages import Setup
-    from estimate_memory import USABLE_80GB_GIB
-
-    cuda = not args.cpu_smoke
-    if cuda:  # deterministic cuBLAS for the checkpoint stage; read once, before the first GEMM
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    dist = init_distributed(single_process_group=True, device="cuda" if cuda else "cpu")
-    return Setup(dist=dist, precision="bf16" if cuda else "fp32",
-                 overrides=[*(GPU_MODEL if cuda else SMOKE_MODEL), *args.overrides],
-                 batch_size=args.batch_size or (32 if cuda else 4), steps=args.steps, work_dir=work_dir,
-                 gemm_size=8192 if cuda else 256, ns5_repeats=5 if cuda else 2,
-                 memory_limit_gib=USABLE_80GB_GIB if cuda else None)
-
-
-def start_estimates(setup, args, pool) -> None:
-    """dit_train.memory_estimate for every training stage's configuration, one after the other in a spawned
-    process (it needs a fake process group, which cannot share a process with the real one) while the device works;
-    in the order the stages need them."""
-    from omegaconf import OmegaConf
-
-    from gpu_check_stages import compose, estimate_peak_bytes
-
-    threads = 1 if args.cpu_smoke else 4
-    wanted = [(opt, False) for opt in OPTIMIZERS] + [(args.compile_optimizer, True)]
-    for opt, checkpointing in wanted:
-        cfg = compose(setup, opt, "estimate", checkpointing=checkpointing)
-        setup.estimates[(opt, checkpointing)] = pool.submit(
-            estimate_peak_bytes, OmegaConf.to_container(cfg, resolve=True), setup.batch_size, threads)
+def estimate_jobs(smoke: bool) -> dict[str, list[str]]:
+    """scripts/estimate_memory.py's arguments for the configuration of every stage that compares a peak with it
+    (the trainer stages' config differs from the scaling study's only where memory does not depend on it)."""
+    jobs = {}
+    for stage, (world, ac, batch) in SHARD_RUNS.items():
+        jobs[stage] = ["--preset", "dit_15b", "--world-size", str(world), "--optimizer", OPTIMIZER,
+                       "--micro-batch", str(SMOKE_SHARD_BATCH if smoke else batch),
+                       *(["--activation-checkpointing"] if ac else []), *SHARD_OVERRIDES,
+                       *(SMOKE_MODEL if smoke else [])]
+    trainer = [*SMOKE_TRAINER, "train.precision=fp32", "parallel.mixed_precision=fp32"] if smoke else []
+    for stage, ac in (("dit1b3_eager", False), ("dit1b3_compile_ac", True)):
+        jobs[stage] = ["--preset", "dit_1b3", "--world-size", "1", "--optimizer", OPTIMIZER, "--micro-batch",
+                       str(TRAINER_BATCH["smoke" if smoke else "gpu"]),
+                       *(["--activation-checkpointing"] if ac else []), "optimizer.K=3", "parallel.fsdp=true",
+                       *trainer]
+    return jobs
 
 
-def header(setup, cfg) -> list[str]:
-    import torch
-
-    from dit_train.model import build_model, count_parameters
-
-    if setup.device.type == "cuda":
-        props = torch.cuda.get_device_properties(setup.device)
-        device = f"{props.name} ({props.total_memory / 1024**3:.1f} GiB), CUDA {torch.version.cuda}"
-    else:
-        device = f"CPU smoke test ({os.cpu_count()} cores), gloo"
-    m = cfg.model
-    params = count_parameters(build_model(m, device="meta"))
-    command = " ".join(["python scripts/gpu_check.py", *(sys.argv[1:])])
-    return [f"# GPU check: `{command}`", "",
-            f"{time.strftime('%Y-%m-%d %H:%M')}; {device}; torch {torch.__version__}.",
-            f"{m.name} ({params / 1e6:.1f}M parameters, width {m.hidden_size}, depth {m.depth}) under FSDP2 on "
-            f"{setup.dist.world_size} process, {setup.precision} compute weights and autocast, fp32 gradient "
-            f"reduction; {setup.batch_size} synthetic {m.in_channels}x{m.image_size}x{m.image_size} latents per step; "
-            f"{setup.flops_per_image / 1e9:.4g} GFLOP per image forward + backward (model FLOPs). Columns: step ms "
-            f"(median of timed steps), TFLOP/s (achieved: model FLOPs / step time; the kernel's own for gemm and "
-            f"ns5), MFU (achieved / the gemm row), peak GiB (torch.cuda.max_memory_allocated), estimate GiB "
-            f"(dit_train/memory_estimate.py, same configuration), s (the stage's wall time)."]
+def plan(smoke: bool, only: list[str] | None) -> list[tuple[str, float]]:
+    names = [s[0] for s in STAGES]
+    unknown = [n for n in only or () if n not in names]
+    if unknown:
+        raise SystemExit(f"gpu_check: --only {','.join(unknown)} is not a stage; valid: {','.join(names)}")
+    return [(name, smoke_s if smoke else gpu_s) for name, gpu_s, smoke_s, _ in STAGES if not only or name in only]
 
 
-def stages(setup, args):
-    from gpu_check_stages import (stage_checkpoint, stage_compile_checkpointing, stage_gemm, stage_ns5,
-                                  stage_train)
+class Context:
+    """What a stage knows: its device, deadline, the results of the stages before it, and where to write."""
 
-    budget = {k: v * (SMOKE_BUDGET_SCALE if args.cpu_smoke else 1) for k, v in BUDGET_S.items()}
-    yield "gemm", partial(stage_gemm, setup), budget["gemm"]
-    yield "ns5 (bf16)", partial(stage_ns5, setup), budget["ns5"]
-    for opt in OPTIMIZERS:
-        yield f"train {opt}", partial(stage_train, setup, opt), budget["train"]
-    yield "checkpoint (DCP save + resume)", partial(stage_checkpoint, setup, args.checkpoint_optimizer), \
-        budget["checkpoint"]
-    yield f"compile + AC ({args.compile_optimizer})", partial(stage_compile_checkpointing, setup,
-                                                              args.compile_optimizer), budget["compile"]
+    def __init__(self, name: str, results_dir: str, timeout_s: float, smoke: bool, work_dir: str | None = None):
+        self.name, self.results_dir, self.smoke = name, results_dir, smoke
+        self.started = time.monotonic()
+        # the stage ends its own work before this; the rest of the timeout is for writing its line
+        self.deadline = self.started + timeout_s - min(10.0, 0.15 * timeout_s)
+        self.notes: list[str] = []
+        # run folders (a checkpoint of ~4 GB among them) go to a temporary folder, removed with the stage (and by
+        # gpu_check.sh, whose --work-dir it is in, after a stage that was killed), never to the results folder:
+        # that stays small enough to be copied back from a GPU machine
+        self.work_dir = tempfile.mkdtemp(prefix=f"{name}_", dir=work_dir)
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def previous(self, stage: str) -> dict | None:
+        """The last line another stage wrote, or None."""
+        from gpu_check_table import read_results
+
+        return read_results(self.results_dir).get(stage)
 
 
-def write(path: str, text: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        f.write(text)
+def run_stage(name: str, results_dir: str, timeout_s: float, smoke: bool, work_dir: str | None = None) -> int:
+    sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    ctx = Context(name, results_dir, timeout_s, smoke, work_dir)
+    row = {"stage": name, "ok": False, "checks": [], "values": {}}
+    from gpu_check_table import append_row, passed
+
+    try:
+        import gpu_check_stages
+
+        result = gpu_check_stages.STAGE_FUNCTIONS[name](ctx)
+        row.update(result)
+        row["ok"] = passed(row)
+    except BaseException as e:  # noqa: BLE001 - any failure is the stage's FAIL line; the traceback goes to its log
+        traceback.print_exc()
+        text = str(e).strip().splitlines()
+        row["error"] = f"{type(e).__name__}: {text[0][:300] if text else ''}".rstrip(": ")
+    finally:
+        shutil.rmtree(ctx.work_dir, ignore_errors=True)
+    row["seconds"] = round(time.monotonic() - ctx.started, 1)
+    if ctx.notes:
+        row["notes"] = ctx.notes
+    append_row(results_dir, row)
+    return 0 if row["ok"] else 1
 
 
 def main(argv=None) -> int:
-    args = parse(argv)
-    check_device(args)
-    t_start = time.monotonic()
-    deadline = t_start + (args.total_budget or (900 if args.cpu_smoke else 420))
-    work_dir = args.work_dir or tempfile.mkdtemp(prefix="gpu_check_")
-    import torch
-
-    from dit_train.model_flops import training_flops_per_image
-    from dit_train.parallel import shutdown_process_group
-    from gpu_check_stages import compose, free_device
-    from gpu_check_table import markdown, run_stage
-
-    if args.cpu_smoke:
-        torch.set_num_threads(1)  # tiny matrices: a second intra-op thread only adds synchronisation
-    setup = make_setup(args, work_dir)
-    # one worker, reused: an estimate gives the same bytes after others in the same process as in a fresh one
-    pool = concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-    rows = []
-    try:
-        cfg = compose(setup, "adamw", "header")
-        setup.flops_per_image = training_flops_per_image(cfg.model)
-        start_estimates(setup, args, pool)
-        head = header(setup, cfg)
-        print("\n".join(head), flush=True)
-        plan = list(stages(setup, args))
-        for i, (name, fn, budget) in enumerate(plan):
-            rows.append(run_stage(name, fn, budget, deadline, partial(free_device, setup.device)))
-            write(args.out, markdown(rows, head + ["", f"(in progress: {i + 1} of {len(plan)} stages run)"]))
-        table = markdown(rows, head)
-        write(args.out, table)
-        print("\n" + table + f"\ngpu_check: {time.monotonic() - t_start:.0f} s; table written to {args.out}",
-              flush=True)
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-        shutdown_process_group()
-        if args.work_dir is None:
-            shutil.rmtree(work_dir, ignore_errors=True)
-    return 0 if all(r.ok for r in rows) else 1
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu-smoke", action="store_true", help="the CPU version of every stage: a tiny model, gloo")
+    ap.add_argument("--plan", action="store_true", help="print the stages to run and their timeouts")
+    ap.add_argument("--only", default=None, help="comma-separated stages (with --plan, --estimates)")
+    ap.add_argument("--estimates", action="store_true", help="print the memory estimates to start")
+    ap.add_argument("--budget", action="store_true",
+                    help="print the seconds the whole check and each estimate may take, and the kill grace")
+    ap.add_argument("--stage", default=None, help="run this stage")
+    ap.add_argument("--results", default=None, help="the results folder (results.jsonl, estimates)")
+    ap.add_argument("--timeout", type=float, default=None, help="the stage's timeout in seconds")
+    ap.add_argument("--work-dir", default=None, help="where the stage's temporary run folders go")
+    args = ap.parse_args(argv)
+    if args.plan:
+        for name, t in plan(args.cpu_smoke, args.only.split(",") if args.only else None):
+            print(f"{name}\t{t:g}")
+        return 0
+    if args.budget:  # the GPU's 9 minutes (on CPU: the stages' timeouts), and each estimate's timeout
+        total = GPU_BUDGET_S if not args.cpu_smoke else SETUP_S + sum(s[2] + KILL_GRACE_S for s in STAGES)
+        print(total, ESTIMATE_TIMEOUT_S, KILL_GRACE_S)
+        return 0
+    if args.estimates:
+        stages = [name for name, _ in plan(args.cpu_smoke, args.only.split(",") if args.only else None)]
+        for key, est_args in estimate_jobs(args.cpu_smoke).items():
+            if key in stages:
+                print(f"{key}\t{' '.join(est_args)}")
+        return 0
+    names = [s[0] for s in STAGES]
+    if args.stage not in names:
+        ap.error(f"--stage {args.stage!r} is not a stage; valid: {', '.join(names)}")
+    if not args.results or not os.path.isdir(args.results):
+        ap.error(f"--results {args.results!r} is not a folder")
+    timeout = args.timeout or dict(plan(args.cpu_smoke, None))[args.stage]
+    return run_stage(args.stage, args.results, timeout, args.cpu_smoke, args.work_dir)
 
 
 if __name__ == "__main__":

@@ -1,45 +1,118 @@
 #!/usr/bin/env bash
-# GPU check of the trainer on one GPU (scripts/gpu_check.py: every optimizer's step time, MFU and peak memory against
-# the estimate at dit_1b3, bf16 NS5 against the GEMM rate, DCP save + resume bit-identical, compile + activation
-# checkpointing; then the cost of the step's one host read), about 7 minutes on one H100/H200 (at most 8), within
-# 80 GB; the table goes to docs/gpu_check.md (--out).
-# Arguments go to gpu_check.py (--cpu-smoke: the same stages on CPU; hydra overrides, e.g. model.depth=8).
+# First contact with a GPU machine (docs/gpu_check.md): the checks that decide the most, each stage in its own
+# process under its own `timeout`, its result appended to <results>/results.jsonl as it finishes (a crash or hang
+# loses only that stage), under 9 minutes in all on one H200 by construction (the stages' timeouts, scripts/
+# gpu_check.py STAGES). Needs the Python packages already installed (torch with CUDA, hydra-core, omegaconf...);
+# this checkout is used through PYTHONPATH, so nothing is installed and no network is needed.
 #
-#   bash scripts/gpu_check.sh                              # one GPU
-#   ALL_GPUS=1 bash scripts/gpu_check.sh                   # then the sharded optimizers on every visible GPU (NCCL)
-set -euo pipefail
+#   bash scripts/gpu_check.sh                        # table to docs/gpu_check.md (+ docs/gpu_check.jsonl)
+#   bash scripts/gpu_check.sh --results "$OUT"       # stage logs, estimates and results.jsonl in $OUT
+#   bash scripts/gpu_check.sh --cpu-smoke            # every stage on CPU, tiny models: checks the check (CI)
+#   bash scripts/gpu_check.sh --only env,ns5         # some stages
+#   bash scripts/gpu_check.sh --timeout-scale 2      # every stage's timeout times 2 (a slower machine)
+set -uo pipefail
+{  # the whole script is read before it runs: an edit of this file during a run cannot change the run
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 
-if [[ " $* " != *" --cpu-smoke "* ]]; then
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+SMOKE="" ONLY="" RESULTS="" OUT_MD="" SCALE=1
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --cpu-smoke) SMOKE=--cpu-smoke ;;
+    --only) ONLY=${2:?--only needs a comma-separated list of stages}; shift ;;
+    --results) RESULTS=${2:?--results needs a folder}; shift ;;
+    --out) OUT_MD=${2:?--out needs a file}; shift ;;
+    --timeout-scale) SCALE=${2:?--timeout-scale needs a number}; shift ;;
+    *) echo "gpu_check.sh: unknown argument '$1'; valid: --cpu-smoke, --only STAGES, --results DIR, --out FILE, --timeout-scale X" >&2
+       exit 2 ;;
+  esac
+  shift
+done
+if ! [[ "$SCALE" =~ ^[0-9]*\.?[0-9]+$ ]] || [ "$(awk "BEGIN{print ($SCALE > 0)}")" != 1 ]; then
+  echo "gpu_check.sh: --timeout-scale '$SCALE' is not valid: a positive number" >&2; exit 2
 fi
-"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-
+# what every stage imports, with this checkout first on the path: a missing package is one line, before anything runs
+if ! err=$("$PY" -c "import torch, hydra, dit_train.train" 2>&1); then
+  echo "gpu_check.sh: $PY cannot import the trainer: $(printf '%s\n' "$err" | tail -n 1); install what it names first (scripts/setup.sh keeps an installed torch)" >&2
+  exit 2
+fi
+if [ -z "$SMOKE" ] && ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+  echo "gpu_check.sh: no CUDA device is visible to $PY (torch.cuda.is_available() is False); run it on a GPU machine, or --cpu-smoke to check the check on CPU" >&2
+  exit 2
+fi
+PLAN=$("$PY" scripts/gpu_check.py --plan $SMOKE ${ONLY:+--only "$ONLY"}) || exit 2
+read -r BUDGET ESTIMATE_TIMEOUT KILL_GRACE < <("$PY" scripts/gpu_check.py --budget $SMOKE)
+BUDGET=$(awk "BEGIN{printf \"%d\", $BUDGET * $SCALE}")
 start=$(date +%s)
-status=0
-"$PY" scripts/gpu_check.py "$@" || status=$?
-
-# What the one host read left on an ordinary step costs (docs/algorithms.md §7 "Host synchronisation"): the step
-# as it is, without the read, and with the per-step reads it replaced, side by side (at most a minute).
-if [[ " $* " != *" --cpu-smoke "* ]]; then
-  echo; echo "== host reads per step (bench_host_sync) =="
-  timeout 60 "$PY" scripts/bench_host_sync.py --model dit_s --batch-size 64 --optimizer muon --steps 10 --rounds 3 \
-    || status=$?
+# default: under $OUT when it is a folder (what a lent GPU machine copies back), else a new temporary folder
+if [ -z "$RESULTS" ] && [ -n "${OUT:-}" ] && [ -d "$OUT" ] && [ -w "$OUT" ]; then RESULTS="$OUT/gpu_check"; fi
+RESULTS=${RESULTS:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")}
+mkdir -p "$RESULTS"
+if [ -e "$RESULTS/results.jsonl" ]; then
+  echo "gpu_check.sh: $RESULTS already holds a results.jsonl; give an empty folder to --results" >&2; exit 2
+fi
+if [ -z "$OUT_MD" ]; then
+  if [ -n "$SMOKE" ]; then OUT_MD="$RESULTS/gpu_check.md"; else OUT_MD=docs/gpu_check.md; fi
+fi
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_work.XXXXXX")  # the stages' run folders, removed at the end
+trap 'rm -rf "$WORK"' EXIT
+echo "gpu_check: results in $RESULTS"
+if [ -z "$SMOKE" ]; then
+  timeout 5 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader \
+    > "$RESULTS/nvidia-smi.txt" 2>&1; cat "$RESULTS/nvidia-smi.txt"
 fi
 
-# Optional, outside the 8 minutes: the sharded optimizers' communication on every visible GPU. All seven contenders
-# share one sharded model there (~90 GB of state at dit_1b3, split over the GPUs), so it needs more than one.
-if [ "${ALL_GPUS:-0}" = 1 ]; then
-  NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
-  if [ "$NGPU" -gt 1 ]; then
-    echo; echo "== sharded optimizers, all $NGPU GPUs (NCCL) =="
-    "$PY" scripts/bench_distributed.py --nproc "$NGPU" --preset "${PRESET:-dit_1b3}" --repeats "${REPEATS:-5}" \
-      --warmup 2 || status=$?
-  else
-    echo "ALL_GPUS=1: only $NGPU GPU visible; nothing more to run"
-  fi
+# Memory estimates of the stages' configurations, on the CPU while the GPU works (each one thread under its own
+# timeout; all at once on the GPU machine, one after another for the CPU smoke test, which shares the CPU with the
+# stages). A stage whose estimate has not finished leaves its peak / estimate check pending (judged when the table is
+# made). Each leaves estimate_<stage>.json and, when it ends, estimate_<stage>.rc.
+estimate() {
+  timeout "$ESTIMATE_TIMEOUT" "$PY" scripts/estimate_memory.py $2 --json > "$RESULTS/estimate_$1.json" \
+    2> "$RESULTS/estimate_$1.log" < /dev/null
+  echo $? > "$RESULTS/estimate_$1.rc.tmp" && mv "$RESULTS/estimate_$1.rc.tmp" "$RESULTS/estimate_$1.rc"
+}
+ESTIMATE_PIDS=()
+JOBS=$("$PY" scripts/gpu_check.py --estimates $SMOKE ${ONLY:+--only "$ONLY"}) || exit 2
+if [ -n "$SMOKE" ]; then
+  ( while IFS=$'\t' read -r key est_args; do [ -z "$key" ] || estimate "$key" "$est_args"; done <<< "$JOBS" ) &
+  ESTIMATE_PIDS+=($!)
+else
+  while IFS=$'\t' read -r key est_args; do
+    [ -z "$key" ] || { estimate "$key" "$est_args" & ESTIMATE_PIDS+=($!); }
+  done <<< "$JOBS"
 fi
-echo; echo "gpu_check: done in $(( $(date +%s) - start )) s (exit status $status)"
+
+PLANNED=""
+while IFS=$'\t' read -r name t; do
+  t=$(awk "BEGIN{print $t * $SCALE}")
+  PLANNED="$PLANNED${PLANNED:+,}$name"
+  echo "== $name (timeout $t s)"
+  timeout -k "$KILL_GRACE" "$t" "$PY" scripts/gpu_check.py --stage "$name" --results "$RESULTS" --timeout "$t" \
+    --work-dir "$WORK" $SMOKE \
+    > "$RESULTS/$name.log" 2>&1 < /dev/null
+  rc=$?
+  rm -rf "${WORK:?}"/*  # what a killed stage left
+  "$PY" scripts/gpu_check_table.py --results "$RESULTS" --ensure "$name" --rc "$rc" --timeout "$t" \
+    --log "$RESULTS/$name.log"
+  [ "$rc" -eq 0 ] || { echo "   (last lines of $RESULTS/$name.log)"; tail -n 8 "$RESULTS/$name.log" | cut -c1-300 | sed 's/^/   | /'; }
+done <<< "$PLAN"
+
+# the estimates still running get what is left of the check's budget (a pending peak / estimate check is judged
+# when the table is made), then are stopped: each subshell's `timeout` (which passes it on), then the subshell
+until_s=$(( start + BUDGET - 10 ))
+for pid in ${ESTIMATE_PIDS[@]+"${ESTIMATE_PIDS[@]}"}; do
+  while kill -0 "$pid" 2>/dev/null && [ "$(date +%s)" -lt "$until_s" ]; do sleep 1; done
+done
+for pid in ${ESTIMATE_PIDS[@]+"${ESTIMATE_PIDS[@]}"}; do pkill -TERM -P "$pid" 2>/dev/null; kill "$pid" 2>/dev/null; done
+echo
+COMMAND="bash scripts/gpu_check.sh${SMOKE:+ $SMOKE}${ONLY:+ --only $ONLY}"
+"$PY" scripts/gpu_check_table.py --results "$RESULTS" --render --planned "$PLANNED" --out "$OUT_MD" \
+  --command "$COMMAND" --date "$(date -u '+%Y-%m-%d %H:%M UTC')"
+status=$?
+if [ -z "$SMOKE" ] && [ "$OUT_MD" = docs/gpu_check.md ]; then
+  cp "$RESULTS/results.jsonl" docs/gpu_check.jsonl; cp docs/gpu_check.md "$RESULTS/gpu_check.md"
+fi
+echo "gpu_check: done in $(( $(date +%s) - start )) s (exit status $status); table in $OUT_MD, logs in $RESULTS"
 exit $status
+}

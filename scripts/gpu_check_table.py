@@ -1,91 +1,227 @@
-"""The GPU check's rows and its markdown table, and the stage runner: each stage under its own time limit, every
-failure (an exception, out of memory, a stage over its budget) turned into a FAIL row, so one stage cannot lose the
-table of the others."""
+#!/usr/bin/env python
+"""The GPU check's results: one JSON line per stage in <results>/results.jsonl (gpu_check.py writes it as the stage
+finishes), the line of a stage that died or was killed without one, and the markdown table of them all. No torch.
+
+    python scripts/gpu_check_table.py --results DIR --ensure STAGE --rc N --timeout S   # after each stage
+    python scripts/gpu_check_table.py --results DIR --render --out docs/gpu_check.md [--title TEXT]
+"""
 
 from __future__ import annotations
 
-import contextlib
-import signal
+import argparse
+import json
+import os
 import sys
-import time
-import traceback
-from dataclasses import dataclass
 
+RESULTS = "results.jsonl"
 GIB = 1024**3
 
 
-@dataclass
-class Row:
-    stage: str
-    ok: bool = False
-    step_ms: float | None = None
-    tflops: float | None = None  # achieved: model FLOPs per second for training stages, else the kernel's rate
-    mfu: float | None = None
-    peak_gib: float | None = None  # torch.cuda.max_memory_allocated (None on CPU)
-    estimate_gib: float | None = None  # dit_train.memory_estimate's peak for the same configuration
-    seconds: float | None = None  # wall time of the whole stage (build, steps, checks)
-    detail: str = ""
+def read_results(results_dir: str) -> dict[str, dict]:
+    """Stage -> its last line. A torn last line (the writer killed mid-write) is skipped, not fatal."""
+    path = os.path.join(results_dir, RESULTS)
+    out = {}
+    if not os.path.exists(path):
+        return out
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and "stage" in row:
+                out[row["stage"]] = row
+    return out
 
 
-class StageTimeout(Exception):
-    pass
+def append_row(results_dir: str, row: dict) -> None:
+    """One JSON line appended and flushed to disk at once (a later crash loses nothing written before it), on a
+    line of its own even after a torn line (a stage killed while writing)."""
+    path = os.path.join(results_dir, RESULTS)
+    with open(path, "a+b") as f:
+        f.seek(0, os.SEEK_END)
+        torn = f.tell() > 0 and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n"
+        f.write((b"\n" if torn else b"") + json.dumps(row).encode() + b"\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
-@contextlib.contextmanager
-def time_limit(seconds: float):
-    """Raise StageTimeout in the main thread after `seconds` (at the next Python bytecode: a long kernel or
-    compile finishes first)."""
-    def expire(signum, frame):
-        raise StageTimeout()
+def passed(row: dict) -> bool:
+    """A stage passes when it ran to the end (no error) and none of its checks failed."""
+    return not row.get("error") and bool(row.get("checks")) and all(c["ok"] is not False for c in row["checks"])
 
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.001))
+
+# ---- the memory estimate of a stage (gpu_check.sh runs them in the background) ----------------------------------
+# peak / estimate outside [1 / TOLERANCE, TOLERANCE] fails: the estimate decides what fits a GPU (docs/scaling_out.md)
+ESTIMATE_TOLERANCE = 1.25
+
+
+def estimate_of(results_dir: str, stage: str) -> tuple[float | None, str, bool]:
+    """(peak GiB, why not, finished) of the estimate gpu_check.sh started for `stage`: estimate_<stage>.rc appears
+    when its process ended, estimate_<stage>.json holds its one JSON line."""
+    base = os.path.join(results_dir, f"estimate_{stage}")
+    if not os.path.exists(base + ".rc"):
+        return None, "still running", False
+    with open(base + ".rc") as f:
+        rc = f.read().strip()
+    if rc != "0":
+        return None, f"the estimate exited with status {rc}: {log_tail(base + '.log', 1) or 'no output'}", True
     try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        with open(base + ".json") as f:
+            peak = json.loads(f.read().strip().splitlines()[-1])["peak"]["total"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None, f"{base}.json is not the estimate's JSON line", True
+    return peak / GIB, "", True
 
 
-def first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:300] if text else ''}".rstrip(": ")
+def memory_check(results_dir: str, stage: str, memory: dict) -> dict:
+    """The stage's peak against the estimate of its configuration; `memory` holds allocated_gib, reserved_gib and
+    device_gib, and upper_only for a compiled run (empty on CPU: only whether the estimate ran). Pending while the
+    estimate runs: settle() redoes it."""
+    what = "max_memory_allocated / estimate" if memory else "memory estimate of this configuration"
+    # a compiled run's peak is held to the eager estimate from above only (inductor may need less than eager)
+    lo, hi = (0.0 if memory.get("upper_only") else 1 / ESTIMATE_TOLERANCE), ESTIMATE_TOLERANCE
+    expected = (f"<= {hi:.2f} (compiled)" if not lo else f"{lo:.2f} .. {hi:.2f}") if memory else \
+        "it ran (no device peak on CPU)"
+    reserved = (f"; reserved {memory['reserved_gib']:.1f} of {memory['device_gib']:.0f} GiB" if memory else "")
+    est, why, done = estimate_of(results_dir, stage)
+    if not done:
+        measured = f"{memory['allocated_gib']:.1f} GiB / estimate still running" if memory else "still running"
+        return {"what": what, "measured": measured + reserved, "expected": expected, "ok": None, "pending": True}
+    if est is None:
+        return {"what": what, "measured": why, "expected": expected, "ok": False}
+    if not memory:
+        return {"what": what, "measured": f"{est:.4f} GiB", "expected": expected, "ok": True}
+    ratio = memory["allocated_gib"] / est
+    return {"what": what, "measured": f"{memory['allocated_gib']:.1f} / {est:.1f} GiB = {ratio:.2f}{reserved}",
+            "expected": expected, "ok": lo <= ratio <= hi}
 
 
-def run_stage(name: str, fn, budget_s: float, deadline: float, cleanup) -> Row:
-    """fn() -> Row, limited to min(budget_s, what is left before `deadline` (time.monotonic())); cleanup() runs
-    after it whatever happened (frees the device for the next stage)."""
-    left = deadline - time.monotonic()
-    if left < 1.0:
-        return Row(name, detail="not run: the check's total time budget was spent by the stages before it")
-    limit = min(budget_s, left)
-    t0 = time.monotonic()
-    print(f"== {name} (budget {limit:.3g} s)", flush=True)
-    try:
-        with time_limit(limit):
-            row = fn()
-    except StageTimeout:
-        row = Row(name, detail=f"stopped: over its {limit:.3g} s budget")
-    except Exception as e:  # noqa: BLE001 - any failure becomes the stage's FAIL row; the traceback goes to stderr
-        traceback.print_exc(file=sys.stderr)
-        row = Row(name, detail=first_line(e))
-    finally:
-        cleanup()
-    row.stage, row.seconds = name, time.monotonic() - t0
-    print(f"   {'PASS' if row.ok else 'FAIL'} in {row.seconds:.1f} s: {row.detail}", flush=True)
+def settle(results_dir: str, row: dict) -> dict:
+    """The row with its pending memory checks redone now (their estimates may have finished since)."""
+    if any(c.get("pending") for c in row.get("checks", [])):
+        memory = (row.get("values") or {}).get("memory") or {}
+        row["checks"] = [memory_check(results_dir, row["stage"], memory) if c.get("pending") else c
+                         for c in row["checks"]]
+        row["ok"] = passed(row)
     return row
 
 
-def markdown(rows: list[Row], header: list[str]) -> str:
-    f = lambda v, spec: "" if v is None else format(v, spec)
-    lines = [*header, "",
-             "| stage | result | step ms | TFLOP/s | MFU | peak GiB | estimate GiB | peak / estimate | s | detail |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
-    for r in rows:
-        ratio = r.peak_gib / r.estimate_gib if r.peak_gib is not None and r.estimate_gib else None
-        lines.append(f"| {r.stage} | {'PASS' if r.ok else '**FAIL**'} | {f(r.step_ms, '.1f')} | {f(r.tflops, '.3g')} | "
-                     f"{f(r.mfu, '.1%')} | {f(r.peak_gib, '.3g')} | {f(r.estimate_gib, '.3g')} | {f(ratio, '.2f')} | "
-                     f"{f(r.seconds, '.0f')} | {r.detail.replace('|', '/')} |")
-    passed = sum(r.ok for r in rows)
-    lines += ["", f"{passed} of {len(rows)} stages passed."]
+def log_tail(path: str, n: int = 3) -> str:
+    if not os.path.exists(path):
+        return ""
+    with open(path, errors="replace") as f:
+        lines = [line.rstrip() for line in f if line.strip()]
+    return " / ".join(lines[-n:])[-400:]
+
+
+def ensure(results_dir: str, stage: str, rc: int, timeout_s: float, log: str | None) -> dict:
+    """The stage's line; written here when the stage wrote none (killed by `timeout`: status 124 or 137; or died)."""
+    row = read_results(results_dir).get(stage)
+    if row is None:
+        if rc in (124, 137):
+            why = f"killed by its {timeout_s:g} s timeout (a hang, or fixed costs over the budget)"
+        else:
+            why = f"exited with status {rc} without writing its result"
+        tail = log_tail(log) if log else ""
+        row = {"stage": stage, "ok": False, "checks": [], "values": {}, "seconds": timeout_s if rc in (124, 137)
+               else None, "error": why + (f"; its log ends: {tail}" if tail else "")}
+        append_row(results_dir, row)
+    return row
+
+
+def one_line(row: dict) -> str:
+    """The console line of a finished stage."""
+    s = f"{row['seconds']:.0f} s" if row.get("seconds") is not None else "? s"
+    head = f"{row['stage']}: {'PASS' if row.get('ok') else 'FAIL'} ({s})"
+    parts = [f"{c['what']}: {c['measured']} [{c['expected']}]{'' if c['ok'] is not False else ' FAIL'}"
+             for c in row.get("checks", [])]
+    if row.get("error"):
+        parts.append(row["error"])
+    return head + "".join(f"\n    {p}" for p in parts + [f"note: {n}" for n in row.get("notes", [])])
+
+
+def cell(text) -> str:
+    return str(text).replace("|", "/").replace("\n", " ")
+
+
+def markdown(rows: list[dict], title: list[str], planned: list[str]) -> str:
+    by_stage = {r["stage"]: r for r in rows}
+    lines = [*title, "", "| stage | result | s | what failed / notes |", "| --- | --- | ---: | --- |"]
+    for name in planned:
+        r = by_stage.get(name)
+        if r is None:
+            lines.append(f"| {name} | not run | | |")
+            continue
+        failed = [c["what"] for c in r.get("checks", []) if c["ok"] is False]
+        why = "; ".join([*failed, *([r["error"]] if r.get("error") else []), *r.get("notes", [])])
+        s = "" if r.get("seconds") is None else f"{r['seconds']:.0f}"
+        lines.append(f"| {name} | {'PASS' if r.get('ok') else '**FAIL**'} | {s} | {cell(why)} |")
+    lines += ["", "| stage | check | measured | threshold / prediction | |", "| --- | --- | --- | --- | --- |"]
+    for name in planned:
+        for c in (by_stage.get(name) or {}).get("checks", []):
+            verdict = {True: "ok", False: "**FAIL**", None: ""}[c["ok"]]
+            lines.append(f"| {name} | {cell(c['what'])} | {cell(c['measured'])} | {cell(c['expected'])} | {verdict} |")
+    passed = sum(bool((by_stage.get(n) or {}).get("ok")) for n in planned)
+    lines += ["", f"{passed} of {len(planned)} stages passed."]
     return "\n".join(lines) + "\n"
+
+
+BEGIN, END = "<!-- gpu_check results: written by scripts/gpu_check.sh -->", "<!-- end of gpu_check results -->"
+
+
+def write_table(path: str, table: str) -> None:
+    """The table into `path`: between the BEGIN and END markers when the file has them (docs/gpu_check.md: the
+    text around the table stays), else as the whole file. Written to a temporary file, then renamed."""
+    text = f"{BEGIN}\n{table}{END}\n"
+    if os.path.exists(path):
+        with open(path) as f:
+            old = f.read()
+        if BEGIN in old and END in old.split(BEGIN, 1)[1]:
+            head, rest = old.split(BEGIN, 1)
+            text = head + text + rest.split(END, 1)[1].lstrip("\n")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def title_lines(rows: dict, command: str) -> list[str]:
+    env = (rows.get("env") or {}).get("values") or {}
+    device = env.get("device", "device unknown (the env stage wrote nothing)")
+    versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "cuda", "cudnn", "python") if env.get(k))
+    memory = f" ({env['memory_gib']} GiB)" if env.get("memory_gib") else ""
+    return [f"### `{command}`", "", f"{device}{memory}; {versions or 'versions unknown'}."]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", required=True)
+    ap.add_argument("--ensure", default=None, help="a stage that has just ended")
+    ap.add_argument("--rc", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=0)
+    ap.add_argument("--log", default=None)
+    ap.add_argument("--render", action="store_true")
+    ap.add_argument("--planned", default="", help="comma-separated stages, in order")
+    ap.add_argument("--command", default="bash scripts/gpu_check.sh")
+    ap.add_argument("--date", default="")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.ensure:
+        row = settle(args.results, ensure(args.results, args.ensure, args.rc, args.timeout, args.log))
+        print(one_line(row), flush=True)
+        return 0
+    rows = {k: settle(args.results, r) for k, r in read_results(args.results).items()}
+    planned = [n for n in args.planned.split(",") if n] or list(rows)
+    title = title_lines(rows, args.command)
+    if args.date:
+        title[-1] = f"{args.date}; {title[-1]}"
+    text = markdown(list(rows.values()), title, planned)
+    if args.out:
+        write_table(args.out, text)
+    print(text, flush=True)
+    return 0 if all((rows.get(n) or {}).get("ok") for n in planned) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
