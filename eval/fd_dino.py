@@ -1,4 +1,5 @@
-"""Score checkpoints with a Fréchet distance (FD-DINO by default preset `dinov2`; `inception` works offline).
+"""Score checkpoints with a Fréchet distance (the default preset scores with Inception, offline; `--eval-preset dinov2`
+for FD-DINO).
 
     python eval/fd_dino.py runs/2025-01-01/12-00-00/checkpoints/step_00001200.dcp  # one checkpoint
     python eval/fd_dino.py runs/2025-01-01/12-00-00                                # every checkpoint of a run
