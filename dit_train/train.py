@@ -82,12 +82,19 @@ class Trainer:
         with train.async_checkpoint (checkpoint_saver.py). Weights that are no longer finite are never saved: the
         run stops and the newest checkpoint stays the last good one."""
         if not weights_finite(self.model):
-            self.saver.wait(self.state.step)  # a save in flight holds good weights: it is finished first
-            good = ckpt.list_checkpoints(self.cfg.run_dir, remove_partial=False)
             raise TrainingStopped(f"step {self.state.step}: the weights are no longer finite, so they were not saved; "
-                                  f"the last good checkpoint is {good[-1] if good else 'none'}")
+                                  f"{self.last_good_checkpoint()}")
         tensors = ckpt.tensor_state(self.model, self.optimizer, self.ema.model)
         self.saver.save(self.state.step, tensors, self.state.state_dict())
+
+    def last_good_checkpoint(self) -> str:
+        """Where a stopped run can go back to, in words. Collective: a save in flight holds good weights, so it is
+        finished first."""
+        self.saver.wait(self.state.step)
+        good = ckpt.list_checkpoints(self.cfg.run_dir, remove_partial=False)
+        if good:
+            return f"the last good checkpoint is {good[-1]}, untouched"
+        return "no checkpoint of this run has been written yet: nothing to go back to"
 
     def resume(self) -> None:
         """Continue from the checkpoint resume_policy chose (a damaged newest one falls back, loudly, under
@@ -196,7 +203,7 @@ class Trainer:
         if self.bad_steps >= self.tc.max_bad_steps > 0:
             raise TrainingStopped(
                 f"stopping at step {self.state.step}: {self.bad_steps} non-finite steps in a row "
-                f"(train.max_bad_steps={self.tc.max_bad_steps}); the last good checkpoint is untouched")
+                f"(train.max_bad_steps={self.tc.max_bad_steps}); {self.last_good_checkpoint()}")
 
     # ---- the loop ----------------------------------------------------------------------------------------
     def fit(self) -> dict:

@@ -115,6 +115,17 @@ def test_bad_config_on_command_line_leaves_no_run_folder(tmp_path, args, line):
     assert os.listdir(tmp_path) == []
 
 
+def test_slurm_launcher_without_multirun_is_refused_saying_what_to_type(tmp_path):
+    """Hydra's launchers act only under --multirun: without it, launcher=slurm trained on the login node."""
+    r = cli("launcher=slurm", "model=dit_s", f"run_dir={tmp_path / 'run'}", cwd=str(tmp_path))
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0] == ("error: launcher=slurm submits jobs to Slurm only under --multirun (without it the run would "
+                        f"train here, on this machine): python -m dit_train --multirun launcher=slurm model=dit_s "
+                        f"run_dir={tmp_path / 'run'}")
+    assert os.listdir(tmp_path) == []
+
+
 def test_stray_hydra_folder_is_removed_only_when_it_holds_only_hydra_files(tmp_path):
     """What __main__ calls when an error is found inside the Hydra job (after Hydra made the folder, e.g. under
     the Slurm launcher, where the check before Hydra does not run): Hydra's files only -> gone, with the empty

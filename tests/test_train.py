@@ -105,7 +105,21 @@ def test_nan_gradient_skips_update_and_stops_after_max_bad_steps(tiny_cfg):
     for p, st in trainer.optimizer.state.items():
         for n, t in opt_state[p].items():
             assert torch.equal(t, st[n])
-    with pytest.raises(TrainingStopped, match=r"stopping at step 0: 2 non-finite steps in a row"):
+    with pytest.raises(TrainingStopped, match=r"stopping at step 0: 2 non-finite steps in a row") as stopped:
+        trainer.train_step(x, {"y": y})
+    # nothing was ever saved: the message must not promise a checkpoint that does not exist
+    assert "untouched" not in str(stopped.value)
+    assert "no checkpoint of this run has been written yet" in str(stopped.value)
+
+
+def test_nan_stop_names_the_checkpoint_it_leaves_untouched(tiny_cfg):
+    tiny_cfg.train.max_bad_steps = 1
+    trainer = Trainer(tiny_cfg, DistInfo())
+    trainer.state.step = 3
+    trainer.save()
+    x, y = trainer.evaluation.val_batches[0]
+    trainer.model.final_layer.linear.weight.register_hook(lambda g: torch.full_like(g, float("nan")))
+    with pytest.raises(TrainingStopped, match=r"the last good checkpoint is .*step_00000003\.dcp, untouched"):
         trainer.train_step(x, {"y": y})
 
 
