@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from .atomic_io import fsync_dir, write_synced
+from .json_file import read_json
 from .parallel import barrier, rank
 
 log = logging.getLogger("dit_train")
@@ -294,9 +295,9 @@ def _dcp_load(state: dict, path: str) -> None:
                                   f"refusing to load it (it could run code)") from None
 
 
-def read_train_state(path: str) -> dict:
-    with open(os.path.join(path, TRAIN_STATE)) as f:
-        return json.load(f)
+def read_train_state(path: str, keys: tuple[str, ...] = ("step",)) -> dict:
+    """A checkpoint's train_state.json holding `keys`; a damaged one is refused in one line naming it."""
+    return read_json(os.path.join(path, TRAIN_STATE), keys, fix="use another checkpoint of the run")
 
 
 def load(path: str, model, optimizer, ema_model) -> dict:
@@ -364,10 +365,12 @@ def load_ema_weights(path: str) -> tuple[dict[str, torch.Tensor], dict, dict]:
     meta has step, active_time_s, path and format ('dcp' or the read-only 'pt')."""
     path = resolve_checkpoint(path)
     if is_complete(path):
-        state = read_train_state(path)
+        state = read_train_state(path, ("step", "config"))
         weights, fmt = read_tensors(path, "ema"), "dcp"
     else:
         state = _read_legacy(path)
+        if "config" not in state:
+            raise CheckpointError(f"checkpoint {path!r} holds no run config: it was not written by dit_train")
         weights, fmt = state["ema"]["model"], "pt"
     meta = {"step": state["step"], "active_time_s": state.get("active_time_s", 0.0), "path": path, "format": fmt}
     return weights, state["config"], meta

@@ -14,6 +14,7 @@ from dataclasses import asdict, fields
 import torch
 
 from .atomic_io import atomic_write_bytes
+from .json_file import read_json
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -68,8 +69,7 @@ def load_pretrained(cls, path: str, device="cpu"):
     from .model import DiTConfig
 
     folder = _local_folder(path)
-    with open(os.path.join(folder, CONFIG_FILE)) as f:
-        config = json.load(f)
+    config = read_json(os.path.join(folder, CONFIG_FILE), fix="export the model again")
     names = {f.name for f in fields(DiTConfig)}
     model = cls(DiTConfig(**{k: v for k, v in config.items() if k in names}))
     model.load_state_dict(load_file(os.path.join(folder, WEIGHTS_FILE)))

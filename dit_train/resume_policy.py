@@ -7,7 +7,9 @@ was trained with, and only the keys in MAY_CHANGE_ON_RESUME may differ (cadence,
 how checkpoints are written, parallel layout, the Slurm job shape, and how sharded optimizers exchange whole
 matrices, which does not change the maths). Anything else is refused in one line naming each key with both values;
 a deliberate change is
-a fork (`train.init_from=RUN`: the weights, a fresh optimizer and step 0, in a new run folder).
+a fork (`train.init_from=RUN`: the weights, a fresh optimizer and step 0, in a new run folder). With
+`train.resume=auto` a fork can be requeued: the run's own checkpoints win, the fork source is used only while the run
+has none. A fork keeps the model's architecture (its weights must fit), which is checked before the folder is used.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import fnmatch
 import json
 import logging
 import os
+from dataclasses import asdict
 
 from omegaconf import OmegaConf
 
@@ -36,6 +39,9 @@ MAY_CHANGE_ON_RESUME = (
 
 # Keys added after runs were recorded, with the value that reproduces what those runs did: a checkpoint whose config
 # lacks the key resumes under that value (and only that one).
+# model keys a fork may change: they are not part of the weights' shapes or meaning
+FORK_MAY_CHANGE = ("class_dropout_prob",)
+
 ADDED_LATER = {"optimizer.rownorm_scale": "frobenius"}
 
 
@@ -98,7 +104,7 @@ def check_resume(cfg) -> str | None:
         if not ckpt.is_complete(path):
             return path  # a read-only file of an earlier version: loading it says why it cannot resume
         try:
-            saved = ckpt.read_train_state(path)["config"]
+            saved = ckpt.read_train_state(path, ("config",))["config"]
         except (OSError, ValueError, KeyError) as e:
             if cfg.train.resume != "auto":
                 raise
@@ -111,4 +117,24 @@ def check_resume(cfg) -> str | None:
                               f"these keys cannot change on resume: start a fresh run in a new run_dir, or fork "
                               f"this one with train.init_from={cfg.run_dir} (its weights, a fresh optimizer, step 0)")
         return path
+    if cfg.train.init_from:
+        check_fork(cfg)
     return None
+
+
+def check_fork(cfg) -> None:
+    """A fork's source: a complete checkpoint whose model has this run's architecture (else one line)."""
+    from .model import DiTConfig
+
+    source = ckpt.resolve_checkpoint(str(cfg.train.init_from))
+    if not ckpt.is_complete(source):
+        raise ckpt.CheckpointError(f"train.init_from={cfg.train.init_from}: {source} is a read-only single-file "
+                                   f"checkpoint of an earlier version; a fork starts from a step_N.dcp checkpoint")
+    saved = ckpt.read_train_state(source, ("config",))["config"].get("model") or {}
+    old, new = asdict(DiTConfig.from_cfg(saved)), asdict(DiTConfig.from_cfg(cfg.model))
+    changed = [f"{k}: {json.dumps(old[k])} -> {json.dumps(new[k])}" for k in old
+               if k not in FORK_MAY_CHANGE and old[k] != new[k]]
+    if changed:
+        raise ConfigError(f"train.init_from={cfg.train.init_from}: {source} holds a model of another architecture "
+                          f"({'; '.join(changed)}); a fork keeps the architecture: use the model it was trained with "
+                          f"(model={saved.get('name')}) or start without train.init_from")

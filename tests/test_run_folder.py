@@ -82,6 +82,35 @@ def test_fork_starts_from_the_weights_with_a_fresh_optimizer(tmp_path):
     assert all(torch.equal(v, source[k]) for k, v in fork.model.state_dict().items())
 
 
+def test_a_requeued_fork_continues_from_its_own_checkpoints(tmp_path):
+    """train.init_from + train.resume=auto: the first start forks; a requeue (the same command) continues the
+    fork's own newest checkpoint, not the source again."""
+    run(tiny(tmp_path / "source"))
+    command = [f"train.init_from={tmp_path / 'source'}", "train.resume=auto", "optimizer.K=5"]
+    first = Trainer(tiny(tmp_path / "fork", *command), DistInfo())
+    stop_signal_during_step(first, 3)
+    with pytest.raises(Preempted, match="at step 3"):
+        first.fit()
+    own = ckpt.read_tensors(ckpt.resolve_checkpoint(str(tmp_path / "fork")), "model")
+    requeued = Trainer(tiny(tmp_path / "fork", *command), DistInfo())
+    requeued.resume()
+    assert requeued.state.step == 3 and requeued.optimizer.state
+    assert all(torch.equal(v, own[k]) for k, v in requeued.model.state_dict().items())
+    assert run(tiny(tmp_path / "fork", *command))["steps"] == 4
+
+
+def test_a_fork_into_another_model_size_is_one_line_and_leaves_no_folder(tmp_path):
+    run(tiny(tmp_path / "source"))
+    r = subprocess.run([sys.executable, "-m", "dit_train", *TINY, f"run_dir={tmp_path / 'fork'}",
+                        f"train.init_from={tmp_path / 'source'}", "model.hidden_size=64"], cwd=str(tmp_path),
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "holds a model of another architecture (hidden_size: 32 -> 64)" in lines[0]
+    assert "model.hidden_size=32" not in lines[0] and "model=dit_s" in lines[0]
+    assert not os.path.exists(tmp_path / "fork")
+
+
 # ---- one writer -------------------------------------------------------------------------------------------------
 def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
     os.makedirs(tmp_path / "run")
