@@ -14,7 +14,9 @@ background when not) and `ckpt/bytes`, with `ckpt/step`, at the step where the s
 from __future__ import annotations
 
 import datetime
+import json
 import logging
+import os
 import time
 from typing import Callable
 
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
+from .atomic_io import atomic_write_bytes
 from .parallel import barrier, rank
 
 log = logging.getLogger("dit_train")
@@ -66,6 +69,15 @@ class CheckpointSaver:
         """Collective: the save in flight, if any, written and finished on every rank."""
         if self.pending is not None:
             self._finish(step)
+        barrier()
+
+    def record_train_state(self, step: int, train_state: dict) -> None:
+        """Collective: replace the train state of this run's checkpoint of `step` (the last one is written before
+        the end-of-run evaluations, whose FD can change the best FD it holds). Atomic: the old or the new file."""
+        self.wait(step)
+        if rank() == 0:
+            atomic_write_bytes(json.dumps(train_state).encode(),
+                               os.path.join(ckpt.checkpoint_path(self.run_dir, step), ckpt.TRAIN_STATE))
         barrier()
 
     def _finish(self, step: int, save_started: float | None = None) -> None:

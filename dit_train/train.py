@@ -273,21 +273,35 @@ class Trainer:
                                    self.window.take(), progress)
             if progress is not None:
                 progress.update(1)
-            if state.step == tc.steps:  # the bar is closed before the end-of-run work, which says what it does
+            last_step = state.step == tc.steps
+            if last_step:  # the bar is closed before the end-of-run work, which says what it does
                 self.announce_end_of_run(progress)
                 progress = None
-            self.evaluation.run_due(state.step, tc.steps, self.ema.model, state)
-            if saved:
-                self.save()
-            if self.preemption.requested:  # agreed by every rank at this step's all-reduce
+                self.save()  # before the evaluations: a signal (or the SIGKILL after it) during them loses no step
+            best_fd = state.best_fd
+            skipped = self.evaluation.run_due(state.step, tc.steps, self.ema.model, state, self.stop_agreed)
+            if saved and not last_step:
+                self.save()  # after the evaluations: the checkpoint holds their best FD
+            elif last_step and state.best_fd != best_fd:
+                self.saver.record_train_state(state.step, self.state.state_dict())
+            # agreed by every rank at this step's all-reduce (or during the evaluations); once the last step's
+            # work is all done there is nothing left to stop
+            if self.preemption.requested and (skipped or not last_step):
                 if not saved:
                     self.save()
                 self.saver.wait(state.step)  # the run leaves with its checkpoint complete, never in flight
-                raise self.preemption.stop(state.step, self.cfg.run_dir)
+                raise self.preemption.stop(state.step, self.cfg.run_dir, skipped, last_step)
             self.saver.poll(state.step)
             data_start = clock.mark()
         if progress is not None:
             progress.close()
+
+    def stop_agreed(self) -> bool:
+        """Collective: whether any rank has received a stop signal (the evaluations' check; the training steps
+        vote in their loss all-reduce instead)."""
+        votes = all_reduce_sum_(torch.full((), self.preemption.vote(), device=self.dist.device))
+        self.preemption.agree(votes.item())
+        return self.preemption.requested
 
     def take_deferred(self) -> StepNumbers:
         """Read every pending step and account for each as it happened: active time, throughput, timing window.

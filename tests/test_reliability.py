@@ -60,6 +60,36 @@ def test_preemption_signal_checkpoints_exits_requeueable_and_resumes(tmp_path, s
     assert json.load(open(run_dir / "summary.json"))["steps"] == step + 3
 
 
+@needs_fashion
+def test_sigterm_during_the_end_of_run_grid_finds_the_final_checkpoint_written_and_stops_the_grid(tmp_path):
+    """A long end-of-run sample grid (here 10 images x 200000 Euler steps, minutes): the last step's checkpoint is
+    written before it, and a SIGTERM stops it within seconds with the requeue-able code, naming what was skipped
+    (before: the grid ran to its end, exit 0, and the checkpoint came after it, lost to the scheduler's SIGKILL)."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "train.steps=3", "train.val_every=0", "train.sample_every=3", "train.sample_steps=200000")
+    try:
+        t0 = time.time()
+        while not ckpt.list_checkpoints(str(run_dir), remove_partial=False):
+            assert proc.poll() is None, proc.communicate()
+            assert time.time() - t0 < 120, "no checkpoint before the end-of-run grid"
+            time.sleep(0.05)
+        time.sleep(1.0)  # inside the grid
+        proc.send_signal(signal.SIGTERM)
+        t_signal = time.time()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert time.time() - t_signal < 60
+    assert proc.returncode == EXIT_PREEMPTED, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("preempted:")]
+    assert len(lines) == 1 and "received SIGTERM at step 3, the last, during the end-of-run work" in lines[0], err
+    assert "skipped sample grid and summary.json" in lines[0] and "Traceback" not in err
+    assert "end of run: checkpoint, sample grid (10 images, 200000 steps), summary" in out
+    saved = ckpt.list_checkpoints(str(run_dir))
+    assert [ckpt.read_train_state(p)["step"] for p in saved] == [3]
+    assert not (run_dir / "samples").exists() and not (run_dir / "summary.json").exists()
+
+
 def write_checkpoints(run_dir: str, start: int, saved) -> None:
     """Save a checkpoint per step from `start` on, reporting each completed save through the pipe `saved`."""
     for step in range(start, start + 1000):
