@@ -8,6 +8,7 @@ import sys
 
 import hydra
 
+from .atomic_io import describe_os_error
 from .config import CONF_DIR, ConfigError, check_command_line, remove_stray_hydra_dir
 from .preemption import Preempted, Preemption
 
@@ -44,16 +45,6 @@ def main(cfg) -> None:
     except KeyboardInterrupt:  # Ctrl-C before training started (once it has, it checkpoints: Preempted above)
         print("interrupted before training started; nothing to checkpoint", file=sys.stderr)
         sys.exit(130)
-
-
-def describe_os_error(e: OSError) -> str:
-    import errno
-    import traceback
-
-    where = traceback.extract_tb(e.__traceback__)[-1].name if e.__traceback__ else "?"
-    code = errno.errorcode.get(e.errno, "") if e.errno else ""
-    path = f" {e.filename!r}" if e.filename else ""
-    return f"{e.strerror or e}{f' ({code})' if code else ''}:{path} (in {where})"
 
 
 def explicit_run_dir(argv: list[str]) -> str | None:

@@ -30,11 +30,33 @@ def atomic_write_bytes(data: bytes, path: str) -> None:
     try:
         write_synced(data, tmp)
         os.replace(tmp, path)
-    except BaseException:  # a full disk must not keep the partial file
+    except BaseException as e:  # a full disk must not keep the partial file
         with contextlib.suppress(OSError):
             os.remove(tmp)
+        if isinstance(e, OSError):
+            raise naming(e, path) from None
         raise
     fsync_dir(os.path.dirname(path))
+
+
+def naming(e: OSError, path: str) -> OSError:
+    """`e` with a file name: a failed write() or close() (ENOSPC on a full disk) names none, open() does."""
+    if e.filename or e.errno is None:
+        return e
+    named = type(e)(e.errno, e.strerror, path)
+    named.__traceback__ = e.__traceback__
+    return named
+
+
+def describe_os_error(e: OSError) -> str:
+    """One line: what failed, its errno name, the path, and the function it happened in."""
+    import errno
+    import traceback
+
+    where = traceback.extract_tb(e.__traceback__)[-1].name if e.__traceback__ else "?"
+    code = errno.errorcode.get(e.errno, "") if e.errno else ""
+    path = f" {e.filename!r}" if e.filename else ""
+    return f"{e.strerror or e}{f' ({code})' if code else ''}:{path} (in {where})"
 
 
 def remove_stale_temp_files(folder: str) -> list[str]:

@@ -35,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from .atomic_io import fsync_dir, write_synced
+from .atomic_io import fsync_dir, naming, write_synced
 from .json_file import read_json
 from .parallel import barrier, rank
 
@@ -167,10 +167,10 @@ def start_save(run_dir: str, step: int, tensors: dict, train_state: dict, asynch
             else:
                 future = Future()
                 future.set_result(dcp.save(tensors, storage_writer=writer, no_dist=no_dist))
-    except BaseException:
+    except BaseException as e:
         if rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        raise _write_error(e, tmp) from None
     # frozen now: the run goes on changing the live train state while the tensors are written
     return PendingSave(run_dir, step, tmp, final, future, json.dumps(train_state).encode(), started)
 
@@ -208,11 +208,21 @@ class PendingSave:
             size = folder_bytes(self.tmp)
             _publish(self.tmp, self.final)
             prune_checkpoints(self.run_dir, keep_last)
-        except BaseException:
+        except BaseException as e:
             if rank() == 0:
                 shutil.rmtree(self.tmp, ignore_errors=True)
-            raise
+            raise _write_error(e, self.tmp) from None
         return {"ckpt/write_s": self.write_s, "ckpt/bytes": size}
+
+
+def _write_error(e: BaseException, folder: str) -> BaseException:
+    """A failed save as the OSError behind it, naming the folder (ENOSPC on a full disk): DCP wraps a rank's
+    OSError into a CheckpointException whose message is a traceback, and a failed write names no file."""
+    failures = [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+    for exc in failures:
+        if isinstance(exc, OSError):
+            return naming(exc, folder)
+    return e
 
 
 def folder_bytes(path: str) -> int:

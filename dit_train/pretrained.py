@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict, fields
 
 import torch
@@ -37,6 +38,11 @@ def save_pretrained(state_dict: dict, config, folder: str, dtype: str = "fp32", 
     try:
         save_file(tensors, tmp, metadata={"format": "pt"})
         os.replace(tmp, weights)
+    except Exception as e:  # safetensors reports a full disk as its own error, "... (os error 28)"
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None or isinstance(e, OSError):
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), weights) from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

@@ -159,3 +159,41 @@ def test_edge_case_gradients_give_finite_updates(name, kind):
         opt.step()
         for p in model.parameters():
             assert torch.isfinite(p).all(), (name, kind, tuple(p.shape), step)
+
+
+@needs_fashion
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_full_disk_during_a_save_is_one_line_naming_the_path_and_keeps_the_previous_checkpoint(
+        tmp_path, small_tmpfs, asynchronous):
+    """A real 1.2 MB file system: the first checkpoint (~0.8 MB) fits, the second does not (before: a DCP
+    traceback, the synchronous one not saying ENOSPC)."""
+    run_dir = small_tmpfs("1200k") / "run"
+    proc = start(run_dir, "train.steps=3", "train.ckpt_every=1", "train.keep_last=1",
+                 f"train.async_checkpoint={str(asynchronous).lower()}")
+    out, err = proc.communicate(timeout=240)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    assert lines[-1] == f"error: No space left on device (ENOSPC): '{run_dir}/checkpoints/step_00000002.dcp.tmp' " \
+                        "(in create_stream)", err
+    saved = ckpt.list_checkpoints(str(run_dir))
+    assert [os.path.basename(p) for p in saved] == ["step_00000001.dcp"]
+    assert ckpt.read_train_state(saved[0])["step"] == 1 and ckpt.read_tensors(saved[0], "ema")
+    assert os.listdir(run_dir / "checkpoints") == ["step_00000001.dcp"]  # the partial save removed
+
+
+@needs_fashion
+def test_a_full_disk_while_logging_metrics_is_one_line_naming_metrics_jsonl(tmp_path, small_tmpfs):
+    from conftest import fill_disk
+
+    disk = small_tmpfs("400k")
+    run_dir = disk / "run"
+    proc = start(run_dir, "train.steps=100000")
+    try:
+        wait_for_step(run_dir, 2, proc)
+        fill_disk(disk)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"error: No space left on device (ENOSPC): '{run_dir}/metrics.jsonl'"), err
