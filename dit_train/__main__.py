@@ -47,6 +47,23 @@ def main(cfg) -> None:
         sys.exit(130)
 
 
+def check_writable(run_dir: str) -> None:
+    """Exit 1 with one line if nothing can be written into the run folder (a read-only file system, a folder of
+    another user): Hydra's log file there would fail first, in a traceback."""
+    import errno
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=run_dir):
+            pass
+    except OSError as e:
+        code = errno.errorcode.get(e.errno, "?") if e.errno else "?"
+        print(f"error: run folder {run_dir} is not writable ({e.strerror}, {code}): a run writes its checkpoints and "
+              f"metrics there; copy it to a writable place, or fork it with train.init_from={run_dir} into a new "
+              f"run_dir", file=sys.stderr)
+        sys.exit(1)
+
+
 def explicit_run_dir(argv: list[str]) -> str | None:
     """`run_dir=X` of a single run (no sweep, --help, completion or other flag; no hydra.run.dir), else None."""
     if any(a.startswith("-") or a.startswith("hydra.run.dir=") for a in argv):
@@ -68,6 +85,7 @@ def cli() -> None:
         except OSError as e:
             print(f"error: {describe_os_error(e)}", file=sys.stderr)
             sys.exit(1)
+        check_writable(run_dir.strip("'\""))
         sys.argv.append(f"hydra.run.dir={run_dir}")
     main()
 

@@ -307,7 +307,8 @@ def _dcp_load(state: dict, path: str) -> None:
 
 def read_train_state(path: str, keys: tuple[str, ...] = ("step",)) -> dict:
     """A checkpoint's train_state.json holding `keys`; a damaged one is refused in one line naming it."""
-    return read_json(os.path.join(path, TRAIN_STATE), keys, fix="use another checkpoint of the run")
+    return read_json(os.path.join(path, TRAIN_STATE), keys,
+                     fix="this checkpoint cannot be used: remove it, or use an earlier one of the run")
 
 
 def load(path: str, model, optimizer, ema_model) -> dict:

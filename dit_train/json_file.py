@@ -19,7 +19,7 @@ def read_json(path: str, keys: tuple[str, ...] = (), fix: str = ""):
         with open(path, encoding="utf-8") as f:
             value = json.load(f)
     except json.JSONDecodeError as e:
-        raise DamagedJSONFile(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): the file "
+        raise DamagedJSONFile(f"{path} is not valid JSON ({e.msg}: line {e.lineno} column {e.colno}): the file "
                               f"is damaged (cut short by a crash or edited){after}") from None
     except UnicodeDecodeError:
         raise DamagedJSONFile(f"{path} is not valid JSON (it is not UTF-8 text): the file is damaged{after}") \

@@ -30,6 +30,7 @@ from .hydra_run import agree_on_config
 from .logger import MetricLogger
 from .metrics import Throughput, read_summary, write_summary
 from .model import count_parameters
+from .optim.native_rownorm import check_buildable
 from .parallel import (DistInfo, all_reduce_sum_, autocast, barrier, clip_grad_norm_, clip_scaled, collective_timeouts,
                        init_distributed, resolve_plan, shutdown_process_group, wants_fsdp, weights_finite)
 from .preemption import Preemption
@@ -352,6 +353,7 @@ def run(cfg) -> dict:
         validate(cfg, dist.world_size)
         if cfg.train.dry_run:
             return dry_run(cfg)
+        check_buildable(cfg.optimizer.get("compile_rownorm"), dist.device)
         with collective_timeouts(cfg.parallel.timeout_minutes):
             lock = prepare_run_folder(cfg, dist)
             return Trainer(cfg, dist).fit()

@@ -146,13 +146,13 @@ def main(argv=None) -> list[dict]:
         root, found = find_checkpoints(p)
         out = out or Path(args.out or root)
         todo += found
+    rows = load_results(out) if rank == 0 else []  # a damaged results file is refused before the encoder loads
     extractor = build_extractor(cfg.encoder, cfg.encoder_path, device)
     reference = f"{cfg.reference_split}:{cfg.reference_num}"
     settings = {"encoder": extractor.encoder_id, "num_gen": int(cfg.num_samples),
                 "sample_steps": int(cfg.sample_steps), "cfg_scale": float(cfg.cfg_scale), "seed": int(cfg.seed),
                 "reference": reference}
 
-    rows = load_results(out) if rank == 0 else []
     done = {row_key(r) for r in rows}
     skip = [(run, c) for run, c in todo if not args.force and row_key({"run": run, "checkpoint": c, **settings}) in done]
     if dist.is_initialized():  # rank 0's view of the results decides, so every rank runs the same collectives

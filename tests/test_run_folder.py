@@ -285,3 +285,18 @@ def test_a_torn_last_metrics_row_is_dropped_before_appending(tmp_path):
     logger.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 3]
+
+
+def test_resuming_into_a_read_only_run_folder_is_one_line(tmp_path, small_tmpfs):
+    """A run on a file system mounted read-only (an archive, a snapshot): before, Hydra's log-file handler failed
+    in a 30-line traceback."""
+    disk = small_tmpfs("4m")
+    run(tiny(disk / "run"))
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    r = subprocess.run([sys.executable, "-m", "dit_train", *TINY, f"run_dir={disk / 'run'}", "train.resume=auto",
+                        "train.steps=6"], cwd=str(tmp_path), capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    assert r.returncode == 1 and r.stderr.splitlines() == [
+        f"error: run folder {disk / 'run'} is not writable (Read-only file system, EROFS): a run writes its "
+        f"checkpoints and metrics there; copy it to a writable place, or fork it with "
+        f"train.init_from={disk / 'run'} into a new run_dir"], r.stderr
