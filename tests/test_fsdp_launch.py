@@ -2,12 +2,16 @@
 process-group variables from Slurm's, and a preemption signal that another handler owned before the trainer
 (submitit's SIGUSR2 requeue) is handed back to it after the checkpoint."""
 
+import json
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
-from conftest import needs_fashion
+from conftest import ROOT, needs_fashion
 from dit_train.parallel import first_slurm_host, slurm_environment
 
 
@@ -59,3 +63,36 @@ def test_preemption_signal_is_handed_to_the_previous_handler_after_the_checkpoin
         assert signal.getsignal(signal.SIGUSR2) is submitit_like  # and restored
     finally:
         signal.signal(signal.SIGUSR2, old)
+
+
+@needs_fashion
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_stop_signal_to_torchrun_checkpoints_and_the_job_exits_75(tmp_path, sig):
+    """`python -m dit_train.torchrun` (torchrun's options, torchrun's behaviour) signalled like scancel or Slurm's
+    --signal: the 2 ranks checkpoint together and the job exits 75, requeue-able (torchrun itself exits 1)."""
+    from dit_train import checkpoint as ckpt
+    from dit_train.preemption import EXIT_PREEMPTED
+
+    run_dir = tmp_path / "run"
+    tiny = ["model.hidden_size=32", "model.depth=1", "model.num_heads=1", "model.patch_size=8", "train.batch_size=4",
+            "train.val_samples=4", "train.val_batch_size=4", "train.val_t_points=1", "train.sample_every=0",
+            "train.progress=false", "train.warmup_steps=0", "train.log_every=1", "train.ckpt_every=0"]
+    proc = subprocess.Popen([sys.executable, "-m", "dit_train.torchrun", "--standalone", "--nproc_per_node", "2",
+                             "-m", "dit_train", f"run_dir={run_dir}", *tiny, "train.steps=400"], cwd=str(tmp_path),
+                            env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        metrics, t0 = run_dir / "metrics.jsonl", time.time()
+        while not (metrics.exists() and any(json.loads(row)["step"] >= 2 for row in metrics.read_text().split("\n")[:-1])):
+            assert proc.poll() is None, proc.communicate()
+            assert time.time() - t0 < 180, "no step 2"
+            time.sleep(0.1)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    assert err.count(f"preempted: received {sig.name} at step") == 2  # both ranks, at the same step
+    assert f"torchrun: received {sig.name} and passed it on to the workers (a checkpoint, then exit): exit 75" in err
+    saved = ckpt.list_checkpoints(str(run_dir))
+    assert len(saved) == 1 and 2 <= ckpt.read_train_state(saved[0])["step"] < 400
