@@ -17,7 +17,6 @@ step averaged over every step (window means weighted by their step counts).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -26,6 +25,7 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import Run, fmt, provenance, read_run  # noqa: E402
+from dit_train.json_file import DamagedJSONFile, read_json  # noqa: E402
 from run_study import variant_label  # noqa: E402  (the key of study.json's lr_selection)
 
 # two-sided 95% quantiles of Student's t by degrees of freedom (1..30); normal beyond
@@ -125,8 +125,8 @@ def paired_rows(runs: dict, reference: str, target: float) -> list[str]:
 
 def build(sweep_dir: str, out_dir: str | None) -> str:
     out_dir = out_dir or sweep_dir
-    with open(os.path.join(sweep_dir, "study.json")) as f:
-        study = json.load(f)
+    study = read_json(os.path.join(sweep_dir, "study.json"),
+                      fix="restore it from a copy (scripts/run_study.py writes it)")
     if "lr_selection" not in study:
         raise SystemExit(f"error: {sweep_dir}/study.json has no lr_selection: not a two-phase study, or its lr scan "
                          f"has not finished (run: python scripts/run_study.py {study.get('experiment', '?')})")
@@ -198,7 +198,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not os.path.isfile(os.path.join(args.sweep_dir, "study.json")):
         raise SystemExit(f"error: {args.sweep_dir!r} has no study.json (made by scripts/run_study.py)")
-    build(args.sweep_dir, args.out)
+    try:
+        build(args.sweep_dir, args.out)
+    except DamagedJSONFile as e:
+        raise SystemExit(f"error: {e}") from None
     print(f"wrote {os.path.join(args.out or args.sweep_dir, 'report.md')}")
 
 

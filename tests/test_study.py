@@ -523,3 +523,21 @@ def test_a_torn_train_state_in_the_sweep_is_one_line_naming_it(tmp_path, capsys)
     assert err == [f"error: {state} is not valid JSON (Expecting ',' delimiter: line 1 column 11): the file is "
                    f"damaged (cut short by a crash or edited); this checkpoint cannot be used: remove it, or use an "
                    f"earlier one of the run"]
+
+
+def test_a_torn_study_record_is_one_line_naming_it_in_every_study_script(tmp_path, capsys):
+    """study.json cut short by a crash: report.py, paired_report.py and publish_study.py said JSONDecodeError in a
+    traceback; now one line naming the file."""
+    import paired_report
+
+    sweep = tmp_path / "sweep"
+    write_run(sweep / "a", "dit_xs", "adamw", 0, train_rows(0.01, 0.1, 0) + [{"step": 4, "val/loss": 0.5}])
+    (sweep / "study.json").write_text('{"experiment": "fab", "runs": [')
+    line = (f"error: {sweep / 'study.json'} is not valid JSON (Expecting value: line 1 column 32): the file is "
+            f"damaged (cut short by a crash or edited); restore it from a copy (scripts/run_study.py writes it)")
+    for script in (report, paired_report):
+        with pytest.raises(SystemExit) as e:
+            script.main([str(sweep)])
+        assert str(e.value) == line
+    assert publish_study.main([str(sweep), str(tmp_path / "dest")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == line
