@@ -3,7 +3,8 @@ submitit's time-limit signal) and SIGINT (Ctrl-C) end the run at the next step b
 every rank together.
 
 A signal may reach one rank only; each step's loss all-reduce carries this rank's vote (`vote()`), and the run
-stops when any rank voted (`agree`). After the checkpoint the signal is handed to the handler that was installed
+stops when any rank voted (`agree`). Evaluations (validation, FD, grids; at the end of a run they can take minutes)
+vote before every call of the EMA model and stop there, saying what they skipped. After the checkpoint the signal is handed to the handler that was installed
 before ours when that is Python code (submitit's requeue handler); default handlers are not called. Once a stop
 is under way, a second signal is only recorded, so the exit code stays the requeue-able one."""
 

@@ -212,8 +212,10 @@ class Trainer:
         summary_path = os.path.join(self.cfg.run_dir, "summary.json")
         if self.state.step >= self.tc.steps:  # a rerun of a finished run: nothing to train, nothing to rewrite
             if self.dist.is_main:
+                summary = "summary.json left unchanged" if os.path.exists(summary_path) else \
+                    "it has no summary.json (its end-of-run work was stopped by a signal, or an earlier version ran it)"
                 print(f"run {self.cfg.run_dir} already finished at step {self.state.step} (train.steps="
-                      f"{self.tc.steps}); summary.json left unchanged")
+                      f"{self.tc.steps}); {summary}")
             self.logger.close()
             return read_summary(summary_path)
         if self.dist.is_main and self.state.step > 0 and os.path.exists(summary_path):

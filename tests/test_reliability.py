@@ -66,7 +66,8 @@ def test_sigterm_during_the_end_of_run_grid_finds_the_final_checkpoint_written_a
     written before it, and a SIGTERM stops it within seconds with the requeue-able code, naming what was skipped
     (before: the grid ran to its end, exit 0, and the checkpoint came after it, lost to the scheduler's SIGKILL)."""
     run_dir = tmp_path / "run"
-    proc = start(run_dir, "train.steps=3", "train.val_every=0", "train.sample_every=3", "train.sample_steps=200000")
+    end_of_run = ["train.steps=3", "train.val_every=0", "train.sample_every=3", "train.sample_steps=200000"]
+    proc = start(run_dir, *end_of_run)
     try:
         t0 = time.time()
         while not ckpt.list_checkpoints(str(run_dir), remove_partial=False):
@@ -88,6 +89,13 @@ def test_sigterm_during_the_end_of_run_grid_finds_the_final_checkpoint_written_a
     saved = ckpt.list_checkpoints(str(run_dir))
     assert [ckpt.read_train_state(p)["step"] for p in saved] == [3]
     assert not (run_dir / "samples").exists() and not (run_dir / "summary.json").exists()
+    # a requeue of the same command: the training is complete, nothing to continue, and it says so
+    again = subprocess.run([sys.executable, "-m", "dit_train", f"run_dir={run_dir}", *TINY, *end_of_run,
+                            "train.resume=auto"], cwd=str(tmp_path), capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert "already finished at step 3 (train.steps=3); it has no summary.json (its end-of-run work was stopped " \
+           "by a signal, or an earlier version ran it)" in again.stdout
 
 
 def write_checkpoints(run_dir: str, start: int, saved) -> None:
