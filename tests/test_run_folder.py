@@ -300,3 +300,15 @@ def test_resuming_into_a_read_only_run_folder_is_one_line(tmp_path, small_tmpfs)
         f"error: run folder {disk / 'run'} is not writable (Read-only file system, EROFS): a run writes its "
         f"checkpoints and metrics there; copy it to a writable place, or fork it with "
         f"train.init_from={disk / 'run'} into a new run_dir"], r.stderr
+
+
+def test_a_torn_summary_is_one_line_naming_it(tmp_path):
+    from dit_train.json_file import DamagedJSONFile
+    from dit_train.metrics import read_summary
+
+    path = tmp_path / "summary.json"
+    path.write_text('{"steps": 4, "val_l')
+    with pytest.raises(DamagedJSONFile) as e:
+        read_summary(str(path))
+    assert str(e.value).startswith(f"{path} is not valid JSON (") and "\n" not in str(e.value)
+    assert read_summary(str(tmp_path / "absent.json")) == {}
