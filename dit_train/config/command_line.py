@@ -93,12 +93,12 @@ def check_command_line(argv: list[str], world_size: int | None = None) -> None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         check_group_overrides(overrides)
-        check_slurm_needs_multirun(flags, overrides)
         if any(f not in MULTIRUN_FLAGS for f in flags):
             return
         from ..extras import check_extras, check_launcher
 
-        check_launcher(overrides)
+        check_launcher(overrides)  # a missing plugin first: it is needed with --multirun too
+        check_slurm_needs_multirun(flags, overrides)
         for job in job_overrides(overrides):
             cfg = _compose_job(job)
             validate(cfg, world_size)
