@@ -8,6 +8,7 @@ import sys
 
 import hydra
 
+from .atomic_io import describe_os_error
 from .config import CONF_DIR, ConfigError, check_command_line, remove_stray_hydra_dir
 from .hydra_files import defer_hydra_files
 from .preemption import Preempted, Preemption
@@ -51,14 +52,21 @@ def main(cfg) -> None:
         sys.exit(130)
 
 
-def describe_os_error(e: OSError) -> str:
+def check_writable(run_dir: str) -> None:
+    """Exit 1 with one line if nothing can be written into the run folder (a read-only file system, a folder of
+    another user): Hydra's log file there would fail first, in a traceback."""
     import errno
-    import traceback
+    import tempfile
 
-    where = traceback.extract_tb(e.__traceback__)[-1].name if e.__traceback__ else "?"
-    code = errno.errorcode.get(e.errno, "") if e.errno else ""
-    path = f" {e.filename!r}" if e.filename else ""
-    return f"{e.strerror or e}{f' ({code})' if code else ''}:{path} (in {where})"
+    try:
+        with tempfile.TemporaryFile(dir=run_dir):
+            pass
+    except OSError as e:
+        code = errno.errorcode.get(e.errno, "?") if e.errno else "?"
+        print(f"error: run folder {run_dir} is not writable ({e.strerror}, {code}): a run writes its checkpoints and "
+              f"metrics there; copy it to a writable place, or fork it with train.init_from={run_dir} into a new "
+              f"run_dir", file=sys.stderr)
+        sys.exit(1)
 
 
 def explicit_run_dir(argv: list[str]) -> str | None:
@@ -82,6 +90,7 @@ def cli() -> None:
         except OSError as e:
             print(f"error: {describe_os_error(e)}", file=sys.stderr)
             sys.exit(1)
+        check_writable(run_dir.strip("'\""))
         sys.argv.append(f"hydra.run.dir={run_dir}")
         if not any(a.startswith("hydra.output_subdir=") for a in sys.argv[1:]):
             # ... but `.hydra/` only once the run is accepted: a refused resume or second writer would overwrite the

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 
 
 def fsync_dir(path: str) -> None:
@@ -30,9 +31,11 @@ def atomic_write_bytes(data: bytes, path: str) -> None:
     try:
         write_synced(data, tmp)
         os.replace(tmp, path)
-    except BaseException:  # a full disk must not keep the partial file
+    except BaseException as e:  # a full disk must not keep the partial file
         with contextlib.suppress(OSError):
             os.remove(tmp)
+        if isinstance(e, OSError):
+            raise naming(e, path) from None
         raise
     fsync_dir(os.path.dirname(path))
 
@@ -50,7 +53,13 @@ def atomic_save_tensors(tensors: dict, path: str, metadata: dict | None = None) 
 
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        save_file(tensors, tmp, metadata=metadata)
+        try:
+            save_file(tensors, tmp, metadata=metadata)
+        except Exception as e:  # safetensors reports a full disk as its own error, "... (os error 28)"
+            code = re.search(r"os error (\d+)", str(e))
+            if code is None or isinstance(e, OSError):
+                raise
+            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), path) from None
         make_readable(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
@@ -65,6 +74,26 @@ def atomic_save_tensors(tensors: dict, path: str, metadata: dict | None = None) 
 def make_readable(path: str) -> None:
     """The mode open() gives a new file (0666 less the umask), for files made by libraries that create them 0600."""
     os.chmod(path, 0o666 & ~current_umask())
+
+
+def naming(e: OSError, path: str) -> OSError:
+    """`e` with a file name: a failed write() or close() (ENOSPC on a full disk) names none, open() does."""
+    if e.filename or e.errno is None:
+        return e
+    named = type(e)(e.errno, e.strerror, path)
+    named.__traceback__ = e.__traceback__
+    return named
+
+
+def describe_os_error(e: OSError) -> str:
+    """One line: what failed, its errno name, the path, and the function it happened in."""
+    import errno
+    import traceback
+
+    where = traceback.extract_tb(e.__traceback__)[-1].name if e.__traceback__ else "?"
+    code = errno.errorcode.get(e.errno, "") if e.errno else ""
+    path = f" {e.filename!r}" if e.filename else ""
+    return f"{e.strerror or e}{f' ({code})' if code else ''}:{path} (in {where})"
 
 
 def remove_stale_temp_files(folder: str) -> list[str]:

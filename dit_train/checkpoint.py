@@ -37,7 +37,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from . import checkpoint_metadata
-from .atomic_io import fsync_dir, write_synced
+from .atomic_io import fsync_dir, naming, write_synced
+from .json_file import read_json
 from .parallel import barrier, rank
 
 log = logging.getLogger("dit_train")
@@ -173,10 +174,10 @@ def start_save(run_dir: str, step: int, tensors: dict, train_state: dict, asynch
             else:
                 future = Future()
                 future.set_result(dcp.save(tensors, storage_writer=writer, no_dist=no_dist))
-    except BaseException:
+    except BaseException as e:
         if rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        raise _write_error(e, tmp) from None
     # frozen now: the run goes on changing the live train state while the tensors are written
     return PendingSave(run_dir, step, tmp, final, future, json.dumps(train_state).encode(), started, stage_s)
 
@@ -214,11 +215,21 @@ class PendingSave:
             size = folder_bytes(self.tmp)
             _publish(self.tmp, self.final)
             prune_checkpoints(self.run_dir, keep_last)
-        except BaseException:
+        except BaseException as e:
             if rank() == 0:
                 shutil.rmtree(self.tmp, ignore_errors=True)
-            raise
+            raise _write_error(e, self.tmp) from None
         return {"ckpt/write_s": self.write_s, "ckpt/bytes": size}
+
+
+def _write_error(e: BaseException, folder: str) -> BaseException:
+    """A failed save as the OSError behind it, naming the folder (ENOSPC on a full disk): DCP wraps a rank's
+    OSError into a CheckpointException whose message is a traceback, and a failed write names no file."""
+    failures = [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+    for exc in failures:
+        if isinstance(exc, OSError):
+            return naming(exc, folder)
+    return e
 
 
 def folder_bytes(path: str) -> int:
@@ -299,28 +310,21 @@ def _describe_load_failure(path: str, e: CheckpointException) -> str:
             f"use an earlier checkpoint")
 
 
-def read_train_state(path: str) -> dict:
-    """A checkpoint's train_state.json, checked as data from elsewhere: a JSON object with an integer step (and,
-    where present, the run's config as an object). One line on anything else."""
-    file = os.path.join(path, TRAIN_STATE)
-    try:
-        with open(file, "rb") as f:
-            state = json.loads(f.read())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{file!r} is damaged (not JSON: {e}); use an earlier checkpoint") from None
-    if not isinstance(state, dict) or type(state.get("step")) is not int or state["step"] < 0 \
-            or not isinstance(state.get("config", {}), dict):
-        raise CheckpointError(f"{file!r} is not a dit_train train state (expected a JSON object with an integer "
-                              f"'step' and the run's 'config' object); use an earlier checkpoint")
+def read_train_state(path: str, keys: tuple[str, ...] = ("step",)) -> dict:
+    """A checkpoint's train_state.json, checked as data from elsewhere: a JSON object holding `keys`, an integer
+    step and, where present, the run's config as an object. One line naming the file on anything else."""
+    file, fix = os.path.join(path, TRAIN_STATE), "this checkpoint cannot be used: remove it, or use an earlier one"
+    state = read_json(file, keys, fix=fix)
+    if type(state.get("step")) is not int or state["step"] < 0 or not isinstance(state.get("config", {}), dict):
+        raise CheckpointError(f"{file} is not a dit_train train state (an integer 'step' and the run's 'config' "
+                              f"object expected); {fix}")
     return state
 
 
 def saved_config(path: str, state: dict | None = None) -> dict:
     """The run config a checkpoint was written with (what sampling, export, FD and resume checks read)."""
-    state = read_train_state(path) if state is None else state
-    if "config" not in state:
-        raise CheckpointError(f"{os.path.join(path, TRAIN_STATE)!r} does not record the run's config, which "
-                              f"sampling, export, FD and resume need; use a checkpoint written by dit_train")
+    if state is None or "config" not in state:
+        state = read_train_state(path, ("step", "config"))
     return state["config"]
 
 
@@ -399,10 +403,12 @@ def load_ema_weights(path: str) -> tuple[dict[str, torch.Tensor], dict, dict]:
     meta has step, active_time_s, path and format ('dcp' or the read-only 'pt')."""
     path = resolve_checkpoint(path)
     if is_complete(path):
-        state = read_train_state(path)
+        state = read_train_state(path, ("step", "config"))
         weights, fmt = read_tensors(path, "ema"), "dcp"
     else:
         state = _read_legacy(path)
+        if "config" not in state:
+            raise CheckpointError(f"checkpoint {path!r} holds no run config: it was not written by dit_train")
         weights, fmt = state["ema"]["model"], "pt"
     meta = {"step": state["step"], "active_time_s": state.get("active_time_s", 0.0), "path": path, "format": fmt}
     return weights, saved_config(path, state), meta

@@ -19,7 +19,9 @@ the background when not) and `ckpt/bytes`, with `ckpt/step`, at the step where t
 from __future__ import annotations
 
 import datetime
+import json
 import logging
+import os
 import time
 from typing import Callable
 
@@ -29,6 +31,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.utils._pytree import tree_leaves
 
 from . import checkpoint as ckpt
+from .atomic_io import atomic_write_bytes
 from .backend_env import use_gloo_interface
 from .parallel import barrier, local, rank
 
@@ -103,6 +106,15 @@ class CheckpointSaver:
         """Collective: the save in flight, if any, written and finished on every rank."""
         if self.pending is not None:
             self._finish(step)
+        barrier()
+
+    def record_train_state(self, step: int, train_state: dict) -> None:
+        """Collective: replace the train state of this run's checkpoint of `step` (the last one is written before
+        the end-of-run evaluations, whose FD can change the best FD it holds). Atomic: the old or the new file."""
+        self.wait(step)
+        if rank() == 0:
+            atomic_write_bytes(json.dumps(train_state).encode(),
+                               os.path.join(ckpt.checkpoint_path(self.run_dir, step), ckpt.TRAIN_STATE))
         barrier()
 
     def _finish(self, step: int, save_started: float | None = None) -> None:

@@ -21,6 +21,11 @@ from .sampling import make_sampler
 
 log = logging.getLogger("dit_train")
 BEST_FD_KEYS = ("encoder", "ref_id", "num_gen")  # an FD is comparable only with one measured the same way
+PART_NAMES = {"val": "validation loss", "fd": "FD", "samples": "sample grid"}
+
+
+class _Stopped(Exception):
+    """Raised inside a model call of the evaluation when the ranks have agreed to stop."""
 
 
 def reference_data_config(data_cfg):
@@ -83,14 +88,35 @@ class Evaluation:
                 "fd": self.fd is not None and every_n_steps(step, ev.every_n_steps, final_step),
                 "samples": every_n_steps(step, tc.sample_every, final_step)}
 
-    def run_due(self, step: int, final_step: int, ema_model, state) -> None:
-        due = self.due(step, final_step)
-        if due["val"]:
+    def run_due(self, step: int, final_step: int, ema_model, state, should_stop=lambda: False) -> list[str]:
+        """The evaluations due at `step`. `should_stop` (collective: every rank calls it at the same points, before
+        each part and each call of the EMA model) ends them early, e.g. on a preemption signal: a 400-step grid
+        can take minutes that a scheduler's grace period does not have. Returns the parts skipped, in words."""
+        parts = [name for name, is_due in self.due(step, final_step).items() if is_due]
+
+        def stop_before_model_call(_module, _args):
+            if should_stop():
+                raise _Stopped
+
+        hook = ema_model.register_forward_pre_hook(stop_before_model_call)
+        try:
+            for i, name in enumerate(parts):
+                if should_stop():
+                    raise _Stopped
+                self.run_part(name, step, ema_model, state)
+        except _Stopped:
+            return [PART_NAMES[name] for name in parts[i:]]
+        finally:
+            hook.remove()
+        return []
+
+    def run_part(self, name: str, step: int, ema_model, state) -> None:
+        if name == "val":
             self.last_val = self.validate(ema_model)
             self.logger.log(step, self.last_val)
-        if due["fd"]:
+        elif name == "fd":
             self.logger.log(step, self.evaluate_fd(ema_model, state))
-        if due["samples"]:
+        else:
             self.sample_grid(ema_model, step)
 
     def validate(self, ema_model) -> dict:
@@ -141,10 +167,10 @@ class Evaluation:
 
 
 def end_of_run_work(cfg) -> list[str]:
-    """What runs after the last step, in words: on a short run it can take longer than the training (the
+    """What runs after the last step, in words, in order: on a short run it can take longer than the training (the
     validation and grid sizes are train.val_samples / sample_steps ...; val_every=0 or sample_every=0 skip them)."""
     tc, ev, last = cfg.train, cfg.eval, cfg.train.steps
-    work = []
+    work = ["checkpoint"]  # first: a signal or a kill during the evaluations below loses no training
     if every_n_steps(last, tc.val_every, last):
         work.append(f"validation loss ({tc.val_samples} images x {tc.val_t_points} t)")
     if every_n_steps(last, ev.every_n_steps, last):
@@ -152,4 +178,4 @@ def end_of_run_work(cfg) -> list[str]:
     if every_n_steps(last, tc.sample_every, last):
         classes = min(max(cfg.model.num_classes, 1), 10)
         work.append(f"sample grid ({classes * tc.samples_per_class} images, {tc.sample_steps} steps)")
-    return work + ["checkpoint", "summary"]
+    return work + ["summary"]

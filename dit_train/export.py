@@ -75,6 +75,11 @@ def main(argv=None) -> int:
     except (FileNotFoundError, KeyError, ValueError) as e:  # CheckpointError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk or an unwritable OUT_DIR: the path and the error; the run is only read
+        from .atomic_io import describe_os_error
+
+        print(f"error: {describe_os_error(e)}", file=sys.stderr)
+        return 1
     print(f"wrote {args.out_dir}: EMA weights at step {meta['step']} ({meta['format']} checkpoint {meta['source']}, "
           f"{args.dtype}); load with DiT.from_pretrained({args.out_dir!r}) or, in diffusers, "
           f"dit_train.diffusers_pipeline.DiTTrainPipeline.from_pretrained({args.out_dir!r})")

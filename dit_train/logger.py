@@ -9,6 +9,8 @@ import json
 import math
 import os
 
+from .atomic_io import naming
+
 
 def drop_torn_last_line(path: str) -> None:
     """A run killed mid-write leaves a partial last row; appending to it would corrupt the first new row too."""
@@ -40,7 +42,10 @@ class MetricLogger:
         if not self.enabled:
             return
         clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in metrics.items()}
-        self.file.write(json.dumps({"step": step, **clean}) + "\n")
+        try:
+            self.file.write(json.dumps({"step": step, **clean}) + "\n")
+        except OSError as e:  # a full disk: the error names no file
+            raise naming(e, self.path) from None
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in metrics.items()}, step=step)
 
@@ -68,6 +73,9 @@ class MetricLogger:
 
     def close(self) -> None:
         if self.enabled:
-            self.file.close()
+            try:
+                self.file.close()
+            except OSError as e:  # the unwritten end of a row that failed on a full disk
+                raise naming(e, self.path) from None
             if self.wandb is not None:
                 self.wandb.finish()

@@ -11,6 +11,7 @@ from collections import deque
 import numpy as np
 
 from .atomic_io import atomic_write_bytes
+from .json_file import read_json
 
 
 class Throughput:
@@ -35,8 +36,7 @@ class Throughput:
 def read_summary(path: str) -> dict:
     """A finished run's summary.json ({} when there is none, e.g. a run finished by an earlier version)."""
     try:
-        with open(path) as f:
-            return json.load(f)
+        return read_json(path, fix="delete it (the run's numbers are in metrics.jsonl)")
     except FileNotFoundError:
         return {}
 

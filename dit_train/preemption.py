@@ -3,7 +3,8 @@ submitit's time-limit signal) and SIGINT (Ctrl-C) end the run at the next step b
 every rank together.
 
 A signal may reach one rank only; each step's loss all-reduce carries this rank's vote (`vote()`), and the run
-stops when any rank voted (`agree`). After the checkpoint the signal is handed to the handler that was installed
+stops when any rank voted (`agree`). Evaluations (validation, FD, grids; at the end of a run they can take minutes)
+vote before every call of the EMA model and stop there, saying what they skipped. After the checkpoint the signal is handed to the handler that was installed
 before ours when that is Python code (submitit's requeue handler); default handlers are not called. Once a stop
 is under way, a second signal is only recorded, so the exit code stays the requeue-able one."""
 
@@ -63,15 +64,24 @@ class Preemption:
     def requested(self) -> bool:
         return self.votes > 0  # never this rank's own flag alone: the ranks must stop at the same step
 
-    def stop(self, step: int, run_dir: str) -> Preempted:
-        """Hand the signal over, then the exception that ends the run (raise it)."""
+    def stop(self, step: int, run_dir: str, skipped: list[str] = (), last_step: bool = False) -> Preempted:
+        """Hand the signal over, then the exception that ends the run (raise it). `skipped`: the evaluations the
+        signal cut short, named in the message; after the last step the training is complete, so a rerun has
+        nothing to continue and the message says how to make what was skipped."""
         if self.signal_name is not None:
             previous = self._previous.get(signal.Signals[self.signal_name])
             if _is_python_code(previous):
                 previous(signal.Signals[self.signal_name].value, None)
-        return Preempted(f"received {self.signal_name or 'a stop signal (on another rank)'} at step {step}; "
-                         f"checkpoint written, rerun with train.resume=auto run_dir={run_dir} to continue",
-                         self.signal_name)
+        received = f"received {self.signal_name or 'a stop signal (on another rank)'} at step {step}"
+        if last_step:
+            message = (f"{received}, the last, during the end-of-run work: its checkpoint was written first; "
+                       f"skipped {', '.join(skipped)} and summary.json (python -m dit_train.sample {run_dir} "
+                       f"makes a grid, python eval/fd_dino.py {run_dir} the FD)")
+        else:
+            during = f" during the evaluation (skipped {', '.join(skipped)})" if skipped else ""
+            message = (f"{received}{during}; checkpoint written, rerun with train.resume=auto run_dir={run_dir} "
+                       f"to continue")
+        return Preempted(message, self.signal_name)
 
 
 def _is_python_code(handler) -> bool:

@@ -21,6 +21,7 @@ from dataclasses import asdict, fields
 import torch
 
 from .atomic_io import atomic_save_tensors, atomic_write_bytes
+from .json_file import read_json
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -112,11 +113,7 @@ def load_pretrained(cls, path: str, device="cpu"):
 
     folder = _local_folder(path)
     file = os.path.join(folder, CONFIG_FILE)
-    try:
-        with open(file, "rb") as f:
-            config = json.loads(f.read())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{file!r} is damaged (not JSON: {e}); export the model again") from None
+    config = read_json(file, fix="export the model again")
     if not isinstance(config, dict):
         raise ValueError(f"{file!r} is not a model config (expected a JSON object of the DiT's architecture keys)")
     names = {f.name for f in fields(DiTConfig)}

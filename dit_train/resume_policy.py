@@ -7,7 +7,9 @@ was trained with, and only the keys in MAY_CHANGE_ON_RESUME may differ (cadence,
 how checkpoints are written, parallel layout, the Slurm job shape, and how sharded optimizers exchange whole
 matrices, which does not change the maths). Anything else is refused in one line naming each key with both values;
 a deliberate change is
-a fork (`train.init_from=RUN`: the weights, a fresh optimizer and step 0, in a new run folder).
+a fork (`train.init_from=RUN`: the weights, a fresh optimizer and step 0, in a new run folder). With
+`train.resume=auto` a fork can be requeued: the run's own checkpoints win, the fork source is used only while the run
+has none. A fork keeps the model's architecture (its weights must fit), which is checked before the folder is used.
 The parallel keys that change the numbers (the dtypes of FSDP's gathered weights and gradient reductions) may not
 change, like train.precision. `data.root` is a path, but what matters is the data behind it: checkpoints record a
 fingerprint of the data (data/__init__.py), and a resume whose data has another fingerprint is refused, wherever
@@ -20,6 +22,7 @@ import fnmatch
 import json
 import logging
 import os
+from dataclasses import asdict
 
 from omegaconf import OmegaConf
 
@@ -42,6 +45,9 @@ MAY_CHANGE_ON_RESUME = (
 
 # Keys added after runs were recorded, with the value that reproduces what those runs did: a checkpoint whose config
 # lacks the key resumes under that value (and only that one).
+# model keys a fork may change: they are not part of the weights' shapes or meaning
+FORK_MAY_CHANGE = ("class_dropout_prob",)
+
 ADDED_LATER = {"optimizer.rownorm_scale": "frobenius"}
 
 
@@ -123,6 +129,8 @@ def check_resume(cfg) -> str | None:
         if recorded is not None:
             check_same_data(cfg, path, recorded, saved.get("data", {}).get("root"))
         return path
+    if cfg.train.init_from:
+        check_fork(cfg)
     return None
 
 
@@ -138,3 +146,21 @@ def check_same_data(cfg, path: str, recorded: dict, saved_root) -> None:
                           f"train.init_from={cfg.run_dir} in a new run_dir to train on this data")
     if saved_root != root:
         log.info("data.root moved from %s to %s: the same data (%s)", saved_root, root, describe_fingerprint(now))
+
+
+def check_fork(cfg) -> None:
+    """A fork's source: a complete checkpoint whose model has this run's architecture (else one line)."""
+    from .model import DiTConfig
+
+    source = ckpt.resolve_checkpoint(str(cfg.train.init_from))
+    if not ckpt.is_complete(source):
+        raise ckpt.CheckpointError(f"train.init_from={cfg.train.init_from}: {source} is a read-only single-file "
+                                   f"checkpoint of an earlier version; a fork starts from a step_N.dcp checkpoint")
+    saved = ckpt.read_train_state(source, ("config",))["config"].get("model") or {}
+    old, new = asdict(DiTConfig.from_cfg(saved)), asdict(DiTConfig.from_cfg(cfg.model))
+    changed = [f"{k}: {json.dumps(old[k])} -> {json.dumps(new[k])}" for k in old
+               if k not in FORK_MAY_CHANGE and old[k] != new[k]]
+    if changed:
+        raise ConfigError(f"train.init_from={cfg.train.init_from}: {source} holds a model of another architecture "
+                          f"({'; '.join(changed)}); a fork keeps the architecture: use the model it was trained with "
+                          f"(model={saved.get('name')}) or start without train.init_from")

@@ -9,6 +9,7 @@ import logging
 import os
 
 from . import checkpoint as ckpt
+from . import wandb_run
 from .atomic_io import remove_stale_temp_files
 from .config import ConfigError
 from .hydra_files import write_hydra_files
@@ -29,6 +30,9 @@ def prepare_run_folder(cfg, dist: DistInfo) -> RunLock | None:
     if dist.is_main:
         try:
             resumed_from = check_resume(cfg)
+            record = os.path.join(cfg.run_dir, wandb_run.RECORD)
+            if cfg.logger.wandb.mode != "disabled" and os.path.exists(record):
+                wandb_run.read_identity(record)  # a damaged one is refused before anything is written
             os.makedirs(cfg.run_dir, exist_ok=True)
             lock = RunLock(cfg.run_dir).acquire()
             for stale in remove_stale_temp_files(cfg.run_dir):

@@ -32,6 +32,7 @@ from .hydra_run import agree_on_config
 from .logger import MetricLogger
 from .metrics import Throughput, read_summary, write_summary
 from .model import count_parameters
+from .optim.native_rownorm import check_buildable
 from .parallel import (DistInfo, all_reduce_sum_, autocast, barrier, clip_grad_norm_, clip_scaled, collective_timeouts,
                        init_distributed, resolve_plan, shutdown_process_group, wants_fsdp, weights_finite)
 from .preemption import Preemption
@@ -99,12 +100,19 @@ class Trainer:
         with train.async_checkpoint (checkpoint_saver.py). Weights that are no longer finite are never saved: the
         run stops and the newest checkpoint stays the last good one."""
         if not weights_finite(self.model):
-            self.saver.wait(self.state.step)  # a save in flight holds good weights: it is finished first
-            good = ckpt.list_checkpoints(self.cfg.run_dir, remove_partial=False)
             raise TrainingStopped(f"step {self.state.step}: the weights are no longer finite, so they were not saved; "
-                                  f"the last good checkpoint is {good[-1] if good else 'none'}")
+                                  f"{self.last_good_checkpoint()}")
         tensors = ckpt.tensor_state(self.model, self.optimizer, self.ema.model)
         self.saver.save(self.state.step, tensors, self.state.state_dict())
+
+    def last_good_checkpoint(self) -> str:
+        """Where a stopped run can go back to, in words. Collective: a save in flight holds good weights, so it is
+        finished first."""
+        self.saver.wait(self.state.step)
+        good = ckpt.list_checkpoints(self.cfg.run_dir, remove_partial=False)
+        if good:
+            return f"the last good checkpoint is {good[-1]}, untouched"
+        return "no checkpoint of this run has been written yet: nothing to go back to"
 
     def resume(self) -> None:
         """Continue from the checkpoint resume_policy chose (a damaged newest one falls back, loudly, under
@@ -218,7 +226,7 @@ class Trainer:
         if self.bad_steps >= self.tc.max_bad_steps > 0:
             raise TrainingStopped(
                 f"stopping at step {self.state.step}: {self.bad_steps} non-finite steps in a row "
-                f"(train.max_bad_steps={self.tc.max_bad_steps}); the last good checkpoint is untouched")
+                f"(train.max_bad_steps={self.tc.max_bad_steps}); {self.last_good_checkpoint()}")
 
     # ---- the loop ----------------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -226,8 +234,10 @@ class Trainer:
         summary_path = os.path.join(self.cfg.run_dir, "summary.json")
         if self.state.step >= self.tc.steps:  # a rerun of a finished run: nothing to train, nothing to rewrite
             if self.dist.is_main:
+                summary = "summary.json left unchanged" if os.path.exists(summary_path) else \
+                    "it has no summary.json (its end-of-run work was stopped by a signal, or an earlier version ran it)"
                 print(f"run {self.cfg.run_dir} already finished at step {self.state.step} (train.steps="
-                      f"{self.tc.steps}); summary.json left unchanged")
+                      f"{self.tc.steps}); {summary}")
             self.logger.close()
             return read_summary(summary_path)
         if self.dist.is_main and self.state.step > 0 and os.path.exists(summary_path):
@@ -291,21 +301,35 @@ class Trainer:
                                    self.window.take(), progress)
             if progress is not None:
                 progress.update(1)
-            if state.step == tc.steps:  # the bar is closed before the end-of-run work, which says what it does
+            last_step = state.step == tc.steps
+            if last_step:  # the bar is closed before the end-of-run work, which says what it does
                 self.announce_end_of_run(progress)
                 progress = None
-            self.evaluation.run_due(state.step, tc.steps, self.ema.model, state)
-            if saved:
-                self.save()
-            if self.preemption.requested:  # agreed by every rank at this step's all-reduce
+                self.save()  # before the evaluations: a signal (or the SIGKILL after it) during them loses no step
+            best_fd = state.best_fd
+            skipped = self.evaluation.run_due(state.step, tc.steps, self.ema.model, state, self.stop_agreed)
+            if saved and not last_step:
+                self.save()  # after the evaluations: the checkpoint holds their best FD
+            elif last_step and state.best_fd != best_fd:
+                self.saver.record_train_state(state.step, self.state.state_dict())
+            # agreed by every rank at this step's all-reduce (or during the evaluations); once the last step's
+            # work is all done there is nothing left to stop
+            if self.preemption.requested and (skipped or not last_step):
                 if not saved:
                     self.save()
                 self.saver.wait(state.step)  # the run leaves with its checkpoint complete, never in flight
-                raise self.preemption.stop(state.step, self.cfg.run_dir)
+                raise self.preemption.stop(state.step, self.cfg.run_dir, skipped, last_step)
             self.saver.poll(state.step)
             data_start = clock.mark()
         if progress is not None:
             progress.close()
+
+    def stop_agreed(self) -> bool:
+        """Collective: whether any rank has received a stop signal (the evaluations' check; the training steps
+        vote in their loss all-reduce instead)."""
+        votes = all_reduce_sum_(torch.full((), self.preemption.vote(), device=self.dist.device))
+        self.preemption.agree(votes.item())
+        return self.preemption.requested
 
     def take_deferred(self) -> StepNumbers:
         """Read every pending step and account for each as it happened: active time, throughput, timing window.
@@ -356,6 +380,7 @@ def run(cfg) -> dict:
         validate(cfg, dist.world_size)
         if cfg.train.dry_run:
             return dry_run(cfg)
+        check_buildable(cfg.optimizer.get("compile_rownorm"), dist.device)
         with collective_timeouts(cfg.parallel.timeout_minutes):
             lock = prepare_run_folder(cfg, dist)
             record_nccl_traces(cfg.run_dir)

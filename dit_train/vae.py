@@ -4,6 +4,8 @@ and FD to decode. A diffusers AutoencoderKL from a local folder (no hub access).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .config.latents import vae_scaling
@@ -15,7 +17,12 @@ def load_autoencoder(path: str, device):
     require("diffusers", "latents", "the VAE of latent runs")
     from diffusers import AutoencoderKL
 
-    return AutoencoderKL.from_pretrained(path).to(device).eval().requires_grad_(False)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        what = "has no config.json" if os.path.isdir(path) else "does not exist"
+        raise FileNotFoundError(f"VAE folder {path!r} {what}: expected a local diffusers AutoencoderKL folder "
+                                f"(config.json and its weights), the one given to encode_latents.py --vae")
+    # a local folder only: a path that is not one must not become a Hub download
+    return AutoencoderKL.from_pretrained(path, local_files_only=True).to(device).eval().requires_grad_(False)
 
 
 class LatentCodec:

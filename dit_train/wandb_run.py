@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 
 from .atomic_io import atomic_write_bytes
+from .json_file import DamagedJSONFile, read_json
 
 RECORD = "wandb_run.json"
 # overrides that say where or how a run is executed, not what it trains: left out of its name
+VALID_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 NOT_IN_NAME = ("run_dir", "train.resume", "train.progress", "launcher", "hydra.", "logger.")
 
 
@@ -47,12 +50,21 @@ def identity(run_dir: str, wandb_cfg) -> dict:
     """{id, name} of this run folder's wandb run: the stored one, or a new one written before wandb starts."""
     path = os.path.join(run_dir, RECORD)
     if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
+        return read_identity(path)
     name = wandb_cfg.get("name") or name_from_overrides(hydra_override_dirname()) or \
         os.path.basename(os.path.abspath(run_dir))
     record = {"id": secrets.token_hex(4), "name": name}
     atomic_write_bytes(json.dumps(record).encode(), path)
+    return record
+
+
+def read_identity(path: str) -> dict:
+    """The stored {id, name}; a damaged or hand-edited record is refused in one line naming the file."""
+    fix = "delete it to start a new wandb run for this folder, or write the wandb run id into it"
+    record = read_json(path, ("id", "name"), fix=fix)
+    if not isinstance(record["id"], str) or not VALID_ID.fullmatch(record["id"]):
+        raise DamagedJSONFile(f"{path}: id {record['id']!r} is not a valid wandb run id (letters, digits, '-' and "
+                              f"'_', at most 64; wandb refuses / \\ # ? % :); {fix}")
     return record
 
 

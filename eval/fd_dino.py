@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from dit_train import checkpoint as ckpt  # noqa: E402
 from dit_train.fd.job_config import add_eval_args, eval_cfg_from_args  # noqa: E402
+from dit_train.json_file import read_json  # noqa: E402
 from dit_train.parallel import init_distributed, shutdown_process_group  # noqa: E402
 
 COLUMNS = ["run", "step", "active_time_s", "fd", "encoder", "num_gen", "num_ref", "ref_id", "sample_steps",
@@ -95,7 +96,7 @@ def load_results(out: Path) -> list[dict]:
     f = out / "fd_results.json"
     if not f.is_file():
         return []
-    return json.loads(f.read_text())["rows"]
+    return read_json(str(f), ("rows",), fix="delete it (and fd_results.csv) to score every checkpoint again")["rows"]
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -146,13 +147,13 @@ def main(argv=None) -> list[dict]:
         root, found = find_checkpoints(p)
         out = out or Path(args.out or root)
         todo += found
+    rows = load_results(out) if rank == 0 else []  # a damaged results file is refused before the encoder loads
     extractor = build_extractor(cfg.encoder, cfg.encoder_path, device)
     reference = f"{cfg.reference_split}:{cfg.reference_num}"
     settings = {"encoder": extractor.encoder_id, "num_gen": int(cfg.num_samples),
                 "sample_steps": int(cfg.sample_steps), "cfg_scale": float(cfg.cfg_scale), "seed": int(cfg.seed),
                 "reference": reference}
 
-    rows = load_results(out) if rank == 0 else []
     done = {row_key(r) for r in rows}
     skip = [(run, c) for run, c in todo if not args.force and row_key({"run": run, "checkpoint": c, **settings}) in done]
     if dist.is_initialized():  # rank 0's view of the results decides, so every rank runs the same collectives
@@ -213,5 +214,16 @@ def main(argv=None) -> list[dict]:
     return rows
 
 
+def cli() -> int:
+    """The command: a path without checkpoints or a damaged results file is one line, exit status 2."""
+    try:
+        main()
+    except (FileNotFoundError, ValueError) as e:  # a damaged JSON file or checkpoint is a ValueError
+        shutdown_process_group()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

@@ -24,7 +24,6 @@ step averaged over every step (window means weighted by their step counts).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -35,6 +34,7 @@ import scipy.stats
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import Run, banner, fmt, provenance, read_run  # noqa: E402
+from dit_train.json_file import DamagedJSONFile, read_json  # noqa: E402
 from run_study import variant_label  # noqa: E402  (the key of study.json's lr_selection)
 
 VAL_STEPS = (200, 400, 600)
@@ -184,8 +184,8 @@ def paired_section(runs: dict, reference: str, margin: float, heading: str) -> l
 
 def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN) -> str:
     out_dir = out_dir or sweep_dir
-    with open(os.path.join(sweep_dir, "study.json")) as f:
-        study = json.load(f)
+    study = read_json(os.path.join(sweep_dir, "study.json"),
+                      fix="restore it from a copy (scripts/run_study.py writes it)")
     if "lr_selection" not in study:
         raise SystemExit(f"error: {sweep_dir}/study.json has no lr_selection: not a two-phase study, or its lr scan "
                          f"has not finished (run: python scripts/run_study.py {study.get('experiment', '?')})")
@@ -278,7 +278,10 @@ def main(argv=None):
         raise SystemExit(f"error: --margin {args.margin:g} must be a positive number of percent (e.g. 1 for ±1%)")
     if not os.path.isfile(os.path.join(args.sweep_dir, "study.json")):
         raise SystemExit(f"error: {args.sweep_dir!r} has no study.json (made by scripts/run_study.py)")
-    build(args.sweep_dir, args.out, args.margin)
+    try:
+        build(args.sweep_dir, args.out, args.margin)
+    except DamagedJSONFile as e:
+        raise SystemExit(f"error: {e}") from None
     print(f"wrote {os.path.join(args.out or args.sweep_dir, 'report.md')}")
 
 

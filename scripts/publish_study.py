@@ -24,6 +24,7 @@ import paired_report  # noqa: E402
 import report  # noqa: E402
 import run_study  # noqa: E402
 from dit_train.atomic_io import atomic_write_bytes  # noqa: E402
+from dit_train.json_file import DamagedJSONFile, read_json  # noqa: E402
 
 RECORDS = ("config.yaml", "metrics.jsonl", "summary.json", "run_info.json")
 
@@ -50,8 +51,7 @@ def merge_study_record(src: str, dst: str) -> None:
     published banner (report.banner)."""
     if not os.path.exists(src):
         return
-    with open(src) as f:
-        record = json.load(f)
+    record = read_json(src, fix="restore it from a copy (scripts/run_study.py writes it)")
     published = read_study_record(os.path.dirname(dst))
     if published.get("banner"):
         record["banner"] = published["banner"]
@@ -68,8 +68,7 @@ def read_study_record(folder: str) -> dict:
     path = os.path.join(folder, "study.json")
     if not os.path.exists(path):
         return {}
-    with open(path) as f:
-        return json.load(f)
+    return read_json(path, fix="restore it from a copy (scripts/run_study.py writes it)")
 
 
 def main(argv=None) -> int:
@@ -80,15 +79,19 @@ def main(argv=None) -> int:
     if not os.path.isdir(args.sweep_dir):
         print(f"error: sweep folder {args.sweep_dir!r} does not exist", file=sys.stderr)
         return 2
-    n = publish(args.sweep_dir, args.dest)
-    if n == 0:
-        print(f"error: no run folders (config.yaml + metrics.jsonl) under {args.sweep_dir!r}", file=sys.stderr)
+    try:
+        n = publish(args.sweep_dir, args.dest)
+        if n == 0:
+            print(f"error: no run folders (config.yaml + metrics.jsonl) under {args.sweep_dir!r}", file=sys.stderr)
+            return 2
+        runs = os.path.join(args.dest, "runs")
+        if "lr_selection" in read_study_record(runs):  # a two-phase study: paired differences at the selected lrs
+            paired_report.build(runs, args.dest)
+        else:
+            report.build_report(runs, args.dest)
+    except DamagedJSONFile as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    runs = os.path.join(args.dest, "runs")
-    if "lr_selection" in read_study_record(runs):  # a two-phase study: paired differences at the selected lrs
-        paired_report.build(runs, args.dest)
-    else:
-        report.build_report(runs, args.dest)
     print(f"copied {n} run records to {os.path.join(args.dest, 'runs')}; wrote {os.path.join(args.dest, 'report.md')}")
     return 0
 

@@ -32,6 +32,9 @@ from dataclasses import dataclass, field
 
 import yaml
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dit_train.json_file import DamagedJSONFile, read_json  # noqa: E402
+
 PHASES = ("data", "forward", "backward", "optimizer compute", "exposed communication")
 WARMUP_ROWS = 2  # the first logged rows include one-off costs (allocation, first NS5); left out of time means
 
@@ -189,13 +192,12 @@ def find_runs(sweep_dir: str) -> list[Run]:
             seen.add(name)
     study = os.path.join(sweep_dir, "study.json")
     if os.path.exists(study):
-        with open(study) as f:
-            for r in json.load(f)["runs"]:
-                if r["name"] not in seen:
-                    label = optimizer_label({"name": r["optimizer"], **({"K": r["K"]} if r.get("K") is not None else {}),
-                                             "rownorm_scale": r.get("scale")})
-                    runs.append(Run(name=r["name"], model=r["model"], optimizer=label, seed=r["seed"],
-                                    status="missing", lr=math.nan if r.get("lr") is None else float(r["lr"])))
+        for r in read_json(study, ("runs",), fix="restore it from a copy (scripts/run_study.py writes it)")["runs"]:
+            if r["name"] not in seen:
+                label = optimizer_label({"name": r["optimizer"], **({"K": r["K"]} if r.get("K") is not None else {}),
+                                         "rownorm_scale": r.get("scale")})
+                runs.append(Run(name=r["name"], model=r["model"], optimizer=label, seed=r["seed"],
+                                status="missing", lr=math.nan if r.get("lr") is None else float(r["lr"])))
     tag_learning_rates(runs)
     return runs
 
@@ -576,8 +578,8 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
         raise SystemExit(f"error: no run folders (config.yaml + metrics.jsonl) under {sweep_dir!r}")
     study = {}
     if os.path.exists(os.path.join(sweep_dir, "study.json")):
-        with open(os.path.join(sweep_dir, "study.json")) as f:
-            study = json.load(f)
+        study = read_json(os.path.join(sweep_dir, "study.json"),
+                          fix="restore it from a copy (scripts/run_study.py writes it)")
     images = plots(runs, out_dir)
     n_done = sum(r.status == "finished" for r in runs)
     parts = [
@@ -628,7 +630,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not os.path.isdir(args.sweep_dir):
         raise SystemExit(f"error: sweep folder {args.sweep_dir!r} does not exist")
-    build_report(args.sweep_dir, args.out)
+    try:
+        build_report(args.sweep_dir, args.out)
+    except DamagedJSONFile as e:
+        raise SystemExit(f"error: {e}") from None
     print(f"wrote {os.path.join(args.out or args.sweep_dir, 'report.md')}")
 
 

@@ -39,6 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from dit_train.atomic_io import atomic_write_bytes  # noqa: E402
 from dit_train.checkpoint import newest_step  # noqa: E402
+from dit_train.json_file import read_json  # noqa: E402
 from dit_train.run_info import git_commit  # noqa: E402
 from report import read_metrics  # noqa: E402  (scripts/report.py, next to this file)
 
@@ -202,14 +203,22 @@ def previous_invocations(sweep_dir: str) -> list[dict]:
     path = os.path.join(sweep_dir, "study.json")
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        old = json.load(f)
+    old = read_json(path, fix="restore it, or move it away to start the study's record afresh")
     if "invocations" in old:
         return old["invocations"]
     return [{"command": old["command"], "git_commit": old.get("git_commit")}] if "command" in old else []
 
 
 def main(argv=None) -> int:
+    """The command: a damaged file of the sweep (a torn train_state.json, study.json) is one line, exit status 2."""
+    try:
+        return run_study(argv)
+    except (FileNotFoundError, ValueError) as e:  # DamagedJSONFile and CheckpointError are ValueErrors
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def run_study(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("experiment", help="a file name in dit_train/conf/experiment/ (without .yaml)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (launcher=slurm, data.root=...)")

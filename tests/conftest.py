@@ -156,3 +156,36 @@ def native_kernels(request, monkeypatch):
     n = torch.get_num_threads()
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A factory of real small file systems (`mount -t tmpfs -o size=...`, root only), unmounted afterwards: a full
+    disk as the kernel reports it (ENOSPC from write or close), not a monkeypatched write."""
+    import subprocess
+
+    mounted = []
+
+    def mount(size: str):
+        folder = tmp_path / f"tmpfs{len(mounted)}"
+        folder.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True,
+                           text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (root needed): {r.stderr.strip()}")
+        mounted.append(folder)
+        return folder
+
+    yield mount
+    for folder in mounted:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def fill_disk(folder) -> None:
+    """Write zeros into `folder` until its file system is full."""
+    with open(os.path.join(folder, "filler"), "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass

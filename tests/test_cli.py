@@ -115,6 +115,17 @@ def test_bad_config_on_command_line_leaves_no_run_folder(tmp_path, args, line):
     assert os.listdir(tmp_path) == []
 
 
+def test_slurm_launcher_without_multirun_is_refused_saying_what_to_type(tmp_path):
+    """Hydra's launchers act only under --multirun: without it, launcher=slurm trained on the login node."""
+    r = cli("launcher=slurm", "model=dit_s", f"run_dir={tmp_path / 'run'}", cwd=str(tmp_path))
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0] == ("error: launcher=slurm submits jobs to Slurm only under --multirun (without it the run would "
+                        f"train here, on this machine): python -m dit_train --multirun launcher=slurm model=dit_s "
+                        f"run_dir={tmp_path / 'run'}")
+    assert os.listdir(tmp_path) == []
+
+
 def test_stray_hydra_folder_is_removed_only_when_it_holds_only_hydra_files(tmp_path):
     """What __main__ calls when an error is found inside the Hydra job (after Hydra made the folder, e.g. under
     the Slurm launcher, where the check before Hydra does not run): Hydra's files only -> gone, with the empty
@@ -144,3 +155,19 @@ def test_multirun_sweep_over_lr(tmp_path):
     for job in ("0", "1"):
         assert os.path.exists(tmp_path / "sweep" / job / "summary.json")
     assert "lr: 0.003" in (tmp_path / "sweep" / "1" / "config.yaml").read_text()
+
+
+@needs_fashion
+def test_compile_rownorm_true_without_a_c_compiler_is_one_line_before_the_run_folder(tmp_path):
+    """No compiler on PATH and no cached kernel library (a fresh machine): before, the first step died in
+    torch.compile's InvalidCxxCompiler traceback, the run folder written."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CC", "CXX")}
+    env.update(PATH=str(tmp_path / "empty"), XDG_CACHE_HOME=str(tmp_path / "cache"), PYTHONPATH=ROOT)
+    r = subprocess.run([os.path.realpath(sys.executable), "-m", "dit_train", f"run_dir={tmp_path / 'run'}",
+                        "model.hidden_size=32", "model.depth=1", "model.num_heads=1", "model.patch_size=8",
+                        "train.batch_size=4", "train.steps=2", "optimizer=rownorm", "optimizer.compile_rownorm=true"],
+                       cwd=str(tmp_path), capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        "error: optimizer.compile_rownorm=true needs a C compiler on CPU to build its RowNorm kernels, and none works "
+        "here (cc, gcc or $CC on PATH): install one, or use optimizer.compile_rownorm=auto (eager steps without one)"]
+    assert not (tmp_path / "run").exists()

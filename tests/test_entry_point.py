@@ -55,7 +55,8 @@ def test_debug_experiment_is_small_and_an_explicit_run_dir_is_the_only_folder(tm
     assert os.listdir(tmp_path) == ["run"]  # Hydra's files went into the run folder: no runs/<date>/<time>/
     run = tmp_path / "run"
     assert (run / "dit_train.log").exists() and (run / "samples" / "step_00000020.png").exists()
-    assert "end of run: validation loss (64 images x 2 t), sample grid (20 images, 10 steps)" in out.stdout
+    assert "end of run: checkpoint, validation loss (64 images x 2 t), sample grid (20 images, 10 steps), summary" \
+        in out.stdout
     resumed = run_console_script(["experiment=debug", "run_dir=run", "train.resume=auto", "train.steps=25",
                                   "train.progress=false"], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]

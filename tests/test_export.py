@@ -3,12 +3,15 @@ scheduler/, model_index.json), and DiT.from_pretrained(OUT_DIR) gives back the r
 without diffusers or huggingface_hub (the diffusers path: tests/test_diffusers_pipeline.py)."""
 
 import json
+import os
+import shutil
+import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import compose, needs_fashion
+from conftest import ROOT, compose, needs_fashion
 from dit_train.checkpoint import load_for_inference
 from dit_train.export import main as export_main
 from dit_train.model import DiT, DiTConfig
@@ -56,6 +59,41 @@ def test_bf16_export_is_close_and_a_file_name_is_refused(trained_run, tmp_path, 
     assert export_main([str(trained_run), str(tmp_path / "ema.safetensors")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "export writes a folder" in err
+
+
+def export_command(*args):
+    return subprocess.run([sys.executable, "-m", "dit_train.export", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+
+
+@needs_fashion
+def test_export_onto_a_full_disk_is_one_line_naming_the_file(trained_run, small_tmpfs):
+    """A real 64 KB file system for OUT_DIR: the weights do not fit (before: safetensors' traceback)."""
+    out = small_tmpfs("64k") / "exported"
+    r = export_command(trained_run, out)
+    assert r.returncode == 1 and r.stderr.splitlines() == [
+        f"error: No space left on device (ENOSPC): '{out}/transformer/diffusion_pytorch_model.safetensors' "
+        f"(in atomic_save_tensors)"], r.stderr
+    # no partial file, and no model_index.json that would make it look complete
+    assert [f for _, _, files in os.walk(out) for f in files] == []
+    assert load_for_inference(str(trained_run))[2]["step"] == 3  # the run is only read
+
+
+@needs_fashion
+@pytest.mark.parametrize("damage,expected", [
+    (lambda text: text[: len(text) // 2], "train_state.json is not valid JSON ("),
+    (lambda text: json.dumps({k: v for k, v in json.loads(text).items() if k != "config"}),
+     "train_state.json has no 'config' (it should hold step, config)"),
+])
+def test_a_damaged_train_state_is_one_line_naming_the_file(trained_run, tmp_path, damage, expected):
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run, run_dir)
+    state = next((run_dir / "checkpoints").glob("step_*.dcp")) / "train_state.json"
+    state.write_text(damage(state.read_text()))
+    r = export_command(run_dir, tmp_path / "out")
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(f"error: {state} ") and expected in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_save_pretrained_keeps_every_architecture_option(tmp_path):

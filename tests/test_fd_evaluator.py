@@ -235,3 +235,25 @@ def test_eval_jobs_wait_for_peers_as_long_as_training(name, args, monkeypatch):
         with pytest.raises(KeyboardInterrupt):
             job.main(args + extra)
         assert seen.pop() == expected
+
+
+@pytest.mark.parametrize("case", ["no checkpoints", "torn results"])
+def test_fd_dino_command_errors_are_one_line(tmp_path, case):
+    """`python eval/fd_dino.py FOLDER` on a folder without checkpoints, or with an fd_results.json cut short by a
+    crash: one line naming the folder / file, exit 2 (both were tracebacks), before any encoder is loaded."""
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    if case == "no checkpoints":
+        run_dir.mkdir()
+        expected = f"error: no checkpoints (checkpoints/step_*.dcp) under {str(run_dir)!r}"
+    else:
+        _fake_run(run_dir, [3])
+        (run_dir / "fd_results.json").write_text('{"columns": ["run"], "rows": [{"run": "r')
+        expected = (f"error: {run_dir / 'fd_results.json'} is not valid JSON (Unterminated string starting at: "
+                    f"line 1 column 39): the file is damaged (cut short by a crash or edited); delete it (and "
+                    f"fd_results.csv) to score every checkpoint again")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "eval", "fd_dino.py"), str(run_dir), "--device", "cpu"],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 2 and r.stderr.splitlines() == [expected], r.stderr

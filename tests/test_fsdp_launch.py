@@ -2,12 +2,16 @@
 process-group variables from Slurm's, and a preemption signal that another handler owned before the trainer
 (submitit's SIGUSR2 requeue) is handed back to it after the checkpoint."""
 
+import json
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
-from conftest import needs_fashion
+from conftest import ROOT, needs_fashion
 from dit_train.parallel import first_slurm_host, slurm_environment
 
 
@@ -59,3 +63,71 @@ def test_preemption_signal_is_handed_to_the_previous_handler_after_the_checkpoin
         assert signal.getsignal(signal.SIGUSR2) is submitit_like  # and restored
     finally:
         signal.signal(signal.SIGUSR2, old)
+
+
+TINY = ["model.hidden_size=32", "model.depth=1", "model.num_heads=1", "model.patch_size=8", "train.batch_size=4",
+        "train.val_samples=4", "train.val_batch_size=4", "train.val_t_points=1", "train.sample_every=0",
+        "train.progress=false", "train.warmup_steps=0", "train.log_every=1", "train.ckpt_every=0"]
+
+
+def start_torchrun(run_dir, *overrides):
+    return subprocess.Popen([sys.executable, "-m", "dit_train.torchrun", "--standalone", "--nproc_per_node", "2",
+                             "-m", "dit_train", f"run_dir={run_dir}", *TINY, *overrides], cwd=str(run_dir.parent),
+                            env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_until(ready, proc, what: str, timeout: float = 180) -> None:
+    t0 = time.time()
+    while not ready():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() - t0 < timeout, f"no {what}"
+        time.sleep(0.1)
+
+
+@needs_fashion
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_stop_signal_to_torchrun_checkpoints_and_the_job_exits_75(tmp_path, sig):
+    """`python -m dit_train.torchrun` (torchrun's options, torchrun's behaviour) signalled like scancel or Slurm's
+    --signal: the 2 ranks checkpoint together and the job exits 75, requeue-able (torchrun itself exits 1)."""
+    from dit_train import checkpoint as ckpt
+    from dit_train.preemption import EXIT_PREEMPTED
+
+    run_dir = tmp_path / "run"
+    proc = start_torchrun(run_dir, "train.steps=400")
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        wait_until(lambda: metrics.exists() and any(json.loads(row)["step"] >= 2
+                                                    for row in metrics.read_text().split("\n")[:-1]), proc, "step 2")
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    assert err.count(f"preempted: received {sig.name} at step") == 2  # both ranks, at the same step
+    assert f"torchrun: received {sig.name} and passed it on to the workers (a checkpoint, then exit): exit 75" in err
+    saved = ckpt.list_checkpoints(str(run_dir))
+    assert len(saved) == 1 and 2 <= ckpt.read_train_state(saved[0])["step"] < 400
+
+
+@needs_fashion
+def test_sharded_ranks_stop_the_end_of_run_grid_together(tmp_path):
+    """2 FSDP2 ranks in a long end-of-run grid (every model call a collective): they agree on the signal at the
+    same model call, leave the grid together and exit 75, the last checkpoint written before the grid."""
+    from dit_train import checkpoint as ckpt
+    from dit_train.preemption import EXIT_PREEMPTED
+
+    run_dir = tmp_path / "run"
+    proc = start_torchrun(run_dir, "train.steps=3", "train.val_every=0", "train.sample_every=3",
+                          "train.sample_steps=200000")
+    try:
+        wait_until(lambda: ckpt.list_checkpoints(str(run_dir), remove_partial=False), proc, "checkpoint")
+        time.sleep(1.0)  # inside the grid
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    assert err.count("preempted: received SIGTERM at step 3, the last, during the end-of-run work: its checkpoint "
+                     "was written first; skipped sample grid and summary.json") == 2, err[-3000:]
+    assert [ckpt.read_train_state(p)["step"] for p in ckpt.list_checkpoints(str(run_dir))] == [3]

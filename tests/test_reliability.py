@@ -60,6 +60,44 @@ def test_preemption_signal_checkpoints_exits_requeueable_and_resumes(tmp_path, s
     assert json.load(open(run_dir / "summary.json"))["steps"] == step + 3
 
 
+@needs_fashion
+def test_sigterm_during_the_end_of_run_grid_finds_the_final_checkpoint_written_and_stops_the_grid(tmp_path):
+    """A long end-of-run sample grid (here 10 images x 200000 Euler steps, minutes): the last step's checkpoint is
+    written before it, and a SIGTERM stops it within seconds with the requeue-able code, naming what was skipped
+    (before: the grid ran to its end, exit 0, and the checkpoint came after it, lost to the scheduler's SIGKILL)."""
+    run_dir = tmp_path / "run"
+    end_of_run = ["train.steps=3", "train.val_every=0", "train.sample_every=3", "train.sample_steps=200000"]
+    proc = start(run_dir, *end_of_run)
+    try:
+        t0 = time.time()
+        while not ckpt.list_checkpoints(str(run_dir), remove_partial=False):
+            assert proc.poll() is None, proc.communicate()
+            assert time.time() - t0 < 120, "no checkpoint before the end-of-run grid"
+            time.sleep(0.05)
+        time.sleep(1.0)  # inside the grid
+        proc.send_signal(signal.SIGTERM)
+        t_signal = time.time()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert time.time() - t_signal < 60
+    assert proc.returncode == EXIT_PREEMPTED, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("preempted:")]
+    assert len(lines) == 1 and "received SIGTERM at step 3, the last, during the end-of-run work" in lines[0], err
+    assert "skipped sample grid and summary.json" in lines[0] and "Traceback" not in err
+    assert "end of run: checkpoint, sample grid (10 images, 200000 steps), summary" in out
+    saved = ckpt.list_checkpoints(str(run_dir))
+    assert [ckpt.read_train_state(p)["step"] for p in saved] == [3]
+    assert not (run_dir / "samples").exists() and not (run_dir / "summary.json").exists()
+    # a requeue of the same command: the training is complete, nothing to continue, and it says so
+    again = subprocess.run([sys.executable, "-m", "dit_train", f"run_dir={run_dir}", *TINY, *end_of_run,
+                            "train.resume=auto"], cwd=str(tmp_path), capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert "already finished at step 3 (train.steps=3); it has no summary.json (its end-of-run work was stopped " \
+           "by a signal, or an earlier version ran it)" in again.stdout
+
+
 def write_checkpoints(run_dir: str, start: int, saved) -> None:
     """Save a checkpoint per step from `start` on, reporting each completed save through the pipe `saved`."""
     for step in range(start, start + 1000):
@@ -129,3 +167,41 @@ def test_edge_case_gradients_give_finite_updates(name, kind):
         opt.step()
         for p in model.parameters():
             assert torch.isfinite(p).all(), (name, kind, tuple(p.shape), step)
+
+
+@needs_fashion
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_full_disk_during_a_save_is_one_line_naming_the_path_and_keeps_the_previous_checkpoint(
+        tmp_path, small_tmpfs, asynchronous):
+    """A real 1.2 MB file system: the first checkpoint (~0.8 MB) fits, the second does not (before: a DCP
+    traceback, the synchronous one not saying ENOSPC)."""
+    run_dir = small_tmpfs("1200k") / "run"
+    proc = start(run_dir, "train.steps=3", "train.ckpt_every=1", "train.keep_last=1",
+                 f"train.async_checkpoint={str(asynchronous).lower()}")
+    out, err = proc.communicate(timeout=240)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    assert lines[-1] == f"error: No space left on device (ENOSPC): '{run_dir}/checkpoints/step_00000002.dcp.tmp' " \
+                        "(in create_stream)", err
+    saved = ckpt.list_checkpoints(str(run_dir))
+    assert [os.path.basename(p) for p in saved] == ["step_00000001.dcp"]
+    assert ckpt.read_train_state(saved[0])["step"] == 1 and ckpt.read_tensors(saved[0], "ema")
+    assert os.listdir(run_dir / "checkpoints") == ["step_00000001.dcp"]  # the partial save removed
+
+
+@needs_fashion
+def test_a_full_disk_while_logging_metrics_is_one_line_naming_metrics_jsonl(tmp_path, small_tmpfs):
+    from conftest import fill_disk
+
+    disk = small_tmpfs("400k")
+    run_dir = disk / "run"
+    proc = start(run_dir, "train.steps=100000")
+    try:
+        wait_for_step(run_dir, 2, proc)
+        fill_disk(disk)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"error: No space left on device (ENOSPC): '{run_dir}/metrics.jsonl'"), err

@@ -225,6 +225,35 @@ def test_setting_aside_keeps_torn_rows_and_moves_what_it_cannot_read(tmp_path):
     assert set_aside_after(str(run_dir), 12, "somewhere/step_00000012.dcp") is None  # nothing left after 12
 
 
+def test_a_requeued_fork_continues_from_its_own_checkpoints(tmp_path):
+    """train.init_from + train.resume=auto: the first start forks; a requeue (the same command) continues the
+    fork's own newest checkpoint, not the source again."""
+    run(tiny(tmp_path / "source"))
+    command = [f"train.init_from={tmp_path / 'source'}", "train.resume=auto", "optimizer.K=5"]
+    first = Trainer(tiny(tmp_path / "fork", *command), DistInfo())
+    stop_signal_during_step(first, 3)
+    with pytest.raises(Preempted, match="at step 3"):
+        first.fit()
+    own = ckpt.read_tensors(ckpt.resolve_checkpoint(str(tmp_path / "fork")), "model")
+    requeued = Trainer(tiny(tmp_path / "fork", *command), DistInfo())
+    requeued.resume()
+    assert requeued.state.step == 3 and requeued.optimizer.state
+    assert all(torch.equal(v, own[k]) for k, v in requeued.model.state_dict().items())
+    assert run(tiny(tmp_path / "fork", *command))["steps"] == 4
+
+
+def test_a_fork_into_another_model_size_is_one_line_and_leaves_no_folder(tmp_path):
+    run(tiny(tmp_path / "source"))
+    r = subprocess.run([sys.executable, "-m", "dit_train", *TINY, f"run_dir={tmp_path / 'fork'}",
+                        f"train.init_from={tmp_path / 'source'}", "model.hidden_size=64"], cwd=str(tmp_path),
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "holds a model of another architecture (hidden_size: 32 -> 64)" in lines[0]
+    assert "model.hidden_size=32" not in lines[0] and "model=dit_s" in lines[0]
+    assert not os.path.exists(tmp_path / "fork")
+
+
 # ---- one writer -------------------------------------------------------------------------------------------------
 def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
     os.makedirs(tmp_path / "run")
@@ -427,3 +456,30 @@ def test_a_torn_last_metrics_row_is_dropped_before_appending(tmp_path):
     logger.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 3]
+
+
+def test_resuming_into_a_read_only_run_folder_is_one_line(tmp_path, small_tmpfs):
+    """A run on a file system mounted read-only (an archive, a snapshot): before, Hydra's log-file handler failed
+    in a 30-line traceback."""
+    disk = small_tmpfs("4m")
+    run(tiny(disk / "run"))
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    r = subprocess.run([sys.executable, "-m", "dit_train", *TINY, f"run_dir={disk / 'run'}", "train.resume=auto",
+                        "train.steps=6"], cwd=str(tmp_path), capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    assert r.returncode == 1 and r.stderr.splitlines() == [
+        f"error: run folder {disk / 'run'} is not writable (Read-only file system, EROFS): a run writes its "
+        f"checkpoints and metrics there; copy it to a writable place, or fork it with "
+        f"train.init_from={disk / 'run'} into a new run_dir"], r.stderr
+
+
+def test_a_torn_summary_is_one_line_naming_it(tmp_path):
+    from dit_train.json_file import DamagedJSONFile
+    from dit_train.metrics import read_summary
+
+    path = tmp_path / "summary.json"
+    path.write_text('{"steps": 4, "val_l')
+    with pytest.raises(DamagedJSONFile) as e:
+        read_summary(str(path))
+    assert str(e.value).startswith(f"{path} is not valid JSON (") and "\n" not in str(e.value)
+    assert read_summary(str(tmp_path / "absent.json")) == {}

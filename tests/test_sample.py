@@ -94,3 +94,34 @@ def test_euler_sampler_equals_diffusers_flow_match_euler_scheduler(cfg_scale):
             x = scheduler.step(v, timestep, x).prev_sample
         ours = euler_sample(model, noise, y=y, steps=steps, cfg_scale=cfg_scale)
     assert torch.equal(ours, x)
+
+
+@pytest.mark.parametrize("vae,what", [("/nonexistent", "does not exist"), ("empty", "has no config.json")])
+def test_a_vae_that_is_not_a_local_folder_is_one_line_and_never_a_hub_download(tmp_path, vae, what):
+    """`python -m dit_train.sample RUN --vae /nonexistent` on a latent run: before, diffusers took the path for a
+    Hub repo id (51 lines, a network attempt). The Hub endpoint here is a closed port: any attempt would fail."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from dit_train import checkpoint as ckpt
+    from dit_train.model import build_model
+
+    mcfg = dict(name="t", image_size=8, in_channels=4, patch_size=2, hidden_size=16, depth=1, num_heads=2,
+                num_classes=10)
+    config = {"model": mcfg, "data": {"name": "latents"}, "vae": {"path": None}, "seed": 0,
+              "train": {"sample_steps": 2, "cfg_scale": 1.0, "precision": "fp32"}}
+    ckpt.save(str(tmp_path / "run"), 1, {"ema": build_model(OmegaConf.create(mcfg)).state_dict()},
+              {"step": 1, "config": config}, keep_last=0)
+    if vae == "empty":
+        vae = str(tmp_path / "empty")
+        os.makedirs(vae)
+    env = {**os.environ, "PYTHONPATH": ROOT, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_ETAG_TIMEOUT": "1"}
+    r = subprocess.run([sys.executable, "-m", "dit_train.sample", str(tmp_path / "run"), "--vae", vae, "--device",
+                        "cpu", "--grid", str(tmp_path / "grid.png")], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        f"error: VAE folder {vae!r} {what}: expected a local diffusers AutoencoderKL folder (config.json and its "
+        f"weights), the one given to encode_latents.py --vae"], r.stderr
+    assert not (tmp_path / "grid.png").exists()

@@ -576,3 +576,41 @@ def test_published_report_is_rebuilt_exactly_from_its_records(study, tmp_path, m
     with open(os.path.join(published, "report.md")) as f:
         assert text == f.read()
     assert f"Sweep commands:\n- `python scripts/run_study.py {study}" in text
+
+
+def test_a_torn_train_state_in_the_sweep_is_one_line_naming_it(tmp_path, capsys):
+    """The study runner reads each run's newest checkpoint step; a train_state.json cut short by a crash was a
+    JSONDecodeError traceback."""
+    import torch
+
+    from dit_train import checkpoint as ckpt
+
+    sweep = tmp_path / "sweep"
+    run_dir = sweep / "model=dit_s,optimizer=adamw,seed=0"
+    path = ckpt.save(str(run_dir), 20, {"model": {"w": torch.zeros(1)}}, {"step": 20}, keep_last=0)
+    state = os.path.join(path, "train_state.json")
+    with open(state, "w") as f:
+        f.write('{"step": 2')
+    assert run_study.main(["smoke", "--sweep-dir", str(sweep), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {state} is not valid JSON (Expecting ',' delimiter: line 1 column 11): the file is "
+                   f"damaged (cut short by a crash or edited); this checkpoint cannot be used: remove it, or use an "
+                   f"earlier one of the run"]
+
+
+def test_a_torn_study_record_is_one_line_naming_it_in_every_study_script(tmp_path, capsys):
+    """study.json cut short by a crash: report.py, paired_report.py and publish_study.py said JSONDecodeError in a
+    traceback; now one line naming the file."""
+    import paired_report
+
+    sweep = tmp_path / "sweep"
+    write_run(sweep / "a", "dit_xs", "adamw", 0, train_rows(0.01, 0.1, 0) + [{"step": 4, "val/loss": 0.5}])
+    (sweep / "study.json").write_text('{"experiment": "fab", "runs": [')
+    line = (f"error: {sweep / 'study.json'} is not valid JSON (Expecting value: line 1 column 32): the file is "
+            f"damaged (cut short by a crash or edited); restore it from a copy (scripts/run_study.py writes it)")
+    for script in (report, paired_report):
+        with pytest.raises(SystemExit) as e:
+            script.main([str(sweep)])
+        assert str(e.value) == line
+    assert publish_study.main([str(sweep), str(tmp_path / "dest")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == line

@@ -105,7 +105,21 @@ def test_nan_gradient_skips_update_and_stops_after_max_bad_steps(tiny_cfg):
     for p, st in trainer.optimizer.state.items():
         for n, t in opt_state[p].items():
             assert torch.equal(t, st[n])
-    with pytest.raises(TrainingStopped, match=r"stopping at step 0: 2 non-finite steps in a row"):
+    with pytest.raises(TrainingStopped, match=r"stopping at step 0: 2 non-finite steps in a row") as stopped:
+        trainer.train_step(x, {"y": y})
+    # nothing was ever saved: the message must not promise a checkpoint that does not exist
+    assert "untouched" not in str(stopped.value)
+    assert "no checkpoint of this run has been written yet" in str(stopped.value)
+
+
+def test_nan_stop_names_the_checkpoint_it_leaves_untouched(tiny_cfg):
+    tiny_cfg.train.max_bad_steps = 1
+    trainer = Trainer(tiny_cfg, DistInfo())
+    trainer.state.step = 3
+    trainer.save()
+    x, y = trainer.evaluation.val_batches[0]
+    trainer.model.final_layer.linear.weight.register_hook(lambda g: torch.full_like(g, float("nan")))
+    with pytest.raises(TrainingStopped, match=r"the last good checkpoint is .*step_00000003\.dcp, untouched"):
         trainer.train_step(x, {"y": y})
 
 
@@ -139,3 +153,23 @@ def test_wandb_offline_needs_no_login_or_network(tiny_cfg, monkeypatch):
     assert len(runs) == 1
     files = os.listdir(os.path.join(tiny_cfg.run_dir, "wandb", runs[0]))
     assert any(f.endswith(".wandb") for f in files)
+
+
+@needs_fashion
+def test_the_last_checkpoint_is_written_before_the_end_of_run_fd_and_then_holds_its_best_fd(tmp_path):
+    """The last step's checkpoint comes first (a signal during the evaluations loses no step); the FD measured
+    after it is still recorded as the best FD in that checkpoint's train state, as summary.json has it."""
+    cfg = compose([f"run_dir={tmp_path / 'run'}", "eval=ci", "eval.every_n_steps=4", "eval.num_samples=16",
+                   "eval.batch_size=8", "eval.sample_steps=1", "eval.reference_num=32", "eval.reference_split=val",
+                   f"eval.cache_dir={tmp_path / 'cache'}", "model.hidden_size=32", "model.depth=1",
+                   "model.num_heads=1", "model.patch_size=8", "train.steps=4", "train.batch_size=4",
+                   "train.val_every=0", "train.sample_every=0", "train.ckpt_every=0", "train.progress=false"])
+    trainer = Trainer(cfg, DistInfo())
+    order = []
+    save, evaluate_fd = trainer.save, trainer.evaluation.evaluate_fd
+    trainer.save = lambda: order.append("checkpoint") or save()
+    trainer.evaluation.evaluate_fd = lambda *a: order.append("fd") or evaluate_fd(*a)
+    summary = trainer.fit()
+    assert order == ["checkpoint", "fd"]
+    best = ckpt.read_train_state(ckpt.resolve_checkpoint(cfg.run_dir))["best_fd"]
+    assert best is not None and best == summary["best_fd"] and best["step"] == 4

@@ -54,3 +54,30 @@ def test_run_name_leaves_out_where_and_how_a_run_executes():
 def test_tags_name_model_optimizer_k_and_lr():
     config = {"model": {"name": "dit_xs"}, "optimizer": {"name": "periodic_rowwise", "K": 3, "lr": 0.008}}
     assert tags(config) == ["model=dit_xs", "optimizer=periodic_rowwise", "K=3", "lr=0.008"]
+
+
+@pytest.mark.parametrize("record,expected", [
+    ("{}", "has no 'id', 'name' (it should hold id, name)"),
+    ('{"id": "team/abc", "name": "x"}', "id 'team/abc' is not a valid wandb run id"),
+    ('{"id": "ab', "is not valid JSON"),
+])
+def test_a_damaged_wandb_record_is_one_line_naming_it_before_anything_is_written(tmp_path, record, expected):
+    """wandb_run.json `{}` was a KeyError traceback, an id with '/' wandb's own error after the run folder was
+    written; now both are refused by the command in one line naming the file, exit 2."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / RECORD).write_text(record)
+    r = subprocess.run([sys.executable, "-m", "dit_train", f"run_dir={run_dir}", "logger.wandb.mode=offline",
+                        "model.hidden_size=32", "model.depth=1", "model.num_heads=1", "model.patch_size=8",
+                        "train.steps=2", "train.batch_size=4"], cwd=str(tmp_path), capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": ROOT, "WANDB_MODE": "offline"})
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"error: {run_dir / RECORD}") and expected in lines[0], lines[0]
+    # nothing of the run written (Hydra's own files stay, as in any folder that existed before)
+    assert set(os.listdir(run_dir)) <= {RECORD, ".hydra", "dit_train.log"}

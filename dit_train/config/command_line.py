@@ -76,6 +76,14 @@ def _one_line(e: Exception) -> str:
     return lines[0] if lines else type(e).__name__
 
 
+def check_slurm_needs_multirun(flags: list[str], overrides: list[str]) -> None:
+    """Hydra's launchers run only under --multirun: without it launcher=slurm would train here, on this machine."""
+    if "launcher=slurm" in overrides and not flags and not any(o.startswith("hydra.mode=") for o in overrides):
+        raise ConfigError("launcher=slurm submits jobs to Slurm only under --multirun (without it the run would "
+                          "train here, on this machine): python -m dit_train --multirun launcher=slurm "
+                          + " ".join(o for o in overrides if o != "launcher=slurm"))
+
+
 def check_command_line(argv: list[str], world_size: int | None = None) -> None:
     """Exit 2 with `error: ...` on stderr if any job of this command line has a bad config. Command lines with
     other Hydra flags (--cfg, --config-dir, --help, ...) are left to Hydra."""
@@ -89,7 +97,8 @@ def check_command_line(argv: list[str], world_size: int | None = None) -> None:
             return
         from ..extras import check_extras, check_launcher
 
-        check_launcher(overrides)
+        check_launcher(overrides)  # a missing plugin first: it is needed with --multirun too
+        check_slurm_needs_multirun(flags, overrides)
         for job in job_overrides(overrides):
             cfg = _compose_job(job)
             if cfg.train.get("resume") is not None or cfg.train.get("init_from") is not None:

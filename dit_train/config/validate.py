@@ -127,8 +127,10 @@ def check_train(node, world_size: int = 1) -> dict:
     if resume not in (None, "auto") and not os.path.exists(resume):
         raise invalid("train.resume", resume, "expected null, 'auto' or an existing run folder / checkpoint file")
     if values["init_from"] is not None:
-        if resume is not None:
-            raise invalid("train.init_from", values["init_from"], "a fork starts fresh: use it with train.resume=null")
+        if resume not in (None, "auto"):
+            raise invalid("train.init_from", values["init_from"],
+                          f"a fork starts from its weights, not from train.resume={resume}: use it with "
+                          f"train.resume=null or auto (a requeued fork continues from its own checkpoints)")
         if not os.path.exists(values["init_from"]):
             raise invalid("train.init_from", values["init_from"], "expected null or an existing run folder / checkpoint")
     return values

@@ -154,6 +154,23 @@ def load():
     return _lib[0]
 
 
+def check_buildable(setting, device) -> None:
+    """optimizer.compile_rownorm=true on CPU runs these kernels, or else torch.compile's, which need a C++ compiler
+    as well: where the library neither loads nor builds, refused in one line before the run folder is written
+    (instead of an InductorError traceback at the first step)."""
+    if setting is not True or torch.device(device).type != "cpu":
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the reason is said below, in the error
+        if load() is not None:
+            return
+    from ..config.errors import ConfigError
+
+    raise ConfigError("optimizer.compile_rownorm=true needs a C compiler on CPU to build its RowNorm kernels, and "
+                      "none works here (cc, gcc or $CC on PATH): install one, or use optimizer.compile_rownorm=auto "
+                      "(eager steps without one)")
+
+
 def supports(*tensors: Tensor) -> bool:
     """Whether the C loops take these tensors (one dtype, fp32/fp64, contiguous, on CPU, with memory: not fake) and
     the library loads."""
