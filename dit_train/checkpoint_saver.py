@@ -63,11 +63,27 @@ def local_bytes(tree) -> int:
     return sum(local(t).numel() * t.element_size() for t in _tensors(tree))
 
 
+def grace_warning(write_s: float | None, nbytes: int | None, grace_s: float | None) -> str | None:
+    """What to say when a checkpoint's write took longer than the time a stop signal leaves before the kill: the
+    preemption's own checkpoint (written after the step in progress, and after any save in flight) would be cut
+    off, and the run would lose every step since its previous checkpoint."""
+    if grace_s is None or write_s is None or write_s <= grace_s:
+        return None
+    size = f" ({nbytes / 1e9:.1f} GB, {nbytes / 1e9 / write_s:.2f} GB/s)" if nbytes else ""
+    return (f"a checkpoint took {write_s:.0f} s to write{size}, "
+            f"more than train.stop_grace_s={grace_s:g} s, the time from a stop signal to the kill: a preemption's "
+            f"checkpoint would be cut off. Give the job more (torchrun --shutdown-timeout, Slurm --signal=USR1@N) "
+            f"and set train.stop_grace_s to it, or write checkpoints faster")
+
+
 class CheckpointSaver:
     def __init__(self, run_dir: str, keep_last: int, asynchronous: bool, log_metrics: Callable[[int, dict], None],
-                 timeout_minutes: float = 10.0):
+                 timeout_minutes: float = 10.0, stop_grace_s: float | None = None):
         self.run_dir, self.keep_last, self.asynchronous = run_dir, keep_last, asynchronous
         self.log_metrics = log_metrics
+        self.stop_grace_s = stop_grace_s  # train.stop_grace_s: a save that takes longer is warned about, once
+        self.warned_grace = False
+        self.last_write_s: float | None = None  # rank 0: the last finished save's write, kept in the train state
         # DCP's writer thread runs collectives (plans, write results) while training runs its own: on a group of
         # their own they cannot interleave; gloo, as async_save needs a CPU backend (the default may be NCCL).
         # Its wait for the slowest rank's write is bounded by parallel.timeout_minutes like every other collective.
@@ -127,3 +143,8 @@ class CheckpointSaver:
         self.log_metrics(step, {**metrics, "ckpt/step": pending.step})
         log.info("saved checkpoint %s (%.2f GB, written in %.1f s)", pending.final, metrics["ckpt/bytes"] / 1e9,
                  metrics["ckpt/write_s"])
+        self.last_write_s = metrics["ckpt/write_s"]
+        warning = grace_warning(metrics["ckpt/write_s"], metrics["ckpt/bytes"], self.stop_grace_s)
+        if warning and not self.warned_grace:
+            self.warned_grace = True
+            log.warning(warning)

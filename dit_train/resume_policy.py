@@ -39,7 +39,7 @@ MAY_CHANGE_ON_RESUME = (
     "vae.path", "vae.decode_batch_size", "eval.every_n_steps", "eval.cache_dir",
     "eval.encoder_path", "train.steps", "train.micro_batch_size", "train.resume", "train.init_from", "train.dry_run", "train.progress",
     "train.timing", "train.log_every", "train.val_every", "train.sample_every", "train.sample_steps",
-    "train.samples_per_class", "train.cfg_scale", "train.ckpt_every", "train.keep_last", "train.async_checkpoint",
+    "train.samples_per_class", "train.cfg_scale", "train.ckpt_every", "train.keep_last", "train.stop_grace_s", "train.async_checkpoint",
     "train.num_workers", "train.max_bad_steps",
 )
 

@@ -19,7 +19,7 @@ from . import checkpoint as ckpt
 from .backend_env import record_nccl_traces
 from .build import build_training
 from .cadence import every_n_steps
-from .checkpoint_saver import CheckpointSaver, resolve_async
+from .checkpoint_saver import CheckpointSaver, grace_warning, resolve_async
 from .comm_volume import describe_run, ranks_per_node
 from .config import validate
 from .data import build_dataset, check_classes_fit, fingerprint, loader_workers
@@ -87,7 +87,7 @@ class Trainer:
         self.evaluation = Evaluation(cfg, dist, self.val_set, self.logger)
         self.saver = CheckpointSaver(cfg.run_dir, self.tc.keep_last,
                                      resolve_async(self.tc.async_checkpoint, dist.device), self.logger.log,
-                                     self.cfg.parallel.timeout_minutes)
+                                     self.cfg.parallel.timeout_minutes, stop_grace_s=self.tc.stop_grace_s)
         self.preemption = Preemption()
         self.throughput = Throughput()
         self.window = StepWindow()  # every step's timings, averaged into the next log row
@@ -103,6 +103,8 @@ class Trainer:
             raise TrainingStopped(f"step {self.state.step}: the weights are no longer finite, so they were not saved; "
                                   f"{self.last_good_checkpoint()}")
         tensors = ckpt.tensor_state(self.model, self.optimizer, self.ema.model)
+        if self.saver.last_write_s is not None:
+            self.state.ckpt_write_s = self.saver.last_write_s
         self.saver.save(self.state.step, tensors, self.state.state_dict())
 
     def last_good_checkpoint(self) -> str:
@@ -139,6 +141,9 @@ class Trainer:
                 log.warning(moved)
         self.timer.take()  # drop anything timed while loading
         log.info("resumed from %s at step %d", path, self.state.step)
+        told = grace_warning(self.state.ckpt_write_s, None, self.tc.stop_grace_s)  # as measured before the restart
+        if told and self.dist.is_main:
+            log.warning(told)
 
     # ---- one step ----------------------------------------------------------------------------------------
     def global_batch_noise(self, x: torch.Tensor):

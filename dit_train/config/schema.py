@@ -36,6 +36,7 @@ class TrainConfig:
     samples_per_class: int = int_at_least(1)
     ckpt_every: int = int_at_least(0)
     keep_last: int = int_at_least(0)
+    stop_grace_s: float = number("expected > 0 (seconds)", lambda v: v > 0)
     async_checkpoint: Any = choice("auto", True, False, valid="choose auto (on for CUDA, off on CPU), true or false")
     resume: Optional[str] = key("expected null, 'auto' or an existing run folder / checkpoint file")
     init_from: Optional[str] = key("expected null or an existing run folder / checkpoint")
