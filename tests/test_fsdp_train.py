@@ -143,11 +143,14 @@ def test_export_gives_single_process_ema_weights(runs, tmp_path):
     assert export_main([str(runs["two"]), str(tmp_path / "two")]) == 0
     assert export_main([str(runs["three_from_two"] / "checkpoints" / "step_00000004.dcp"),
                         str(tmp_path / "three")]) == 0
-    single = load_file(str(tmp_path / "single" / "model.safetensors"))
+    from dit_train.pretrained import DIFFUSERS_WEIGHTS_FILE, TRANSFORMER
+
+    weights = os.path.join(TRANSFORMER, DIFFUSERS_WEIGHTS_FILE)  # an export is a diffusers pipeline folder
+    single = load_file(str(tmp_path / "single" / weights))
     saved = read_tensors(str(runs["single"] / "checkpoints" / "step_00000004.dcp"), "ema")
     assert single.keys() == saved.keys() and all(torch.equal(single[k], saved[k]) for k in saved)
     for name in ("two", "three"):
-        sharded = load_file(str(tmp_path / name / "model.safetensors"))
+        sharded = load_file(str(tmp_path / name / weights))
         assert sharded.keys() == saved.keys()
         for k in saved:
             # the zero-initialised weights (adaLN, output layer) are ~1e-3 after 4 AdamW steps, and Adam's normalised
