@@ -46,8 +46,13 @@ def continue_saved_config(cfg, overrides: list[str]):
     options = {group: f"{group}={saved[group]['name']}" for group in SAVED_CHOICES
                if isinstance(saved.get(group), dict) and saved[group].get("name")}
     unchosen = [o for group, o in options.items() if group not in chosen]
-    now = flatten(OmegaConf.to_container(_compose(unchosen + own + [f"run_dir={run_dir}"]), resolve=True))
-    base = flatten(OmegaConf.to_container(_compose([*options.values(), f"run_dir={run_dir}"]), resolve=True))
+    try:
+        now = flatten(OmegaConf.to_container(_compose(unchosen + own + [f"run_dir={run_dir}"]), resolve=True))
+        base = flatten(OmegaConf.to_container(_compose([*options.values(), f"run_dir={run_dir}"]), resolve=True))
+    except Exception as e:  # noqa: BLE001 - e.g. a preset the saved run names no longer exists: judged as typed
+        log.warning("cannot compose the saved run's own options (%s); the resume is judged as typed",
+                    str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+        return cfg
     named = _named_keys(own)
     kept = flatten(saved)
     merged, set_here = {}, []
