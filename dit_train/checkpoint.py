@@ -313,7 +313,8 @@ def _describe_load_failure(path: str, e: CheckpointException) -> str:
 def read_train_state(path: str, keys: tuple[str, ...] = ("step",)) -> dict:
     """A checkpoint's train_state.json, checked as data from elsewhere: a JSON object holding `keys`, an integer
     step and, where present, the run's config as an object. One line naming the file on anything else."""
-    file, fix = os.path.join(path, TRAIN_STATE), "this checkpoint cannot be used: remove it, or use an earlier one"
+    file = os.path.join(path, TRAIN_STATE)
+    fix = "this checkpoint cannot be used: remove it, or use an earlier one of the run"
     state = read_json(file, keys, fix=fix)
     if type(state.get("step")) is not int or state["step"] < 0 or not isinstance(state.get("config", {}), dict):
         raise CheckpointError(f"{file} is not a dit_train train state (an integer 'step' and the run's 'config' "
