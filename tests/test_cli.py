@@ -171,3 +171,20 @@ def test_compile_rownorm_true_without_a_c_compiler_is_one_line_before_the_run_fo
         "error: optimizer.compile_rownorm=true needs a C compiler on CPU to build its RowNorm kernels, and none works "
         "here (cc, gcc or $CC on PATH): install one, or use optimizer.compile_rownorm=auto (eager steps without one)"]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_missing_image_folder_is_refused_before_any_run_folder_exists(tmp_path):
+    """The image folder was found missing only by the dataset, after Hydra had made runs/<date>/<time>/ (#28 item 3);
+    now the pre-Hydra check refuses it, and nothing is left where the user ran the command."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    r = subprocess.run([sys.executable, "-m", "dit_train", "data=image_folder", f"data.root={tmp_path / 'missing'}",
+                        "model.in_channels=3", "model.image_size=64", "train.steps=1"], cwd=str(tmp_path),
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: data.root='{tmp_path / 'missing'}' is not valid: not a folder; image_folder needs "
+        f"root/<class>/<images>"], r.stderr
+    assert os.listdir(tmp_path) == []

@@ -150,6 +150,9 @@ def validate(cfg, world_size: int = 1) -> None:
     if not train["dry_run"]:
         if data["name"] == "latents":
             check_latent_run(model, data, vae, needs_decoding=bool(train["sample_every"] or ev["every_n_steps"]))
+        elif data["name"] == "image_folder" and not os.path.isdir(str(data.get("root"))):
+            # here, before Hydra makes the run folder (the dataset itself would find it only after)
+            raise invalid("data.root", data.get("root"), "not a folder; image_folder needs root/<class>/<images>")
         _model_matches_data(model, data)
 
 
