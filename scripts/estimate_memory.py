@@ -45,7 +45,8 @@ def compose(preset: str, optimizer: str, checkpointing: bool, overrides=()):
         return hcompose(config_name="config", overrides=[
             "experiment=scaling_study", f"model={preset}", f"optimizer={optimizer}", "run_dir=unused",
             "parallel.mixed_precision=bf16", f"parallel.activation_checkpointing={str(checkpointing).lower()}",
-            *overrides])
+            # plain FSDP over --world-size: the study's own layout (HSDP for multi-node presets) only when asked
+            "parallel.replicate=1", *overrides])
 
 
 def run_one(args) -> dict:

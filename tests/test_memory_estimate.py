@@ -122,3 +122,16 @@ def test_gradient_accumulation_keeps_only_gradient_shards():
     real = estimate("adamw", "--micro-batches", "2", "--real-tensors")
     assert real["persistent"] == two["persistent"]
     assert two["peak"]["total"] == pytest.approx(real["peak"]["total"], rel=0.02)
+
+
+def test_the_grid_is_plain_fsdp_over_its_world_size_unless_asked():
+    """The scaling study runs multi-node presets as HSDP (parallel.replicate = nodes); the estimator's grid is plain
+    FSDP over --world-size (rank 0 holds 1/W), and an HSDP row is one asked for with parallel.replicate=N."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.spec_from_file_location("estimate_memory", os.path.join(ROOT, "scripts", "estimate_memory.py"))
+    em = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(em)
+    assert em.compose("dit_15b", "adamw", True).parallel.replicate == 1
+    assert em.compose("dit_15b", "adamw", True, ["parallel.replicate=4"]).parallel.replicate == 4
