@@ -29,12 +29,14 @@ from dit_train.json_file import DamagedJSONFile, read_json  # noqa: E402
 RECORDS = ("config.yaml", "metrics.jsonl", "summary.json", "run_info.json")
 
 
-def publish(sweep_dir: str, dest: str) -> int:
+def publish(sweep_dir: str, dest: str, finished_only: bool = False) -> int:
     runs_dir = os.path.join(dest, "runs")
     copied = 0
     for root, dirs, files in os.walk(sweep_dir):
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in ("checkpoints", "samples"))
         if "config.yaml" not in files or "metrics.jsonl" not in files:
+            continue
+        if finished_only and "summary.json" not in files:  # a run still going (or stopped before its end)
             continue
         target = os.path.join(runs_dir, os.path.relpath(root, sweep_dir))
         os.makedirs(target, exist_ok=True)
@@ -75,12 +77,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweep_dir")
     p.add_argument("dest")
+    p.add_argument("--finished-only", action="store_true",
+                   help="only runs with a summary.json (finished with their end-of-run evaluation): a study published "
+                        "in pieces, to be continued with run_study.py --records DEST/runs")
     args = p.parse_args(argv)
     if not os.path.isdir(args.sweep_dir):
         print(f"error: sweep folder {args.sweep_dir!r} does not exist", file=sys.stderr)
         return 2
     try:
-        n = publish(args.sweep_dir, args.dest)
+        n = publish(args.sweep_dir, args.dest, args.finished_only)
         if n == 0:
             print(f"error: no run folders (config.yaml + metrics.jsonl) under {args.sweep_dir!r}", file=sys.stderr)
             return 2

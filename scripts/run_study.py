@@ -149,7 +149,8 @@ def final_val_loss(run_dir: str, steps: int) -> float | None:
     return next((float(r["val/loss"]) for r in rows if r.get("step") == steps and "val/loss" in r), None)
 
 
-def select_learning_rates(study, sweep_dir: str, scan_runs: list[dict], steps_of) -> tuple[dict, dict]:
+def select_learning_rates(study, sweep_dir: str, scan_runs: list[dict], steps_of,
+                          records: str | None = None) -> tuple[dict, dict]:
     """For each variant whose scan runs have all finished: the value with the lowest final validation loss, the mean
     over the selection seeds (NaN and diverged runs lose) - unless it is an end of the scan and the scan may still
     grow on that side (at most study.lr_scan_extend values beyond each end of the configured grid, one step of the
@@ -164,10 +165,10 @@ def select_learning_rates(study, sweep_dir: str, scan_runs: list[dict], steps_of
     for label, members in by_variant.items():
         per_seed: dict = {}
         for r in members:
-            run_dir = os.path.join(sweep_dir, r["name"])
             steps = steps_of(r)
-            if not finished(run_dir, steps):
+            if not done(sweep_dir, records, r["name"], steps):
                 break
+            run_dir = run_folder(sweep_dir, records, r["name"], steps)
             loss = final_val_loss(run_dir, steps)
             per_seed.setdefault(r["lr"], []).append(loss if loss is not None and math.isfinite(loss) else math.inf)
         else:
@@ -198,6 +199,29 @@ def finished(run_dir: str, steps: int) -> bool:
     return os.path.isdir(run_dir) and newest_step(run_dir) >= steps
 
 
+def published(record_dir: str, steps: int) -> bool:
+    """A published record (publish_study.py: no checkpoints) is a finished run when its summary.json, written only
+    after the end-of-run evaluation, is of its train.steps."""
+    path = os.path.join(record_dir, "summary.json")
+    if not os.path.isfile(path) or os.path.isdir(os.path.join(record_dir, "checkpoints")):
+        return False
+    return int(read_json(path, fix="restore it from the sweep it was published from").get("steps", -1)) >= steps
+
+
+def run_folder(sweep_dir: str, records: str | None, name: str, steps: int) -> str:
+    """Where run `name` lives: its sweep folder, unless it is not finished there and a published record of it is
+    (a study continued on another machine or in a later session, from the records committed so far)."""
+    here = os.path.join(sweep_dir, name)
+    if records and not finished(here, steps) and published(os.path.join(records, name), steps):
+        return os.path.join(records, name)
+    return here
+
+
+def done(sweep_dir: str, records: str | None, name: str, steps: int) -> bool:
+    folder = run_folder(sweep_dir, records, name, steps)
+    return finished(folder, steps) or (folder != os.path.join(sweep_dir, name))
+
+
 def previous_invocations(sweep_dir: str) -> list[dict]:
     """A study completed in pieces keeps every command and commit that ran it (older files: their one command)."""
     path = os.path.join(sweep_dir, "study.json")
@@ -225,6 +249,9 @@ def run_study(argv=None) -> int:
     p.add_argument("--sweep-dir", default=None, help="default: sweeps/<study.name>")
     p.add_argument("--models", default=None,
                    help="comma-separated subset of study.models to run now (the report still lists the others)")
+    p.add_argument("--records", default=None,
+                   help="a folder of published run records (publish_study.py's DEST/runs): runs finished there are "
+                        "not run again, so a study continues from what an earlier machine published")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_intermixed_args(argv)
     path = os.path.join(EXPERIMENTS, f"{args.experiment}.yaml")
@@ -279,7 +306,8 @@ def run_study(argv=None) -> int:
             runs = expand(study, args.overrides, exclude, extended=extended)
             record(runs, extended=extended)
             failures += run_groups(runs, only, sweep_dir, steps_of, args)
-            selection, more = ({}, {}) if args.dry_run else select_learning_rates(study, sweep_dir, runs, steps_of)
+            selection, more = ({}, {}) if args.dry_run else select_learning_rates(study, sweep_dir, runs, steps_of,
+                                                                                    args.records)
             if not more:
                 break
             for label, lr in more.items():
@@ -310,7 +338,7 @@ def run_groups(runs: list[dict], only, sweep_dir: str, steps_of, args) -> int:
     for members in groups.values():
         if only and members[0]["model"] not in only:
             continue
-        pending = [r for r in members if not finished(os.path.join(sweep_dir, r["name"]), steps_of(r))]
+        pending = [r for r in members if not done(sweep_dir, args.records, r["name"], steps_of(r))]
         label = variant_label(members[0]) + ("" if members[0]["lr"] is None else f" lr={members[0]['lr']}")
         if not pending:
             print(f"[study] {label}: all seeds finished, skipping")

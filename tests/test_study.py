@@ -179,6 +179,27 @@ def test_selection_seeds_choose_the_lr_by_their_mean_and_are_never_evaluated(tmp
         run_study.expand(study, [], [])
 
 
+def test_published_records_count_as_finished_runs(tmp_path):
+    """A study continued elsewhere (a later session, another machine) from its committed records: a record whose
+    summary is of the planned steps is not run again and its loss selects the lr; a partial one is run."""
+    study = OmegaConf.create({"models": ["dit_s"], "optimizers": ["muon"], "K": [3], "selection_seeds": [5],
+                              "seeds": [1], "lr_scan": {"muon": [4e-3, 5.66e-3, 8e-3]}})
+    scan = run_study.expand(study, [], [])
+    sweep, records = tmp_path / "sweep", tmp_path / "records"
+    finish_runs(sweep, scan[:1], lambda r: 0.25)  # one run finished in this sweep
+    for r in scan[1:]:  # the others published without checkpoints
+        (records / r["name"]).mkdir(parents=True)
+        (records / r["name"] / "metrics.jsonl").write_text(json.dumps({"step": 600, "val/loss": 0.2}))
+        (records / r["name"] / "summary.json").write_text(json.dumps({"steps": 600}))
+    chosen, _ = run_study.select_learning_rates(study, str(sweep), scan, lambda r: 600, str(records))
+    assert chosen["dit_s muon"]["lr"] == 5.66e-3  # read from the records (0.2 < 0.25), the tie broken by lr
+    assert run_study.select_learning_rates(study, str(sweep), scan, lambda r: 600)[0] == {}  # without: waiting
+    assert all(run_study.done(str(sweep), str(records), r["name"], 600) for r in scan)
+    assert not run_study.done(str(sweep), str(records), scan[1]["name"], 700)  # a shorter published run
+    (records / scan[2]["name"] / "summary.json").unlink()  # published before its end-of-run work: not finished
+    assert not run_study.done(str(sweep), str(records), scan[2]["name"], 600)
+
+
 def test_a_scan_grows_by_its_own_spacing(tmp_path):
     study = OmegaConf.create({"models": ["dit_s"], "optimizers": ["muon"], "K": [3], "selection_seeds": [7],
                               "seeds": [1], "lr_scan": {"muon": [8e-3, 1.13e-2, 1.6e-2]}, "lr_scan_extend": 1})
