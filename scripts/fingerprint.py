@@ -79,8 +79,9 @@ def main(argv=None) -> int:
             out = os.path.join(tmp, "report", study)
             script = "paired_report.py" if paired else "report.py"
             run([py, os.path.join(ROOT, "scripts", script), runs, "--out", out], f"report {study}")
-            with open(os.path.join(out, "report.md"), "rb") as f:
-                print(f"report/{study} {hashlib.sha256(f.read()).hexdigest()[:16]}", flush=True)
+            with open(os.path.join(out, "report.md")) as f:
+                text = f.read().replace(out, "OUT")  # the command line it records names the temporary folder
+            print(f"report/{study} {hashlib.sha256(text.encode()).hexdigest()[:16]}", flush=True)
     return 0
 
 
