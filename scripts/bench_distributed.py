@@ -67,7 +67,7 @@ def parse(argv=None):
 
 
 def model_config(args):
-    from dit_train.model import load_preset
+    from dit_train.model.dit import load_preset
 
     return load_preset(args.preset, args.hidden_size, args.depth)
 
@@ -80,8 +80,8 @@ def free_port() -> int:
 
 # ---- one rank -------------------------------------------------------------------------------------------------
 def sharded_model(cfg, device):
-    from dit_train.model import build_model
-    from dit_train.parallel import ParallelPlan, apply_fsdp
+    from dit_train.model.dit import build_model
+    from dit_train.parallel.fsdp import ParallelPlan, apply_fsdp
 
     model = build_model(cfg, device="meta")
     apply_fsdp(model, model.blocks, ParallelPlan(sharded=True))
@@ -114,7 +114,7 @@ def rank_main(rank, world, port, args, out_path):
     import torch.distributed as dist
 
     from dit_train.optim.registry import build_optimizer
-    from dit_train.timing import PhaseTimer, set_active_timer
+    from dit_train.telemetry.clocks import PhaseTimer, set_active_timer
 
     device = join_process_group(rank, world, port, args.threads)
     try:
@@ -258,7 +258,7 @@ def ns5_speed(model_cfg, device: torch.device, repeats: int) -> dict:
     iteration) over the matrix shapes of `model_cfg`, and bf16 bmm of the plain iteration's GEMMs at the same
     shapes; medians of `repeats` timed passes after one warm-up. Returns the shapes, the plain iteration's flops
     (credited to every variant) and seconds per pass of each."""
-    from dit_train.model import build_model
+    from dit_train.model.dit import build_model
     from dit_train.optim.directions import newton_schulz5, ns5_flops
     from dit_train.optim.routing import route_parameters
 

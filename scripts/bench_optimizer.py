@@ -36,11 +36,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dit_train.model import build_model, load_preset  # noqa: E402
+from dit_train.model.dit import build_model, load_preset  # noqa: E402
 from dit_train.optim.directions import ns5_flops, uses_gram  # noqa: E402
 from dit_train.optim.registry import build_optimizer  # noqa: E402
 from dit_train.optim.routing import route_parameters  # noqa: E402
-from dit_train.timing import PhaseTimer, set_active_timer  # noqa: E402
+from dit_train.telemetry.clocks import PhaseTimer, set_active_timer  # noqa: E402
 
 
 # the RowNorm step's variants: (contender suffix, label); spectral is the default scale (docs/algorithms.md §4)

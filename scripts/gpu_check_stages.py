@@ -104,7 +104,7 @@ def sdpa_backends(q, k, v) -> list[str]:
 def stage_env(ctx) -> dict:
     import platform
 
-    from dit_train.parallel import init_distributed
+    from dit_train.parallel.fsdp import init_distributed
 
     device = device_for(ctx)
     init_distributed(device=device)  # the trainer's device set-up (TF32 for what fp32 work remains)
@@ -151,7 +151,7 @@ def stage_env(ctx) -> dict:
 # ---- ns5 ------------------------------------------------------------------------------------------------------
 def matrix_shapes(model_cfg) -> dict[tuple[int, int], int]:
     """Shape -> count of the matrices the matrix optimizers route to NS5 in this model."""
-    from dit_train.model import build_model
+    from dit_train.model.dit import build_model
     from dit_train.optim.routing import route_parameters
 
     shapes = defaultdict(int)
@@ -167,7 +167,7 @@ def gram_flop_ratio(m: int, n: int) -> float:
 
 
 def stage_ns5(ctx) -> dict:
-    from dit_train.model import load_preset
+    from dit_train.model.dit import load_preset
     from dit_train.optim.directions import newton_schulz5, ns5_flops, uses_gram
 
     device = device_for(ctx)
@@ -233,10 +233,10 @@ def stage_optimizers(ctx) -> dict:
     forward + backward, at dit_15b's matrix shapes with 2 blocks: on one process (real values: the weights must stay
     finite and the state must live with the parameters), and on rank 0 of 8 FSDP2 ranks whose peers are a fake
     process group (values arbitrary: it must run). Every branch the device type decides runs here."""
-    from dit_train.memory_estimate import empty_all_to_all_inputs_allowed, init_fake_process_group
-    from dit_train.model import build_model, load_preset
+    from dit_train.parallel.memory_estimate import empty_all_to_all_inputs_allowed, init_fake_process_group
+    from dit_train.model.dit import build_model, load_preset
     from dit_train.optim.registry import build_optimizer
-    from dit_train.parallel import ParallelPlan, autocast, fsdp_mesh, init_distributed, local, parallelize
+    from dit_train.parallel.fsdp import ParallelPlan, autocast, fsdp_mesh, init_distributed, local, parallelize
 
     device = device_for(ctx)
     init_distributed(device=device)
@@ -357,9 +357,9 @@ def sharded_step(model, ema, optimizer, scheduler, cfg, noise_of, x, y) -> None:
     global batch, forward/backward under the run's autocast, clipping, the loss/vote all-reduce and its one host
     read (Trainer.step_flags, whose answer is not used: the fake peers make every value arbitrary), the update,
     the EMA, zero_grad and the schedule."""
-    from dit_train.flow import velocity_loss
-    from dit_train.parallel import all_reduce_sum_, autocast, clip_grad_norm_, clip_scaled
-    from dit_train.train import Trainer
+    from dit_train.diffusion.flow import velocity_loss
+    from dit_train.parallel.fsdp import all_reduce_sum_, autocast, clip_grad_norm_, clip_scaled
+    from dit_train.trainer.loop import Trainer
 
     t, eps, drop = noise_of(x)
     with autocast(cfg.train.precision, x.device):
@@ -382,14 +382,14 @@ def stage_dit15b(ctx) -> dict:
 
     from estimate_memory import compose as estimate_config
     from dit_train import seeds
-    from dit_train.build import build_models
-    from dit_train.memory_estimate import empty_all_to_all_inputs_allowed, init_fake_process_group, steps_for
-    from dit_train.model_flops import training_flops_per_image
+    from dit_train.trainer.build import build_models
+    from dit_train.parallel.memory_estimate import empty_all_to_all_inputs_allowed, init_fake_process_group, steps_for
+    from dit_train.model.flops import training_flops_per_image
     from dit_train.optim.registry import build_optimizer
-    from dit_train.parallel import DistInfo, init_distributed, local, resolve_plan
-    from dit_train.schedule import build_scheduler
-    from dit_train.timing import clock_for
-    from dit_train.train import Trainer
+    from dit_train.parallel.fsdp import DistInfo, init_distributed, local, resolve_plan
+    from dit_train.optim.schedule import build_scheduler
+    from dit_train.telemetry.clocks import clock_for
+    from dit_train.trainer.loop import Trainer
 
     world, ac, batch = SHARD_RUNS[ctx.name]
     device = device_for(ctx)
@@ -510,7 +510,7 @@ def trainer_config(ctx, name: str, checkpointing: bool = False, compiled: bool =
 def built_trainer(cfg, dist):
     """The trainer of `cfg` (checked as a run would be), closed afterwards."""
     from dit_train.config import validate
-    from dit_train.train import Trainer
+    from dit_train.trainer.loop import Trainer
 
     validate(cfg, dist.world_size)
     trainer = Trainer(cfg, dist)
@@ -538,13 +538,13 @@ def run_steps(trainer, n: int, ctx=None, min_steps: int = 2) -> list[tuple[dict,
 
 
 def trainer_dist(ctx):
-    from dit_train.parallel import init_distributed
+    from dit_train.parallel.fsdp import init_distributed
 
     return init_distributed(single_process_group=True, device=device_for(ctx))
 
 
 def trainer_checks(ctx, cfg, results, label: str, compiled: bool = False) -> tuple[list[dict], dict]:
-    from dit_train.model_flops import training_flops_per_image
+    from dit_train.model.flops import training_flops_per_image
 
     device = torch.device(ctx.device_type)
     losses = [m["train/loss"] for m, _ in results]
@@ -619,7 +619,7 @@ def deterministic_algorithms(nondeterministic: list):
 
 def flat_tensors(tree, prefix: str = "") -> dict[str, torch.Tensor]:
     """Every tensor of nested dicts / lists (a checkpoint's tensor state) by its path: local shards, on the host."""
-    from dit_train.parallel import local
+    from dit_train.parallel.fsdp import local
 
     if isinstance(tree, torch.Tensor):
         return {prefix: local(tree).detach().cpu().clone()}
@@ -632,7 +632,7 @@ def flat_tensors(tree, prefix: str = "") -> dict[str, torch.Tensor]:
 
 def trainer_state(trainer) -> dict[str, torch.Tensor]:
     """What a checkpoint holds of the trainer's tensors (model, optimizer, EMA), on the host."""
-    from dit_train import checkpoint as ckpt
+    from dit_train.runs import checkpoint as ckpt
 
     return flat_tensors(ckpt.tensor_state(trainer.model, trainer.optimizer, trainer.ema.model))
 
@@ -645,7 +645,7 @@ def stage_checkpoint(ctx, before: int = 2, after: int = 2) -> dict:
     """`before` steps, an asynchronous Trainer.save (DCP), `after` steps; a new trainer resumes from that checkpoint:
     its tensors must be the saved ones bit for bit, and its `after` steps the same as the first trainer's (bit for
     bit under deterministic algorithms; a kernel without a deterministic variant is named instead of failed)."""
-    from dit_train import checkpoint as ckpt
+    from dit_train.runs import checkpoint as ckpt
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS; read when CUDA starts
     dist = trainer_dist(ctx)

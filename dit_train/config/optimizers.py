@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
-from .fields import choice, int_at_least, key, number
-from .schema import DTYPE_NAMES
+from dit_train.config.fields import choice, int_at_least, key, number
+from dit_train.config.schema import DTYPE_NAMES
 
 _PATTERNS = "a list of dotted name patterns, e.g. ['final_layer.linear', 'blocks.*.attn.qkv']"
 

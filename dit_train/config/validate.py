@@ -9,13 +9,13 @@ from typing import Any, Mapping
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from .errors import ConfigError, invalid
-from .fields import check_fields
-from .files import group_options, load_option, primary_node
-from .optimizers import OPTIMIZER_SCHEMAS
-from .schema import (DATA_SCHEMAS, Architecture, EvalConfig, FlowConfig, LoggerConfig, ModelConfig, ParallelConfig,
+from dit_train.config.errors import ConfigError, invalid
+from dit_train.config.fields import check_fields
+from dit_train.config.files import group_options, load_option, primary_node
+from dit_train.config.optimizers import OPTIMIZER_SCHEMAS
+from dit_train.config.schema import (DATA_SCHEMAS, Architecture, EvalConfig, FlowConfig, LoggerConfig, ModelConfig, ParallelConfig,
                      RunConfig, TrainConfig, VaeConfig)
-from .latents import check_latent_run
+from dit_train.config.latents import check_latent_run
 
 
 def plain(node) -> dict:
@@ -59,7 +59,7 @@ def check_data(node) -> dict:
 
 
 def check_architecture(values: Mapping) -> None:
-    """The DiT's keys, and what it needs of its shape (dit_train.model.DiT calls this for a DiTConfig built in
+    """The DiT's keys, and what it needs of its shape (dit_train.model.dit.DiT calls this for a DiTConfig built in
     code)."""
     check_fields("model", Architecture, values)
     if values["image_size"] % values["patch_size"]:
@@ -80,7 +80,7 @@ def check_eval(node) -> dict:
     """eval.*; missing keys come from conf/eval/default.yaml."""
     defaults = OmegaConf.to_container(load_option("eval", "default"), resolve=True)
     values = check_fields("eval", EvalConfig, {**defaults, **plain(node)})
-    from ..fd.features import available_extractors
+    from dit_train.evaluation.fd.features import available_extractors
 
     if values["encoder"] not in available_extractors():
         raise invalid("eval.encoder", values["encoder"], f"choose one of {', '.join(available_extractors())}")

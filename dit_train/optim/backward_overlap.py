@@ -44,10 +44,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..timing import active_timer
-from .collectives import PhaseSwitch, ShardComm
-from .matrix_optimizer import DTYPES
-from .owner_exchange import send_to_owners
+from dit_train.telemetry.clocks import active_timer
+from dit_train.optim.collectives import PhaseSwitch, ShardComm
+from dit_train.optim.matrix_optimizer import DTYPES
+from dit_train.optim.owner_exchange import send_to_owners
 
 
 @dataclass
@@ -112,7 +112,7 @@ class BackwardExchange:
         if not self.armed:
             return
         opt, group = self.opt, self._group_of[p]
-        from .sharded_optimizer import WHOLE, placement
+        from dit_train.optim.sharded_optimizer import WHOLE, placement
 
         kind = opt.direction_at(group, group["step"])
         m, n = p.shape
@@ -187,7 +187,7 @@ class BackwardExchange:
     def _owner_plan(self, group: dict, kind: str) -> _OwnerPlan:
         """The step's exchanges for the group, on the assumption that every matrix gets a gradient: its whole-matrix
         shape groups keyed and ordered as the step stacks them (MatrixOptimizer._buckets)."""
-        from .sharded_optimizer import WHOLE, placement
+        from dit_train.optim.sharded_optimizer import WHOLE, placement
 
         params: dict = {}
         for q in group["params"]:

@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from ..matmul_precision import ieee_fp32_matmuls
+from dit_train.parallel.matmul_precision import ieee_fp32_matmuls
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 Reduce = Callable[[Tensor], Tensor] | None

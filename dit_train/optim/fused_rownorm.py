@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from . import native_rownorm
+from dit_train.optim import native_rownorm
 
 COLUMN_SUM_BLOCK = 16
 

@@ -36,10 +36,10 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.adam import adam as _adam_functional
 
-from ..timing import active_timer
-from .directions import inv_norms_from_sumsq, mud_whiten, newton_schulz5, row_inv_norms
-from .fused_rownorm import momentum_pass, one_pass, one_pass_takes, resolve_compile_rownorm, update_pass
-from .spectral_cap import cap_factors, start_vectors, whole_matrix_problem
+from dit_train.telemetry.clocks import active_timer
+from dit_train.optim.directions import inv_norms_from_sumsq, mud_whiten, newton_schulz5, row_inv_norms
+from dit_train.optim.fused_rownorm import momentum_pass, one_pass, one_pass_takes, resolve_compile_rownorm, update_pass
+from dit_train.optim.spectral_cap import cap_factors, start_vectors, whole_matrix_problem
 
 SCALE_RULES = ("moonlight", "keller", "none")
 ROWNORM_SCALES = ("frobenius", "spectral")  # docs/algorithms.md §4; spectral: spectral_cap.py

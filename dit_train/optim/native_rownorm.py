@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from ..atomic_io import atomic_write_bytes
+from dit_train.runs.atomic_io import atomic_write_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "rownorm_kernels.c")
@@ -164,7 +164,7 @@ def check_buildable(setting, device) -> None:
         warnings.simplefilter("ignore")  # the reason is said below, in the error
         if load() is not None:
             return
-    from ..config.errors import ConfigError
+    from dit_train.config.errors import ConfigError
 
     raise ConfigError("optimizer.compile_rownorm=true needs a C compiler on CPU to build its RowNorm kernels, and "
                       "none works here (cc, gcc or $CC on PATH): install one, or use optimizer.compile_rownorm=auto "
