@@ -160,15 +160,9 @@ def matrix_shapes(model_cfg) -> dict[tuple[int, int], int]:
     return dict(shapes)
 
 
-def gram_flop_ratio(m: int, n: int) -> float:
-    """Predicted Gram / plain time from multiply-adds (directions.py: 4 c/r + 14 against 5 (2 c/r + 1))."""
-    a = max(m, n) / min(m, n)
-    return (4 * a + 14) / (5 * (2 * a + 1))
-
-
 def stage_ns5(ctx) -> dict:
     from dit_train.model import load_preset
-    from dit_train.optim.directions import newton_schulz5, ns5_flops, uses_gram
+    from dit_train.optim.directions import gram_flop_ratio, newton_schulz5, ns5_flops, uses_gram
 
     device = device_for(ctx)
     cfg = load_preset("dit_15b")
