@@ -61,6 +61,15 @@ class Hardware:
     latency_s: float  # fixed cost of one collective
     launch_s: float  # fixed cost of one batched NS5 call
     rownorm_kernels: str  # "eager": torch ops (CUDA's path); "native": the C loops (compile_rownorm auto on CPU)
+    ns5_rates: tuple = ()  # measured ((r, flop/s), ...) of NS5's GEMMs by the matrix's short side (CPU); else peak
+
+    def ns5_rate(self, r: int) -> float:
+        """flop/s of NS5 on matrices of short side r: the measured rate of the nearest measured r at or below it
+        (small GEMMs run slower), else the assumed share of the peak."""
+        if not self.ns5_rates:
+            return self.matmul_flops * self.ns5_of_peak
+        below = [rate for side, rate in self.ns5_rates if side <= r]
+        return below[-1] if below else self.ns5_rates[0][1]
 
     def link(self, world: int) -> float:
         """Bytes/s of a collective over `world` consecutive ranks: NVLink inside one node, else InfiniBand."""
@@ -119,11 +128,17 @@ class Shapes:
 def model_shapes(preset: str, hidden_size: int | None = None, depth: int | None = None,
                  num_heads: int | None = None) -> Shapes:
     """The preset built on the meta device, routed as the optimizers route it, and its FLOPs counted."""
-    from dit_train.model import build_model, load_preset
+    from dit_train.model import load_preset
+
+    return shapes_of(load_preset(preset, hidden_size, depth, num_heads))
+
+
+def shapes_of(cfg) -> Shapes:
+    """Shapes of the model a Hydra `model` node builds (on the meta device)."""
+    from dit_train.model import build_model
     from dit_train.model_flops import training_flops_per_image
     from dit_train.optim.routing import route_parameters
 
-    cfg = load_preset(preset, hidden_size, depth, num_heads)
     model = build_model(cfg, device="meta")
     routing = route_parameters(model)
     groups: dict = {}
@@ -183,8 +198,7 @@ def mean_bytes(shapes: Shapes, step: str, scale: str, mode: str, world: int) -> 
 
 # ---- time ------------------------------------------------------------------------------------------------------
 def ns5_seconds(hw: Hardware):
-    rate = hw.matmul_flops * hw.ns5_of_peak
-    return lambda s, c: c * ns5_executed_flops(*s) / rate + hw.launch_s if c else 0.0
+    return lambda s, c: c * ns5_executed_flops(*s) / hw.ns5_rate(min(s)) + hw.launch_s if c else 0.0
 
 
 def all_reduce_seconds(hw: Hardware, nbytes: float, world: int) -> float:
@@ -249,6 +263,24 @@ def predict(shapes: Shapes, opt: Optim, hw: Hardware, world: int, images_per_ran
     return out
 
 
+def describe_prediction(model_cfg, optimizer_cfg, world: int, images_per_rank: int, device_name: str,
+                        network: bool = True) -> str:
+    """One line for the GPU check: this model's step time for the configuration on the device's profile;
+    network=False for a rank whose peers are a fake process group (collectives free: only the compute and memory
+    of one rank of `world`)."""
+    hw = gpu_profile(device_name)
+    if hw is None:
+        return f"no cost-model profile for {device_name}"
+    if not network:
+        hw = replace(hw, intra_bytes_s=float("inf"), inter_bytes_s=float("inf"), latency_s=0.0)
+    opt = Optim(optimizer_cfg.get("name", "muon"), int(optimizer_cfg.get("K", 1) or 1),
+                optimizer_cfg.get("rownorm_scale", "spectral"), optimizer_cfg.get("distributed_mode", "owner"))
+    p = predict(shapes_of(model_cfg), opt, hw, world, images_per_rank)
+    return (f"cost model ({hw.name}, MFU {hw.mfu:g}): step {p['step'] * 1e3:.0f} ms = fwd+bwd "
+            f"{p['compute'] * 1e3:.0f} + FSDP exposed {p['fsdp_exposed'] * 1e3:.0f} + optimizer "
+            f"{p['optimizer'] * 1e3:.0f} (cycle mean)")
+
+
 # ---- this host as a hardware profile ---------------------------------------------------------------------------
 def _median_seconds(fn, repeats: int = 5) -> float:
     import statistics
@@ -263,21 +295,28 @@ def _median_seconds(fn, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+NS5_SIDES = (128, 256, 512, 1024)  # short sides at which the host's NS5 GEMM rate is measured
+
+
 def measure_compute(threads: int) -> dict:
-    """bf16 GEMM rate (the plain NS5 iteration's three bmm's on 8 x 512 x 2048) and the streaming rate of torch's
-    fused AdamW (28 B per element over 32M fp32 elements, far beyond the caches) on `threads` threads."""
+    """bf16 GEMM rates by short side r (the plain NS5 iteration's three bmm's on 8 x r x 4r) and the streaming
+    rate of torch's fused AdamW (28 B per element over 32M fp32 elements, far beyond the caches), `threads`
+    threads."""
     import torch
 
     torch.set_num_threads(threads)
-    B, r, c = 8, 512, 2048
-    X, A = torch.randn(B, r, c).bfloat16(), torch.randn(B, r, r).bfloat16()
-    gemm = _median_seconds(lambda: (torch.bmm(X, X.mT), torch.bmm(A, A), torch.bmm(A, X)))
+    rates = []
+    for r in NS5_SIDES:
+        B, c = 8, 4 * r
+        X, A = torch.randn(B, r, c).bfloat16(), torch.randn(B, r, r).bfloat16()
+        seconds = _median_seconds(lambda: (torch.bmm(X, X.mT), torch.bmm(A, A), torch.bmm(A, X)))
+        rates.append([r, B * (4 * r * r * c + 2 * r ** 3) / seconds])
     params = [torch.zeros(4 << 20, requires_grad=True) for _ in range(8)]
     for p in params:
         p.grad = torch.randn_like(p)
     adamw = torch.optim.AdamW(params, lr=1e-3, fused=True)
     stream = _median_seconds(adamw.step)
-    return {"gemm_flops": B * (4 * r * r * c + 2 * r ** 3) / gemm,
+    return {"gemm_flops": max(rate for _, rate in rates), "ns5_rates": rates,
             "memory_bytes_s": ADAMW_BYTES * sum(p.numel() for p in params) / stream}
 
 
@@ -340,7 +379,7 @@ def host_profile(measured: dict, processes: int = 1) -> Hardware:
                     mfu=1.0, ns5_of_peak=1.0, memory_bytes_s=rates["memory_bytes_s"] * share, memory_efficiency=1.0,
                     intra_bytes_s=gloo["link_bytes_s"], inter_bytes_s=gloo["link_bytes_s"], link_efficiency=1.0,
                     devices_per_node=max(processes, 1), latency_s=gloo["latency_s"], launch_s=0.0,
-                    rownorm_kernels="native")
+                    rownorm_kernels="native", ns5_rates=tuple((r, f * share) for r, f in rates["ns5_rates"]))
 
 
 # ---- calibration against the CPU benchmarks' logs ---------------------------------------------------------------
