@@ -54,7 +54,7 @@ def package_versions() -> dict[str, str]:
 def write_run_info(cfg, run_dir: str) -> None:
     from dit_train.runs.atomic_io import atomic_write_bytes
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # dit_train/runs/ -> repo
     modified = modified_files(repo)
     info = {"git_commit": git_commit(repo, modified), "git_modified": modified, "packages": package_versions(),
             "python": sys.version.split()[0], "platform": platform.platform(), "argv": sys.argv}

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from dit_train.config import load_option
+from dit_train.config import files, load_option
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(files.CONF_DIR)
 
 
 def load_eval_cfg(preset: str = "default", overrides: list[str] | None = None) -> DictConfig:
