@@ -9,9 +9,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from dit_train.config import files, load_option
+from dit_train.config import load_option
+from dit_train.config.files import CONF_DIR as _CONF_DIR
 
-CONF_DIR = Path(files.CONF_DIR)
+CONF_DIR = Path(_CONF_DIR)
 
 
 def load_eval_cfg(preset: str = "default", overrides: list[str] | None = None) -> DictConfig:
