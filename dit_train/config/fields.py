@@ -58,7 +58,7 @@ def defaults(schema) -> dict:
     hints = typing.get_type_hints(schema)
     out = {}
     for f in fields(schema):
-        if is_dataclass(hints[f.name]) and default_of(f) is MISSING:
+        if is_dataclass(hints[f.name]):
             out[f.name] = defaults(hints[f.name])
         else:
             value = default_of(f)

@@ -4,20 +4,40 @@ all start here."""
 
 from __future__ import annotations
 
+from dataclasses import field, make_dataclass
+from functools import lru_cache
 from typing import get_origin
 
 from .fields import walk
 from .optimizers import optimizer_names, optimizer_schema
 from .schema import DATA_SCHEMAS, SECTIONS, EvalConfig, LoggerConfig, ModelConfig, RunConfig
 
-FIXED = {"": RunConfig, **SECTIONS, "eval": EvalConfig, "logger": LoggerConfig, "model": ModelConfig}
+
+def eval_schema():
+    """EvalConfig with one node per registered metric (dit_train/metric.py): eval.<metric name>.<key>."""
+    from ..metric import METRICS
+
+    return _eval_with(tuple(METRICS))
+
+
+@lru_cache(maxsize=None)
+def _eval_with(metrics: tuple):
+    if not metrics:
+        return EvalConfig
+    nodes = [(m.name, m.Config, field(default_factory=m.Config)) for m in metrics]
+    return make_dataclass("EvalConfig", nodes, bases=(EvalConfig,))
+
+
+def fixed() -> dict:
+    """Node prefix -> schema of the nodes that do not depend on a chosen option's name."""
+    return {"": RunConfig, **SECTIONS, "eval": eval_schema(), "logger": LoggerConfig, "model": ModelConfig}
 
 
 def run_schemas(cfg) -> dict:
     """Node prefix ('' for the top level) -> the schema of that node in the run config `cfg` (a mapping with
     data.name and optimizer.name); a name without a schema is left out (the validator refuses it)."""
     named = {"data": DATA_SCHEMAS.get(_name(cfg, "data")), "optimizer": optimizer_schema(_name(cfg, "optimizer"))}
-    return {**FIXED, **{k: v for k, v in named.items() if v is not None}}
+    return {**fixed(), **{k: v for k, v in named.items() if v is not None}}
 
 
 def _name(cfg, group: str):
@@ -27,7 +47,7 @@ def _name(cfg, group: str):
 
 def every_key():
     """(dotted key, field, type) of every key of every schema, every optimizer and dataset included."""
-    every = [*FIXED.items(), *(("data", s) for s in DATA_SCHEMAS.values()),
+    every = [*fixed().items(), *(("data", s) for s in DATA_SCHEMAS.values()),
              *(("optimizer", optimizer_schema(n)) for n in optimizer_names())]
     for prefix, schema in every:
         yield from walk(schema, f"{prefix}." if prefix else "")

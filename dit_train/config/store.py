@@ -1,7 +1,7 @@
 """The schemas registered with Hydra's ConfigStore: each optimizer and dataset schema is the option
-`optimizer=<name>` / `data=<name>`, EvalConfig and LoggerConfig the option `default` of their group, and the
-top-level keys with their sections (train, flow, parallel, vae) the node `_run_defaults` that conf/config.yaml
-lists before `_self_`. The yamls under conf/ are presets on top of these (eval/ci.yaml extends `default`).
+`optimizer=<name>` / `data=<name>`, EvalConfig (with the registered metrics' nodes, dit_train/metric.py) and
+LoggerConfig the option `default` of their group, and the top-level keys with their sections (train, flow,
+parallel, vae) the node `_run_defaults` that conf/config.yaml lists before `_self_`. The yamls under conf/ are presets on top of these (eval/ci.yaml extends `default`).
 
 The nodes are the schemas' defaults as plain values, not OmegaConf-typed nodes: a typed node would convert
 `train.progress=yes` to true and `train.steps='3'` to 3 while composing, and the validator (fields.check_fields)
@@ -14,12 +14,13 @@ from omegaconf import OmegaConf
 
 from .fields import defaults
 from .optimizers import optimizer_names, optimizer_schema
-from .schema import DATA_SCHEMAS, SECTIONS, EvalConfig, LoggerConfig, RunConfig
+from .schema import DATA_SCHEMAS, SECTIONS, LoggerConfig, RunConfig
+from .schemas import eval_schema
 
 RUN_DEFAULTS = "_run_defaults"  # a config at the conf root, not a group: neither --help nor completion offers it
 # groups whose options are schemas (their folders under conf/ hold presets only, if any)
 SCHEMA_OPTIONS = {"optimizer": lambda: {n: optimizer_schema(n) for n in optimizer_names()},
-                  "data": lambda: dict(DATA_SCHEMAS), "eval": lambda: {"default": EvalConfig},
+                  "data": lambda: dict(DATA_SCHEMAS), "eval": lambda: {"default": eval_schema()},
                   "logger": lambda: {"default": LoggerConfig}}
 
 

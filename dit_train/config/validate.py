@@ -13,7 +13,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from .errors import ConfigError, invalid
 from .fields import check_fields
 from .optimizers import optimizer_names, optimizer_schema
-from .schema import (DATA_SCHEMAS, Architecture, EvalConfig, FlowConfig, LoggerConfig, ModelConfig, ParallelConfig,
+from .schemas import eval_schema
+from .schema import (DATA_SCHEMAS, Architecture, FlowConfig, LoggerConfig, ModelConfig, ParallelConfig,
                      RunConfig, TrainConfig, VaeConfig)
 from .latents import check_latent_run
 
@@ -67,8 +68,8 @@ def check_model(node) -> dict:
 
 
 def check_eval(node) -> dict:
-    """eval.*; missing keys take EvalConfig's defaults."""
-    values = check_fields("eval", EvalConfig, plain(node))
+    """eval.*, the registered metrics' nodes included; missing keys take the schemas' defaults."""
+    values = check_fields("eval", eval_schema(), plain(node))
     from ..fd.features import available_extractors
 
     if values["encoder"] not in available_extractors():
