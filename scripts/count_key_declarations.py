@@ -64,11 +64,13 @@ def run_keys(root: str) -> list[str]:
 
 
 def nodes_of(keys: list[str]) -> dict[str, set[str]]:
-    """node ('' for the top level) -> the leaf names under it."""
+    """node ('' for the top level) -> the names under it: its keys and its child nodes (a schema of the top level
+    names the groups too); only keys are counted."""
     nodes: dict[str, set[str]] = defaultdict(set)
     for k in keys:
-        node, _, leaf = k.rpartition(".")
-        nodes[node].add(leaf)
+        parts = k.split(".")
+        for i in range(len(parts)):
+            nodes[".".join(parts[:i])].add(parts[i])
     return nodes
 
 
@@ -154,8 +156,8 @@ def python_declarations(path: str, keys: list[str], nodes: dict[str, set[str]]) 
     for cls in classes.values():
         node = best_node(all_names(cls), nodes)
         for f in fields(cls) if node is not None else []:
-            if f.target.id in nodes[node]:
-                key = f"{node}.{f.target.id}" if node else f.target.id
+            key = f"{node}.{f.target.id}" if node else f.target.id
+            if key in keys:
                 found[key].add("type")
                 if f.value is not None and (not isinstance(f.value, ast.Call) or any(
                         k.arg in ("default", "default_factory") for k in f.value.keywords)):
@@ -168,7 +170,7 @@ def python_declarations(path: str, keys: list[str], nodes: dict[str, set[str]]) 
                 found[k].add("rule")
             node = best_node(set(names), nodes)
             for n in names if node is not None else []:
-                if n in nodes[node]:
+                if (f"{node}.{n}" if node else n) in keys:
                     found[f"{node}.{n}" if node else n].add("whitelist")
         if isinstance(expr, (ast.FunctionDef, ast.AsyncFunctionDef)):
             args = expr.args.args + expr.args.kwonlyargs
@@ -176,7 +178,7 @@ def python_declarations(path: str, keys: list[str], nodes: dict[str, set[str]]) 
             with_default += [a.arg for a, d in zip(expr.args.kwonlyargs, expr.args.kw_defaults) if d is not None]
             node = best_node({a.arg for a in args} - {"self"}, nodes, least=3)
             for n in with_default if node is not None else []:
-                if n in nodes[node]:
+                if (f"{node}.{n}" if node else n) in keys:
                     found[f"{node}.{n}" if node else n].add("default")
     return found
 
