@@ -164,3 +164,19 @@ def test_one_spelling_of_dtypes_in_every_option():
     for where, node in options:
         walk(node, where)
     assert found >= 6
+
+
+def test_sweeps_expand_to_the_jobs_hydra_runs_in_its_order():
+    """--multirun lists expand to their product in command-line order (the first key slowest, as Hydra's basic
+    sweeper runs them; swept values in Hydra's spelling, 1e-3 -> 0.001), quoting kept; a sweep Hydra's basic
+    sweeper cannot run is one line."""
+    from dit_train.config.command_line import job_overrides
+
+    assert job_overrides(["model=dit_xs", "optimizer.lr=1e-3"]) == [["model=dit_xs", "optimizer.lr=1e-3"]]
+    assert job_overrides(["optimizer=adamw,muon", "seed=0", "optimizer.lr=1e-3,3e-3"]) == [
+        ["optimizer=adamw", "seed=0", "optimizer.lr=0.001"], ["optimizer=adamw", "seed=0", "optimizer.lr=0.003"],
+        ["optimizer=muon", "seed=0", "optimizer.lr=0.001"], ["optimizer=muon", "seed=0", "optimizer.lr=0.003"]]
+    assert job_overrides(["seed=range(0,2)", "logger.wandb.name='a b'"]) == [
+        ["seed=0", "logger.wandb.name='a b'"], ["seed=1", "logger.wandb.name='a b'"]]
+    with pytest.raises(ConfigError, match=r"^optimizer.lr: only lists of values"):
+        job_overrides(["optimizer.lr=interval(0.1,0.2)"])
