@@ -3,9 +3,9 @@
 `train.resume=null` starts fresh and refuses a folder that already has checkpoints; `auto` continues from the
 newest complete checkpoint (falling back past damaged ones); a path continues from that checkpoint or run folder.
 A resumed run must be the same experiment: its resolved config is compared key by key with the one the checkpoint
-was trained with, and only the keys declared with resume=True in their schemas (dit_train/config/) may differ (cadence, lengths, paths, logging,
-how checkpoints are written, parallel layout, the Slurm job shape, and how sharded optimizers exchange whole
-matrices, which does not change the maths). Anything else is refused in one line naming each key with both values;
+was trained with, and only the keys declared with resume=True in their schemas (dit_train/config/) may differ
+(cadence, lengths, paths, logging, how checkpoints are written, parallel layout, the Slurm job shape, and how
+sharded optimizers exchange whole matrices, which does not change the maths). Anything else is refused in one line naming each key with both values;
 a deliberate change is
 a fork (`train.init_from=RUN`: the weights, a fresh optimizer and step 0, in a new run folder). With
 `train.resume=auto` a fork can be requeued: the run's own checkpoints win, the fork source is used only while the run

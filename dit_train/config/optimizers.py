@@ -50,9 +50,11 @@ class MatrixConfig(AdamWConfig):
     # tables, not convolutions) take the matrix update unless they match adamw_patterns; null keeps the built-in
     # input/output-layer list. Patterns are dotted name fragments matched on whole components, each an fnmatch glob.
     matrix_patterns: Optional[List[str]] = key(f"null or {_PATTERNS}", lambda v: all(p.strip(".") for p in v),
-                                               default=None, doc="forced to the matrix update (2-D only), checked first")
+                                               default=None,
+                                               doc="forced to the matrix update (2-D only), checked first")
     adamw_patterns: Optional[List[str]] = key(f"null or {_PATTERNS}", lambda v: all(p.strip(".") for p in v),
-                                              default=None, doc="forced to AdamW; replaces the built-in list when given")
+                                              default=None,
+                                              doc="forced to AdamW; replaces the built-in list when given")
     # Placement on FSDP2 shards (optim/sharded_optimizer.py; a single process ignores them): how whole-matrix
     # directions (NS5, MUD) bring whole matrices together. RowNorm never needs whole matrices (local rows, or
     # all-reduced column norms). None of them changes the maths, so a resume may change them.
@@ -61,7 +63,8 @@ class MatrixConfig(AdamWConfig):
         doc="owner: all-to-all to one owner per matrix, direction once, all-to-all back (W matrices per exchange) | "
             "gather: all-gather U, direction on every rank (the paper's baseline)")
     gather_dtype: str = choice("bf16", "fp32", default="bf16",
-                               doc="bf16 | fp32: dtype U travels in (bf16 = NS5's input as a single process computes it)")
+                               doc="bf16 | fp32: dtype U travels in (bf16 = NS5's input as a single process "
+                                   "computes it)")
     bucket_mb: float = number("expected > 0", lambda v: v > 0, default=16, resume=True,
                               doc="gather mode: MB of whole matrices per bucket; the next bucket's collective overlaps "
                                   "this bucket's direction")
@@ -132,7 +135,8 @@ class MudConfig(MatrixConfig):
     name: str = key(default="mud", doc="the optimizer")
     mud_passes: int = int_at_least(1, default=1, doc="whitening passes")
     mud_solve: str = choice("triangular", "inverse", default="triangular",
-                            doc="triangular: solve T Y = Q (faster on CPU here) | inverse: T^-1 against I, then one GEMM")
+                            doc="triangular: solve T Y = Q (faster on CPU here) | inverse: T^-1 against I, then one "
+                                "GEMM")
     # MatrixConfig's key with MUD's value: MUD computes in fp32, so U travels in fp32
     gather_dtype: str = choice("bf16", "fp32", default="fp32", doc="MUD computes in fp32, so U travels in fp32")
 

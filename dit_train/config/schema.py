@@ -93,7 +93,8 @@ class ParallelConfig:
         "auto", "bf16", "fp32", valid="choose auto (bf16 on CUDA, fp32 on CPU), bf16 or fp32", default="auto",
         doc="dtype of the gathered compute weights: auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32")
     reduce_dtype: str = choice("fp32", "bf16", default="fp32",
-                               doc="dtype of the gradient reduce-scatter: fp32 | bf16 (master weights stay fp32 shards)")
+                               doc="dtype of the gradient reduce-scatter: fp32 | bf16 (master weights stay fp32 "
+                                   "shards)")
     # true | false | an int (reshard to groups of that size): the int is checked against the world in validate.py
     reshard_after_forward: Union[bool, int] = key(
         default=True, resume=True,

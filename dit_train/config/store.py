@@ -1,7 +1,8 @@
 """The schemas registered with Hydra's ConfigStore: each optimizer and dataset schema is the option
 `optimizer=<name>` / `data=<name>`, EvalConfig (with the registered metrics' nodes, dit_train/metric.py) and
 LoggerConfig the option `default` of their group, and the top-level keys with their sections (train, flow,
-parallel, vae) the node `_run_defaults` that conf/config.yaml lists before `_self_`. The yamls under conf/ are presets on top of these (eval/ci.yaml extends `default`).
+parallel, vae) the node `_run_defaults` that conf/config.yaml lists before `_self_`. The yamls under conf/ are
+presets on top of these (eval/ci.yaml extends `default`).
 
 The nodes are the schemas' defaults as plain values, not OmegaConf-typed nodes: a typed node would convert
 `train.progress=yes` to true and `train.steps='3'` to 3 while composing, and the validator (fields.check_fields)
