@@ -17,3 +17,12 @@ def _documented_config(*, _root_) -> str:
 # package is imported
 OmegaConf.register_new_resolver("run_suffix", run_suffix, replace=True)
 OmegaConf.register_new_resolver("documented_config", _documented_config, replace=True)
+
+
+def _register_schemas() -> None:
+    from dit_train.config.store import register  # the schemas' defaults, which conf/config.yaml's defaults list names
+
+    register()
+
+
+_register_schemas()

@@ -14,7 +14,7 @@ noise from `seed`), encodes them and compares with the cached reference statisti
 Results go to <out>/fd_results.csv and .json (one row per checkpoint: run, step, active_time_s, fd, encoder,
 num_gen, num_ref, ref_id, settings) and are written after each checkpoint; a checkpoint already scored with the
 same settings is skipped (--force rescores). A sample grid per checkpoint goes to <out>/fd_grids/.
-Settings default to conf/eval/<--eval-preset>.yaml; flags override single keys. On a terminal, progress bars count
+Settings default to the eval option --eval-preset; flags override single keys. On a terminal, progress bars count
 the reference images' batches and each checkpoint's model calls (--no-progress: none).
 """
 

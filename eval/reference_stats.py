@@ -7,7 +7,7 @@
 
 Writes <cache_dir>/ref_<dataset>_<split>_<encoder>_<key>.npz (mean, cov, count, labels, encoder id, dataset id,
 preprocessing); the key hashes all of those, so it is recomputed only when one changes (or with --recompute).
-Defaults come from conf/eval/<--eval-preset>.yaml; every flag overrides one key. Prints the file and its summary.
+Defaults come from the eval option --eval-preset; every flag overrides one key. Prints the file and its summary.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dit_train.parallel.fsdp import init_distributed, shutdown_process_group  # 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default="fashion_mnist", help="conf/data/<name>.yaml (default fashion_mnist)")
+    ap.add_argument("--data", default="fashion_mnist", help="a data option (default fashion_mnist)")
     ap.add_argument("--data-set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides of the data config")
     ap.add_argument("--recompute", action="store_true", help="ignore an existing cache file")
     ap.add_argument("--num-workers", type=int, default=0)

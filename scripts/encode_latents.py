@@ -144,7 +144,7 @@ def main(argv=None) -> dict:
     p.add_argument("--vae", required=True, help="local diffusers AutoencoderKL folder")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--images", help="image folder (class sub-folders, optionally train/ and val/)")
-    src.add_argument("--data", help="a dataset config of the trainer (dit_train/conf/data/<name>.yaml)")
+    src.add_argument("--data", help="a dataset option of the trainer (data=<name>: fashion_mnist, image_folder, ...)")
     p.add_argument("--data-set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides of --data's config")
     p.add_argument("--out", required=True)
     p.add_argument("--image-size", type=int, default=None, help="pixels (default 256 for --images, else the data's)")

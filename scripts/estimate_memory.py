@@ -41,6 +41,8 @@ def compose(preset: str, optimizer: str, checkpointing: bool, overrides=()):
     from hydra import compose as hcompose
     from hydra import initialize_config_dir
 
+    import dit_train  # noqa: F401 - registers the config schemas that conf/config.yaml names
+
     with initialize_config_dir(config_dir=os.path.join(ROOT, "dit_train", "conf"), version_base="1.3"):
         return hcompose(config_name="config", overrides=[
             "experiment=scaling_study", f"model={preset}", f"optimizer={optimizer}", "run_dir=unused",

@@ -489,6 +489,8 @@ def trainer_config(ctx, name: str, checkpointing: bool = False, compiled: bool =
     from hydra import compose as hcompose
     from hydra import initialize_config_dir
 
+    import dit_train  # noqa: F401 - registers the config schemas that conf/config.yaml names
+
     B = TRAINER_BATCH["smoke" if ctx.smoke else "gpu"]
     p = "fp32" if ctx.smoke else "bf16"
     work = os.path.join(ctx.work_dir, name)

@@ -13,6 +13,7 @@ Writes report.md and PNG plots next to it:
 - Table 2 (model): optimizer time, step time and logical optimizer communication of each periodic_rowwise K
   relative to muon; active training time to each run's best FD and its reduction against muon.
 - Table 3 (model x optimizer): validation loss at equal active training time.
+- Other metrics (when runs measured any): each registered metric's best (else last) value per run.
 - Runs: one row per folder (status, final val loss, best FD, git commit) — what every table number traces to.
 - Plots: validation loss vs step and vs active time per size; FD vs active time; stacked per-phase step time.
 A value a table cannot give is `n/a (why)`, never nan; a plot is drawn only where there are points (a run's single
@@ -61,6 +62,7 @@ class Run:
     timed_steps: float = 0.0  # steps behind the time means (windowed records only)
     refresh_steps: float = math.nan  # of which periodic refreshes (windowed records only)
     git_commit: str = ""  # from run_info.json: the code that produced this run
+    metrics: dict = field(default_factory=dict)  # summary.json's registered metrics (dit_train/evaluation/metric.py)
     lr: float = math.nan  # optimizer.lr; part of the label only in sweeps that scan it
     val_curve: list = field(default_factory=list)  # (step, active_s, val_loss)
     fd_curve: list = field(default_factory=list)  # (step, active_s, fd)
@@ -175,6 +177,7 @@ def _read_run(folder: str, name: str) -> Run:
         with open(summary) as f:
             s = json.load(f)
         run.steps = s.get("steps", run.steps)
+        run.metrics = s.get("metrics") if isinstance(s.get("metrics"), dict) else {}
         if isinstance(s.get("val_loss"), (int, float)):
             run.val_loss = s["val_loss"]
     else:
@@ -430,6 +433,25 @@ def status_table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
+def metrics_table(runs: list[Run]) -> str:
+    """One row per run, one column per registered metric (dit_train/evaluation/metric.py): its best value (step), else its
+    last; '' when no run measured any."""
+    names = sorted({name for r in runs for name in r.metrics})
+    if not names:
+        return ""
+
+    def value(r: Run, name: str) -> str:
+        m = r.metrics.get(name) or {}
+        for kind in ("best", "last"):
+            if isinstance(m.get(kind), dict) and isinstance(m[kind].get("value"), (int, float)):
+                return f"{m[kind]['value']:.4g} ({kind}, step {m[kind].get('step', '?')})"
+        return "n/a (not measured)"
+
+    lines = [f"| run | {' | '.join(names)} |", f"| --- |{' ---: |' * len(names)}"]
+    lines += [f"| {r.name} | {' | '.join(value(r, n) for n in names)} |" for r in sorted(runs, key=lambda r: r.name)]
+    return "\n".join(lines)
+
+
 def plots(runs: list[Run], out_dir: str) -> list[str]:
     import matplotlib
 
@@ -612,6 +634,9 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
            "not a window mean: one batch's noise is in it), with the lowest "
            "logged before it: a peak far above that low is a spike, and a final value near the peak a collapse "
            "that did not recover.", t5] if (t5 := table5(runs)) else []),
+        *(["## Other metrics",
+           "Registered metrics (dit_train/evaluation/metric.py) as each run's summary.json records them: the best value by the "
+           "metric's own order, else the last.", t6] if (t6 := metrics_table(runs)) else []),
         "## Plots",
         "\n".join(f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in images),
         "## Runs",

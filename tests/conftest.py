@@ -10,6 +10,8 @@ from datetime import timedelta
 import pytest
 import torch
 
+import dit_train  # noqa: F401 - registers the config schemas with Hydra (compose needs them)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONF_DIR = os.path.join(ROOT, "dit_train", "conf")
 FASHION_ROOT = "/usr/share/datasets/fashion-mnist"

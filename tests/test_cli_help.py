@@ -10,7 +10,6 @@ from omegaconf import OmegaConf
 
 from conftest import ROOT, compose
 from dit_train.config import load_option
-from dit_train.config.help_text import yaml_docs
 
 OPTIMIZERS = ["adamw", "mud", "muon", "periodic_rowwise", "rownorm"]
 
@@ -33,17 +32,16 @@ def test_help_offers_only_optimizers_and_documents_every_key():
     keys = [ln for ln in lines if re.match(r"^ *\w+: \S", ln)]  # keys with a value (not the group nodes)
     assert len(keys) > 100 and all(" # " in ln for ln in keys), [ln for ln in keys if " # " not in ln]
     docs = {ln.split("#")[0].strip(): ln.split("# ", 1)[1] for ln in keys}
-    # the yaml's inline comment, continued on the aligned line below it (conf/config.yaml)
+    # each key's doc in the schema that declares it (dit_train/config/schema.py, optimizers.py)
     assert docs["grad_clip: 1.0"] == "0 disables clipping (the grad norm is still logged)"
     assert docs["async_checkpoint: auto"] == ("auto (on for CUDA, off on CPU) | true | false: written in the "
                                               "background, training waits only for the copy to host memory "
                                               "(docs/scaling_out.md, Checkpoints)")
-    # from the shared optimizer files, which are not options
+    # keys a schema inherits (MatrixConfig's, RowNormScaleKeys')
     assert docs["momentum: 0.95"] == "M <- mu*M + G"
     assert docs["K: 3"] == "refresh period (integer >= 1)"
     assert docs["rownorm_scale: spectral"].startswith("The scale of RowNorm steps")
-    # no comment in any yaml: what the schema accepts
-    assert docs["depth: 6"] == "expected an integer >= 1"
+    assert docs["depth: 6"] == "transformer blocks"  # a model key: its schema's doc, the preset sets the value
     assert "run_dir: ${hydra:runtime.output_dir}" in docs  # '$' reaches the user as written
 
 
@@ -53,18 +51,9 @@ def test_completion_offers_only_optimizers():
     assert r.stdout.split() == [f"optimizer={o}" for o in OPTIMIZERS]
 
 
-def test_each_optimizer_composes_as_its_yamls_say():
-    """Hydra's composition of `optimizer=<name>` (with the shared files at the conf root, `/..@_here_`) is what
-    load_option reads, key order included."""
+def test_each_optimizer_composes_as_its_schema_says():
+    """Hydra's composition of `optimizer=<name>` (the schema registered with its ConfigStore) is what load_option
+    reads, key order included."""
     for name in OPTIMIZERS:
         assert (OmegaConf.to_yaml(compose([f"optimizer={name}"]).optimizer)
                 == OmegaConf.to_yaml(load_option("optimizer", name)))
-
-
-def test_yaml_docs_read_inline_comments_blocks_and_packages(tmp_path):
-    path = tmp_path / "x.yaml"
-    path.write_text("# @package _global_\n# The header.\n# More of it.\na: 1  # doc of a\n"
-                    "      # continued\n# a block\nb:\n  c: 'x # y'  # doc of c\n  d: 2\n\ne: 3\n")
-    assert yaml_docs(str(path), "group") == {"a": "doc of a continued", "b": "a block", "b.c": "doc of c"}
-    path.write_text("a: 1  # doc\n")
-    assert yaml_docs(str(path), "group") == {"group.a": "doc"}

@@ -1,5 +1,5 @@
-"""The config layer (dit_train/config): every shipped yaml composes and validates, defaults live once (in the
-yamls), each optimizer yaml holds only its own keys, and one spelling of dtypes."""
+"""The config layer (dit_train/config): every option composes and validates, each key is declared once (its schema:
+default, type, rule, doc, resume rule), the yamls are presets, and one spelling of dtypes."""
 
 import glob
 import os
@@ -36,29 +36,46 @@ def test_default_and_study_configs_validate_with_the_model_matching_the_data():
         validate(compose([f"experiment={name}", "run_dir=/tmp/unused"]))
 
 
-def test_shared_yamls_are_not_options():
+def test_optimizer_options_are_the_schemas_and_conf_has_no_shared_files():
     assert group_options("optimizer") == ["adamw", "mud", "muon", "periodic_rowwise", "rownorm"]
-    assert os.path.exists(os.path.join(CONF_DIR, "_optimizer_matrix_base.yaml"))
+    assert not glob.glob(os.path.join(CONF_DIR, "_*.yaml")) and not os.path.exists(os.path.join(CONF_DIR, "optimizer"))
 
 
-def test_each_optimizer_yaml_holds_only_its_own_keys():
-    """A key of a shared file appears in an optimizer's own yaml only to change its value (mud's gather_dtype),
-    and no key is repeated with one value across all matrix optimizer yamls (it belongs in _optimizer_matrix_base.yaml)."""
-    own = {name: OmegaConf.to_container(OmegaConf.load(os.path.join(CONF_DIR, "optimizer", f"{name}.yaml")))
-           for name in group_options("optimizer")}
-    for name, raw in own.items():
-        parents = raw.pop("defaults")
-        inherited = OmegaConf.to_container(load_option("optimizer", [p for p in parents if p != "_self_"][0]))
-        repeated = {k for k, v in raw.items() if k != "name" and k in inherited and inherited[k] == v}
-        assert not repeated, f"{name}.yaml repeats {sorted(repeated)} from its defaults"
-    shared_by_all = set.intersection(*(set(own[n]) for n in MATRIX_OPTIMIZERS)) - {"name"}
-    assert not {k for k in shared_by_all if len({repr(own[n][k]) for n in MATRIX_OPTIMIZERS}) == 1}
-    assert set(own["rownorm"]) == {"name"} and set(own["adamw"]) == {"name"}
+def test_a_schema_redeclares_an_inherited_key_only_to_change_its_default():
+    """mud's gather_dtype (fp32) is the one inherited key a subclass declares again; `name` names each optimizer."""
+    import dataclasses
+
+    from dit_train.config.optimizers import OPTIMIZER_SCHEMAS
+
+    redeclared = {}
+    for name, schema in OPTIMIZER_SCHEMAS.items():
+        for base in schema.__mro__[1:]:
+            if not dataclasses.is_dataclass(base):
+                continue
+            inherited = {f.name: f.default for f in dataclasses.fields(base)}
+            for k in set(schema.__dict__.get("__annotations__", {})) & set(inherited) - {"name"}:
+                redeclared[(name, k)] = (inherited[k], schema.__dataclass_fields__[k].default)
+    assert redeclared == {("mud", "gather_dtype"): ("bf16", "fp32")}
 
 
-def test_fd_evaluator_defaults_are_the_yamls(monkeypatch):
-    """No second copy of the eval defaults: the evaluator built from conf/eval/default.yaml, or from a config
-    that leaves keys out, uses default.yaml's values (cfg_scale 1.5, reference_num 2000)."""
+def test_every_key_of_every_schema_has_a_one_line_doc():
+    from dit_train.config.fields import walk
+    from dit_train.config.optimizers import OPTIMIZER_SCHEMAS
+    from dit_train.config.schema import DATA_SCHEMAS, SECTIONS, EvalConfig, LoggerConfig, ModelConfig, RunConfig
+
+    schemas = [RunConfig, *SECTIONS.values(), EvalConfig, LoggerConfig, ModelConfig, *DATA_SCHEMAS.values(),
+               *OPTIMIZER_SCHEMAS.values()]
+    groups = set(SECTIONS) | {"model", "optimizer", "data", "eval", "logger"}  # RunConfig's nodes: their own schemas
+    undocumented = [(s.__name__, path) for s in schemas for path, f, _ in walk(s)
+                    if not f.metadata.get("doc") and not (s is RunConfig and path in groups)]
+    assert not undocumented
+    docs = [f.metadata["doc"] for s in OPTIMIZER_SCHEMAS.values() for _, f, _ in walk(s)]
+    assert all("\n" not in d for d in docs)
+
+
+def test_fd_evaluator_defaults_are_the_schemas(monkeypatch):
+    """No second copy of the eval defaults: the evaluator built from eval=default, or from a config that leaves
+    keys out, uses EvalConfig's values (cfg_scale 1.5, reference_num 2000)."""
     from dit_train.evaluation.fd import evaluator as fd_evaluator
     from dit_train.evaluation.fd.job_config import load_eval_cfg
 
@@ -69,7 +86,7 @@ def test_fd_evaluator_defaults_are_the_yamls(monkeypatch):
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(fd_evaluator, "load_or_compute_reference", fake_reference)
-    default = OmegaConf.load(os.path.join(CONF_DIR, "eval", "default.yaml"))
+    default = load_option("eval", "default")
     assert (default.cfg_scale, default.reference_num) == (1.5, 2000)
     for cfg in (load_eval_cfg("default", ["encoder=dinov2_random"]), {"encoder": "dinov2_random"}):
         seen.clear()
@@ -81,9 +98,9 @@ def test_fd_evaluator_defaults_are_the_yamls(monkeypatch):
     assert check_eval({"encoder": "dinov2_random"})["cfg_scale"] == 1.5
 
 
-def test_optimizer_defaults_are_the_yamls():
-    """build_optimizer on a partial config fills the rest from conf/optimizer/<name>.yaml (lr 2e-3), not from a
-    copy in the registry (which had drifted to 1e-3)."""
+def test_optimizer_defaults_are_the_schemas():
+    """build_optimizer on a partial config fills the rest from the optimizer's schema (lr 2e-3), not from a copy in
+    the registry (which had drifted to 1e-3)."""
     from dit_train.optim.registry import build_optimizer
 
     opt = build_optimizer(torch.nn.Linear(4, 4), {"name": "muon"})
@@ -126,17 +143,40 @@ def test_schemas_are_omegaconf_structured_configs():
         assert set(node) == set(schema.__dataclass_fields__)
 
 
-def test_one_spelling_of_dtypes_in_every_yaml():
-    """Every *dtype / precision key in conf/ says bf16, fp32 or fp64 (or auto)."""
+def test_one_spelling_of_dtypes_in_every_option():
+    """Every *dtype / precision key of every option (schemas and preset yamls) says bf16, fp32 or fp64 (or auto)."""
     found = 0
-    for path in glob.glob(os.path.join(CONF_DIR, "**", "*.yaml"), recursive=True):
-        def walk(node, where):
-            nonlocal found
-            for k, v in (node.items() if isinstance(node, dict) else []):
-                if isinstance(v, dict):
-                    walk(v, f"{where}.{k}")
-                elif str(k).endswith(("dtype", "precision")):
-                    found += 1
-                    assert v in (*DTYPE_NAMES, "auto"), f"{path}: {where}.{k}={v!r}"
-        walk(OmegaConf.to_container(OmegaConf.load(path)), os.path.relpath(path, CONF_DIR))
+    options = [(f"{g}={o}", OmegaConf.to_container(load_option(g, o))) for g in ("optimizer", "data", "eval")
+               for o in group_options(g)]
+    options.append(("the run config", OmegaConf.to_container(compose(["run_dir=/tmp/unused"]))))
+    options += [(os.path.relpath(path, CONF_DIR), OmegaConf.to_container(OmegaConf.load(path)))
+                for path in glob.glob(os.path.join(CONF_DIR, "**", "*.yaml"), recursive=True)]
+
+    def walk(node, where):
+        nonlocal found
+        for k, v in (node.items() if isinstance(node, dict) else []):
+            if isinstance(v, dict):
+                walk(v, f"{where}.{k}")
+            elif str(k).endswith(("dtype", "precision")):
+                found += 1
+                assert v in (*DTYPE_NAMES, "auto"), f"{where}.{k}={v!r}"
+
+    for where, node in options:
+        walk(node, where)
     assert found >= 6
+
+
+def test_sweeps_expand_to_the_jobs_hydra_runs_in_its_order():
+    """--multirun lists expand to their product in command-line order (the first key slowest, as Hydra's basic
+    sweeper runs them; swept values in Hydra's spelling, 1e-3 -> 0.001), quoting kept; a sweep Hydra's basic
+    sweeper cannot run is one line."""
+    from dit_train.config.command_line import job_overrides
+
+    assert job_overrides(["model=dit_xs", "optimizer.lr=1e-3"]) == [["model=dit_xs", "optimizer.lr=1e-3"]]
+    assert job_overrides(["optimizer=adamw,muon", "seed=0", "optimizer.lr=1e-3,3e-3"]) == [
+        ["optimizer=adamw", "seed=0", "optimizer.lr=0.001"], ["optimizer=adamw", "seed=0", "optimizer.lr=0.003"],
+        ["optimizer=muon", "seed=0", "optimizer.lr=0.001"], ["optimizer=muon", "seed=0", "optimizer.lr=0.003"]]
+    assert job_overrides(["seed=range(0,2)", "logger.wandb.name='a b'"]) == [
+        ["seed=0", "logger.wandb.name='a b'"], ["seed=1", "logger.wandb.name='a b'"]]
+    with pytest.raises(ConfigError, match=r"^optimizer.lr: only lists of values"):
+        job_overrides(["optimizer.lr=interval(0.1,0.2)"])

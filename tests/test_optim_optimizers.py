@@ -109,7 +109,7 @@ def test_unknown_keys_are_rejected_with_the_valid_ones(name, key):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_config_files_compose_and_build(name):
-    """conf/optimizer/<name>.yaml composes through Hydra as `optimizer=<name>`, lists every hyperparameter the
+    """The optimizer's schema composes through Hydra as `optimizer=<name>`, lists every hyperparameter the
     builder accepts, and builds an optimizer with a routing table and step_info."""
     from hydra import compose, initialize_config_dir
 

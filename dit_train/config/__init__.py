@@ -1,5 +1,6 @@
-"""The config layer: schemas of every config group (schema.py, optimizers.py), the one validator of their values
-(validate.py), the yamls they describe (files.py) and the command-line check that runs before Hydra
+"""The config layer: the schemas, each key's one declaration (schema.py, optimizers.py, with fields.py's key()),
+which schema declares which node (schemas.py), their registration with Hydra (store.py), the options of each group
+(files.py), the one validator of their values (validate.py) and the command-line check that runs before Hydra
 (command_line.py). Every config error is a ConfigError whose one-line message reads `key=value is not valid: ...`.
 """
 

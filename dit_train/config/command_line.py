@@ -6,6 +6,7 @@ and exit status 2."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import sys
@@ -33,8 +34,8 @@ def check_group_overrides(overrides: list[str]) -> None:
 
 
 def job_overrides(overrides: list[str]) -> list[list[str]]:
-    """The override list of every job, sweeps expanded as Hydra's basic sweeper expands them."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    """The override list of every job, sweeps expanded as Hydra's basic sweeper expands them (the product of the
+    sweeps in command-line order; a key given twice keeps its place and its last value)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     try:
@@ -43,7 +44,16 @@ def job_overrides(overrides: list[str]) -> list[list[str]]:
         raise ConfigError(_one_line(e)) from None
     if not any(o.is_sweep_override() for o in parsed):
         return [overrides]
-    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    choices: dict[str, list[str]] = {}
+    for o in parsed:
+        key = o.get_key_element()
+        if not o.is_sweep_override():
+            choices[key] = [f"{key}={o.get_value_element_as_str()}"]
+        elif o.is_discrete_sweep():
+            choices[key] = [f"{key}={value}" for value in o.sweep_string_iterator()]
+        else:
+            raise ConfigError(f"{key}: only lists of values (a,b,c) can be swept here, not {o.value_type.name}")
+    return [list(job) for job in itertools.product(*choices.values())]
 
 
 def compose(overrides: list[str]):

@@ -1,6 +1,8 @@
-"""Typed keys: a schema is a dataclass whose annotations give each key's type and whose field metadata gives its
-range (a Rule). check_fields checks a plain mapping against a schema strictly: OmegaConf's own merge would turn
-'yes' into true, 1 into true and '3' into 3, which would hide typos, so the types are checked here instead."""
+"""Typed keys: a schema is a dataclass, the one declaration of its keys: the annotation gives each key's type, the
+field its default, and the field metadata its range (a Rule), its one-line doc and whether it may change on resume.
+check_fields checks a plain mapping against a schema strictly: OmegaConf's own merge would turn 'yes' into true, 1
+into true and '3' into 3, which would hide typos, so the types are checked here instead (and the nodes registered
+with Hydra, store.py, are the defaults as plain values, not typed nodes)."""
 
 from __future__ import annotations
 
@@ -18,22 +20,61 @@ class Rule:
     ok: Callable[[Any], bool] = lambda v: True
 
 
-def key(valid: str | None = None, ok: Callable[[Any], bool] | None = None, default=MISSING):
-    """A schema field: `valid` describes the accepted values, `ok` tests a value of the right type."""
+def key(valid: str | None = None, ok: Callable[[Any], bool] | None = None, default=MISSING, doc: str = "",
+        resume: bool = False, recorded_before=MISSING):
+    """A schema field: `valid` describes the accepted values, `ok` tests a value of the right type; `default`
+    (none: the key is required), `doc` its one line in --help, `resume` true when a resumed run may change it
+    (cadence, paths, logging: what does not change the maths); `recorded_before`, for a key added after runs were
+    recorded, the value that reproduces what they did (a checkpoint whose config lacks the key resumes under it)."""
     meta = {"rule": Rule(valid, ok or (lambda v: True))} if valid else {}
+    meta.update(doc=doc, resume=resume)
+    if recorded_before is not MISSING:
+        meta["recorded_before"] = recorded_before
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
-def choice(*options, valid: str | None = None):
-    return key(valid or f"choose one of {', '.join(map(str, options))}", lambda v: v in options)
+def choice(*options, valid: str | None = None, **declared):
+    return key(valid or f"choose one of {', '.join(map(str, options))}", lambda v: v in options, **declared)
 
 
-def int_at_least(n: int):
-    return key(f"expected an integer >= {n}", lambda v: v >= n)
+def int_at_least(n: int, **declared):
+    return key(f"expected an integer >= {n}", lambda v: v >= n, **declared)
 
 
-def number(valid: str, ok: Callable[[float], bool]):
-    return key(valid, ok)
+def number(valid: str, ok: Callable[[float], bool], **declared):
+    return key(valid, ok, **declared)
+
+
+def default_of(f):
+    """A field's default (MISSING for a required key)."""
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+def defaults(schema) -> dict:
+    """The schema's keys with their defaults, nested schemas as nested dicts, '???' for a required key: the node
+    registered with Hydra (store.py) and what library calls with a partial config fill in."""
+    hints = typing.get_type_hints(schema)
+    out = {}
+    for f in fields(schema):
+        if is_dataclass(hints[f.name]):
+            out[f.name] = defaults(hints[f.name])
+        else:
+            value = default_of(f)
+            out[f.name] = "???" if value is MISSING else value
+    return out
+
+
+def walk(schema, prefix: str = ""):
+    """(dotted key, field, type) of every key of `schema`, nested schemas expanded."""
+    hints = typing.get_type_hints(schema)
+    for f in fields(schema):
+        path = f"{prefix}{f.name}"
+        if is_dataclass(hints[f.name]):
+            yield from walk(hints[f.name], path + ".")
+        else:
+            yield path, f, hints[f.name]
 
 
 def _is_number(v) -> bool:
@@ -97,9 +138,12 @@ def check_fields(prefix: str, schema, values: Mapping, what: str | None = None) 
         rule = f.metadata.get("rule")
         valid = accepted(f, tp)
         if f.name not in values:
-            if f.default is MISSING:
+            if default_of(f) is MISSING and not is_dataclass(tp):
                 raise ConfigError(f"{path} is missing: {valid}")
-            out[f.name] = f.default
+            if is_dataclass(tp):
+                out[f.name] = check_fields(path, tp, {})
+            else:
+                out[f.name] = default_of(f)
             continue
         value = values[f.name]
         if value == "???":

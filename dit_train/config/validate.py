@@ -1,6 +1,7 @@
 """Every check of a config value, in one place. `validate(cfg, world_size)` checks a composed run config before
 anything heavy happens; the check_* functions check one group and are what library entry points
-(build_optimizer, resolve_plan, FDEvaluator, build_dataset, DiT) call, filling missing keys from the yamls."""
+(build_optimizer, resolve_plan, FDEvaluator, build_dataset, DiT) call, filling missing keys from the schemas'
+defaults."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from dit_train.config.errors import ConfigError, invalid
 from dit_train.config.fields import check_fields
-from dit_train.config.files import group_options, load_option, primary_node
-from dit_train.config.optimizers import OPTIMIZER_SCHEMAS
-from dit_train.config.schema import (DATA_SCHEMAS, Architecture, EvalConfig, FlowConfig, LoggerConfig, ModelConfig, ParallelConfig,
+from dit_train.config.optimizers import optimizer_names, optimizer_schema
+from dit_train.config.schemas import eval_schema
+from dit_train.config.schema import (DATA_SCHEMAS, Architecture, FlowConfig, LoggerConfig, ModelConfig, ParallelConfig,
                      RunConfig, TrainConfig, VaeConfig)
 from dit_train.config.latents import check_latent_run
 
@@ -28,34 +29,24 @@ def plain(node) -> dict:
             for k, v in dict(node).items()}
 
 
-def _named(group: str, node, schemas: Mapping) -> tuple[str, dict]:
+def _named(group: str, node, names) -> tuple[str, dict]:
     values = plain(node)
     name = values.get("name")
-    if name not in schemas:
-        raise invalid(f"{group}.name", name, f"choose one of {', '.join(sorted(schemas))}")
+    if name not in names:
+        raise invalid(f"{group}.name", name, f"choose one of {', '.join(sorted(names))}")
     return name, values
-
-
-def _with_yaml_defaults(group: str, name: str, values: dict) -> dict:
-    """`values` on top of conf/<group>/<name>.yaml, when that file exists (a registered option)."""
-    if name not in group_options(group):
-        return values
-    return {**OmegaConf.to_container(load_option(group, name), resolve=True), **values}
 
 
 # ---- one group each ------------------------------------------------------------------------------------------
 def check_optimizer(node) -> dict:
-    """optimizer.* as a plain dict of checked values; missing keys come from conf/optimizer/<name>.yaml."""
-    name, values = _named("optimizer", node, OPTIMIZER_SCHEMAS)
-    checked = check_fields("optimizer", OPTIMIZER_SCHEMAS[name], _with_yaml_defaults("optimizer", name, values),
-                           what=f"optimizer {name!r}")
-    return checked
+    """optimizer.* as a plain dict of checked values; missing keys take the optimizer schema's defaults."""
+    name, values = _named("optimizer", node, optimizer_names())
+    return check_fields("optimizer", optimizer_schema(name), values, what=f"optimizer {name!r}")
 
 
 def check_data(node) -> dict:
     name, values = _named("data", node, DATA_SCHEMAS)
-    return check_fields("data", DATA_SCHEMAS[name], _with_yaml_defaults("data", name, values),
-                        what=f"data {name!r}")
+    return check_fields("data", DATA_SCHEMAS[name], values, what=f"data {name!r}")
 
 
 def check_architecture(values: Mapping) -> None:
@@ -77,9 +68,8 @@ def check_model(node) -> dict:
 
 
 def check_eval(node) -> dict:
-    """eval.*; missing keys come from conf/eval/default.yaml."""
-    defaults = OmegaConf.to_container(load_option("eval", "default"), resolve=True)
-    values = check_fields("eval", EvalConfig, {**defaults, **plain(node)})
+    """eval.*, the registered metrics' nodes included; missing keys take the schemas' defaults."""
+    values = check_fields("eval", eval_schema(), plain(node))
     from dit_train.evaluation.fd.features import available_extractors
 
     if values["encoder"] not in available_extractors():
@@ -88,8 +78,8 @@ def check_eval(node) -> dict:
 
 
 def check_parallel(node, world_size: int = 1) -> dict:
-    """parallel.*; missing keys come from conf/config.yaml. Several processes need FSDP2."""
-    values = check_fields("parallel", ParallelConfig, {**primary_node("parallel"), **plain(node)})
+    """parallel.*; missing keys take ParallelConfig's defaults. Several processes need FSDP2."""
+    values = check_fields("parallel", ParallelConfig, plain(node))
     if world_size > 1 and values["fsdp"] is False:
         raise ConfigError(f"parallel.fsdp=false is not valid with {world_size} processes: multi-process training "
                           f"is FSDP2 only; use parallel.fsdp=auto (or launch a single process)")

@@ -39,7 +39,7 @@ def loader_workers(setting, data_name: str, device) -> int:
 
 
 def build_dataset(data_cfg, split: str):
-    """data_cfg is the Hydra `data` node (or a partial mapping: missing keys from conf/data/<name>.yaml); split is
+    """data_cfg is the Hydra `data` node (or a partial mapping: missing keys take its schema's defaults); split is
     'train' or 'val'."""
     values = check_data(data_cfg)
     if split not in ("train", "val"):

@@ -1,5 +1,6 @@
 """What a run measures besides its training loss, on the cadence of train.val_every / sample_every and
-eval.every_n_steps: the validation velocity loss, sample grids and the FD (with the best FD so far). All of it uses
+eval.every_n_steps: the validation velocity loss, sample grids and the FD (with the best FD so far), and each
+registered metric (dit_train/evaluation/metric.py) every eval.<name>.every_n_steps. All of it uses
 the EMA model and the same code for any number of ranks: every rank takes part in the model calls (FSDP2
 gathers weights inside them), rank 0 alone writes files."""
 
@@ -19,6 +20,8 @@ from dit_train.evaluation.grids import save_grid
 from dit_train.parallel.fsdp import all_reduce_sum_, autocast
 from dit_train.diffusion.sampler import as_latents, make_sampler
 from dit_train.telemetry.progress import model_call_bar, write
+from dit_train.config import check_eval
+from dit_train.evaluation.metric import METRICS, MetricContext, active_metrics
 
 log = logging.getLogger("dit_train")
 BEST_FD_KEYS = ("encoder", "ref_id", "num_gen")  # an FD is comparable only with one measured the same way
@@ -88,12 +91,15 @@ class Evaluation:
             self.fd = FDEvaluator(cfg.eval, reference_data_config(cfg.data), dist.device, log=write,
                                   progress=self.progress)
         self.last_val: dict = {}
+        self.metrics = {m.name: m for m in active_metrics(check_eval(cfg.eval))}
+        self.last_metrics: dict[str, dict] = {}  # metric name -> its last values and their step
 
     def due(self, step: int, final_step: int) -> dict[str, bool]:
-        """Which of validation, FD and sample grid run at `step`."""
+        """Which of validation, FD, the registered metrics and sample grid run at `step`, in that order."""
         tc, ev = self.cfg.train, self.cfg.eval
         return {"val": every_n_steps(step, tc.val_every, final_step),
                 "fd": self.fd is not None and every_n_steps(step, ev.every_n_steps, final_step),
+                **{name: every_n_steps(step, m.cfg["every_n_steps"], final_step) for name, m in self.metrics.items()},
                 "samples": every_n_steps(step, tc.sample_every, final_step)}
 
     def run_due(self, step: int, final_step: int, ema_model, state, should_stop=lambda: False) -> list[str]:
@@ -111,17 +117,19 @@ class Evaluation:
             for i, name in enumerate(parts):
                 if should_stop():
                     raise _Stopped
-                with model_call_bar(ema_model, self.model_calls(name), PART_NAMES[name], self.progress, leave=False):
+                with model_call_bar(ema_model, self.model_calls(name), PART_NAMES.get(name, name), self.progress, leave=False):
                     self.run_part(name, step, ema_model, state)
         except _Stopped:
-            return [PART_NAMES[name] for name in parts[i:]]
+            return [PART_NAMES.get(name, name) for name in parts[i:]]
         finally:
             hook.remove()
         return []
 
-    def model_calls(self, name: str) -> int:
-        """The EMA model calls of a part on this rank, for its progress bar."""
+    def model_calls(self, name: str) -> int | None:
+        """The EMA model calls of a part on this rank, for its progress bar (None: a registered metric's, unknown)."""
         tc = self.cfg.train
+        if name in self.metrics:
+            return None
         if name == "val":
             return len(self.val_batches) * len(self.t_grid)
         if name == "fd":
@@ -134,6 +142,8 @@ class Evaluation:
             self.logger.log(step, self.last_val)
         elif name == "fd":
             self.logger.log(step, self.evaluate_fd(ema_model, state))
+        elif name in self.metrics:
+            self.logger.log(step, self.measure(self.metrics[name], ema_model, state))
         else:
             self.sample_grid(ema_model, step)
 
@@ -185,6 +195,23 @@ class Evaluation:
         out.update({f"fd_best/{k}": v for k, v in (state.best_fd or {}).items()})
         return out
 
+    def measure(self, metric, ema_model, state) -> dict:
+        """A registered metric's values as `<name>/<key>`; its best value is kept in the TrainState."""
+        context = MetricContext(ema_model, state.step, self.cfg, self.val_batches,
+                                lambda steps, cfg_scale: self.sampler(ema_model, steps, cfg_scale),
+                                self.dist.device, self.dist.rank, self.dist.world_size)
+        values = {k: float(v) for k, v in metric.measure(context).items()}
+        best = state.metric_best.get(metric.name)
+        if metric.primary in values and metric.is_better(values[metric.primary], best and best["value"]):
+            state.metric_best[metric.name] = {"value": values[metric.primary], "step": state.step}
+        self.last_metrics[metric.name] = {**values, "step": state.step}
+        return {f"{metric.name}/{k}": v for k, v in values.items()}
+
+    def metric_summary(self, state) -> dict:
+        """summary.json's `metrics`: each registered metric's last values and best value ({} without any)."""
+        return {name: {"last": self.last_metrics.get(name), "best": state.metric_best.get(name)}
+                for name in self.metrics}
+
 
 def end_of_run_work(cfg) -> list[str]:
     """What runs after the last step, in words, in order: on a short run it can take longer than the training (the
@@ -195,6 +222,10 @@ def end_of_run_work(cfg) -> list[str]:
         work.append(f"validation loss ({tc.val_samples} images x {tc.val_t_points} t)")
     if every_n_steps(last, ev.every_n_steps, last):
         work.append(f"FD ({ev.num_samples} samples, {ev.sample_steps} steps)")
+    for metric in METRICS:
+        node = cfg.eval.get(metric.name)
+        if node is not None and every_n_steps(last, node.every_n_steps, last):
+            work.append(metric.name)
     if every_n_steps(last, tc.sample_every, last):
         work.append(f"sample grid ({grid_classes(cfg.model) * tc.samples_per_class} images, {tc.sample_steps} steps)")
     return work + ["summary"]

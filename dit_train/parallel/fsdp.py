@@ -92,7 +92,7 @@ def init_distributed(single_process_group: bool = False, device: str | torch.dev
     torchrun; NCCL on CUDA, gloo on CPU. `single_process_group`: also create a group of one for a plain
     single-process run (parallel.fsdp=true without torchrun), so FSDP2 can be used on one device. `device`
     overrides the default (cuda:LOCAL_RANK when CUDA is present, else cpu). A collective that waits longer than
-    `timeout_minutes` (a dead or hung peer; parallel.timeout_minutes, whose comment in conf/config.yaml sizes it)
+    `timeout_minutes` (a dead or hung peer; parallel.timeout_minutes, whose comment in config/schema.py sizes it)
     raises instead of hanging (gloo), or takes the process down with a flight-recorder dump (NCCL: the variables
     of backend_env.py, set before the group where the user has not set them)."""
     os.environ.update(slurm_environment())
@@ -202,7 +202,7 @@ def wants_fsdp(pcfg, world_size: int) -> bool:
 
 
 def resolve_plan(pcfg, dist_info: DistInfo) -> ParallelPlan:
-    """The plan from cfg.parallel (checked, missing keys from conf/config.yaml, by dit_train.config)."""
+    """The plan from cfg.parallel (checked, missing keys from ParallelConfig's defaults, by dit_train.config)."""
     from dit_train.config import check_parallel
 
     p = check_parallel(pcfg, dist_info.world_size)

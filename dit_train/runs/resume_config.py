@@ -6,7 +6,7 @@ What the command line set: the keys it names, and every key its group choices (`
 `experiment=...`) change: the saved run's own options (it names its data, model and optimizer) are composed
 with and without the command's overrides, and the keys that differ are the command's. The
 command's run_dir, train.resume and train.init_from always hold. A key the checkpoint's config lacks (added to
-dit_train later) takes its default, or the value that reproduces earlier runs (resume_policy.ADDED_LATER); keys
+dit_train later) takes its default, or the value that reproduces earlier runs (its schema's recorded_before); keys
 only the checkpoint has are dropped. resume_policy.check_resume then judges the result against the saved config,
 so a change outside the resume policy is refused in one line as before, now naming only what the user asked for.
 """
@@ -37,7 +37,10 @@ def continue_saved_config(cfg, overrides: list[str]):
     if found is None:
         return cfg
     path, saved = found
-    from dit_train.runs.resume_policy import ADDED_LATER, flatten
+    from dit_train.config.schemas import recorded_before
+    from dit_train.runs.resume_policy import flatten
+
+    earlier = recorded_before()
 
     # the saved run's own group options (optimizer, model, data record their names) under the command's
     # overrides, against the same options without them: what differs is what the command line set
@@ -60,7 +63,7 @@ def continue_saved_config(cfg, overrides: list[str]):
         from_command = key in ALWAYS_FROM_COMMAND or any(key == n or key.startswith(n + ".") for n in named) \
             or value != base.get(key, ABSENT)
         if from_command or key not in kept:  # set here, or added to dit_train after the checkpoint
-            merged[key] = ADDED_LATER[key] if not from_command and key in ADDED_LATER else value
+            merged[key] = earlier[key] if not from_command and key in earlier else value
             if from_command and kept.get(key, ABSENT) != value and key not in ALWAYS_FROM_COMMAND:
                 set_here.append(key)
         else:

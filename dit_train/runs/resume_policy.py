@@ -3,9 +3,9 @@
 `train.resume=null` starts fresh and refuses a folder that already has checkpoints; `auto` continues from the
 newest complete checkpoint (falling back past damaged ones); a path continues from that checkpoint or run folder.
 A resumed run must be the same experiment: its resolved config is compared key by key with the one the checkpoint
-was trained with, and only the keys in MAY_CHANGE_ON_RESUME may differ (cadence, lengths, paths, logging,
-how checkpoints are written, parallel layout, the Slurm job shape, and how sharded optimizers exchange whole
-matrices, which does not change the maths). Anything else is refused in one line naming each key with both values;
+was trained with, and only the keys declared with resume=True in their schemas (dit_train/config/) may differ
+(cadence, lengths, paths, logging, how checkpoints are written, parallel layout, the Slurm job shape, and how
+sharded optimizers exchange whole matrices, which does not change the maths). Anything else is refused in one line naming each key with both values;
 a deliberate change is
 a fork (`train.init_from=RUN`: the weights, a fresh optimizer and step 0, in a new run folder). With
 `train.resume=auto` a fork can be requeued: the run's own checkpoints win, the fork source is used only while the run
@@ -28,27 +28,13 @@ from omegaconf import OmegaConf
 
 from dit_train.runs import checkpoint as ckpt
 from dit_train.config import ConfigError
+from dit_train.config.schemas import may_change_on_resume, recorded_before
 from dit_train.data import data_fingerprint, describe_fingerprint
 
 log = logging.getLogger("dit_train")
 
-MAY_CHANGE_ON_RESUME = (
-    "run_dir", "study", "study.*", "logger.*", "parallel.fsdp", "parallel.reshard_after_forward", "parallel.replicate",
-    "parallel.activation_checkpointing", "parallel.timeout_minutes", "parallel.compile", "model.launch.*",
-    "optimizer.distributed_mode", "optimizer.bucket_mb", "optimizer.compile_rownorm", "optimizer.overlap_exchange",
-    "vae.path", "vae.decode_batch_size", "eval.every_n_steps", "eval.cache_dir",
-    "eval.encoder_path", "train.steps", "train.micro_batch_size", "train.resume", "train.init_from", "train.dry_run", "train.progress",
-    "train.timing", "train.log_every", "train.val_every", "train.sample_every", "train.sample_steps",
-    "train.samples_per_class", "train.cfg_scale", "train.ckpt_every", "train.keep_last", "train.stop_grace_s", "train.async_checkpoint",
-    "train.num_workers", "train.max_bad_steps",
-)
-
-# Keys added after runs were recorded, with the value that reproduces what those runs did: a checkpoint whose config
-# lacks the key resumes under that value (and only that one).
 # model keys a fork may change: they are not part of the weights' shapes or meaning
 FORK_MAY_CHANGE = ("class_dropout_prob",)
-
-ADDED_LATER = {"optimizer.rownorm_scale": "frobenius"}
 
 
 def resume_candidates(cfg, remove_partial: bool = False) -> list[str]:
@@ -80,10 +66,12 @@ def config_changes(saved: dict, now: dict) -> list[tuple[str, object, object]]:
     """(key, saved value, new value) for every key that differs and may not change on resume."""
     a, b = flatten(saved), flatten(now)
     absent = "(absent)"
-    a.update({k: v for k, v in ADDED_LATER.items() if k not in a and k in b})
+    # a key added after the checkpoint was written: it ran under the value its schema records (recorded_before)
+    a.update({k: v for k, v in recorded_before().items() if k not in a and k in b})
+    may_change = may_change_on_resume()  # read each time: a schema registered later counts
     return [(k, a.get(k, absent), b.get(k, absent)) for k in sorted(set(a) | set(b))
             if a.get(k, absent) != b.get(k, absent)
-            and not any(fnmatch.fnmatchcase(k, p) for p in MAY_CHANGE_ON_RESUME)]
+            and not any(fnmatch.fnmatchcase(k, p) for p in may_change)]
 
 
 def describe_changes(changes: list[tuple[str, object, object]]) -> str:

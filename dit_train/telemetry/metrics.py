@@ -46,7 +46,8 @@ def _loss(x: float) -> str:
 
 
 def write_summary(cfg, state, throughput: Throughput, last_val: dict, params: int, dataset_id: str,
-                  is_main: bool) -> dict:
+                  is_main: bool, metrics: dict | None = None) -> dict:
+    """summary.json (rank 0) and the `done:` line; `metrics`: the registered metrics' last and best values."""
     summary = {
         "steps": state.step,
         "train_loss": float(np.mean(throughput.recent_losses)) if throughput.recent_losses else math.nan,
@@ -59,6 +60,7 @@ def write_summary(cfg, state, throughput: Throughput, last_val: dict, params: in
         "optimizer": cfg.optimizer.name,
         "dataset": dataset_id,
         "best_fd": state.best_fd,
+        **({"metrics": metrics} if metrics else {}),
     }
     if is_main:
         atomic_write_bytes(json.dumps(summary, indent=2).encode(), os.path.join(cfg.run_dir, "summary.json"))

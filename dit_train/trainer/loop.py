@@ -260,7 +260,8 @@ class Trainer:
                 self.loop()
             self.saver.wait(self.state.step)
             summary = write_summary(self.cfg, self.state, self.throughput, self.evaluation.last_val,
-                                    count_parameters(self.model), self.train_set.dataset_id, self.dist.is_main)
+                                    count_parameters(self.model), self.train_set.dataset_id, self.dist.is_main,
+                                    self.evaluation.metric_summary(self.state))
             self.logger.summary(summary)
             return summary
         except TrainingStopped:
@@ -315,11 +316,11 @@ class Trainer:
             if last_step:  # the bar is closed before the end-of-run work, which says what it does
                 self.announce_end_of_run(progress)
                 self.save()  # before the evaluations: a signal (or the SIGKILL after it) during them loses no step
-            best_fd = state.best_fd
+            best = (state.best_fd, dict(state.metric_best))
             skipped = self.evaluation.run_due(state.step, tc.steps, self.ema.model, state, self.stop_agreed)
             if saved and not last_step:
-                self.save()  # after the evaluations: the checkpoint holds their best FD
-            elif last_step and state.best_fd != best_fd:
+                self.save()  # after the evaluations: the checkpoint holds their best FD and metric values
+            elif last_step and (state.best_fd, state.metric_best) != best:
                 self.saver.record_train_state(state.step, self.state.state_dict())
             # agreed by every rank at this step's all-reduce (or during the evaluations); once the last step's
             # work is all done there is nothing left to stop

@@ -30,6 +30,7 @@ class TrainState:
     active_time_s: float = 0.0  # wall time inside training steps (no eval, no checkpointing)
     skipped_steps: int = 0
     best_fd: dict | None = None  # {"fd", "step", "active_time_s"} of the lowest FD so far
+    metric_best: dict = field(default_factory=dict)  # registered metric name -> {"value", "step"} (metric.py)
     config: dict = field(default_factory=dict)  # the resolved run config, for export/sampling/FD jobs
     data_fingerprint: dict | None = None  # data/__init__.py: what data the run trains on, checked on resume
     ckpt_write_s: float | None = None  # the write time of the run's last finished checkpoint (rank 0's measure)
@@ -40,7 +41,8 @@ class TrainState:
                 "generator": base64.b64encode(self.generator.get_state().numpy().tobytes()).decode(),
                 "generator_device": self.generator.device.type,
                 "ema_num_updates": self.ema.num_updates, "config": self.config,
-                "data_fingerprint": self.data_fingerprint, "ckpt_write_s": self.ckpt_write_s}
+                "data_fingerprint": self.data_fingerprint, "ckpt_write_s": self.ckpt_write_s,
+                **({"metric_best": self.metric_best} if self.metric_best else {})}
 
     def load_state_dict(self, state: dict) -> None:
         """A checkpoint's train state (from elsewhere, maybe crafted): the scheduler takes only the keys of its own
@@ -73,4 +75,5 @@ class TrainState:
                                   f"({type(e).__name__}: {e}); use an earlier checkpoint") from None
         self.step, self.active_time_s, self.skipped_steps = step, active, skipped
         self.best_fd = state.get("best_fd")
+        self.metric_best = dict(state["metric_best"]) if isinstance(state.get("metric_best"), dict) else {}
         self.ckpt_write_s = state.get("ckpt_write_s") if isinstance(state.get("ckpt_write_s"), (int, float)) else None

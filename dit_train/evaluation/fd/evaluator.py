@@ -63,7 +63,7 @@ class FDEvaluator:
                  progress: bool = False):
         from dit_train.config import check_eval
 
-        self.cfg = cfg = check_eval(eval_cfg)  # checked; keys it lacks come from conf/eval/default.yaml
+        self.cfg = cfg = check_eval(eval_cfg)  # checked; keys it lacks take EvalConfig's defaults
         self.device = torch.device(device)
         self.num_samples, self.batch_size = cfg["num_samples"], cfg["batch_size"]
         self.seed = cfg["seed"]

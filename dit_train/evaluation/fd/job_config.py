@@ -1,41 +1,37 @@
 """The evaluation jobs' configuration (eval/reference_stats.py, eval/fd_dino.py): eval and data configs loaded from
-the package's conf/ (so the jobs resolve from any working directory) and their command-line flags. The process
+the package's config options (so the jobs resolve from any working directory) and their command-line flags. The process
 group is parallel.init_distributed, as for training."""
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from dit_train.config import load_option
-from dit_train.config.files import CONF_DIR as _CONF_DIR
+from dit_train.config import group_options, load_option
+from dit_train.config.schema import ParallelConfig
 
-CONF_DIR = Path(_CONF_DIR)
+
+def _load(group: str, option: str, overrides: list[str] | None, what: str) -> DictConfig:
+    if option not in group_options(group):
+        raise FileNotFoundError(f"{what} {option!r} not found; choose one of {group_options(group)}")
+    return OmegaConf.merge(load_option(group, option), OmegaConf.from_dotlist(list(overrides or [])))
 
 
 def load_eval_cfg(preset: str = "default", overrides: list[str] | None = None) -> DictConfig:
-    """conf/eval/<preset>.yaml with its `defaults` resolved, then dotlist overrides."""
-    path = CONF_DIR / "eval" / f"{preset}.yaml"
-    if not path.is_file():
-        presets = sorted(p.stem for p in (CONF_DIR / "eval").glob("*.yaml"))
-        raise FileNotFoundError(f"eval preset {preset!r} not found; choose one of {presets}")
-    return OmegaConf.merge(load_option("eval", preset), OmegaConf.from_dotlist(list(overrides or [])))
+    """The eval option `preset` (EvalConfig's defaults, or conf/eval/<preset>.yaml on them), then dotlist
+    overrides."""
+    return _load("eval", preset, overrides, "eval preset")
 
 
 def load_data_cfg(name: str, overrides: list[str] | None = None) -> DictConfig:
-    """conf/data/<name>.yaml plus dotlist overrides (e.g. ["root=/data/fmnist"])."""
-    path = CONF_DIR / "data" / f"{name}.yaml"
-    if not path.is_file():
-        names = sorted(p.stem for p in (CONF_DIR / "data").glob("*.yaml"))
-        raise FileNotFoundError(f"data config {name!r} not found; choose one of {names}")
-    return OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides or [])))
+    """The data option `name` plus dotlist overrides (e.g. ["root=/data/fmnist"])."""
+    return _load("data", name, overrides, "data config")
 
 
 def add_eval_args(ap: argparse.ArgumentParser) -> None:
     """Command-line flags for every eval key; unset flags keep the preset's value."""
-    ap.add_argument("--eval-preset", default="default", help="conf/eval/<preset>.yaml (default: default)")
+    ap.add_argument("--eval-preset", default="default", help="an eval option: default, ci, dinov2, dinov2_tracking")
     ap.add_argument("--encoder", help="dinov2 | dinov2_vitb14 | inception | dinov2_random ...")
     ap.add_argument("--encoder-path", help="local encoder weights (see dit_train/evaluation/fd/features.py)")
     ap.add_argument("--num-samples", type=int)
@@ -53,8 +49,8 @@ def add_eval_args(ap: argparse.ArgumentParser) -> None:
 
 
 def training_timeout_minutes() -> float:
-    """parallel.timeout_minutes of conf/config.yaml: the jobs wait for peers as long as training does."""
-    return float(OmegaConf.load(CONF_DIR / "config.yaml").parallel.timeout_minutes)
+    """parallel.timeout_minutes's default: the jobs wait for peers as long as training does."""
+    return float(ParallelConfig.timeout_minutes)
 
 
 def eval_cfg_from_args(args) -> DictConfig:
