@@ -258,6 +258,7 @@ def test_the_training_command_refuses_bad_latents_in_one_line(tmp_path, fault):
                          f"data.num_classes=10 allows labels 0..9",
                 "torn_info": f"error: {tmp_path}/lat/latents_info.json is torn or not JSON"}[fault]
     assert r.stderr.startswith(expected)
+    assert not (tmp_path / "run").exists()  # found before the run folder was made (#28 item 3)
 
 
 @pytest.mark.parametrize("num_workers", [0, 1])

@@ -12,6 +12,7 @@ import sys
 
 from dit_train.config.data_shapes import apply_data_shapes
 from dit_train.config.errors import ConfigError
+from dit_train.config.paths import check_paths
 from dit_train.config.files import CONF_DIR, group_options, is_group
 from dit_train.config.validate import validate
 
@@ -109,6 +110,7 @@ def check_command_line(argv: list[str], world_size: int | None = None) -> None:
                 cfg = continue_saved_config(cfg, job)
             cfg = apply_data_shapes(cfg, job, continued=cfg is not composed)
             validate(cfg, world_size)
+            check_paths(cfg)
             check_extras(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
