@@ -81,7 +81,7 @@ def test_command_line_values_that_disagree_with_the_data_are_one_line_with_the_f
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     shard = latents / "lat" / "train" / "shard_00000.safetensors"
     assert r.stderr == (
-        f"error: the data in {latents / 'lat'} disagrees with the command line or the presets: data.image_size=16 "
+        f"error: the data in {latents / 'lat'} (latents) disagrees with the command line or the presets: data.image_size=16 "
         f"({shard}: latents [N, 4, 8, 8]); model.in_channels=3 (the data has 4); model.num_classes=2 (the data has "
         f"3); model.patch_size=3 does not divide the image size 8 (valid: 1, 2, 4, 8); use instead: "
         f"data.image_size=8 model.in_channels=4 model.num_classes=3 model.patch_size=2\n")

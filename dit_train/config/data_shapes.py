@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import logging
 
-from omegaconf import open_dict
-
 from dit_train.config.errors import ConfigError
 
 log = logging.getLogger("dit_train")
@@ -45,8 +43,7 @@ def apply_data_shapes(cfg, overrides: list[str], continued: bool = False):
                 fixes[name] = f.value
             continue
         taken.append(f"{name}={f.value} ({f.source})")
-        with open_dict(cfg.data):
-            cfg.data[key] = f.value
+        cfg.data[key] = f.value
     for mkey, dkey in MODEL_FOLLOWS.items():
         want, have, name = fixes.get(f"data.{dkey}", cfg.data.get(dkey)), cfg.model.get(mkey), f"model.{mkey}"
         if want is None or have == want:
@@ -60,14 +57,15 @@ def apply_data_shapes(cfg, overrides: list[str], continued: bool = False):
         cfg.model[mkey] = want
     size = fixes.get("model.image_size", cfg.model.image_size)
     patch = cfg.model.patch_size
-    if size % patch:
+    if found and size % patch:  # a size the data decided (else check_architecture says it)
         choices = [d for d in range(1, size + 1) if size % d == 0 and d <= max(patch, 8)]
         wrong.append(f"model.patch_size={patch} does not divide the image size {size} (valid: "
                      f"{', '.join(map(str, choices))})")
         fixes["model.patch_size"] = max(d for d in choices if d <= patch)
     if wrong:
         whose = "the saved config of the run being continued" if continued else "the command line or the presets"
-        raise ConfigError(f"the data in {cfg.data.get('root')} disagrees with {whose}: {'; '.join(wrong)}; "
+        where = f" in {cfg.data.root}" if cfg.data.get("root") else ""
+        raise ConfigError(f"the data{where} ({cfg.data.name}) disagrees with {whose}: {'; '.join(wrong)}; "
                           f"use instead: {' '.join(f'{k}={v}' for k, v in fixes.items())}")
     if taken:
         log.info("from the data: %s", ", ".join(taken))
