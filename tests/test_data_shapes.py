@@ -99,3 +99,25 @@ def test_an_image_folder_run_reads_its_classes_channels_and_size(tmp_path):
     held = re.search(r"(\d+) of its 16 images are held out as validation", log)
     counts = re.search(r"\((\d+) train / (\d+) val\)", r.stdout)
     assert held and counts and int(counts[2]) == int(held[1]) >= 1 and int(counts[1]) + int(counts[2]) == 16
+
+
+def test_a_resume_on_data_of_another_shape_is_refused_naming_the_saved_values(tmp_path):
+    """The saved config holds the shapes inferred at the start; data that changed under the run is not silently
+    re-inferred on resume (the checkpoint's weights have the saved shapes)."""
+    import torch
+
+    from test_data import write_latent_split
+
+    for split in ("train", "val"):
+        write_latent_split(tmp_path / "lat", split)  # 4 latents of 4x8x8, labels 0..3
+    args = ["data=latents", f"data.root={tmp_path / 'lat'}", f"run_dir={tmp_path / 'run'}", *TINY]
+    r = dit_train(*args, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    for split in ("train", "val"):
+        write_latent_split(tmp_path / "lat", split, latents=torch.randn(4, 4, 4, 4).half())
+    r = dit_train(f"run_dir={tmp_path / 'run'}", "train.resume=auto", "train.steps=2", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr == (
+        f"error: the data in {tmp_path / 'lat'} (latents) disagrees with the saved config of the run being "
+        f"continued: data.image_size=8 ({tmp_path / 'lat'}/train/shard_00000.safetensors: latents [N, 4, 4, 4]); "
+        f"model.image_size=8 (the data has 4); continue it on the data it was trained on, or train on this data in a "
+        f"new run_dir\n"), r.stderr

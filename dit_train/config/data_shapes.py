@@ -38,7 +38,7 @@ def apply_data_shapes(cfg, overrides: list[str], continued: bool = False):
         if have == f.value or (have is None and continued):  # null: the data's own (a run saved before this)
             continue
         if name in held or continued:
-            if not f.suggested:
+            if not f.suggested and not (key == "num_classes" and have is not None and have > f.value):  # labels fit
                 wrong.append(f"{name}={have} ({f.source})")
                 fixes[name] = f.value
             continue
@@ -63,10 +63,13 @@ def apply_data_shapes(cfg, overrides: list[str], continued: bool = False):
                      f"{', '.join(map(str, choices))})")
         fixes["model.patch_size"] = max(d for d in choices if d <= patch)
     if wrong:
-        whose = "the saved config of the run being continued" if continued else "the command line or the presets"
-        where = f" in {cfg.data.root}" if cfg.data.get("root") else ""
-        raise ConfigError(f"the data{where} ({cfg.data.name}) disagrees with {whose}: {'; '.join(wrong)}; "
-                          f"use instead: {' '.join(f'{k}={v}' for k, v in fixes.items())}")
+        where = f"the data in {cfg.data.root}" if cfg.data.get("root") else "the data"
+        where += f" ({cfg.data.name}) disagrees with"
+        if continued:  # its weights have the saved shapes: no override makes them fit
+            raise ConfigError(f"{where} the saved config of the run being continued: {'; '.join(wrong)}; continue "
+                              f"it on the data it was trained on, or train on this data in a new run_dir")
+        raise ConfigError(f"{where} the command line or the presets: {'; '.join(wrong)}; use instead: "
+                          f"{' '.join(f'{k}={v}' for k, v in fixes.items())}")
     if taken:
         log.info("from the data: %s", ", ".join(taken))
     return cfg
