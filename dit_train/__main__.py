@@ -23,9 +23,12 @@ def main(cfg) -> None:
     try:
         from hydra.core.hydra_config import HydraConfig
 
+        from dit_train.config.data_shapes import apply_data_shapes
         from dit_train.runs.resume_config import continue_saved_config
 
-        run(continue_saved_config(cfg, list(HydraConfig.get().overrides.task)))
+        overrides = list(HydraConfig.get().overrides.task)
+        continued = continue_saved_config(cfg, overrides)
+        run(apply_data_shapes(continued, overrides, continued=continued is not cfg))
         if cfg.train.dry_run:  # it writes nothing: no run folder holding only Hydra's own files either
             from hydra.core.hydra_config import HydraConfig
 

@@ -6,8 +6,8 @@
     torchrun --nproc_per_node 8 scripts/encode_latents.py ...             # shards dealt over the ranks
     python scripts/encode_latents.py --vae /w/vae --data fashion_mnist --out /tmp/fm_latents --limit 512
 
-Images come from an image folder (--images: root/<class>/<images>, or root/train + root/val) or any dataset config
-of the trainer (--data NAME, --data-set KEY=VALUE). The VAE is diffusers' AutoencoderKL from a local folder; a
+Images come from an image folder (--images: root/<class>/<images>, or root/train + root/val; without val/ the
+trainer's held-out part is the val split) or any dataset config of the trainer (--data NAME, --data-set KEY=VALUE). The VAE is diffusers' AutoencoderKL from a local folder; a
 latent is (mean of the posterior - shift_factor) * scaling_factor (dit_train/diffusion/vae.py), stored as fp16 with int64
 labels in out/<split>/shard_NNNNN.safetensors (the factors in each shard's metadata too). --flip stores every image
 and its horizontal mirror, as DiT's feature extraction does. out/latents_info.json, written before the first shard,

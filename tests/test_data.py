@@ -65,8 +65,14 @@ def make_folder(root, corrupt=False, empty_class=False):
         os.makedirs(root / "zebra")
 
 
+def make_split_folders(root, **kw):
+    """root/train/<class> (make_folder's) and root/val/<class>: every training image is trained on."""
+    make_folder(root / "train", **kw)
+    make_folder(root / "val")
+
+
 def test_image_folder_resize_crop_labels(tmp_path):
-    make_folder(tmp_path)
+    make_split_folders(tmp_path)
     ds = build_dataset(OmegaConf.create({"name": "image_folder", "root": str(tmp_path), "image_size": 16}), "train")
     assert len(ds) == 6 and ds.classes == ["cat", "dog"]
     x, y = ds[4]
@@ -252,6 +258,7 @@ def test_the_training_command_refuses_bad_latents_in_one_line(tmp_path, fault):
                          f"data.num_classes=10 allows labels 0..9",
                 "torn_info": f"error: {tmp_path}/lat/latents_info.json is torn or not JSON"}[fault]
     assert r.stderr.startswith(expected)
+    assert not (tmp_path / "run").exists()  # found before the run folder was made (#28 item 3)
 
 
 @pytest.mark.parametrize("num_workers", [0, 1])
@@ -259,12 +266,12 @@ def test_skipped_images_are_counted_with_loader_workers(tmp_path, num_workers):
     """The skipped set filled in a worker process was lost: data/skipped logged 0 with num_workers >= 1."""
     from dit_train.data.order import train_batches
 
-    make_folder(tmp_path, corrupt=True)
+    make_split_folders(tmp_path, corrupt=True)
     cfg = OmegaConf.create({"name": "image_folder", "root": str(tmp_path), "image_size": 16, "skip_corrupt": True})
     ds = build_dataset(cfg, "train")
     batches = list(train_batches(ds, global_batch=7, seed=0, start_step=0, total_steps=2, num_workers=num_workers))
     assert len(batches) == 2 and batches[0][0].shape == (7, 3, 16, 16) and batches[0][1].shape == (7,)
-    assert ds.skipped == {str(tmp_path / "dog" / "bad.png")}
+    assert ds.skipped == {str(tmp_path / "train" / "dog" / "bad.png")}
 
 
 def test_the_training_log_counts_a_skipped_image_read_by_a_loader_worker(tmp_path):
@@ -272,7 +279,7 @@ def test_the_training_log_counts_a_skipped_image_read_by_a_loader_worker(tmp_pat
     from dit_train.trainer.loop import run
     from test_fsdp_train import metrics
 
-    make_folder(tmp_path / "data", corrupt=True)
+    make_split_folders(tmp_path / "data", corrupt=True)
     run(compose(["data=image_folder", f"data.root={tmp_path / 'data'}", "data.image_size=16", "data.channels=3",
                  "data.skip_corrupt=true", "model.in_channels=3", "model.image_size=16", "model.num_classes=2",
                  "model.hidden_size=32", "model.depth=1", "model.num_heads=1", "model.patch_size=8",
@@ -324,7 +331,8 @@ def test_the_data_fingerprint_follows_the_data_not_its_folder(tmp_path, kind):
             save_file({"latents": torch.randn(n, 4, 8, 8), "labels": torch.arange(n)},
                       str(data / split / "a.safetensors"))
     first = data_fingerprint(cfg(data))
-    assert first["train"] == (6 if kind == "image_folder" else 5) and len(first["sha256"]) == 16
+    # the image folder has no val/: one of its 6 images is held out as validation
+    assert (first["train"], first["val"]) == ((5, 1) if kind == "image_folder" else (5, 2)) and len(first["sha256"]) == 16
     shutil.move(str(data), str(tmp_path / "moved"))
     assert data_fingerprint(cfg(tmp_path / "moved")) == first
     if kind == "image_folder":
@@ -332,3 +340,33 @@ def test_the_data_fingerprint_follows_the_data_not_its_folder(tmp_path, kind):
     else:
         os.rename(tmp_path / "moved" / "val" / "a.safetensors", tmp_path / "moved" / "val" / "b.safetensors")
     assert data_fingerprint(cfg(tmp_path / "moved"))["sha256"] != first["sha256"]
+
+
+def test_an_image_folder_without_val_holds_out_a_fixed_part_as_validation(tmp_path, caplog):
+    """Validation was the training images themselves (and encode_latents wrote them again as `val` latents): the
+    loss it reported was a training loss. Now about 1 in 20 images, chosen by their relative paths, is validation
+    only: the same images wherever the folder lies, and an image keeps its side when others are added."""
+    import logging
+
+    def splits(root):
+        cfg = OmegaConf.create({"name": "image_folder", "root": str(root), "image_size": 8})
+        return [{os.path.relpath(p, root) for p, _ in build_dataset(cfg, split).samples} for split in ("train", "val")]
+
+    for c in ("a", "b", "c", "d"):
+        os.makedirs(tmp_path / "data" / c)
+        for i in range(100):
+            Image.new("RGB", (8, 8)).save(tmp_path / "data" / c / f"{i:03d}.png")
+    with caplog.at_level(logging.INFO, logger="dit_train"):
+        train, val = splits(tmp_path / "data")
+    assert not train & val and len(train | val) == 400 and 8 <= len(val) <= 35  # 5% of 400 = 20, binomial spread
+    assert f"{len(val)} of its 400 images are held out as validation" in caplog.text
+    shutil.copytree(tmp_path / "data", tmp_path / "copy")
+    assert splits(tmp_path / "copy") == [train, val]
+    Image.new("RGB", (8, 8)).save(tmp_path / "copy" / "a" / "new.png")
+    train2, val2 = splits(tmp_path / "copy")
+    assert train <= train2 and val <= val2 and len(train2 | val2) == 401
+    os.makedirs(tmp_path / "tiny" / "a")
+    for i in range(3):  # too few for any image to fall in the 5%: the lowest hash is validation
+        Image.new("RGB", (8, 8)).save(tmp_path / "tiny" / "a" / f"{i}.png")
+    train, val = splits(tmp_path / "tiny")
+    assert len(train) == 2 and len(val) == 1 and not train & val

@@ -94,7 +94,8 @@ def load_encoder():
 
 
 def image_folder(root, per_class=3):
-    """root/a and root/b, `per_class` 20x18 images each: train and val are the same folder."""
+    """root/a and root/b, `per_class` 20x18 images each, no val/: of the default 6, one is held out as validation
+    (dit_train/data/image_folder.py), so the train split has 5."""
     for c in ("a", "b"):
         os.makedirs(root / c, exist_ok=True)
         for i in range(per_class):
@@ -146,9 +147,9 @@ def test_a_resumed_encoding_refuses_another_vae_and_continues_with_its_own(tmp_p
     (["--shard-size", "4"], r" holds latents made with --shard-size 2, not 4"),
     (["--flip"], r" holds latents made without --flip"),
     (["--image-size", "32"], r" holds latents made from source image_size=16, not 32 \(--images/--data/"),
-    (["--limit", "5"], r" holds train latents of 6 images, now 5 images or other files \(--limit, or "),
-    ("added image", r" holds train latents of 6 images, now 7 images or other files"),
-    ("renamed image", r" holds train latents of 6 images, now 6 images or other files"),
+    (["--limit", "4"], r" holds train latents of 5 images, now 4 images or other files \(--limit, or "),
+    ("added image", r" holds train latents of 5 images, now 6 images or other files"),
+    ("renamed image", r" holds train latents of 5 images, now 5 images or other files"),
     ("no record", r" holds latent shards but no latents_info.json that says how they were made"),
     ("torn record", r"/latents_info.json is torn or not JSON \(.*\); encode the latents again into a new folder"),
     ("old record", r"/latents_info.json does not record vae_files, shard_size, .*\(an older encode_latents.py"),

@@ -11,7 +11,9 @@ import os
 import shutil
 import sys
 
+from dit_train.config.data_shapes import apply_data_shapes
 from dit_train.config.errors import ConfigError
+from dit_train.config.paths import check_paths
 from dit_train.config.files import CONF_DIR, group_options, is_group
 from dit_train.config.validate import validate
 
@@ -111,11 +113,14 @@ def check_command_line(argv: list[str], world_size: int | None = None) -> None:
         check_slurm_needs_multirun(flags, overrides)
         for job in job_overrides(overrides):
             cfg = _compose_job(job)
+            composed = cfg
             if cfg.train.get("resume") is not None or cfg.train.get("init_from") is not None:
                 from dit_train.runs.resume_config import continue_saved_config  # reads the checkpoint: only for resumes
 
                 cfg = continue_saved_config(cfg, job)
+            cfg = apply_data_shapes(cfg, job, continued=cfg is not composed)
             validate(cfg, world_size)
+            check_paths(cfg)
             check_extras(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -209,19 +209,22 @@ class FashionMNISTData:
 
 @dataclass(kw_only=True)
 class ImageFolderData:
-    """root/<class>/<images> (or root/train/<class>, root/val/<class>); resized + center-cropped, RGB."""
+    """root/train/<class>, root/val/<class> (or root/<class>/<images>: ~1 in 20 images held out as val by a hash of
+    its path); resized + center-cropped, RGB. Unless set on the command line, classes and a common square size are
+    read from the folder (dit_train/data/shapes.py)."""
     name: str = key(default="image_folder", doc="the dataset")
     root: str = key(default="???", doc="root/<class>/<images> or root/train|val/<class>/<images>")
     image_size: int = int_at_least(1, default=64, doc="side after resize and center crop")
     channels: int = int_at_least(1, default=3, doc="image channels")
     num_classes: Optional[int] = key("null or an integer >= 0", lambda v: v >= 0, default=None,
-                                     doc="null: the class folders found (model.num_classes is not checked against it)")
+                                     doc="null: the class folders found")
     skip_corrupt: bool = key(default=False, doc="skip unreadable images instead of stopping")
 
 
 @dataclass(kw_only=True)
 class LatentsData:
-    """Precomputed VAE latents (scripts/encode_latents.py): root/train/*.safetensors, root/val/*.safetensors."""
+    """Precomputed VAE latents (scripts/encode_latents.py): root/train/*.safetensors, root/val/*.safetensors.
+    image_size, channels and num_classes: unless set on the command line, read from the shards and latents_info.json."""
     name: str = key(default="latents", doc="the dataset")
     # checked with the VAE in latents.py, with a hint how to make latents
     root: Optional[str] = key(default=None,

@@ -1,9 +1,14 @@
 """Class sub-folders of images (root/<class>/<file>), read with PIL, resized (shorter side) and center-cropped,
-RGB, scaled to [-1, 1]. The train split is root/train if it exists (and val root/val), otherwise root itself
-for both (a held-out folder is then the user's job)."""
+RGB, scaled to [-1, 1]. The train split is root/train if it exists (and val root/val), otherwise root itself.
+Without a val/ folder the validation images are held out of the training images: an image is validation when a
+seeded hash of its path relative to the split folder falls in the lowest VAL_FRACTION of the hash range, so the
+split is the same on every machine and an image keeps its side when others are added or removed (validating on
+the training images, as before, measured memorisation and called it validation)."""
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 
 import numpy as np
@@ -11,6 +16,9 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
+log = logging.getLogger("dit_train")
+VAL_FRACTION = 0.05  # of the images, held out as validation when the folder has no val/
+HOLD_OUT_SEED = b"dit_train image_folder val v1\0"
 EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 
 
@@ -39,16 +47,59 @@ WIDE_MODES = ("I;16", "I;16B", "I;16L", "I", "F")
 UNREADABLE = (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError)
 
 
+def split_folder(root: str, split: str) -> str:
+    """The folder a split's class folders are in: root/<split>, else (val without root/val) the train folder."""
+    if os.path.isdir(os.path.join(root, split)):
+        return os.path.join(root, split)
+    return split_folder(root, "train") if split == "val" else root
+
+
+def class_folders(folder: str) -> list[str]:
+    return sorted(d for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d)))
+
+
+def first_image_sizes(folder: str, classes: list[str]) -> list[tuple[int, int]]:
+    """(width, height) of the first readable image (by name) of each class: headers only, one file per class."""
+    sizes = []
+    for cls in classes:
+        for name in sorted(os.listdir(os.path.join(folder, cls))):
+            if name.lower().endswith(EXTENSIONS):
+                try:
+                    with Image.open(os.path.join(folder, cls, name)) as im:
+                        sizes.append(im.size)
+                    break
+                except UNREADABLE:
+                    continue
+    return sizes
+
+
+def held_out(relative_path: str) -> bool:
+    """Whether an image of a folder without val/ is validation: its hash in the lowest VAL_FRACTION."""
+    digest = hashlib.sha256(HOLD_OUT_SEED + relative_path.encode()).digest()
+    return int.from_bytes(digest[:8], "big") < VAL_FRACTION * 2 ** 64
+
+
+def hold_out(samples: list[tuple[str, int]], folder: str, split: str) -> list[tuple[str, int]]:
+    """The `split` part of a folder's images when it has no val/: held_out() ones are validation; a folder too
+    small for any to fall there gives its lowest-hash image (one image: validation is then that training image)."""
+    keys = [os.path.relpath(p, folder) for p, _ in samples]
+    val = {k for k in keys if held_out(k)}
+    if not val and samples:
+        val = {min(keys, key=lambda k: hashlib.sha256(HOLD_OUT_SEED + k.encode()).digest())}
+    if len(val) == len(samples):
+        return samples
+    return [s for s, k in zip(samples, keys) if (k in val) == (split == "val")]
+
+
 class ImageFolder(Dataset):
     def __init__(self, cfg, split: str):
-        root = cfg.get("root")
-        if not root or not os.path.isdir(root):
-            raise FileNotFoundError(f"data.root={root!r} is not a folder; image_folder needs root/<class>/<images>")
-        if os.path.isdir(os.path.join(root, split)):
-            root = os.path.join(root, split)
+        top = cfg.get("root")
+        if not top or not os.path.isdir(top):
+            raise FileNotFoundError(f"data.root={top!r} is not a folder; image_folder needs root/<class>/<images>")
+        root = split_folder(top, split)
         self.size = cfg.image_size
         self.skip_corrupt = cfg.skip_corrupt
-        self.classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+        self.classes = class_folders(root)
         if not self.classes:
             raise FileNotFoundError(f"data.root={root!r} has no class sub-folders; expected root/<class>/<images>")
         self.samples: list[tuple[str, int]] = []
@@ -64,6 +115,13 @@ class ImageFolder(Dataset):
             self.samples += [(os.path.join(folder, f), label) for f in files]
         if not self.samples:
             raise ValueError(f"data.root={root!r} contains no images")
+        if not os.path.isdir(os.path.join(top, "val")):
+            everything = len(self.samples)
+            self.samples = hold_out(self.samples, root, split)
+            if split == "val":
+                log.info("data.root=%s has no val/ folder: %d of its %d images are held out as validation (sha256 "
+                         "of each image's relative path, the lowest %g of the range) and not trained on", top,
+                         len(self.samples), everything, VAL_FRACTION)
         self.num_classes = len(self.classes)
         self.root = root
         self.dataset_id = f"image_folder:{os.path.abspath(root)}:{len(self.samples)}:{self.size}px"

@@ -1,0 +1,64 @@
+"""Every path a run reads, opened before Hydra makes the run folder (#28 item 3): the data files of each data preset
+(Fashion-MNIST's idx files, an image folder's class folders, every latent shard's header and labels), the VAE,
+the FD encoder's weights and the checkpoint a fork starts from. Found later, inside the Hydra job, each left a
+run folder behind. Each fault is one ConfigError line naming the path; validate() has already checked the types."""
+
+from __future__ import annotations
+
+import os
+
+from dit_train.config.errors import ConfigError, invalid
+
+
+def check_paths(cfg) -> None:
+    """Raise ConfigError (one line) for the first path of `cfg` that cannot be read. A dry run reads nothing."""
+    if cfg.train.get("dry_run"):
+        return
+    vae = cfg.vae.get("path")
+    if vae is not None and not os.path.isfile(os.path.join(str(vae), "config.json")):
+        raise invalid("vae.path", vae, "expected a diffusers AutoencoderKL folder (config.json + weights)")
+    encoder = cfg.eval.get("encoder_path")
+    if encoder is not None and not os.path.exists(str(encoder)):
+        raise invalid("eval.encoder_path", encoder, "no such file or folder (the FD encoder's local weights)")
+    source = cfg.train.get("init_from")
+    if source is not None and not _has_checkpoints(cfg):  # a requeued fork continues from its own
+        from dit_train.runs.checkpoint import resolve_checkpoint
+
+        try:
+            resolve_checkpoint(str(source))
+        except FileNotFoundError as e:
+            raise invalid("train.init_from", source, str(e)) from None
+    check_data_files(cfg.data)
+
+
+def _has_checkpoints(cfg) -> bool:
+    from dit_train.runs.checkpoint import list_checkpoints
+
+    try:
+        run_dir = str(cfg.run_dir)  # the default ${hydra:...} resolves only inside Hydra: a new folder then
+    except Exception:  # noqa: BLE001
+        return False
+    return cfg.train.get("resume") == "auto" and bool(list_checkpoints(run_dir, remove_partial=False, legacy=True))
+
+
+def check_data_files(data) -> None:
+    """The files of both splits, as the dataset opens them (indexes and headers; no image is decoded)."""
+    from dit_train.data import build_dataset
+    from dit_train.data.fashion_mnist import FILES, _find
+
+    try:
+        if data.name == "fashion_mnist":
+            root = str(data.get("root"))
+            if not os.path.isdir(root):
+                raise invalid("data.root", root, "not a folder of the four Fashion-MNIST idx files; install them with "
+                                                 "`sudo apt-get install dataset-fashion-mnist` or point data.root at them")
+            for stems in FILES.values():
+                for stem in stems:
+                    _find(root, stem)
+        elif data.name in ("image_folder", "latents"):
+            for split in ("train", "val"):
+                build_dataset(data, split)
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as e:
+        raise ConfigError(str(e)) from None

@@ -1,0 +1,123 @@
+"""Shapes read from the data (#28 item 2), from the user's side: after scripts/encode_latents.py the training command
+needs no shape overrides (channels, latent size and class count come from the shards), an image folder's classes
+and size likewise; a command-line value that disagrees with the data is refused with every mismatch in one line and
+the overrides that fix them; a resume keeps the checkpoint's (equal) values."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from PIL import Image
+
+from conftest import ROOT
+from test_encode_latents import save_tiny_vae
+
+TINY = ["model.hidden_size=32", "model.depth=1", "model.num_heads=2", "train.steps=1", "train.batch_size=4",
+        "train.warmup_steps=0", "train.val_every=0", "train.sample_every=0", "eval.every_n_steps=0",
+        "train.progress=false"]
+
+
+def dit_train(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "dit_train", *args], cwd=str(cwd), capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+
+
+def image_folder(root, classes=("cat", "dog", "emu"), per_class=8, size=(16, 16)):
+    """root/<class>/<images>, no train/ or val/."""
+    for c, name in enumerate(classes):
+        os.makedirs(root / name)
+        for i in range(per_class):
+            Image.new("RGB", size, (c * 80, i * 20, 0)).save(root / name / f"{i}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def latents(tmp_path_factory):
+    """Three classes of 16 px images in one folder, encoded by a tiny VAE into 4x8x8 latents."""
+    root = tmp_path_factory.mktemp("shapes")
+    save_tiny_vae(root / "vae")
+    image_folder(root / "img")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "encode_latents.py"), "--vae",
+                        str(root / "vae"), "--images", str(root / "img"), "--out", str(root / "lat"),
+                        "--image-size", "16", "--shard-size", "8"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 0, r.stderr
+    return root
+
+
+def test_encoded_val_latents_are_held_out_images_not_the_training_ones(latents):
+    info = json.loads((latents / "lat" / "latents_info.json").read_text())
+    splits = {s["split"]: s for s in info["splits"]}
+    assert splits["train"]["images"] + splits["val"]["images"] == 24 and splits["val"]["images"] >= 1
+    assert splits["train"]["image_list"] != splits["val"]["image_list"]
+
+
+def test_a_latent_run_needs_no_shape_overrides_and_logs_what_it_read(latents, tmp_path):
+    """It needed model.in_channels=4 data.num_classes=3 model.num_classes=3 data.image_size=8 model.image_size=8,
+    each refused on a separate try."""
+    r = dit_train("data=latents", f"data.root={latents / 'lat'}", f"vae.path={latents / 'vae'}",
+                  f"run_dir={tmp_path / 'run'}", *TINY, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    log = (tmp_path / "run" / "dit_train.log").read_text()
+    line = next(ln for ln in log.splitlines() if "from the data:" in ln)
+    for value in ("data.image_size=8", "data.num_classes=3", "model.in_channels=4", "model.image_size=8",
+                  "model.num_classes=3"):
+        assert value in line, line
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    assert "in_channels: 4" in saved and "num_classes: 3" in saved
+    # a resume continues with the checkpoint's values, which are the data's: accepted, nothing to infer
+    r = dit_train(f"run_dir={tmp_path / 'run'}", "train.resume=auto", "train.steps=2", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "steps=2" in r.stdout
+
+
+def test_command_line_values_that_disagree_with_the_data_are_one_line_with_the_fix(latents, tmp_path):
+    r = dit_train("data=latents", f"data.root={latents / 'lat'}", f"vae.path={latents / 'vae'}",
+                  "model.in_channels=3", "data.image_size=16", "model.num_classes=2", "model.patch_size=3",
+                  f"run_dir={tmp_path / 'run'}", *TINY, cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    shard = latents / "lat" / "train" / "shard_00000.safetensors"
+    assert r.stderr == (
+        f"error: the data in {latents / 'lat'} (latents) disagrees with the command line or the presets: data.image_size=16 "
+        f"({shard}: latents [N, 4, 8, 8]); model.in_channels=3 (the data has 4); model.num_classes=2 (the data has "
+        f"3); model.patch_size=3 does not divide the image size 8 (valid: 1, 2, 4, 8); use instead: "
+        f"data.image_size=8 model.in_channels=4 model.num_classes=3 model.patch_size=2\n")
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_image_folder_run_reads_its_classes_channels_and_size(tmp_path):
+    """data=image_folder needed model.in_channels=3 model.image_size=64 and the class count by hand."""
+    image_folder(tmp_path / "img", classes=("a", "b"), size=(24, 24))
+    r = dit_train("data=image_folder", f"data.root={tmp_path / 'img'}", f"run_dir={tmp_path / 'run'}", *TINY,
+                  cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    log = (tmp_path / "run" / "dit_train.log").read_text()
+    assert "data.image_size=24" in log and "model.in_channels=3" in log and "model.num_classes=2" in log
+    held = re.search(r"(\d+) of its 16 images are held out as validation", log)
+    counts = re.search(r"\((\d+) train / (\d+) val\)", r.stdout)
+    assert held and counts and int(counts[2]) == int(held[1]) >= 1 and int(counts[1]) + int(counts[2]) == 16
+
+
+def test_a_resume_on_data_of_another_shape_is_refused_naming_the_saved_values(tmp_path):
+    """The saved config holds the shapes inferred at the start; data that changed under the run is not silently
+    re-inferred on resume (the checkpoint's weights have the saved shapes)."""
+    import torch
+
+    from test_data import write_latent_split
+
+    for split in ("train", "val"):
+        write_latent_split(tmp_path / "lat", split)  # 4 latents of 4x8x8, labels 0..3
+    args = ["data=latents", f"data.root={tmp_path / 'lat'}", f"run_dir={tmp_path / 'run'}", *TINY]
+    r = dit_train(*args, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    for split in ("train", "val"):
+        write_latent_split(tmp_path / "lat", split, latents=torch.randn(4, 4, 4, 4).half())
+    r = dit_train(f"run_dir={tmp_path / 'run'}", "train.resume=auto", "train.steps=2", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr == (
+        f"error: the data in {tmp_path / 'lat'} (latents) disagrees with the saved config of the run being "
+        f"continued: data.image_size=8 ({tmp_path / 'lat'}/train/shard_00000.safetensors: latents [N, 4, 4, 4]); "
+        f"model.image_size=8 (the data has 4); continue it on the data it was trained on, or train on this data in a "
+        f"new run_dir\n"), r.stderr
