@@ -16,7 +16,7 @@ fake bmm ~ms, a launch ~5-10 us). So the host time is rebuilt from two measured 
 host = python + kernels x launch + views x view. Warm-up steps first (every direction once, DTensor's sharding
 propagation cached), then one step of each kind (periodic_rowwise: between steps and the refresh).
 Not in the fake step (they need real values): the trainer's loss/stop-vote all-reduce and its one host read
-(~12 calls, Trainer.train_step), the data loader. The GPU time is predicted by predicted_gpu_step_s.
+(~12 calls, Trainer.train_step), the data loader. The GPU time is benchmarks/cost_model.py's (predicted_gpu_step_s).
 """
 
 from __future__ import annotations
@@ -34,19 +34,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # benchmarks.dispatch_counter when run as a script
 sys.path.insert(0, os.path.join(ROOT, "scripts"))  # estimate_memory.compose: the scaling study's config
 
-# H100 SXM, bf16 dense; the MFU a tuned FSDP2 DiT step reaches (an assumption, stated in the table)
-H100_BF16_FLOPS = 989e12
-ASSUMED_MFU = 0.40
 PHASES = ("forward_backward", "optimizer", "after")
+KIND_OF_STEP = {None: "every", 1.0: "refresh", 0.0: "between"}  # opt/refresh of step_info
 
 
-def predicted_gpu_step_s(model_cfg, micro_batch: int) -> float:
-    """Forward + backward of `micro_batch` images per GPU at ASSUMED_MFU of an H100: the GPU's busy time that the
-    host must stay ahead of (communication assumed overlapped, the optimizer's own GPU time not added: a lower
-    bound, so host/GPU is an upper bound). One function, to be replaced by benchmarks/cost_model.py's step."""
-    from dit_train.model_flops import training_flops_per_image
+def predicted_gpu_step_s(model_cfg, optimizer_cfg, world_size: int, images_per_rank: int) -> dict[str, float]:
+    """GPU seconds of each step kind on an H100 by benchmarks/cost_model.py: forward + backward at its assumed MFU,
+    FSDP2's exposed communication, and the optimizer step of that kind."""
+    from benchmarks.cost_model import PROFILES, Optim, forward_backward, optimizer_step, shapes_of
 
-    return training_flops_per_image(model_cfg) * micro_batch / (ASSUMED_MFU * H100_BF16_FLOPS)
+    hw, shapes = PROFILES["h100"], shapes_of(model_cfg)
+    name = optimizer_cfg.get("name")
+    opt = Optim(name, int(optimizer_cfg.get("K", 1) or 1), optimizer_cfg.get("rownorm_scale", "spectral"),
+                optimizer_cfg.get("distributed_mode", "owner"))
+    fb = forward_backward(shapes, hw, world_size, images_per_rank)
+    kinds = {"every": "adamw" if name == "adamw" else "refresh", "refresh": "refresh", "between": "rownorm"}
+    return {kind: fb["compute"] + fb["fsdp_exposed"] + sum(optimizer_step(shapes, step, opt, hw, world_size).values())
+            for kind, step in kinds.items() if name != "adamw" or step == "adamw"}
 
 
 def host_ms(calls: dict, python_s: float, launch_us: float, view_us: float) -> float:
@@ -59,7 +63,7 @@ def measure(cfg, world_size: int, micro_batch: int, fake: bool = True) -> list[d
     forward_backward (forward, backward, gradient clipping), optimizer, after (EMA, zero_grad, LR)."""
     import torch
 
-    from dit_train.memory_estimate import _train_step, empty_all_to_all_inputs_allowed, fake_training, steps_for
+    from dit_train.parallel.memory_estimate import _train_step, empty_all_to_all_inputs_allowed, fake_training, steps_for
     from benchmarks.dispatch_counter import DispatchCounter, FakeDispatchCounter, per_call_overhead_s
 
     torch.set_num_threads(1)  # fake tensors do no arithmetic; shrunk real ones next to none
@@ -113,7 +117,7 @@ def run_one(args) -> dict:
 
     cfg = compose(args.preset, args.optimizer, False, args.overrides)
     micro = args.micro_batch or cfg.train.batch_size // args.world_size
-    gpu_s = predicted_gpu_step_s(cfg.model, micro)
+    gpu_s = predicted_gpu_step_s(cfg.model, cfg.optimizer, args.world_size, micro)
     if args.mode == "shrunk":
         cfg.model.hidden_size, micro = 4 * cfg.model.num_heads, 1
     return {"preset": args.preset, "optimizer": args.optimizer, "world_size": args.world_size, "micro_batch": micro,
@@ -136,20 +140,20 @@ def table(results: list[dict], launch_us: float, view_us: float) -> str:
     the whole thread CPU time of the shrunk step on real tensors without the counter (its tiny CPU kernels in place
     of launches), a cross-check of the host estimate."""
     lines = [f"launch {launch_us:g} us per kernel or collective, {view_us:g} us per view or allocation; GPU step: "
-             f"forward+backward FLOPs at {ASSUMED_MFU:.0%} MFU of an H100 SXM ({H100_BF16_FLOPS / 1e12:.0f} TFLOP/s "
-             "bf16)", "",
+             "benchmarks/cost_model.py on an H100 SXM (forward+backward at its MFU, exposed FSDP2 communication, the "
+             "optimizer step of that kind)", "",
              "| preset | W | optimizer | step | fwd+bwd calls | fwd+bwd host ms | optimizer calls | optimizer host ms "
              "| optimizer python ms | EMA etc. host ms | step host ms | shrunk CPU step ms | GPU step ms | host / GPU |",
              "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
         seen = set()
         for st in r["steps"]:
-            kind = {None: "every", 1.0: "refresh", 0.0: "between"}[st["refresh"]]
+            kind = KIND_OF_STEP[st["refresh"]]
             if kind in seen:
                 continue
             seen.add(kind)
             ms = {name: host_ms(st[name]["calls"], st[name]["python_s"], launch_us, view_us) for name in PHASES}
-            total, gpu = sum(ms.values()), r["gpu_step_s"] * 1e3
+            total, gpu = sum(ms.values()), r["gpu_step_s"][kind] * 1e3
             direct = sum(st[name]["shrunk_thread_s"] for name in PHASES) * 1e3
             lines.append(
                 f"| {r['preset']} | {r['world_size']} | {r['optimizer']} | {kind} "
