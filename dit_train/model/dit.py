@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from dit_train.model.init import ONES, ZEROS, Rule, init_parameters, xavier_uniform
-from dit_train.model.rms_norm import rms_norm
 
 
 @dataclass
@@ -102,7 +101,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class SelfAttention(nn.Module):
