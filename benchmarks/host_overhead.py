@@ -5,14 +5,16 @@ the GPU ever wait for Python? (issue 31 item 4; docs/host_overhead.md holds the 
         --optimizers adamw muon periodic_rowwise [--launch-us 8] [--view-us 2] [--json out.jsonl] [overrides]
 
 How: the trainer's step (memory_estimate.fake_training: FSDP2 plan, sharded optimizer, EMA, on a fake process group,
-the scaling study's config) runs on fake tensors, whose operators cost Python time that a GPU run does not pay (a
-fake bmm ~ms, a launch ~5-10 us). So the host time is rebuilt from two measured parts:
-  python  the thread CPU time of the step minus the time inside the dispatched operators and minus the counting's
-          own per-call cost (dispatch_counter.per_call_overhead_s): the trainer's, FSDP2's, autograd's and the
-          optimizer's own Python and C++ around the operators;
-  calls   the operators dispatched (dispatch_counter: kernels, views/allocations, collectives), each costed at a
-          stated host price: --launch-us per kernel or collective (eager dispatch + CUDA launch), --view-us per
-          view or allocation (dispatch only).
+the scaling study's config) runs twice per optimizer, each in a fresh process. Neither run can be timed as it
+stands: a fake operator costs Python that a GPU run does not pay (a fake bmm ~ms, a launch ~5-10 us), and real
+tensors at full size need the GPU. So the host time is rebuilt from two measured parts:
+  calls   the operators dispatched at full size on fake tensors (dispatch_counter: kernels, views/allocations,
+          collectives), each costed at a stated host price: --launch-us per kernel or collective (eager dispatch
+          + CUDA launch), --view-us per view or allocation (dispatch only);
+  python  the same step on real tensors with the model shrunk to 4 channels per head and one image (the same
+          structure and calls; --top-ops prints both counts): its thread CPU time minus the time inside the
+          dispatched operators and minus the counter's own per-call cost (dispatch_counter.per_call_overhead_s),
+          i.e. the trainer's, FSDP2's, autograd's and the optimizer's Python and C++ around the operators.
 host = python + kernels x launch + views x view. Warm-up steps first (every direction once, DTensor's sharding
 propagation cached), then one step of each kind (periodic_rowwise: between steps and the refresh).
 Not in the fake step (they need real values): the trainer's loss/stop-vote all-reduce and its one host read
