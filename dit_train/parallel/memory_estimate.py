@@ -169,25 +169,22 @@ def by_category(current: dict, peak: dict, params: int, ema_bytes: int, state: i
     return persistent, at_peak
 
 
-def estimate(cfg, world_size: int, micro_batch: int, steps: int | None = None, fake: bool = True,
-             micro_batches: int = 1) -> dict:
-    """Bytes per rank (rank 0) of `steps` training steps of `cfg` on `world_size` ranks with `micro_batch` images
-    per rank per forward, `micro_batches` forwards per step (gradient accumulation, synced as the trainer does).
-    Returns {"persistent": {...}, "peak": {...}, "steps": n, "seconds": s} (bytes). fake=False runs on real
-    tensors (small models only: to check the fake run against a real one)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
-
+def fake_training(cfg, world_size: int, micro_batch: int, mode) -> SimpleNamespace:
+    """The trainer's objects for rank 0 of `world_size`, as estimate() and benchmarks/host_overhead.py run them: a
+    fake process group, the model and EMA shadow built on meta and sharded by the plan of cfg.parallel, then inside
+    `mode` (a FakeTensorMode, or a null context for real tensors) allocated, with the EMA, optimizer, LR schedule,
+    a batch of `micro_batch` images and noise() (a step's timesteps, noise and dropout mask). Run the steps inside
+    `mode` again (and empty_all_to_all_inputs_allowed). Returns SimpleNamespace(info, plan, model, ema, optimizer,
+    scheduler, x, y, noise)."""
     from dit_train import seeds
     from dit_train.diffusion.ema import EMA
     from dit_train.model.dit import build_model
     from dit_train.optim.registry import build_optimizer
     from dit_train.optim.sharded_optimizer import ShardedMatrixOptimizer
-    from dit_train.parallel.fsdp import DistInfo, fsdp_mesh, local, parallelize, resolve_plan
+    from dit_train.parallel.fsdp import DistInfo, fsdp_mesh, parallelize, resolve_plan
     from dit_train.optim.schedule import build_scheduler
     from dit_train.trainer.loop import Trainer
 
-    t0 = time.perf_counter()
     init_fake_process_group(world_size)
     device = torch.device("cpu")
     info = DistInfo(rank=0, world_size=world_size, device=device)
@@ -195,14 +192,12 @@ def estimate(cfg, world_size: int, micro_batch: int, steps: int | None = None, f
     if not plan.sharded:
         raise ValueError("the estimate is for FSDP2 runs: parallel.fsdp must not be false")
     tc = cfg.train
-    steps = steps or steps_for(cfg.optimizer)
     # the mesh of the estimate's own (fake CPU) tensors: left to parallelize, a host with a visible GPU gets a cuda
     # mesh that the CPU shards cannot use
     mesh = fsdp_mesh(plan, device.type)
     model = parallelize(build_model(cfg.model, device="meta"), plan, mesh=mesh)
     shadow = parallelize(build_model(cfg.model, device="meta"), plan, trainable=False, mesh=mesh)
-    # meta tensors are not fake tensors: allow them in, to_empty turns them into fake CPU tensors
-    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+    with mode:
         model.to_empty(device=device)
         shadow.to_empty(device=device)
         ema = EMA(model, tc.ema_decay, shadow=shadow)
@@ -217,7 +212,30 @@ def estimate(cfg, world_size: int, micro_batch: int, steps: int | None = None, f
         m = cfg.model
         x = torch.randn(micro_batch, m.in_channels, m.image_size, m.image_size)
         y = torch.randint(0, max(1, m.num_classes), (micro_batch,))
+        noise = lambda: Trainer.global_batch_noise(trainer, x)  # noqa: E731  a fresh draw per step, as trained
+    return SimpleNamespace(info=info, plan=plan, model=model, ema=ema, optimizer=optimizer, scheduler=scheduler,
+                           x=x, y=y, noise=noise)
 
+
+def estimate(cfg, world_size: int, micro_batch: int, steps: int | None = None, fake: bool = True,
+             micro_batches: int = 1) -> dict:
+    """Bytes per rank (rank 0) of `steps` training steps of `cfg` on `world_size` ranks with `micro_batch` images
+    per rank per forward, `micro_batches` forwards per step (gradient accumulation, synced as the trainer does).
+    Returns {"persistent": {...}, "peak": {...}, "steps": n, "seconds": s} (bytes). fake=False runs on real
+    tensors (small models only: to check the fake run against a real one)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+
+    from dit_train.parallel.fsdp import local
+
+    t0 = time.perf_counter()
+    steps = steps or steps_for(cfg.optimizer)
+    # meta tensors are not fake tensors: allow them in, to_empty turns them into fake CPU tensors
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    run = fake_training(cfg, world_size, micro_batch, mode)
+    model, ema, optimizer, x, y = run.model, run.ema, run.optimizer, run.x, run.y
+    device = run.info.device
+    with mode:
         tracker = StepTracker(model, optimizer)
         tracker.track_inputs((x, y))
         # the EMA shards live outside the trained module: register them (as "Buffer", split off below) so that
@@ -228,8 +246,8 @@ def estimate(cfg, world_size: int, micro_batch: int, steps: int | None = None, f
         with tracker.ignoring_propagation(), tracker, empty_all_to_all_inputs_allowed():
             for _ in range(steps):
                 # per-module stats are per forward (the tracker refuses a second one); the peak is kept
-                _train_step(model, plan, ema, optimizer, scheduler, x, y, Trainer.global_batch_noise(trainer, x), cfg,
-                            micro_batches, between=tracker.reset_mod_stats)
+                _train_step(model, run.plan, ema, optimizer, run.scheduler, x, y, run.noise(), cfg, micro_batches,
+                            between=tracker.reset_mod_stats)
                 tracker.reset_mod_stats()  # per-module stats are per iteration; the peak is kept
             current = tracker.get_tracker_snapshot("current")[device]
         peak = tracker.get_tracker_snapshot("peak")[device]
@@ -243,26 +261,31 @@ def estimate(cfg, world_size: int, micro_batch: int, steps: int | None = None, f
 
 
 def _train_step(model, plan, ema, optimizer, scheduler, x, y, noise, cfg, micro_batches: int = 1,
-                between=None) -> None:
+                between=None, phase=None) -> None:
     """Trainer.train_step's tensor work (train.py), without what needs real values: the finite checks, .item()
     and the 2-scalar loss/preemption all-reduce (8 bytes). `micro_batches` backwards of `x` accumulate, synced by
-    the trainer's own micro_batch_sync."""
+    the trainer's own micro_batch_sync. phase(name), a context manager, marks the parts forward_backward (with the
+    gradient clipping), optimizer and after (EMA, zero_grad, LR schedule)."""
     from dit_train.diffusion.flow import velocity_loss
     from dit_train.parallel.fsdp import autocast, clip_grad_norm_
     from dit_train.trainer.loop import micro_batch_sync
 
+    phase = phase or (lambda name: contextlib.nullcontext())
     t, eps, drop = noise
-    for i in range(micro_batches):
-        if micro_batches > 1:
-            micro_batch_sync(model, plan, optimizer, last=i == micro_batches - 1)
-            if i and between is not None:
-                between()
-        with autocast(cfg.train.precision, x.device):
-            loss = velocity_loss(model, x, t, eps, drop_mask=drop, y=y)
-        loss.backward()
-    clip = cfg.train.grad_clip
-    clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
-    optimizer.step()
-    ema.update(model)
-    optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
+    with phase("forward_backward"):
+        for i in range(micro_batches):
+            if micro_batches > 1:
+                micro_batch_sync(model, plan, optimizer, last=i == micro_batches - 1)
+                if i and between is not None:
+                    between()
+            with autocast(cfg.train.precision, x.device):
+                loss = velocity_loss(model, x, t, eps, drop_mask=drop, y=y)
+            loss.backward()
+        clip = cfg.train.grad_clip
+        clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
+    with phase("optimizer"):
+        optimizer.step()
+    with phase("after"):
+        ema.update(model)
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()

@@ -1,0 +1,218 @@
+"""Host (CPU) time of a training step at full size as rank 0 of W, against the predicted GPU time of that step: does
+the GPU ever wait for Python? (issue 31 item 4; docs/host_overhead.md holds the table.)
+
+    PYTHONPATH=$PWD python benchmarks/host_overhead.py --preset dit_15b --world-size 32 \\
+        --optimizers adamw muon periodic_rowwise [--launch-us 8] [--view-us 2] [--json out.jsonl] [overrides]
+
+How: the trainer's step (memory_estimate.fake_training: FSDP2 plan, sharded optimizer, EMA, on a fake process group,
+the scaling study's config) runs twice per optimizer, each in a fresh process. Neither run can be timed as it
+stands: a fake operator costs Python that a GPU run does not pay (a fake bmm ~ms, a launch ~5-10 us), and real
+tensors at full size need the GPU. So the host time is rebuilt from two measured parts:
+  calls   the operators dispatched at full size on fake tensors (dispatch_counter: kernels, views/allocations,
+          collectives), each costed at a stated host price: --launch-us per kernel or collective (eager dispatch
+          + CUDA launch), --view-us per view or allocation (dispatch only);
+  python  the same step on real tensors with the model shrunk to 4 channels per head and one image (the same
+          structure and calls; --top-ops prints both counts): its thread CPU time minus the time inside the
+          dispatched operators and minus the counter's own per-call cost (dispatch_counter.per_call_overhead_s),
+          i.e. the trainer's, FSDP2's, autograd's and the optimizer's Python and C++ around the operators.
+host = python + kernels x launch + views x view. Warm-up steps first (every direction once, DTensor's sharding
+propagation cached), then one step of each kind (periodic_rowwise: between steps and the refresh).
+Not in the fake step (they need real values): the trainer's loss/stop-vote all-reduce and its one host read
+(~12 calls, Trainer.train_step), the data loader. The GPU time is benchmarks/cost_model.py's (predicted_gpu_step_s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # benchmarks.dispatch_counter when run as a script
+sys.path.insert(0, os.path.join(ROOT, "scripts"))  # estimate_memory.compose: the scaling study's config
+
+PHASES = ("forward_backward", "optimizer", "after")
+KIND_OF_STEP = {None: "every", 1.0: "refresh", 0.0: "between"}  # opt/refresh of step_info
+
+
+def predicted_gpu_step_s(model_cfg, optimizer_cfg, world_size: int, images_per_rank: int) -> dict[str, float]:
+    """GPU seconds of each step kind on an H100 by benchmarks/cost_model.py: forward + backward at its assumed MFU,
+    FSDP2's exposed communication, and the optimizer step of that kind."""
+    from benchmarks.cost_model import PROFILES, Optim, forward_backward, optimizer_step, shapes_of
+
+    hw, shapes = PROFILES["h100"], shapes_of(model_cfg)
+    name = optimizer_cfg.get("name")
+    opt = Optim(name, int(optimizer_cfg.get("K", 1) or 1), optimizer_cfg.get("rownorm_scale", "spectral"),
+                optimizer_cfg.get("distributed_mode", "owner"))
+    fb = forward_backward(shapes, hw, world_size, images_per_rank)
+    kinds = {"every": "adamw" if name == "adamw" else "refresh", "refresh": "refresh", "between": "rownorm"}
+    return {kind: fb["compute"] + fb["fsdp_exposed"] + sum(optimizer_step(shapes, step, opt, hw, world_size).values())
+            for kind, step in kinds.items() if name != "adamw" or step == "adamw"}
+
+
+def host_ms(calls: dict, python_s: float, launch_us: float, view_us: float) -> float:
+    launches = calls.get("kernel", 0) + calls.get("collective", 0)
+    return python_s * 1e3 + (launches * launch_us + calls.get("no_kernel", 0) * view_us) / 1e3
+
+
+def measure(cfg, world_size: int, micro_batch: int, fake: bool = True) -> list[dict]:
+    """One row per measured step: {"step", "refresh", phase: {"calls", "python_s", "top_ops"}} for the phases
+    forward_backward (forward, backward, gradient clipping), optimizer, after (EMA, zero_grad, LR)."""
+    import torch
+
+    from dit_train.parallel.memory_estimate import _train_step, empty_all_to_all_inputs_allowed, fake_training, steps_for
+    from benchmarks.dispatch_counter import DispatchCounter, FakeDispatchCounter, per_call_overhead_s
+
+    torch.set_num_threads(1)  # fake tensors do no arithmetic; shrunk real ones next to none
+    counter = FakeDispatchCounter(allow_non_fake_inputs=True) if fake else DispatchCounter()
+    run = fake_training(cfg, world_size, micro_batch, counter)
+    opt = run.optimizer
+    K = cfg.optimizer.get("K") or 1
+    rows = []
+    with counter, empty_all_to_all_inputs_allowed():
+        for _ in range(steps_for(cfg.optimizer)):
+            _train_step(run.model, run.plan, run.ema, opt, run.scheduler, run.x, run.y, run.noise(), cfg)
+        for i in range(K):  # periodic: K - 1 between steps and a refresh; else one step
+            noise = run.noise()  # drawn outside the count: 3 calls, as the trainer draws them
+            counter.reset()
+            _train_step(run.model, run.plan, run.ema, opt, run.scheduler, run.x, run.y, noise, cfg,
+                        phase=counter.phase)
+            row = {"step": i, "refresh": opt.step_info().get("opt/refresh")}
+            for name in PHASES:
+                row[name] = {"calls": dict(counter.calls.get(name, {})), "inside_s": counter.inside_s[name],
+                             "total_s": counter.total_s[name], "top_ops": counter.ops.get(name, {}).most_common(8)}
+            rows.append(row)
+    if not fake:  # the same steps again without the counter: the thread's whole CPU time, nothing subtracted
+        with empty_all_to_all_inputs_allowed():
+            for row in rows:
+                spent = Counter()
+
+                @contextlib.contextmanager
+                def phase(name):
+                    start = time.thread_time()
+                    yield
+                    spent[name] += time.thread_time() - start
+
+                _train_step(run.model, run.plan, run.ema, opt, run.scheduler, run.x, run.y, run.noise(), cfg,
+                            phase=phase)
+                for name in PHASES:
+                    row[name]["uncounted_s"] = spent[name]
+    overhead = per_call_overhead_s(type(counter))
+    for row in rows:
+        for name in PHASES:
+            ph = row[name]
+            n = sum(ph["calls"].values())
+            ph["python_s"] = max(0.0, ph["total_s"] - ph["inside_s"] - n * overhead)
+        row["per_call_overhead_s"] = overhead
+    return rows
+
+
+def run_one(args) -> dict:
+    """One optimizer in this process: the full-size step on fake tensors (--mode fake: the calls) or the same step
+    on real tensors with the model's width shrunk to 4 per head and one image (--mode shrunk: the Python time)."""
+    from estimate_memory import compose
+
+    cfg = compose(args.preset, args.optimizer, False, args.overrides)
+    micro = args.micro_batch or cfg.train.batch_size // args.world_size
+    gpu_s = predicted_gpu_step_s(cfg.model, cfg.optimizer, args.world_size, micro)
+    if args.mode == "shrunk":
+        cfg.model.hidden_size, micro = 4 * cfg.model.num_heads, 1
+    return {"preset": args.preset, "optimizer": args.optimizer, "world_size": args.world_size, "micro_batch": micro,
+            "mode": args.mode, "overrides": list(args.overrides), "gpu_step_s": gpu_s,
+            "steps": measure(cfg, args.world_size, micro, fake=args.mode == "fake")}
+
+
+def combined(fake: dict, shrunk: dict) -> dict:
+    """The full-size calls with the shrunk run's Python time, step by step."""
+    out = dict(fake, steps=[])
+    for f, s in zip(fake["steps"], shrunk["steps"], strict=True):
+        out["steps"].append({**f, **{name: {**f[name], "python_s": s[name]["python_s"],
+                                            "shrunk_calls": s[name]["calls"],
+                                            "shrunk_thread_s": s[name]["uncounted_s"]} for name in PHASES}})
+    return out
+
+
+def table(results: list[dict], launch_us: float, view_us: float) -> str:
+    """One line per measured step kind: calls and host ms per phase, and host / predicted GPU step. "shrunk CPU step":
+    the whole thread CPU time of the shrunk step on real tensors without the counter (its tiny CPU kernels in place
+    of launches), a cross-check of the host estimate."""
+    lines = [f"launch {launch_us:g} us per kernel or collective, {view_us:g} us per view or allocation; GPU step: "
+             "benchmarks/cost_model.py on an H100 SXM (forward+backward at its MFU, exposed FSDP2 communication, the "
+             "optimizer step of that kind)", "",
+             "| preset | W | optimizer | step | fwd+bwd calls | fwd+bwd host ms | optimizer calls | optimizer host ms "
+             "| optimizer python ms | EMA etc. host ms | step host ms | shrunk CPU step ms | GPU step ms | host / GPU |",
+             "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in results:
+        seen = set()
+        for st in r["steps"]:
+            kind = KIND_OF_STEP[st["refresh"]]
+            if kind in seen:
+                continue
+            seen.add(kind)
+            ms = {name: host_ms(st[name]["calls"], st[name]["python_s"], launch_us, view_us) for name in PHASES}
+            total, gpu = sum(ms.values()), r["gpu_step_s"][kind] * 1e3
+            direct = sum(st[name]["shrunk_thread_s"] for name in PHASES) * 1e3
+            lines.append(
+                f"| {r['preset']} | {r['world_size']} | {r['optimizer']} | {kind} "
+                f"| {sum(st['forward_backward']['calls'].values())} | {ms['forward_backward']:.1f} "
+                f"| {sum(st['optimizer']['calls'].values())} | {ms['optimizer']:.1f} "
+                f"| {st['optimizer']['python_s'] * 1e3:.1f} | {ms['after']:.1f} | {total:.1f} | {direct:.1f} | {gpu:.0f} "
+                f"| {total / gpu:.1%} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="dit_15b")
+    p.add_argument("--world-size", type=int, default=32)
+    p.add_argument("--optimizers", nargs="+", default=["adamw", "muon", "periodic_rowwise"])
+    p.add_argument("--micro-batch", type=int, default=0, help="images per rank (default: train.batch_size / W)")
+    p.add_argument("--launch-us", type=float, default=8.0, help="host us per kernel launch or collective")
+    p.add_argument("--view-us", type=float, default=2.0, help="host us per view or allocation")
+    p.add_argument("--json", help="append each result to this JSONL file")
+    p.add_argument("--top-ops", action="store_true", help="also print each phase's most frequent operators")
+    p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # one optimizer, JSON on stdout
+    p.add_argument("--optimizer", help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=("fake", "shrunk"), default="fake", help=argparse.SUPPRESS)
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model.depth=2")
+    args = p.parse_args(argv)
+    for name in args.optimizers:
+        if name not in ("adamw", "muon", "periodic_rowwise", "rownorm", "mud"):
+            p.error(f"--optimizers: {name!r} is not an optimizer (adamw, muon, periodic_rowwise, rownorm, mud)")
+    if args.one:
+        print(json.dumps(run_one(args)))
+        return 0
+    results = []
+    for name in args.optimizers:  # a fresh process each: the fake process group and compiled state are global
+        runs = {}
+        for mode in ("fake", "shrunk"):
+            cmd = [sys.executable, os.path.abspath(__file__), "--one", "--mode", mode, "--optimizer", name,
+                   "--preset", args.preset, "--world-size", str(args.world_size), "--micro-batch",
+                   str(args.micro_batch), *args.overrides]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                sys.exit(f"error: {name} ({mode}) failed: {proc.stderr.strip()[-2000:]}")
+            runs[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+        r = combined(runs["fake"], runs["shrunk"])
+        results.append(r)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(r) + "\n")
+        if args.top_ops:
+            for st in r["steps"]:
+                for name_ in PHASES:
+                    print(f"{r['optimizer']} step {st['step']} {name_}: {st[name_]['calls']} (shrunk: "
+                          f"{st[name_]['shrunk_calls']}) python {st[name_]['python_s'] * 1e3:.1f} ms, shrunk "
+                          f"step uncounted {st[name_]['shrunk_thread_s'] * 1e3:.1f} ms; "
+                          f"top {st[name_]['top_ops']}")
+    print(table(results, args.launch_us, args.view_us))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
