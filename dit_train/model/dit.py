@@ -335,7 +335,9 @@ def load_preset(name: str, hidden_size: int | None = None, depth: int | None = N
 
     from omegaconf import OmegaConf
 
-    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf", "model")
+    from dit_train.config.files import CONF_DIR
+
+    folder = os.path.join(CONF_DIR, "model")
     path = os.path.join(folder, f"{name}.yaml")
     if not os.path.exists(path):
         valid = sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".yaml"))

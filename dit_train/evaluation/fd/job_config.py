@@ -10,8 +10,9 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from dit_train.config import load_option
+from dit_train.config.files import CONF_DIR as _CONF_DIR
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(_CONF_DIR)
 
 
 def load_eval_cfg(preset: str = "default", overrides: list[str] | None = None) -> DictConfig:
