@@ -1,7 +1,7 @@
 """Sample from a trained run without writing Python: EMA weights, Euler steps with classifier-free guidance (the
 one sampler, dit_train.diffusion.sampler), a grid with one row per class and/or a folder of PNGs.
 
-    python -m dit_train.sample RUN_OR_CHECKPOINT [--classes 0 3 7] [--per-class 8] [--steps 50] [--cfg-scale 2.5]
+    dit-sample RUN_OR_CHECKPOINT [--classes 0 3 7] [--per-class 8] [--steps 50] [--cfg-scale 2.5]
                                [--seed 0] [--grid samples.png] [--out-dir samples/] [--batch-size 64]
 
 Steps, guidance and seed default to the run's own (train.sample_steps, train.cfg_scale, seed), and the noise is
@@ -32,7 +32,7 @@ def latent_decoder(cfg, vae_path: str | None, device):
     path = vae_path or cfg.get("vae", {}).get("path")
     if not path:
         raise ValueError(f"{cfg.model.get('name')} was trained on latents (data=latents) and its run names no VAE: "
-                         f"pass --vae /path/to/vae (the folder given to encode_latents.py --vae)")
+                         f"pass --vae /path/to/vae (the folder given to dit-encode-latents --vae)")
     from dit_train.diffusion.vae import LatentCodec
 
     return LatentCodec(path, device).decode
@@ -87,7 +87,7 @@ def write_folder(images: torch.Tensor, labels: torch.Tensor, folder: str) -> lis
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dit_train.sample", description=__doc__,
+    ap = argparse.ArgumentParser(prog="dit-sample", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("source", help="run folder (its newest checkpoint) or a step_N.dcp checkpoint folder")
     ap.add_argument("--classes", type=int, nargs="+", default=None, help="class ids (default: every class)")

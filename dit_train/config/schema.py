@@ -192,5 +192,5 @@ class RunConfig:
     train: Any = key()
     parallel: Any = key()
     vae: Any = key()
-    study: Optional[Dict[str, Any]] = key("null or the experiment's grid for scripts/run_study.py (free-form)",
+    study: Optional[Dict[str, Any]] = key("null or the experiment's grid for dit-study (free-form)",
                                           default=None)

@@ -1,5 +1,5 @@
 """Per-rank memory of training steps, measured by running the trainer's own code on fake tensors (no memory, no
-GPU) under a fake process group of W ranks; scripts/estimate_memory.py prints it, docs/scaling_out.md holds the
+GPU) under a fake process group of W ranks; dit-estimate-memory prints it, docs/scaling_out.md holds the
 table.
 
 How (the approach of torchtitan's scripts/estimate/estimation.py, our own code):
