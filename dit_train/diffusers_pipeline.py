@@ -10,8 +10,8 @@ sampler with classifier-free guidance (dit_train.diffusion.flow.euler_sample) wr
 FlowMatchEulerDiscreteScheduler: the same time grid (sigmas 1 -> 0 in equal steps, t = sigma, 1 = noise), the same
 null class, and for latent runs the same decoding (vae.LatentCodec: z / scaling_factor + shift_factor). With
 `generator=dit_train.seeds.generator("grid_noise", seed)` it gives the images of `dit-sample --seed
-seed` for up to --batch-size images (one noise draw; fp32 weights, while the sample command runs under the run's
-train.precision autocast).
+seed` for the same labels in one call (both draw the noise of all images at once; fp32 weights, while the sample
+command runs under the run's train.precision autocast).
 
 Loading reads local folders only and never runs code from them: the classes are this module's and diffusers'.
 """

@@ -4,11 +4,14 @@ one sampler, dit_train.diffusion.sampler), a grid with one row per class and/or 
     dit-sample RUN_OR_CHECKPOINT [--classes 0 3 7] [--per-class 8] [--steps 50] [--cfg-scale 2.5]
                                [--seed 0] [--grid samples.png] [--out-dir samples/] [--batch-size 64]
 
-Steps, guidance and seed default to the run's own (train.sample_steps, train.cfg_scale, seed), and the noise is
-the training grids' stream: with --per-class train.samples_per_class and classes 0..9 the grid is the run's last
-sample grid, pixel for pixel. The same seed and batch size give the same images. The Euler steps equal diffusers' FlowMatchEulerDiscreteScheduler with
+Everything left out is the run's own grids' (classes 0..9, train.samples_per_class per class, train.sample_steps,
+train.cfg_scale, seed; the noise is the training grids' stream, drawn once for all images; a latent run's VAE
+decodes them all after sampling in vae.decode_batch_size batches), so `dit-sample RUN` is the
+run's last grid pixel for pixel (tests/test_sample.py, tests/test_latents_e2e.py) on the CPU. The noise does not
+depend on the batch size. The Euler steps equal diffusers' FlowMatchEulerDiscreteScheduler with
 `sigmas = linspace(1, 0, steps + 1)[:-1]` bit for bit (tests/test_sample.py), so a diffusers scheduler can replace
-them: feed the model t = the scheduler's sigma (our t runs from 1 = noise to 0).
+them: feed the model t = the scheduler's sigma (our t runs from 1 = noise to 0). A progress bar counts the model
+calls on a terminal (--no-progress: none).
 """
 
 from __future__ import annotations
@@ -22,57 +25,72 @@ import torch
 from dit_train import seeds
 from dit_train.runs.checkpoint import load_for_inference
 from dit_train.evaluation.grids import save_grid, save_image
-from dit_train.diffusion.sampler import make_sampler
+from dit_train.diffusion.sampler import as_latents, make_sampler, noise_shape
+from dit_train.evaluation.during_training import grid_classes
+from dit_train.telemetry.progress import model_call_bar
 
 
-def latent_decoder(cfg, vae_path: str | None, device):
-    """A latent run's samples are VAE latents: decoded by the run's VAE (vae.path, or --vae); None for image runs."""
+def latent_codec(cfg, vae_path: str | None, device):
+    """A latent run's samples are VAE latents: decoded by the run's VAE (vae.path, or --vae) in batches of its
+    vae.decode_batch_size, as its grids were; None for image runs."""
     if cfg.data.get("name") != "latents":
         return None
-    path = vae_path or cfg.get("vae", {}).get("path")
+    vae_cfg = cfg.get("vae") or {}
+    path = vae_path or vae_cfg.get("path")
     if not path:
         raise ValueError(f"{cfg.model.get('name')} was trained on latents (data=latents) and its run names no VAE: "
                          f"pass --vae /path/to/vae (the folder given to dit-encode-latents --vae)")
     from dit_train.diffusion.vae import LatentCodec
 
-    return LatentCodec(path, device).decode
+    return LatentCodec(path, device, vae_cfg.get("decode_batch_size", 16))
 
 
 def class_labels(cfg, classes: list[int] | None, per_class: int) -> torch.Tensor:
-    """`per_class` labels of each class (all classes by default); an unconditional model: `per_class` images."""
+    """`per_class` labels of each class (by default the classes of the run's grids); an unconditional model:
+    `per_class` images."""
     num_classes = int(cfg.model.get("num_classes", 0) or 0)
     if num_classes == 0:
         return torch.zeros(per_class, dtype=torch.long)
-    classes = list(range(num_classes)) if classes is None else classes
+    classes = list(range(grid_classes(cfg.model))) if classes is None else classes
     bad = [c for c in classes if not 0 <= c < num_classes]
     if bad:
         raise ValueError(f"--classes {bad[0]} is not valid: this model has classes 0..{num_classes - 1}")
     return torch.tensor(classes).repeat_interleave(per_class)
 
 
-def sample(source: str, classes: list[int] | None = None, per_class: int = 8, steps: int | None = None,
-           cfg_scale: float | None = None, seed: int | None = None, batch_size: int = 64,
-           device: str = "cpu", vae: str | None = None) -> tuple:
-    """(images [N, C, H, W] in [-1, 1], labels [N], run config, checkpoint meta) from the EMA weights of `source`."""
-    if per_class < 1 or batch_size < 1:
-        raise ValueError(f"--per-class={per_class} / --batch-size={batch_size} is not valid: expected integers >= 1")
+def sample(source: str, classes: list[int] | None = None, per_class: int | None = None, steps: int | None = None,
+           cfg_scale: float | None = None, seed: int | None = None, batch_size: int | None = None,
+           device: str = "cpu", vae: str | None = None, progress: bool = False) -> tuple:
+    """(images [N, C, H, W] in [-1, 1], labels [N], run config, meta: the checkpoint's and the settings used) from
+    the EMA weights of `source`. Left as None, a setting is the run's own grids'; the noise of all N images is one
+    draw, as in the run's grids, so the batch size does not change the images."""
     model, cfg, meta = load_for_inference(source, device)
     if int(cfg.model.get("text_dim", 0) or 0):
         raise ValueError(f"model.text_dim={cfg.model.text_dim}: a text-conditioned model needs caption embeddings, "
                          f"which this command does not take")
-    decode = latent_decoder(cfg, vae, device)
+    run_per_class = int(cfg.train.get("samples_per_class", 8))
+    per_class = run_per_class if per_class is None else per_class
+    batch_size = grid_classes(cfg.model) * run_per_class if batch_size is None else batch_size  # the run's one call
+    if per_class < 1 or batch_size < 1:
+        raise ValueError(f"--per-class={per_class} / --batch-size={batch_size} is not valid: expected integers >= 1")
     steps = cfg.train.sample_steps if steps is None else steps
     cfg_scale = cfg.train.cfg_scale if cfg_scale is None else cfg_scale
     seed = cfg.seed if seed is None else seed
     if steps < 1 or cfg_scale < 0:
         raise ValueError(f"--steps={steps} / --cfg-scale={cfg_scale} is not valid: expected steps >= 1, scale >= 0")
     labels = class_labels(cfg, classes, per_class)
-    sampler = make_sampler(model, cfg.model, device, steps, cfg_scale, cfg.train.precision, decode=decode)
+    codec = latent_codec(cfg, vae, device)
+    # latents are decoded after sampling, all together, as the run's grid decodes them
+    sampler = make_sampler(model, cfg.model, device, steps, cfg_scale, cfg.train.precision,
+                           decode=None if codec is None else as_latents)
     generator = seeds.generator("grid_noise", seed, device=torch.device(device))  # the training grids' noise
-    images = []
-    for batch in labels.split(batch_size):
-        images.append(sampler(batch, generator).cpu())
-    return torch.cat(images), labels, cfg, {**meta, "steps": steps, "cfg_scale": cfg_scale, "seed": seed}
+    noise = torch.randn((len(labels), *noise_shape(cfg.model)), generator=generator, device=device)
+    batches = list(zip(labels.split(batch_size), noise.split(batch_size)))
+    with model_call_bar(model, len(batches) * steps, "sample", enabled=progress):
+        images = torch.cat([sampler(y, None, noise=z).cpu() for y, z in batches])
+    if codec is not None:
+        images = codec.decode(images).cpu()
+    return images, labels, cfg, {**meta, "steps": steps, "cfg_scale": cfg_scale, "seed": seed, "per_class": per_class}
 
 
 def write_folder(images: torch.Tensor, labels: torch.Tensor, folder: str) -> list[str]:
@@ -90,28 +108,34 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="dit-sample", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("source", help="run folder (its newest checkpoint) or a step_N.dcp checkpoint folder")
-    ap.add_argument("--classes", type=int, nargs="+", default=None, help="class ids (default: every class)")
-    ap.add_argument("--per-class", type=int, default=8, help="images per class (default 8): one grid row per class")
+    ap.add_argument("--classes", type=int, nargs="+", default=None,
+                    help="class ids (default: the run's grid's, classes 0..9 or every class when fewer)")
+    ap.add_argument("--per-class", type=int, default=None,
+                    help="images per class, one grid row per class (default: the run's train.samples_per_class)")
     ap.add_argument("--steps", type=int, default=None, help="Euler steps (default: the run's train.sample_steps)")
     ap.add_argument("--cfg-scale", type=float, default=None, help="guidance scale, 1 = off (default: the run's)")
     ap.add_argument("--seed", type=int, default=None, help="noise seed (default: the run's seed)")
     ap.add_argument("--grid", default=None, help="grid PNG path (default samples.png unless --out-dir is given)")
     ap.add_argument("--out-dir", default=None, help="folder for one PNG per image")
-    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help="images per model call (default: the run's grid size, which the run sampled in one call)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--vae", default=None, help="VAE folder of a latent run (default: the run's vae.path)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar (there is none when stderr is not "
+                                                                  "a terminal)")
     args = ap.parse_args(argv)
     grid = args.grid or (None if args.out_dir else "samples.png")
     try:
         images, labels, _, meta = sample(args.source, args.classes, args.per_class, args.steps, args.cfg_scale,
-                                         args.seed, args.batch_size, args.device, args.vae)
+                                         args.seed, args.batch_size, args.device, args.vae,
+                                         progress=not args.no_progress)
     except (FileNotFoundError, KeyError, ValueError) as e:  # CheckpointError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
     written = []
     if grid:
         os.makedirs(os.path.dirname(os.path.abspath(grid)), exist_ok=True)
-        written.append(save_grid(images, grid, nrow=args.per_class))
+        written.append(save_grid(images, grid, nrow=meta["per_class"]))
     if args.out_dir:
         written.append(f"{len(write_folder(images, labels, args.out_dir))} PNGs in {args.out_dir}")
     print(f"{len(images)} samples from {meta['path']} (step {meta['step']}, {meta['steps']} Euler steps, CFG "

@@ -20,3 +20,14 @@ def test_optimizer_on_a_diffusers_model_example_runs(capsys, one_intra_op_thread
     exec(compile(readme_block_after("The optimizers work in other training scripts too"), "README.md", "exec"), {})
     table = capsys.readouterr().out
     assert "| matrix | 19 |" in table and "97.1%" in table  # the numbers the README's comment states
+
+
+def test_the_layout_section_names_every_folder_of_the_package():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    layout = text[text.index("## Layout"):text.index("\n## ", text.index("## Layout") + 1)]
+    package = os.path.join(ROOT, "dit_train")
+    folders = [d for d in sorted(os.listdir(package)) if os.path.isdir(os.path.join(package, d)) and d != "__pycache__"]
+    assert len(folders) >= 10
+    missing = [d for d in folders if f"`{d}/`" not in layout]
+    assert not missing, f"README's layout section does not name {missing}"

@@ -27,7 +27,7 @@ def test_dirty_means_uncommitted_code_and_modified_files_are_listed(tmp_path):
 
     (tmp_path / "dit_train" / "train.py").write_text("a = 2\n")
     assert git_commit(str(tmp_path)) == head + "-dirty"
-    assert modified_files(str(tmp_path)) == ["dit_train/trainer/loop.py", "docs/report.md"]
+    assert modified_files(str(tmp_path)) == ["dit_train/train.py", "docs/report.md"]
 
 
 def test_outside_a_repository_there_is_no_commit(tmp_path):

@@ -11,7 +11,7 @@ from PIL import Image
 from conftest import compose, needs_fashion
 from dit_train.diffusion.flow import euler_sample
 from dit_train.model.dit import DiT, DiTConfig
-from dit_train.sample import latent_decoder, main as sample_main
+from dit_train.sample import latent_codec, main as sample_main
 from dit_train.trainer.loop import run
 
 
@@ -31,7 +31,8 @@ def pixels(path):
 
 @needs_fashion
 def test_default_sample_is_the_runs_last_grid(trained_run, tmp_path, capsys):
-    assert sample_main([str(trained_run), "--per-class", "2", "--grid", str(tmp_path / "grid.png")]) == 0
+    """No flags: the run's grid (its classes, train.samples_per_class=2, steps, guidance and seed)."""
+    assert sample_main([str(trained_run), "--grid", str(tmp_path / "grid.png")]) == 0
     out = capsys.readouterr().out
     assert "20 samples" in out and "seed 5" in out and "3 Euler steps" in out, out
     assert np.array_equal(pixels(tmp_path / "grid.png"), pixels(trained_run / "samples" / "step_00000003.png"))
@@ -64,9 +65,9 @@ def test_bad_arguments_are_one_line(trained_run, tmp_path, capsys, args, message
 
 def test_a_latent_run_without_a_vae_says_what_to_pass():
     with pytest.raises(ValueError, match="trained on latents .* pass --vae"):
-        latent_decoder(OmegaConf.create({"data": {"name": "latents"}, "model": {"name": "dit_1b3"},
+        latent_codec(OmegaConf.create({"data": {"name": "latents"}, "model": {"name": "dit_1b3"},
                                          "vae": {"path": None}}), None, "cpu")
-    assert latent_decoder(OmegaConf.create({"data": {"name": "fashion_mnist"}, "model": {"name": "dit_s"}}),
+    assert latent_codec(OmegaConf.create({"data": {"name": "fashion_mnist"}, "model": {"name": "dit_s"}}),
                           None, "cpu") is None
 
 

@@ -17,11 +17,17 @@ from dit_train.data.order import fixed_batches
 from dit_train.diffusion.flow import validation_loss, validation_t_grid
 from dit_train.evaluation.grids import save_grid
 from dit_train.parallel.fsdp import all_reduce_sum_, autocast
-from dit_train.diffusion.sampler import make_sampler
+from dit_train.diffusion.sampler import as_latents, make_sampler
+from dit_train.telemetry.progress import model_call_bar, write
 
 log = logging.getLogger("dit_train")
 BEST_FD_KEYS = ("encoder", "ref_id", "num_gen")  # an FD is comparable only with one measured the same way
 PART_NAMES = {"val": "validation loss", "fd": "FD", "samples": "sample grid"}
+
+
+def grid_classes(model_cfg) -> int:
+    """The classes a sample grid shows, one row each: the first 10 (one row for an unconditional model)."""
+    return min(max(int(model_cfg.num_classes), 1), 10)
 
 
 class _Stopped(Exception):
@@ -64,6 +70,7 @@ def update_best_fd(best: dict | None, result: dict, step: int, active_time_s: fl
 class Evaluation:
     def __init__(self, cfg, dist, val_set, logger):
         self.cfg, self.dist, self.logger = cfg, dist, logger
+        self.progress = bool(cfg.train.progress) and dist.is_main  # a bar per part, on a terminal
         tc = cfg.train
         # the whole held-out batches stay on the host; each rank evaluates its slice of every batch
         self.val_batches = list(fixed_batches(val_set, tc.val_samples, tc.val_batch_size))
@@ -78,7 +85,8 @@ class Evaluation:
         if cfg.eval.every_n_steps:  # built now so that missing encoder weights fail before training starts
             from dit_train.evaluation.fd.evaluator import FDEvaluator
 
-            self.fd = FDEvaluator(cfg.eval, reference_data_config(cfg.data), dist.device)
+            self.fd = FDEvaluator(cfg.eval, reference_data_config(cfg.data), dist.device, log=write,
+                                  progress=self.progress)
         self.last_val: dict = {}
 
     def due(self, step: int, final_step: int) -> dict[str, bool]:
@@ -103,12 +111,22 @@ class Evaluation:
             for i, name in enumerate(parts):
                 if should_stop():
                     raise _Stopped
-                self.run_part(name, step, ema_model, state)
+                with model_call_bar(ema_model, self.model_calls(name), PART_NAMES[name], self.progress, leave=False):
+                    self.run_part(name, step, ema_model, state)
         except _Stopped:
             return [PART_NAMES[name] for name in parts[i:]]
         finally:
             hook.remove()
         return []
+
+    def model_calls(self, name: str) -> int:
+        """The EMA model calls of a part on this rank, for its progress bar."""
+        tc = self.cfg.train
+        if name == "val":
+            return len(self.val_batches) * len(self.t_grid)
+        if name == "fd":
+            return len(self.fd.my_batches()) * self.cfg.eval.sample_steps
+        return tc.sample_steps
 
     def run_part(self, name: str, step: int, ema_model, state) -> None:
         if name == "val":
@@ -126,14 +144,16 @@ class Evaluation:
                                self.dist.rank, self.dist.world_size, all_reduce_sum_)
 
     def sampler(self, ema_model, steps: int, cfg_scale: float, decode: bool = True):
+        """decode=False: a latent run's sampler returns the latents, unclamped, for a later decode."""
+        finish = None if self.codec is None else self.codec.decode if decode else as_latents
         return make_sampler(ema_model, self.cfg.model, self.dist.device, steps, cfg_scale, self.cfg.train.precision,
-                            decode=self.codec.decode if decode and self.codec is not None else None)
+                            decode=finish)
 
     def sample_grid(self, ema_model, step: int) -> str | None:
         """EMA samples of the first classes (the same noise at every step), or of the first held-out captions for
         text-conditioned data."""
         m, tc, device = self.cfg.model, self.cfg.train, self.dist.device
-        k, classes = tc.samples_per_class, min(max(m.num_classes, 1), 10)
+        k, classes = tc.samples_per_class, grid_classes(m)
         labels, context = torch.arange(classes).repeat_interleave(k), None
         _, y0 = self.val_batches[0]
         if isinstance(y0, dict):
@@ -176,6 +196,5 @@ def end_of_run_work(cfg) -> list[str]:
     if every_n_steps(last, ev.every_n_steps, last):
         work.append(f"FD ({ev.num_samples} samples, {ev.sample_steps} steps)")
     if every_n_steps(last, tc.sample_every, last):
-        classes = min(max(cfg.model.num_classes, 1), 10)
-        work.append(f"sample grid ({classes * tc.samples_per_class} images, {tc.sample_steps} steps)")
+        work.append(f"sample grid ({grid_classes(cfg.model) * tc.samples_per_class} images, {tc.sample_steps} steps)")
     return work + ["summary"]

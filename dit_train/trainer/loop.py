@@ -41,6 +41,7 @@ from dit_train.runs.folder import prepare_run_folder
 from dit_train.telemetry.step_window import StepWindow
 from dit_train.runs.timeline import set_aside_after
 from dit_train.telemetry.clocks import PhaseTimer, set_active_timer
+from dit_train.telemetry.progress import logging_beside_bars, progress_bar
 from dit_train.trainer.state import TrainState
 
 log = logging.getLogger("dit_train")
@@ -290,8 +291,13 @@ class Trainer:
         return metrics
 
     def loop(self) -> None:
-        tc, state, clock = self.tc, self.state, self.timer.clock
         progress = self.progress_bar()
+        # the bar is closed however the loop ends, so that 'preempted: ...' or an error starts on its own line
+        with progress, logging_beside_bars(not progress.disable):
+            self.run_steps(progress)
+
+    def run_steps(self, progress) -> None:
+        tc, state, clock = self.tc, self.state, self.timer.clock
         data_start = clock.mark()
         for x, y in self.batches():
             metrics = self.step_on(x, y, data_start)
@@ -304,12 +310,10 @@ class Trainer:
             if logged:
                 self.log_train_row({**metrics, "train/loss": last.loss, "train/grad_norm": last.grad_norm},
                                    self.window.take(), progress)
-            if progress is not None:
-                progress.update(1)
+            progress.update(1)
             last_step = state.step == tc.steps
             if last_step:  # the bar is closed before the end-of-run work, which says what it does
                 self.announce_end_of_run(progress)
-                progress = None
                 self.save()  # before the evaluations: a signal (or the SIGKILL after it) during them loses no step
             best_fd = state.best_fd
             skipped = self.evaluation.run_due(state.step, tc.steps, self.ema.model, state, self.stop_agreed)
@@ -326,8 +330,6 @@ class Trainer:
                 raise self.preemption.stop(state.step, self.cfg.run_dir, skipped, last_step)
             self.saver.poll(state.step)
             data_start = clock.mark()
-        if progress is not None:
-            progress.close()
 
     def stop_agreed(self) -> bool:
         """Collective: whether any rank has received a stop signal (the evaluations' check; the training steps
@@ -347,17 +349,14 @@ class Trainer:
         return numbers
 
     def announce_end_of_run(self, progress) -> None:
-        if progress is not None:
-            progress.close()
+        progress.close()
         if self.dist.is_main:
             print(f"end of run: {', '.join(end_of_run_work(self.cfg))} ...", flush=True)
 
     def progress_bar(self):
-        if not (self.dist.is_main and self.tc.progress):
-            return None
-        from tqdm import tqdm
-
-        return tqdm(total=self.tc.steps, initial=self.state.step, desc="train", dynamic_ncols=True, unit="step")
+        """The steps' bar: on rank 0's terminal with train.progress (else a disabled bar with the same methods)."""
+        return progress_bar(self.tc.steps, "train", self.dist.is_main and self.tc.progress, initial=self.state.step,
+                            unit="step")
 
     def log_train_row(self, metrics: dict, window: dict, progress) -> None:
         """The logged step's own values (loss, grad norm, opt/refresh) with the window's timing means (step_window)."""
@@ -368,7 +367,7 @@ class Trainer:
         if skipped_data:
             metrics["data/skipped"] = skipped_data
         self.logger.log(self.state.step, metrics)
-        if progress is not None:
+        if not progress.disable:
             progress.set_postfix(loss=f"{metrics['train/loss']:.4f}", imgs_s=f"{metrics['imgs_per_s']:.0f}")
 
 

@@ -59,7 +59,8 @@ class FDEvaluator:
     GRID_MAX = 64
 
     def __init__(self, eval_cfg, data_cfg, device: torch.device | str = "cpu", *,
-                 extractor: FeatureExtractor | None = None, dataset=None, log: Callable[[str], None] = print):
+                 extractor: FeatureExtractor | None = None, dataset=None, log: Callable[[str], None] = print,
+                 progress: bool = False):
         from dit_train.config import check_eval
 
         self.cfg = cfg = check_eval(eval_cfg)  # checked; keys it lacks come from conf/eval/default.yaml
@@ -78,7 +79,7 @@ class FDEvaluator:
             dataset = build_dataset(data_cfg, split)
         self.reference: ReferenceStats = load_or_compute_reference(
             self.extractor, dataset, split, cfg["reference_num"], cfg["cache_dir"],
-            data_cfg=data_cfg, batch_size=self.batch_size, log=self.log)
+            data_cfg=data_cfg, batch_size=self.batch_size, log=self.log, progress=progress)
         self.labels = generation_labels(self.reference.labels, self.num_samples, self.seed)
         if self.num_samples < self.extractor.feature_dim:
             self.log(f"[fd] eval.num_samples={self.num_samples} < feature dim {self.extractor.feature_dim} of "

@@ -14,7 +14,8 @@ noise from `seed`), encodes them and compares with the cached reference statisti
 Results go to <out>/fd_results.csv and .json (one row per checkpoint: run, step, active_time_s, fd, encoder,
 num_gen, num_ref, ref_id, settings) and are written after each checkpoint; a checkpoint already scored with the
 same settings is skipped (--force rescores). A sample grid per checkpoint goes to <out>/fd_grids/.
-Settings default to conf/eval/<--eval-preset>.yaml; flags override single keys.
+Settings default to conf/eval/<--eval-preset>.yaml; flags override single keys. On a terminal, progress bars count
+the reference images' batches and each checkpoint's model calls (--no-progress: none).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dit_train.runs import checkpoint as ckpt
 from dit_train.evaluation.fd.job_config import add_eval_args, eval_cfg_from_args
 from dit_train.runs.json_file import read_json
 from dit_train.parallel.fsdp import init_distributed, shutdown_process_group
+from dit_train.telemetry.progress import model_call_bar, write
 
 COLUMNS = ["run", "step", "active_time_s", "fd", "encoder", "num_gen", "num_ref", "ref_id", "sample_steps",
            "cfg_scale", "seed", "checkpoint", "eval_time_s", "scored_at"]
@@ -123,6 +125,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--data-set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="overrides of each checkpoint's data config (e.g. root=/data/fmnist on another machine)")
     ap.add_argument("--vae", help="VAE folder for latent runs (default: the run's vae.path)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars (there are none when stderr is not "
+                                                                  "a terminal)")
     add_eval_args(ap)
     args = ap.parse_args(argv)
 
@@ -137,7 +141,8 @@ def main(argv=None) -> list[dict]:
 
     dist_info = init_distributed(device=args.device, timeout_minutes=args.timeout_minutes)
     device, rank = dist_info.device, dist_info.rank
-    log = print if rank == 0 else (lambda *a, **k: None)
+    log = write if rank == 0 else (lambda *a, **k: None)  # above a progress bar, never on its line
+    progress = rank == 0 and not args.no_progress
     cfg = eval_cfg_from_args(args)
     todo: list[tuple[str, Path]] = []
     out = None
@@ -173,12 +178,14 @@ def main(argv=None) -> list[dict]:
         real = reference_data_config(data_cfg)  # a latent run: the images its latents were made from
         dkey = json.dumps(OmegaConf.to_container(real, resolve=True), sort_keys=True)
         if dkey not in evaluators:
-            evaluators[dkey] = FDEvaluator(cfg, real, device, extractor=extractor, log=log)
+            evaluators[dkey] = FDEvaluator(cfg, real, device, extractor=extractor, log=log, progress=progress)
         ev = evaluators[dkey]
         precision = compute_precision(OmegaConf.select(run_cfg, "train.precision", default="auto"), device)
         sample = make_sampler(model, mcfg, device, int(cfg.sample_steps), float(cfg.cfg_scale), precision,
                               decode=latent_decoder(run_cfg, data_cfg, args.vae, device))
-        res = ev.evaluate(sample, int(meta["step"]))
+        with model_call_bar(model, len(ev.my_batches()) * int(cfg.sample_steps), f"FD {run} step {meta['step']}",
+                            progress):
+            res = ev.evaluate(sample, int(meta["step"]))
         row = {"run": run, "step": int(meta["step"]), "active_time_s": float(meta["active_time_s"]),
                "fd": res["fd"], "encoder": res["fd_encoder"], "num_gen": res["fd_num_gen"],
                "num_ref": res["fd_num_ref"], "ref_id": res["fd_ref_id"], "sample_steps": int(cfg.sample_steps),

@@ -30,6 +30,7 @@ from dit_train import seeds
 
 from dit_train.evaluation.fd.features import FeatureExtractor
 from dit_train.evaluation.fd.frechet import GaussianStats, StreamingStats
+from dit_train.telemetry.progress import progress_bar
 
 FORMAT_VERSION = 1
 
@@ -134,20 +135,19 @@ def compute_reference(extractor: FeatureExtractor, dataset, indices: np.ndarray,
                                          shuffle=False, num_workers=num_workers)
     acc = StreamingStats(extractor.feature_dim, device=extractor.device)
     labels = []
-    it = loader
-    if progress and rank == 0:
-        from tqdm import tqdm
-
-        it = tqdm(loader, desc=f"reference stats ({extractor.name})")
-    for x, y in it:
-        if not torch.is_tensor(x) or x.dim() != 4 or x.shape[1] not in (1, 3):
-            raise ValueError(f"reference images must be [B, C, H, W] pixels in [-1, 1] with C = 1 or 3, got "
-                             f"{tuple(getattr(x, 'shape', ()))}: FD needs an image dataset (latents must be decoded)")
-        acc.update(extractor(x))
-        try:
-            labels.append(torch.as_tensor(y).reshape(-1).long())
-        except (TypeError, ValueError, RuntimeError):  # e.g. text conditions: no class labels to mimic
-            labels.append(torch.zeros(x.shape[0], dtype=torch.long))
+    with progress_bar(len(loader), f"reference statistics ({extractor.name})", progress and rank == 0,
+                      unit="batch") as bar:  # closed on an error too: its message gets a line of its own
+        for x, y in loader:
+            if not torch.is_tensor(x) or x.dim() != 4 or x.shape[1] not in (1, 3):
+                raise ValueError(f"reference images must be [B, C, H, W] pixels in [-1, 1] with C = 1 or 3, got "
+                                 f"{tuple(getattr(x, 'shape', ()))}: FD needs an image dataset (latents must be "
+                                 f"decoded)")
+            acc.update(extractor(x))
+            try:
+                labels.append(torch.as_tensor(y).reshape(-1).long())
+            except (TypeError, ValueError, RuntimeError):  # e.g. text conditions: no class labels to mimic
+                labels.append(torch.zeros(x.shape[0], dtype=torch.long))
+            bar.update(1)
     acc.all_reduce()
     my_labels = torch.cat(labels).numpy() if labels else np.zeros(0, np.int64)
     if dist:
