@@ -83,6 +83,9 @@ def help_text(call):
 result = {}
 for name, target in json.loads(sys.argv[1]).items():
     module, function = target.split(":")
+    # the wrapper exits with what the function returns: anything but an exit status (a summary dict) is exit 1
+    returns = getattr(import_module(module), function).__annotations__.get("return", "unannotated")
+    assert returns in ("int", "None", int, None), f"{target} returns {returns}"
     sys.argv = [name, "--help"]
     script = help_text(getattr(import_module(module), function))
     sys.argv = [module, "--help"]

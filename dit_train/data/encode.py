@@ -24,6 +24,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -198,5 +199,11 @@ def main(argv=None) -> dict:
     return info
 
 
-if __name__ == "__main__":
+def cli() -> int:
+    """The command (main returns the latents_info.json record to callers; a console script exits with what it returns)."""
     main()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -265,7 +265,7 @@ def _paragraphs(lines: list[str]) -> list[str]:
     return out
 
 
-def main(argv=None):
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="dit-paired-report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweep_dir")

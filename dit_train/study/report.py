@@ -621,7 +621,7 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
     return text
 
 
-def main(argv=None):
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="dit-report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweep_dir")

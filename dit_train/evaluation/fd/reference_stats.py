@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import numpy as np
 
@@ -54,5 +55,11 @@ def main(argv=None) -> dict:
     return summary
 
 
-if __name__ == "__main__":
+def cli() -> int:
+    """The command (main returns the summary to callers; a console script exits with what it returns)."""
     main()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
