@@ -4,7 +4,7 @@ collectives and the optimizer's phases, per preset x optimizer (K, RowNorm scale
 hardware profile. Every input comes from the real code: parameter shapes and FLOPs from the model built on the meta
 device (model_flops), FSDP2 bytes from comm_volume.fsdp_volumes, the optimizer's exchanges from its own planners
 (owner_exchange.plan_exchanges, collectives.shard_rows) under its own byte-counting rules (collectives.py), and the
-whole-matrix stage's schedule from the discrete-event model of scripts/model_owner_schedule.py.
+whole-matrix stage's schedule from the discrete-event model of benchmarks/model_owner_schedule.py.
 
     PYTHONPATH=$PWD python benchmarks/cost_model.py --paper [--hardware h100|h200]         # the paper's table
     PYTHONPATH=$PWD python benchmarks/cost_model.py --measure-host [--save benchmarks/host_profile.json]
@@ -37,7 +37,7 @@ from dit_train.parallel.comm_volume import fsdp_volumes
 from dit_train.optim.collectives import shard_rows
 from dit_train.optim.directions import ns5_executed_flops
 from dit_train.optim.owner_exchange import plan_exchanges
-from scripts.model_owner_schedule import Net, gather_schedule, owner_schedule, simulate
+from benchmarks.model_owner_schedule import Net, gather_schedule, owner_schedule, simulate
 
 PAPER_PRESETS = ("dit_1b3", "dit_4b", "dit_9b", "dit_15b")
 PAPER_WORLDS = (8, 16, 32)
@@ -83,7 +83,7 @@ class Hardware:
 
 # Data sheets: H100 SXM5 989.4 TFLOP/s dense bf16, 3.35 TB/s HBM3; H200 SXM 989.4, 4.8 TB/s HBM3e; both NVLink 4
 # (900 GB/s both ways = 450 per direction) and one 400 Gbit/s NDR InfiniBand port per GPU (50 GB/s). The
-# efficiencies are assumptions until the GPU check measures them (scripts/gpu_check.sh prints this model beside
+# efficiencies are assumptions until the GPU check measures them (benchmarks/gpu_check.sh prints this model beside
 # its measurements): MFU 0.40, NS5 at 0.5 of peak (batched bf16 bmm of 1.5k-4k matrices), 0.8 of HBM for
 # streaming elementwise kernels, 0.8 of the links for NCCL rings (bus bandwidth), 30 us per collective and per
 # batched NS5 call.
@@ -520,8 +520,8 @@ def parse(argv=None):
     ap.add_argument("--worlds", nargs="+", type=int, default=list(PAPER_WORLDS))
     ap.add_argument("--save", default=HOST_PROFILE, help="--measure-host: where the profile goes (JSON)")
     ap.add_argument("--profile", default=HOST_PROFILE, help="--calibrate: the measured host profile")
-    ap.add_argument("--bench-optimizer", help="--calibrate: a saved output of scripts/bench_optimizer.py")
-    ap.add_argument("--bench-distributed", help="--calibrate: a saved output of scripts/bench_distributed.py")
+    ap.add_argument("--bench-optimizer", help="--calibrate: a saved output of benchmarks/bench_optimizer.py")
+    ap.add_argument("--bench-distributed", help="--calibrate: a saved output of benchmarks/bench_distributed.py")
     args = ap.parse_args(argv)
     if any(w < 2 or PAPER_GLOBAL_BATCH % w for w in args.worlds):
         ap.error(f"--worlds {args.worlds} is not valid: each >= 2 and dividing the global batch {PAPER_GLOBAL_BATCH}")

@@ -33,10 +33,9 @@ import time
 from collections import Counter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # benchmarks.dispatch_counter when run as a script
-sys.path.insert(0, os.path.join(ROOT, "scripts"))  # estimate_memory.compose: the scaling study's config
 
-PHASES = ("forward_backward", "optimizer", "after")
+# the trainer's own phases (Trainer.train_step's timer marks); other: clipping, EMA, zero_grad, LR schedule, noise
+PHASES = ("forward", "backward", "optimizer", "other")
 KIND_OF_STEP = {None: "every", 1.0: "refresh", 0.0: "between"}  # opt/refresh of step_info
 
 
@@ -61,11 +60,12 @@ def host_ms(calls: dict, python_s: float, launch_us: float, view_us: float) -> f
 
 
 def measure(cfg, world_size: int, micro_batch: int, fake: bool = True) -> list[dict]:
-    """One row per measured step: {"step", "refresh", phase: {"calls", "python_s", "top_ops"}} for the phases
-    forward_backward (forward, backward, gradient clipping), optimizer, after (EMA, zero_grad, LR)."""
+    """One row per measured step: {"step", "refresh", phase: {"calls", "python_s", "top_ops"}} for the phases of
+    Trainer.train_step (run as the trainer runs it): forward, backward, optimizer, and other (gradient clipping,
+    EMA, zero_grad, LR schedule, the step's noise)."""
     import torch
 
-    from dit_train.parallel.memory_estimate import _train_step, empty_all_to_all_inputs_allowed, fake_training, steps_for
+    from dit_train.parallel.memory_estimate import empty_all_to_all_inputs_allowed, fake_training, steps_for
     from benchmarks.dispatch_counter import DispatchCounter, FakeDispatchCounter, per_call_overhead_s
 
     torch.set_num_threads(1)  # fake tensors do no arithmetic; shrunk real ones next to none
@@ -74,14 +74,15 @@ def measure(cfg, world_size: int, micro_batch: int, fake: bool = True) -> list[d
     opt = run.optimizer
     K = cfg.optimizer.get("K") or 1
     rows = []
+    timer = run.trainer.timer
     with counter, empty_all_to_all_inputs_allowed():
         for _ in range(steps_for(cfg.optimizer)):
-            _train_step(run.model, run.plan, run.ema, opt, run.scheduler, run.x, run.y, run.noise(), cfg)
+            run.trainer.train_step(run.x, {"y": run.y})
         for i in range(K):  # periodic: K - 1 between steps and a refresh; else one step
-            noise = run.noise()  # drawn outside the count: 3 calls, as the trainer draws them
             counter.reset()
-            _train_step(run.model, run.plan, run.ema, opt, run.scheduler, run.x, run.y, noise, cfg,
-                        phase=counter.phase)
+            timer.phase = counter.phase  # the trainer's phase marks attribute the calls
+            timed_step(run, counter.total_s)
+            del timer.phase
             row = {"step": i, "refresh": opt.step_info().get("opt/refresh")}
             for name in PHASES:
                 row[name] = {"calls": dict(counter.calls.get(name, {})), "inside_s": counter.inside_s[name],
@@ -98,8 +99,9 @@ def measure(cfg, world_size: int, micro_batch: int, fake: bool = True) -> list[d
                     yield
                     spent[name] += time.thread_time() - start
 
-                _train_step(run.model, run.plan, run.ema, opt, run.scheduler, run.x, run.y, run.noise(), cfg,
-                            phase=phase)
+                timer.phase = phase
+                timed_step(run, spent)
+                del timer.phase
                 for name in PHASES:
                     row[name]["uncounted_s"] = spent[name]
     overhead = per_call_overhead_s(type(counter))
@@ -112,10 +114,17 @@ def measure(cfg, world_size: int, micro_batch: int, fake: bool = True) -> list[d
     return rows
 
 
+def timed_step(run, spent) -> None:
+    """One Trainer.train_step; the thread time outside its phases (marked by the trainer's timer) goes to 'other'."""
+    start, inside = time.thread_time(), sum(spent[name] for name in PHASES[:-1])
+    run.trainer.train_step(run.x, {"y": run.y})
+    spent["other"] += time.thread_time() - start - (sum(spent[name] for name in PHASES[:-1]) - inside)
+
+
 def run_one(args) -> dict:
     """One optimizer in this process: the full-size step on fake tensors (--mode fake: the calls) or the same step
     on real tensors with the model's width shrunk to 4 per head and one image (--mode shrunk: the Python time)."""
-    from estimate_memory import compose
+    from dit_train.parallel.memory_estimate_cli import compose
 
     cfg = compose(args.preset, args.optimizer, False, args.overrides)
     micro = args.micro_batch or cfg.train.batch_size // args.world_size
@@ -145,7 +154,7 @@ def table(results: list[dict], launch_us: float, view_us: float) -> str:
              "benchmarks/cost_model.py on an H100 SXM (forward+backward at its MFU, exposed FSDP2 communication, the "
              "optimizer step of that kind)", "",
              "| preset | W | optimizer | step | fwd+bwd calls | fwd+bwd host ms | optimizer calls | optimizer host ms "
-             "| optimizer python ms | EMA etc. host ms | step host ms | shrunk CPU step ms | GPU step ms | host / GPU |",
+             "| optimizer python ms | clip, EMA etc. host ms | step host ms | shrunk CPU step ms | GPU step ms | host / GPU |",
              "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
         seen = set()
@@ -159,9 +168,10 @@ def table(results: list[dict], launch_us: float, view_us: float) -> str:
             direct = sum(st[name]["shrunk_thread_s"] for name in PHASES) * 1e3
             lines.append(
                 f"| {r['preset']} | {r['world_size']} | {r['optimizer']} | {kind} "
-                f"| {sum(st['forward_backward']['calls'].values())} | {ms['forward_backward']:.1f} "
+                f"| {sum(st[n]['calls'][k] for n in ('forward', 'backward') for k in st[n]['calls'])} "
+                f"| {ms['forward'] + ms['backward']:.1f} "
                 f"| {sum(st['optimizer']['calls'].values())} | {ms['optimizer']:.1f} "
-                f"| {st['optimizer']['python_s'] * 1e3:.1f} | {ms['after']:.1f} | {total:.1f} | {direct:.1f} | {gpu:.0f} "
+                f"| {st['optimizer']['python_s'] * 1e3:.1f} | {ms['other']:.1f} | {total:.1f} | {direct:.1f} | {gpu:.0f} "
                 f"| {total / gpu:.1%} |")
     return "\n".join(lines)
 

@@ -1,7 +1,7 @@
 """The exported model in diffusers (the [latents] extra): our DiT as a diffusers model and a small pipeline around it.
 
     from dit_train.diffusers_pipeline import DiTTrainPipeline
-    pipe = DiTTrainPipeline.from_pretrained("OUT_DIR")   # a folder written by python -m dit_train.export
+    pipe = DiTTrainPipeline.from_pretrained("OUT_DIR")   # a folder written by dit-export
     images = pipe(class_labels=[0, 3], num_inference_steps=50, guidance_scale=2.5).images
 
 Not diffusers' DiTTransformer2DModel: its timestep features have other frequencies (downscale_freq_shift=1), so a
@@ -9,7 +9,7 @@ conversion would change the outputs, and it has no qk-norm, SwiGLU or text cross
 sampler with classifier-free guidance (dit_train.diffusion.flow.euler_sample) written with diffusers'
 FlowMatchEulerDiscreteScheduler: the same time grid (sigmas 1 -> 0 in equal steps, t = sigma, 1 = noise), the same
 null class, and for latent runs the same decoding (vae.LatentCodec: z / scaling_factor + shift_factor). With
-`generator=dit_train.seeds.generator("grid_noise", seed)` it gives the images of `python -m dit_train.sample --seed
+`generator=dit_train.seeds.generator("grid_noise", seed)` it gives the images of `dit-sample --seed
 seed` for the same labels in one call (both draw the noise of all images at once; fp32 weights, while the sample
 command runs under the run's train.precision autocast).
 

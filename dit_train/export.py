@@ -1,6 +1,6 @@
 """Export a run's EMA weights as a model folder that other code can load.
 
-    python -m dit_train.export RUN_DIR_OR_CHECKPOINT OUT_DIR [--dtype fp32|bf16|fp16] [--vae VAE_DIR]
+    dit-export RUN_DIR_OR_CHECKPOINT OUT_DIR [--dtype fp32|bf16|fp16] [--vae VAE_DIR]
 
 OUT_DIR is a diffusers pipeline folder (layout in dit_train/model/pretrained.py): `transformer/` holds the EMA state dict
 under the DiT's parameter names and `config.json` (the DiT's architecture keys, and under "dit_train" the step, the
@@ -55,7 +55,7 @@ def latent_vae(config: dict, vae: str | None) -> str | None:
     path = vae or (config.get("vae") or {}).get("path")
     if not path or not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"--vae={path!r} is not valid: a latent run's export includes the VAE that made its latents;"
-                         f" pass --vae /path/to/vae (the AutoencoderKL folder given to encode_latents.py --vae)")
+                         f" pass --vae /path/to/vae (the AutoencoderKL folder given to dit-encode-latents --vae)")
     from dit_train.extras import require
 
     require("diffusers", "latents", "exporting a latent run's VAE")
@@ -63,7 +63,7 @@ def latent_vae(config: dict, vae: str | None) -> str | None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dit_train.export", description=__doc__,
+    ap = argparse.ArgumentParser(prog="dit-export", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("source", help="run folder or step_N.dcp checkpoint folder")
     ap.add_argument("out_dir", help="output folder (model_index.json, transformer/, scheduler/[, vae/])")

@@ -1,12 +1,12 @@
 """Sample from a trained run without writing Python: EMA weights, Euler steps with classifier-free guidance (the
 one sampler, dit_train.diffusion.sampler), a grid with one row per class and/or a folder of PNGs.
 
-    python -m dit_train.sample RUN_OR_CHECKPOINT [--classes 0 3 7] [--per-class 8] [--steps 50] [--cfg-scale 2.5]
+    dit-sample RUN_OR_CHECKPOINT [--classes 0 3 7] [--per-class 8] [--steps 50] [--cfg-scale 2.5]
                                [--seed 0] [--grid samples.png] [--out-dir samples/] [--batch-size 64]
 
 Everything left out is the run's own grids' (classes 0..9, train.samples_per_class per class, train.sample_steps,
 train.cfg_scale, seed; the noise is the training grids' stream, drawn once for all images; a latent run's VAE
-decodes them all after sampling in vae.decode_batch_size batches), so `python -m dit_train.sample RUN` is the
+decodes them all after sampling in vae.decode_batch_size batches), so `dit-sample RUN` is the
 run's last grid pixel for pixel (tests/test_sample.py, tests/test_latents_e2e.py) on the CPU. The noise does not
 depend on the batch size. The Euler steps equal diffusers' FlowMatchEulerDiscreteScheduler with
 `sigmas = linspace(1, 0, steps + 1)[:-1]` bit for bit (tests/test_sample.py), so a diffusers scheduler can replace
@@ -39,7 +39,7 @@ def latent_codec(cfg, vae_path: str | None, device):
     path = vae_path or vae_cfg.get("path")
     if not path:
         raise ValueError(f"{cfg.model.get('name')} was trained on latents (data=latents) and its run names no VAE: "
-                         f"pass --vae /path/to/vae (the folder given to encode_latents.py --vae)")
+                         f"pass --vae /path/to/vae (the folder given to dit-encode-latents --vae)")
     from dit_train.diffusion.vae import LatentCodec
 
     return LatentCodec(path, device, vae_cfg.get("decode_batch_size", 16))
@@ -105,7 +105,7 @@ def write_folder(images: torch.Tensor, labels: torch.Tensor, folder: str) -> lis
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dit_train.sample", description=__doc__,
+    ap = argparse.ArgumentParser(prog="dit-sample", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("source", help="run folder (its newest checkpoint) or a step_N.dcp checkpoint folder")
     ap.add_argument("--classes", type=int, nargs="+", default=None,

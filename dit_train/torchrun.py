@@ -1,4 +1,4 @@
-"""`python -m dit_train.torchrun [torchrun options] -m dit_train [overrides]`: torchrun with the trainer's exit codes.
+"""`dit-torchrun [torchrun options] -m dit_train [overrides]`: torchrun with the trainer's exit codes.
 
 torchrun exits 1 whenever it is signalled or a worker exits non-zero, so a preempted job whose ranks all wrote
 their checkpoint and exited 75 looked like a failure to a batch script or wrapper that requeues on 75. This runs

@@ -237,7 +237,7 @@ def test_a_damaged_checkpoint_is_reported_as_damaged(tmp_path, damage):
 
 
 def test_sample_command_refuses_a_crafted_checkpoint_in_one_line(tmp_path):
-    """The user's side: `python -m dit_train.sample RUN` on a run folder from elsewhere whose metadata would run a
+    """The user's side: `dit-sample RUN` on a run folder from elsewhere whose metadata would run a
     shell command: one line on stderr, a non-zero exit, and the command never ran."""
     run_dir, path = saved_run(tmp_path)
     marker = tmp_path / "pwned"

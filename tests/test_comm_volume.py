@@ -1,19 +1,13 @@
-"""scripts/comm_volume.py: the per-rank bytes of docs/scaling_out.md's FSDP/HSDP table from the preset shapes."""
-
-import importlib.util
-import os
+"""dit-comm-volume: the per-rank bytes of docs/scaling_out.md's FSDP/HSDP table from the preset shapes."""
 
 import pytest
 import torch
 
-from conftest import ROOT
-
 
 def _script():
-    spec = importlib.util.spec_from_file_location("comm_volume", os.path.join(ROOT, "scripts", "comm_volume.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from dit_train.parallel import comm_volume_table
+
+    return comm_volume_table
 
 
 def test_volumes_follow_the_ring_formulas():

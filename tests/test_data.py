@@ -224,7 +224,7 @@ def test_a_truncated_latent_shard_is_one_line_naming_the_file(tmp_path, keep):
     cfg = OmegaConf.create({"name": "latents", "root": str(tmp_path), "image_size": 8, "channels": 4,
                             "num_classes": 10})
     with pytest.raises(ValueError, match=rf"^latent shard {path} is truncated or not a safetensors file \(.*\); "
-                                         rf"delete it and rerun scripts/encode_latents.py") as e:
+                                         rf"delete it and rerun dit-encode-latents") as e:
         build_dataset(cfg, "train")
     assert "\n" not in str(e.value)
 

@@ -1,4 +1,4 @@
-"""Shapes read from the data (#28 item 2), from the user's side: after scripts/encode_latents.py the training command
+"""Shapes read from the data (#28 item 2), from the user's side: after dit-encode-latents the training command
 needs no shape overrides (channels, latent size and class count come from the shards), an image folder's classes
 and size likewise; a command-line value that disagrees with the data is refused with every mismatch in one line and
 the overrides that fix them; a resume keeps the checkpoint's (equal) values."""

@@ -1,5 +1,5 @@
 """An export loads with diffusers' own loaders (DiTTrainPipeline / DiTTrainTransformer2DModel.from_pretrained) and
-the pipeline gives the images of `python -m dit_train.sample`: the same time grid, guidance, null class, noise and,
+the pipeline gives the images of `dit-sample`: the same time grid, guidance, null class, noise and,
 for latent runs, VAE decoding. Exported files are readable like any other output (the umask's mode, not 0600)."""
 
 import json

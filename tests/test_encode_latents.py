@@ -1,4 +1,3 @@
-import importlib.util
 import json
 import os
 import stat
@@ -35,7 +34,7 @@ def test_encode_image_folder_with_tiny_random_vae_then_train_reads_it(tmp_path):
             os.makedirs(tmp_path / "img" / split / c)
             for i in range(n):
                 Image.new("RGB", (20, 18), (i * 60, 100, 0)).save(tmp_path / "img" / split / c / f"{i}.png")
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "encode_latents.py"), "--vae", str(tmp_path / "vae"),
+    cmd = [sys.executable, "-m", "dit_train.data.encode", "--vae", str(tmp_path / "vae"),
            "--images", str(tmp_path / "img"), "--out", str(tmp_path / "lat"), "--image-size", "16",
            "--shard-size", "4", "--batch-size", "3"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -69,13 +68,12 @@ def test_two_ranks_encode_the_same_shards_as_one(tmp_path):
     save_tiny_vae(tmp_path / "vae", sample_size=32)
     args = ["--vae", str(tmp_path / "vae"), "--data", "fashion_mnist", "--limit", "20", "--shard-size", "6",
             "--batch-size", "4", "--splits", "val"]
-    script = os.path.join(ROOT, "scripts", "encode_latents.py")
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    one = subprocess.run([sys.executable, script, *args, "--out", str(tmp_path / "one")], capture_output=True,
+    one = subprocess.run([sys.executable, "-m", "dit_train.data.encode", *args, "--out", str(tmp_path / "one")], capture_output=True,
                          text=True, timeout=300, env=env)
     assert one.returncode == 0, one.stderr
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(free_port()), script, *args, "--out", str(tmp_path / "two")], capture_output=True,
+                          str(free_port()), "-m", "dit_train.data.encode", *args, "--out", str(tmp_path / "two")], capture_output=True,
                          text=True, timeout=300, env=env)
     assert two.returncode == 0, two.stderr
     names = sorted(os.listdir(tmp_path / "one" / "val"))
@@ -87,10 +85,9 @@ def test_two_ranks_encode_the_same_shards_as_one(tmp_path):
 
 
 def load_encoder():
-    spec = importlib.util.spec_from_file_location("encode_latents", os.path.join(ROOT, "scripts", "encode_latents.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    from dit_train.data.encode import main
+
+    return main
 
 
 def image_folder(root, per_class=3):
@@ -124,7 +121,7 @@ def test_a_resumed_encoding_refuses_another_vae_and_continues_with_its_own(tmp_p
         encode(["--vae", str(tmp_path / "vae"), *args])
     assert sorted(os.listdir(tmp_path / "lat" / "train")) == ["shard_00000.safetensors"]
     with pytest.raises(ConfigError, match=r"data.root=.* is not valid: its encoding stopped before every shard was "
-                                          r"written: rerun the same scripts/encode_latents.py command"):
+                                          r"written: rerun the same dit-encode-latents command"):
         check_latent_run({"name": "dit_s"}, {"root": str(tmp_path / "lat")}, {"path": str(tmp_path / "vae")}, True)
     Image.new("RGB", (20, 18), (120, 200, 0)).save(tmp_path / "img" / "b" / "2.png")  # the image, repaired
     before = folder_state(tmp_path / "lat")
@@ -152,7 +149,7 @@ def test_a_resumed_encoding_refuses_another_vae_and_continues_with_its_own(tmp_p
     ("renamed image", r" holds train latents of 5 images, now 5 images or other files"),
     ("no record", r" holds latent shards but no latents_info.json that says how they were made"),
     ("torn record", r"/latents_info.json is torn or not JSON \(.*\); encode the latents again into a new folder"),
-    ("old record", r"/latents_info.json does not record vae_files, shard_size, .*\(an older encode_latents.py"),
+    ("old record", r"/latents_info.json does not record vae_files, shard_size, .*\(an older dit-encode-latents"),
 ])
 def test_a_resumed_encoding_refuses_other_settings_before_writing(tmp_path, change, message):
     """--shard-size 4 over shards of 2 skipped shard 1 (images 2-3, not 4-7) and left images never encoded while
@@ -187,7 +184,7 @@ def test_a_resumed_encoding_refuses_other_settings_before_writing(tmp_path, chan
 def test_the_refusal_is_one_line_on_the_command_line(tmp_path):
     save_tiny_vae(tmp_path / "vae")
     image_folder(tmp_path / "img")
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "encode_latents.py"), "--vae", str(tmp_path / "vae"),
+    cmd = [sys.executable, "-m", "dit_train.data.encode", "--vae", str(tmp_path / "vae"),
            "--images", str(tmp_path / "img"), "--out", str(tmp_path / "lat"), "--image-size", "16",
            "--shard-size", "2", "--splits", "train"]
     env = {**os.environ, "PYTHONPATH": ROOT}

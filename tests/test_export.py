@@ -1,4 +1,4 @@
-"""python -m dit_train.export RUN OUT_DIR writes a diffusers pipeline folder (transformer/config.json + weights,
+"""dit-export RUN OUT_DIR writes a diffusers pipeline folder (transformer/config.json + weights,
 scheduler/, model_index.json), and DiT.from_pretrained(OUT_DIR) gives back the run's EMA model: the same outputs,
 without diffusers or huggingface_hub (the diffusers path: tests/test_diffusers_pipeline.py)."""
 

@@ -4,13 +4,12 @@ validator, --help, the resume policy and the study report."""
 
 import json
 import os
-import sys
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-from conftest import ROOT, compose, needs_fashion
+from conftest import compose, needs_fashion
 from dit_train.config import ConfigError, validate
 from dit_train.config.fields import int_at_least
 from dit_train.evaluation.metric import Metric, MetricConfig, register_metric, unregister_metric
@@ -71,11 +70,8 @@ def test_a_registered_metric_runs_in_training_and_reaches_metrics_summary_checkp
     state = ckpt.read_train_state(ckpt.list_checkpoints(cfg.run_dir)[-1])
     assert state["metric_best"]["mean_pixel"]["value"] == values[best_step]
 
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        from report import build_report
-    finally:
-        sys.path.remove(os.path.join(ROOT, "scripts"))
+    from dit_train.study.report import build_report
+
     text = build_report(os.path.dirname(cfg.run_dir), str(tmp_path / "report"))
     assert "## Other metrics" in text and "mean_pixel" in text and f"{values[best_step]:.4g}" in text
 

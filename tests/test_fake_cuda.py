@@ -6,7 +6,7 @@ what runs on them: AdamW's fused CUDA step.
 What cannot run here: on a CPU-only build every op whose kernel takes a CUDA device guard raises on a fake CUDA
 tensor (indexing, autograd's engine, so the model's forward and backward and the matrix optimizers' stacking of
 their inputs), and FSDP2 asks the CUDA runtime for the current device. test_a_cpu_build_cannot_index_a_fake_cuda_tensor
-pins that limit; those paths run on the device in scripts/gpu_check.sh's `optimizers` and dit_15b stages, and
+pins that limit; those paths run on the device in benchmarks/gpu_check.sh's `optimizers` and dit_15b stages, and
 docs/gpu_check.md lists the branches no test reaches."""
 
 import pytest

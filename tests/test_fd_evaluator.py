@@ -1,7 +1,7 @@
 """Reference-statistics cache, the in-training FDEvaluator end to end with a random-init DINOv2, and the
-evaluation jobs (eval/reference_stats.py, eval/fd_dino.py) on tiny checkpoints."""
+evaluation jobs (dit-reference-stats, dit-fd) on tiny checkpoints."""
 
-import importlib.util
+import importlib
 import json
 import math
 import os
@@ -151,13 +151,6 @@ def test_evaluator_builds_encoder_and_dataset_from_configs(tmp_path):
     assert math.isfinite(res["fd"]) and res["fd_num_gen"] == 20
 
 
-def _load_script(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "eval", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _fake_run(run_dir, steps, hidden=16, legacy=False):
     """Checkpoints in the trainer's format (dit_train.runs.checkpoint: EMA tensors, step, active_time_s, config), or
     the read-only single files of earlier versions."""
@@ -185,7 +178,8 @@ def test_fd_dino_job_scores_a_sweep_and_skips_scored_checkpoints(tmp_path, capsy
     sweep = tmp_path / "sweep"
     _fake_run(sweep / "0", [3, 6])
     _fake_run(sweep / "1", [6], legacy=True)
-    job = _load_script("fd_dino")
+    from dit_train.evaluation.fd import job
+
     args = ["--eval-preset", "ci", "--cache-dir", str(tmp_path / "cache"), "--reference-split", "val",
             "--num-samples", "16", "--batch-size", "8", "--reference-num", "32", "--sample-steps", "2"]
     rows = job.main([str(sweep)] + args)
@@ -207,7 +201,8 @@ def test_fd_dino_job_scores_a_sweep_and_skips_scored_checkpoints(tmp_path, capsy
 
 @needs_fashion
 def test_reference_stats_job(tmp_path):
-    job = _load_script("reference_stats")
+    from dit_train.evaluation.fd import reference_stats as job
+
     args = ["--data", "fashion_mnist", "--encoder", "dinov2_random", "--reference-split", "val",
             "--reference-num", "24", "--batch-size", "12", "--cache-dir", str(tmp_path)]
     out = job.main(args)
@@ -216,14 +211,14 @@ def test_reference_stats_job(tmp_path):
     assert job.main(args)["path"] == out["path"]
 
 
-@pytest.mark.parametrize("name,args", [("fd_dino", ["some_run"]), ("reference_stats", [])])
+@pytest.mark.parametrize("name,args", [("job", ["some_run"]), ("reference_stats", [])])
 def test_eval_jobs_wait_for_peers_as_long_as_training(name, args, monkeypatch):
     """Their process group gets parallel.timeout_minutes (training's default, or --timeout-minutes)."""
     from conftest import compose
     from dit_train.evaluation.fd.job_config import training_timeout_minutes
 
     assert training_timeout_minutes() == compose().parallel.timeout_minutes
-    job = _load_script(name)
+    job = importlib.import_module(f"dit_train.evaluation.fd.{name}")
     seen = []
 
     def record(**kwargs):
@@ -239,7 +234,7 @@ def test_eval_jobs_wait_for_peers_as_long_as_training(name, args, monkeypatch):
 
 @pytest.mark.parametrize("case", ["no checkpoints", "torn results"])
 def test_fd_dino_command_errors_are_one_line(tmp_path, case):
-    """`python eval/fd_dino.py FOLDER` on a folder without checkpoints, or with an fd_results.json cut short by a
+    """`dit-fd FOLDER` on a folder without checkpoints, or with an fd_results.json cut short by a
     crash: one line naming the folder / file, exit 2 (both were tracebacks), before any encoder is loaded."""
     import subprocess
     import sys
@@ -254,6 +249,6 @@ def test_fd_dino_command_errors_are_one_line(tmp_path, case):
         expected = (f"error: {run_dir / 'fd_results.json'} is not valid JSON (Unterminated string starting at: "
                     f"line 1 column 39): the file is damaged (cut short by a crash or edited); delete it (and "
                     f"fd_results.csv) to score every checkpoint again")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "eval", "fd_dino.py"), str(run_dir), "--device", "cpu"],
+    r = subprocess.run([sys.executable, "-m", "dit_train.evaluation.fd.job", str(run_dir), "--device", "cpu"],
                        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
     assert r.returncode == 2 and r.stderr.splitlines() == [expected], r.stderr

@@ -32,6 +32,24 @@ def test_true_velocity_has_zero_loss_and_wrong_sign_does_not():
     assert velocity_loss(TrueVelocity(eps, x0), x0, t, eps).item() > 0.1  # x0 - eps is the wrong convention
 
 
+def test_per_sample_loss_is_each_rows_squared_error_bit_for_bit():
+    """The validation loss's per-row terms come from velocity_loss(per_sample=True): equal, bit for bit, to the
+    squared error written out (what validation_loss computed before), and their mean is the training loss."""
+    g = torch.Generator().manual_seed(0)
+    x0, eps, pred = (torch.randn(5, 3, 4, 4, generator=g) for _ in range(3))
+    t = torch.rand(5, generator=g)
+
+    class Fixed(torch.nn.Module):
+        def forward(self, x, t, **kw):
+            return pred
+
+    rows = velocity_loss(Fixed(), x0, t, eps, per_sample=True)
+    by_hand = torch.stack([((pred[i] - (eps[i] - x0[i])) ** 2).mean() for i in range(5)])
+    assert rows.shape == (5,) and torch.equal(rows, (pred - (eps - x0)).pow(2).flatten(1).mean(1))
+    torch.testing.assert_close(rows, by_hand)
+    torch.testing.assert_close(rows.mean(), velocity_loss(Fixed(), x0, t, eps))
+
+
 class PointMassVelocity(torch.nn.Module):
     """Exact velocity field of data concentrated at a point c: v(x, t) = (x - c) / t."""
 

@@ -88,7 +88,7 @@ def wait_until(ready, proc, what: str, timeout: float = 180) -> None:
 @needs_fashion
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_a_stop_signal_to_torchrun_checkpoints_and_the_job_exits_75(tmp_path, sig):
-    """`python -m dit_train.torchrun` (torchrun's options, torchrun's behaviour) signalled like scancel or Slurm's
+    """`dit-torchrun` (torchrun's options, torchrun's behaviour) signalled like scancel or Slurm's
     --signal: the 2 ranks checkpoint together and the job exits 75, requeue-able (torchrun itself exits 1)."""
     from dit_train.runs import checkpoint as ckpt
     from dit_train.trainer.preemption import EXIT_PREEMPTED

@@ -171,10 +171,9 @@ def test_load_for_inference_reads_sharded_checkpoint(runs):
 
 
 def test_fd_job_scores_every_checkpoint_of_a_sharded_run(runs, tmp_path):
-    """eval/fd_dino.py finds a 2-rank run's checkpoints through the same listing as resume and scores them."""
-    from test_fd_evaluator import _load_script
+    """dit-fd finds a 2-rank run's checkpoints through the same listing as resume and scores them."""
+    from dit_train.evaluation.fd import job
 
-    job = _load_script("fd_dino")
     rows = job.main([str(runs["two"]), "--out", str(tmp_path), "--eval-preset", "ci", "--encoder", "dinov2_random",
                      "--cache-dir", str(tmp_path / "cache"), "--reference-split", "val", "--num-samples", "8",
                      "--batch-size", "4", "--reference-num", "16", "--sample-steps", "1", "--no-grid"])

@@ -140,8 +140,8 @@ def test_the_c_loops_are_built_for_256_bit_vectors_on_zen4_only(cpuinfo, width):
 
 
 def test_the_build_benchmark_builds_another_variant_and_times_it():
-    """scripts/bench_rownorm_builds.py: sources copied, -DPI_GROUP and the vector width applied, a table row each."""
-    r = subprocess.run([sys.executable, "scripts/bench_rownorm_builds.py", "--preset", "dit_xs", "--hidden-size", "64",
+    """benchmarks/bench_rownorm_builds.py: sources copied, -DPI_GROUP and the vector width applied, a table row each."""
+    r = subprocess.run([sys.executable, "-m", "benchmarks.bench_rownorm_builds", "--preset", "dit_xs", "--hidden-size", "64",
                         "--depth", "1", "--widths", "256", "--pi-groups", "1", "--repeats", "1"], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

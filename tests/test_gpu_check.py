@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh: every stage in its own process under its own timeout, each stage's JSON line written as it
+"""benchmarks/gpu_check.sh: every stage in its own process under its own timeout, each stage's JSON line written as it
 finishes (a killed, crashed or raising stage is a FAIL line and the others stay), the GPU plan under 9 minutes by
 construction, and the CPU smoke test of every stage passing.
 
@@ -9,19 +9,14 @@ its own process, a cold CPU compile among them; 244-340 s measured on this 2-cor
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 from conftest import ROOT
 from dit_train.optim.registry import OPTIMIZERS
+from benchmarks import gpu_check, gpu_check_table
 
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-
-import gpu_check  # noqa: E402
-import gpu_check_table  # noqa: E402
-
-SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
+SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
 STAGES = [s[0] for s in gpu_check.STAGES]
 
 
@@ -40,7 +35,7 @@ def test_the_gpu_plan_fits_nine_minutes_and_compile_is_not_last():
     assert total <= gpu_check.GPU_BUDGET_S == 540
     assert STAGES.index("dit1b3_compile_ac") < len(STAGES) - 1
     assert STAGES[:2] == ["env", "ns5"]  # what decides the most first
-    import gpu_check_stages
+    from benchmarks import gpu_check_stages
 
     assert set(gpu_check_stages.STAGE_FUNCTIONS) == set(STAGES)
     # every stage comparing a peak with the estimate has one started for it, of its own configuration
@@ -90,7 +85,7 @@ def test_a_killed_stage_is_a_fail_line_and_the_next_stage_still_runs(tmp_path):
 
 
 def test_a_raising_stage_writes_its_fail_line(tmp_path, monkeypatch):
-    import gpu_check_stages
+    from benchmarks import gpu_check_stages
 
     def boom(ctx):
         raise MemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore text")
@@ -182,7 +177,7 @@ def test_host_syncs_are_counted_where_the_repository_made_them():
     issues on CUDA) is one sync, located at this repository's innermost frame; other warnings pass through."""
     import warnings
 
-    import gpu_check_stages
+    from benchmarks import gpu_check_stages
 
     sink = []
     with pytest.warns(UserWarning, match="something else"):
@@ -204,12 +199,12 @@ def test_without_a_gpu_the_check_says_so_in_one_line_before_anything_runs(tmp_pa
 @pytest.mark.parametrize("smoke", [False, True])
 @pytest.mark.parametrize("stage", ["dit1b3_eager", "dit1b3_compile_ac"])
 def test_the_trainer_stages_are_compared_with_the_estimate_of_their_own_configuration(stage, smoke, tmp_path):
-    """The estimate (scripts/estimate_memory.py, the scaling study's config) and the trainer stage's config agree on
+    """The estimate (dit-estimate-memory, the scaling study's config) and the trainer stage's config agree on
     everything the peak depends on."""
     from types import SimpleNamespace
 
-    import estimate_memory
-    import gpu_check_stages
+    from dit_train.parallel import memory_estimate_cli as estimate_memory
+    from benchmarks import gpu_check_stages
 
     args = gpu_check.estimate_jobs(smoke)[stage]
     flags = {a: args[i + 1] for i, a in enumerate(args) if a in ("--preset", "--world-size", "--optimizer",

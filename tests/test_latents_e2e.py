@@ -33,7 +33,7 @@ def latents(tmp_path_factory):
                         down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
                         layers_per_block=1, norm_num_groups=4, sample_size=32)
     vae.save_pretrained(root / "vae")
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "encode_latents.py"), "--vae", str(root / "vae"),
+    cmd = [sys.executable, "-m", "dit_train.data.encode", "--vae", str(root / "vae"),
            "--data", "fashion_mnist", "--out", str(root / "lat"), "--limit", "48", "--shard-size", "32",
            "--batch-size", "16", "--flip"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
@@ -134,14 +134,13 @@ def test_the_headline_command_says_what_to_pass(tmp_path):
                        cwd=str(tmp_path), capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHONPATH": ROOT})
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and os.listdir(tmp_path) == []
-    assert "data.root is not set" in r.stderr and "scripts/encode_latents.py" in r.stderr
+    assert "data.root is not set" in r.stderr and "dit-encode-latents" in r.stderr
     assert "vae.path=" in r.stderr and "data=synthetic" in r.stderr
 
 
 def test_fd_job_scores_a_latent_run(runs, tmp_path):
-    from test_fd_evaluator import _load_script
+    from dit_train.evaluation.fd import job
 
-    job = _load_script("fd_dino")
     rows = job.main([str(runs["two"]), "--out", str(tmp_path), "--eval-preset", "ci", "--encoder", "dinov2_random",
                      "--cache-dir", str(tmp_path / "cache"), "--reference-split", "val", "--num-samples", "24",
                      "--batch-size", "8", "--reference-num", "32", "--sample-steps", "2", "--cfg-scale", "1.5",
@@ -159,8 +158,8 @@ def test_the_sample_command_decodes_a_latent_run(runs):
 
 
 def test_an_exported_latent_run_samples_in_diffusers_like_the_sample_command(runs, tmp_path):
-    """python -m dit_train.export copies the run's VAE (vae.path) into the pipeline folder, and the diffusers pipeline
-    decodes like `python -m dit_train.sample` (tests/test_diffusers_pipeline.py: the non-zero shift_factor)."""
+    """dit-export copies the run's VAE (vae.path) into the pipeline folder, and the diffusers pipeline
+    decodes like `dit-sample` (tests/test_diffusers_pipeline.py: the non-zero shift_factor)."""
     from dit_train import seeds
     from dit_train.diffusers_pipeline import DiTTrainPipeline
     from dit_train.export import main as export_main
@@ -176,7 +175,7 @@ def test_an_exported_latent_run_samples_in_diffusers_like_the_sample_command(run
 
 
 def test_the_sample_command_reproduces_a_latent_runs_last_grid(latents, tmp_path):
-    """`python -m dit_train.sample RUN` with its defaults gives the run's last grid pixel for pixel on latents too
+    """`dit-sample RUN` with its defaults gives the run's last grid pixel for pixel on latents too
     (the grid used to decode latents clamped to [-1, 1]: 49% of the pixels differed); the VAE decodes in batches
     of vae.decode_batch_size (3 here: the last batch of the 20 latents is short)."""
     import numpy as np

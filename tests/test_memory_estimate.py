@@ -1,7 +1,8 @@
-"""scripts/estimate_memory.py on a shrunken dit_1b3 over 8 fake ranks: the persistent bytes it reports are the exact
+"""dit-estimate-memory on a shrunken dit_1b3 over 8 fake ranks: the persistent bytes it reports are the exact
 rank-0 shard sizes (so the FSDP2 plan and the sharded optimizer really ran), and a step needs more than that."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -14,9 +15,9 @@ SHRINK = ["model.depth=2", "model.hidden_size=256", "model.num_heads=2"]
 
 
 def estimate(optimizer: str, *flags: str) -> dict:
-    cmd = [sys.executable, f"{ROOT}/scripts/estimate_memory.py", "--preset", "dit_1b3", "--world-size", str(WORLD),
-           "--optimizer", optimizer, "--micro-batch", "2", "--json", *flags, *SHRINK]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, "-m", "dit_train.parallel.memory_estimate_cli", "--preset", "dit_1b3",
+           "--world-size", str(WORLD), "--optimizer", optimizer, "--micro-batch", "2", "--json", *flags, *SHRINK]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -69,7 +70,7 @@ def test_fake_tensors_count_what_real_tensors_use(optimizer):
 
 def test_the_study_config_fits_an_80_gb_gpu_by_the_committed_estimate():
     """conf/experiment/scaling_study at each preset's launch size and layout (HSDP, one replica per node, for the
-    multi-node presets): the estimate's peak (docs/memory_estimate.jsonl, written by `scripts/estimate_memory.py
+    multi-node presets): the estimate's peak (docs/memory_estimate.jsonl, written by `dit-estimate-memory
     --table`; docs/memory_estimate_hsdp.jsonl, single runs with parallel.replicate=N) stays under the ~74.5 GiB
     usable on an 80 GB GPU."""
     import json
@@ -99,8 +100,8 @@ def test_the_estimate_runs_where_cuda_is_visible():
     estimate's fake CPU shards cannot use (every gpu_check training row failed for the estimator's sake). With
     CUDA made visible on this CPU build the estimate runs and says what it says without."""
     script = (f"import sys, runpy, torch; torch.cuda.is_available = lambda: True; "
-              f"sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
-    cmd = [sys.executable, "-c", script, f"{ROOT}/scripts/estimate_memory.py", "--preset", "dit_1b3",
+              f"sys.argv = sys.argv[1:]; runpy.run_module('dit_train.parallel.memory_estimate_cli', run_name='__main__')")
+    cmd = [sys.executable, "-c", script, "dit-estimate-memory", "--preset", "dit_1b3",
            "--world-size", str(WORLD), "--optimizer", "adamw", "--micro-batch", "2", "--json", *SHRINK]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -113,12 +114,19 @@ def test_gradient_accumulation_keeps_only_gradient_shards():
     """train.micro_batch_size: FSDP2's no-sync mode would hold the whole unsharded fp32 gradient on every rank
     until the last micro-batch (4 bytes x parameters: +56 GiB at dit_15b); the trainer's micro_batch_sync
     reduce-scatters after every micro-batch, so a second micro-batch adds at most this rank's gradient shards
-    (4 bytes x its shard elements) to the peak. The real-tensor run of the same steps agrees with the fake one."""
+    (4 bytes x its shard elements) to the peak, besides its own inputs: the trainer's step holds the rank's whole
+    batch and the noise drawn for the global batch (W ranks' images), fp32, per image a timestep, a dropout flag
+    and a label, and fp32 scalars for the micro-batch losses' weighting and sum. The real-tensor run of the same
+    steps agrees with the fake one."""
+    from dit_train.model.dit import load_preset
+
     every, _ = rank0_elements()
     one, two = estimate("adamw"), estimate("adamw", "--micro-batches", "2")
     shard_grad = 4 * sum(every)
+    m, micro = load_preset("dit_1b3"), 2
+    second_inputs = micro * (4 * m.in_channels * m.image_size**2 * (1 + WORLD) + (4 + 1) * WORLD + 8) + 4 * 4
     assert two["peak"]["gradients"] <= shard_grad
-    assert one["peak"]["total"] <= two["peak"]["total"] <= one["peak"]["total"] + shard_grad
+    assert one["peak"]["total"] <= two["peak"]["total"] <= one["peak"]["total"] + shard_grad + second_inputs
     real = estimate("adamw", "--micro-batches", "2", "--real-tensors")
     assert real["persistent"] == two["persistent"]
     assert two["peak"]["total"] == pytest.approx(real["peak"]["total"], rel=0.02)
@@ -127,11 +135,7 @@ def test_gradient_accumulation_keeps_only_gradient_shards():
 def test_the_grid_is_plain_fsdp_over_its_world_size_unless_asked():
     """The scaling study runs multi-node presets as HSDP (parallel.replicate = nodes); the estimator's grid is plain
     FSDP over --world-size (rank 0 holds 1/W), and an HSDP row is one asked for with parallel.replicate=N."""
-    import importlib.util
-    import os
+    from dit_train.parallel import memory_estimate_cli as em
 
-    spec = importlib.util.spec_from_file_location("estimate_memory", os.path.join(ROOT, "scripts", "estimate_memory.py"))
-    em = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(em)
     assert em.compose("dit_15b", "adamw", True).parallel.replicate == 1
     assert em.compose("dit_15b", "adamw", True, ["parallel.replicate=4"]).parallel.replicate == 4

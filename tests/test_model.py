@@ -154,12 +154,13 @@ def test_benchmark_scripts_run_on_a_tiny_model(tmp_path):
 
     from conftest import ROOT
 
-    bench = subprocess.run([sys.executable, f"{ROOT}/scripts/bench_optimizer.py", "--preset", "dit_s", "--depth",
-                            "1", "--repeats", "1", "--warmup", "0", "--quick"], capture_output=True, text=True,
-                           timeout=300)
+    bench = subprocess.run([sys.executable, "-m", "benchmarks.bench_optimizer", "--preset", "dit_s", "--depth",
+                            "1", "--repeats", "1", "--warmup", "0", "--quick"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)
     assert bench.returncode == 0, bench.stderr[-2000:]
     assert "periodic_rowwise" in bench.stdout and "muon" in bench.stdout
-    mem = subprocess.run([sys.executable, f"{ROOT}/scripts/memory_table.py", "--presets", "dit_1b3",
-                          "--world-sizes", "8"], capture_output=True, text=True, timeout=300)
+    mem = subprocess.run([sys.executable, "-m", "dit_train.parallel.memory_formula", "--presets", "dit_1b3",
+                          "--world-sizes", "8"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
     assert mem.returncode == 0, mem.stderr[-2000:]
     assert "dit_1b3" in mem.stdout

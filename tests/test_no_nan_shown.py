@@ -1,20 +1,17 @@
 """A study report, and a run's closing line, never show nan or a plot without data: records shaped like
-`python scripts/run_study.py smoke` leaves (one FD point per run, a run whose first validation comes after the
+`dit-study smoke` leaves (one FD point per run, a run whose first validation comes after the
 budget, no phase timings)."""
 
 import json
 import os
 import re
-import sys
 
 import matplotlib
 import pytest
 import yaml
 
-from conftest import ROOT, needs_fashion
-
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-import report  # noqa: E402
+from conftest import needs_fashion
+from dit_train.study import report
 
 NAN = re.compile(r"\bnan\b", re.IGNORECASE)
 

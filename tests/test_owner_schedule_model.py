@@ -1,15 +1,9 @@
-"""scripts/model_owner_schedule.py, the discrete-event model of the whole-matrix direction stage: the simulator on
+"""benchmarks/model_owner_schedule.py, the discrete-event model of the whole-matrix direction stage: the simulator on
 schedules whose time is known by hand, and the two schedules' defining behaviours (docs/bench_distributed.md)."""
-
-import os
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-
-import model_owner_schedule as model  # noqa: E402
+from benchmarks import model_owner_schedule as model
 
 NO_NET = model.Net(inter_bytes_s=float("inf"), nvlink_bytes_s=float("inf"), gpus_per_node=8, latency_s=0.0)
 

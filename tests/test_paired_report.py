@@ -1,20 +1,15 @@
-"""scripts/paired_report.py on fabricated run folders: runs paired by seed at each variant's selected lr, the selection
+"""dit-paired-report on fabricated run folders: runs paired by seed at each variant's selected lr, the selection
 seeds kept out of the evaluation rows, the 95% t-interval of the per-seed relative differences and the TOST
 equivalence verdict (both against scipy), and the interpolated time to a target loss."""
 
 import json
 import math
-import os
-import sys
 
 import pytest
 import scipy.stats
 
-from conftest import ROOT
+from dit_train.study import paired_report
 from test_study import write_run
-
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-import paired_report  # noqa: E402
 
 
 def rows(val: dict, fd: float, opt_s: float, step_s: float = 0.5) -> list[dict]:
@@ -139,7 +134,7 @@ def test_the_margin_is_named_in_the_report_and_a_bad_one_is_refused(tmp_path, ca
     two_phase_sweep(sweep)
     paired_report.main([str(sweep), "--margin", "2.5"])
     text = (sweep / "report.md").read_text()
-    assert f"Built by `python scripts/paired_report.py {sweep} --margin 2.5`" in text
+    assert f"Built by `dit-paired-report {sweep} --margin 2.5`" in text
     assert "| equivalence at ±2.5% |" in text
     for bad in ("0", "-1", "nan"):
         with pytest.raises(SystemExit, match=f"--margin {bad} must be a positive number of percent"):
@@ -154,12 +149,12 @@ def test_a_study_without_a_finished_scan_is_refused(tmp_path):
 
 def test_publishing_a_two_phase_study_writes_its_paired_report_rebuilt_exactly_from_the_records(tmp_path,
                                                                                                  monkeypatch):
-    import publish_study
+    from dit_train.study import publish as publish_study
 
     two_phase_sweep(tmp_path / "sweep")
     monkeypatch.chdir(tmp_path)
     assert publish_study.main(["sweep", "docs/results/fab"]) == 0
     published = (tmp_path / "docs/results/fab/report.md").read_text()
     assert published.startswith("# Paired optimizer comparison: fab")
-    assert "Built by `python scripts/paired_report.py docs/results/fab/runs --out docs/results/fab`" in published
+    assert "Built by `dit-paired-report docs/results/fab/runs --out docs/results/fab`" in published
     assert paired_report.build("docs/results/fab/runs", "docs/results/fab") == published

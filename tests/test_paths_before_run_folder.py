@@ -48,7 +48,7 @@ CASES = {
     "latents without shards": (
         lambda t: (os.makedirs(t / "lat"), [*LATENTS, f"data.root={t / 'lat'}"])[1],
         "error: data.root='{t}/lat': no latent shards in {t}/lat/train/*.safetensors; write them with "
-        "scripts/encode_latents.py (which creates root/train and root/val)"),
+        "dit-encode-latents (which creates root/train and root/val)"),
     "latents with a truncated shard": (
         lambda t: (truncated_shard(t), [*LATENTS, f"data.root={t / 'lat'}"])[1],
         "error: latent shard {t}/lat/train/shard_00000.safetensors is truncated or not a safetensors file"),

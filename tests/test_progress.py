@@ -1,5 +1,5 @@
 """Feedback on long work, seen from a terminal (a pseudo-terminal, python's pty): training, its evaluations,
-`python -m dit_train.sample` and `eval/fd_dino.py` show tqdm bars; a pipe or a log file gets none; a message
+`dit-sample` and `dit-fd` show tqdm bars; a pipe or a log file gets none; a message
 printed while a bar is up ('preempted: ...', a log line) starts a line of its own."""
 
 import fcntl

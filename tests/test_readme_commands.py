@@ -5,7 +5,8 @@ RUNNERS, which says how the test runs it: as written, with overrides or flags ap
 as `--help` where it would take hours or needs a GPU cluster. A README command that no prefix matches fails
 test_every_readme_command_has_a_runner: add its row when you add the command. The README's placeholders (a run
 folder, a sweep folder) become one tiny run folder that the training, sample, export and FD commands share; the
-commands run through bash in a scratch folder holding copies of `scripts/` and `eval/`."""
+commands run through bash in a scratch folder holding a copy of `scripts/` and, first on PATH, this checkout's
+console scripts (pyproject's [project.scripts], called as pip's wrappers call them)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+import tomllib
 
 import pytest
 
@@ -38,7 +41,9 @@ def appended(extra: str):
 def help_of(command: str) -> str:
     """`--help` of the command's program (torchrun's script or module: run by python here)."""
     words = command.split()
-    if words[0] == "torchrun":
+    if words[0] == "torchrun" and "--no-python" in words:  # the program is the console script after the flag
+        words = [words[words.index("--no-python") + 1]]
+    elif words[0] == "torchrun":
         i = next(i for i, w in enumerate(words) if w.endswith(".py") or w == "-m")
         words = ["python", *words[i:i + (2 if words[i] == "-m" else 1)]]
     else:
@@ -63,19 +68,19 @@ RUNNERS = {
     "dit-train model=dit_4b train.dry_run=true": as_written,
     "dit-train run_dir=runs/tiny train.resume=auto": as_written,  # finished: says so and leaves it
     'eval "$(dit-train -sc install=bash)"': as_written,
-    "python -m dit_train.sample": appended("--steps 1 --per-class 1"),
-    "python -m dit_train.export": as_written,
-    "python eval/reference_stats.py": appended(TINY_FD),
-    "python eval/fd_dino.py": appended(TINY_FD),
-    "python scripts/run_study.py": help_of,
-    "python scripts/report.py": help_of,
-    "python scripts/paired_report.py": help_of,
-    "python scripts/publish_study.py": help_of,
-    "torchrun --nproc_per_node 8 scripts/encode_latents.py": help_of,
+    "dit-sample": appended("--steps 1 --per-class 1"),
+    "dit-export": as_written,
+    "dit-reference-stats": appended(TINY_FD),
+    "dit-fd": appended(TINY_FD),
+    "dit-study": help_of,
+    "dit-report": help_of,
+    "dit-paired-report": help_of,
+    "dit-publish-study": help_of,
+    "torchrun --nproc_per_node 8 --no-python dit-encode-latents": help_of,
     # a 32-GPU run: its overrides compose and pass the config check (Hydra prints the job's config)
     "torchrun --nnodes 4 --nproc_per_node 8 --rdzv-endpoint $HEAD:29500 -m dit_train":
         lambda command: "python -m dit_train " + command.split(" -m dit_train ", 1)[1] + " --cfg job",
-    "torchrun --nproc_per_node 8 eval/fd_dino.py": help_of,
+    "torchrun --nproc_per_node 8 --no-python dit-fd": help_of,
 }
 
 
@@ -110,8 +115,17 @@ def test_every_readme_command_has_a_runner():
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory):
     folder = tmp_path_factory.mktemp("readme")
-    for name in ("scripts", "eval"):  # copies: through a link, a script's `here/..` would name the scratch folder
-        shutil.copytree(os.path.join(ROOT, name), folder / name, ignore=shutil.ignore_patterns("__pycache__"))
+    # a copy: through a link, setup.sh's `here/..` would name the scratch folder
+    shutil.copytree(os.path.join(ROOT, "scripts"), folder / "scripts", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        scripts = tomllib.load(f)["project"]["scripts"]
+    os.makedirs(folder / "bin")
+    for name, target in scripts.items():  # what pip writes for an entry point, with this interpreter
+        module, function = target.split(":")
+        wrapper = folder / "bin" / name
+        wrapper.write_text(f"#!{sys.executable}\nimport sys\nfrom {module} import {function}\n"
+                           f"sys.argv[0] = {name!r}\nsys.exit({function}())\n")
+        wrapper.chmod(0o755)
     return folder
 
 
@@ -128,6 +142,7 @@ def test_readme_command_runs(scratch, command):
     shortened = runner(command)
     if shortened not in _RAN:
         _RAN[shortened] = subprocess.run([SHELL, "-c", shortened], cwd=str(scratch), capture_output=True, text=True,
-                                         timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+                                         timeout=300, env={**os.environ, "PYTHONPATH": ROOT,
+                                                              "PATH": f"{scratch / 'bin'}:{os.environ['PATH']}"})
     r = _RAN[shortened]
     assert r.returncode == 0, f"{command}\nran as: {shortened}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"

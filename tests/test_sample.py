@@ -1,4 +1,4 @@
-"""python -m dit_train.sample: EMA samples of a run as a grid and/or a folder of PNGs through the one sampler
+"""dit-sample: EMA samples of a run as a grid and/or a folder of PNGs through the one sampler
 (the run's own last grid, pixel for pixel, with its settings); latent runs are decoded by their VAE
 (tests/test_latents_e2e.py); and our Euler steps equal diffusers' FlowMatchEulerDiscreteScheduler bit for bit."""
 
@@ -99,7 +99,7 @@ def test_euler_sampler_equals_diffusers_flow_match_euler_scheduler(cfg_scale):
 
 @pytest.mark.parametrize("vae,what", [("/nonexistent", "does not exist"), ("empty", "has no config.json")])
 def test_a_vae_that_is_not_a_local_folder_is_one_line_and_never_a_hub_download(tmp_path, vae, what):
-    """`python -m dit_train.sample RUN --vae /nonexistent` on a latent run: before, diffusers took the path for a
+    """`dit-sample RUN --vae /nonexistent` on a latent run: before, diffusers took the path for a
     Hub repo id (51 lines, a network attempt). The Hub endpoint here is a closed port: any attempt would fail."""
     import os
     import subprocess
@@ -124,5 +124,5 @@ def test_a_vae_that_is_not_a_local_folder_is_one_line_and_never_a_hub_download(t
                        timeout=300)
     assert r.returncode == 2 and r.stderr.splitlines() == [
         f"error: VAE folder {vae!r} {what}: expected a local diffusers AutoencoderKL folder (config.json and its "
-        f"weights), the one given to encode_latents.py --vae"], r.stderr
+        f"weights), the one given to dit-encode-latents --vae"], r.stderr
     assert not (tmp_path / "grid.png").exists()

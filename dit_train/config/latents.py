@@ -10,18 +10,18 @@ import os
 
 from dit_train.config.errors import ConfigError, invalid
 
-LATENTS_INFO = "latents_info.json"  # written by scripts/encode_latents.py at the root of the shards
+LATENTS_INFO = "latents_info.json"  # written by dit-encode-latents at the root of the shards
 
 
 def encode_hint(model: dict) -> str:
     pixels = model["image_size"] * 8
-    return (f"make them with `python scripts/encode_latents.py --vae /path/to/vae --images /data/images "
+    return (f"make them with `dit-encode-latents --vae /path/to/vae --images /data/images "
             f"--out /data/latents --image-size {pixels}` (torchrun for several GPUs), then pass "
             f"data.root=/data/latents vae.path=/path/to/vae; to measure throughput without data: data=synthetic")
 
 
 def vae_scaling(vae_path: str) -> tuple[float, float]:
-    """(scaling_factor, shift_factor) of a diffusers AutoencoderKL folder, as encode_latents.py applies them."""
+    """(scaling_factor, shift_factor) of a diffusers AutoencoderKL folder, as dit-encode-latents applies them."""
     with open(os.path.join(vae_path, "config.json")) as f:
         config = json.load(f)
     return float(config.get("scaling_factor") or 1.0), float(config.get("shift_factor") or 0.0)
@@ -36,9 +36,9 @@ def read_latents_info(root: str) -> dict:
             info = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path} is torn or not JSON ({e}); encode the latents again into a new folder with "
-                          f"scripts/encode_latents.py") from None
+                          f"dit-encode-latents") from None
     if not isinstance(info, dict):
-        raise ConfigError(f"{path} holds a JSON {type(info).__name__}, expected the object encode_latents.py writes")
+        raise ConfigError(f"{path} holds a JSON {type(info).__name__}, expected the object dit-encode-latents writes")
     return info
 
 
@@ -52,13 +52,13 @@ def check_latent_run(model: dict, data: dict, vae: dict, needs_decoding: bool) -
     info = read_latents_info(root)
     if info.get("complete") is False:  # written before the first shard, completed after the last
         raise invalid("data.root", root, "its encoding stopped before every shard was written: rerun the same "
-                                         "scripts/encode_latents.py command to finish it")
+                                         "dit-encode-latents command to finish it")
     path = vae["path"]
     if path is None:
         if needs_decoding:
             raise ConfigError("vae.path is not set: a latent run decodes its samples (train.sample_every, "
                               "eval.every_n_steps) with the VAE that made the latents; pass vae.path=/path/to/vae "
-                              "(the folder given to encode_latents.py --vae), or set train.sample_every=0 "
+                              "(the folder given to dit-encode-latents --vae), or set train.sample_every=0 "
                               "eval.every_n_steps=0")
         return
     if not os.path.isfile(os.path.join(path, "config.json")):

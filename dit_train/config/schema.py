@@ -223,12 +223,12 @@ class ImageFolderData:
 
 @dataclass(kw_only=True)
 class LatentsData:
-    """Precomputed VAE latents (scripts/encode_latents.py): root/train/*.safetensors, root/val/*.safetensors.
+    """Precomputed VAE latents (dit-encode-latents): root/train/*.safetensors, root/val/*.safetensors.
     image_size, channels and num_classes: unless set on the command line, read from the shards and latents_info.json."""
     name: str = key(default="latents", doc="the dataset")
     # checked with the VAE in latents.py, with a hint how to make latents
     root: Optional[str] = key(default=None,
-                              doc="the folder scripts/encode_latents.py wrote (train/, val/, latents_info.json)")
+                              doc="the folder dit-encode-latents wrote (train/, val/, latents_info.json)")
     image_size: int = int_at_least(1, default=32, doc="latent side")
     channels: int = int_at_least(1, default=4, doc="latent channels")
     num_classes: int = int_at_least(0, default=1000, doc="classes")
@@ -274,8 +274,8 @@ class RunConfig:
     train: Any = key()
     parallel: Any = key()
     vae: Any = key()
-    study: Optional[Dict[str, Any]] = key("null or the experiment's grid for scripts/run_study.py (free-form)",
-                                          default=None, resume=True, doc="an experiment's grid (scripts/run_study.py)")
+    study: Optional[Dict[str, Any]] = key("null or the experiment's grid for dit-study (free-form)",
+                                          default=None, resume=True, doc="an experiment's grid (dit-study)")
 
 
 # the schema of each node of the run config that is not a group with options (conf/<group>/)

@@ -1,4 +1,4 @@
-"""Precomputed latent shards (safetensors), as written by scripts/encode_latents.py:
+"""Precomputed latent shards (safetensors), as written by dit-encode-latents:
 root/<split>/*.safetensors, each holding `latents` [N, C, H, W] and either `labels` [N] (int64) or
 `text_emb` [N, L, D] (+ optional `text_mask` [N, L]). Shards are opened lazily (memory-mapped), so the whole
 set never has to fit in RAM. Every shard is checked when the set is opened, each fault one line naming the file:
@@ -24,7 +24,7 @@ def open_shard(path: str):
         return safe_open(path, framework="pt")
     except SafetensorError as e:
         raise ValueError(f"latent shard {path} is truncated or not a safetensors file ({e}); delete it and rerun "
-                         f"scripts/encode_latents.py, which writes the missing shards") from None
+                         f"dit-encode-latents, which writes the missing shards") from None
 
 
 def check_labels(path: str, f, count: int, num_classes: int) -> None:
@@ -50,7 +50,7 @@ class LatentShards(Dataset):
         if not root or not files:
             raise FileNotFoundError(
                 f"data.root={root!r}: no latent shards in {folder}/*.safetensors; write them with "
-                f"scripts/encode_latents.py (which creates root/train and root/val)"
+                f"dit-encode-latents (which creates root/train and root/val)"
             )
         expected = (int(cfg.channels), int(cfg.image_size), int(cfg.image_size))
         self.files, self.offsets, total = [], [], 0

@@ -43,9 +43,12 @@ def sample_t(
     return t
 
 
-def velocity_loss(model, x0, t, eps, **cond) -> torch.Tensor:
-    """Mean over elements of (v_theta(x_t, t, cond) - (eps - x0))^2."""
+def velocity_loss(model, x0, t, eps, per_sample: bool = False, **cond) -> torch.Tensor:
+    """Mean over elements of (v_theta(x_t, t, cond) - (eps - x0))^2: the training loss, and with per_sample one mean
+    per sample (shape [B], the validation loss's per-row terms)."""
     pred = model(interpolate(x0, eps, t), t, **cond)
+    if per_sample:
+        return F.mse_loss(pred.float(), velocity_target(x0, eps).float(), reduction="none").flatten(1).mean(1)
     return F.mse_loss(pred.float(), velocity_target(x0, eps).float())
 
 
@@ -81,8 +84,7 @@ def validation_loss(model, batches, t_grid: torch.Tensor, seed: int = 0, device=
         for j, t_val in enumerate(t_grid.tolist()):
             t = torch.full((x.shape[0],), t_val, device=device)
             with autocast():
-                pred = model(interpolate(x, e, t), t, **cond)
-            err = (pred.float() - velocity_target(x, e).float()).pow(2).flatten(1).mean(1)
+                err = velocity_loss(model, x, t, e, per_sample=True, **cond)
             per_t[j] += weight * err.double().sum()
         per_t[-1] += weight * x.shape[0]
     if reduce is not None:

@@ -1,5 +1,5 @@
 """The VAE of latent runs: one place for the latent convention, z = (mean of the posterior - shift) * scale with
-the VAE's own scaling_factor / shift_factor, used by scripts/encode_latents.py to encode and by sampling, grids
+the VAE's own scaling_factor / shift_factor, used by dit-encode-latents to encode and by sampling, grids
 and FD to decode. A diffusers AutoencoderKL from a local folder (no hub access)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def load_autoencoder(path: str, device):
     if not os.path.isfile(os.path.join(path, "config.json")):
         what = "has no config.json" if os.path.isdir(path) else "does not exist"
         raise FileNotFoundError(f"VAE folder {path!r} {what}: expected a local diffusers AutoencoderKL folder "
-                                f"(config.json and its weights), the one given to encode_latents.py --vae")
+                                f"(config.json and its weights), the one given to dit-encode-latents --vae")
     # a local folder only: a path that is not one must not become a Hub download
     return AutoencoderKL.from_pretrained(path, local_files_only=True).to(device).eval().requires_grad_(False)
 

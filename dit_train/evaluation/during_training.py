@@ -39,7 +39,7 @@ class _Stopped(Exception):
 
 def reference_data_config(data_cfg):
     """The real images FD compares with: the training data itself, or for latents the images they were made from
-    (recorded by scripts/encode_latents.py in latents_info.json)."""
+    (recorded by dit-encode-latents in latents_info.json)."""
     if data_cfg.name != "latents":
         return data_cfg
     from omegaconf import OmegaConf
@@ -50,7 +50,7 @@ def reference_data_config(data_cfg):
     if source is None:
         raise ValueError(f"FD of a latent run compares with the images the latents were made from, but "
                          f"{data_cfg.root}/latents_info.json does not name them: re-encode with "
-                         f"scripts/encode_latents.py, or set eval.every_n_steps=0")
+                         f"dit-encode-latents, or set eval.every_n_steps=0")
     from dit_train.runs.checkpoint import literal_config
 
     return OmegaConf.create(literal_config(source))  # a file from elsewhere: its strings are taken literally

@@ -317,7 +317,7 @@ class DiT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str, device="cpu") -> "DiT":
-        """A model folder written by `python -m dit_train.export` (config.json + model.safetensors)."""
+        """A model folder written by `dit-export` (config.json + model.safetensors)."""
         from dit_train.model.pretrained import load_pretrained
 
         return load_pretrained(cls, path, device)

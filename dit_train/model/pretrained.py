@@ -1,4 +1,4 @@
-"""The exported model folder that other code can load. `python -m dit_train.export` writes a diffusers pipeline folder:
+"""The exported model folder that other code can load. `dit-export` writes a diffusers pipeline folder:
 
     model_index.json                        the pipeline's parts (dit_train.diffusers_pipeline), written last
     transformer/config.json                 the DiT's architecture keys, plus where the weights came from
@@ -53,7 +53,7 @@ def save_pretrained(state_dict: dict, config, folder: str, dtype: str = "fp32", 
 
 def save_export(state_dict: dict, config, folder: str, dtype: str = "fp32", provenance: dict | None = None,
                 vae_path: str | None = None) -> str:
-    """The pipeline folder of `python -m dit_train.export` (module docstring); model_index.json last, so a folder
+    """The pipeline folder of `dit-export` (module docstring); model_index.json last, so a folder
     with one is complete."""
     save_pretrained(state_dict, config, os.path.join(folder, TRANSFORMER), dtype, provenance, DIFFUSERS_CLASS,
                     DIFFUSERS_WEIGHTS_FILE)
@@ -93,7 +93,7 @@ def _local_folder(path: str) -> str:
             return os.path.join(path, TRANSFORMER)
         if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
             raise FileNotFoundError(f"{path!r} has no {PIPELINE_FILE} or {CONFIG_FILE}: not a folder written by "
-                                    f"python -m dit_train.export (an interrupted export writes {PIPELINE_FILE} last)")
+                                    f"dit-export (an interrupted export writes {PIPELINE_FILE} last)")
         return path
     from dit_train.extras import installed
 

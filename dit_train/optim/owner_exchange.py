@@ -21,7 +21,7 @@ Schedule (after microsoft/dion's "megabatch": a shape group's matrices taken W a
 - started in backward (`launched`, backward_overlap.py): inbound all-to-alls already issued during backward are
   used as they are; the step issues only the others, at the same points of the same schedule.
 The bucket policy follows from W and the shapes; PER_RANK and IN_FLIGHT were chosen with
-scripts/model_owner_schedule.py (docs/bench_distributed.md): one matrix per rank keeps each exchange's buffers to
+benchmarks/model_owner_schedule.py (docs/bench_distributed.md): one matrix per rank keeps each exchange's buffers to
 one matrix per rank (whole-group exchanges hold up to 7 matrices of up to 192 MiB each at W = 8, 15B, and are
 modelled 0-8% slower), and 4 in flight is within 3% of 8 at every preset and W (3: up to 9% slower).
 """

@@ -25,7 +25,7 @@
 #define MAX_THREADS 64
 /* the one-pass step (rownorm_passes.inc): bytes of G and M per chunk of a wide bucket's rows (read back from L2) */
 /* blocks of rows per item of the power iteration's products, read in turn (power_iteration.inc); -DPI_GROUP=n
- * builds another (scripts/bench_rownorm_builds.py) */
+ * builds another (benchmarks/bench_rownorm_builds.py) */
 #ifndef PI_GROUP
 #define PI_GROUP 4
 #endif

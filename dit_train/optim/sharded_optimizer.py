@@ -111,7 +111,7 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
 
     accepts_dtensors = True
     # Whether whole-matrix directions keep their per-(shape, count) workspaces between steps. None: on CPU only
-    # (see _whole_directions). The memory estimate (scripts/estimate_memory.py) runs on fake CPU tensors and sets
+    # (see _whole_directions). The memory estimate (dit-estimate-memory) runs on fake CPU tensors and sets
     # False to account for what a CUDA run keeps.
     keep_whole_matrix_workspaces: bool | None = None
 

@@ -159,7 +159,7 @@ def cap_factors(problems: list[tuple[Tensor, Tensor, bool, Tensor, str | None, f
     sums in one flat fp32/fp64 tensor. native: the products as C loops where they take the tensors
     (compile_rownorm on CPU; same maths, sums in another order). firsts: per problem, R^T x0 where the momentum pass
     already formed it (fused_rownorm.momentum_pass; wide buckets), else None. rounds: ROUNDS, the optimizer's; others
-    for measuring the estimate (scripts/spectral_estimate_accuracy.py)."""
+    for measuring the estimate (benchmarks/spectral_estimate_accuracy.py)."""
     if rounds < 2:
         raise ValueError(f"rounds={rounds} is not valid: the power iteration takes >= 2 rounds")
     if not problems:

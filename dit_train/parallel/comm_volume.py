@@ -1,5 +1,5 @@
 """Bytes each rank moves per training step through FSDP2's collectives (docs/scaling_out.md, "Communication per
-step"), from the parameter counts of the real model: scripts/comm_volume.py tabulates the presets, and the trainer
+step"), from the parameter counts of the real model: dit-comm-volume tabulates the presets, and the trainer
 prints its own run's figure at start, with the part that crosses nodes.
 
 Per rank and optimizer step, no gradient accumulation, ring bytes as the collectives send them, over a shard group

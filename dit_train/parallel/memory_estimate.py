@@ -1,5 +1,5 @@
 """Per-rank memory of training steps, measured by running the trainer's own code on fake tensors (no memory, no
-GPU) under a fake process group of W ranks; scripts/estimate_memory.py prints it, docs/scaling_out.md holds the
+GPU) under a fake process group of W ranks; dit-estimate-memory prints it, docs/scaling_out.md holds the
 table.
 
 How (the approach of torchtitan's scripts/estimate/estimation.py, our own code):
@@ -11,10 +11,10 @@ How (the approach of torchtitan's scripts/estimate/estimation.py, our own code):
   the mesh set-up fails inside FakeTensorMode on a data-dependent op;
 - inside FakeTensorMode the shards are allocated (to_empty: fake tensors, nothing real), the EMA, optimizer
   (optim.registry.build_optimizer, i.e. the real ShardedMatrixOptimizer with its collectives and workspaces) and
-  LR schedule are built, and the trainer's step runs (Trainer.global_batch_noise, flow.velocity_loss under the
-  train.precision autocast, backward, parallel.clip_grad_norm_, optimizer.step, ema.update, zero_grad) while
-  torch's FSDPMemTracker follows every tensor storage and its category (StepTracker: without the global-shape
-  tensors of DTensor's sharding propagation, which only exist to compute metadata);
+  LR schedule are built, and the trainer's own step function runs (Trainer.train_step on a Trainer holding only
+  what the step uses; its one host read, step_flags, answers "apply the update") while torch's
+  FSDPMemTracker follows every tensor storage and its category (StepTracker: without the global-shape tensors of
+  DTensor's sharding propagation, which only exist to compute metadata);
 - the step runs until every direction of the optimizer has run once with all persistent state in place
   (K + 1 steps for a periodic optimizer, else 2), so the peak is that of a steady-state step.
 
@@ -27,7 +27,6 @@ cuBLAS/attention-kernel workspaces, the data pipeline; and the CPU attention ker
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from unittest import mock
 from types import SimpleNamespace
@@ -169,21 +168,19 @@ def by_category(current: dict, peak: dict, params: int, ema_bytes: int, state: i
     return persistent, at_peak
 
 
-def fake_training(cfg, world_size: int, micro_batch: int, mode) -> SimpleNamespace:
+def fake_training(cfg, world_size: int, micro_batch: int, mode, micro_batches: int = 1) -> SimpleNamespace:
     """The trainer's objects for rank 0 of `world_size`, as estimate() and benchmarks/host_overhead.py run them: a
     fake process group, the model and EMA shadow built on meta and sharded by the plan of cfg.parallel, then inside
     `mode` (a FakeTensorMode, or a null context for real tensors) allocated, with the EMA, optimizer, LR schedule,
-    a batch of `micro_batch` images and noise() (a step's timesteps, noise and dropout mask). Run the steps inside
-    `mode` again (and empty_all_to_all_inputs_allowed). Returns SimpleNamespace(info, plan, model, ema, optimizer,
-    scheduler, x, y, noise)."""
-    from dit_train import seeds
+    a step-only Trainer and one step's batch (`micro_batch` x `micro_batches` images). Run the steps inside `mode`
+    again (and empty_all_to_all_inputs_allowed): run.trainer.train_step(run.x, {"y": run.y}).
+    Returns SimpleNamespace(info, plan, model, ema, optimizer, scheduler, trainer, x, y)."""
     from dit_train.diffusion.ema import EMA
     from dit_train.model.dit import build_model
     from dit_train.optim.registry import build_optimizer
+    from dit_train.optim.schedule import build_scheduler
     from dit_train.optim.sharded_optimizer import ShardedMatrixOptimizer
     from dit_train.parallel.fsdp import DistInfo, fsdp_mesh, parallelize, resolve_plan
-    from dit_train.optim.schedule import build_scheduler
-    from dit_train.trainer.loop import Trainer
 
     init_fake_process_group(world_size)
     device = torch.device("cpu")
@@ -207,14 +204,12 @@ def fake_training(cfg, world_size: int, micro_batch: int, mode) -> SimpleNamespa
         if isinstance(optimizer, ShardedMatrixOptimizer):
             optimizer.keep_whole_matrix_workspaces = False  # what a CUDA run keeps (CPU runs keep more)
         scheduler = build_scheduler(optimizer, tc.steps, tc.warmup_steps, tc.lr_schedule, tc.min_lr_ratio)
-        trainer = SimpleNamespace(dist=info, cfg=cfg,
-                                  state=SimpleNamespace(generator=seeds.generator("train_noise", cfg.seed)))
-        m = cfg.model
-        x = torch.randn(micro_batch, m.in_channels, m.image_size, m.image_size)
-        y = torch.randint(0, max(1, m.num_classes), (micro_batch,))
-        noise = lambda: Trainer.global_batch_noise(trainer, x)  # noqa: E731  a fresh draw per step, as trained
+        trainer = step_only_trainer(cfg, info, plan, model, ema, optimizer, scheduler, micro_batch)
+        m, batch = cfg.model, micro_batch * micro_batches
+        x = torch.randn(batch, m.in_channels, m.image_size, m.image_size)
+        y = torch.randint(0, max(1, m.num_classes), (batch,))
     return SimpleNamespace(info=info, plan=plan, model=model, ema=ema, optimizer=optimizer, scheduler=scheduler,
-                           x=x, y=y, noise=noise)
+                           trainer=trainer, x=x, y=y)
 
 
 def estimate(cfg, world_size: int, micro_batch: int, steps: int | None = None, fake: bool = True,
@@ -232,22 +227,20 @@ def estimate(cfg, world_size: int, micro_batch: int, steps: int | None = None, f
     steps = steps or steps_for(cfg.optimizer)
     # meta tensors are not fake tensors: allow them in, to_empty turns them into fake CPU tensors
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-    run = fake_training(cfg, world_size, micro_batch, mode)
-    model, ema, optimizer, x, y = run.model, run.ema, run.optimizer, run.x, run.y
-    device = run.info.device
+    run = fake_training(cfg, world_size, micro_batch, mode, micro_batches)
+    model, ema, optimizer, device = run.model, run.ema, run.optimizer, run.info.device
     with mode:
         tracker = StepTracker(model, optimizer)
-        tracker.track_inputs((x, y))
+        tracker.track_inputs((run.x, run.y))
         # the EMA shards live outside the trained module: register them (as "Buffer", split off below) so that
         # the tracker counts them from the start instead of as activations at their first in-place update
         ema_tensors = [local(p) for p in ema.model.parameters()]
         for t in ema_tensors:
             tracker._update_and_maybe_create_winfos(t, _FSDPRefType.BUFFER)
-        with tracker.ignoring_propagation(), tracker, empty_all_to_all_inputs_allowed():
+        with tracker.ignoring_propagation(), tracker, empty_all_to_all_inputs_allowed(), \
+                stats_reset_between_micro_batches(tracker):
             for _ in range(steps):
-                # per-module stats are per forward (the tracker refuses a second one); the peak is kept
-                _train_step(model, run.plan, ema, optimizer, run.scheduler, x, y, run.noise(), cfg, micro_batches,
-                            between=tracker.reset_mod_stats)
+                run.trainer.train_step(run.x, {"y": run.y})
                 tracker.reset_mod_stats()  # per-module stats are per iteration; the peak is kept
             current = tracker.get_tracker_snapshot("current")[device]
         peak = tracker.get_tracker_snapshot("peak")[device]
@@ -260,32 +253,43 @@ def estimate(cfg, world_size: int, micro_batch: int, steps: int | None = None, f
     return {"persistent": persistent, "peak": at_peak, "steps": steps, "seconds": time.perf_counter() - t0}
 
 
-def _train_step(model, plan, ema, optimizer, scheduler, x, y, noise, cfg, micro_batches: int = 1,
-                between=None, phase=None) -> None:
-    """Trainer.train_step's tensor work (train.py), without what needs real values: the finite checks, .item()
-    and the 2-scalar loss/preemption all-reduce (8 bytes). `micro_batches` backwards of `x` accumulate, synced by
-    the trainer's own micro_batch_sync. phase(name), a context manager, marks the parts forward_backward (with the
-    gradient clipping), optimizer and after (EMA, zero_grad, LR schedule)."""
-    from dit_train.diffusion.flow import velocity_loss
-    from dit_train.parallel.fsdp import autocast, clip_grad_norm_
-    from dit_train.trainer.loop import micro_batch_sync
+def step_only_trainer(cfg, info, plan, model, ema, optimizer, scheduler, micro_batch: int):
+    """A Trainer holding what Trainer.train_step uses, and nothing else (__init__ also builds the datasets, the
+    logger, the checkpoint saver). train.micro_batch_size is the estimate's micro-batch. step_flags, the step's one
+    host read, answers: apply the update, no stop vote, gradients not scaled (fake tensors have no values, and the
+    fake process group's collectives leave arbitrary ones even in real tensors)."""
+    from omegaconf import OmegaConf
 
-    phase = phase or (lambda name: contextlib.nullcontext())
-    t, eps, drop = noise
-    with phase("forward_backward"):
-        for i in range(micro_batches):
-            if micro_batches > 1:
-                micro_batch_sync(model, plan, optimizer, last=i == micro_batches - 1)
-                if i and between is not None:
-                    between()
-            with autocast(cfg.train.precision, x.device):
-                loss = velocity_loss(model, x, t, eps, drop_mask=drop, y=y)
-            loss.backward()
-        clip = cfg.train.grad_clip
-        clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
-    with phase("optimizer"):
-        optimizer.step()
-    with phase("after"):
-        ema.update(model)
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
+    from dit_train import seeds
+    from dit_train.telemetry.clocks import PhaseTimer
+    from dit_train.trainer.loop import Trainer
+    from dit_train.trainer.preemption import Preemption
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.cfg, trainer.dist, trainer.plan = cfg, info, plan
+    trainer.tc = OmegaConf.merge(cfg.train, {"micro_batch_size": micro_batch})
+    trainer.model, trainer.ema, trainer.optimizer, trainer.scheduler = model, ema, optimizer, scheduler
+    trainer.state = SimpleNamespace(generator=seeds.generator("train_noise", cfg.seed))
+    trainer.timer, trainer.preemption, trainer.bad_steps = PhaseTimer(enabled=False), Preemption(), 0
+    trainer.step_flags = lambda finite, stop_votes, scaled: (True, 0.0, False)
+    return trainer
+
+
+@contextlib.contextmanager
+def stats_reset_between_micro_batches(tracker):
+    """The tracker keeps per-module stats for one forward and refuses a second: reset them after the trainer's
+    micro_batch_sync of every micro-batch but a step's first (the peak is kept)."""
+    from dit_train.trainer import loop
+
+    real = loop.micro_batch_sync
+    first = True
+
+    def sync_then_reset(model, plan, optimizer, last: bool) -> None:
+        nonlocal first
+        real(model, plan, optimizer, last=last)
+        if not first:
+            tracker.reset_mod_stats()
+        first = last
+
+    with mock.patch.object(loop, "micro_batch_sync", sync_then_reset):
+        yield

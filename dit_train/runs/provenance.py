@@ -14,7 +14,9 @@ from omegaconf import OmegaConf
 PACKAGES = ("torch", "numpy", "hydra-core", "omegaconf", "safetensors", "transformers", "diffusers", "dit_train")
 
 
-CODE_PATHS = ("dit_train/", "scripts/", "eval/", "pyproject.toml")  # what can change a run's numbers
+CODE_PATHS = ("dit_train/", "pyproject.toml")  # what can change a run's numbers
+# the folder that holds the dit_train package: the git checkout of an editable install
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def modified_files(path: str) -> list[str]:
@@ -54,9 +56,8 @@ def package_versions() -> dict[str, str]:
 def write_run_info(cfg, run_dir: str) -> None:
     from dit_train.runs.atomic_io import atomic_write_bytes
 
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # dit_train/runs/ -> repo
-    modified = modified_files(repo)
-    info = {"git_commit": git_commit(repo, modified), "git_modified": modified, "packages": package_versions(),
+    modified = modified_files(CHECKOUT)
+    info = {"git_commit": git_commit(CHECKOUT, modified), "git_modified": modified, "packages": package_versions(),
             "python": sys.version.split()[0], "platform": platform.platform(), "argv": sys.argv}
     atomic_write_bytes(json.dumps(info, indent=2).encode(), os.path.join(run_dir, "run_info.json"))
     atomic_write_bytes(OmegaConf.to_yaml(cfg, resolve=True).encode(), os.path.join(run_dir, "config.yaml"))

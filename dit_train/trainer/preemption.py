@@ -75,8 +75,8 @@ class Preemption:
         received = f"received {self.signal_name or 'a stop signal (on another rank)'} at step {step}"
         if last_step:
             message = (f"{received}, the last, during the end-of-run work: its checkpoint was written first; "
-                       f"skipped {', '.join(skipped)} and summary.json (python -m dit_train.sample {run_dir} "
-                       f"makes a grid, python eval/fd_dino.py {run_dir} the FD)")
+                       f"skipped {', '.join(skipped)} and summary.json (dit-sample {run_dir} "
+                       f"makes a grid, dit-fd {run_dir} the FD)")
         else:
             during = f" during the evaluation (skipped {', '.join(skipped)})" if skipped else ""
             message = (f"{received}{during}; checkpoint written, rerun with train.resume=auto run_dir={run_dir} "

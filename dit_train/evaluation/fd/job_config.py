@@ -1,4 +1,4 @@
-"""The evaluation jobs' configuration (eval/reference_stats.py, eval/fd_dino.py): eval and data configs loaded from
+"""The evaluation jobs' configuration (dit-reference-stats, dit-fd): eval and data configs loaded from
 the package's config options (so the jobs resolve from any working directory) and their command-line flags. The process
 group is parallel.init_distributed, as for training."""
 

@@ -3,7 +3,7 @@
 The cache key hashes everything the numbers depend on: encoder id (network + weights fingerprint), the extractor's
 preprocessing string, the dataset id (``dataset.dataset_id``), the split, the number of images and how they were
 chosen (a seeded permutation), and a format version. Change any of those and a new file is computed; otherwise the
-file is reused by every evaluation (in training and in ``eval/fd_dino.py``).
+file is reused by every evaluation (in training and in ``dit-fd``).
 
 The .npz holds: mean [D], cov [D, D] (float64, unbiased), count, labels [count] (int64, the class labels of the
 reference images, used to condition generation with the same class mix), encoder_id, dataset_id, split,

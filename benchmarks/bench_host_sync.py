@@ -10,32 +10,29 @@ The variants run in interleaved rounds of --steps steps (timed with one synchron
 adds no stall of its own); the table gives median seconds per step and the ratios, with their target lines.
 On CPU every read is free (the work is done when the call returns): run it on a GPU.
 
-    python scripts/bench_host_sync.py --model dit_s --batch-size 64 --optimizer muon
+    python -m benchmarks.bench_host_sync --model dit_s --batch-size 64 --optimizer muon
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-from dit_train.parallel.fsdp import DistInfo  # noqa: E402
-from dit_train.trainer.loop import Trainer  # noqa: E402
+from dit_train.config.files import CONF_DIR
+from dit_train.parallel.fsdp import DistInfo
+from dit_train.trainer.loop import Trainer
 
 
 def compose(overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "dit_train", "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return hydra_compose(config_name="config", overrides=overrides)
 
 

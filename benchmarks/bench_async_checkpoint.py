@@ -8,24 +8,21 @@ the next save would.
 
 Each repetition saves synchronously, then asynchronously, into a temporary folder; the table shows medians.
 
-    python scripts/bench_async_checkpoint.py --mb 512 --reps 3
+    python -m benchmarks.bench_async_checkpoint --mb 512 --reps 3
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.staging import DefaultStager
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dit_train.runs import checkpoint as ckpt  # noqa: E402
-from dit_train.runs.checkpoint_saver import local_bytes, staging_options  # noqa: E402
+from dit_train.runs import checkpoint as ckpt
+from dit_train.runs.checkpoint_saver import local_bytes, staging_options
 
 TARGET = 0.5  # async blocking time / sync blocking time should be below this
 

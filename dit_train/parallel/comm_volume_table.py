@@ -1,7 +1,7 @@
 """Bytes each rank moves per training step, from the real preset shapes (built on the meta device), for plain FSDP
 over every GPU and for HSDP (shard within a node, replicate across nodes). Runs on a CPU in seconds.
 
-    python scripts/comm_volume.py [--presets dit_1b3 dit_4b dit_9b dit_15b] [--nodes 4] [--gpus-per-node 8] \
+    dit-comm-volume [--presets dit_1b3 dit_4b dit_9b dit_15b] [--nodes 4] [--gpus-per-node 8] \
         [--reduce-dtype fp32|bf16] [--no-reshard]
 
 What is counted (per rank, per optimizer step, no gradient accumulation; bytes as the collectives' ring
@@ -21,13 +21,9 @@ implementations send them, the logical bytes of dit_train/optim/collectives.py):
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from dit_train.parallel.comm_volume import GB, crossing_nodes, fsdp_volumes  # noqa: E402
+from dit_train.parallel.comm_volume import GB, crossing_nodes, fsdp_volumes
 
 PRESETS = ("dit_1b3", "dit_4b", "dit_9b", "dit_15b")
 
@@ -76,7 +72,7 @@ def table(presets, nodes: int, gpus: int, reduce_dtype: str, reshard: bool) -> s
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="dit-comm-volume", description=__doc__.split("\n")[0])
     ap.add_argument("--presets", nargs="+", default=list(PRESETS))
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--gpus-per-node", type=int, default=8)

@@ -2,8 +2,8 @@
 """The GPU check's results: one JSON line per stage in <results>/results.jsonl (gpu_check.py writes it as the stage
 finishes), the line of a stage that died or was killed without one, and the markdown table of them all. No torch.
 
-    python scripts/gpu_check_table.py --results DIR --ensure STAGE --rc N --timeout S   # after each stage
-    python scripts/gpu_check_table.py --results DIR --render --out docs/gpu_check.md [--title TEXT]
+    python -m benchmarks.gpu_check_table --results DIR --ensure STAGE --rc N --timeout S   # after each stage
+    python -m benchmarks.gpu_check_table --results DIR --render --out docs/gpu_check.md [--title TEXT]
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ def markdown(rows: list[dict], title: list[str], planned: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-BEGIN, END = "<!-- gpu_check results: written by scripts/gpu_check.sh -->", "<!-- end of gpu_check results -->"
+BEGIN, END = "<!-- gpu_check results: written by benchmarks/gpu_check.sh -->", "<!-- end of gpu_check results -->"
 
 
 def write_table(path: str, table: str) -> None:
@@ -203,7 +203,7 @@ def main(argv=None) -> int:
     ap.add_argument("--log", default=None)
     ap.add_argument("--render", action="store_true")
     ap.add_argument("--planned", default="", help="comma-separated stages, in order")
-    ap.add_argument("--command", default="bash scripts/gpu_check.sh")
+    ap.add_argument("--command", default="bash benchmarks/gpu_check.sh")
     ap.add_argument("--date", default="")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

@@ -1,9 +1,8 @@
-#!/usr/bin/env python
 """The report of a paired-seed optimizer comparison (a study with study.lr_scan, e.g. optimizer_comparison_cpu):
 differences against Muon and AdamW with 95% intervals over paired seeds and an equivalence test (TOST) at a margin —
 reading run folders only.
 
-    python scripts/paired_report.py SWEEP_DIR [--out FOLDER] [--margin 1.0]
+    dit-paired-report SWEEP_DIR [--out FOLDER] [--margin 1.0]
 
 Each optimizer variant is compared at the learning rate its scan selected (study.json's lr_selection: lowest final
 validation loss over the selection seeds). The selection seeds (study.json's selection_seeds; in records from before
@@ -32,10 +31,9 @@ from collections import defaultdict
 
 import scipy.stats
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import Run, banner, fmt, provenance, read_run  # noqa: E402
-from dit_train.runs.json_file import DamagedJSONFile, read_json  # noqa: E402
-from run_study import variant_label  # noqa: E402  (the key of study.json's lr_selection)
+from dit_train.runs.json_file import DamagedJSONFile, read_json
+from dit_train.study.report import Run, banner, fmt, provenance, read_run
+from dit_train.study.run import variant_label  # the key of study.json's lr_selection
 
 VAL_STEPS = (200, 400, 600)
 DEFAULT_MARGIN = 1.0  # percent: the equivalence margin of the TOST column
@@ -185,10 +183,10 @@ def paired_section(runs: dict, reference: str, margin: float, heading: str) -> l
 def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN) -> str:
     out_dir = out_dir or sweep_dir
     study = read_json(os.path.join(sweep_dir, "study.json"),
-                      fix="restore it from a copy (scripts/run_study.py writes it)")
+                      fix="restore it from a copy (dit-study writes it)")
     if "lr_selection" not in study:
         raise SystemExit(f"error: {sweep_dir}/study.json has no lr_selection: not a two-phase study, or its lr scan "
-                         f"has not finished (run: python scripts/run_study.py {study.get('experiment', '?')})")
+                         f"has not finished (run: dit-study {study.get('experiment', '?')})")
     runs, scan = collect(sweep_dir, study)
     chosen_by = selection_seeds(study)
     evaluated = without(runs, chosen_by)
@@ -198,7 +196,7 @@ def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN) -
     margin_arg = "" if margin == DEFAULT_MARGIN else f" --margin {margin:g}"
 
     lines = [f"# Paired optimizer comparison: {study.get('experiment', '?')}", banner(study),
-             f"Built by `python scripts/paired_report.py {sweep_dir}{out_arg}{margin_arg}` from {len(eval_runs)} "
+             f"Built by `dit-paired-report {sweep_dir}{out_arg}{margin_arg}` from {len(eval_runs)} "
              f"finished runs at the selected learning rates (evaluation seeds {_seeds(seeds)}). Selection "
              f"seed{'s' if len(chosen_by) > 1 else ''} {_seeds(chosen_by)} chose the learning rates and "
              f"{'are' if len(chosen_by) > 1 else 'is'} excluded from every evaluation row.",
@@ -243,7 +241,7 @@ def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN) -
     lines += ["Optimizer times are means over every step of each run (refresh and RowNorm steps both counted), "
               "measured on a 2-core machine shared with other work: machine load, not the optimizer, dominates their "
               "seed-to-seed spread. `optimizer / fwd+bwd` divides each run's optimizer time by its forward plus "
-              "backward time, which share that load; scripts/bench_optimizer.py's side-by-side measurement is the "
+              "backward time, which share that load; benchmarks/bench_optimizer.py's side-by-side measurement is the "
               "cost to quote. Active times to target inherit the load's noise."]
     text = "\n\n".join(l for l in _paragraphs(lines) if l) + "\n"
     os.makedirs(out_dir, exist_ok=True)
@@ -267,8 +265,9 @@ def _paragraphs(lines: list[str]) -> list[str]:
     return out
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="dit-paired-report", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweep_dir")
     p.add_argument("--out", default=None, help="folder for report.md (default: the sweep folder)")
     p.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
@@ -277,7 +276,7 @@ def main(argv=None):
     if not (math.isfinite(args.margin) and args.margin > 0):
         raise SystemExit(f"error: --margin {args.margin:g} must be a positive number of percent (e.g. 1 for ±1%)")
     if not os.path.isfile(os.path.join(args.sweep_dir, "study.json")):
-        raise SystemExit(f"error: {args.sweep_dir!r} has no study.json (made by scripts/run_study.py)")
+        raise SystemExit(f"error: {args.sweep_dir!r} has no study.json (made by dit-study)")
     try:
         build(args.sweep_dir, args.out, args.margin)
     except DamagedJSONFile as e:

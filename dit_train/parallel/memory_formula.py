@@ -1,9 +1,9 @@
 """Memory per GPU of the large presets under FSDP2, computed by hand from exact parameter counts: the cross-check of
-scripts/estimate_memory.py, which measures the same by running the trainer's code on fake tensors (docs/scaling_out.md
+dit-estimate-memory, which measures the same by running the trainer's code on fake tensors (docs/scaling_out.md
 compares the two; this formula leaves out the optimizer's kept workspaces and MUD's Gram matrices, and its 40 d
 bytes of activations per token per block are below the ~60 d measured).
 
-    python scripts/memory_table.py [--micro-batch 32] [--world-sizes 8 16 32 64] [--presets dit_1b3 ...]
+    dit-memory-formula [--micro-batch 32] [--world-sizes 8 16 32 64] [--presets dit_1b3 ...]
 
 Each model is built on the meta device (nothing allocated), its parameters routed as the optimizers route them
 (2-D hidden nn.Linear weights -> matrix update; the rest -> AdamW), and the bytes per GPU summed from the terms
@@ -27,11 +27,6 @@ N tokens per image, B images per GPU (micro-batch):
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 PRESETS = ("dit_1b3", "dit_4b", "dit_9b", "dit_15b")
 GIB = 1024**3
@@ -105,7 +100,8 @@ def tables(presets, worlds, micro_batch: int) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="dit-memory-formula", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--micro-batch", type=int, default=32, help="images per GPU per step (default 32)")
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[8, 16, 32, 64])
     ap.add_argument("--presets", nargs="+", default=list(PRESETS))

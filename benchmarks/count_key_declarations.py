@@ -2,7 +2,7 @@
 """For every key of the run config, the files that declare it, and the largest count: how many places a change to
 one key has to touch.
 
-    python scripts/count_key_declarations.py [CHECKOUT]      # default: this checkout
+    python -m benchmarks.count_key_declarations [CHECKOUT]      # default: this checkout
 
 A file declares a key when it holds, for that key:
   default    a yaml that sets it as a default (conf/config.yaml, a shared conf/_*.yaml, */default.yaml, an option of

@@ -1,12 +1,11 @@
-#!/usr/bin/env python
 """Copy a sweep's run records (no checkpoints, samples or logs) to a folder that can be committed, then build
 the report there — so a published report sits next to the exact files its numbers come from.
 
-    python scripts/publish_study.py sweeps/scaling_study_cpu docs/results/scaling_study_cpu
+    dit-publish-study sweeps/scaling_study_cpu docs/results/scaling_study_cpu
 
 Writes DEST/runs/<run>/{config.yaml, metrics.jsonl, summary.json, run_info.json} and DEST/runs/study.json,
-then DEST/report.md: scripts/paired_report.py's for a two-phase study (study.json with an lr_selection), else
-scripts/report.py's with its plots (`--out DEST` from DEST/runs either way). Runs already in DEST/runs that
+then DEST/report.md: dit-paired-report's for a two-phase study (study.json with an lr_selection), else
+dit-report's with its plots (`--out DEST` from DEST/runs either way). Runs already in DEST/runs that
 the sweep folder lacks are kept, so a study run in pieces on different machines can be published in pieces.
 """
 
@@ -18,13 +17,10 @@ import os
 import shutil
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
-import paired_report  # noqa: E402
-import report  # noqa: E402
-import run_study  # noqa: E402
-from dit_train.runs.atomic_io import atomic_write_bytes  # noqa: E402
-from dit_train.runs.json_file import DamagedJSONFile, read_json  # noqa: E402
+from dit_train.study import paired_report, report
+from dit_train.study import run as run_study
+from dit_train.runs.atomic_io import atomic_write_bytes
+from dit_train.runs.json_file import DamagedJSONFile, read_json
 
 RECORDS = ("config.yaml", "metrics.jsonl", "summary.json", "run_info.json")
 
@@ -53,7 +49,7 @@ def merge_study_record(src: str, dst: str) -> None:
     published banner (report.banner)."""
     if not os.path.exists(src):
         return
-    record = read_json(src, fix="restore it from a copy (scripts/run_study.py writes it)")
+    record = read_json(src, fix="restore it from a copy (dit-study writes it)")
     published = read_study_record(os.path.dirname(dst))
     if published.get("banner"):
         record["banner"] = published["banner"]
@@ -70,16 +66,17 @@ def read_study_record(folder: str) -> dict:
     path = os.path.join(folder, "study.json")
     if not os.path.exists(path):
         return {}
-    return read_json(path, fix="restore it from a copy (scripts/run_study.py writes it)")
+    return read_json(path, fix="restore it from a copy (dit-study writes it)")
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="dit-publish-study", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweep_dir")
     p.add_argument("dest")
     p.add_argument("--finished-only", action="store_true",
                    help="only runs with a summary.json (finished with their end-of-run evaluation): a study published "
-                        "in pieces, to be continued with run_study.py --records DEST/runs")
+                        "in pieces, to be continued with dit-study --records DEST/runs")
     args = p.parse_args(argv)
     if not os.path.isdir(args.sweep_dir):
         print(f"error: sweep folder {args.sweep_dir!r} does not exist", file=sys.stderr)

@@ -10,7 +10,7 @@ are switched off for the "off" step's backward, so that backward carries no exch
 together (barrier) and the slowest rank counts. Columns: exposed communication inside the step (`comm` phase:
 waiting on collectives), the optimizer step, backward, and backward + step; medians over rounds with [min, max].
 
-    python scripts/bench_backward_overlap.py --mode owner --hidden-size 384 --depth 6 --rounds 8
+    python -m benchmarks.bench_backward_overlap --mode owner --hidden-size 384 --depth 6 --rounds 8
 """
 
 from __future__ import annotations
@@ -18,16 +18,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-from bench_distributed import free_port, join_process_group, model_config  # noqa: E402
+from benchmarks.bench_distributed import free_port, join_process_group, model_config
 
 MODES = {"off": False, "on": True}
 

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # First contact with a GPU machine (docs/gpu_check.md): the checks that decide the most, each stage in its own
 # process under its own `timeout`, its result appended to <results>/results.jsonl as it finishes (a crash or hang
-# loses only that stage), under 9 minutes in all on one H200 by construction (the stages' timeouts, scripts/
-# gpu_check.py STAGES). Needs the Python packages already installed (torch with CUDA, hydra-core, omegaconf...);
+# loses only that stage), under 9 minutes in all on one H200 by construction (the stages' timeouts,
+# benchmarks/gpu_check.py STAGES). Needs the Python packages already installed (torch with CUDA, hydra-core, omegaconf...);
 # this checkout is used through PYTHONPATH, so nothing is installed and no network is needed.
 #
-#   bash scripts/gpu_check.sh                        # table to docs/gpu_check.md (+ docs/gpu_check.jsonl)
-#   bash scripts/gpu_check.sh --results "$OUT"       # stage logs, estimates and results.jsonl in $OUT
-#   bash scripts/gpu_check.sh --cpu-smoke            # every stage on CPU, tiny models: checks the check (CI)
-#   bash scripts/gpu_check.sh --only env,ns5         # some stages
-#   bash scripts/gpu_check.sh --timeout-scale 2      # every stage's timeout times 2 (a slower machine)
+#   bash benchmarks/gpu_check.sh                        # table to docs/gpu_check.md (+ docs/gpu_check.jsonl)
+#   bash benchmarks/gpu_check.sh --results "$OUT"       # stage logs, estimates and results.jsonl in $OUT
+#   bash benchmarks/gpu_check.sh --cpu-smoke            # every stage on CPU, tiny models: checks the check (CI)
+#   bash benchmarks/gpu_check.sh --only env,ns5         # some stages
+#   bash benchmarks/gpu_check.sh --timeout-scale 2      # every stage's timeout times 2 (a slower machine)
 set -uo pipefail
 {  # the whole script is read before it runs: an edit of this file during a run cannot change the run
 cd "$(dirname "$0")/.."
@@ -41,8 +41,8 @@ if [ -z "$SMOKE" ] && ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_
   echo "gpu_check.sh: no CUDA device is visible to $PY (torch.cuda.is_available() is False); run it on a GPU machine, or --cpu-smoke to check the check on CPU" >&2
   exit 2
 fi
-PLAN=$("$PY" scripts/gpu_check.py --plan $SMOKE ${ONLY:+--only "$ONLY"}) || exit 2
-read -r BUDGET ESTIMATE_TIMEOUT KILL_GRACE < <("$PY" scripts/gpu_check.py --budget $SMOKE)
+PLAN=$("$PY" -m benchmarks.gpu_check --plan $SMOKE ${ONLY:+--only "$ONLY"}) || exit 2
+read -r BUDGET ESTIMATE_TIMEOUT KILL_GRACE < <("$PY" -m benchmarks.gpu_check --budget $SMOKE)
 BUDGET=$(awk "BEGIN{printf \"%d\", $BUDGET * $SCALE}")
 start=$(date +%s)
 # default: under $OUT when it is a folder (what a lent GPU machine copies back), else a new temporary folder
@@ -68,12 +68,12 @@ fi
 # stages). A stage whose estimate has not finished leaves its peak / estimate check pending (judged when the table is
 # made). Each leaves estimate_<stage>.json and, when it ends, estimate_<stage>.rc.
 estimate() {
-  timeout "$ESTIMATE_TIMEOUT" "$PY" scripts/estimate_memory.py $2 --json > "$RESULTS/estimate_$1.json" \
+  timeout "$ESTIMATE_TIMEOUT" "$PY" -m dit_train.parallel.memory_estimate_cli $2 --json > "$RESULTS/estimate_$1.json" \
     2> "$RESULTS/estimate_$1.log" < /dev/null
   echo $? > "$RESULTS/estimate_$1.rc.tmp" && mv "$RESULTS/estimate_$1.rc.tmp" "$RESULTS/estimate_$1.rc"
 }
 ESTIMATE_PIDS=()
-JOBS=$("$PY" scripts/gpu_check.py --estimates $SMOKE ${ONLY:+--only "$ONLY"}) || exit 2
+JOBS=$("$PY" -m benchmarks.gpu_check --estimates $SMOKE ${ONLY:+--only "$ONLY"}) || exit 2
 if [ -n "$SMOKE" ]; then
   ( while IFS=$'\t' read -r key est_args; do [ -z "$key" ] || estimate "$key" "$est_args"; done <<< "$JOBS" ) &
   ESTIMATE_PIDS+=($!)
@@ -88,12 +88,12 @@ while IFS=$'\t' read -r name t; do
   t=$(awk "BEGIN{print $t * $SCALE}")
   PLANNED="$PLANNED${PLANNED:+,}$name"
   echo "== $name (timeout $t s)"
-  timeout -k "$KILL_GRACE" "$t" "$PY" scripts/gpu_check.py --stage "$name" --results "$RESULTS" --timeout "$t" \
+  timeout -k "$KILL_GRACE" "$t" "$PY" -m benchmarks.gpu_check --stage "$name" --results "$RESULTS" --timeout "$t" \
     --work-dir "$WORK" $SMOKE \
     > "$RESULTS/$name.log" 2>&1 < /dev/null
   rc=$?
   rm -rf "${WORK:?}"/*  # what a killed stage left
-  "$PY" scripts/gpu_check_table.py --results "$RESULTS" --ensure "$name" --rc "$rc" --timeout "$t" \
+  "$PY" -m benchmarks.gpu_check_table --results "$RESULTS" --ensure "$name" --rc "$rc" --timeout "$t" \
     --log "$RESULTS/$name.log"
   [ "$rc" -eq 0 ] || { echo "   (last lines of $RESULTS/$name.log)"; tail -n 8 "$RESULTS/$name.log" | cut -c1-300 | sed 's/^/   | /'; }
 done <<< "$PLAN"
@@ -106,8 +106,8 @@ for pid in ${ESTIMATE_PIDS[@]+"${ESTIMATE_PIDS[@]}"}; do
 done
 for pid in ${ESTIMATE_PIDS[@]+"${ESTIMATE_PIDS[@]}"}; do pkill -TERM -P "$pid" 2>/dev/null; kill "$pid" 2>/dev/null; done
 echo
-COMMAND="bash scripts/gpu_check.sh${SMOKE:+ $SMOKE}${ONLY:+ --only $ONLY}"
-"$PY" scripts/gpu_check_table.py --results "$RESULTS" --render --planned "$PLANNED" --out "$OUT_MD" \
+COMMAND="bash benchmarks/gpu_check.sh${SMOKE:+ $SMOKE}${ONLY:+ --only $ONLY}"
+"$PY" -m benchmarks.gpu_check_table --results "$RESULTS" --render --planned "$PLANNED" --out "$OUT_MD" \
   --command "$COMMAND" --date "$(date -u '+%Y-%m-%d %H:%M UTC')"
 status=$?
 if [ -z "$SMOKE" ] && [ "$OUT_MD" = docs/gpu_check.md ]; then

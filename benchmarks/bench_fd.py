@@ -1,7 +1,7 @@
 """Feature-extraction throughput (images/s) of each FD encoder on this machine, preprocessing included.
 
-    python scripts/bench_fd.py                       # all encoders, batch 32, 32x32 grayscale inputs, CPU
-    python scripts/bench_fd.py --encoders inception --batch-size 64 --device cuda
+    python -m benchmarks.bench_fd                       # all encoders, batch 32, 32x32 grayscale inputs, CPU
+    python -m benchmarks.bench_fd --encoders inception --batch-size 64 --device cuda
 
 DINOv2 ViT-B/14 and ViT-L/14 are timed with random-init weights of the real architecture (same FLOPs as the
 pretrained ones) when no weights are on the machine; the table says which. Also times the FD itself
@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from dit_train.evaluation.fd.features import (DinoV2Extractor, MissingWeightsError, build_extractor,  # noqa: E402
+from dit_train.evaluation.fd.features import (DinoV2Extractor, MissingWeightsError, build_extractor,
                                    random_dinov2)
-from dit_train.evaluation.fd.frechet import frechet_distance  # noqa: E402
+from dit_train.evaluation.fd.frechet import frechet_distance
 
 ARCH = {  # Dinov2Config overrides for the real architectures (hub names)
     "dinov2_vitb14": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),

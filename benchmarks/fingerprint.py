@@ -2,15 +2,15 @@
 """Behaviour fingerprint of this checkout, for refactors that must change nothing: run it before and after, and the
 two outputs are equal line for line exactly when every number below is bit-identical.
 
-    python scripts/fingerprint.py > before.txt   # ... refactor ...   python scripts/fingerprint.py > after.txt
+    python -m benchmarks.fingerprint > before.txt   # ... refactor ...   python -m benchmarks.fingerprint > after.txt
 
 Lines (a sha256 of the numbers' exact float text, and the values that matter to a reader):
   demo        the CPU demo (`python -m dit_train`) cut to 40 steps: every loss, grad norm, lr, validation loss and
               the sample grid's pixels
   debug       `experiment=debug`: the same
   rowwise_2r  two gloo ranks under dit_train.torchrun, periodic_rowwise K=3 on experiment=debug: the same
-  report/<s>  each published study's report.md, rebuilt from its committed records (scripts/report.py, or
-              scripts/paired_report.py for a two-phase study)
+  report/<s>  each published study's report.md, rebuilt from its committed records (dit-report, or
+              dit-paired-report for a two-phase study)
 Timings, throughput and wall-clock fields are left out: they are not behaviour.
 """
 
@@ -77,8 +77,8 @@ def main(argv=None) -> int:
             with open(os.path.join(runs, "study.json")) as f:
                 paired = "lr_selection" in json.load(f)
             out = os.path.join(tmp, "report", study)
-            script = "paired_report.py" if paired else "report.py"
-            run([py, os.path.join(ROOT, "scripts", script), runs, "--out", out], f"report {study}")
+            module = "dit_train.study.paired_report" if paired else "dit_train.study.report"
+            run([py, "-m", module, runs, "--out", out], f"report {study}")
             with open(os.path.join(out, "report.md")) as f:
                 text = f.read().replace(out, "OUT")  # the command line it records names the temporary folder
             print(f"report/{study} {hashlib.sha256(text.encode()).hexdigest()[:16]}", flush=True)

@@ -1,9 +1,9 @@
 """Compute (or find in the cache) the reference statistics of a dataset split for an encoder.
 
-    python eval/reference_stats.py --data fashion_mnist --encoder inception --reference-num 2000
-    python eval/reference_stats.py --data image_folder --data-set root=/data/imgs num_classes=10 \\
+    dit-reference-stats --data fashion_mnist --encoder inception --reference-num 2000
+    dit-reference-stats --data image_folder --data-set root=/data/imgs num_classes=10 \\
         --encoder dinov2 --encoder-path /weights/dinov2-large --reference-num 50000 --device cuda
-    torchrun --nproc_per_node 8 eval/reference_stats.py ...     # sharded over ranks
+    torchrun --nproc_per_node 8 --no-python dit-reference-stats ...     # sharded over ranks
 
 Writes <cache_dir>/ref_<dataset>_<split>_<encoder>_<key>.npz (mean, cov, count, labels, encoder id, dataset id,
 preprocessing); the key hashes all of those, so it is recomputed only when one changes (or with --recompute).
@@ -14,19 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from dit_train.evaluation.fd.job_config import add_eval_args, eval_cfg_from_args, load_data_cfg  # noqa: E402
-from dit_train.parallel.fsdp import init_distributed, shutdown_process_group  # noqa: E402
+from dit_train.evaluation.fd.job_config import add_eval_args, eval_cfg_from_args, load_data_cfg
+from dit_train.parallel.fsdp import init_distributed, shutdown_process_group
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="dit-reference-stats", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default="fashion_mnist", help="a data option (default fashion_mnist)")
     ap.add_argument("--data-set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides of the data config")
     ap.add_argument("--recompute", action="store_true", help="ignore an existing cache file")
@@ -57,5 +55,11 @@ def main(argv=None) -> dict:
     return summary
 
 
-if __name__ == "__main__":
+def cli() -> int:
+    """The command (main returns the summary to callers; a console script exits with what it returns)."""
     main()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -5,9 +5,9 @@ against the per-bucket owner schedule it replaced and gather mode (whole_matrix_
 `--bucket-mb` buckets. Prints, per preset and W, the stage's time against the busiest rank's ideal share (total
 NS5 flops / W at the NS5 rate); target: owner <= 1.3x ideal.
 
-    python scripts/model_owner_schedule.py [--presets dit_1b3 dit_4b dit_9b dit_15b] [--worlds 8 16 32]
+    python -m benchmarks.model_owner_schedule [--presets dit_1b3 dit_4b dit_9b dit_15b] [--worlds 8 16 32]
         [--tflops 500] [--inter-gbit 200] [--nvlink-gbyte 450] [--gpus-per-node 8] [--bucket-mb 16]
-    python scripts/model_owner_schedule.py --measure-cpu --cpu-speedup 2000   # NS5 rate per shape measured here
+    python -m benchmarks.model_owner_schedule --measure-cpu --cpu-speedup 2000   # NS5 rate per shape measured here
 
 The matrices are the real preset's (built on the meta device, routed as the optimizer routes them). Each rank
 has a compute stream and one communication stream; what the model assumes:
@@ -27,19 +27,15 @@ has a compute stream and one communication stream; what the model assumes:
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-from dit_train.optim.collectives import shard_rows  # noqa: E402
-from dit_train.optim.directions import ns5_flops  # noqa: E402
-from dit_train.optim.owner_exchange import IN_FLIGHT, PER_RANK, plan_exchanges  # noqa: E402
-from dit_train.optim.whole_matrix_exchange import plan_buckets  # noqa: E402
+from dit_train.optim.collectives import shard_rows
+from dit_train.optim.directions import ns5_flops
+from dit_train.optim.owner_exchange import IN_FLIGHT, PER_RANK, plan_exchanges
+from dit_train.optim.whole_matrix_exchange import plan_buckets
 
 PRESETS = ("dit_1b3", "dit_4b", "dit_9b", "dit_15b")
 BF16 = 2

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""One stage of the GPU check (scripts/gpu_check.sh runs each in its own process under `timeout`, in the order of
+"""One stage of the GPU check (benchmarks/gpu_check.sh runs each in its own process under `timeout`, in the order of
 STAGES; the stages are in gpu_check_stages.py, the table in gpu_check_table.py).
 
-    python scripts/gpu_check.py --plan [--cpu-smoke] [--only env,ns5]   # "name<TAB>timeout s" per stage
-    python scripts/gpu_check.py --estimates [--cpu-smoke]               # "key<TAB>estimate_memory.py arguments"
-    python scripts/gpu_check.py --stage NAME --results DIR --timeout S [--cpu-smoke]
+    python -m benchmarks.gpu_check --plan [--cpu-smoke] [--only env,ns5]   # "name<TAB>timeout s" per stage
+    python -m benchmarks.gpu_check --estimates [--cpu-smoke]               # "key<TAB>dit-estimate-memory arguments"
+    python -m benchmarks.gpu_check --stage NAME --results DIR --timeout S [--cpu-smoke]
 
 A stage appends one JSON line to DIR/results.jsonl when it finishes, whatever happened inside it (an exception is
 its FAIL line); gpu_check.sh writes the line of a stage that was killed or died without one. A stage sizes its
@@ -63,7 +63,7 @@ SMOKE_TRAINER = [*SMOKE_MODEL, "model.patch_size=8"]
 
 
 def estimate_jobs(smoke: bool) -> dict[str, list[str]]:
-    """scripts/estimate_memory.py's arguments for the configuration of every stage that compares a peak with it
+    """dit-estimate-memory's arguments for the configuration of every stage that compares a peak with it
     (the trainer stages' config differs from the scaling study's only where memory does not depend on it)."""
     jobs = {}
     for stage, (world, ac, batch) in SHARD_RUNS.items():
@@ -107,20 +107,18 @@ class Context:
 
     def previous(self, stage: str) -> dict | None:
         """The last line another stage wrote, or None."""
-        from gpu_check_table import read_results
+        from benchmarks.gpu_check_table import read_results
 
         return read_results(self.results_dir).get(stage)
 
 
 def run_stage(name: str, results_dir: str, timeout_s: float, smoke: bool, work_dir: str | None = None) -> int:
-    sys.path.insert(0, ROOT)
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
     ctx = Context(name, results_dir, timeout_s, smoke, work_dir)
     row = {"stage": name, "ok": False, "checks": [], "values": {}}
-    from gpu_check_table import append_row, passed
+    from benchmarks.gpu_check_table import append_row, passed
 
     try:
-        import gpu_check_stages
+        from benchmarks import gpu_check_stages
 
         result = gpu_check_stages.STAGE_FUNCTIONS[name](ctx)
         row.update(result)

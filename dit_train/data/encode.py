@@ -1,10 +1,9 @@
-#!/usr/bin/env python
 """Encode images into the latent shards that data=latents trains on.
 
-    python scripts/encode_latents.py --vae /w/sd-vae-ft-ema --images /data/imagenet --out /data/latents \
+    dit-encode-latents --vae /w/sd-vae-ft-ema --images /data/imagenet --out /data/latents \
         --image-size 256 --flip
-    torchrun --nproc_per_node 8 scripts/encode_latents.py ...             # shards dealt over the ranks
-    python scripts/encode_latents.py --vae /w/vae --data fashion_mnist --out /tmp/fm_latents --limit 512
+    torchrun --nproc_per_node 8 --no-python dit-encode-latents ...             # shards dealt over the ranks
+    dit-encode-latents --vae /w/vae --data fashion_mnist --out /tmp/fm_latents --limit 512
 
 Images come from an image folder (--images: root/<class>/<images>, or root/train + root/val; without val/ the
 trainer's held-out part is the val split) or any dataset config of the trainer (--data NAME, --data-set KEY=VALUE). The VAE is diffusers' AutoencoderKL from a local folder; a
@@ -30,13 +29,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dit_train.runs.atomic_io import atomic_save_tensors, atomic_write_bytes  # noqa: E402
-from dit_train.config.latents import LATENTS_INFO, read_latents_info, vae_scaling  # noqa: E402
-from dit_train.data import build_dataset  # noqa: E402
-from dit_train.evaluation.fd.features import _fingerprint  # noqa: E402
-from dit_train.evaluation.fd.job_config import load_data_cfg  # noqa: E402
-from dit_train.parallel.fsdp import barrier, init_distributed, shutdown_process_group  # noqa: E402
+from dit_train.runs.atomic_io import atomic_save_tensors, atomic_write_bytes
+from dit_train.config.latents import LATENTS_INFO, read_latents_info, vae_scaling
+from dit_train.data import build_dataset
+from dit_train.evaluation.fd.features import _fingerprint
+from dit_train.evaluation.fd.job_config import load_data_cfg
+from dit_train.parallel.fsdp import barrier, init_distributed, shutdown_process_group
 
 
 def source_config(args) -> dict:
@@ -84,7 +82,7 @@ def resume_conflict(old: dict, new: dict, out: str) -> str | None:
         return None
     missing = [k for k in new if k not in old]
     if missing:
-        return (f"{out}/{LATENTS_INFO} does not record {', '.join(missing)} (an older encode_latents.py wrote it); "
+        return (f"{out}/{LATENTS_INFO} does not record {', '.join(missing)} (an older dit-encode-latents wrote it); "
                 f"choose another --out")
     differs = settings_conflict(old, new, out)
     return differs and f"{differs}; rerun with the settings in {out}/{LATENTS_INFO}, or choose another --out"
@@ -140,7 +138,8 @@ def encode_split(codec, ds, n: int, split: str, args, rank: int, world: int, pro
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="dit-encode-latents", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vae", required=True, help="local diffusers AutoencoderKL folder")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--images", help="image folder (class sub-folders, optionally train/ and val/)")
@@ -200,5 +199,11 @@ def main(argv=None) -> dict:
     return info
 
 
-if __name__ == "__main__":
+def cli() -> int:
+    """The command (main returns the latents_info.json record to callers; a console script exits with what it returns)."""
     main()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -20,7 +20,7 @@ NS5 efficiency: the plain iteration's flops (5 (4 r^2 c + 2 r^3) per matrix, whi
 our muon's direction phase, as a fraction of the GEMM rate measured here at the same shapes (the bf16 GEMMs of
 the plain iteration, batched as the optimizer batches them).
 
-    python scripts/bench_optimizer.py --preset dit_m --hidden-size 512 --depth 8
+    python -m benchmarks.bench_optimizer --preset dit_m --hidden-size 512 --depth 8
 """
 
 from __future__ import annotations
@@ -34,13 +34,12 @@ from collections import defaultdict
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dit_train.model.dit import build_model, load_preset  # noqa: E402
-from dit_train.optim.directions import ns5_flops, uses_gram  # noqa: E402
-from dit_train.optim.registry import build_optimizer  # noqa: E402
-from dit_train.optim.routing import route_parameters  # noqa: E402
-from dit_train.telemetry.clocks import PhaseTimer, set_active_timer  # noqa: E402
+from dit_train.model.dit import build_model, load_preset
+from dit_train.optim.directions import ns5_flops, uses_gram
+from dit_train.optim.registry import build_optimizer
+from dit_train.optim.routing import route_parameters
+from dit_train.telemetry.clocks import PhaseTimer, set_active_timer
 
 
 # the RowNorm step's variants: (contender suffix, label); spectral is the default scale (docs/algorithms.md §4)

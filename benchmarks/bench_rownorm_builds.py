@@ -7,7 +7,7 @@ one process (each repetition runs every build in turn, so drifting load hits all
 step of periodic_rowwise under compile_rownorm (spectral and frobenius scales) against our fused AdamW, on a DiT
 preset with random weights and gradients. Prints medians and the ratios, and which build the shipped choice is.
 
-    python scripts/bench_rownorm_builds.py --preset dit_m --hidden-size 512 --depth 8 --widths 256,512 --pi-groups 1,4
+    python -m benchmarks.bench_rownorm_builds --preset dit_m --hidden-size 512 --depth 8 --widths 256,512 --pi-groups 1,4
 """
 
 from __future__ import annotations
@@ -25,12 +25,10 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_optimizer import materialise  # noqa: E402
-from dit_train.optim import native_rownorm  # noqa: E402
-from dit_train.optim.registry import build_optimizer  # noqa: E402
+from benchmarks.bench_optimizer import materialise
+from dit_train.optim import native_rownorm
+from dit_train.optim.registry import build_optimizer
 
 
 def ints(text: str) -> list[int]:

@@ -1,10 +1,9 @@
-#!/usr/bin/env python
 """Turn a sweep folder into the study's tables and plots — reading run folders only, never re-running anything.
 
-    python scripts/report.py SWEEP_DIR [--out SWEEP_DIR]
+    dit-report SWEEP_DIR [--out SWEEP_DIR]
 
 A run folder is any folder under SWEEP_DIR with a config.yaml written by the trainer; its metrics.jsonl and
-summary.json are read. Runs listed in SWEEP_DIR/study.json (written by scripts/run_study.py) but absent on disk
+summary.json are read. Runs listed in SWEEP_DIR/study.json (written by dit-study) but absent on disk
 appear as `missing`; folders without summary.json as `incomplete (step N)`. Nothing is silently dropped.
 
 Writes report.md and PNG plots next to it:
@@ -33,8 +32,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dit_train.runs.json_file import DamagedJSONFile, read_json  # noqa: E402
+from dit_train.runs.json_file import DamagedJSONFile, read_json
 
 PHASES = ("data", "forward", "backward", "optimizer compute", "exposed communication")
 WARMUP_ROWS = 2  # the first logged rows include one-off costs (allocation, first NS5); left out of time means
@@ -195,7 +193,7 @@ def find_runs(sweep_dir: str) -> list[Run]:
             seen.add(name)
     study = os.path.join(sweep_dir, "study.json")
     if os.path.exists(study):
-        for r in read_json(study, ("runs",), fix="restore it from a copy (scripts/run_study.py writes it)")["runs"]:
+        for r in read_json(study, ("runs",), fix="restore it from a copy (dit-study writes it)")["runs"]:
             if r["name"] not in seen:
                 label = optimizer_label({"name": r["optimizer"], **({"K": r["K"]} if r.get("K") is not None else {}),
                                          "rownorm_scale": r.get("scale")})
@@ -601,13 +599,13 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
     study = {}
     if os.path.exists(os.path.join(sweep_dir, "study.json")):
         study = read_json(os.path.join(sweep_dir, "study.json"),
-                          fix="restore it from a copy (scripts/run_study.py writes it)")
+                          fix="restore it from a copy (dit-study writes it)")
     images = plots(runs, out_dir)
     n_done = sum(r.status == "finished" for r in runs)
     parts = [
         f"# Study report: {study.get('experiment', os.path.basename(os.path.abspath(sweep_dir)))}",
         banner(study),
-        f"Built by `python scripts/report.py {sweep_dir}{'' if out_dir == sweep_dir else f' --out {out_dir}'}` "
+        f"Built by `dit-report {sweep_dir}{'' if out_dir == sweep_dir else f' --out {out_dir}'}` "
         f"from {len(runs)} runs ({n_done} finished).",
         provenance(study, runs),
         study.get("notes", ""),
@@ -648,8 +646,9 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
     return text
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="dit-report", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweep_dir")
     p.add_argument("--out", default=None, help="folder for report.md and plots (default: the sweep folder)")
     args = p.parse_args(argv)

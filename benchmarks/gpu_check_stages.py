@@ -1,4 +1,4 @@
-"""The stages of the GPU check (scripts/gpu_check.py runs one per process). Each takes the stage's Context and returns
+"""The stages of the GPU check (benchmarks/gpu_check.py runs one per process). Each takes the stage's Context and returns
 {"checks": [...], "values": {...}}: every check is what was measured next to the threshold or prediction it is held
 against (`ok` None: reported, not judged). A stage's work is sized to its deadline (Context.left)."""
 
@@ -15,7 +15,7 @@ from collections import defaultdict
 import torch
 
 from benchmarks.cost_model import describe_prediction
-from gpu_check import (OPTIMIZER, ROOT, SHARD_OVERRIDES, SHARD_RUNS, SMOKE_MODEL, SMOKE_SHARD_BATCH, SMOKE_TRAINER,
+from benchmarks.gpu_check import (OPTIMIZER, ROOT, SHARD_OVERRIDES, SHARD_RUNS, SMOKE_MODEL, SMOKE_SHARD_BATCH, SMOKE_TRAINER,
                        TRAINER_BATCH)
 
 GIB = 1024**3
@@ -317,7 +317,7 @@ def sync_warnings(sink: list):
     def show(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" not in str(message).lower():
             return previous(message, category, filename, lineno, file, line)
-        check_itself = os.path.join(ROOT, "scripts", "gpu_check")
+        check_itself = os.path.join(ROOT, "benchmarks", "gpu_check")
         ours = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(ROOT + os.sep)
                 and not f.filename.startswith(check_itself)]
         where = ours[-1] if ours else None
@@ -375,7 +375,7 @@ def stage_dit15b(ctx) -> dict:
     at once, their outputs unfilled): memory and compute of one rank of the real job, without the network."""
     from types import SimpleNamespace
 
-    from estimate_memory import compose as estimate_config
+    from dit_train.parallel.memory_estimate_cli import compose as estimate_config
     from dit_train import seeds
     from dit_train.trainer.build import build_models
     from dit_train.parallel.memory_estimate import empty_all_to_all_inputs_allowed, init_fake_process_group, steps_for
@@ -470,7 +470,7 @@ def stage_dit15b(ctx) -> dict:
 def memory_checks(ctx, device: torch.device, values: dict, compiled: bool = False) -> list[dict]:
     """The process's peak allocated and reserved bytes against the background estimate of the same configuration
     (judged now if it has finished, else when the table is made: gpu_check_table.settle)."""
-    from gpu_check_table import memory_check
+    from benchmarks.gpu_check_table import memory_check
 
     memory = {}
     if device.type == "cuda":

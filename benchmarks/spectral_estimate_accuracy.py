@@ -9,7 +9,7 @@ matrices whose exact norm is above the cap (where the estimate decides the facto
 estimate / exact, how many the estimate left uncapped, and the worst operator norm of the capped direction over
 the cap (exact / estimate: the estimate is a lower bound, so the cap is applied too weakly by that factor).
 
-    python scripts/spectral_estimate_accuracy.py --steps 300 --rounds 3,5,8 model=dit_s optimizer.lr=1.6e-2
+    python -m benchmarks.spectral_estimate_accuracy --steps 300 --rounds 3,5,8 model=dit_s optimizer.lr=1.6e-2
 """
 
 from __future__ import annotations
@@ -17,17 +17,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dit_train.optim.directions import row_inv_norms  # noqa: E402
-from dit_train.optim.fused_rownorm import _coefficient, _direction_input  # noqa: E402
-from dit_train.optim.spectral_cap import ROUNDS, cap_factors, spectral_cap, whole_matrix_problem  # noqa: E402
+from dit_train.optim.directions import row_inv_norms
+from dit_train.optim.fused_rownorm import _coefficient, _direction_input
+from dit_train.optim.spectral_cap import ROUNDS, cap_factors, spectral_cap, whole_matrix_problem
 
 PROBE = 1e-6  # a cap below any norm: factor = PROBE / sigma, so sigma = PROBE / factor
 

@@ -1,11 +1,11 @@
 """Score checkpoints with a Fréchet distance (the default preset scores with Inception, offline; `--eval-preset dinov2`
 for FD-DINO).
 
-    python eval/fd_dino.py runs/2025-01-01/12-00-00/checkpoints/step_00001200.dcp  # one checkpoint
-    python eval/fd_dino.py runs/2025-01-01/12-00-00                                # every checkpoint of a run
-    python eval/fd_dino.py multirun/2025-01-01/12-00-00 --eval-preset dinov2 \\
+    dit-fd runs/2025-01-01/12-00-00/checkpoints/step_00001200.dcp  # one checkpoint
+    dit-fd runs/2025-01-01/12-00-00                                # every checkpoint of a run
+    dit-fd multirun/2025-01-01/12-00-00 --eval-preset dinov2 \\
         --encoder-path /weights/dinov2-large                                        # every run of a sweep
-    torchrun --nproc_per_node 8 eval/fd_dino.py multirun/... --eval-preset dinov2    # sampling sharded over ranks
+    torchrun --nproc_per_node 8 --no-python dit-fd multirun/... --eval-preset dinov2    # sampling sharded over ranks
 
 For every checkpoint found (a checkpoint; a run folder's checkpoints/step_*.dcp; or every run folder under a sweep
 folder)
@@ -29,14 +29,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-
-from dit_train.runs import checkpoint as ckpt  # noqa: E402
-from dit_train.evaluation.fd.job_config import add_eval_args, eval_cfg_from_args  # noqa: E402
-from dit_train.runs.json_file import read_json  # noqa: E402
-from dit_train.parallel.fsdp import init_distributed, shutdown_process_group  # noqa: E402
-from dit_train.telemetry.progress import model_call_bar, write  # noqa: E402
+from dit_train.runs import checkpoint as ckpt
+from dit_train.evaluation.fd.job_config import add_eval_args, eval_cfg_from_args
+from dit_train.runs.json_file import read_json
+from dit_train.parallel.fsdp import init_distributed, shutdown_process_group
+from dit_train.telemetry.progress import model_call_bar, write
 
 COLUMNS = ["run", "step", "active_time_s", "fd", "encoder", "num_gen", "num_ref", "ref_id", "sample_steps",
            "cfg_scale", "seed", "checkpoint", "eval_time_s", "scored_at"]
@@ -119,7 +116,8 @@ def write_results(out: Path, rows: list[dict]) -> None:
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="dit-fd", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="+", help="checkpoint file(s), run folder(s) or sweep folder(s)")
     ap.add_argument("--out", help="folder for fd_results.{csv,json} (default: the first path's run/sweep folder)")
     ap.add_argument("--force", action="store_true", help="rescore checkpoints already in the results")

@@ -16,8 +16,8 @@ the `comm` phase, slowest rank); direction compute (`direction` phase, slowest r
 step and rank as counted by the optimizer (mean over ranks, and the busiest rank); the bytes' ratio to
 muon-gather; whole-matrix directions (NS5 / wide MUD) computed per step on the busiest rank.
 
-    python scripts/bench_distributed.py --nproc 2 4 --preset dit_m --hidden-size 512 --depth 8
-    python scripts/bench_distributed.py --ns5-check --preset dit_1b3 --depth 4   # bf16 NS5 vs GEMM rate, 1 device
+    python -m benchmarks.bench_distributed --nproc 2 4 --preset dit_m --hidden-size 512 --depth 8
+    python -m benchmarks.bench_distributed --ns5-check --preset dit_1b3 --depth 4   # bf16 NS5 vs GEMM rate, 1 device
 """
 
 from __future__ import annotations
@@ -33,8 +33,6 @@ from datetime import timedelta
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 CYCLE = 3  # steps per repetition: one periodic_rowwise K=3 cycle
 BASELINE = "muon-gather"
@@ -360,7 +358,7 @@ def main(argv=None):
         raise SystemExit(f"--only {unknown}: choose from {', '.join(CONTENDERS)}")
     if torch.cuda.is_available() and max(args.nproc) > torch.cuda.device_count():
         raise SystemExit(f"--nproc {max(args.nproc)} needs as many GPUs; {torch.cuda.device_count()} visible")
-    cmd = "python scripts/bench_distributed.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    cmd = "python -m benchmarks.bench_distributed " + " ".join(sys.argv[1:] if argv is None else argv)
     print(f"# distributed optimizer benchmark: `{cmd}`; torch {torch.__version__}", flush=True)
     for world in args.nproc:
         t0 = time.time()

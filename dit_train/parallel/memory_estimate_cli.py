@@ -1,16 +1,16 @@
 """Per-GPU memory of a training step, measured by running the trainer's code on fake tensors under a fake process
 group (dit_train/parallel/memory_estimate.py: FSDP2 plan, sharded optimizer, EMA, FSDPMemTracker). Runs on a CPU.
 
-    python scripts/estimate_memory.py --preset dit_15b --world-size 32 --optimizer periodic_rowwise --micro-batch 8 \
+    dit-estimate-memory --preset dit_15b --world-size 32 --optimizer periodic_rowwise --micro-batch 8 \
         [--activation-checkpointing] [--json] [hydra overrides, e.g. model.depth=2 optimizer.K=5]
-    python scripts/estimate_memory.py --table [--presets ...] [--optimizers ...] [--world-sizes 8 16 32] \
+    dit-estimate-memory --table [--presets ...] [--optimizers ...] [--world-sizes 8 16 32] \
         [--micro-batch N] [--activation-checkpointing] [--results grid.jsonl]
 
 The config is the scaling study's (experiment=scaling_study: bf16 autocast, global batch 1024) with bf16 compute
 weights and fp32 gradient reduction (parallel.mixed_precision=bf16, as on CUDA). --micro-batch defaults to
 train.batch_size / world size. --table runs each configuration in a fresh subprocess (no state carried between
 them), appends each result to --results as it finishes (configurations already there are not rerun) and prints a
-markdown table with the hand formula of scripts/memory_table.py beside it.
+markdown table with the hand formula of dit-memory-formula beside it.
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from dit_train.config.files import CONF_DIR
+
 
 GIB = 1024**3
 USABLE_80GB_GIB = 74.5  # what an 80 GB GPU leaves to tensors (80e9 bytes = 74.5 GiB, before the CUDA context)
@@ -41,9 +40,9 @@ def compose(preset: str, optimizer: str, checkpointing: bool, overrides=()):
     from hydra import compose as hcompose
     from hydra import initialize_config_dir
 
-    import dit_train  # noqa: F401 - registers the config schemas that conf/config.yaml names
+    import dit_train  # noqa: F401  registers the config schemas that conf/config.yaml names
 
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "dit_train", "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return hcompose(config_name="config", overrides=[
             "experiment=scaling_study", f"model={preset}", f"optimizer={optimizer}", "run_dir=unused",
             "parallel.mixed_precision=bf16", f"parallel.activation_checkpointing={str(checkpointing).lower()}",
@@ -101,7 +100,7 @@ def run_grid(args) -> list[dict]:
                 micro = args.micro_batch or 1024 // w
                 if (preset, opt, w, micro, args.activation_checkpointing) in done:
                     continue
-                cmd = [sys.executable, os.path.abspath(__file__), "--preset", preset, "--optimizer", opt,
+                cmd = [sys.executable, "-m", "dit_train.parallel.memory_estimate_cli", "--preset", preset, "--optimizer", opt,
                        "--world-size", str(w), "--micro-batch", str(micro), "--json"]
                 if args.activation_checkpointing:
                     cmd.append("--activation-checkpointing")
@@ -122,13 +121,13 @@ def run_grid(args) -> list[dict]:
 
 
 def formula_total(r: dict, counts_cache: dict) -> float:
-    """scripts/memory_table.py's hand formula for the same row (AdamW or the Muon family), in bytes."""
-    import memory_table
+    """dit-memory-formula's hand formula for the same row (AdamW or the Muon family), in bytes."""
+    from dit_train.parallel import memory_formula
 
     if r["preset"] not in counts_cache:
-        counts_cache[r["preset"]] = memory_table.counts(r["preset"])
+        counts_cache[r["preset"]] = memory_formula.counts(r["preset"])
     c = counts_cache[r["preset"]]
-    parts = memory_table.memory(c, r["world_size"], r["micro_batch"], r["optimizer"], r["activation_checkpointing"])
+    parts = memory_formula.memory(c, r["world_size"], r["micro_batch"], r["optimizer"], r["activation_checkpointing"])
     return sum(parts.values())
 
 
@@ -144,7 +143,7 @@ def largest_fitting_micro_batch(r: dict, budget_gib: float = USABLE_80GB_GIB) ->
 def markdown(results: list[dict]) -> str:
     g = lambda b: f"{b / GIB:.1f}"
     lines = ["| preset | W | optimizer | images/GPU | AC | params | optimizer state | optimizer workspace | EMA | "
-             "persistent | activations at peak | peak | formula (memory_table.py) | fits 80 GB | images/GPU that fit | s |",
+             "persistent | activations at peak | peak | formula (dit-memory-formula) | fits 80 GB | images/GPU that fit | s |",
              "| --- | ---: | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
     counts: dict = {}
     order = {p: i for i, p in enumerate(PRESETS)}
@@ -163,7 +162,8 @@ def markdown(results: list[dict]) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="dit-estimate-memory", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="dit_1b3")
     ap.add_argument("--optimizer", default="adamw")
     ap.add_argument("--world-size", type=int, default=8)

@@ -1,10 +1,9 @@
-#!/usr/bin/env python
 """Run a study grid (conf/experiment/<name>.yaml, its `study:` node) as Hydra multiruns, skipping finished runs.
 
-    python scripts/run_study.py scaling_study_cpu                       # the CPU study, on this machine
-    python scripts/run_study.py scaling_study launcher=slurm data.root=/data/latents eval.encoder_path=/w/dinov2
-    python scripts/run_study.py scaling_study_cpu --dry-run            # print the commands only
-    python scripts/run_study.py scaling_study_cpu --models dit_xs      # one size now, the rest later
+    dit-study scaling_study_cpu                    # the CPU study, on this machine
+    dit-study scaling_study launcher=slurm data.root=/data/latents eval.encoder_path=/w/dinov2
+    dit-study scaling_study_cpu --dry-run          # print the commands only
+    dit-study scaling_study_cpu --models dit_xs    # one size now, the rest later
 
 The grid is models x optimizers x seeds, with periodic_rowwise expanded over study.K, the RowNorm optimizers over
 study.rownorm_scale when given, and every optimizer over study.lr where a study scans learning rates, or each at its
@@ -20,7 +19,7 @@ Each run's folder is <sweep_dir>/<sorted overrides> (Hydra's override_dirname), 
 ones from their last checkpoint (the experiments set train.resume=auto): a study can be completed in pieces. One
 `python -m dit_train --multirun` per (model, optimizer[, K, scale, lr]) with the pending seeds, so a Slurm job's shape
 follows its model.
-Then: python scripts/report.py <sweep_dir>.
+Then: dit-report <sweep_dir>.
 """
 
 from __future__ import annotations
@@ -35,15 +34,14 @@ import time
 
 from omegaconf import OmegaConf
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from dit_train.runs.atomic_io import atomic_write_bytes  # noqa: E402
-from dit_train.runs.checkpoint import newest_step  # noqa: E402
-from dit_train.runs.json_file import read_json  # noqa: E402
-from dit_train.runs.provenance import git_commit  # noqa: E402
-from report import read_metrics  # noqa: E402  (scripts/report.py, next to this file)
+from dit_train.config.files import CONF_DIR
+from dit_train.runs.atomic_io import atomic_write_bytes
+from dit_train.runs.checkpoint import newest_step
+from dit_train.runs.json_file import read_json
+from dit_train.runs.provenance import CHECKOUT, git_commit
+from dit_train.study.report import read_metrics
 
-EXPERIMENTS = os.path.join(ROOT, "dit_train", "conf", "experiment")
+EXPERIMENTS = os.path.join(CONF_DIR, "experiment")
 
 
 def run_name(overrides: list[str], exclude_keys: list[str]) -> str:
@@ -189,7 +187,7 @@ def load_experiment(name: str, overrides: list[str] = ()):
     """The experiment composed as the trainer sees it (its defaults, e.g. another experiment it extends)."""
     from hydra import compose, initialize_config_dir
 
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "dit_train", "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return compose(config_name="config", overrides=[f"experiment={name}", *overrides], return_hydra_config=True)
 
 
@@ -200,7 +198,7 @@ def finished(run_dir: str, steps: int) -> bool:
 
 
 def published(record_dir: str, steps: int) -> bool:
-    """A published record (publish_study.py: no checkpoints) is a finished run when its summary.json, written only
+    """A published record (dit-publish-study: no checkpoints) is a finished run when its summary.json, written only
     after the end-of-run evaluation, is of its train.steps."""
     path = os.path.join(record_dir, "summary.json")
     if not os.path.isfile(path) or os.path.isdir(os.path.join(record_dir, "checkpoints")):
@@ -243,14 +241,15 @@ def main(argv=None) -> int:
 
 
 def run_study(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="dit-study", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("experiment", help="a file name in dit_train/conf/experiment/ (without .yaml)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (launcher=slurm, data.root=...)")
     p.add_argument("--sweep-dir", default=None, help="default: sweeps/<study.name>")
     p.add_argument("--models", default=None,
                    help="comma-separated subset of study.models to run now (the report still lists the others)")
     p.add_argument("--records", default=None,
-                   help="a folder of published run records (publish_study.py's DEST/runs): runs finished there are "
+                   help="a folder of published run records (dit-publish-study's DEST/runs): runs finished there are "
                         "not run again, so a study continues from what an earlier machine published")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_intermixed_args(argv)
@@ -273,8 +272,8 @@ def run_study(argv=None) -> int:
         print(f"error: {args.experiment}: {e}", file=sys.stderr)
         return 2
     os.makedirs(sweep_dir, exist_ok=True)
-    call = {"command": " ".join(["python scripts/run_study.py", *(sys.argv[1:] if argv is None else argv)]),
-            "git_commit": git_commit(ROOT), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    call = {"command": " ".join(["dit-study", *(sys.argv[1:] if argv is None else argv)]),
+            "git_commit": git_commit(CHECKOUT), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     invocations = previous_invocations(sweep_dir) + ([] if args.dry_run else [call])
     steps_cache: dict[tuple, int] = {}
 
@@ -323,8 +322,8 @@ def run_study(argv=None) -> int:
             print(f"[study] {waiting} variant(s) wait for their lr scan to finish before their other seeds run")
     if failures:
         print(f"[study] {failures} group(s) failed; rerun the same command to retry them (finished runs are kept)")
-    report = "paired_report.py" if study.get("lr_scan") is not None else "report.py"
-    print(f"[study] report: python scripts/{report} {sweep_dir}")
+    report = "dit-paired-report" if study.get("lr_scan") is not None else "dit-report"
+    print(f"[study] report: {report} {sweep_dir}")
     return 1 if failures else 0
 
 
@@ -348,7 +347,7 @@ def run_groups(runs: list[dict], only, sweep_dir: str, steps_of, args) -> int:
                "seed=" + ",".join(str(r["seed"]) for r in pending), f"hydra.sweep.dir={sweep_dir}", *args.overrides]
         print("[study]", " ".join(cmd[1:]), flush=True)
         if not args.dry_run:
-            failures += subprocess.run(cmd, cwd=ROOT).returncode != 0
+            failures += subprocess.run(cmd, cwd=CHECKOUT).returncode != 0
     return failures
 
 
