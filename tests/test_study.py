@@ -586,7 +586,7 @@ def test_stability_table_finds_the_peak_after_warm_up_and_labels_the_rownorm_sca
 def test_published_report_is_rebuilt_exactly_from_its_records(study, tmp_path, monkeypatch):
     """docs/results/<study>/runs ships study.json beside the run records, so `dit-report` rebuilds the published
     report.md exactly, the sweep commands and their commits included; only the line naming the command that built
-    it differs (the report command was `dit-report` then, the published record keeps it)."""
+    it differs (the report command was `python scripts/report.py` then, the published record keeps it)."""
     import shutil
 
     published = os.path.join(ROOT, "docs", "results", study)
@@ -595,8 +595,8 @@ def test_published_report_is_rebuilt_exactly_from_its_records(study, tmp_path, m
     monkeypatch.chdir(tmp_path)  # the report names its folders as the published one does
     text = report.build_report(f"docs/results/{study}/runs", f"docs/results/{study}")
     with open(os.path.join(published, "report.md")) as f:
-        assert text == f.read().replace("Built by `dit-report ", "Built by `dit-report ", 1)
-    assert f"Sweep commands:\n- `dit-study {study}" in text  # as recorded in study.json
+        assert text == f.read().replace("Built by `python scripts/report.py ", "Built by `dit-report ", 1)
+    assert f"Sweep commands:\n- `python scripts/run_study.py {study}" in text  # as recorded in study.json
 
 
 def test_a_torn_train_state_in_the_sweep_is_one_line_naming_it(tmp_path, capsys):
