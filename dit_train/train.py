@@ -32,7 +32,7 @@ from .hydra_run import agree_on_config
 from .logger import MetricLogger
 from .metrics import Throughput, read_summary, write_summary
 from .model import count_parameters
-from .optim.native_rownorm import check_buildable
+from .optim.fused_rownorm import check_buildable
 from .parallel import (DistInfo, all_reduce_sum_, autocast, barrier, clip_grad_norm_, clip_scaled, collective_timeouts,
                        init_distributed, resolve_plan, shutdown_process_group, wants_fsdp, weights_finite)
 from .preemption import Preemption

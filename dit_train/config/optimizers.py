@@ -48,8 +48,7 @@ def _rownorm_scale():
 
 def _compile_rownorm():
     # conf/_optimizer_rownorm_scale.yaml: RowNorm steps as fused kernels (optim/fused_rownorm.py)
-    return choice("auto", True, False, valid="choose auto (the C loops on CPU where they build, eager elsewhere), "
-                                             "true or false")
+    return choice("auto", True, False, valid="choose auto (compiled on CUDA, eager on CPU), true or false")
 
 
 @dataclass

@@ -38,7 +38,7 @@ from torch.optim.adam import adam as _adam_functional
 
 from ..timing import active_timer
 from .directions import inv_norms_from_sumsq, mud_whiten, newton_schulz5, row_inv_norms
-from .fused_rownorm import momentum_pass, one_pass, one_pass_takes, resolve_compile_rownorm, update_pass
+from .fused_rownorm import momentum_pass, resolve_compile_rownorm, update_pass
 from .spectral_cap import cap_factors, start_vectors, whole_matrix_problem
 
 SCALE_RULES = ("moonlight", "keller", "none")
@@ -93,14 +93,6 @@ ROW_SUMSQ = "row_sumsq"
 
 def take_row_sumsq(ws: dict) -> Tensor | None:
     return ws.pop(ROW_SUMSQ, None)
-
-
-# ... and, for a wide bucket under the spectral RowNorm scale, the power iteration's first product R^T x0
-FIRST_PRODUCT = "first_product"
-
-
-def take_first_products(workspaces: list[dict]) -> list[Tensor | None]:
-    return [ws.pop(FIRST_PRODUCT, None) for ws in workspaces]
 
 
 def _rownorm(U: Tensor, group: dict, ws: dict, *, reduce=None, tall=None) -> tuple[Tensor, Tensor | None]:
@@ -174,7 +166,7 @@ class MatrixOptimizer(Optimizer):
             direction_eps=direction_eps, rownorm_scale=rownorm_scale, betas=tuple(betas), eps=eps, adamw_impl=adamw_impl, step=0,
         )
         super().__init__(params, defaults)
-        # RowNorm steps' elementwise passes fused (fused_rownorm.py: C loops on CPU, compiled kernels elsewhere): an
+        # RowNorm steps' elementwise passes fused (fused_rownorm.py: torch.compile'd kernels): an
         # implementation choice with the same maths, so an attribute (not a group key, not in the state_dict)
         self.compile_rownorm = resolve_compile_rownorm(
             compile_rownorm, [p for g in self.param_groups if g["kind"] == "matrix" for p in g["params"]])
@@ -247,20 +239,13 @@ class MatrixOptimizer(Optimizer):
         # the fused passes store U only for the spectral RowNorm scale, whose power iteration reads it; otherwise
         # the update recomputes it from G and M
         store_u = not fused or caps_rownorm(kind, group)
-        # ... and then the momentum pass also forms the power iteration's first product of wide buckets
-        fold_eps = group["direction_eps"] if fused and caps_rownorm(kind, group) else None
-        # with the frobenius scale, buckets whose row factors are local take momentum, factors and update in one
-        # C pass in the update phase (fused_rownorm.one_pass): no U, no direction
-        one = {key for key, idx in buckets.items()
-               if fused and not caps_rownorm(kind, group) and self._row_factors_local(key)
-               and one_pass_takes(*[[ts[i] for i in idx] for ts in (params, grads, bufs)])}
         with timer.phase("momentum"):
             if not fused:
                 torch._foreach_lerp_(bufs, grads, 1.0 - mu)  # buffer = (1 - mu) M: M <- mu M + G
             inputs = {key: self._stack_inputs(key, idx, grads, bufs, mu, nesterov,
                                               self._input_dtype(kind, key, group, params[idx[0]].dtype), fused,
-                                              store_u, fold_eps)
-                      for key, idx in buckets.items() if key not in one}
+                                              store_u)
+                      for key, idx in buckets.items()}
         directions = self._directions(kind, inputs, group, timer)
         with timer.phase("update"):
             decay = 1.0 - lr * wd
@@ -270,10 +255,6 @@ class MatrixOptimizer(Optimizer):
                 m, n = key[0]
                 alpha = -lr * update_scale(group["scale"], m, n)
                 bucket = [params[i] for i in idx]
-                if key in one:
-                    one_pass(bucket, [grads[i] for i in idx], [bufs[i] for i in idx], mu, nesterov, m > n,
-                             group["direction_eps"], decay, alpha)
-                    continue
                 D, row_scale = directions[key]
                 if fused:  # weight decay and update in one pass; RowNorm always has a row scale
                     update_pass(bucket, [grads[i] for i in idx], [bufs[i] for i in idx], D, store_u, row_scale,
@@ -310,10 +291,6 @@ class MatrixOptimizer(Optimizer):
     def _local(t: Tensor) -> Tensor:
         return t
 
-    def _row_factors_local(self, key) -> bool:
-        """Whether a bucket's RowNorm row factors come from the matrices held here alone (whole matrices: yes)."""
-        return True
-
     def _input_dtype(self, kind: str, key, group: dict, param_dtype: torch.dtype) -> torch.dtype:
         """Dtype of the stacked direction input: NS5 reads its compute dtype directly (the cast is fused into the
         Nesterov add); rownorm and mud read the momentum's own precision."""
@@ -326,8 +303,7 @@ class MatrixOptimizer(Optimizer):
             if caps_rownorm(kind, group):
                 keys = list(inputs)
                 problems = [whole_matrix_problem(inputs[k], out[k][1], k[0][0] > k[0][1]) for k in keys]
-                firsts = take_first_products([self._bucket_workspace(k) for k in keys])
-                for k, f in zip(keys, cap_factors(problems, native=self.compile_rownorm, firsts=firsts)):
+                for k, f in zip(keys, cap_factors(problems)):
                     out[k] = (out[k][0], out[k][1] * f.to(out[k][1].dtype))
             return out
 
@@ -339,14 +315,13 @@ class MatrixOptimizer(Optimizer):
         return self._workspace.setdefault(key, {})
 
     def _stack_inputs(self, key, idx: list[int], grads, bufs, mu: float, nesterov: bool, dtype,
-                      fused: bool = False, store_u: bool = True, fold_eps: float | None = None) -> Tensor:
+                      fused: bool = False, store_u: bool = True) -> Tensor:
         """U = G + mu M (or M) for the bucket's matrices, written straight into a reused [B, m, n] workspace of the
         direction's input dtype: the Nesterov add, the cast and the stacking are one pass per matrix (torch has no
         foreach op that writes into slices of one tensor; a foreach add followed by a stack is 6x slower here).
         fused: the momentum update happens here too, with U's row sums of squares left in the workspace for the
         RowNorm direction (fused_rownorm.momentum_pass); without store_u, U is not formed at all and a zero-stride
-        placeholder of its shape and dtype stands for it (the fused update recomputes U from G and M). fold_eps (the
-        spectral RowNorm scale, fused): a wide bucket's momentum pass also leaves R^T x0 in the workspace."""
+        placeholder of its shape and dtype stands for it (the fused update recomputes U from G and M)."""
         ws = self._bucket_workspace(key)
         shape = (len(idx), *bufs[idx[0]].shape)  # the local shape (a shard's rows in the sharded subclass)
         device = bufs[idx[0]].device
@@ -357,12 +332,8 @@ class MatrixOptimizer(Optimizer):
             if U is None or U.shape != shape:
                 U = ws[("u", dtype)] = torch.empty(shape, dtype=dtype, device=device)
         if fused:
-            tall = key[0][0] > key[0][1]
-            x0 = self._start_vectors(key, U) if fold_eps is not None and not tall else None
-            ws[ROW_SUMSQ], first = momentum_pass([grads[i] for i in idx], [bufs[i] for i in idx], U, mu, nesterov,
-                                                 tall, store_u, x0, fold_eps or 0.0)
-            if first is not None:
-                ws[FIRST_PRODUCT] = first
+            ws[ROW_SUMSQ] = momentum_pass([grads[i] for i in idx], [bufs[i] for i in idx], U, mu, nesterov,
+                                          key[0][0] > key[0][1], store_u)
             return U
         # bufs hold (1 - mu) M, so G + mu M = G + mu / (1 - mu) * buf and M = buf / (1 - mu)
         for j, i in enumerate(idx):

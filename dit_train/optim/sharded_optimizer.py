@@ -47,8 +47,7 @@ from torch import Tensor
 from .backward_overlap import BackwardExchange, prefetched_directions
 from .collectives import PhaseSwitch, ShardComm, shard_rows
 from .directions import inv_norms_from_sumsq, row_sumsq
-from .matrix_optimizer import (DTYPES, MatrixOptimizer, caps_rownorm, compute_direction, take_first_products,
-                               take_row_sumsq)
+from .matrix_optimizer import DTYPES, MatrixOptimizer, caps_rownorm, compute_direction, take_row_sumsq
 from .spectral_cap import cap_factors, spectral_cap, start_vectors
 from .owner_exchange import owner_directions, plan_exchanges
 from .whole_matrix_exchange import gather_directions, plan_buckets
@@ -176,10 +175,6 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
                 f"{exchange}{behind}")
 
     # ---- the direction stage ----------------------------------------------------------------------------------
-    def _row_factors_local(self, key) -> bool:
-        """A wide matrix's shards hold whole rows; a tall one's column sums are all-reduced (placement)."""
-        return placement("rownorm", *key[0]) == LOCAL
-
     def _input_dtype(self, kind: str, key, group: dict, param_dtype: torch.dtype) -> torch.dtype:
         if placement(kind, *key[0]) == WHOLE:
             return DTYPES[self.gather_dtype]
@@ -220,8 +215,7 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
 
     def _cap_row_scales(self, inputs: dict, out: dict, where: dict, comm: ShardComm, phases: PhaseSwitch) -> None:
         """The spectral RowNorm scale on shards (spectral_cap.py): wide shards hold rows of R, tall shards columns;
-        every bucket's power iteration advances together, one counted fp32 all-reduce per round (ROUNDS in all);
-        with compile_rownorm on CPU its products are C loops."""
+        every bucket's power iteration advances together, one counted fp32 all-reduce per round (ROUNDS in all)."""
         problems = []
         for key, U in inputs.items():
             m, n = key[0]
@@ -232,8 +226,7 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
             else:  # this rank's rows of R are its rows of the matrix
                 x0 = self._start_vectors(key, U)
             problems.append((U, out[key][1], tall, x0, "cols" if tall else "rows", spectral_cap(r, c)))
-        firsts = take_first_products([self._bucket_workspace(key) for key in inputs])
-        factors = cap_factors(problems, lambda t: comm.all_reduce_(t, phases), self.compile_rownorm, firsts)
+        factors = cap_factors(problems, lambda t: comm.all_reduce_(t, phases))
         for key, f in zip(inputs, factors):
             out[key] = (out[key][0], out[key][1] * f.to(out[key][1].dtype))
 
