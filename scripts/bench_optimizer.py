@@ -39,7 +39,7 @@ from dit_train.model import build_model, load_preset  # noqa: E402
 from dit_train.optim.directions import ns5_flops, uses_gram  # noqa: E402
 from dit_train.optim.registry import build_optimizer  # noqa: E402
 from dit_train.optim.routing import route_parameters  # noqa: E402
-from dit_train.timing import PhaseTimer, set_active_timer  # noqa: E402
+from dit_train.timing import PhaseTimer  # noqa: E402
 
 
 # the RowNorm step's variants: (contender suffix, label); spectral is the default scale (docs/algorithms.md §4)
@@ -158,7 +158,8 @@ def main():
     t_adamw = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=True)
 
     timer = PhaseTimer(enabled=True)
-    set_active_timer(timer)
+    for opt in contenders.values():
+        opt.use_timer(timer)
     times = defaultdict(list)
     phases = defaultdict(lambda: defaultdict(list))
 

@@ -161,7 +161,7 @@ def matrix_shapes(model_cfg) -> dict[tuple[int, int], int]:
 
 
 def gram_flop_ratio(m: int, n: int) -> float:
-    """Predicted Gram / plain time from multiply-adds (directions.py: 4 c/r + 14 against 5 (2 c/r + 1))."""
+    """Predicted Gram / plain time from multiply-adds (directions/ns5.py: 4 c/r + 14 against 5 (2 c/r + 1))."""
     a = max(m, n) / min(m, n)
     return (4 * a + 14) / (5 * (2 * a + 1))
 

@@ -40,8 +40,10 @@ def test_help_offers_only_optimizers_and_documents_every_key():
                                               "(docs/scaling_out.md, Checkpoints)")
     # from the shared optimizer files, which are not options
     assert docs["momentum: 0.95"] == "M <- mu*M + G"
-    assert docs["K: 3"] == "refresh period (integer >= 1)"
-    assert docs["rownorm_scale: spectral"].startswith("The scale of RowNorm steps")
+    # declared with the key in its dataclass (dit_train/config/fields.key(doc=)): ahead of any yaml comment
+    assert docs["K: 3"].startswith("refresh period: the first direction when step % K == 0")
+    assert docs["rownorm_scale: spectral"].startswith("frobenius: the paper's rule; spectral: scaled toward a cap")
+    assert docs["ns_steps: 5"] == "Newton-Schulz iterations"
     # no comment in any yaml: what the schema accepts
     assert docs["depth: 6"] == "expected an integer >= 1"
     assert "run_dir: ${hydra:runtime.output_dir}" in docs  # '$' reaches the user as written

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dit_train.optim import fused_rownorm
+from dit_train.optim.directions import NS5, RowNorm
 from dit_train.optim.matrix_optimizer import MatrixOptimizer
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -15,12 +16,13 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 SHAPES = [(24, 40), (24, 40), (40, 24), (32, 32), (50, 12), (1, 8), (0, 8)]  # (1, 8): one row, wide
 
 
-def run(compile_rownorm: bool, steps: int = 3, **kw):
+def run(compile_rownorm: bool, steps: int = 3, rownorm_scale: str = "spectral", periodic: bool = False, **kw):
     g = torch.Generator().manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
     start = [p.detach().clone() for p in ps]
-    opt = MatrixOptimizer([{"params": ps, "kind": "matrix"}], lr=0.02, weight_decay=0.1,
-                          compile_rownorm=compile_rownorm, **kw)
+    rownorm = RowNorm(rownorm_scale, compile_rownorm)
+    directions = dict(direction=NS5(), between=rownorm, refresh_every=2) if periodic else dict(direction=rownorm)
+    opt = MatrixOptimizer([{"params": ps, "kind": "matrix"}], lr=0.02, weight_decay=0.1, **directions, **kw)
     for _ in range(steps):
         for p in ps:
             p.grad = torch.randn(p.shape, generator=g)
@@ -33,9 +35,8 @@ needs_cxx = pytest.mark.skipif(fused_rownorm.cpp_compiler() is None,
 
 
 @needs_cxx
-@pytest.mark.parametrize("kw", [dict(direction="rownorm", rownorm_scale="frobenius"),
-                                dict(direction="rownorm", nesterov=False, rownorm_scale="spectral"),
-                                dict(direction="spectral", between="rownorm", refresh_every=2)],
+@pytest.mark.parametrize("kw", [dict(rownorm_scale="frobenius"), dict(nesterov=False, rownorm_scale="spectral"),
+                                dict(periodic=True)],
                          ids=["rownorm-frobenius", "no-nesterov-spectral", "periodic-default-scale"])
 def test_compiled_rownorm_steps_equal_eager(kw, monkeypatch):
     """The torch.compile'd passes (inductor's C++ kernels on CPU; Triton on CUDA runs the same graphs)."""

@@ -18,22 +18,25 @@ class Rule:
     ok: Callable[[Any], bool] = lambda v: True
 
 
-def key(valid: str | None = None, ok: Callable[[Any], bool] | None = None, default=MISSING):
-    """A schema field: `valid` describes the accepted values, `ok` tests a value of the right type."""
+def key(valid: str | None = None, ok: Callable[[Any], bool] | None = None, default=MISSING, doc: str | None = None):
+    """A schema field: `valid` describes the accepted values, `ok` tests a value of the right type, `default` is
+    the value a config that leaves the key out gets, `doc` the one line --help shows beside it."""
     meta = {"rule": Rule(valid, ok or (lambda v: True))} if valid else {}
+    if doc:
+        meta["doc"] = doc
     return field(default=default, metadata=meta)
 
 
-def choice(*options, valid: str | None = None):
-    return key(valid or f"choose one of {', '.join(map(str, options))}", lambda v: v in options)
+def choice(*options, valid: str | None = None, default=MISSING, doc: str | None = None):
+    return key(valid or f"choose one of {', '.join(map(str, options))}", lambda v: v in options, default, doc)
 
 
-def int_at_least(n: int):
-    return key(f"expected an integer >= {n}", lambda v: v >= n)
+def int_at_least(n: int, default=MISSING, doc: str | None = None):
+    return key(f"expected an integer >= {n}", lambda v: v >= n, default, doc)
 
 
-def number(valid: str, ok: Callable[[float], bool]):
-    return key(valid, ok)
+def number(valid: str, ok: Callable[[float], bool], default=MISSING, doc: str | None = None):
+    return key(valid, ok, default, doc)
 
 
 def _is_number(v) -> bool:

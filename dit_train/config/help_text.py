@@ -14,8 +14,8 @@ from dataclasses import fields, is_dataclass
 from omegaconf import OmegaConf
 
 from .fields import accepted
+from .validate import optimizer_schemas
 from .files import CONF_DIR, option_files
-from .optimizers import OPTIMIZER_SCHEMAS
 from .schema import (DATA_SCHEMAS, EvalConfig, FlowConfig, LoggerConfig, ModelConfig, ParallelConfig, RunConfig,
                      TrainConfig, VaeConfig)
 
@@ -99,12 +99,14 @@ def key_docs(cfg) -> dict[str, str]:
             for k, doc in yaml_docs(path, group).items():
                 docs.setdefault(k, doc)
     schemas = {**SCHEMAS, "data": DATA_SCHEMAS.get(cfg.data.get("name")),
-               "optimizer": OPTIMIZER_SCHEMAS.get(cfg.optimizer.get("name"))}
+               "optimizer": optimizer_schemas().get(cfg.optimizer.get("name"))}
     accepted: dict[str, str] = {}
     for prefix, schema in schemas.items():
         if schema is not None:
             _schema_docs(prefix, schema, accepted)
-    return {**accepted, **docs}
+    declared = {f"{prefix}.{f.name}": f.metadata["doc"] for prefix, schema in schemas.items() if schema is not None
+                for f in fields(schema) if "doc" in f.metadata}  # a doc declared with its key (fields.key) wins
+    return {**accepted, **docs, **declared}
 
 
 def annotate(text: str, docs: dict[str, str]) -> str:

@@ -12,7 +12,6 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from .errors import ConfigError, invalid
 from .fields import check_fields
 from .files import group_options, load_option, primary_node
-from .optimizers import OPTIMIZER_SCHEMAS
 from .schema import (DATA_SCHEMAS, Architecture, EvalConfig, FlowConfig, LoggerConfig, ModelConfig, ParallelConfig,
                      RunConfig, TrainConfig, VaeConfig)
 from .latents import check_latent_run
@@ -44,12 +43,20 @@ def _with_yaml_defaults(group: str, name: str, values: dict) -> dict:
 
 
 # ---- one group each ------------------------------------------------------------------------------------------
+def optimizer_schemas() -> dict[str, type]:
+    """Every registered optimizer's Config dataclass (optim/registry.py), by name."""
+    from ..optim.registry import OPTIMIZERS  # the optimizers import this module: read when called
+
+    return {name: entry.config for name, entry in OPTIMIZERS.items()}
+
+
 def check_optimizer(node) -> dict:
-    """optimizer.* as a plain dict of checked values; missing keys come from conf/optimizer/<name>.yaml."""
-    name, values = _named("optimizer", node, OPTIMIZER_SCHEMAS)
-    checked = check_fields("optimizer", OPTIMIZER_SCHEMAS[name], _with_yaml_defaults("optimizer", name, values),
-                           what=f"optimizer {name!r}")
-    return checked
+    """optimizer.* as a plain dict of checked values; missing keys come from conf/optimizer/<name>.yaml, then from
+    the optimizer's Config defaults."""
+    schemas = optimizer_schemas()
+    name, values = _named("optimizer", node, schemas)
+    return check_fields("optimizer", schemas[name], _with_yaml_defaults("optimizer", name, values),
+                        what=f"optimizer {name!r}")
 
 
 def check_data(node) -> dict:
