@@ -2,13 +2,13 @@
 
 from omegaconf import OmegaConf
 
-from .run_names import run_suffix
+from dit_train.runs.names import run_suffix
 
 __version__ = "0.1.0"
 
 
 def _documented_config(*, _root_) -> str:
-    from .config.help_text import documented_config
+    from dit_train.config.help_text import documented_config
 
     return documented_config(_root_)
 

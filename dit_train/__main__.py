@@ -8,22 +8,22 @@ import sys
 
 import hydra
 
-from .atomic_io import describe_os_error
-from .config import CONF_DIR, ConfigError, check_command_line, remove_stray_hydra_dir
-from .hydra_files import defer_hydra_files
-from .preemption import Preempted, Preemption
+from dit_train.runs.atomic_io import describe_os_error
+from dit_train.config import CONF_DIR, ConfigError, check_command_line, remove_stray_hydra_dir
+from dit_train.runs.hydra_files import defer_hydra_files
+from dit_train.trainer.preemption import Preempted, Preemption
 
 
 # an absolute path: imported by the console script, a relative one would be looked up as the module dit_train.conf
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg) -> None:
-    from .parallel import CollectiveTimeout
-    from .train import TrainingStopped, run  # torch is imported only once the command line is known to be good
+    from dit_train.parallel.fsdp import CollectiveTimeout
+    from dit_train.trainer.loop import TrainingStopped, run  # torch is imported only once the command line is known to be good
 
     try:
         from hydra.core.hydra_config import HydraConfig
 
-        from .resume_config import continue_saved_config
+        from dit_train.runs.resume_config import continue_saved_config
 
         run(continue_saved_config(cfg, list(HydraConfig.get().overrides.task)))
         if cfg.train.dry_run:  # it writes nothing: no run folder holding only Hydra's own files either

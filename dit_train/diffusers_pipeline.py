@@ -6,7 +6,7 @@
 
 Not diffusers' DiTTransformer2DModel: its timestep features have other frequencies (downscale_freq_shift=1), so a
 conversion would change the outputs, and it has no qk-norm, SwiGLU or text cross-attention. The pipeline is our Euler
-sampler with classifier-free guidance (dit_train.flow.euler_sample) written with diffusers'
+sampler with classifier-free guidance (dit_train.diffusion.flow.euler_sample) written with diffusers'
 FlowMatchEulerDiscreteScheduler: the same time grid (sigmas 1 -> 0 in equal steps, t = sigma, 1 = noise), the same
 null class, and for latent runs the same decoding (vae.LatentCodec: z / scaling_factor + shift_factor). With
 `generator=dit_train.seeds.generator("grid_noise", seed)` it gives the images of `python -m dit_train.sample --seed
@@ -24,7 +24,7 @@ import os
 import numpy as np
 import torch
 
-from .extras import require
+from dit_train.extras import require
 
 require("diffusers", "latents", "loading an export with diffusers")
 
@@ -33,13 +33,13 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config  # noq
 from diffusers.models.modeling_utils import ModelMixin  # noqa: E402
 from diffusers.pipelines.pipeline_utils import ImagePipelineOutput  # noqa: E402
 
-from .images import to_uint8  # noqa: E402
-from .model import DiT, DiTConfig  # noqa: E402
+from dit_train.evaluation.grids import to_uint8  # noqa: E402
+from dit_train.model.dit import DiT, DiTConfig  # noqa: E402
 
 
 class DiTTrainTransformer2DModel(ModelMixin, DiT, ConfigMixin):
     """Our DiT with diffusers' config and weight loading (the `transformer` folder of an export): the same modules,
-    parameter names and forward(x, t, y, ...) as dit_train.model.DiT. ModelMixin comes first (its loading and saving
+    parameter names and forward(x, t, y, ...) as dit_train.model.dit.DiT. ModelMixin comes first (its loading and saving
     win over DiT's), nn.Module before ConfigMixin (module attributes resolve as in any torch model)."""
 
     config_name = "config.json"
@@ -74,7 +74,7 @@ LIBRARIES = {"transformer": {"dit_train.diffusers_pipeline"}, "scheduler": {"dif
 def check_pipeline_index(folder: str) -> None:
     """One line unless `folder` is a local export whose model_index.json names this pipeline and components from
     this module or diffusers only."""
-    from .pretrained import PIPELINE_FILE
+    from dit_train.model.pretrained import PIPELINE_FILE
 
     path = os.path.join(folder, PIPELINE_FILE)
     if not os.path.isfile(path):
@@ -180,7 +180,7 @@ class DiTTrainPipeline(DiffusionPipeline):
         """Images in [-1, 1]: the latents decoded by the VAE as vae.LatentCodec.decode does, or x itself."""
         if self.vae is None:
             return x.float().clamp(-1, 1)
-        from .vae import decode_latents
+        from dit_train.diffusion.vae import decode_latents
 
         scale = self.vae.config.scaling_factor
         shift = self.vae.config.shift_factor

@@ -2,11 +2,11 @@
 
     python -m dit_train.export RUN_DIR_OR_CHECKPOINT OUT_DIR [--dtype fp32|bf16|fp16] [--vae VAE_DIR]
 
-OUT_DIR is a diffusers pipeline folder (layout in dit_train/pretrained.py): `transformer/` holds the EMA state dict
+OUT_DIR is a diffusers pipeline folder (layout in dit_train/model/pretrained.py): `transformer/` holds the EMA state dict
 under the DiT's parameter names and `config.json` (the DiT's architecture keys, and under "dit_train" the step, the
 source checkpoint and the run's whole config); a latent run's VAE (vae.path, or --vae) is copied to `vae/`:
 
-    from dit_train.model import DiT
+    from dit_train.model.dit import DiT
     model = DiT.from_pretrained("OUT_DIR")
     from dit_train.diffusers_pipeline import DiTTrainPipeline      # the [latents] extra
     pipe = DiTTrainPipeline.from_pretrained("OUT_DIR")
@@ -22,14 +22,14 @@ import argparse
 import os
 import sys
 
-from .pretrained import DTYPES
+from dit_train.model.pretrained import DTYPES
 
 
 def export_ema(source: str, out_dir: str, dtype: str = "fp32", vae: str | None = None) -> dict:
     """Write the EMA model of `source` to the folder `out_dir`; returns the provenance written to config.json."""
-    from .checkpoint import load_ema_weights
-    from .model import DiTConfig
-    from .pretrained import save_export
+    from dit_train.runs.checkpoint import load_ema_weights
+    from dit_train.model.dit import DiTConfig
+    from dit_train.model.pretrained import save_export
 
     if out_dir.endswith(".safetensors"):
         raise ValueError(f"OUT_DIR={out_dir!r} is not valid: export writes a folder (a diffusers pipeline); give "
@@ -56,7 +56,7 @@ def latent_vae(config: dict, vae: str | None) -> str | None:
     if not path or not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"--vae={path!r} is not valid: a latent run's export includes the VAE that made its latents;"
                          f" pass --vae /path/to/vae (the AutoencoderKL folder given to encode_latents.py --vae)")
-    from .extras import require
+    from dit_train.extras import require
 
     require("diffusers", "latents", "exporting a latent run's VAE")
     return path
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk or an unwritable OUT_DIR: the path and the error; the run is only read
-        from .atomic_io import describe_os_error
+        from dit_train.runs.atomic_io import describe_os_error
 
         print(f"error: {describe_os_error(e)}", file=sys.stderr)
         return 1

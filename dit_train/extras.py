@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-from .config.errors import ConfigError
+from dit_train.config.errors import ConfigError
 
 # module -> the pyproject extra that installs it
 EXTRA_OF = {"wandb": "wandb", "diffusers": "latents", "hydra_plugins.hydra_submitit_launcher": "slurm",

@@ -1,5 +1,5 @@
 """Sample from a trained run without writing Python: EMA weights, Euler steps with classifier-free guidance (the
-one sampler, dit_train.sampling), a grid with one row per class and/or a folder of PNGs.
+one sampler, dit_train.diffusion.sampler), a grid with one row per class and/or a folder of PNGs.
 
     python -m dit_train.sample RUN_OR_CHECKPOINT [--classes 0 3 7] [--per-class 8] [--steps 50] [--cfg-scale 2.5]
                                [--seed 0] [--grid samples.png] [--out-dir samples/] [--batch-size 64]
@@ -19,10 +19,10 @@ import sys
 
 import torch
 
-from . import seeds
-from .checkpoint import load_for_inference
-from .images import save_grid, save_image
-from .sampling import make_sampler
+from dit_train import seeds
+from dit_train.runs.checkpoint import load_for_inference
+from dit_train.evaluation.grids import save_grid, save_image
+from dit_train.diffusion.sampler import make_sampler
 
 
 def latent_decoder(cfg, vae_path: str | None, device):
@@ -33,7 +33,7 @@ def latent_decoder(cfg, vae_path: str | None, device):
     if not path:
         raise ValueError(f"{cfg.model.get('name')} was trained on latents (data=latents) and its run names no VAE: "
                          f"pass --vae /path/to/vae (the folder given to encode_latents.py --vae)")
-    from .vae import LatentCodec
+    from dit_train.diffusion.vae import LatentCodec
 
     return LatentCodec(path, device).decode
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import signal
 import sys
 
-from .preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, SIGNALS
+from dit_train.trainer.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, SIGNALS
 
 PASSED_ON = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
 

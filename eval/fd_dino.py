@@ -31,10 +31,10 @@ from pathlib import Path
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-from dit_train import checkpoint as ckpt  # noqa: E402
-from dit_train.fd.job_config import add_eval_args, eval_cfg_from_args  # noqa: E402
-from dit_train.json_file import read_json  # noqa: E402
-from dit_train.parallel import init_distributed, shutdown_process_group  # noqa: E402
+from dit_train.runs import checkpoint as ckpt  # noqa: E402
+from dit_train.evaluation.fd.job_config import add_eval_args, eval_cfg_from_args  # noqa: E402
+from dit_train.runs.json_file import read_json  # noqa: E402
+from dit_train.parallel.fsdp import init_distributed, shutdown_process_group  # noqa: E402
 
 COLUMNS = ["run", "step", "active_time_s", "fd", "encoder", "num_gen", "num_ref", "ref_id", "sample_steps",
            "cfg_scale", "seed", "checkpoint", "eval_time_s", "scored_at"]
@@ -43,7 +43,7 @@ SETTINGS = ["encoder", "num_gen", "sample_steps", "cfg_scale", "seed", "referenc
 
 def find_checkpoints(path: str | os.PathLike) -> tuple[Path, list[tuple[str, Path]]]:
     """(output root, [(run name, checkpoint)]) for a checkpoint, a run folder or a sweep folder, through the same
-    listing that resume and export use (dit_train.checkpoint): complete step_N.dcp folders written by any number
+    listing that resume and export use (dit_train.runs.checkpoint): complete step_N.dcp folders written by any number
     of ranks, and read-only step_N.pt files of earlier versions."""
     p = Path(path).resolve()
     if ckpt.is_complete(str(p)) or (p.is_file() and ckpt.LEGACY_RE.match(p.name)):
@@ -79,7 +79,7 @@ def latent_decoder(run_cfg, data_cfg, vae_path: str | None, device):
     if not path:
         raise SystemExit("a latent run's samples are decoded by its VAE: pass --vae /path/to/vae")
     if path not in _CODECS:
-        from dit_train.vae import LatentCodec
+        from dit_train.diffusion.vae import LatentCodec
 
         _CODECS[path] = LatentCodec(path, device)
     return _CODECS[path].decode
@@ -131,11 +131,11 @@ def main(argv=None) -> list[dict]:
     import torch.distributed as dist
     from omegaconf import OmegaConf
 
-    from dit_train.fd.evaluator import FDEvaluator
-    from dit_train.fd.features import build_extractor
-    from dit_train.evaluation import reference_data_config
-    from dit_train.parallel import compute_precision
-    from dit_train.sampling import make_sampler
+    from dit_train.evaluation.fd.evaluator import FDEvaluator
+    from dit_train.evaluation.fd.features import build_extractor
+    from dit_train.evaluation.during_training import reference_data_config
+    from dit_train.parallel.fsdp import compute_precision
+    from dit_train.diffusion.sampler import make_sampler
 
     dist_info = init_distributed(device=args.device, timeout_minutes=args.timeout_minutes)
     device, rank = dist_info.device, dist_info.rank
@@ -191,7 +191,7 @@ def main(argv=None) -> list[dict]:
             rows = [r for r in rows if row_key(r) != row_key(row)] + [row]
             write_results(out, rows)
             if not args.no_grid and "images" in res:
-                from dit_train.images import save_grid
+                from dit_train.evaluation.grids import save_grid
 
                 grid = out / "fd_grids" / run.replace(os.sep, "__") / f"step_{row['step']:08d}.png"
                 grid.parent.mkdir(parents=True, exist_ok=True)

@@ -21,8 +21,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from dit_train.fd.job_config import add_eval_args, eval_cfg_from_args, load_data_cfg  # noqa: E402
-from dit_train.parallel import init_distributed, shutdown_process_group  # noqa: E402
+from dit_train.evaluation.fd.job_config import add_eval_args, eval_cfg_from_args, load_data_cfg  # noqa: E402
+from dit_train.parallel.fsdp import init_distributed, shutdown_process_group  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -35,8 +35,8 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
 
     from dit_train.data import build_dataset
-    from dit_train.fd.features import build_extractor
-    from dit_train.fd.reference import load_or_compute_reference
+    from dit_train.evaluation.fd.features import build_extractor
+    from dit_train.evaluation.fd.reference import load_or_compute_reference
 
     dist = init_distributed(device=args.device, timeout_minutes=args.timeout_minutes)
     device, rank = dist.device, dist.rank

@@ -24,8 +24,8 @@ import torch
 from torch.distributed.checkpoint.staging import DefaultStager
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dit_train import checkpoint as ckpt  # noqa: E402
-from dit_train.checkpoint_saver import local_bytes, staging_options  # noqa: E402
+from dit_train.runs import checkpoint as ckpt  # noqa: E402
+from dit_train.runs.checkpoint_saver import local_bytes, staging_options  # noqa: E402
 
 TARGET = 0.5  # async blocking time / sync blocking time should be below this
 

@@ -50,11 +50,11 @@ def parse(argv=None):
 def rank_main(rank, world, port, args, out_path):
     import torch.distributed as dist
 
-    from dit_train.flow import velocity_loss
-    from dit_train.model import build_model
+    from dit_train.diffusion.flow import velocity_loss
+    from dit_train.model.dit import build_model
     from dit_train.optim.registry import build_optimizer
-    from dit_train.parallel import ParallelPlan, apply_fsdp
-    from dit_train.timing import PhaseTimer
+    from dit_train.parallel.fsdp import ParallelPlan, apply_fsdp
+    from dit_train.telemetry.clocks import PhaseTimer
 
     device = join_process_group(rank, world, port, args.threads)
     cuda = device.type == "cuda"

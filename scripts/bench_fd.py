@@ -20,9 +20,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from dit_train.fd.features import (DinoV2Extractor, MissingWeightsError, build_extractor,  # noqa: E402
+from dit_train.evaluation.fd.features import (DinoV2Extractor, MissingWeightsError, build_extractor,  # noqa: E402
                                    random_dinov2)
-from dit_train.fd.frechet import frechet_distance  # noqa: E402
+from dit_train.evaluation.fd.frechet import frechet_distance  # noqa: E402
 
 ARCH = {  # Dinov2Config overrides for the real architectures (hub names)
     "dinov2_vitb14": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),

@@ -27,8 +27,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from dit_train.parallel import DistInfo  # noqa: E402
-from dit_train.train import Trainer  # noqa: E402
+from dit_train.parallel.fsdp import DistInfo  # noqa: E402
+from dit_train.trainer.loop import Trainer  # noqa: E402
 
 
 def compose(overrides: list[str]):

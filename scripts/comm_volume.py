@@ -27,7 +27,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from dit_train.comm_volume import GB, crossing_nodes, fsdp_volumes  # noqa: E402
+from dit_train.parallel.comm_volume import GB, crossing_nodes, fsdp_volumes  # noqa: E402
 
 PRESETS = ("dit_1b3", "dit_4b", "dit_9b", "dit_15b")
 
@@ -35,7 +35,7 @@ PRESETS = ("dit_1b3", "dit_4b", "dit_9b", "dit_15b")
 def preset_counts(preset: str) -> dict:
     """Parameter counts of a preset: total, per block (the FSDP units), and those routed to the matrix update."""
     from dit_train.config import check_optimizer
-    from dit_train.model import build_model, load_preset
+    from dit_train.model.dit import build_model, load_preset
     from dit_train.optim.routing import route_parameters
 
     model = build_model(load_preset(preset), device="meta")

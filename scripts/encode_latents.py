@@ -8,7 +8,7 @@
 
 Images come from an image folder (--images: root/<class>/<images>, or root/train + root/val) or any dataset config
 of the trainer (--data NAME, --data-set KEY=VALUE). The VAE is diffusers' AutoencoderKL from a local folder; a
-latent is (mean of the posterior - shift_factor) * scaling_factor (dit_train/vae.py), stored as fp16 with int64
+latent is (mean of the posterior - shift_factor) * scaling_factor (dit_train/diffusion/vae.py), stored as fp16 with int64
 labels in out/<split>/shard_NNNNN.safetensors (the factors in each shard's metadata too). --flip stores every image
 and its horizontal mirror, as DiT's feature extraction does. out/latents_info.json, written before the first shard,
 records the VAE (its files' fingerprints), its factors, the source images and the settings that decide what each
@@ -31,12 +31,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dit_train.atomic_io import atomic_save_tensors, atomic_write_bytes  # noqa: E402
+from dit_train.runs.atomic_io import atomic_save_tensors, atomic_write_bytes  # noqa: E402
 from dit_train.config.latents import LATENTS_INFO, read_latents_info, vae_scaling  # noqa: E402
 from dit_train.data import build_dataset  # noqa: E402
-from dit_train.fd.features import _fingerprint  # noqa: E402
-from dit_train.fd.job_config import load_data_cfg  # noqa: E402
-from dit_train.parallel import barrier, init_distributed, shutdown_process_group  # noqa: E402
+from dit_train.evaluation.fd.features import _fingerprint  # noqa: E402
+from dit_train.evaluation.fd.job_config import load_data_cfg  # noqa: E402
+from dit_train.parallel.fsdp import barrier, init_distributed, shutdown_process_group  # noqa: E402
 
 
 def source_config(args) -> dict:
@@ -156,7 +156,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.images and args.image_size is None:
         args.image_size = 256
-    from dit_train.vae import LatentCodec
+    from dit_train.diffusion.vae import LatentCodec
 
     if not os.path.isfile(os.path.join(args.vae, "config.json")):
         raise SystemExit(f"error: --vae {args.vae} is not a diffusers AutoencoderKL folder (config.json + weights)")

@@ -1,5 +1,5 @@
 """Per-GPU memory of a training step, measured by running the trainer's code on fake tensors under a fake process
-group (dit_train/memory_estimate.py: FSDP2 plan, sharded optimizer, EMA, FSDPMemTracker). Runs on a CPU.
+group (dit_train/parallel/memory_estimate.py: FSDP2 plan, sharded optimizer, EMA, FSDPMemTracker). Runs on a CPU.
 
     python scripts/estimate_memory.py --preset dit_15b --world-size 32 --optimizer periodic_rowwise --micro-batch 8 \
         [--activation-checkpointing] [--json] [hydra overrides, e.g. model.depth=2 optimizer.K=5]
@@ -52,7 +52,7 @@ def compose(preset: str, optimizer: str, checkpointing: bool, overrides=()):
 def run_one(args) -> dict:
     import torch
 
-    from dit_train.memory_estimate import estimate
+    from dit_train.parallel.memory_estimate import estimate
 
     torch.set_num_threads(1)  # fake tensors do no arithmetic
     cfg = compose(args.preset, args.optimizer, args.activation_checkpointing, args.overrides)

@@ -33,7 +33,7 @@ if ! [[ "$SCALE" =~ ^[0-9]*\.?[0-9]+$ ]] || [ "$(awk "BEGIN{print ($SCALE > 0)}"
   echo "gpu_check.sh: --timeout-scale '$SCALE' is not valid: a positive number" >&2; exit 2
 fi
 # what every stage imports, with this checkout first on the path: a missing package is one line, before anything runs
-if ! err=$("$PY" -c "import torch, hydra, dit_train.train" 2>&1); then
+if ! err=$("$PY" -c "import torch, hydra, dit_train.trainer.loop" 2>&1); then
   echo "gpu_check.sh: $PY cannot import the trainer: $(printf '%s\n' "$err" | tail -n 1); install what it names first (scripts/setup.sh keeps an installed torch)" >&2
   exit 2
 fi

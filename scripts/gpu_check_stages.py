@@ -14,6 +14,7 @@ from collections import defaultdict
 
 import torch
 
+from benchmarks.cost_model import describe_prediction
 from gpu_check import (OPTIMIZER, ROOT, SHARD_OVERRIDES, SHARD_RUNS, SMOKE_MODEL, SMOKE_SHARD_BATCH, SMOKE_TRAINER,
                        TRAINER_BATCH)
 
@@ -104,7 +105,7 @@ def sdpa_backends(q, k, v) -> list[str]:
 def stage_env(ctx) -> dict:
     import platform
 
-    from dit_train.parallel import init_distributed
+    from dit_train.parallel.fsdp import init_distributed
 
     device = device_for(ctx)
     init_distributed(device=device)  # the trainer's device set-up (TF32 for what fp32 work remains)
@@ -151,7 +152,7 @@ def stage_env(ctx) -> dict:
 # ---- ns5 ------------------------------------------------------------------------------------------------------
 def matrix_shapes(model_cfg) -> dict[tuple[int, int], int]:
     """Shape -> count of the matrices the matrix optimizers route to NS5 in this model."""
-    from dit_train.model import build_model
+    from dit_train.model.dit import build_model
     from dit_train.optim.routing import route_parameters
 
     shapes = defaultdict(int)
@@ -160,15 +161,9 @@ def matrix_shapes(model_cfg) -> dict[tuple[int, int], int]:
     return dict(shapes)
 
 
-def gram_flop_ratio(m: int, n: int) -> float:
-    """Predicted Gram / plain time from multiply-adds (directions/ns5.py: 4 c/r + 14 against 5 (2 c/r + 1))."""
-    a = max(m, n) / min(m, n)
-    return (4 * a + 14) / (5 * (2 * a + 1))
-
-
 def stage_ns5(ctx) -> dict:
-    from dit_train.model import load_preset
-    from dit_train.optim.directions import newton_schulz5, ns5_flops, uses_gram
+    from dit_train.model.dit import load_preset
+    from dit_train.optim.directions import gram_flop_ratio, newton_schulz5, ns5_flops, uses_gram
 
     device = device_for(ctx)
     cfg = load_preset("dit_15b")
@@ -233,10 +228,10 @@ def stage_optimizers(ctx) -> dict:
     forward + backward, at dit_15b's matrix shapes with 2 blocks: on one process (real values: the weights must stay
     finite and the state must live with the parameters), and on rank 0 of 8 FSDP2 ranks whose peers are a fake
     process group (values arbitrary: it must run). Every branch the device type decides runs here."""
-    from dit_train.memory_estimate import empty_all_to_all_inputs_allowed, init_fake_process_group
-    from dit_train.model import build_model, load_preset
+    from dit_train.parallel.memory_estimate import empty_all_to_all_inputs_allowed, init_fake_process_group
+    from dit_train.model.dit import build_model, load_preset
     from dit_train.optim.registry import build_optimizer
-    from dit_train.parallel import ParallelPlan, autocast, fsdp_mesh, init_distributed, local, parallelize
+    from dit_train.parallel.fsdp import ParallelPlan, autocast, fsdp_mesh, init_distributed, local, parallelize
 
     device = device_for(ctx)
     init_distributed(device=device)
@@ -357,9 +352,9 @@ def sharded_step(model, ema, optimizer, scheduler, cfg, noise_of, x, y) -> None:
     global batch, forward/backward under the run's autocast, clipping, the loss/vote all-reduce and its one host
     read (Trainer.step_flags, whose answer is not used: the fake peers make every value arbitrary), the update,
     the EMA, zero_grad and the schedule."""
-    from dit_train.flow import velocity_loss
-    from dit_train.parallel import all_reduce_sum_, autocast, clip_grad_norm_, clip_scaled
-    from dit_train.train import Trainer
+    from dit_train.diffusion.flow import velocity_loss
+    from dit_train.parallel.fsdp import all_reduce_sum_, autocast, clip_grad_norm_, clip_scaled
+    from dit_train.trainer.loop import Trainer
 
     t, eps, drop = noise_of(x)
     with autocast(cfg.train.precision, x.device):
@@ -382,14 +377,14 @@ def stage_dit15b(ctx) -> dict:
 
     from estimate_memory import compose as estimate_config
     from dit_train import seeds
-    from dit_train.build import build_models
-    from dit_train.memory_estimate import empty_all_to_all_inputs_allowed, init_fake_process_group, steps_for
-    from dit_train.model_flops import training_flops_per_image
+    from dit_train.trainer.build import build_models
+    from dit_train.parallel.memory_estimate import empty_all_to_all_inputs_allowed, init_fake_process_group, steps_for
+    from dit_train.model.flops import training_flops_per_image
     from dit_train.optim.registry import build_optimizer
-    from dit_train.parallel import DistInfo, init_distributed, local, resolve_plan
-    from dit_train.schedule import build_scheduler
-    from dit_train.timing import clock_for
-    from dit_train.train import Trainer
+    from dit_train.parallel.fsdp import DistInfo, init_distributed, local, resolve_plan
+    from dit_train.optim.schedule import build_scheduler
+    from dit_train.telemetry.clocks import clock_for
+    from dit_train.trainer.loop import Trainer
 
     world, ac, batch = SHARD_RUNS[ctx.name]
     device = device_for(ctx)
@@ -443,12 +438,15 @@ def stage_dit15b(ctx) -> dict:
     taken = len(step_s)
     mean_s = sum(step_s) / taken
     flops = training_flops_per_image(m) * batch
-    peak_spec, name = spec_peak(device)
     label = f"dit_15b rank 0 of {world}, {batch} images/rank, AC {'on' if ac else 'off'}"
     values = {"world": world, "activation_checkpointing": ac, "micro_batch": batch, "step_s": step_s,
               "first_step_s": first_s, "flops_per_step": flops}
+    peak_spec, name = spec_peak(device)
+    # the peers are fake: no network, so the prediction is of one rank's compute (FSDP and exchange bytes free)
     checks = [check(f"{label}: compute-only step time (steps 2..{taken + 1}: RowNorm, RowNorm, refresh)",
-                    " / ".join(f"{s * 1e3:.0f}" for s in step_s) + " ms", "reported", None)]
+                    " / ".join(f"{s * 1e3:.0f}" for s in step_s) + " ms",
+                    "reported; " + describe_prediction(m, cfg.optimizer, world, batch, name, network=False),
+                    None)]
     if peak_spec:
         mfu = flops / mean_s / peak_spec
         values["mfu_spec"] = mfu
@@ -510,7 +508,7 @@ def trainer_config(ctx, name: str, checkpointing: bool = False, compiled: bool =
 def built_trainer(cfg, dist):
     """The trainer of `cfg` (checked as a run would be), closed afterwards."""
     from dit_train.config import validate
-    from dit_train.train import Trainer
+    from dit_train.trainer.loop import Trainer
 
     validate(cfg, dist.world_size)
     trainer = Trainer(cfg, dist)
@@ -538,13 +536,13 @@ def run_steps(trainer, n: int, ctx=None, min_steps: int = 2) -> list[tuple[dict,
 
 
 def trainer_dist(ctx):
-    from dit_train.parallel import init_distributed
+    from dit_train.parallel.fsdp import init_distributed
 
     return init_distributed(single_process_group=True, device=device_for(ctx))
 
 
 def trainer_checks(ctx, cfg, results, label: str, compiled: bool = False) -> tuple[list[dict], dict]:
-    from dit_train.model_flops import training_flops_per_image
+    from dit_train.model.flops import training_flops_per_image
 
     device = torch.device(ctx.device_type)
     losses = [m["train/loss"] for m, _ in results]
@@ -559,7 +557,9 @@ def trainer_checks(ctx, cfg, results, label: str, compiled: bool = False) -> tup
     checks = [check(f"{label}: losses finite, no step skipped", f"{losses[0]:.4f} -> {losses[-1]:.4f}, "
                     f"{skipped:.0f} skipped", "finite", all(math.isfinite(v) for v in losses) and not skipped),
               check("step time (median after the first)", f"{step_s * 1e3:.1f} ms, "
-                    f"{cfg.train.batch_size / step_s:.0f} images/s", "reported", None)]
+                    f"{cfg.train.batch_size / step_s:.0f} images/s",
+                    "reported; " + describe_prediction(cfg.model, cfg.optimizer, 1, cfg.train.batch_size, name),
+                    None)]
     if denominator:
         values["mfu"] = flops / step_s / denominator
         checks.append(check(f"MFU (model FLOPs / step time / {against})", f"{values['mfu']:.1%}",
@@ -619,7 +619,7 @@ def deterministic_algorithms(nondeterministic: list):
 
 def flat_tensors(tree, prefix: str = "") -> dict[str, torch.Tensor]:
     """Every tensor of nested dicts / lists (a checkpoint's tensor state) by its path: local shards, on the host."""
-    from dit_train.parallel import local
+    from dit_train.parallel.fsdp import local
 
     if isinstance(tree, torch.Tensor):
         return {prefix: local(tree).detach().cpu().clone()}
@@ -632,7 +632,7 @@ def flat_tensors(tree, prefix: str = "") -> dict[str, torch.Tensor]:
 
 def trainer_state(trainer) -> dict[str, torch.Tensor]:
     """What a checkpoint holds of the trainer's tensors (model, optimizer, EMA), on the host."""
-    from dit_train import checkpoint as ckpt
+    from dit_train.runs import checkpoint as ckpt
 
     return flat_tensors(ckpt.tensor_state(trainer.model, trainer.optimizer, trainer.ema.model))
 
@@ -645,7 +645,7 @@ def stage_checkpoint(ctx, before: int = 2, after: int = 2) -> dict:
     """`before` steps, an asynchronous Trainer.save (DCP), `after` steps; a new trainer resumes from that checkpoint:
     its tensors must be the saved ones bit for bit, and its `after` steps the same as the first trainer's (bit for
     bit under deterministic algorithms; a kernel without a deterministic variant is named instead of failed)."""
-    from dit_train import checkpoint as ckpt
+    from dit_train.runs import checkpoint as ckpt
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS; read when CUDA starts
     dist = trainer_dist(ctx)

@@ -39,7 +39,7 @@ ACT_VALUES_PER_TOKEN = 20  # per block, in units of the width d (see the docstri
 
 
 def counts(preset: str) -> dict:
-    from dit_train.model import build_model, load_preset
+    from dit_train.model.dit import build_model, load_preset
     from dit_train.optim.routing import route_parameters
 
     cfg = load_preset(preset)

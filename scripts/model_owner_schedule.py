@@ -219,7 +219,7 @@ def gather_schedule(groups: dict, w: int, net: Net, ns5_s, bucket_mb: float) -> 
 # ---- inputs -----------------------------------------------------------------------------------------------------
 def preset_groups(preset: str) -> dict[tuple[int, int], int]:
     """{(m, n): count} of the preset's matrix parameters, in the order the optimizer stacks them."""
-    from dit_train.model import build_model, load_preset
+    from dit_train.model.dit import build_model, load_preset
     from dit_train.optim.routing import route_parameters
 
     groups: dict = {}

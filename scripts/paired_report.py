@@ -34,7 +34,7 @@ import scipy.stats
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import Run, banner, fmt, provenance, read_run  # noqa: E402
-from dit_train.json_file import DamagedJSONFile, read_json  # noqa: E402
+from dit_train.runs.json_file import DamagedJSONFile, read_json  # noqa: E402
 from run_study import variant_label  # noqa: E402  (the key of study.json's lr_selection)
 
 VAL_STEPS = (200, 400, 600)

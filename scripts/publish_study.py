@@ -23,8 +23,8 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 import paired_report  # noqa: E402
 import report  # noqa: E402
 import run_study  # noqa: E402
-from dit_train.atomic_io import atomic_write_bytes  # noqa: E402
-from dit_train.json_file import DamagedJSONFile, read_json  # noqa: E402
+from dit_train.runs.atomic_io import atomic_write_bytes  # noqa: E402
+from dit_train.runs.json_file import DamagedJSONFile, read_json  # noqa: E402
 
 RECORDS = ("config.yaml", "metrics.jsonl", "summary.json", "run_info.json")
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dit_train.json_file import DamagedJSONFile, read_json  # noqa: E402
+from dit_train.runs.json_file import DamagedJSONFile, read_json  # noqa: E402
 
 PHASES = ("data", "forward", "backward", "optimizer compute", "exposed communication")
 WARMUP_ROWS = 2  # the first logged rows include one-off costs (allocation, first NS5); left out of time means

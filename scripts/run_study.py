@@ -37,10 +37,10 @@ from omegaconf import OmegaConf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from dit_train.atomic_io import atomic_write_bytes  # noqa: E402
-from dit_train.checkpoint import newest_step  # noqa: E402
-from dit_train.json_file import read_json  # noqa: E402
-from dit_train.run_info import git_commit  # noqa: E402
+from dit_train.runs.atomic_io import atomic_write_bytes  # noqa: E402
+from dit_train.runs.checkpoint import newest_step  # noqa: E402
+from dit_train.runs.json_file import read_json  # noqa: E402
+from dit_train.runs.provenance import git_commit  # noqa: E402
 from report import read_metrics  # noqa: E402  (scripts/report.py, next to this file)
 
 EXPERIMENTS = os.path.join(ROOT, "dit_train", "conf", "experiment")

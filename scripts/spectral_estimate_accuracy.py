@@ -52,8 +52,8 @@ def main() -> None:
 
     from hydra import compose, initialize_config_dir
 
-    from dit_train.parallel import DistInfo
-    from dit_train.train import Trainer
+    from dit_train.parallel.fsdp import DistInfo
+    from dit_train.trainer.loop import Trainer
 
     conf = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dit_train", "conf")
     with initialize_config_dir(config_dir=conf, version_base="1.3"):

@@ -20,7 +20,7 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 # and the trainer once (start method "forkserver"); "spawn" re-imported them in every process, ~5 s of CPU each on
 # a 2-core host, a fifth of the suite's time. A forked process sees the environment of the server, i.e. of the
 # first test that started one: tests that change os.environ must not rely on it reaching their processes.
-multiprocessing.set_forkserver_preload(["torch", "torch.distributed.fsdp", "dit_train.train"])
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed.fsdp", "dit_train.trainer.loop"])
 
 
 def compose(overrides=()):
@@ -70,7 +70,7 @@ def gloo_group(rank: int, world: int, port: int):
     body, then leave it cleanly whatever happened."""
     import torch.distributed as dist
 
-    from dit_train.parallel import shutdown_process_group
+    from dit_train.parallel.fsdp import shutdown_process_group
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),

@@ -16,11 +16,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import compose, gloo_group, needs_fashion, spawn_ranks, stop_signal_during_step
-from dit_train import checkpoint as ckpt
-from dit_train.checkpoint_saver import resolve_async
-from dit_train.parallel import DistInfo
-from dit_train.preemption import Preempted
-from dit_train.train import Trainer
+from dit_train.runs import checkpoint as ckpt
+from dit_train.runs.checkpoint_saver import resolve_async
+from dit_train.parallel.fsdp import DistInfo
+from dit_train.trainer.preemption import Preempted
+from dit_train.trainer.loop import Trainer
 
 pytestmark = needs_fashion
 
@@ -75,7 +75,7 @@ def test_auto_is_on_for_cuda_only_the_key_is_checked_and_may_change_on_resume():
     from omegaconf import OmegaConf
 
     from dit_train.config import ConfigError, validate
-    from dit_train.resume_policy import config_changes
+    from dit_train.runs.resume_policy import config_changes
 
     with pytest.raises(ConfigError, match=r"train.async_checkpoint='yes' is not valid: choose auto \(on for CUDA"):
         validate(compose(["run_dir=/tmp/unused", "train.async_checkpoint=yes"]))
@@ -220,8 +220,8 @@ def _two_rank_runs(rank, world, port, root):
     """A synchronous straight run; an async run whose step-2 save is held until step 3 begins, when rank 1 alone
     receives SIGTERM; its resume=auto continuation."""
     with gloo_group(rank, world, port):
-        from dit_train import train
-        from dit_train.train import run
+        from dit_train.trainer import loop as train
+        from dit_train.trainer.loop import run
 
         run(compose(TWO_RANKS + [f"run_dir={root}/straight", "train.async_checkpoint=false"]))
         gate, original_step, original_write = threading.Event(), train.Trainer.train_step, dcp.FileSystemWriter.write_data
@@ -265,7 +265,7 @@ def test_two_ranks_preempted_with_a_save_in_flight_resume_as_a_synchronous_run(t
 
 
 def test_a_failed_background_write_is_raised_by_the_next_wait_and_leaves_nothing(tmp_path, monkeypatch):
-    from dit_train.checkpoint_saver import CheckpointSaver
+    from dit_train.runs.checkpoint_saver import CheckpointSaver
 
     def full_disk(self, *args, **kwargs):
         raise OSError(28, "No space left on device", str(self.path))
@@ -288,8 +288,8 @@ def test_staging_takes_pinned_buffers_on_cuda_only(tmp_path, monkeypatch):
     """The stager's options follow the device of the saved tensors (fake CUDA tensors here: no GPU needed)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from dit_train import checkpoint_saver
-    from dit_train.checkpoint_saver import CheckpointSaver, staging_options
+    from dit_train.runs import checkpoint_saver
+    from dit_train.runs.checkpoint_saver import CheckpointSaver, staging_options
 
     cuda, cpu = staging_options(torch.device("cuda", 0)), staging_options(torch.device("cpu"))
     assert cuda.use_pinned_memory and cuda.use_non_blocking_copy and not cpu.use_pinned_memory
@@ -316,7 +316,7 @@ def test_staging_takes_pinned_buffers_on_cuda_only(tmp_path, monkeypatch):
 def test_async_saves_reuse_their_staging_buffers_and_each_round_trips_bit_for_bit(tmp_path, monkeypatch):
     from torch.distributed.checkpoint import FileSystemReader
 
-    from dit_train.checkpoint_saver import CheckpointSaver
+    from dit_train.runs.checkpoint_saver import CheckpointSaver
 
     staged = []  # what each save's writer was given, kept alive: fresh buffers could not land on the same memory
     original = dcp.FileSystemWriter.write_data

@@ -1,4 +1,4 @@
-"""The environment the process groups are created with (dit_train/backend_env.py, docs/scaling_out.md): for NCCL
+"""The environment the process groups are created with (dit_train/parallel/backend_env.py, docs/scaling_out.md): for NCCL
 the current variable names only, torch's take-the-process-down error handling, the flight recorder dumping on a
 timeout into the run folder, user settings kept (no GPU here: init_process_group is patched to record what it would
 have been given); for gloo the network interface that reaches MASTER_ADDR (two real gloo ranks on 127.0.0.2)."""
@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from conftest import compose
-from dit_train import backend_env
-from dit_train.backend_env import record_nccl_traces, use_gloo_interface
-from dit_train.parallel import init_distributed
+from dit_train.parallel import backend_env
+from dit_train.parallel.backend_env import record_nccl_traces, use_gloo_interface
+from dit_train.parallel.fsdp import init_distributed
 
 NAMES = sorted({*backend_env.NCCL_DEFAULTS, *backend_env.RENAMED, *backend_env.RENAMED.values(),
                 *backend_env.OLDER_NAME, *backend_env.OLDER_NAME.values()})
@@ -151,7 +151,7 @@ def _gloo_rank(rank, port, queue):
     os.environ.pop("GLOO_SOCKET_IFNAME", None)
     os.environ.update(MASTER_ADDR="127.0.0.2", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
-    from dit_train.parallel import init_distributed, shutdown_process_group
+    from dit_train.parallel.fsdp import init_distributed, shutdown_process_group
 
     init_distributed(timeout_minutes=1)
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=1))
@@ -185,7 +185,7 @@ def test_two_gloo_ranks_on_127_0_0_2_bind_the_loopback_interface():
 
 def test_an_nccl_job_names_the_interface_before_its_async_checkpoint_group(clean_env, tmp_path):
     """The GPU path: no gloo default group, so the interface is set where the one gloo group is created."""
-    from dit_train.checkpoint_saver import CheckpointSaver
+    from dit_train.runs.checkpoint_saver import CheckpointSaver
 
     clean_env.setenv("MASTER_ADDR", "127.0.0.2")
     seen = {}

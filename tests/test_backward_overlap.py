@@ -49,7 +49,7 @@ def runs(tmp_path_factory):
 
 
 def final_weights(run_dir):
-    from dit_train.checkpoint import read_tensors
+    from dit_train.runs.checkpoint import read_tensors
 
     return read_tensors(str(run_dir / "checkpoints" / "step_00000004.dcp"), "model")
 

@@ -1,5 +1,5 @@
 """Checkpoints are data, not code: a checkpoint whose pickled parts would run code when loaded is refused by every
-reader (resume, export, sampling and the FD jobs all go through dit_train.checkpoint), and nothing runs."""
+reader (resume, export, sampling and the FD jobs all go through dit_train.runs.checkpoint), and nothing runs."""
 
 import importlib
 import io
@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from dit_train import checkpoint as ckpt
+from dit_train.runs import checkpoint as ckpt
 
 
 class Payload:
@@ -141,7 +141,7 @@ def reachable_names():
 def test_only_the_exact_allowed_names_resolve(tmp_path):
     """A fuzz over every name reachable from the allowed modules (tens of thousands): each is refused, except the
     exact (module, name) pairs of the allow-list, which resolve to the very object of that name."""
-    from dit_train import checkpoint_metadata as cm
+    from dit_train.runs import checkpoint_metadata as cm
 
     resolved = {}
     pairs = reachable_names() + [("builtins", "eval"), ("os", "system"), ("subprocess", "Popen"),
@@ -163,7 +163,7 @@ def test_only_the_exact_allowed_names_resolve(tmp_path):
 
 def test_build_may_not_set_attributes_of_our_own_code():
     """BUILD on a class, a function or an enum member would change code every later checkpoint load runs."""
-    from dit_train import checkpoint_metadata as cm
+    from dit_train.runs import checkpoint_metadata as cm
 
     targets = [("torch.distributed.checkpoint.metadata", "Metadata"), ("torch.serialization", "_get_layout"),
                ("collections", "OrderedDict")]
@@ -178,7 +178,7 @@ def test_build_may_not_set_attributes_of_our_own_code():
 
 def rewrite_metadata(path: str, change) -> None:
     """Edit a real checkpoint's metadata with `change(metadata)` and write it back with the standard pickler."""
-    from dit_train import checkpoint_metadata as cm
+    from dit_train.runs import checkpoint_metadata as cm
 
     metadata = cm.read(path)
     change(metadata)
@@ -281,8 +281,8 @@ def test_a_saved_config_resolves_nothing(tmp_path, monkeypatch):
 def test_a_train_state_cannot_set_scheduler_attributes(tmp_path):
     """LRScheduler.load_state_dict sets every key it is given as an attribute: a crafted train state's scheduler
     entry may hold only the keys of the run's own scheduler."""
-    from dit_train.ema import EMA
-    from dit_train.train_state import TrainState
+    from dit_train.diffusion.ema import EMA
+    from dit_train.trainer.state import TrainState
 
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -299,7 +299,7 @@ def test_a_train_state_cannot_set_scheduler_attributes(tmp_path):
 @pytest.mark.parametrize("content, match", [(b'{"hidden', "is not valid JSON"), (b'[]', "not a model config"),
                                             (b'{"hidden_size": "big"}', "model.hidden_size='big' is not valid")])
 def test_an_exported_folder_from_elsewhere_is_checked_before_anything_is_built(tmp_path, content, match):
-    from dit_train.model import DiT, DiTConfig
+    from dit_train.model.dit import DiT, DiTConfig
 
     DiT(DiTConfig(image_size=8, patch_size=2, hidden_size=32, depth=1, num_heads=2)).save_pretrained(str(tmp_path))
     (tmp_path / "config.json").write_bytes(content)

@@ -39,7 +39,7 @@ def test_dit_15b_on_4_nodes_moves_about_117_gb_per_rank_under_fsdp_and_11_betwee
 
 
 def test_an_integer_reshard_regathers_within_its_group():
-    from dit_train.comm_volume import fsdp_volumes
+    from dit_train.parallel.comm_volume import fsdp_volumes
 
     v = fsdp_volumes(1000, [300, 300, 300], shard=8, replicas=1, reduce_bytes=4, reshard=2)
     assert v["ag_bwd"] == 1 / 2 * 600 * 2 and v["ag_fwd"] == 7 / 8 * 2000
@@ -51,9 +51,9 @@ def test_the_start_line_gives_a_runs_traffic_between_nodes(monkeypatch, replicat
     """What a sharded run prints at start: dit_15b on 32 ranks moves ~117 GB per rank per step through FSDP2;
     between 4 nodes all of it under plain FSDP, only the replicas' all-reduce under HSDP (2 x 3/4 x P/8 x 4 bytes:
     11.4 GB, docs/scaling_out.md's table), nothing on one node."""
-    from dit_train.comm_volume import describe_run, ranks_per_node
-    from dit_train.model import build_model, load_preset
-    from dit_train.parallel import DistInfo, resolve_plan
+    from dit_train.parallel.comm_volume import describe_run, ranks_per_node
+    from dit_train.model.dit import build_model, load_preset
+    from dit_train.parallel.fsdp import DistInfo, resolve_plan
 
     for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
         monkeypatch.delenv(name, raising=False)

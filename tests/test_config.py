@@ -59,8 +59,8 @@ def test_each_optimizer_yaml_holds_only_its_own_keys():
 def test_fd_evaluator_defaults_are_the_yamls(monkeypatch):
     """No second copy of the eval defaults: the evaluator built from conf/eval/default.yaml, or from a config
     that leaves keys out, uses default.yaml's values (cfg_scale 1.5, reference_num 2000)."""
-    from dit_train.fd import evaluator as fd_evaluator
-    from dit_train.fd.job_config import load_eval_cfg
+    from dit_train.evaluation.fd import evaluator as fd_evaluator
+    from dit_train.evaluation.fd.job_config import load_eval_cfg
 
     seen = {}
 
@@ -92,8 +92,8 @@ def test_optimizer_defaults_are_the_yamls():
 
 def test_library_entry_points_use_the_validator():
     from dit_train.data import build_dataset
-    from dit_train.model import DiT, DiTConfig
-    from dit_train.parallel import DistInfo, resolve_plan
+    from dit_train.model.dit import DiT, DiTConfig
+    from dit_train.parallel.fsdp import DistInfo, resolve_plan
 
     with pytest.raises(ConfigError, match=r"^parallel.reduce_dtype='float32' is not valid: choose one of fp32, bf16$"):
         resolve_plan({"reduce_dtype": "float32"}, DistInfo())
@@ -107,7 +107,7 @@ def test_registries_and_schemas_name_the_same_things():
     from dit_train.config.schema import DATA_SCHEMAS, LR_SCHEDULES
     from dit_train.data import DATASETS
     from dit_train.optim.registry import OPTIMIZERS
-    from dit_train.schedule import DECAYS
+    from dit_train.optim.schedule import DECAYS
 
     assert set(OPTIMIZERS) == set(group_options("optimizer"))
     assert set(DATASETS) == set(DATA_SCHEMAS) == set(group_options("data"))

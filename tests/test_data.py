@@ -159,8 +159,8 @@ def test_more_classes_than_the_model_has_is_one_line_before_training(tmp_path, c
 
     from conftest import compose
     from dit_train.config import ConfigError
-    from dit_train.parallel import DistInfo
-    from dit_train.train import Trainer
+    from dit_train.parallel.fsdp import DistInfo
+    from dit_train.trainer.loop import Trainer
 
     for c in range(classes):
         os.makedirs(tmp_path / "data" / f"c{c:02d}")
@@ -269,7 +269,7 @@ def test_skipped_images_are_counted_with_loader_workers(tmp_path, num_workers):
 
 def test_the_training_log_counts_a_skipped_image_read_by_a_loader_worker(tmp_path):
     from conftest import compose
-    from dit_train.train import run
+    from dit_train.trainer.loop import run
     from test_fsdp_train import metrics
 
     make_folder(tmp_path / "data", corrupt=True)

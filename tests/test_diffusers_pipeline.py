@@ -13,8 +13,8 @@ from omegaconf import OmegaConf
 
 from conftest import compose, needs_fashion
 from dit_train import seeds
-from dit_train.model import DiT, DiTConfig
-from dit_train.pretrained import save_export
+from dit_train.model.dit import DiT, DiTConfig
+from dit_train.model.pretrained import save_export
 
 diffusers = pytest.importorskip("diffusers")
 from dit_train.diffusers_pipeline import DiTTrainPipeline, DiTTrainTransformer2DModel  # noqa: E402
@@ -45,9 +45,9 @@ def tiny_vae(folder, shift_factor):
 @needs_fashion
 def test_exported_run_samples_in_diffusers_like_the_sample_command(tmp_path):
     from dit_train.export import main as export_main
-    from dit_train.images import to_uint8
+    from dit_train.evaluation.grids import to_uint8
     from dit_train.sample import sample
-    from dit_train.train import run
+    from dit_train.trainer.loop import run
 
     folder = tmp_path / "run"
     run(compose([f"run_dir={folder}", "model.hidden_size=32", "model.depth=2", "model.num_heads=2",
@@ -69,7 +69,7 @@ def test_exported_run_samples_in_diffusers_like_the_sample_command(tmp_path):
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 2.5])
 def test_pipeline_equals_our_sampler_and_its_time_grid(tmp_path, cfg_scale):
-    from dit_train.sampling import make_sampler
+    from dit_train.diffusion.sampler import make_sampler
 
     model = random_dit(qk_norm=True, swiglu=True)
     save_export(model.state_dict(), model.config, str(tmp_path / "out"))
@@ -88,8 +88,8 @@ def test_pipeline_equals_our_sampler_and_its_time_grid(tmp_path, cfg_scale):
 
 
 def test_latent_export_decodes_with_the_runs_vae_and_shift(tmp_path):
-    from dit_train.sampling import make_sampler
-    from dit_train.vae import LatentCodec
+    from dit_train.diffusion.sampler import make_sampler
+    from dit_train.diffusion.vae import LatentCodec
 
     vae = tiny_vae(tmp_path / "vae", shift_factor=0.3)
     model = random_dit(in_channels=4)

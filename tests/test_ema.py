@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dit_train.ema import EMA
+from dit_train.diffusion.ema import EMA
 
 
 def test_ema_follows_the_warm_up_formula_by_hand():

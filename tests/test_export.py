@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from conftest import ROOT, compose, needs_fashion
-from dit_train.checkpoint import load_for_inference
+from dit_train.runs.checkpoint import load_for_inference
 from dit_train.export import main as export_main
-from dit_train.model import DiT, DiTConfig
-from dit_train.train import run
+from dit_train.model.dit import DiT, DiTConfig
+from dit_train.trainer.loop import run
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +119,8 @@ def test_from_pretrained_names_a_folder_that_is_not_an_export(tmp_path):
 @needs_fashion
 def test_loading_for_inference_draws_no_init_and_holds_the_ema_weights(trained_run, monkeypatch):
     """The checkpoint's tensors are the weights: nothing is drawn only to be overwritten (dit_15b: minutes)."""
-    from dit_train import checkpoint as ckpt
-    from dit_train.model import sincos_pos_embed_2d
+    from dit_train.runs import checkpoint as ckpt
+    from dit_train.model.dit import sincos_pos_embed_2d
 
     def refuse(*a, **kw):
         raise AssertionError("the seeded init ran")

@@ -15,13 +15,13 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from dit_train.checkpoint_saver import resolve_async
-from dit_train.model import build_model, load_preset
+from dit_train.runs.checkpoint_saver import resolve_async
+from dit_train.model.dit import build_model, load_preset
 from dit_train.optim.fused_rownorm import resolve_compile_rownorm
 from dit_train.optim.registry import OPTIMIZERS, build_optimizer
 from dit_train.optim.routing import route_parameters
-from dit_train.parallel import DistInfo, backend_for, compute_precision, resolve_plan
-from dit_train.timing import CudaClock, clock_for
+from dit_train.parallel.fsdp import DistInfo, backend_for, compute_precision, resolve_plan
+from dit_train.telemetry.clocks import CudaClock, clock_for
 
 BLOCKS = 2
 CUDA = torch.device("cuda", 0)

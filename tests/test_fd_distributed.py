@@ -9,7 +9,7 @@ import torch
 
 from conftest import gloo_group, spawn_ranks
 
-from dit_train.fd.frechet import StreamingStats, stats_from_features
+from dit_train.evaluation.fd.frechet import StreamingStats, stats_from_features
 
 WORLD = 2
 
@@ -30,7 +30,7 @@ def _evaluator_cfg(cache_dir):
 def _run_evaluator(cache_dir):
     from test_fd_evaluator import ToyDataset, toy_images
 
-    from dit_train.fd.evaluator import FDEvaluator
+    from dit_train.evaluation.fd.evaluator import FDEvaluator
 
     ev = FDEvaluator(_evaluator_cfg(cache_dir), None, "cpu", dataset=ToyDataset(n=70), log=lambda *_: None)
     # a slightly wrong generator, so FD is O(1) and a relative tolerance means something

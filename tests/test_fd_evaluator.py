@@ -11,18 +11,18 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from dit_train.fd import reference as refmod
-from dit_train.fd.job_config import load_data_cfg, load_eval_cfg
-from dit_train.evaluation import update_best_fd
-from dit_train.fd.evaluator import FDEvaluator, generation_labels
-from dit_train.fd.features import build_extractor
-from dit_train.fd.reference import load_or_compute_reference, load_reference
+from dit_train.evaluation.fd import reference as refmod
+from dit_train.evaluation.fd.job_config import load_data_cfg, load_eval_cfg
+from dit_train.evaluation.during_training import update_best_fd
+from dit_train.evaluation.fd.evaluator import FDEvaluator, generation_labels
+from dit_train.evaluation.fd.features import build_extractor
+from dit_train.evaluation.fd.reference import load_or_compute_reference, load_reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FASHION_ROOT = "/usr/share/datasets/fashion-mnist"
 needs_fashion = pytest.mark.skipif(not os.path.exists(FASHION_ROOT), reason="apt-get install dataset-fashion-mnist")
 # tiny sample counts on purpose (the warning itself is tested in test_fd_frechet.py)
-pytestmark = pytest.mark.filterwarnings("ignore::dit_train.fd.frechet.RankDeficientWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::dit_train.evaluation.fd.frechet.RankDeficientWarning")
 
 
 def toy_images(labels: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -159,10 +159,10 @@ def _load_script(name):
 
 
 def _fake_run(run_dir, steps, hidden=16, legacy=False):
-    """Checkpoints in the trainer's format (dit_train.checkpoint: EMA tensors, step, active_time_s, config), or
+    """Checkpoints in the trainer's format (dit_train.runs.checkpoint: EMA tensors, step, active_time_s, config), or
     the read-only single files of earlier versions."""
-    from dit_train import checkpoint as ckpt
-    from dit_train.model import build_model
+    from dit_train.runs import checkpoint as ckpt
+    from dit_train.model.dit import build_model
 
     mcfg = dict(name="t", image_size=32, in_channels=1, patch_size=8, hidden_size=hidden, depth=1, num_heads=2,
                 num_classes=10)
@@ -220,7 +220,7 @@ def test_reference_stats_job(tmp_path):
 def test_eval_jobs_wait_for_peers_as_long_as_training(name, args, monkeypatch):
     """Their process group gets parallel.timeout_minutes (training's default, or --timeout-minutes)."""
     from conftest import compose
-    from dit_train.fd.job_config import training_timeout_minutes
+    from dit_train.evaluation.fd.job_config import training_timeout_minutes
 
     assert training_timeout_minutes() == compose().parallel.timeout_minutes
     job = _load_script(name)

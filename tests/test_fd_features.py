@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import torch
 
-from dit_train.fd.features import (IMAGENET_MEAN, IMAGENET_STD, DinoV2Extractor, MissingWeightsError,
+from dit_train.evaluation.fd.features import (IMAGENET_MEAN, IMAGENET_STD, DinoV2Extractor, MissingWeightsError,
                                    available_extractors, build_extractor, inception_weights_path, nv_bilinear_resize,
                                    random_dinov2, to_unit_rgb)
 
@@ -42,7 +42,7 @@ def test_dinov2_preprocessing_is_224_bicubic_with_imagenet_stats(rand_dino):
 def test_inception_preprocessing_is_299_in_tf_range():
     x = torch.rand(2, 1, 32, 32) * 2 - 1
     # the preprocessing needs no weights: call it unbound on a stand-in
-    from dit_train.fd.features import InceptionExtractor
+    from dit_train.evaluation.fd.features import InceptionExtractor
 
     ex = InceptionExtractor(torch.nn.Identity(), name="inception", encoder_id="test")
     y = ex.preprocess(x)
@@ -156,7 +156,7 @@ def test_missing_inception_and_unknown_encoder(tmp_path):
 
 
 def _fashion_images(n):
-    from dit_train.fd.job_config import load_data_cfg
+    from dit_train.evaluation.fd.job_config import load_data_cfg
     from dit_train.data import build_dataset
 
     ds = build_dataset(load_data_cfg("fashion_mnist"), "val")

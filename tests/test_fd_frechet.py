@@ -6,7 +6,7 @@ import pytest
 import scipy.linalg
 import torch
 
-from dit_train.fd.frechet import (GaussianStats, RankDeficientWarning, StreamingStats, fd_from_stats,
+from dit_train.evaluation.fd.frechet import (GaussianStats, RankDeficientWarning, StreamingStats, fd_from_stats,
                                   frechet_distance, stats_from_features, trace_sqrt_product)
 
 

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from dit_train.flow import (euler_sample, interpolate, sample_t, validation_loss, validation_t_grid,
+from dit_train.diffusion.flow import (euler_sample, interpolate, sample_t, validation_loss, validation_t_grid,
                             velocity_loss, velocity_target)
 
 
@@ -116,7 +116,7 @@ def test_the_trainer_draws_training_times_from_the_configured_flow():
     from types import SimpleNamespace
 
     from conftest import compose
-    from dit_train.train import Trainer
+    from dit_train.trainer.loop import Trainer
 
     cfg = compose(["run_dir=/tmp/unused", "flow.t_mean=0.4", "flow.t_std=1.5", "flow.shift=2.0",
                    "model.class_dropout_prob=0.25"])

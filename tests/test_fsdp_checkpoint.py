@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from conftest import compose, needs_fashion
-from dit_train import checkpoint as ckpt
+from dit_train.runs import checkpoint as ckpt
 from dit_train.config import ConfigError, validate
-from dit_train.parallel import DistInfo, resolve_plan
+from dit_train.parallel.fsdp import DistInfo, resolve_plan
 
 TINY = ["model.hidden_size=32", "model.depth=2", "model.num_heads=2", "model.patch_size=8",
         "train.steps=4", "train.batch_size=8", "train.warmup_steps=2", "train.log_every=1",
@@ -62,7 +62,7 @@ def _losses(run_dir):
 def test_group_of_one_equals_single_process_and_its_checkpoint_resumes_anywhere(tmp_path):
     import torch.distributed as dist
 
-    from dit_train.train import run
+    from dit_train.trainer.loop import run
 
     plain, sharded = tmp_path / "plain", tmp_path / "sharded"
     run(compose(TINY + [f"run_dir={plain}"]))

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conftest import ROOT, needs_fashion
-from dit_train.parallel import first_slurm_host, slurm_environment
+from dit_train.parallel.fsdp import first_slurm_host, slurm_environment
 
 
 @pytest.mark.parametrize("nodelist,first", [("gpu[003-004,9],cpu1", "gpu003"), ("r[1-2]-n[07-08]", "r1-n07"),
@@ -35,10 +35,10 @@ def test_slurm_task_environment():
 
 @needs_fashion
 def test_preemption_signal_is_handed_to_the_previous_handler_after_the_checkpoint(tiny_cfg):
-    from dit_train import checkpoint as ckpt
-    from dit_train.parallel import DistInfo
-    from dit_train.preemption import Preempted
-    from dit_train.train import Trainer
+    from dit_train.runs import checkpoint as ckpt
+    from dit_train.parallel.fsdp import DistInfo
+    from dit_train.trainer.preemption import Preempted
+    from dit_train.trainer.loop import Trainer
 
     seen = []
 
@@ -90,8 +90,8 @@ def wait_until(ready, proc, what: str, timeout: float = 180) -> None:
 def test_a_stop_signal_to_torchrun_checkpoints_and_the_job_exits_75(tmp_path, sig):
     """`python -m dit_train.torchrun` (torchrun's options, torchrun's behaviour) signalled like scancel or Slurm's
     --signal: the 2 ranks checkpoint together and the job exits 75, requeue-able (torchrun itself exits 1)."""
-    from dit_train import checkpoint as ckpt
-    from dit_train.preemption import EXIT_PREEMPTED
+    from dit_train.runs import checkpoint as ckpt
+    from dit_train.trainer.preemption import EXIT_PREEMPTED
 
     run_dir = tmp_path / "run"
     proc = start_torchrun(run_dir, "train.steps=400")
@@ -114,8 +114,8 @@ def test_a_stop_signal_to_torchrun_checkpoints_and_the_job_exits_75(tmp_path, si
 def test_sharded_ranks_stop_the_end_of_run_grid_together(tmp_path):
     """2 FSDP2 ranks in a long end-of-run grid (every model call a collective): they agree on the signal at the
     same model call, leave the grid together and exit 75, the last checkpoint written before the grid."""
-    from dit_train import checkpoint as ckpt
-    from dit_train.preemption import EXIT_PREEMPTED
+    from dit_train.runs import checkpoint as ckpt
+    from dit_train.trainer.preemption import EXIT_PREEMPTED
 
     run_dir = tmp_path / "run"
     proc = start_torchrun(run_dir, "train.steps=3", "train.val_every=0", "train.sample_every=3",

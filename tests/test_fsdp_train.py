@@ -29,7 +29,7 @@ TINY = ["model.hidden_size=32", "model.depth=2", "model.num_heads=2", "model.pat
 def _worker(rank, world, port, jobs):
     """One rank: join a gloo group, then run() each job (a list of overrides) in turn."""
     with gloo_group(rank, world, port):
-        from dit_train.train import run
+        from dit_train.trainer.loop import run
 
         for overrides in jobs:
             run(compose(TINY + overrides))
@@ -57,7 +57,7 @@ def assert_close(a: dict, b: dict, rtol: float) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
-    from dit_train.train import run
+    from dit_train.trainer.loop import run
 
     single = root / "single"
     # bf16 compute weights recorded (a single process gathers no weights: it computes in fp32 all the same), so that
@@ -112,7 +112,7 @@ def test_sharded_resume_same_world_size_is_exact(runs):
     resumed = losses(runs["two_resumed"])
     assert resumed == {3: straight[3], 4: straight[4]}
     assert losses(runs["two_resumed"], "val/loss") == {4: losses(runs["two"], "val/loss")[4]}  # EMA restored
-    from dit_train.checkpoint import read_tensors
+    from dit_train.runs.checkpoint import read_tensors
 
     a = read_tensors(str(runs["two"] / "checkpoints" / "step_00000004.dcp"), "optimizer")
     b = read_tensors(str(runs["two_resumed"] / "checkpoints" / "step_00000004.dcp"), "optimizer")
@@ -136,14 +136,14 @@ def test_single_process_checkpoint_resumes_sharded_with_bf16_compute(runs):
 def test_export_gives_single_process_ema_weights(runs, tmp_path):
     from safetensors.torch import load_file
 
-    from dit_train.checkpoint import read_tensors
+    from dit_train.runs.checkpoint import read_tensors
     from dit_train.export import main as export_main
 
     assert export_main([str(runs["single"]), str(tmp_path / "single")]) == 0
     assert export_main([str(runs["two"]), str(tmp_path / "two")]) == 0
     assert export_main([str(runs["three_from_two"] / "checkpoints" / "step_00000004.dcp"),
                         str(tmp_path / "three")]) == 0
-    from dit_train.pretrained import DIFFUSERS_WEIGHTS_FILE, TRANSFORMER
+    from dit_train.model.pretrained import DIFFUSERS_WEIGHTS_FILE, TRANSFORMER
 
     weights = os.path.join(TRANSFORMER, DIFFUSERS_WEIGHTS_FILE)  # an export is a diffusers pipeline folder
     single = load_file(str(tmp_path / "single" / weights))
@@ -159,7 +159,7 @@ def test_export_gives_single_process_ema_weights(runs, tmp_path):
 
 
 def test_load_for_inference_reads_sharded_checkpoint(runs):
-    from dit_train.checkpoint import load_for_inference
+    from dit_train.runs.checkpoint import load_for_inference
 
     model, cfg, meta = load_for_inference(str(runs["two"]), "cpu")
     ref, _, ref_meta = load_for_inference(str(runs["single"]), "cpu")

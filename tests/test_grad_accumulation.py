@@ -11,7 +11,7 @@ pytestmark = needs_fashion
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from dit_train.train import run
+    from dit_train.trainer.loop import run
 
     root = tmp_path_factory.mktemp("accumulation")
     out = {k: root / k for k in ("whole", "micro", "two_micro")}

@@ -15,7 +15,7 @@ from test_sharded_optim import spawn
 from test_sharded_train import train_jobs
 
 from dit_train.config import ConfigError
-from dit_train.parallel import DistInfo, resolve_plan
+from dit_train.parallel.fsdp import DistInfo, resolve_plan
 
 # 16 images per step: 4 per rank; hidden 32 splits into 8 rows per rank (FSDP over 4) or 16 (a shard group of 2)
 FOUR = [o for o in TINY if not o.startswith("train.batch_size=")] + ["train.batch_size=16", "train.sample_every=0"]
@@ -25,7 +25,7 @@ PERIODIC = [o for o in FOUR if not o.startswith("optimizer=")] + ["optimizer=per
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hsdp_train")
-    from dit_train.train import run
+    from dit_train.trainer.loop import run
 
     run(compose(FOUR + [f"run_dir={root / 'single'}"]))
     run(compose(PERIODIC + [f"run_dir={root / 'single_periodic'}"]))

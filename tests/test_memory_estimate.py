@@ -26,7 +26,7 @@ def rank0_elements():
     ceil(rows / W), as FSDP2 shards."""
     from omegaconf import OmegaConf
 
-    from dit_train.model import build_model, load_preset
+    from dit_train.model.dit import build_model, load_preset
     from dit_train.optim.routing import route_parameters
 
     cfg = OmegaConf.merge(load_preset("dit_1b3"), OmegaConf.from_dotlist(SHRINK).model)

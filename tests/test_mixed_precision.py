@@ -4,8 +4,8 @@ the exact t (a bf16 cast rounds 0.9987 to 1.0) and computes what the single proc
 import torch
 import torch.distributed as dist
 
-from dit_train.model import DiT, DiTConfig
-from dit_train.parallel import ParallelPlan, autocast, parallelize, shutdown_process_group
+from dit_train.model.dit import DiT, DiTConfig
+from dit_train.parallel.fsdp import ParallelPlan, autocast, parallelize, shutdown_process_group
 
 
 def capture_timestep_path(model):

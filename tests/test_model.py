@@ -3,7 +3,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import CONF_DIR, compose
-from dit_train.model import DiT, DiTConfig, build_model, count_parameters, sincos_pos_embed_2d
+from dit_train.model.dit import DiT, DiTConfig, build_model, count_parameters, sincos_pos_embed_2d
 
 LARGE = ["dit_1b3", "dit_4b", "dit_9b", "dit_15b"]
 
@@ -137,7 +137,7 @@ def test_readme_presets_table_has_every_preset_with_its_exact_count():
 
 
 def test_load_preset_resizes_for_benchmarks_and_names_valid_presets():
-    from dit_train.model import load_preset
+    from dit_train.model.dit import load_preset
 
     cfg = load_preset("dit_m", hidden_size=512, depth=3)
     assert (cfg.hidden_size, cfg.num_heads, cfg.depth) == (512, 8, 3)  # head dim 64 kept

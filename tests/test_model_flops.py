@@ -3,8 +3,8 @@ attention (forward; backward twice the forward, less the input gradients of the 
 
 import pytest
 
-from dit_train.model import load_preset
-from dit_train.model_flops import training_flops_per_image
+from dit_train.model.dit import load_preset
+from dit_train.model.flops import training_flops_per_image
 
 
 def hand_count(c) -> int:

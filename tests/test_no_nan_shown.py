@@ -78,7 +78,7 @@ def test_single_points_are_markers_on_axes_without_offset(smoke_like, monkeypatc
 @needs_fashion
 def test_done_line_without_validation_says_n_a(tiny_cfg, capsys):
     """`python -m dit_train train.val_every=0 ...` ends with `done: ... val_loss=n/a ...`, not val_loss=nan."""
-    from dit_train.train import run
+    from dit_train.trainer.loop import run
 
     tiny_cfg.train.val_every = 0
     tiny_cfg.train.ckpt_every = 0

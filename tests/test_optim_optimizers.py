@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from dit_train.model import DiT, DiTConfig
+from dit_train.model.dit import DiT, DiTConfig
 from dit_train.optim.directions import RowNorm
 from dit_train.optim.matrix_optimizer import MatrixOptimizer, update_scale
 from dit_train.optim.hooks import hooks_of

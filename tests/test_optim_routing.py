@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 from conftest import compose
-from dit_train.dry_run import dry_run
-from dit_train.model import DiT, DiTConfig
+from dit_train.trainer.dry_run import dry_run
+from dit_train.model.dit import DiT, DiTConfig
 from dit_train.optim.registry import build_optimizer
 from dit_train.optim.routing import format_routing_table, name_matches, route_parameters
 

@@ -53,8 +53,8 @@ def run_cases(rank, world, out_path):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from dit_train.optim.sharded_optimizer import ShardedMatrixOptimizer
-    from dit_train.parallel import ParallelPlan, fsdp_mesh
-    from dit_train.timing import PhaseTimer
+    from dit_train.parallel.fsdp import ParallelPlan, fsdp_mesh
+    from dit_train.telemetry.clocks import PhaseTimer
 
     mesh = fsdp_mesh(ParallelPlan(sharded=True), "cpu")
     shard = lambda t: distribute_tensor(t, mesh, [Shard(0)])  # noqa: E731

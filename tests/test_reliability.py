@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conftest import ROOT, needs_fashion
-from dit_train import checkpoint as ckpt
-from dit_train.preemption import EXIT_PREEMPTED
+from dit_train.runs import checkpoint as ckpt
+from dit_train.trainer.preemption import EXIT_PREEMPTED
 
 TINY = ["model.hidden_size=32", "model.depth=1", "model.num_heads=1", "model.patch_size=8",
         "train.batch_size=4", "train.val_samples=4", "train.val_batch_size=4", "train.val_t_points=1",

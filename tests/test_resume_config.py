@@ -1,5 +1,5 @@
 """`dit-train run_dir=X train.resume=auto` continues a run however it was started: the run's saved config with only
-what the command line sets on top (dit_train/resume_config.py). Before, a resume of any non-default run was refused
+what the command line sets on top (dit_train/runs/resume_config.py). Before, a resume of any non-default run was refused
 unless the original command was repeated in full (each key it did not repeat listed as a change)."""
 
 import json

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from conftest import FASHION_ROOT, ROOT, compose, needs_fashion, stop_signal_during_step
-from dit_train import checkpoint as ckpt
+from dit_train.runs import checkpoint as ckpt
 from dit_train.config import ConfigError
-from dit_train.parallel import DistInfo
-from dit_train.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, Preempted
-from dit_train.run_folder import prepare_run_folder
-from dit_train.run_lock import RunFolderBusy, RunLock
-from dit_train.train import Trainer, TrainingStopped, run
+from dit_train.parallel.fsdp import DistInfo
+from dit_train.trainer.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, Preempted
+from dit_train.runs.folder import prepare_run_folder
+from dit_train.runs.lock import RunFolderBusy, RunLock
+from dit_train.trainer.loop import Trainer, TrainingStopped, run
 
 pytestmark = needs_fashion
 
@@ -201,7 +201,7 @@ def test_a_resume_that_falls_back_past_a_damaged_checkpoint_sets_that_timeline_a
 def test_setting_aside_keeps_torn_rows_and_moves_what_it_cannot_read(tmp_path):
     """What a crash can leave: rows logged past the last checkpoint, a torn last row, a save without its marker, an
     unreadable summary. Everything after the step is moved (none of it deleted), the rest stays where it was."""
-    from dit_train.timeline import set_aside_after
+    from dit_train.runs.timeline import set_aside_after
 
     run_dir = tmp_path / "run"
     os.makedirs(run_dir / "checkpoints" / "step_00000020.dcp")  # no COMPLETE marker: moved all the same
@@ -296,7 +296,7 @@ def test_a_refused_command_leaves_the_run_folders_hydra_record_untouched(tmp_pat
 
 
 def test_default_run_folders_differ_for_jobs_started_in_the_same_second():
-    code = "from dit_train.run_names import run_suffix; print(run_suffix())"
+    code = "from dit_train.runs.names import run_suffix; print(run_suffix())"
     env = {**os.environ, "PYTHONPATH": ROOT, "SLURM_ARRAY_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": "3"}
     names = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout.strip()
              for _ in range(2)]
@@ -335,7 +335,7 @@ def test_non_finite_weights_are_never_saved(tmp_path):
 
 
 def test_a_failed_write_leaves_no_temp_file(tmp_path, monkeypatch):
-    from dit_train import atomic_io
+    from dit_train.runs import atomic_io
 
     def full_disk(data, path):
         with open(path, "wb") as f:
@@ -410,7 +410,7 @@ def _hung_peer(rank, port, queue):
                       LOCAL_RANK=str(rank))
     import torch.distributed as dist
 
-    from dit_train.parallel import collective_timeouts, init_distributed
+    from dit_train.parallel.fsdp import collective_timeouts, init_distributed
 
     init_distributed(timeout_minutes=0.05)  # 3 s
     if rank == 1:
@@ -448,7 +448,7 @@ def test_a_hung_peer_ends_the_survivor_with_one_line_after_the_timeout():
 def test_a_torn_last_metrics_row_is_dropped_before_appending(tmp_path):
     from omegaconf import OmegaConf
 
-    from dit_train.logger import MetricLogger
+    from dit_train.telemetry.logger import MetricLogger
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "train/loss": 0.5}\n{"step": 2, "train/l')
     logger = MetricLogger(str(tmp_path), OmegaConf.create({"wandb": {"mode": "disabled"}}))
@@ -474,8 +474,8 @@ def test_resuming_into_a_read_only_run_folder_is_one_line(tmp_path, small_tmpfs)
 
 
 def test_a_torn_summary_is_one_line_naming_it(tmp_path):
-    from dit_train.json_file import DamagedJSONFile
-    from dit_train.metrics import read_summary
+    from dit_train.runs.json_file import DamagedJSONFile
+    from dit_train.telemetry.metrics import read_summary
 
     path = tmp_path / "summary.json"
     path.write_text('{"steps": 4, "val_l')

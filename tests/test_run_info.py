@@ -2,7 +2,7 @@
 
 import subprocess
 
-from dit_train.run_info import git_commit, modified_files
+from dit_train.runs.provenance import git_commit, modified_files
 
 
 def git(repo, *args):

@@ -9,10 +9,10 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 from conftest import compose, needs_fashion
-from dit_train.flow import euler_sample
-from dit_train.model import DiT, DiTConfig
+from dit_train.diffusion.flow import euler_sample
+from dit_train.model.dit import DiT, DiTConfig
 from dit_train.sample import latent_decoder, main as sample_main
-from dit_train.train import run
+from dit_train.trainer.loop import run
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +105,8 @@ def test_a_vae_that_is_not_a_local_folder_is_one_line_and_never_a_hub_download(t
     import sys
 
     from conftest import ROOT
-    from dit_train import checkpoint as ckpt
-    from dit_train.model import build_model
+    from dit_train.runs import checkpoint as ckpt
+    from dit_train.model.dit import build_model
 
     mcfg = dict(name="t", image_size=8, in_channels=4, patch_size=2, hidden_size=16, depth=1, num_heads=2,
                 num_classes=10)

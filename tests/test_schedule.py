@@ -1,4 +1,4 @@
-"""The learning-rate schedule (dit_train/schedule.py) against values worked out by hand: linear warm-up to the
+"""The learning-rate schedule (dit_train/optim/schedule.py) against values worked out by hand: linear warm-up to the
 base lr over `warmup` steps (step s gets (s + 1) / warmup), then cosine / linear decay over the remaining steps to
 min_ratio at `total`, or constant."""
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dit_train.schedule import build_scheduler, lr_multiplier
+from dit_train.optim.schedule import build_scheduler, lr_multiplier
 
 TOTAL, WARMUP, MIN = 10, 2, 0.1  # decay over steps 2..10 (8 steps), to 0.1
 

@@ -110,8 +110,8 @@ def run_cases(rank, world, out_path, replicate=1):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from dit_train.optim.sharded_optimizer import ShardedMatrixOptimizer
-    from dit_train.parallel import ParallelPlan, fsdp_mesh
-    from dit_train.timing import PhaseTimer
+    from dit_train.parallel.fsdp import ParallelPlan, fsdp_mesh
+    from dit_train.telemetry.clocks import PhaseTimer
 
     mesh = fsdp_mesh(ParallelPlan(sharded=True, replicate=replicate), "cpu")
     placements = [Shard(0)] if replicate == 1 else [Replicate(), Shard(0)]

@@ -22,7 +22,7 @@ PERIODIC = [o for o in TINY if not o.startswith(("optimizer=", "train.sample_eve
 
 
 def train_jobs(rank, world, jobs):
-    from dit_train.train import run
+    from dit_train.trainer.loop import run
 
     for overrides in jobs:
         run(compose(overrides))
@@ -31,7 +31,7 @@ def train_jobs(rank, world, jobs):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("sharded_train")
-    from dit_train.train import run
+    from dit_train.trainer.loop import run
 
     single = root / "single"
     run(compose(PERIODIC + [f"run_dir={single}"]))
@@ -56,7 +56,7 @@ def test_resume_on_the_same_ranks_is_exact(runs):
     assert losses(resumed) == {k: v for k, v in losses(straight).items() if k > 2}
     # the periodic step counter came back with the momentum: step 3 is a RowNorm step, step 4 a refresh
     assert losses(resumed, "opt/refresh") == {3: 0.0, 4: 1.0}
-    from dit_train.checkpoint import read_tensors
+    from dit_train.runs.checkpoint import read_tensors
 
     a = read_tensors(str(straight / "checkpoints" / "step_00000004.dcp"), "optimizer")
     b = read_tensors(str(resumed / "checkpoints" / "step_00000004.dcp"), "optimizer")
@@ -94,13 +94,13 @@ def test_fsdp_group_of_one_equals_the_plain_single_process(tmp_path):
     reproduces the plain single process bit for bit, refresh and RowNorm steps alike."""
     from test_fsdp_checkpoint import TINY as ONE
 
-    from dit_train.train import run
+    from dit_train.trainer.loop import run
 
     base = [o for o in ONE if not o.startswith("optimizer=")] + ["optimizer=periodic_rowwise"]
     run(compose(base + [f"run_dir={tmp_path / 'plain'}"]))
     run(compose(base + [f"run_dir={tmp_path / 'fsdp'}", "parallel.fsdp=true"]))
     assert losses(tmp_path / "fsdp") == losses(tmp_path / "plain")
-    from dit_train.checkpoint import read_tensors
+    from dit_train.runs.checkpoint import read_tensors
 
     sharded = read_tensors(str(tmp_path / "fsdp" / "checkpoints" / "step_00000004.dcp"), "model")
     plain = read_tensors(str(tmp_path / "plain" / "checkpoints" / "step_00000004.dcp"), "model")

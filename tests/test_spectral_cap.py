@@ -139,7 +139,7 @@ def test_the_default_scale_is_spectral_from_hydra_and_from_python(name):
 
 
 def test_checkpoints_from_before_the_key_resume_under_the_papers_scale_only():
-    from dit_train.resume_policy import config_changes
+    from dit_train.runs.resume_policy import config_changes
 
     saved = {"optimizer": {"name": "rownorm", "lr": 0.002}}
     assert config_changes(saved, {"optimizer": {**saved["optimizer"], "rownorm_scale": "frobenius"}}) == []

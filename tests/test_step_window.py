@@ -1,4 +1,4 @@
-"""Logged timings are window means over every step (dit_train/step_window.py, docs/algorithms.md §7): they must not
+"""Logged timings are window means over every step (dit_train/telemetry/step_window.py, docs/algorithms.md §7): they must not
 alias with periodic_rowwise's refresh period (log_every 10 and K = 5 used to log RowNorm steps only)."""
 
 import json
@@ -7,9 +7,9 @@ import os
 import pytest
 
 from conftest import compose, needs_fashion
-from dit_train.step_window import StepWindow
-from dit_train.timing import StepTimes
-from dit_train.train import run
+from dit_train.telemetry.step_window import StepWindow
+from dit_train.telemetry.clocks import StepTimes
+from dit_train.trainer.loop import run
 
 
 def test_window_means_counts_and_per_kind_means():

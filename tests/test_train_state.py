@@ -7,9 +7,9 @@ import base64
 import pytest
 import torch
 
-from dit_train.checkpoint import CheckpointError
-from dit_train.ema import EMA
-from dit_train.train_state import CPU_STATE_BYTES, TrainState
+from dit_train.runs.checkpoint import CheckpointError
+from dit_train.diffusion.ema import EMA
+from dit_train.trainer.state import CPU_STATE_BYTES, TrainState
 
 
 def cpu_train_state() -> TrainState:

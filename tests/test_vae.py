@@ -1,10 +1,10 @@
-"""dit_train/vae.py's latent convention against diffusers' own (SD3 / Flux pipelines): latent = (z - shift) * scale
+"""dit_train/diffusion/vae.py's latent convention against diffusers' own (SD3 / Flux pipelines): latent = (z - shift) * scale
 to train on, z = latent / scale + shift to decode, with a VAE whose shift_factor is non-zero as SD3's and Flux's
 are (the tests' other VAEs have none, so a sign error in the shift would pass them)."""
 
 import torch
 
-from dit_train.vae import LatentCodec
+from dit_train.diffusion.vae import LatentCodec
 
 SCALE, SHIFT = 1.5, 0.6
 

@@ -10,10 +10,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import needs_fashion, stop_signal_during_step
-from dit_train.parallel import DistInfo
-from dit_train.preemption import Preempted
-from dit_train.train import Trainer
-from dit_train.wandb_run import RECORD, name_from_overrides, tags
+from dit_train.parallel.fsdp import DistInfo
+from dit_train.trainer.preemption import Preempted
+from dit_train.trainer.loop import Trainer
+from dit_train.telemetry.wandb_run import RECORD, name_from_overrides, tags
 
 
 @needs_fashion

@@ -11,8 +11,8 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import compose, gloo_group, needs_fashion, spawn_ranks
-from dit_train import weight_init
-from dit_train.model import build_model, sincos_pos_embed_2d
+from dit_train.model import init as weight_init
+from dit_train.model.dit import build_model, sincos_pos_embed_2d
 
 # every rule kind (qk-norm RMSNorm ones, cross-attention zeros, class and timestep N(0, 0.02)); hidden 48 over 3
 # ranks gives uneven shards of every matrix, 16 x 16-row patches give a position table of 4 rows
@@ -56,8 +56,8 @@ class LargestAllocation(torch.utils._python_dispatch.TorchDispatchMode):
 def build(cfg, world: int):
     """build_models as training calls it, recording the devices build_model was asked for and the largest tensor
     allocated."""
-    from dit_train import build as build_module
-    from dit_train.parallel import DistInfo, resolve_plan
+    from dit_train.trainer import build as build_module
+    from dit_train.parallel.fsdp import DistInfo, resolve_plan
 
     rank = torch.distributed.get_rank() if world > 1 else 0
     plan = resolve_plan(cfg.parallel, DistInfo(rank=rank, world_size=world))
@@ -116,8 +116,8 @@ def test_ema_starts_as_the_model_and_the_init_depends_on_the_seed(single):
     for name, value in reference.items():
         if name.startswith("model."):
             assert torch.equal(reference["ema." + name[len("model."):]], value), name
-    from dit_train.build import build_models
-    from dit_train.parallel import ParallelPlan
+    from dit_train.trainer.build import build_models
+    from dit_train.parallel.fsdp import ParallelPlan
 
     other, _ = build_models(compose(OVERRIDES[:-2] + ["seed=8"]), ParallelPlan(), torch.device("cpu"))
     w = "blocks.0.attn.qkv.weight"
@@ -174,10 +174,10 @@ def test_a_parameter_without_a_rule_is_refused():
 @needs_fashion
 def test_a_resume_or_a_fork_skips_the_init(tmp_path, monkeypatch):
     """Their checkpoint overwrites every weight: the seeded init is not computed for them (dit_15b: minutes)."""
-    from dit_train import checkpoint as ckpt
-    from dit_train.model import DiT
-    from dit_train.parallel import DistInfo
-    from dit_train.train import Trainer, run
+    from dit_train.runs import checkpoint as ckpt
+    from dit_train.model.dit import DiT
+    from dit_train.parallel.fsdp import DistInfo
+    from dit_train.trainer.loop import Trainer, run
 
     seeds, original = [], DiT.reset_parameters
     monkeypatch.setattr(DiT, "reset_parameters", lambda self, seed=None: (seeds.append(seed), original(self, seed))[1])
@@ -196,8 +196,8 @@ def test_a_resume_or_a_fork_skips_the_init(tmp_path, monkeypatch):
 
 
 def _fork_on_ranks(rank, world, port, source, out_dir, out_path):
-    from dit_train.parallel import DistInfo
-    from dit_train.train import Trainer
+    from dit_train.parallel.fsdp import DistInfo
+    from dit_train.trainer.loop import Trainer
 
     with gloo_group(rank, world, port):
         fork = Trainer(compose(TINY_RUN + [f"run_dir={out_dir}", f"train.init_from={source}"]),
@@ -213,8 +213,8 @@ def _fork_on_ranks(rank, world, port, source, out_dir, out_path):
 def test_a_fork_on_two_ranks_loads_each_shard_from_a_one_process_checkpoint(tmp_path, monkeypatch):
     """train.init_from under FSDP2: the DCP load reshards the single process's checkpoint, every rank reading its
     own rows, and the forked model and EMA equal the source's weights exactly."""
-    from dit_train import checkpoint as ckpt
-    from dit_train.train import run
+    from dit_train.runs import checkpoint as ckpt
+    from dit_train.trainer.loop import run
 
     run(compose(TINY_RUN + [f"run_dir={tmp_path / 'run'}"]))
     source = ckpt.resolve_checkpoint(str(tmp_path / "run"))

@@ -3,11 +3,11 @@
 (command_line.py). Every config error is a ConfigError whose one-line message reads `key=value is not valid: ...`.
 """
 
-from .command_line import check_command_line, check_group_overrides, remove_stray_hydra_dir
-from .errors import ConfigError
-from .files import CONF_DIR, group_options, load_option
-from .schema import DTYPE_NAMES
-from .validate import (check_data, check_eval, check_architecture, check_optimizer, check_parallel, plain,
+from dit_train.config.command_line import check_command_line, check_group_overrides, remove_stray_hydra_dir
+from dit_train.config.errors import ConfigError
+from dit_train.config.files import CONF_DIR, group_options, load_option
+from dit_train.config.schema import DTYPE_NAMES
+from dit_train.config.validate import (check_data, check_eval, check_architecture, check_optimizer, check_parallel, plain,
                        validate)
 
 __all__ = ["CONF_DIR", "DTYPE_NAMES", "ConfigError", "check_command_line", "check_data", "check_eval",

@@ -10,9 +10,9 @@ import os
 import shutil
 import sys
 
-from .errors import ConfigError
-from .files import CONF_DIR, group_options, is_group
-from .validate import validate
+from dit_train.config.errors import ConfigError
+from dit_train.config.files import CONF_DIR, group_options, is_group
+from dit_train.config.validate import validate
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
 
@@ -95,14 +95,14 @@ def check_command_line(argv: list[str], world_size: int | None = None) -> None:
         check_group_overrides(overrides)
         if any(f not in MULTIRUN_FLAGS for f in flags):
             return
-        from ..extras import check_extras, check_launcher
+        from dit_train.extras import check_extras, check_launcher
 
         check_launcher(overrides)  # a missing plugin first: it is needed with --multirun too
         check_slurm_needs_multirun(flags, overrides)
         for job in job_overrides(overrides):
             cfg = _compose_job(job)
             if cfg.train.get("resume") is not None or cfg.train.get("init_from") is not None:
-                from ..resume_config import continue_saved_config  # reads the checkpoint: only for resumes
+                from dit_train.runs.resume_config import continue_saved_config  # reads the checkpoint: only for resumes
 
                 cfg = continue_saved_config(cfg, job)
             validate(cfg, world_size)

@@ -9,7 +9,7 @@ import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any, Callable, Mapping
 
-from .errors import ConfigError, invalid
+from dit_train.config.errors import ConfigError, invalid
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,10 @@ from dataclasses import fields, is_dataclass
 
 from omegaconf import OmegaConf
 
-from .fields import accepted
-from .validate import optimizer_schemas
-from .files import CONF_DIR, option_files
-from .schema import (DATA_SCHEMAS, EvalConfig, FlowConfig, LoggerConfig, ModelConfig, ParallelConfig, RunConfig,
+from dit_train.config.fields import accepted
+from dit_train.config.files import CONF_DIR, option_files
+from dit_train.config.validate import optimizer_schemas
+from dit_train.config.schema import (DATA_SCHEMAS, EvalConfig, FlowConfig, LoggerConfig, ModelConfig, ParallelConfig, RunConfig,
                      TrainConfig, VaeConfig)
 
 KEY_LINE = re.compile(r"^(?P<indent> *)(?P<key>[A-Za-z_]\w*):(?P<rest>.*)$")

@@ -8,7 +8,7 @@ import json
 import math
 import os
 
-from .errors import ConfigError, invalid
+from dit_train.config.errors import ConfigError, invalid
 
 LATENTS_INFO = "latents_info.json"  # written by scripts/encode_latents.py at the root of the shards
 

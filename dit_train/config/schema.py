@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Union
 
-from .fields import choice, int_at_least, key, number
+from dit_train.config.fields import choice, int_at_least, key, number
 
 DTYPE_NAMES = ("bf16", "fp32", "fp64")  # the one spelling of a dtype in every config key
 T_SAMPLINGS = ("logit_normal", "uniform")
@@ -78,7 +78,7 @@ class LaunchConfig:
 
 @dataclass
 class Architecture:
-    """The DiT's own keys (dit_train.model.DiTConfig holds the same fields)."""
+    """The DiT's own keys (dit_train.model.dit.DiTConfig holds the same fields)."""
     image_size: int = int_at_least(1)
     in_channels: int = int_at_least(1)
     patch_size: int = int_at_least(1)
@@ -107,7 +107,7 @@ class EvalConfig:
     batch_size: int = int_at_least(1)
     sample_steps: int = int_at_least(1)
     cfg_scale: float = number("expected >= 0 (1 means no guidance)", lambda v: v >= 0)
-    encoder: str = key()  # checked against the encoder registry (dit_train/fd/features.py) in validate.py
+    encoder: str = key()  # checked against the encoder registry (dit_train/evaluation/fd/features.py) in validate.py
     encoder_path: Optional[str] = key()
     reference_split: str = choice("train", "val")
     reference_num: int = key()  # <= 0: the whole split

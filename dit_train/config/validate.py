@@ -9,12 +9,12 @@ from typing import Any, Mapping
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from .errors import ConfigError, invalid
-from .fields import check_fields
-from .files import group_options, load_option, primary_node
-from .schema import (DATA_SCHEMAS, Architecture, EvalConfig, FlowConfig, LoggerConfig, ModelConfig, ParallelConfig,
+from dit_train.config.errors import ConfigError, invalid
+from dit_train.config.fields import check_fields
+from dit_train.config.files import group_options, load_option, primary_node
+from dit_train.config.schema import (DATA_SCHEMAS, Architecture, EvalConfig, FlowConfig, LoggerConfig, ModelConfig, ParallelConfig,
                      RunConfig, TrainConfig, VaeConfig)
-from .latents import check_latent_run
+from dit_train.config.latents import check_latent_run
 
 
 def plain(node) -> dict:
@@ -45,7 +45,7 @@ def _with_yaml_defaults(group: str, name: str, values: dict) -> dict:
 # ---- one group each ------------------------------------------------------------------------------------------
 def optimizer_schemas() -> dict[str, type]:
     """Every registered optimizer's Config dataclass (optim/registry.py), by name."""
-    from ..optim.registry import OPTIMIZERS  # the optimizers import this module: read when called
+    from dit_train.optim.registry import OPTIMIZERS  # the optimizers import this module: read when called
 
     return {name: entry.config for name, entry in OPTIMIZERS.items()}
 
@@ -66,7 +66,7 @@ def check_data(node) -> dict:
 
 
 def check_architecture(values: Mapping) -> None:
-    """The DiT's keys, and what it needs of its shape (dit_train.model.DiT calls this for a DiTConfig built in
+    """The DiT's keys, and what it needs of its shape (dit_train.model.dit.DiT calls this for a DiTConfig built in
     code)."""
     check_fields("model", Architecture, values)
     if values["image_size"] % values["patch_size"]:
@@ -87,7 +87,7 @@ def check_eval(node) -> dict:
     """eval.*; missing keys come from conf/eval/default.yaml."""
     defaults = OmegaConf.to_container(load_option("eval", "default"), resolve=True)
     values = check_fields("eval", EvalConfig, {**defaults, **plain(node)})
-    from ..fd.features import available_extractors
+    from dit_train.evaluation.fd.features import available_extractors
 
     if values["encoder"] not in available_extractors():
         raise invalid("eval.encoder", values["encoder"], f"choose one of {', '.join(available_extractors())}")

@@ -8,12 +8,12 @@ import hashlib
 import torch
 from omegaconf import OmegaConf
 
-from ..config import check_data
-from ..config import ConfigError
-from .fashion_mnist import FashionMNIST
-from .image_folder import ImageFolder
-from .latents import LatentShards
-from .synthetic import Synthetic
+from dit_train.config import check_data
+from dit_train.config import ConfigError
+from dit_train.data.fashion_mnist import FashionMNIST
+from dit_train.data.image_folder import ImageFolder
+from dit_train.data.latents import LatentShards
+from dit_train.data.synthetic import Synthetic
 
 DATASETS = {
     "fashion_mnist": FashionMNIST,

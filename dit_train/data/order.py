@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, Sampler, default_collate, get_worker_info
 
-from .. import seeds
+from dit_train import seeds
 
 
 class StepBatchSampler(Sampler):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
-from .. import seeds
+from dit_train import seeds
 
 
 class Synthetic(Dataset):

@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .collectives import PhaseSwitch, ShardComm
-from .directions import DTYPES, WHOLE
-from .owner_exchange import send_to_owners
+from dit_train.optim.collectives import PhaseSwitch, ShardComm
+from dit_train.optim.directions import DTYPES, WHOLE
+from dit_train.optim.owner_exchange import send_to_owners
 
 
 @dataclass

@@ -55,7 +55,7 @@ def check_buildable(setting, device) -> None:
     line before the run folder is written (instead of an InductorError traceback at the first RowNorm step)."""
     if setting is not True or torch.device(device).type != "cpu" or cpp_compiler() is not None:
         return
-    from ..config.errors import ConfigError
+    from dit_train.config.errors import ConfigError
 
     raise ConfigError("optimizer.compile_rownorm=true on CPU needs a C++ compiler for torch.compile's kernels, and "
                       "none is on PATH ($CXX, g++, c++ or clang++): install one, or use optimizer.compile_rownorm=auto "

@@ -36,11 +36,11 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.adam import adam as _adam_functional
 
-from .directions import NS5, Direction, RowNorm, dtype_name
-from .directions.rownorm import ROW_SUMSQ
-from .hooks import TrainerHooks
-from .fused_rownorm import momentum_pass, resolve_compile_rownorm, update_pass
-from .spectral_cap import cap_factors, whole_matrix_problem
+from dit_train.optim.directions import NS5, Direction, RowNorm, dtype_name
+from dit_train.optim.directions.rownorm import ROW_SUMSQ
+from dit_train.optim.hooks import TrainerHooks
+from dit_train.optim.fused_rownorm import momentum_pass, resolve_compile_rownorm, update_pass
+from dit_train.optim.spectral_cap import cap_factors, whole_matrix_problem
 
 SCALE_RULES = ("moonlight", "keller", "none")
 KINDS = ("matrix", "adamw")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-from ..config.fields import choice, int_at_least, key, number
+from dit_train.config.fields import choice, int_at_least, key, number
 
 _PATTERNS = "a list of dotted name patterns, e.g. ['final_layer.linear', 'blocks.*.attn.qkv']"
 

@@ -34,8 +34,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .collectives import PhaseSwitch, ShardComm
-from .directions import ns5_flops
+from dit_train.optim.collectives import PhaseSwitch, ShardComm
+from dit_train.optim.directions import ns5_flops
 
 Compute = Callable[[tuple, Tensor], Tensor]
 IN_FLIGHT = 4  # inbound exchanges issued ahead of the one being computed

@@ -23,12 +23,12 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from ..config import check_optimizer
-from .directions import MUD, NS5, Direction, RowNorm
-from .matrix_optimizer import MatrixOptimizer
-from .optimizer_config import AdamWConfig, MatrixConfig, PeriodicConfig
-from .routing import Routing, format_routing_table, route_parameters
-from .sharded_optimizer import ShardedMatrixOptimizer
+from dit_train.config import check_optimizer
+from dit_train.optim.directions import MUD, NS5, Direction, RowNorm
+from dit_train.optim.matrix_optimizer import MatrixOptimizer
+from dit_train.optim.optimizer_config import AdamWConfig, MatrixConfig, PeriodicConfig
+from dit_train.optim.routing import Routing, format_routing_table, route_parameters
+from dit_train.optim.sharded_optimizer import ShardedMatrixOptimizer
 
 # keys of the sharded implementation only (a single process ignores them)
 PLACEMENT_KEYS = ("distributed_mode", "gather_dtype", "bucket_mb", "overlap_exchange")

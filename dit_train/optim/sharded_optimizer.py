@@ -44,13 +44,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .backward_overlap import BackwardExchange, prefetched_directions
-from .collectives import PhaseSwitch, ShardComm, shard_rows
-from .directions import DTYPES, LOCAL, MUD, REDUCE, WHOLE, RowNorm, inv_norms_from_sumsq, row_sumsq, take_row_sumsq
-from .matrix_optimizer import MatrixOptimizer
-from .spectral_cap import cap_factors, spectral_cap, start_vectors
-from .owner_exchange import owner_directions, plan_exchanges
-from .whole_matrix_exchange import gather_directions, plan_buckets
+from dit_train.optim.backward_overlap import BackwardExchange, prefetched_directions
+from dit_train.optim.collectives import PhaseSwitch, ShardComm, shard_rows
+from dit_train.optim.directions import DTYPES, LOCAL, MUD, REDUCE, WHOLE, RowNorm, inv_norms_from_sumsq, row_sumsq, take_row_sumsq
+from dit_train.optim.matrix_optimizer import MatrixOptimizer
+from dit_train.optim.spectral_cap import cap_factors, spectral_cap, start_vectors
+from dit_train.optim.owner_exchange import owner_directions, plan_exchanges
+from dit_train.optim.whole_matrix_exchange import gather_directions, plan_buckets
 
 def _reducer(gram_lower_triangle: bool, comm: ShardComm, phases: PhaseSwitch):
     """The `reduce=` hook for directions computed on tall shards: a blocking all-reduce of the per-shard sums.
@@ -77,7 +77,7 @@ def _dtensor_group(p):
     same update). A clear error for any other layout."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from ..parallel import shard_group
+    from dit_train.parallel.fsdp import shard_group
 
     if not isinstance(p, DTensor):
         raise TypeError(f"ShardedMatrixOptimizer: a matrix parameter of shape {tuple(p.shape)} is a "

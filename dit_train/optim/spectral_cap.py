@@ -32,7 +32,7 @@ from typing import Callable, Generator
 import torch
 from torch import Tensor
 
-from ..matmul_precision import ieee_fp32_matmuls
+from dit_train.parallel.matmul_precision import ieee_fp32_matmuls
 
 ROUNDS = 3  # R^T matvecs per matrix (and ROUNDS - 1 R matvecs); 3 = Rayleigh quotient at G^2 x_0
 

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .collectives import PhaseSwitch, ShardComm
+from dit_train.optim.collectives import PhaseSwitch, ShardComm
 
 Compute = Callable[[tuple, Tensor], Tensor]
 

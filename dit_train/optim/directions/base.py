@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from .linalg import Reduce
+from dit_train.optim.directions.linalg import Reduce
 
 # where the direction of a matrix held as dim-0 shards is computed (optim/sharded_optimizer.py, docs/algorithms.md §6)
 LOCAL, REDUCE, WHOLE = "local", "reduce", "whole"

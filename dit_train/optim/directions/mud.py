@@ -7,10 +7,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...config.fields import choice, int_at_least
-from ...matmul_precision import ieee_fp32_matmuls
-from .base import REDUCE, WHOLE, Direction
-from .linalg import Reduce, batched, buffer, check_matrix, gram, is_tall, left, reduced, row_sumsq_of
+from dit_train.config.fields import choice, int_at_least
+from dit_train.parallel.matmul_precision import ieee_fp32_matmuls
+from dit_train.optim.directions.base import REDUCE, WHOLE, Direction
+from dit_train.optim.directions.linalg import Reduce, batched, buffer, check_matrix, gram, is_tall, left, reduced, row_sumsq_of
 
 
 @dataclass

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...config.fields import choice
-from .base import LOCAL, REDUCE, Direction
-from .linalg import Reduce, check_matrix, is_tall, row_sumsq_of
+from dit_train.config.fields import choice
+from dit_train.optim.directions.base import LOCAL, REDUCE, Direction
+from dit_train.optim.directions.linalg import Reduce, check_matrix, is_tall, row_sumsq_of
 
 # The bucket-workspace key under which a fused momentum pass (fused_rownorm.py) leaves U's unreduced row sums of
 # squares for this step's RowNorm direction, which takes them instead of reading U again.

@@ -1,0 +1,556 @@
+#!/usr/bin/env python
+"""A first-principles cost model of one training step (docs/cost_model.md): forward + backward, FSDP2's
+collectives and the optimizer's phases, per preset x optimizer (K, RowNorm scale, distributed mode) x world size x
+hardware profile. Every input comes from the real code: parameter shapes and FLOPs from the model built on the meta
+device (model_flops), FSDP2 bytes from comm_volume.fsdp_volumes, the optimizer's exchanges from its own planners
+(owner_exchange.plan_exchanges, collectives.shard_rows) under its own byte-counting rules (collectives.py), and the
+whole-matrix stage's schedule from the discrete-event model of scripts/model_owner_schedule.py.
+
+    PYTHONPATH=$PWD python benchmarks/cost_model.py --paper [--hardware h100|h200]         # the paper's table
+    PYTHONPATH=$PWD python benchmarks/cost_model.py --measure-host [--save benchmarks/host_profile.json]
+    PYTHONPATH=$PWD python benchmarks/cost_model.py --calibrate --bench-optimizer LOG --bench-distributed LOG
+
+What it assumes (each a field of `Hardware`, stated in the profile):
+- forward + backward run at `mfu` of the dense bf16 peak; FSDP2 prefetches the next block's all-gather and runs
+  the reduce-scatter behind the next block's backward, so only the first block's all-gather and whatever
+  communication exceeds the compute are exposed;
+- NS5 runs at `ns5_of_peak` of the peak on the flops the automatic form executes (directions.ns5_executed_flops),
+  plus `launch_s` per batched call; elementwise phases (momentum, update, AdamW, RowNorm's power iteration) move
+  the bytes per element of `ELEMENT_BYTES` at `memory_efficiency` of the memory bandwidth;
+- a collective takes `latency_s` plus its bytes at `link_efficiency` of the slowest link it crosses (NVLink
+  inside a node, InfiniBand between nodes); a ring all-reduce moves 2 (W - 1) / W of its tensor;
+- the optimizer step follows backward (optimizer.overlap_exchange is off by default): nothing of it overlaps the
+  forward/backward; inside it, the whole-matrix stage overlaps exchanges with NS5 as its schedule allows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
+
+from dit_train.parallel.comm_volume import fsdp_volumes
+from dit_train.optim.collectives import shard_rows
+from dit_train.optim.directions import ns5_executed_flops
+from dit_train.optim.owner_exchange import plan_exchanges
+from scripts.model_owner_schedule import Net, gather_schedule, owner_schedule, simulate
+
+PAPER_PRESETS = ("dit_1b3", "dit_4b", "dit_9b", "dit_15b")
+PAPER_WORLDS = (8, 16, 32)
+PAPER_GLOBAL_BATCH = 1024  # experiment=scaling_study's global batch
+HOST_PROFILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_profile.json")
+ADAMW_BYTES = 28  # fused AdamW: p, g, m, v read, p, m, v written, fp32
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    matmul_flops: float  # dense bf16 peak per device (data sheet), or the GEMM rate measured here (CPU)
+    mfu: float  # assumed share of matmul_flops that forward + backward reach
+    ns5_of_peak: float  # share of matmul_flops NS5's batched GEMMs reach (CPU: 1, the rate is measured at GEMMs)
+    memory_bytes_s: float  # HBM (data sheet), or fused AdamW's streaming rate measured here (CPU)
+    memory_efficiency: float
+    intra_bytes_s: float  # per device and direction inside a node (NVLink; CPU: gloo between processes)
+    inter_bytes_s: float  # per device and direction between nodes (InfiniBand)
+    link_efficiency: float
+    devices_per_node: int
+    latency_s: float  # fixed cost of one collective
+    launch_s: float  # fixed cost of one batched NS5 call
+    rownorm_kernels: str  # "eager": torch ops (CUDA's path); "native": the C loops (compile_rownorm auto on CPU)
+    ns5_rates: tuple = ()  # measured ((r, flop/s), ...) of NS5's GEMMs by the matrix's short side (CPU); else peak
+
+    def ns5_rate(self, r: int) -> float:
+        """flop/s of NS5 on matrices of short side r: the measured rate of the nearest measured r at or below it
+        (small GEMMs run slower), else the assumed share of the peak."""
+        if not self.ns5_rates:
+            return self.matmul_flops * self.ns5_of_peak
+        below = [rate for side, rate in self.ns5_rates if side <= r]
+        return below[-1] if below else self.ns5_rates[0][1]
+
+    def link(self, world: int) -> float:
+        """Bytes/s of a collective over `world` consecutive ranks: NVLink inside one node, else InfiniBand."""
+        raw = self.intra_bytes_s if world <= self.devices_per_node else self.inter_bytes_s
+        return raw * self.link_efficiency
+
+    def net(self) -> Net:
+        return Net(self.inter_bytes_s * self.link_efficiency, self.intra_bytes_s * self.link_efficiency,
+                   self.devices_per_node, self.latency_s)
+
+
+# Data sheets: H100 SXM5 989.4 TFLOP/s dense bf16, 3.35 TB/s HBM3; H200 SXM 989.4, 4.8 TB/s HBM3e; both NVLink 4
+# (900 GB/s both ways = 450 per direction) and one 400 Gbit/s NDR InfiniBand port per GPU (50 GB/s). The
+# efficiencies are assumptions until the GPU check measures them (scripts/gpu_check.sh prints this model beside
+# its measurements): MFU 0.40, NS5 at 0.5 of peak (batched bf16 bmm of 1.5k-4k matrices), 0.8 of HBM for
+# streaming elementwise kernels, 0.8 of the links for NCCL rings (bus bandwidth), 30 us per collective and per
+# batched NS5 call.
+_GPU = dict(mfu=0.40, ns5_of_peak=0.5, memory_efficiency=0.8, intra_bytes_s=450e9, inter_bytes_s=50e9,
+            link_efficiency=0.8, devices_per_node=8, latency_s=30e-6, launch_s=30e-6, rownorm_kernels="eager")
+PROFILES = {"h100": Hardware("H100 SXM", 989.4e12, memory_bytes_s=3.35e12, **_GPU),
+            "h200": Hardware("H200 SXM", 989.4e12, memory_bytes_s=4.8e12, **_GPU)}
+
+
+def gpu_profile(device_name: str) -> Hardware | None:
+    """The profile of a CUDA device by its name (H200 before H100: 'NVIDIA H200' names neither twice)."""
+    for key in ("h200", "h100"):
+        if key in device_name.lower():
+            return PROFILES[key]
+    return None
+
+
+# Bytes per matrix element of the elementwise passes of one step (fp32 parameters, every read or write of a
+# tensor counted once; docs/bench_optimizer.md, "The memory-traffic floor"):
+# - refresh (NS5) step: momentum lerp 12 (G, M in; M out), the bf16 NS5 input stacked 10 (G, M in; U out),
+#   weight decay 8, update 10 (W, bf16 D in; W out);
+# - RowNorm step, torch ops: lerp 12, U formed 12, its row sums 4, decay 8, addcmul 12 = 48; the spectral scale's
+#   5 power-iteration products read U 5 times: + 20;
+# - RowNorm step, C loops: frobenius in one pass 20 (wide: G, M, W read once, W, M written) or two pipelined
+#   passes 28 (tall); spectral: momentum 16 (G, M in; M, U out), the power iteration's reads of U 8 (wide) or
+#   12 (tall), update 12 (W, U in; W out).
+ELEMENT_BYTES = {("refresh", "eager"): (40, 40), ("refresh", "native"): (40, 40),
+                 ("frobenius", "eager"): (48, 48), ("spectral", "eager"): (68, 68),
+                 ("frobenius", "native"): (20, 28), ("spectral", "native"): (36, 40)}  # (wide, tall)
+
+
+@dataclass(frozen=True)
+class Shapes:
+    matrices: tuple  # ((m, n), count) of the matrix-routed parameters, in the optimizer's stacking order
+    rest: int  # elements on AdamW
+    params: int
+    blocks: tuple  # elements per FSDP unit (block)
+    flops_per_image: int  # forward + backward (model_flops)
+
+
+@lru_cache(maxsize=None)
+def model_shapes(preset: str, hidden_size: int | None = None, depth: int | None = None,
+                 num_heads: int | None = None) -> Shapes:
+    """The preset built on the meta device, routed as the optimizers route it, and its FLOPs counted."""
+    from dit_train.model.dit import load_preset
+
+    return shapes_of(load_preset(preset, hidden_size, depth, num_heads))
+
+
+def shapes_of(cfg) -> Shapes:
+    """Shapes of the model a Hydra `model` node builds (on the meta device)."""
+    from dit_train.model.dit import build_model
+    from dit_train.model.flops import training_flops_per_image
+    from dit_train.optim.routing import route_parameters
+
+    model = build_model(cfg, device="meta")
+    routing = route_parameters(model)
+    groups: dict = {}
+    for _, p in routing.matrix:
+        groups[tuple(p.shape)] = groups.get(tuple(p.shape), 0) + 1
+    return Shapes(tuple(groups.items()), sum(p.numel() for _, p in routing.adamw),
+                  sum(p.numel() for p in model.parameters()),
+                  tuple(sum(p.numel() for p in b.parameters()) for b in model.blocks), training_flops_per_image(cfg))
+
+
+@dataclass(frozen=True)
+class Optim:
+    name: str  # adamw | muon | periodic_rowwise | rownorm
+    K: int = 1
+    scale: str = "spectral"  # rownorm_scale
+    mode: str = "owner"  # distributed_mode
+
+    def steps(self) -> list[str]:
+        """The step kinds of one cycle: 'adamw', 'refresh' (NS5) or 'rownorm'."""
+        return {"adamw": ["adamw"], "muon": ["refresh"], "rownorm": ["rownorm"],
+                "periodic_rowwise": ["refresh"] + ["rownorm"] * (self.K - 1)}[self.name]
+
+    def label(self) -> str:
+        if self.name == "periodic_rowwise":
+            return f"periodic_rowwise K={self.K} {self.scale} {self.mode}"
+        return self.name + (f" {self.mode}" if self.name == "muon" else "")
+
+
+# ---- logical bytes: the sharded optimizer's counting rules (collectives.py) ----------------------------------
+def rank_bytes(shapes: Shapes, step: str, scale: str, mode: str, world: int, rank: int) -> dict[str, int]:
+    """Bytes `rank` of `world` sends per collective in one optimizer step of kind `step`, as ShardComm counts
+    them: an all-reduce its tensor, an all-gather (W - 1) x its input, an all-to-all what goes to other ranks."""
+    if world == 1 or step == "adamw":
+        return {}
+    mats = [s for s, c in shapes.matrices for _ in range(c)]
+    if step == "rownorm":
+        tall = [n for m, n in mats if m > n]
+        total = 4 * sum(tall)  # one fp32 sum of squares per column; wide rows are local
+        if scale == "spectral":  # 3 power-iteration rounds: rows split (wide) 3 x c + |x|^2, columns split 2 x r + 1
+            total += sum(4 * (3 * n + 1) for m, n in mats if m <= n) + sum(4 * (2 * n + 1) for n in tall)
+        return {"all_reduce": total}
+    if mode == "gather":  # (W - 1) padded bf16 shards of every matrix
+        return {"all_gather": sum((world - 1) * -(-m // world) * n * 2 for m, n in mats)}
+    sent = 0
+    groups = {s: (s, c) for s, c in shapes.matrices}
+    for ex in plan_exchanges(groups, world):  # my rows of others' matrices out, the others' rows of mine back
+        (m, n), mine = ex.key, shard_rows(ex.key[0], world)[rank][1]
+        owned = ex.counts[rank]
+        sent += owned * (m - mine) * n * 2 + (ex.size - owned) * mine * n * 2
+    return {"all_to_all": sent}
+
+
+def mean_bytes(shapes: Shapes, step: str, scale: str, mode: str, world: int) -> float:
+    """Per-rank logical optimizer bytes of one step, the mean over ranks (what bench_distributed reports)."""
+    return sum(sum(rank_bytes(shapes, step, scale, mode, world, r).values()) for r in range(world)) / world
+
+
+# ---- time ------------------------------------------------------------------------------------------------------
+def ns5_seconds(hw: Hardware):
+    return lambda s, c: c * ns5_executed_flops(*s) / hw.ns5_rate(min(s)) + hw.launch_s if c else 0.0
+
+
+def all_reduce_seconds(hw: Hardware, nbytes: float, world: int) -> float:
+    return hw.latency_s + 2 * (world - 1) / world * nbytes / hw.link(world)
+
+
+def optimizer_step(shapes: Shapes, step: str, opt: Optim, hw: Hardware, world: int) -> dict[str, float]:
+    """Seconds of one optimizer step of kind `step` on the busiest rank: 'elementwise' (momentum, update,
+    AdamW, power iteration: memory-bound) and 'direction' (NS5 with its exchange, or RowNorm's all-reduces)."""
+    rate = hw.memory_bytes_s * hw.memory_efficiency
+    rest = -(-shapes.rest // world) * ADAMW_BYTES
+    if step == "adamw":
+        total = sum(m * n * c for (m, n), c in shapes.matrices) * ADAMW_BYTES / world
+        return {"elementwise": (total + rest) / rate, "direction": 0.0}
+    key = "refresh" if step == "refresh" else opt.scale
+    wide, tall = ELEMENT_BYTES[(key, hw.rownorm_kernels)]
+    moved = sum(c * shard_rows(m, world)[0][1] * n * (tall if m > n else wide) for (m, n), c in shapes.matrices)
+    out = {"elementwise": (moved + rest) / rate}
+    if step == "refresh":
+        groups = dict(shapes.matrices)
+        if world == 1:
+            out["direction"] = sum(ns5_seconds(hw)(s, c) for s, c in groups.items())
+        else:
+            schedule = owner_schedule if opt.mode == "owner" else gather_schedule
+            extra = () if opt.mode == "owner" else (16.0,)  # gather mode's bucket_mb default
+            out["direction"] = simulate(schedule(groups, world, hw.net(), ns5_seconds(hw), *extra))[0]
+    else:
+        # on shards: the tall column sums in one all-reduce, then the spectral scale's 3 rounds
+        tall = any(m > n for (m, n), _ in shapes.matrices)
+        rounds = 0 if world == 1 else int(tall) + 3 * (opt.scale == "spectral")
+        nbytes = sum(rank_bytes(shapes, "rownorm", opt.scale, opt.mode, world, 0).values())
+        out["direction"] = rounds * all_reduce_seconds(hw, nbytes / rounds, world) if rounds else 0.0
+    return out
+
+
+def forward_backward(shapes: Shapes, hw: Hardware, world: int, images_per_rank: int,
+                     reduce_bytes: int = 4) -> dict[str, float]:
+    """Compute at the assumed MFU, and the exposed part of FSDP2's collectives (plain FSDP over `world`)."""
+    compute = shapes.flops_per_image * images_per_rank / (hw.matmul_flops * hw.mfu)
+    if world == 1:
+        return {"compute": compute, "fsdp": 0.0, "fsdp_exposed": 0.0}
+    v = fsdp_volumes(shapes.params, list(shapes.blocks), world, 1, reduce_bytes, True)
+    calls = 3 * len(shapes.blocks)  # per block: all-gather forward, all-gather backward, reduce-scatter
+    comm = v["fsdp_total"] / hw.link(world) + calls * hw.latency_s
+    first = hw.latency_s + (world - 1) / world * shapes.blocks[0] * 2 / hw.link(world)
+    return {"compute": compute, "fsdp": comm, "fsdp_exposed": first + max(0.0, comm - compute)}
+
+
+def predict(shapes: Shapes, opt: Optim, hw: Hardware, world: int, images_per_rank: int = 0) -> dict:
+    """Per-step averages over one cycle of `opt` (K steps for periodic_rowwise): optimizer seconds, its phases,
+    logical bytes per rank, and with images_per_rank the whole step's seconds."""
+    kinds = opt.steps()
+    per = {k: optimizer_step(shapes, k, opt, hw, world) for k in set(kinds)}
+    out = {"optimizer": sum(sum(per[k].values()) for k in kinds) / len(kinds),
+           "elementwise": sum(per[k]["elementwise"] for k in kinds) / len(kinds),
+           "direction": sum(per[k]["direction"] for k in kinds) / len(kinds),
+           "bytes": sum(mean_bytes(shapes, k, opt.scale, opt.mode, world) for k in kinds) / len(kinds),
+           "steps": {k: sum(v.values()) for k, v in per.items()}}
+    if images_per_rank:
+        fb = forward_backward(shapes, hw, world, images_per_rank)
+        out.update(fb, step=fb["compute"] + fb["fsdp_exposed"] + out["optimizer"])
+    return out
+
+
+def describe_prediction(model_cfg, optimizer_cfg, world: int, images_per_rank: int, device_name: str,
+                        network: bool = True) -> str:
+    """One line for the GPU check: this model's step time for the configuration on the device's profile;
+    network=False for a rank whose peers are a fake process group (collectives free: only the compute and memory
+    of one rank of `world`)."""
+    hw = gpu_profile(device_name)
+    if hw is None:
+        return f"no cost-model profile for {device_name}"
+    if not network:
+        hw = replace(hw, intra_bytes_s=float("inf"), inter_bytes_s=float("inf"), latency_s=0.0)
+    opt = Optim(optimizer_cfg.get("name", "muon"), int(optimizer_cfg.get("K", 1) or 1),
+                optimizer_cfg.get("rownorm_scale", "spectral"), optimizer_cfg.get("distributed_mode", "owner"))
+    p = predict(shapes_of(model_cfg), opt, hw, world, images_per_rank)
+    return (f"cost model ({hw.name}, MFU {hw.mfu:g}): step {p['step'] * 1e3:.0f} ms = fwd+bwd "
+            f"{p['compute'] * 1e3:.0f} + FSDP exposed {p['fsdp_exposed'] * 1e3:.0f} + optimizer "
+            f"{p['optimizer'] * 1e3:.0f} (cycle mean)")
+
+
+# ---- this host as a hardware profile ---------------------------------------------------------------------------
+def _median_seconds(fn, repeats: int = 5) -> float:
+    import statistics
+    import time
+
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+NS5_SIDES = (128, 256, 512, 1024)  # short sides at which the host's NS5 GEMM rate is measured
+
+
+def measure_compute(threads: int) -> dict:
+    """bf16 GEMM rates by short side r (the plain NS5 iteration's three bmm's on 8 x r x 4r) and the streaming
+    rate of torch's fused AdamW (28 B per element over 32M fp32 elements, far beyond the caches), `threads`
+    threads."""
+    import torch
+
+    torch.set_num_threads(threads)
+    rates = []
+    for r in NS5_SIDES:
+        B, c = 8, 4 * r
+        X, A = torch.randn(B, r, c).bfloat16(), torch.randn(B, r, r).bfloat16()
+        seconds = _median_seconds(lambda: (torch.bmm(X, X.mT), torch.bmm(A, A), torch.bmm(A, X)))
+        rates.append([r, B * (4 * r * r * c + 2 * r ** 3) / seconds])
+    params = [torch.zeros(4 << 20, requires_grad=True) for _ in range(8)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    adamw = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    stream = _median_seconds(adamw.step)
+    return {"gemm_flops": max(rate for _, rate in rates), "ns5_rates": rates,
+            "memory_bytes_s": ADAMW_BYTES * sum(p.numel() for p in params) / stream}
+
+
+def _gloo_rank(rank: int, world: int, port: int, queue) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    try:
+        inp = torch.zeros(4 << 20)  # 16 MB per rank
+        out = torch.empty(world * inp.numel())
+        tiny = torch.zeros(1)
+        gather = _median_seconds(lambda: (dist.barrier(), dist.all_gather_into_tensor(out, inp)))
+        barrier = _median_seconds(dist.barrier)
+        latency = _median_seconds(lambda: (dist.all_reduce(tiny), dist.barrier())) - barrier
+        if rank == 0:
+            sent = (world - 1) * inp.numel() * 4  # what one rank sends (collectives.py's all-gather count)
+            queue.put({"link_bytes_s": sent / max(gather - barrier - latency, 1e-9), "latency_s": max(latency, 0.0)})
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_gloo(world: int) -> dict:
+    """gloo between `world` processes on this host: the bytes/s one rank sends in an all-gather, and the fixed
+    cost of a collective (a 4-byte all-reduce)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    mp.start_processes(_gloo_rank, args=(world, port, queue), nprocs=world, start_method="spawn")
+    return queue.get(timeout=10)
+
+
+def measure_host(worlds=(2, 4)) -> dict:
+    cores = os.cpu_count() or 1
+    threads = sorted({1, cores})
+    return {"cores": cores, "compute": {str(t): measure_compute(t) for t in threads},
+            "gloo": {str(w): measure_gloo(w) for w in worlds}, "load_average": list(os.getloadavg())}
+
+
+def host_profile(measured: dict, processes: int = 1) -> Hardware:
+    """This host as the profile of one of `processes` processes sharing its cores, each with the benchmarks'
+    cores // processes threads (at least one): rates of that thread count, times the share of the cores a
+    process gets when there are more threads than cores."""
+    cores = measured["cores"]
+    threads = max(1, cores // processes)
+    share = min(1.0, cores / (processes * threads))
+    rates = measured["compute"][str(threads)]
+    gloo = measured["gloo"].get(str(processes), {"link_bytes_s": float("inf"), "latency_s": 0.0})
+    return Hardware(f"this host ({processes} process(es) x {threads} thread(s))", rates["gemm_flops"] * share,
+                    mfu=1.0, ns5_of_peak=1.0, memory_bytes_s=rates["memory_bytes_s"] * share, memory_efficiency=1.0,
+                    intra_bytes_s=gloo["link_bytes_s"], inter_bytes_s=gloo["link_bytes_s"], link_efficiency=1.0,
+                    devices_per_node=max(processes, 1), latency_s=gloo["latency_s"], launch_s=0.0,
+                    rownorm_kernels="native", ns5_rates=tuple((r, f * share) for r, f in rates["ns5_rates"]))
+
+
+# ---- calibration against the CPU benchmarks' logs ---------------------------------------------------------------
+# bench_optimizer's row -> (optimizer, step kind or None for the cycle average, RowNorm kernels)
+BENCH_OPTIMIZER_ROWS = {
+    "adamw": (Optim("adamw"), None, "native"),
+    "muon": (Optim("muon"), None, "native"),
+    "rownorm": (Optim("rownorm"), None, "native"),
+    "periodic_rowwise non-refresh step, rownorm_scale=frobenius, compile_rownorm":
+        (Optim("periodic_rowwise", 3, "frobenius"), "rownorm", "native"),
+    "periodic_rowwise non-refresh step, rownorm_scale=spectral, compile_rownorm":
+        (Optim("periodic_rowwise", 3, "spectral"), "rownorm", "native"),
+    "periodic_rowwise non-refresh step, rownorm_scale=spectral, eager":
+        (Optim("periodic_rowwise", 3, "spectral"), "rownorm", "eager"),
+    "periodic_rowwise K=3 average, rownorm_scale=spectral, compile_rownorm":
+        (Optim("periodic_rowwise", 3, "spectral"), None, "native"),
+}
+BENCH_DISTRIBUTED_ROWS = {
+    "adamw": Optim("adamw"), "muon-gather": Optim("muon", mode="gather"), "muon-owner": Optim("muon"),
+    "periodic_rowwise K=3 gather": Optim("periodic_rowwise", 3, mode="gather"),
+    "periodic_rowwise K=3 owner": Optim("periodic_rowwise", 3), "rownorm": Optim("rownorm"),
+}
+_ROW = re.compile(r"^\| ([^|]+?) \| ([0-9.]+) \|(.*)$")
+
+
+def _model_of(line: str) -> tuple[str, int, int]:
+    m = re.search(r"(dit_\w+) width (\d+) depth (\d+)", line)
+    if not m:
+        raise ValueError(f"no 'PRESET width W depth D' in: {line.strip()}")
+    return m.group(1), int(m.group(2)), int(m.group(3))
+
+
+def parse_bench_optimizer(text: str) -> tuple[tuple, dict[str, float]]:
+    """((preset, width, depth), {row: median seconds}) from bench_optimizer's output."""
+    model = _model_of(next(line for line in text.splitlines() if line.startswith("# optimizer step benchmark")))
+    rows = {}
+    for line in text.splitlines():
+        m = _ROW.match(line)
+        if m and m.group(1) in BENCH_OPTIMIZER_ROWS:
+            rows[m.group(1)] = float(m.group(2)) / 1e3
+    return model, rows
+
+
+def parse_bench_distributed(text: str) -> dict[int, tuple[tuple, dict[str, tuple[float, float]]]]:
+    """{processes: ((preset, width, depth), {row: (median seconds, mean MB per rank)})} from bench_distributed."""
+    out: dict = {}
+    current = None
+    for line in text.splitlines():
+        head = re.match(r"^### (\d+) process", line)
+        if head:
+            current = int(head.group(1))
+            out[current] = (_model_of(line), {})
+            continue
+        m = _ROW.match(line)
+        if current and m and m.group(1) in BENCH_DISTRIBUTED_ROWS:
+            cols = [c.strip() for c in m.group(3).split("|")]
+            out[current][1][m.group(1)] = (float(m.group(2)) / 1e3, float(cols[3]) * 2**20)
+    return out
+
+
+def calibration_rows(measured: dict, optimizer_log: str | None, distributed_log: str | None) -> list[tuple]:
+    """(benchmark, processes, row, predicted s, measured s) and, for bench_distributed, bytes rows."""
+    rows = []
+    if optimizer_log:
+        (preset, width, depth), times = parse_bench_optimizer(optimizer_log)
+        shapes = model_shapes(preset, width, depth)
+        for label, seconds in times.items():
+            opt, step, kernels = BENCH_OPTIMIZER_ROWS[label]
+            hw = replace(host_profile(measured, 1), rownorm_kernels=kernels)
+            p = predict(shapes, opt, hw, 1)
+            rows.append(("bench_optimizer", 1, label, p["steps"][step] if step else p["optimizer"], seconds, "s"))
+    if distributed_log:
+        for procs, ((preset, width, depth), found) in parse_bench_distributed(distributed_log).items():
+            shapes = model_shapes(preset, width, depth)
+            hw = host_profile(measured, procs)
+            for label, (seconds, nbytes) in found.items():
+                p = predict(shapes, BENCH_DISTRIBUTED_ROWS[label], hw, procs)
+                rows.append(("bench_distributed", procs, label, p["optimizer"], seconds, "s"))
+                if nbytes:
+                    rows.append(("bench_distributed", procs, label + " (MB/step/rank)", p["bytes"], nbytes, "B"))
+    return rows
+
+
+def calibration_table(rows: list[tuple]) -> str:
+    lines = ["| benchmark | processes | line | predicted | measured | predicted / measured |",
+             "| --- | ---: | --- | ---: | ---: | ---: |"]
+    for bench, procs, label, pred, meas, unit in rows:
+        f = (lambda v: f"{v * 1e3:.1f} ms") if unit == "s" else (lambda v: f"{v / 2**20:.2f} MB")
+        lines.append(f"| {bench} | {procs} | {label} | {f(pred)} | {f(meas)} | {pred / meas:.2f} |")
+    timed = [pred / meas for *_, pred, meas, unit in rows if unit == "s"]
+    inside = sum(0.75 <= r <= 1.25 for r in timed)
+    lines.append(f"\n{inside} of {len(timed)} time lines within +-25% (predicted / measured "
+                 f"{min(timed):.2f}-{max(timed):.2f})" if timed else "")
+    return "\n".join(lines)
+
+
+# ---- the paper's table ---------------------------------------------------------------------------------------
+PAPER_HEADLINE = {"optimizer": (-54.3, -46.9), "step": (-24.3, -15.7), "bytes": (-66.7, -66.7)}
+
+
+def paper_table(hw: Hardware, presets=PAPER_PRESETS, worlds=PAPER_WORLDS, mode: str = "gather") -> str:
+    """periodic_rowwise K=3 and K=5 (each RowNorm scale) against Muon, both in `mode`, at the scaling study's
+    global batch: change of optimizer time, step time and logical optimizer bytes per rank."""
+    lines = [f"{hw.name}; {asdict(hw)}; global batch {PAPER_GLOBAL_BATCH}; distributed_mode {mode} for both",
+             "",
+             "| preset | GPUs | Muon: fwd+bwd ms | FSDP exposed ms | optimizer ms | step ms | periodic_rowwise | "
+             "optimizer time | step time | logical bytes |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+    for preset in presets:
+        shapes = model_shapes(preset)
+        for world in worlds:
+            batch = PAPER_GLOBAL_BATCH // world
+            base = predict(shapes, Optim("muon", mode=mode), hw, world, batch)
+            for K in (3, 5):
+                for scale in ("frobenius", "spectral"):
+                    p = predict(shapes, Optim("periodic_rowwise", K, scale, mode), hw, world, batch)
+                    pct = lambda k: f"{100 * (p[k] / base[k] - 1):+.1f}%"  # noqa: E731
+                    lines.append(f"| {preset} | {world} | {base['compute'] * 1e3:.0f} | "
+                                 f"{base['fsdp_exposed'] * 1e3:.0f} | {base['optimizer'] * 1e3:.0f} | "
+                                 f"{base['step'] * 1e3:.0f} | K={K} {scale} | {pct('optimizer')} | {pct('step')} | "
+                                 f"{pct('bytes')} |")
+    lo, hi = PAPER_HEADLINE["optimizer"], PAPER_HEADLINE["step"]
+    lines.append(f"\nthe paper's headline: optimizer time {lo[0]} to {lo[1]}%, step time {hi[0]} to {hi[1]}%, "
+                 f"logical communication {PAPER_HEADLINE['bytes'][0]}%")
+    return "\n".join(lines)
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    what = ap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--paper", action="store_true", help="the paper's table: presets x 8/16/32 GPUs")
+    what.add_argument("--measure-host", action="store_true", help="measure this host's profile (GEMM, memory, gloo)")
+    what.add_argument("--calibrate", action="store_true", help="predicted vs measured for the benchmarks' logs")
+    ap.add_argument("--hardware", choices=sorted(PROFILES), default="h100")
+    ap.add_argument("--mode", choices=("gather", "owner"), default="gather",
+                    help="--paper: distributed_mode of both Muon and periodic_rowwise")
+    ap.add_argument("--presets", nargs="+", default=list(PAPER_PRESETS), choices=PAPER_PRESETS)
+    ap.add_argument("--worlds", nargs="+", type=int, default=list(PAPER_WORLDS))
+    ap.add_argument("--save", default=HOST_PROFILE, help="--measure-host: where the profile goes (JSON)")
+    ap.add_argument("--profile", default=HOST_PROFILE, help="--calibrate: the measured host profile")
+    ap.add_argument("--bench-optimizer", help="--calibrate: a saved output of scripts/bench_optimizer.py")
+    ap.add_argument("--bench-distributed", help="--calibrate: a saved output of scripts/bench_distributed.py")
+    args = ap.parse_args(argv)
+    if any(w < 2 or PAPER_GLOBAL_BATCH % w for w in args.worlds):
+        ap.error(f"--worlds {args.worlds} is not valid: each >= 2 and dividing the global batch {PAPER_GLOBAL_BATCH}")
+    if args.calibrate:
+        if not (args.bench_optimizer or args.bench_distributed):
+            ap.error("--calibrate needs --bench-optimizer LOG and/or --bench-distributed LOG")
+        for path in (args.profile, args.bench_optimizer, args.bench_distributed):
+            if path and not os.path.isfile(path):
+                ap.error(f"{path} does not exist" + (" (run --measure-host first)" if path == args.profile else ""))
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.measure_host:
+        measured = measure_host()
+        with open(args.save, "w") as f:
+            json.dump(measured, f, indent=1)
+        print(json.dumps(measured, indent=1))
+        return 0
+    if args.calibrate:
+        with open(args.profile) as f:
+            measured = json.load(f)
+        logs = [open(p).read() if p else None for p in (args.bench_optimizer, args.bench_distributed)]
+        print(calibration_table(calibration_rows(measured, *logs)))
+        return 0
+    print(paper_table(PROFILES[args.hardware], args.presets, args.worlds, args.mode))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The Diffusion Transformer, its initialisation, FLOPs and its exported form (usable without the trainer)."""

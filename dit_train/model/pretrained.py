@@ -1,0 +1,130 @@
+"""The exported model folder that other code can load. `python -m dit_train.export` writes a diffusers pipeline folder:
+
+    model_index.json                        the pipeline's parts (dit_train.diffusers_pipeline), written last
+    transformer/config.json                 the DiT's architecture keys, plus where the weights came from
+    transformer/diffusion_pytorch_model.safetensors   EMA weights under the DiT's parameter names
+    scheduler/scheduler_config.json         FlowMatchEulerDiscreteScheduler (shift 1: our Euler grid)
+    vae/                                    a latent run's AutoencoderKL (scaling/shift factors written explicitly)
+
+`DiT.save_pretrained` writes the flat model folder (config.json + model.safetensors). Both load without needing
+huggingface_hub or diffusers:
+
+    model = DiT.from_pretrained("exported/")      # a local folder, or a Hub repo id when huggingface_hub is installed
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, fields
+
+import torch
+
+from dit_train.runs.atomic_io import atomic_save_tensors, atomic_write_bytes
+from dit_train.runs.json_file import read_json
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+PIPELINE_FILE = "model_index.json"
+TRANSFORMER = "transformer"  # the pipeline's subfolder of the DiT
+DIFFUSERS_WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"  # the name diffusers' ModelMixin loads
+DIFFUSERS_CLASS = "DiTTrainTransformer2DModel"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# the Euler grid of flow.euler_sample: no shift (the pipeline passes sigmas = linspace(1, 0, steps + 1)[:-1])
+SCHEDULER_CONFIG = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 1.0,
+                    "use_dynamic_shifting": False}
+
+
+def save_pretrained(state_dict: dict, config, folder: str, dtype: str = "fp32", provenance: dict | None = None,
+                    class_name: str = "DiT", weights_file: str = WEIGHTS_FILE) -> str:
+    """Write a DiT's `state_dict` and its DiTConfig `config` to `folder` (no model is built: an export of a 15B run
+    holds its weights once): the weights first, config.json last, each atomically, so a folder with a config.json
+    is complete."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not valid: choose one of {', '.join(DTYPES)}")
+    os.makedirs(folder, exist_ok=True)
+    tensors = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in state_dict.items()}
+    atomic_save_tensors(tensors, os.path.join(folder, weights_file), metadata={"format": "pt"})
+    document = {"_class_name": class_name, **asdict(config), "torch_dtype": str(DTYPES[dtype]).removeprefix("torch."),
+                "dit_train": provenance or {}}
+    atomic_write_bytes(json.dumps(document, indent=2, default=str).encode(), os.path.join(folder, CONFIG_FILE))
+    return folder
+
+
+def save_export(state_dict: dict, config, folder: str, dtype: str = "fp32", provenance: dict | None = None,
+                vae_path: str | None = None) -> str:
+    """The pipeline folder of `python -m dit_train.export` (module docstring); model_index.json last, so a folder
+    with one is complete."""
+    save_pretrained(state_dict, config, os.path.join(folder, TRANSFORMER), dtype, provenance, DIFFUSERS_CLASS,
+                    DIFFUSERS_WEIGHTS_FILE)
+    os.makedirs(os.path.join(folder, "scheduler"), exist_ok=True)
+    atomic_write_bytes(json.dumps(SCHEDULER_CONFIG, indent=2).encode(),
+                       os.path.join(folder, "scheduler", "scheduler_config.json"))
+    if vae_path is not None:
+        save_vae(vae_path, os.path.join(folder, "vae"))
+    index = {"_class_name": "DiTTrainPipeline",
+             TRANSFORMER: ["dit_train.diffusers_pipeline", DIFFUSERS_CLASS],
+             "scheduler": ["diffusers", SCHEDULER_CONFIG["_class_name"]],
+             "vae": ["diffusers", "AutoencoderKL"] if vae_path is not None else [None, None]}
+    atomic_write_bytes(json.dumps(index, indent=2).encode(), os.path.join(folder, PIPELINE_FILE))
+    return folder
+
+
+def save_vae(vae_path: str, folder: str) -> None:
+    """A copy of the AutoencoderKL at `vae_path` with the scaling/shift factors that encoded the latents written
+    explicitly (vae_scaling reads a missing one as 1 / 0, diffusers as its class default)."""
+    from dit_train.runs.atomic_io import make_readable
+    from dit_train.config.latents import vae_scaling
+    from dit_train.diffusion.vae import load_autoencoder
+
+    scale, shift = vae_scaling(vae_path)
+    vae = load_autoencoder(vae_path, "cpu")
+    vae.register_to_config(scaling_factor=scale, shift_factor=shift)
+    vae.save_pretrained(folder)
+    for name in os.listdir(folder):  # diffusers writes its safetensors 0600
+        make_readable(os.path.join(folder, name))
+
+
+def _local_folder(path: str) -> str:
+    """The folder holding the DiT's config.json: `path` (a DiT.save_pretrained folder), its transformer/ (an export),
+    or the same in the Hub snapshot of the repo id `path` (huggingface_hub: the [latents] or [eval] extra)."""
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, PIPELINE_FILE)):
+            return os.path.join(path, TRANSFORMER)
+        if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
+            raise FileNotFoundError(f"{path!r} has no {PIPELINE_FILE} or {CONFIG_FILE}: not a folder written by "
+                                    f"python -m dit_train.export (an interrupted export writes {PIPELINE_FILE} last)")
+        return path
+    from dit_train.extras import installed
+
+    if os.path.exists(path) or not installed("huggingface_hub") or path.count("/") != 1:
+        raise FileNotFoundError(f"{path!r} is not an exported model folder ({PIPELINE_FILE} + {TRANSFORMER}/)")
+    from huggingface_hub import snapshot_download
+
+    return _local_folder(snapshot_download(path, allow_patterns=[CONFIG_FILE, WEIGHTS_FILE, PIPELINE_FILE,
+                                                                 f"{TRANSFORMER}/*"]))
+
+
+def load_pretrained(cls, path: str, device="cpu"):
+    """A `cls` (DiT) built from config.json with the weights of model.safetensors, in eval mode."""
+    from safetensors.torch import load_file
+
+    from dit_train.model.dit import DiTConfig
+
+    folder = _local_folder(path)
+    file = os.path.join(folder, CONFIG_FILE)
+    config = read_json(file, fix="export the model again")
+    if not isinstance(config, dict):
+        raise ValueError(f"{file!r} is not a model config (expected a JSON object of the DiT's architecture keys)")
+    names = {f.name for f in fields(DiTConfig)}
+    architecture = DiTConfig(**{k: v for k, v in config.items() if k in names})
+    try:
+        architecture.validate()  # a folder from elsewhere: types and ranges checked before anything is built
+    except ValueError as e:
+        raise ValueError(f"{file!r}: {e}") from None
+    model = cls(architecture)
+    weights = os.path.join(folder, WEIGHTS_FILE)
+    if not os.path.isfile(weights):  # the transformer/ folder of an export: diffusers' name
+        weights = os.path.join(folder, DIFFUSERS_WEIGHTS_FILE)
+    model.load_state_dict(load_file(weights))
+    return model.to(device).eval()

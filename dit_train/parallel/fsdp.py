@@ -1,0 +1,380 @@
+"""Process group, FSDP2 wrapping, mixed precision, activation checkpointing and per-block compile.
+
+Single process unless launched by torchrun (WORLD_SIZE > 1): NCCL on CUDA, gloo on CPU, chosen automatically.
+Under torchrun the model is sharded with `torch.distributed.fsdp.fully_shard` (FSDP2): every DiT block is one
+FSDP unit (its parameters all-gathered just before its forward/backward and freed after), then the root takes the
+rest (embedders, final layer). Parameters stay fp32 shards (what the optimizer and the EMA see); the gathered
+compute copies are `parallel.mixed_precision` (bf16 on CUDA by default) and gradients are reduce-scattered in
+`parallel.reduce_dtype` (fp32 by default).
+
+HSDP (`parallel.replicate` R > 1): the ranks form an R x (W / R) mesh (replicate, shard); parameters are sharded
+within each group of W / R consecutive ranks (a node) and replicated across the R groups, so the weight
+all-gathers and gradient reduce-scatters stay inside a group and only the gradient shards are all-reduced across
+groups. `shard_group` is the group a parameter's rows are split over, for every collective that sums over rows.
+
+Every rank builds the model on the meta device, applies the plan, allocates only its own shards and computes
+their initial values itself (weight_init: per-parameter seeded blocks, so a sharded run starts from exactly the
+single-process weights); no rank ever holds a full copy, and nothing is sent at start-up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dit_train.parallel.backend_env import use_gloo_interface, use_nccl_environment
+from dit_train.parallel.matmul_precision import allow_tf32_globally
+
+log = logging.getLogger("dit_train")
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: 'gpu[003-004,9],cpu1' -> 'gpu003', 'r[1-2]-n[07-08]' -> 'r1-n07'."""
+    depth, end = 0, len(nodelist)
+    for i, ch in enumerate(nodelist):  # the first top-level comma ends the first host expression
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            end = i
+            break
+    first = nodelist[:end].strip()
+    return re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[,-]", m.group(1))[0], first)
+
+
+def slurm_environment(environ=os.environ) -> dict[str, str]:
+    """torch.distributed's env:// variables for one task per GPU started by srun without torchrun (e.g. the
+    submitit launcher, launcher=slurm): RANK, WORLD_SIZE, LOCAL_RANK from the job step, MASTER_ADDR the step's
+    first node, MASTER_PORT derived from the job id. Empty when torchrun set WORLD_SIZE, outside a job step,
+    or for a single task. Variables already set are kept."""
+    if "WORLD_SIZE" in environ or "SLURM_STEP_ID" not in environ or "SLURM_PROCID" not in environ:
+        return {}
+    world = int(environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS") or 1)
+    if world <= 1:
+        return {}
+    nodes = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or "localhost"
+    out = {"RANK": environ["SLURM_PROCID"], "WORLD_SIZE": str(world),
+           "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),
+           "MASTER_ADDR": environ.get("MASTER_ADDR") or first_slurm_host(nodes),
+           "MASTER_PORT": environ.get("MASTER_PORT") or str(20000 + int(environ.get("SLURM_JOB_ID", "0")) % 40000)}
+    return out
+
+
+def init_distributed(single_process_group: bool = False, device: str | torch.device | None = None,
+                     timeout_minutes: float = 10.0) -> DistInfo:
+    """The one process-group set-up, for training and the evaluation jobs: from torchrun's environment
+    (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR/PORT), or from Slurm's when srun started one task per GPU without
+    torchrun; NCCL on CUDA, gloo on CPU. `single_process_group`: also create a group of one for a plain
+    single-process run (parallel.fsdp=true without torchrun), so FSDP2 can be used on one device. `device`
+    overrides the default (cuda:LOCAL_RANK when CUDA is present, else cpu). A collective that waits longer than
+    `timeout_minutes` (a dead or hung peer; parallel.timeout_minutes, whose comment in conf/config.yaml sizes it)
+    raises instead of hanging (gloo), or takes the process down with a flight-recorder dump (NCCL: the variables
+    of backend_env.py, set before the group where the user has not set them)."""
+    os.environ.update(slurm_environment())
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", local_rank)
+    elif torch.cuda.is_available():
+        # one GPU visible per task (Slurm GPU binding) or all of them (torchrun): local rank modulo what is visible
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    else:
+        device = torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        allow_tf32_globally()  # the model's fp32 matmuls; the optimizer's run in full fp32 (matmul_precision.py)
+    if not dist.is_initialized():
+        if backend_for(device) == "nccl" and (world > 1 or single_process_group):
+            use_nccl_environment()
+        elif world > 1:  # a gloo default group (an NCCL job's one gloo group, for async saves: CheckpointSaver)
+            use_gloo_interface()
+        if world > 1:
+            dist.init_process_group(backend_for(device), device_id=device if device.type == "cuda" else None,
+                                    timeout=datetime.timedelta(minutes=timeout_minutes))
+        elif single_process_group:
+            dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0, world_size=1)
+    if dist.is_initialized():
+        world = dist.get_world_size()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective waited longer than parallel.timeout_minutes: a peer rank died or hangs."""
+
+
+@contextlib.contextmanager
+def collective_timeouts(timeout_minutes: float):
+    """Turns the backend's timeout error (gloo: RuntimeError "Timed out ...", NCCL: DistBackendError) into one line
+    that says what happened and which knob sets the wait."""
+    try:
+        yield
+    except RuntimeError as e:
+        text = str(e)
+        if isinstance(e, CollectiveTimeout) or not ("Timed out" in text or "timed out" in text or "Timeout" in text):
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+        raise CollectiveTimeout(f"rank {rank}: a collective waited more than parallel.timeout_minutes="
+                                f"{timeout_minutes:g} for another rank, which died or hangs ({first[:160]})") from None
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def rank() -> int:
+    """This process's rank in the default group (0 without one)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def all_reduce_sum_(t: torch.Tensor) -> torch.Tensor:
+    """In place over all ranks; the tensor itself for a single process."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def broadcast_object(obj, src: int = 0):
+    """rank `src`'s object on every rank (pickled); the object itself when not distributed."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+# ---- the plan: what to apply, resolved once from cfg.parallel ------------------------------------------------
+@dataclass(frozen=True)
+class ParallelPlan:
+    sharded: bool = False  # parameters are FSDP2 DTensor shards (any number of ranks, one included)
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+    reshard_after_forward: bool | int = True  # an int: keep the gathered weights sharded over groups of that size
+    replicate: int = 1  # HSDP: replicas of the sharded model (the mesh's first dim); 1 is plain FSDP
+    activation_checkpointing: bool = False
+    compile: bool = False
+
+    def describe(self) -> str:
+        name = lambda d: str(d).replace("torch.", "")
+        if not self.sharded:
+            mode = "single process"
+        else:
+            mode = (f"FSDP2 per block + root, params {name(self.param_dtype)} / reduce {name(self.reduce_dtype)}, "
+                    f"reshard_after_forward {self.reshard_after_forward}"
+                    + (f", HSDP: {self.replicate} replicas" if self.replicate > 1 else ""))
+        return f"{mode}; activation checkpointing {self.activation_checkpointing}; compile {self.compile}"
+
+
+def wants_fsdp(pcfg, world_size: int) -> bool:
+    """parallel.fsdp: auto -> FSDP2 when launched with more than one process; true -> always (a group of one
+    for a single process); false -> never (only valid for a single process)."""
+    choice = None if pcfg is None else pcfg.get("fsdp")
+    return world_size > 1 if choice in (None, "auto") else bool(choice)
+
+
+def resolve_plan(pcfg, dist_info: DistInfo) -> ParallelPlan:
+    """The plan from cfg.parallel (checked, missing keys from conf/config.yaml, by dit_train.config)."""
+    from dit_train.config import check_parallel
+
+    p = check_parallel(pcfg, dist_info.world_size)
+    mp = p["mixed_precision"]
+    if mp == "auto":
+        mp = "bf16" if dist_info.device.type == "cuda" else "fp32"
+    return ParallelPlan(sharded=wants_fsdp(p, dist_info.world_size), param_dtype=DTYPES[mp],
+                        reduce_dtype=DTYPES[p["reduce_dtype"]], reshard_after_forward=p["reshard_after_forward"],
+                        replicate=p["replicate"],
+                        activation_checkpointing=p["activation_checkpointing"], compile=p["compile"])
+
+
+# ---- applying the plan ---------------------------------------------------------------------------------------
+def compute_precision(precision: str, device) -> str:
+    """train.precision resolved for a device: auto is bf16 on CUDA (~15x the fp32 GEMM rate), fp32 on CPU."""
+    if precision == "auto":
+        return "bf16" if torch.device(device).type == "cuda" else "fp32"
+    return precision
+
+
+def autocast(precision: str, device):
+    """bf16 autocast for train.precision bf16 (or auto on CUDA), nothing for fp32."""
+    if compute_precision(precision, device) == "bf16":
+        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _checkpointed(forward):
+    from torch.utils.checkpoint import checkpoint
+
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():  # sampling / validation: nothing to recompute
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+
+    return run
+
+
+def apply_activation_checkpointing(blocks: nn.ModuleList) -> None:
+    """Recompute each block's activations in backward (only the block inputs are kept). The block's `forward`
+    is wrapped in place, so parameter names and state dicts are unchanged."""
+    for block in blocks:
+        block.forward = _checkpointed(block.forward)
+
+
+def apply_compile(blocks: nn.ModuleList) -> None:
+    """torch.compile each block (same-shape blocks share the compiled code); names stay unchanged."""
+    for block in blocks:
+        block.compile()
+
+
+def fsdp_mesh(plan: ParallelPlan, device_type: str | None = None):
+    """The device mesh FSDP2 shards over: 1-D over every rank (plain FSDP), or for parallel.replicate R > 1 the
+    2-D (replicate, shard) mesh of R groups of W / R consecutive ranks (consecutive: the ranks of one node)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    world = dist.get_world_size()
+    if plan.replicate == 1:
+        return init_device_mesh(device_type, (world,))
+    return init_device_mesh(device_type, (plan.replicate, world // plan.replicate),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+def shard_group(t: torch.Tensor):
+    """The process group over which a DTensor's rows are split: its mesh's last dim (FSDP2's shard dim; an HSDP
+    mesh's first dim holds identical replicas). Sums over a parameter's rows (norms, row statistics) run here."""
+    mesh = t.device_mesh
+    return mesh.get_group(mesh.ndim - 1)
+
+
+def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, plan: ParallelPlan, trainable: bool = True,
+               mesh=None) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = mesh if mesh is not None else fsdp_mesh(plan)
+
+    param = None if plan.param_dtype == torch.float32 else plan.param_dtype
+    reduce = None if plan.reduce_dtype == torch.float32 and param is None else plan.reduce_dtype
+    policy = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+    for i, block in enumerate(blocks):
+        # training: the last block's weights are needed again at once by backward, so keep them gathered.
+        # A frozen model (the EMA, no backward) always reshards: its shards change between calls (EMA update).
+        # An int reshards to groups of that size: the next gather stays within the group (e.g. a node).
+        last = i == len(blocks) - 1
+        after = (not last and plan.reshard_after_forward) if trainable else True
+        fully_shard(block, mesh=mesh, reshard_after_forward=after, mp_policy=policy)
+    # The root's inputs stay as given: a bf16 cast would round t (0.9987 -> 1.0, an error of 1.3 on the timestep
+    # embedding's 1000-step scale); the model casts the image and text inputs to its compute dtype itself.
+    root = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce, cast_forward_inputs=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=None if trainable else True, mp_policy=root)
+
+
+def parallelize(model: nn.Module, plan: ParallelPlan, trainable: bool = True, mesh=None) -> nn.Module:
+    """Apply the plan to a DiT (its `blocks`): activation checkpointing and compile to the trained model only,
+    then FSDP2 per block and the root, over `mesh` (default: fsdp_mesh(plan)). A frozen model (the EMA) is only
+    sharded."""
+    if not trainable:
+        model.requires_grad_(False)
+    if trainable and plan.activation_checkpointing:
+        apply_activation_checkpointing(model.blocks)
+    if trainable and plan.compile:
+        apply_compile(model.blocks)
+    if plan.sharded:
+        apply_fsdp(model, model.blocks, plan, trainable, mesh)
+    return model
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (the tensor itself otherwise): what this rank owns and updates."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@torch.no_grad()
+def weights_finite(model: nn.Module) -> bool:
+    """Whether every parameter is finite on every rank (one all-reduce of a count; checked before each save)."""
+    params = [local(p) for p in model.parameters()]
+    bad = torch.zeros(1, device=params[0].device if params else "cpu")
+    for p in params:
+        if p.numel():
+            bad += (~torch.isfinite(p)).any()
+    return all_reduce_sum_(bad).item() == 0
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for plain tensors; for FSDP2 shards (every gradient Shard(0) over the one
+    mesh's shard dim) the squared norms of the local shards are summed, one all-reduce over the shard group gives
+    the global norm (the replicas of an HSDP mesh hold the same gradients: summing over them would count each
+    R times), and the local shards are scaled: the same maths, one scalar of communication."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in parameters if p.grad is not None]
+    if not any(isinstance(p.grad, DTensor) for p in params):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    grads = [p.grad.to_local() for p in params]
+    if not grads:
+        return torch.zeros(())
+    norms = torch._foreach_norm(grads)
+    sq = torch.stack([n.float() for n in norms]).pow(2).sum()
+    dist.all_reduce(sq, group=shard_group(params[0].grad))
+    total = sq.sqrt()
+    if math.isfinite(max_norm):
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+    return total
+
+
+def clip_scaled(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """Whether clip_grad_norm_ changed the gradients (a device bool): its factor, as it computes it, below 1.
+    A factor of exactly 1 leaves every gradient bit for bit as it was."""
+    return (max_norm / (total + 1e-6)) < 1.0
+
+
+def shutdown_process_group() -> None:
+    """Leave the process group cleanly. Every rank first waits, through the TCP store rather than the backend, until
+    all ranks are past their last collective: a gloo rank that tears down while a peer is still finishing the last
+    collective can abort that peer ("terminate called without an active exception", ~1 in 30 runs here). Rank 0
+    then waits until every other rank is past that wait too: where rank 0 hosts the store (init from MASTER_ADDR,
+    as the tests do; torchrun's agent hosts its own), a rank 0 that left first closed the store under a peer still
+    reading it ("Connection reset by peer")."""
+    if not dist.is_initialized():
+        return
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if world > 1:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(f"dit_train/finished/{rank}", "1")
+            store.wait([f"dit_train/finished/{r}" for r in range(world)])
+            if rank == 0:
+                store.wait([f"dit_train/left/{r}" for r in range(1, world)])
+            else:
+                store.set(f"dit_train/left/{rank}", "1")
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,431 @@
+"""Checkpoints: one format for any number of ranks, written atomically, read as data (never as code).
+
+`<run_dir>/checkpoints/step_00001200.dcp/` is a torch.distributed.checkpoint folder:
+- the tensors, each rank writing its own shards: `model` and `optimizer` keyed by parameter name (so a
+  checkpoint written by N ranks loads on M ranks, or on one process without FSDP) and `ema` the same way;
+- `train_state.json`: the TrainState (train_state.py: step = data position, schedule, training generator, EMA
+  count, run time, skipped steps, best FD) and the resolved config, written by rank 0;
+- `COMPLETE`, written last. Everything goes into `step_N.dcp.tmp/`, which is renamed when complete, so only
+  complete folders are ever listed; leftovers of an interrupted save are reported and removed. The tensors may
+  be written in the background (start_save: DCP's async_save); the marker and the rename wait for the write
+  (PendingSave.finish; checkpoint_saver.py decides when).
+
+Loading never executes code from the file: DCP's metadata is read by checkpoint_metadata.py (exact names, shard
+files inside the folder only), its non-tensor items with `torch.load(weights_only=True)`, and the train state is
+JSON.
+Single-file `step_N.pt` checkpoints of earlier versions are read-only (EMA weights for export, sampling and FD),
+also loaded with `weights_only=True`.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import pickle
+import re
+import shutil
+import time
+import warnings
+from concurrent.futures import Future
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from dit_train.runs import checkpoint_metadata
+from dit_train.runs.atomic_io import fsync_dir, naming, write_synced
+from dit_train.runs.json_file import read_json
+from dit_train.parallel.fsdp import barrier, rank
+
+log = logging.getLogger("dit_train")
+CKPT_RE = re.compile(r"^step_(\d{8})\.dcp$")
+LEGACY_RE = re.compile(r"^step_(\d{8})\.pt$")
+MARKER = "COMPLETE"
+# a save without a process group says it assumes a single process; it does (an async save says so from its writer
+# thread, after a catch_warnings around the call has ended, hence a filter for the process)
+SINGLE_PROCESS_WARNING = ".*assuming the intent is to (save|load) in a single process"
+warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
+TRAIN_STATE = "train_state.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used here; the message names it and says why."""
+
+
+def checkpoint_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoints")
+
+
+def checkpoint_path(run_dir: str, step: int) -> str:
+    return os.path.join(checkpoint_dir(run_dir), f"step_{step:08d}.dcp")
+
+
+def is_complete(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, MARKER))
+
+
+# ---- finding ------------------------------------------------------------------------------------------------
+def list_checkpoints(run_dir: str, remove_partial: bool = True, legacy: bool = False) -> list[str]:
+    """Complete checkpoints, oldest first (with `legacy`, read-only step_N.pt files too). Leftovers of an
+    interrupted save are reported and, with `remove_partial` (rank 0 only), removed; a final-named folder
+    without its marker is reported and skipped."""
+    folder = checkpoint_dir(run_dir)
+    for tmp in glob.glob(os.path.join(folder, "*.tmp-*")) + glob.glob(os.path.join(folder, "*.tmp")):
+        log.warning("ignoring%s partial checkpoint %s (a save was interrupted)",
+                    " and removing" if remove_partial else "", tmp)
+        if remove_partial:
+            shutil.rmtree(tmp, ignore_errors=True) if os.path.isdir(tmp) else os.remove(tmp)
+    if not os.path.isdir(folder):
+        return []
+    found = []
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if CKPT_RE.match(name):
+            if is_complete(path):
+                found.append(path)
+            else:
+                log.warning("ignoring incomplete checkpoint %s (no %s marker)", path, MARKER)
+        elif legacy and LEGACY_RE.match(name) and os.path.isfile(path):
+            found.append(path)
+    return sorted(found, key=lambda p: (os.path.basename(p)[5:13], p.endswith(".dcp")))
+
+
+def newest_step(run_dir: str) -> int:
+    """The step of the newest complete checkpoint (0 when there is none): how far a run has really got."""
+    found = list_checkpoints(run_dir, remove_partial=False)
+    return read_train_state(found[-1])["step"] if found else 0
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint folder (or a read-only step_N.pt file), or a run folder / its checkpoints folder (its newest
+    complete checkpoint)."""
+    path = str(path)
+    if is_complete(path) or (os.path.isfile(path) and LEGACY_RE.match(os.path.basename(path))):
+        return path
+    if os.path.isdir(path):
+        if CKPT_RE.match(os.path.basename(path.rstrip("/"))):
+            raise FileNotFoundError(f"checkpoint {path!r} is incomplete (no {MARKER} marker): its save was "
+                                    f"interrupted; use an earlier checkpoint")
+        found = list_checkpoints(path, remove_partial=False, legacy=True) or \
+            list_checkpoints(os.path.dirname(path.rstrip("/")), remove_partial=False, legacy=True)
+        if found:
+            return found[-1]
+        raise FileNotFoundError(f"no checkpoints (checkpoints/step_*.dcp) under {path!r}")
+    if os.path.isfile(path):
+        raise FileNotFoundError(f"{path!r} is not a checkpoint (expected a step_N.dcp folder or a run folder)")
+    raise FileNotFoundError(f"checkpoint path {path!r} does not exist")
+
+
+def prune_checkpoints(run_dir: str, keep_last: int) -> None:
+    """Keep the newest `keep_last` complete checkpoints; 0 keeps all."""
+    for old in list_checkpoints(run_dir, remove_partial=False, legacy=True)[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.remove(old)
+
+
+# ---- writing ------------------------------------------------------------------------------------------------
+def tensor_state(model, optimizer, ema_model) -> dict:
+    """Parameter-name keyed model/optimizer/EMA tensors (DTensor shards under FSDP2, plain tensors otherwise)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optimizer": optim_sd, "ema": get_model_state_dict(ema_model)}
+
+
+def save(run_dir: str, step: int, tensors: dict, train_state: dict, keep_last: int) -> str:
+    """Collective: every rank passes its own `tensors`; rank 0's `train_state` (JSON values) is written.
+    Returns the final folder. On any error the temp folder is removed (a full disk is not filled further)."""
+    pending = start_save(run_dir, step, tensors, train_state)
+    pending.finish(keep_last)
+    barrier()
+    return pending.final
+
+
+def start_save(run_dir: str, step: int, tensors: dict, train_state: dict, asynchronous: bool = False,
+               group=None, stager=None) -> "PendingSave":
+    """Collective: the first half of a save. Synchronous: the tensors are written when it returns. Asynchronous
+    (torch.distributed.checkpoint.async_save): the tensors are copied to host memory before it returns (so the
+    next optimizer step cannot change what is saved), by `stager` (a DCP AsyncStager kept across saves, whose
+    buffers are reused; None: fresh copies), and written by a background thread whose collectives run on `group`
+    (a gloo group of their own, so they never interleave with training's). Either way the checkpoint exists only
+    once `finish()` has run: the marker and the rename follow the write. The PendingSave's `stage_s` is the
+    copy's time (0 for a synchronous save)."""
+    final = checkpoint_path(run_dir, step)
+    tmp = final + ".tmp"
+    if rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    barrier()
+    writer = dcp.FileSystemWriter(tmp, sync_files=True)
+    no_dist = not dist.is_initialized()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
+            started = time.perf_counter()
+            stage_s = 0.0
+            if asynchronous:
+                future = dcp.async_save(tensors, storage_writer=writer, process_group=group, no_dist=no_dist,
+                                        async_stager=stager)
+                stage_s = time.perf_counter() - started
+                started = time.perf_counter()  # what follows is the background part
+            else:
+                future = Future()
+                future.set_result(dcp.save(tensors, storage_writer=writer, no_dist=no_dist))
+    except BaseException as e:
+        if rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise _write_error(e, tmp) from None
+    # frozen now: the run goes on changing the live train state while the tensors are written
+    return PendingSave(run_dir, step, tmp, final, future, json.dumps(train_state).encode(), started, stage_s)
+
+
+class PendingSave:
+    """A save whose tensors are being (or have been) written; `finish()` makes it a checkpoint."""
+
+    def __init__(self, run_dir: str, step: int, tmp: str, final: str, future: Future, train_state: bytes,
+                 started: float, stage_s: float = 0.0):
+        self.run_dir, self.step, self.tmp, self.final, self.future = run_dir, step, tmp, final, future
+        self.train_state, self.started, self.stage_s = train_state, started, stage_s
+        self.write_s = 0.0  # this rank's write (for an async save: from the end of staging to the end of its write)
+        future.add_done_callback(self._written)  # runs at once for a synchronous save
+
+    def _written(self, _future) -> None:
+        self.write_s = time.perf_counter() - self.started
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def finish(self, keep_last: int) -> dict:
+        """Waits for this rank's write; on rank 0 (whose write returns only once every rank's shards and the
+        metadata are on disk: DCP gathers the ranks' write results there) writes the train state and the
+        COMPLETE marker, renames the folder into place and prunes to `keep_last`. Returns rank 0's ckpt/write_s
+        and ckpt/bytes ({} elsewhere). A failed write removes the temp folder and raises."""
+        try:
+            self.future.result()
+            if rank() != 0:
+                return {}
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            write_synced(self.train_state, os.path.join(self.tmp, TRAIN_STATE))
+            write_synced(json.dumps({"step": self.step, "world_size": world, "format": "dcp-v2"}).encode(),
+                         os.path.join(self.tmp, MARKER))
+            fsync_dir(self.tmp)
+            size = folder_bytes(self.tmp)
+            _publish(self.tmp, self.final)
+            prune_checkpoints(self.run_dir, keep_last)
+        except BaseException as e:
+            if rank() == 0:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            raise _write_error(e, self.tmp) from None
+        return {"ckpt/write_s": self.write_s, "ckpt/bytes": size}
+
+
+def _write_error(e: BaseException, folder: str) -> BaseException:
+    """A failed save as the OSError behind it, naming the folder (ENOSPC on a full disk): DCP wraps a rank's
+    OSError into a CheckpointException whose message is a traceback, and a failed write names no file."""
+    failures = [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+    for exc in failures:
+        if isinstance(exc, OSError):
+            return naming(exc, folder)
+    return e
+
+
+def folder_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def _publish(tmp: str, final: str) -> None:
+    """Rename the complete temp folder into place (an older save of the same step is moved aside first)."""
+    old = None
+    if os.path.exists(final):
+        old = final + ".old.tmp"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(os.path.dirname(final))
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---- reading, as data ---------------------------------------------------------------------------------------
+class _SafeReader(dcp.FileSystemReader):
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        metadata = checkpoint_metadata.read(str(self.path))
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner unpickles non-tensor items with weights_only=False; these are plain values."""
+
+    def load_bytes(self, read_item, value) -> None:
+        from torch.distributed.checkpoint._traverse import set_element  # what DCP's own planner uses
+
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def _read_metadata(path: str):
+    try:
+        return _SafeReader(path).read_metadata()
+    except checkpoint_metadata.RefusedMetadata as e:
+        raise CheckpointError(f"checkpoint {path!r}: {e}: refusing to load it (it could run code or read files "
+                              f"outside it)") from None
+    except (checkpoint_metadata.DamagedMetadata, OSError) as e:
+        raise CheckpointError(f"checkpoint {path!r} is damaged: {e}; use an earlier checkpoint") from None
+
+
+def _dcp_load(state: dict, path: str) -> None:
+    _read_metadata(path)  # refuses a metadata pickle that could run code with one clear line (DCP rewraps errors)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
+        try:
+            dcp.load(state, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner(),
+                     no_dist=not dist.is_initialized())
+        except CheckpointException as e:  # DCP collects every rank's failure into one (BaseException) error
+            raise CheckpointError(_describe_load_failure(path, e)) from None
+
+
+def _describe_load_failure(path: str, e: CheckpointException) -> str:
+    """One line for a failed DCP read: a pickled item that names code (refused by torch's weights-only
+    unpickler) is refused as such; anything else (a truncated or missing shard file) is damage."""
+    errors = [failure[0] if isinstance(failure, tuple) else failure for failure in e.failures.values()]
+    refused = [err for err in errors if isinstance(err, pickle.UnpicklingError) and "Weights only" in str(err)]
+    if refused:
+        named = [line.strip() for line in str(refused[0]).splitlines() if "GLOBAL" in line or "global" in line]
+        return (f"checkpoint {path!r} holds objects other than tensors and plain values"
+                f"{f' ({named[0][:160]})' if named else ''}; refusing to load it (it could run code)")
+    first = errors[0] if errors else e
+    detail = str(first).strip().splitlines()[0] if str(first).strip() else "the file ends early"
+    return (f"checkpoint {path!r} is damaged: reading its shards failed ({type(first).__name__}: {detail[:200]}); "
+            f"use an earlier checkpoint")
+
+
+def read_train_state(path: str, keys: tuple[str, ...] = ("step",)) -> dict:
+    """A checkpoint's train_state.json, checked as data from elsewhere: a JSON object holding `keys`, an integer
+    step and, where present, the run's config as an object. One line naming the file on anything else."""
+    file = os.path.join(path, TRAIN_STATE)
+    fix = "this checkpoint cannot be used: remove it, or use an earlier one of the run"
+    state = read_json(file, keys, fix=fix)
+    if type(state.get("step")) is not int or state["step"] < 0 or not isinstance(state.get("config", {}), dict):
+        raise CheckpointError(f"{file} is not a dit_train train state (an integer 'step' and the run's 'config' "
+                              f"object expected); {fix}")
+    return state
+
+
+def saved_config(path: str, state: dict | None = None) -> dict:
+    """The run config a checkpoint was written with (what sampling, export, FD and resume checks read)."""
+    if state is None or "config" not in state:
+        state = read_train_state(path, ("step", "config"))
+    return state["config"]
+
+
+def literal_config(node):
+    """A saved config with every string taken literally: `${` escaped, so that OmegaConf resolves nothing from a
+    checkpoint's config (a crafted `${oc.env:...}` would copy the reader's environment into configs and logs)."""
+    if isinstance(node, str):
+        return node.replace("${", "\\${")
+    if isinstance(node, dict):
+        return {k: literal_config(v) for k, v in node.items()}
+    return [literal_config(v) for v in node] if isinstance(node, list) else node
+
+
+def load(path: str, model, optimizer, ema_model) -> dict:
+    """Collective under a process group: model, optimizer and EMA loaded in place (resharded as needed);
+    returns the train state."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    if not is_complete(path):
+        raise CheckpointError(f"{path!r} is a read-only single-file checkpoint of an earlier version (export, "
+                              f"sampling and FD read it); training resumes from step_N.dcp checkpoints only")
+    state = tensor_state(model, optimizer, ema_model)
+    _dcp_load(state, path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_model_state_dict(ema_model, state["ema"])
+    return read_train_state(path)
+
+
+def load_weights(path: str, model, ema_model) -> None:
+    """A fork (train.init_from): the model and EMA weights of a checkpoint, nothing else, into this run's
+    (possibly sharded) models. Collective under a process group, like `load`: each rank reads only its own shards
+    (resharded from however many ranks wrote them), so no rank holds a full copy (dit_15b: ~120 GB)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    if not is_complete(path):
+        raise CheckpointError(f"{path!r} is not a complete step_N.dcp checkpoint; a fork starts from one")
+    state = {"model": get_model_state_dict(model), "ema": get_model_state_dict(ema_model)}
+    _dcp_load(state, path)
+    set_model_state_dict(model, state["model"])
+    set_model_state_dict(ema_model, state["ema"])
+
+
+def read_tensors(path: str, prefix: str) -> dict[str, torch.Tensor]:
+    """Consolidated (full, CPU) tensors of one part of a checkpoint (`prefix` "ema", "model" or "optimizer"),
+    keyed without the prefix. Needs no process group: any number of ranks wrote it, one reads it."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = _read_metadata(path)
+    head = prefix + "."
+    out = {k: torch.empty(m.size, dtype=m.properties.dtype)
+           for k, m in meta.state_dict_metadata.items()
+           if k.startswith(head) and isinstance(m, TensorStorageMetadata)}
+    if not out:
+        raise KeyError(f"checkpoint {path!r} holds no '{prefix}' tensors")
+    _dcp_load(out, path)
+    return {k[len(head):]: v for k, v in out.items()}
+
+
+def _read_legacy(path: str) -> dict:
+    """A single-file checkpoint of an earlier version, as data: numpy's RNG-state arrays are the only
+    non-torch objects it holds."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core  # numpy 2 renamed it; files name the module that wrote them
+    allowed = [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"checkpoint {path!r} holds objects other than tensors and plain values; "
+                              f"refusing to load it (it could run code): {str(e).splitlines()[0]}") from None
+
+
+def load_ema_weights(path: str) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    """(EMA state dict of full CPU tensors, run config as a dict, meta) from a checkpoint or a run folder.
+    meta has step, active_time_s, path and format ('dcp' or the read-only 'pt')."""
+    path = resolve_checkpoint(path)
+    if is_complete(path):
+        state = read_train_state(path, ("step", "config"))
+        weights, fmt = read_tensors(path, "ema"), "dcp"
+    else:
+        state = _read_legacy(path)
+        if "config" not in state:
+            raise CheckpointError(f"checkpoint {path!r} holds no run config: it was not written by dit_train")
+        weights, fmt = state["ema"]["model"], "pt"
+    meta = {"step": state["step"], "active_time_s": state.get("active_time_s", 0.0), "path": path, "format": fmt}
+    return weights, saved_config(path, state), meta
+
+
+def load_for_inference(path: str, device="cpu"):
+    """(ema_model, cfg, meta) from a checkpoint or a run folder (no process group needed)."""
+    from omegaconf import OmegaConf
+
+    from dit_train.model.dit import build_model
+
+    weights, config, meta = load_ema_weights(path)
+    cfg = OmegaConf.create(literal_config(config))
+    # built on meta and given the checkpoint's tensors: no seeded init to draw and overwrite (dit_15b: minutes)
+    model = build_model(cfg.model, device="meta")
+    model.load_state_dict(weights, assign=True)
+    model.pos_embed = torch.empty(model.pos_embed.shape)  # not in checkpoints: computed
+    model.reset_buffers()
+    return model.to(device).eval(), cfg, meta

@@ -1,0 +1,55 @@
+"""The run folder before training writes to it: the resume decision and its config check, then (rank 0) the
+folder, its one-writer lock, the removal of dead writers' temp files, setting aside what an abandoned timeline left
+after the step the run resumes from (timeline.py), and the provenance files (run_info.json,
+config.yaml, and Hydra's deferred `.hydra/` record of the command)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from dit_train.runs import checkpoint as ckpt
+from dit_train.telemetry import wandb_run
+from dit_train.runs.atomic_io import remove_stale_temp_files
+from dit_train.config import ConfigError
+from dit_train.runs.hydra_files import write_hydra_files
+from dit_train.parallel.fsdp import DistInfo, broadcast_object
+from dit_train.runs.resume_policy import check_resume
+from dit_train.runs.provenance import write_run_info
+from dit_train.runs.lock import RunLock
+from dit_train.runs.timeline import set_aside_after
+
+log = logging.getLogger("dit_train")
+
+
+def prepare_run_folder(cfg, dist: DistInfo) -> RunLock | None:
+    """Before anything is written: the resume decision and its config check, then (rank 0) the folder, its
+    lock, the removal of dead writers' temp files, what was after the resumed step set aside, and the provenance
+    files. Any refusal reaches every rank."""
+    lock, error = None, None
+    if dist.is_main:
+        try:
+            resumed_from = check_resume(cfg)
+            record = os.path.join(cfg.run_dir, wandb_run.RECORD)
+            if cfg.logger.wandb.mode != "disabled" and os.path.exists(record):
+                wandb_run.read_identity(record)  # a damaged one is refused before anything is written
+            os.makedirs(cfg.run_dir, exist_ok=True)
+            lock = RunLock(cfg.run_dir).acquire()
+            for stale in remove_stale_temp_files(cfg.run_dir):
+                log.warning("removed %s, left by a writer that died mid-write", stale)
+            if resumed_from is not None and ckpt.is_complete(resumed_from):
+                moved = set_aside_after(cfg.run_dir, ckpt.read_train_state(resumed_from)["step"], resumed_from)
+                if moved:
+                    log.warning(moved)
+            write_run_info(cfg, cfg.run_dir)
+            write_hydra_files(cfg, cfg.run_dir)
+        except Exception as e:  # noqa: BLE001 - handed to every rank, raised as it is on rank 0
+            if lock is not None:
+                lock.release()
+            error = e
+    message = broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    if message is not None:
+        raise ConfigError(f"rank 0 refused the run folder: {message}")
+    return lock

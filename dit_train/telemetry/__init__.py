@@ -1,0 +1,1 @@
+"""Clocks, step windows, metrics and the loggers (JSONL, wandb)."""

@@ -1,0 +1,1 @@
+"""The training run: build, the loop, its state, preemption and the dry run."""

@@ -1,0 +1,76 @@
+"""TrainState: everything besides the tensors that a run needs to continue exactly, as JSON values.
+
+The step is also the data position (data/order.py), so (step, weights, optimizer, schedule, training generator)
+determine the rest of the run. The training generator is the only random source training draws from after the
+weights are initialised (noise, timesteps and condition dropout; validation, grids and FD use their own seed
+streams), and it is the same on every rank, so one state serves any number of ranks.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+
+import torch
+
+
+CPU_STATE_BYTES = 5056  # torch.Generator's mt19937 state on the CPU (a CUDA generator's Philox state is 16 bytes)
+
+
+class DeviceKindChanged(ValueError):
+    """A run's checkpoint taken to another device kind (cpu <-> cuda)."""
+
+
+@dataclass
+class TrainState:
+    scheduler: object  # torch.optim.lr_scheduler.LRScheduler
+    generator: torch.Generator
+    ema: object  # dit_train.diffusion.ema.EMA
+    step: int = 0
+    active_time_s: float = 0.0  # wall time inside training steps (no eval, no checkpointing)
+    skipped_steps: int = 0
+    best_fd: dict | None = None  # {"fd", "step", "active_time_s"} of the lowest FD so far
+    config: dict = field(default_factory=dict)  # the resolved run config, for export/sampling/FD jobs
+    data_fingerprint: dict | None = None  # data/__init__.py: what data the run trains on, checked on resume
+    ckpt_write_s: float | None = None  # the write time of the run's last finished checkpoint (rank 0's measure)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "active_time_s": self.active_time_s, "skipped_steps": self.skipped_steps,
+                "best_fd": self.best_fd, "scheduler": self.scheduler.state_dict(),
+                "generator": base64.b64encode(self.generator.get_state().numpy().tobytes()).decode(),
+                "generator_device": self.generator.device.type,
+                "ema_num_updates": self.ema.num_updates, "config": self.config,
+                "data_fingerprint": self.data_fingerprint, "ckpt_write_s": self.ckpt_write_s}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's train state (from elsewhere, maybe crafted): the scheduler takes only the keys of its own
+        state (LRScheduler.load_state_dict sets any key as an attribute); anything missing or of the wrong type
+        is one line."""
+        from dit_train.runs.checkpoint import CheckpointError
+
+        try:
+            unknown = set(state["scheduler"]) - set(self.scheduler.state_dict())
+            if unknown:
+                raise ValueError(f"scheduler state has keys {sorted(unknown)} that this run's scheduler lacks")
+            step, active, skipped = int(state["step"]), float(state["active_time_s"]), int(state["skipped_steps"])
+            generator = torch.frombuffer(bytearray(base64.b64decode(state["generator"], validate=True)),
+                                         dtype=torch.uint8).clone()
+            written_on = state.get("generator_device") or ("cpu" if generator.numel() == CPU_STATE_BYTES else "cuda")
+            here = self.generator.device.type
+            if written_on != here:
+                raise DeviceKindChanged(
+                    f"the checkpoint was written by a {written_on} run and this run trains on {here}: the training "
+                    f"generator's state ({'mt19937' if written_on == 'cpu' else 'Philox'}) does not carry across "
+                    f"device kinds, so the run could not continue exactly; resume on {written_on}, or start a new "
+                    f"run from its weights with train.init_from=<checkpoint>")
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.generator.set_state(generator)
+            self.ema.num_updates = int(state["ema_num_updates"])
+        except DeviceKindChanged as e:
+            raise CheckpointError(str(e)) from None
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"the checkpoint's train state is damaged or not dit_train's "
+                                  f"({type(e).__name__}: {e}); use an earlier checkpoint") from None
+        self.step, self.active_time_s, self.skipped_steps = step, active, skipped
+        self.best_fd = state.get("best_fd")
+        self.ckpt_write_s = state.get("ckpt_write_s") if isinstance(state.get("ckpt_write_s"), (int, float)) else None
