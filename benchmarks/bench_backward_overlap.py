@@ -50,7 +50,7 @@ def rank_main(rank, world, port, args, out_path):
     from dit_train.model.dit import build_model
     from dit_train.optim.registry import build_optimizer
     from dit_train.parallel.fsdp import ParallelPlan, apply_fsdp
-    from dit_train.telemetry.clocks import PhaseTimer, set_active_timer
+    from dit_train.telemetry.clocks import PhaseTimer
 
     device = join_process_group(rank, world, port, args.threads)
     cuda = device.type == "cuda"
@@ -64,7 +64,8 @@ def rank_main(rank, world, port, args, out_path):
                                               "overlap_exchange": on})
                 for mode, on in MODES.items()}
         timer = PhaseTimer(enabled=True, device=device)
-        set_active_timer(timer)
+        for opt in opts.values():
+            opt.use_timer(timer)
         g = torch.Generator(device=device).manual_seed(rank)
         shape = (args.batch, cfg.in_channels, cfg.image_size, cfg.image_size)
         sync = torch.cuda.synchronize if cuda else (lambda: None)

@@ -112,7 +112,7 @@ def rank_main(rank, world, port, args, out_path):
     import torch.distributed as dist
 
     from dit_train.optim.registry import build_optimizer
-    from dit_train.telemetry.clocks import PhaseTimer, set_active_timer
+    from dit_train.telemetry.clocks import PhaseTimer
 
     device = join_process_group(rank, world, port, args.threads)
     try:
@@ -127,7 +127,8 @@ def rank_main(rank, world, port, args, out_path):
                 c["bucket_mb"] = args.bucket_mb
             opts[label] = build_optimizer(model, c)
         timer = PhaseTimer(enabled=True, device=device)
-        set_active_timer(timer)
+        for opt in opts.values():
+            opt.use_timer(timer)
         records = []  # (rep, label, step in cycle, wall s, phases, whole-matrix directions)
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         for rep in range(args.warmup + args.repeats):

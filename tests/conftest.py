@@ -131,35 +131,6 @@ def stop_signal_during_step(trainer, step: int, name: str = "SIGTERM") -> None:
     trainer.train_step = step_with_signal
 
 
-@pytest.fixture(scope="session")
-def pthreads_build(tmp_path_factory):
-    """The RowNorm C kernels built without OpenMP (threads of their own: the fallback build), once per session."""
-    import ctypes
-
-    from dit_train.optim import native_rownorm
-    path = str(tmp_path_factory.mktemp("pthreads") / "kernels.so")
-    openmp, native_rownorm.OPENMP = native_rownorm.OPENMP, ["-fno-openmp"]
-    try:
-        native_rownorm._build(path)
-    finally:
-        native_rownorm.OPENMP = openmp
-    return ctypes.CDLL(path)
-
-
-@pytest.fixture(params=["openmp", "pthreads"])
-def native_kernels(request, monkeypatch):
-    """Runs a test with both builds of the RowNorm C kernels: with OpenMP (torch's threads; what load() builds
-    here) and the pthreads fallback; the thread count restored afterwards. Modules opt in with
-    `pytestmark = pytest.mark.usefixtures("native_kernels")`."""
-    from dit_train.optim import native_rownorm
-    assert native_rownorm.load() is not None, "the C kernels did not build (is there a C compiler?)"
-    if request.param == "pthreads":
-        monkeypatch.setattr(native_rownorm, "_lib", [request.getfixturevalue("pthreads_build")])
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A factory of real small file systems (`mount -t tmpfs -o size=...`, root only), unmounted afterwards: a full

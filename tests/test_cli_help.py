@@ -39,8 +39,10 @@ def test_help_offers_only_optimizers_and_documents_every_key():
                                               "(docs/scaling_out.md, Checkpoints)")
     # keys a schema inherits (MatrixConfig's, RowNormScaleKeys')
     assert docs["momentum: 0.95"] == "M <- mu*M + G"
-    assert docs["K: 3"] == "refresh period (integer >= 1)"
-    assert docs["rownorm_scale: spectral"].startswith("The scale of RowNorm steps")
+    # declared with the key in its dataclass (dit_train/config/fields.key(doc=))
+    assert docs["K: 3"].startswith("refresh period: the first direction when step % K == 0")
+    assert docs["rownorm_scale: spectral"].startswith("frobenius: the paper's rule; spectral: scaled toward a cap")
+    assert docs["ns_steps: 5"] == "Newton-Schulz iterations"
     assert docs["depth: 6"] == "transformer blocks"  # a model key: its schema's doc, the preset sets the value
     assert "run_dir: ${hydra:runtime.output_dir}" in docs  # '$' reaches the user as written
 

@@ -76,7 +76,7 @@ def counted_on_rank0():
     from dit_train.model.dit import build_model, load_preset
     from dit_train.optim.registry import build_optimizer
     from dit_train.parallel.fsdp import ParallelPlan, fsdp_mesh, local, parallelize
-    from dit_train.telemetry.clocks import PhaseTimer, set_active_timer
+    from dit_train.telemetry.clocks import PhaseTimer
 
     assert not dist.is_initialized()
     init_fake_process_group(4)
@@ -91,12 +91,12 @@ def counted_on_rank0():
                 local(p).normal_(0.0, 0.02)
                 p.grad = torch.zeros_like(p)
                 local(p.grad).normal_(0.0, 1e-3)
-        set_active_timer(timer)
         out = {}
         for label, cfg in {"muon gather": {"name": "muon", "distributed_mode": "gather"},
                            "K=3 gather": {"name": "periodic_rowwise", "K": 3, "distributed_mode": "gather"},
                            "K=3 owner": {"name": "periodic_rowwise", "K": 3}}.items():
             opt = build_optimizer(model, {"lr": 1e-6, **cfg})
+            opt.use_timer(timer)
             steps = []
             with empty_all_to_all_inputs_allowed():
                 for _ in range(3):
@@ -106,7 +106,6 @@ def counted_on_rank0():
             out[label] = steps
         return out
     finally:
-        set_active_timer(None)
         dist.destroy_process_group()
 
 

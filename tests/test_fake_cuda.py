@@ -46,13 +46,13 @@ def test_the_device_decides_the_cuda_branches():
         assert {tuple(p.shape) for p in matrices} == {(12288, 4096), (4096, 4096), (16384, 4096), (4096, 16384),
                                                       (24576, 4096), (8192, 4096), (4096, 256)}
         assert all(p.device == CUDA for p in model.parameters())
-        # RowNorm's passes run eagerly on CUDA: the fused C loops are for CPU fp32 only
-        assert resolve_compile_rownorm("auto", matrices) is False
+        # RowNorm's passes are torch.compile'd on CUDA (compile_rownorm=auto; eager on CPU)
+        assert resolve_compile_rownorm("auto", matrices) is True
         for name in OPTIMIZERS:
             opt = build_optimizer(model, {"name": name})
-            assert getattr(opt, "compile_rownorm", False) is False, name
-            if name != "adamw":
-                assert "RowNorm passes" not in opt.routing_table or "eager" in opt.routing_table
+            if name in ("rownorm", "periodic_rowwise"):
+                assert opt.compile_rownorm is True, name
+                assert "RowNorm passes fused (compile_rownorm auto)" in opt.routing_table, name
     assert compute_precision("auto", CUDA) == "bf16"
     plan = resolve_plan(OmegaConf.create({"fsdp": True}), DistInfo(device=CUDA))
     assert plan.param_dtype == torch.bfloat16 and plan.reduce_dtype == torch.float32

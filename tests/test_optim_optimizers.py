@@ -13,7 +13,9 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from dit_train.model.dit import DiT, DiTConfig
+from dit_train.optim.directions import RowNorm
 from dit_train.optim.matrix_optimizer import MatrixOptimizer, update_scale
+from dit_train.optim.hooks import hooks_of
 from dit_train.optim.registry import OPTIMIZERS, build_optimizer
 
 CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dit_train", "conf")
@@ -114,11 +116,11 @@ def test_config_files_compose_and_build(name):
     from hydra import compose, initialize_config_dir
 
     from dit_train.config import load_option
-    from dit_train.config.optimizers import OPTIMIZER_SCHEMAS
+    from dit_train.optim.registry import config_class
 
     raw = load_option("optimizer", name)
     assert raw.name == name
-    assert set(raw) == set(OPTIMIZER_SCHEMAS[name].__dataclass_fields__)
+    assert set(raw) == set(config_class(name).__dataclass_fields__)
     if os.path.exists(os.path.join(CONF, "config.yaml")):
         with initialize_config_dir(config_dir=CONF, version_base="1.3"):
             cfg = compose(config_name="config", overrides=[f"optimizer={name}"]).optimizer
@@ -126,34 +128,25 @@ def test_config_files_compose_and_build(name):
         cfg = raw
     opt = build_optimizer(tiny_dit(), cfg)
     assert isinstance(opt, torch.optim.Optimizer)
-    assert "| matrix |" in opt.routing_table and isinstance(opt.step_info(), dict)
+    assert "| matrix |" in opt.routing_table and isinstance(hooks_of(opt).step_info(), dict)
     assert all("lr" in g for g in opt.param_groups)
 
 
-def test_added_optimizer_needs_a_builder_and_a_schema(monkeypatch):
-    from dit_train.optim import registry
-
-    from dataclasses import dataclass
-
+def test_added_optimizer_is_one_registry_line(monkeypatch):
+    """Any torch optimizer (Entry: its Config and a builder) and a new matrix schedule (matrix(...)) are one line
+    each; a plain torch optimizer gets the no-op trainer hooks."""
     from dit_train.config import load_option
-    from dit_train.config.fields import int_at_least
-    from dit_train.config.optimizers import OPTIMIZER_SCHEMAS, AdamWConfig, MudConfig
+    from dit_train.optim.directions import MUD
+    from dit_train.optim.optimizer_config import AdamWConfig
+    from dit_train.optim.registry import Entry, matrix
 
-    monkeypatch.setitem(OPTIMIZERS, "sgd", lambda model, c: torch.optim.SGD(model.parameters(), lr=c["lr"]))
-    monkeypatch.setitem(OPTIMIZER_SCHEMAS, "sgd", AdamWConfig)
+    monkeypatch.setitem(OPTIMIZERS, "sgd", Entry(AdamWConfig, lambda model, c: torch.optim.SGD(model.parameters(),
+                                                                                               lr=c["lr"])))
     opt = build_optimizer(tiny_dit(), {"name": "sgd", "lr": 0.1, "weight_decay": 0.0, "betas": [0.9, 0.999],
                                        "eps": 1e-8, "adamw_impl": "fused"})
-    assert isinstance(opt.routing_table, str) and opt.step_info() == {}
+    assert isinstance(opt.routing_table, str) and hooks_of(opt).step_info() == {}
 
-    @dataclass
-    class PeriodicMudConfig(MudConfig):  # what a new optim/<name>.py would hold: MUD refreshes, RowNorm between
-        K: int = int_at_least(1)
-
-    def build_periodic_mud(model, c):
-        return registry.build_matrix(model, c, name="periodic_mud", direction="mud", between="rownorm")
-
-    monkeypatch.setitem(OPTIMIZERS, "periodic_mud", build_periodic_mud)
-    monkeypatch.setitem(OPTIMIZER_SCHEMAS, "periodic_mud", PeriodicMudConfig)
+    monkeypatch.setitem(OPTIMIZERS, "periodic_mud", matrix("periodic_mud", MUD, between=RowNorm))
     model = tiny_dit(perturb=True)
     opt = build_optimizer(model, {**load_option("optimizer", "mud"), "name": "periodic_mud", "K": 2})
     train(model, opt, 3)
@@ -178,7 +171,7 @@ def test_momentum_nesterov_scale_and_weight_decay_exact(nesterov, scale):
     params = [nn.Parameter(w.clone()) for w in W0]
     lr, wd, mu = 0.03, 0.1, 0.9
     opt = MatrixOptimizer([{"params": params, "kind": "matrix"}], lr=lr, weight_decay=wd, momentum=mu,
-                          nesterov=nesterov, scale=scale, direction="rownorm")
+                          nesterov=nesterov, scale=scale, direction=RowNorm("frobenius"))
     W, M = [w.clone() for w in W0], [torch.zeros_like(w) for w in W0]
     g = torch.Generator().manual_seed(3)
     for _ in range(4):

@@ -12,15 +12,16 @@ import torch
 
 from test_sharded_optim import LR, STEPS, WD, full_params, reference_run, spawn, step_grads
 
+from dit_train.optim.directions import NS5, RowNorm
 from dit_train.optim.matrix_optimizer import MatrixOptimizer
 
 # name -> (optimizer kwargs, what happens before each step)
 CASES = {
-    "used": ({"direction": "spectral"}, "unscaled"),
-    "periodic_rowwise": ({"direction": "spectral", "between": "rownorm", "refresh_every": 3}, "unscaled"),
-    "clipped": ({"direction": "spectral"}, "scaled"),
-    "missing_grad": ({"direction": "spectral"}, "missing"),
-    "second_backward": ({"direction": "spectral"}, "twice"),
+    "used": ({"direction": NS5()}, "unscaled"),
+    "periodic_rowwise": ({"direction": NS5(), "between": RowNorm(), "refresh_every": 3}, "unscaled"),
+    "clipped": ({"direction": NS5()}, "scaled"),
+    "missing_grad": ({"direction": NS5()}, "missing"),
+    "second_backward": ({"direction": NS5()}, "twice"),
 }
 MISSING = 6  # the (2, 16) matrix: a group of one loses its only member on odd steps
 
@@ -53,11 +54,10 @@ def run_cases(rank, world, out_path):
 
     from dit_train.optim.sharded_optimizer import ShardedMatrixOptimizer
     from dit_train.parallel.fsdp import ParallelPlan, fsdp_mesh
-    from dit_train.telemetry.clocks import PhaseTimer, set_active_timer
+    from dit_train.telemetry.clocks import PhaseTimer
 
     mesh = fsdp_mesh(ParallelPlan(sharded=True), "cpu")
     shard = lambda t: distribute_tensor(t, mesh, [Shard(0)])  # noqa: E731
-    set_active_timer(PhaseTimer())
     results = {}
     for name, (kw, event) in CASES.items():
         for on in (True, False):

@@ -20,6 +20,7 @@ import torch
 from conftest import gloo_group, spawn_ranks
 
 from dit_train.optim.collectives import shard_rows
+from dit_train.optim.directions import MUD, NS5, RowNorm
 from dit_train.optim.matrix_optimizer import MatrixOptimizer
 from dit_train.optim.registry import build_optimizer
 from dit_train.optim.owner_exchange import plan_exchanges
@@ -28,11 +29,16 @@ from dit_train.optim.whole_matrix_exchange import plan_buckets
 SHAPES = [(24, 40), (24, 40), (40, 24), (40, 24), (32, 32), (4, 3), (2, 16), (1, 8), (50, 12)] + [(12, 20)] * 5
 STEPS = 4
 LR, WD = 0.02, 0.1
-KINDS = {"adamw": {},  # every parameter in the AdamW group (optimizer=adamw)
-         "muon": dict(direction="spectral"),
-         "periodic_rowwise": dict(direction="spectral", between="rownorm", refresh_every=3),
-         "rownorm": dict(direction="rownorm"),
-         "mud": dict(direction="mud")}
+
+
+def kind_kwargs(kind, ns_dtype="bf16", rownorm_scale="spectral", compile_rownorm="auto", **rest):
+    """The optimizer's direction objects for `kind` (adamw: every parameter in the AdamW group), plus `rest`."""
+    ns5, rownorm = NS5(dtype=ns_dtype), RowNorm(rownorm_scale, compile_rownorm)
+    return {**{"adamw": {}, "muon": dict(direction=ns5),
+               "periodic_rowwise": dict(direction=ns5, between=rownorm, refresh_every=3),
+               "rownorm": dict(direction=rownorm), "mud": dict(direction=MUD())}[kind], **rest}
+
+
 SMALL = 0.003  # gather mode's bucket_mb: ~3 KB buckets, so same-shape batches are split over several buckets
 # name -> (optimizer, group kwargs shared with the single-process reference, placement kwargs)
 FROBENIUS = {"rownorm_scale": "frobenius"}
@@ -82,7 +88,7 @@ def make_optimizer(cls, matrices, bias, name, **placement):
     if kind == "adamw":
         return cls([{"params": [*matrices, bias], "kind": "adamw"}], lr=LR, weight_decay=WD)
     return cls([{"params": matrices, "kind": "matrix"}, {"params": [bias], "kind": "adamw"}], lr=LR,
-               weight_decay=WD, **KINDS[kind], **{**group_kw, **placement})
+               weight_decay=WD, **kind_kwargs(kind, **{**group_kw, **placement}))
 
 
 def _entry(rank, world, port, fn, args):
@@ -105,7 +111,7 @@ def run_cases(rank, world, out_path, replicate=1):
 
     from dit_train.optim.sharded_optimizer import ShardedMatrixOptimizer
     from dit_train.parallel.fsdp import ParallelPlan, fsdp_mesh
-    from dit_train.telemetry.clocks import PhaseTimer, set_active_timer
+    from dit_train.telemetry.clocks import PhaseTimer
 
     mesh = fsdp_mesh(ParallelPlan(sharded=True, replicate=replicate), "cpu")
     placements = [Shard(0)] if replicate == 1 else [Replicate(), Shard(0)]
@@ -117,7 +123,7 @@ def run_cases(rank, world, out_path, replicate=1):
         pb = torch.nn.Parameter(shard(b))
         opt = make_optimizer(ShardedMatrixOptimizer, ps, pb, name, **placement)
         timer = PhaseTimer()
-        set_active_timer(timer)
+        opt.use_timer(timer)
         log = []
         for step in range(STEPS):
             G, gb = step_grads(step, name)
@@ -127,7 +133,6 @@ def run_cases(rank, world, out_path, replicate=1):
             timer.collect()
             opt.step()
             log.append((timer.collect(), opt.last_whole_matrices))
-        set_active_timer(None)
         full = [p.detach().full_tensor() for p in ps] + [pb.detach().full_tensor()]
         logs, shards = [None] * world, [None] * world
         dist.all_gather_object(logs, log)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dit_train.optim.directions import row_inv_norms
+from dit_train.optim.directions import RowNorm
 from dit_train.optim.matrix_optimizer import MatrixOptimizer, update_scale
 from dit_train.optim.registry import build_optimizer
 from dit_train.optim.spectral_cap import capped_row_norm_scale, spectral_cap, whole_matrix_problem
@@ -110,7 +111,7 @@ def test_optimizer_steps_with_the_spectral_scale_move_rank_one_momentum_at_most_
     moved = {}
     for scale in ("frobenius", "spectral"):
         W = torch.nn.Parameter(torch.zeros(64, 128))
-        opt = MatrixOptimizer([W], lr=0.1, direction="rownorm", rownorm_scale=scale)
+        opt = MatrixOptimizer([W], lr=0.1, direction=RowNorm(scale))
         W.grad = grad.clone()
         opt.step()
         moved[scale] = spectral_norms(W.detach()).item() / (0.1 * update_scale("moonlight", 64, 128))
@@ -133,7 +134,8 @@ def test_the_default_scale_is_spectral_from_hydra_and_from_python(name):
     assert cfg.optimizer.rownorm_scale == "spectral"
     opt = build_optimizer(torch.nn.Linear(4, 4), {"name": name})
     assert {g["rownorm_scale"] for g in opt.param_groups} == {"spectral"}
-    assert MatrixOptimizer([torch.nn.Parameter(torch.zeros(4, 4))], lr=0.1).param_groups[0]["rownorm_scale"] == "spectral"
+    opt = MatrixOptimizer([torch.nn.Parameter(torch.zeros(4, 4))], lr=0.1, direction=RowNorm())
+    assert opt.param_groups[0]["rownorm_scale"] == "spectral"
 
 
 def test_checkpoints_from_before_the_key_resume_under_the_papers_scale_only():

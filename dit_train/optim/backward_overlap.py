@@ -44,9 +44,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dit_train.telemetry.clocks import active_timer
 from dit_train.optim.collectives import PhaseSwitch, ShardComm
-from dit_train.optim.matrix_optimizer import DTYPES
+from dit_train.optim.directions import DTYPES, WHOLE
 from dit_train.optim.owner_exchange import send_to_owners
 
 
@@ -112,18 +111,16 @@ class BackwardExchange:
         if not self.armed:
             return
         opt, group = self.opt, self._group_of[p]
-        from dit_train.optim.sharded_optimizer import WHOLE, placement
-
         kind = opt.direction_at(group, group["step"])
         m, n = p.shape
-        if placement(kind, m, n) != WHOLE:
+        if opt.placement(kind, m, n) != WHOLE:
             return
         if p in self._where:  # a second synced backward before the step: the first U is stale
             self._valid = False
         if not self._valid:
             return
         if self._comm is None:
-            self._comm = ShardComm(opt._group, active_timer())
+            self._comm = ShardComm(opt._group, opt.timer)
         if opt.distributed_mode == "owner":
             self._owner_rows(p, group, kind)
         else:
@@ -187,11 +184,9 @@ class BackwardExchange:
     def _owner_plan(self, group: dict, kind: str) -> _OwnerPlan:
         """The step's exchanges for the group, on the assumption that every matrix gets a gradient: its whole-matrix
         shape groups keyed and ordered as the step stacks them (MatrixOptimizer._buckets)."""
-        from dit_train.optim.sharded_optimizer import WHOLE, placement
-
         params: dict = {}
         for q in group["params"]:
-            if placement(kind, *q.shape) == WHOLE:
+            if self.opt.placement(kind, *q.shape) == WHOLE:
                 local = self.opt._local(q)
                 params.setdefault((tuple(q.shape), local.dtype, local.device), []).append(q)
         exchanges = self.opt._exchanges({key: len(ps) for key, ps in params.items()}, self._comm.world)

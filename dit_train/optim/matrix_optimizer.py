@@ -11,13 +11,13 @@ it is saved by state_dict and restored by load_state_dict):
           (the state keeps momentum_buffer = (1 - mu) M, updated by one foreach lerp as torch.optim.Muon keeps it;
           U is formed from it exactly: G + mu/(1-mu) * buffer, or buffer / (1 - mu))
     Phi = direction(U), the direction being group["direction"] when t % K == 0 (K = group["refresh_every"]) and
-          group["between"] otherwise (periodic_rowwise: spectral refresh, rownorm between; K = 1 is plain Muon)
+          group["between"] otherwise (periodic_rowwise: NS5 refresh, RowNorm between; K = 1 is plain Muon);
+          the groups name them, the Direction objects given to the constructor compute them (directions/)
     W <- (1 - lr wd) W - lr s(W) Phi,  s = 0.2 sqrt(max(m, n)) (moonlight) | sqrt(max(1, m/n)) (keller) | 1 (none)
 
 Single-device placement: same-shape matrices of a group are stacked into one [B, m, n] workspace (one bmm chain
 per shape; every large buffer of the direction is reused across steps, as fresh tens-of-MB allocations cost page
-faults on CPU) and updated with foreach ops. The maths lives in directions.py
-and in `compute_direction`; where the matrices live is in `_local` (the tensors this process updates) and
+faults on CPU) and updated with foreach ops. The maths lives in directions/; where the matrices live is in `_local` (the tensors this process updates) and
 `_directions` (every bucket's direction), which the sharded subclass (optim/sharded_optimizer.py: FSDP2 shards, explicit
 collectives, docs/algorithms.md §6) overrides while reusing the rest: buckets are keyed by the whole matrix's shape, the
 stacked inputs take the local shape, and the direction functions take `reduce=` (an all-reduce over the ranks
@@ -29,20 +29,20 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.adam import adam as _adam_functional
 
-from dit_train.telemetry.clocks import active_timer
-from dit_train.optim.directions import inv_norms_from_sumsq, mud_whiten, newton_schulz5, row_inv_norms
-from dit_train.optim.fused_rownorm import momentum_pass, one_pass, one_pass_takes, resolve_compile_rownorm, update_pass
-from dit_train.optim.spectral_cap import cap_factors, start_vectors, whole_matrix_problem
+from dit_train.optim.directions import NS5, Direction, RowNorm, dtype_name
+from dit_train.optim.directions.rownorm import ROW_SUMSQ
+from dit_train.optim.hooks import TrainerHooks
+from dit_train.optim.fused_rownorm import momentum_pass, resolve_compile_rownorm, update_pass
+from dit_train.optim.spectral_cap import cap_factors, whole_matrix_problem
 
 SCALE_RULES = ("moonlight", "keller", "none")
-ROWNORM_SCALES = ("frobenius", "spectral")  # docs/algorithms.md §4; spectral: spectral_cap.py
 KINDS = ("matrix", "adamw")
 
 
@@ -57,89 +57,13 @@ def update_scale(rule: str, m: int, n: int) -> float:
     raise ValueError(f"scale={rule!r} is not valid; choose one of {', '.join(SCALE_RULES)}")
 
 
-# the config spelling (dit_train.config.DTYPE_NAMES)
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
-_NAME_OF = {dt: name for name, dt in DTYPES.items()}
-_LEGACY_NAMES = {"bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}  # optimizer states saved before
-
-
-def _dtype_name(dt: torch.dtype | str) -> str:
-    """Groups keep dtypes as names, so state_dicts hold plain values (DCP, JSON, weights_only loads)."""
-    name = _NAME_OF.get(dt) if isinstance(dt, torch.dtype) else _LEGACY_NAMES.get(dt, dt)
-    if name not in DTYPES:
-        raise ValueError(f"ns_dtype={dt!r} is not valid; choose one of {', '.join(DTYPES)}")
-    return name
-
-
-# ---- directions on a stacked [B, m, n] batch ------------------------------------------------------------------
-# Each returns (D, row_scale): the direction is D * row_scale (row_scale None means D itself). Returning the
-# per-row factor separately lets rownorm fold its normalisation into the parameter update (one pass less).
-# `ws` is the bucket's workspace dict (see directions.py); results may live in it until the next step.
-# `placement` is passed on to the direction functions: reduce= and tall= for matrices held as shards (§6).
-DirectionFn = Callable[..., tuple[Tensor, Tensor | None]]  # (U, group, ws, **placement)
-
-
-def _spectral(U: Tensor, group: dict, ws: dict, **placement) -> tuple[Tensor, Tensor | None]:
-    dt = DTYPES[group["ns_dtype"]]
-    D = newton_schulz5(U, group["ns_steps"], dt, group["direction_eps"], gram=group["ns_gram"], out_dtype=dt,
-                       workspace=ws, **placement)
-    return D, None
-
-
-# The bucket-workspace key under which a fused momentum pass (fused_rownorm.py) leaves U's unreduced row sums of
-# squares for this step's RowNorm direction, which takes them instead of reading U again.
-ROW_SUMSQ = "row_sumsq"
-
-
-def take_row_sumsq(ws: dict) -> Tensor | None:
-    return ws.pop(ROW_SUMSQ, None)
-
-
-# ... and, for a wide bucket under the spectral RowNorm scale, the power iteration's first product R^T x0
-FIRST_PRODUCT = "first_product"
-
-
-def take_first_products(workspaces: list[dict]) -> list[Tensor | None]:
-    return [ws.pop(FIRST_PRODUCT, None) for ws in workspaces]
-
-
-def _rownorm(U: Tensor, group: dict, ws: dict, *, reduce=None, tall=None) -> tuple[Tensor, Tensor | None]:
-    sumsq = take_row_sumsq(ws)
-    if sumsq is None:
-        return U, row_inv_norms(U, group["direction_eps"], reduce=reduce, tall=tall, workspace=ws)
-    return U, inv_norms_from_sumsq(sumsq if reduce is None else reduce(sumsq), group["direction_eps"])
-
-
-def _mud(U: Tensor, group: dict, ws: dict, **placement) -> tuple[Tensor, Tensor | None]:
-    D = mud_whiten(U, group["mud_passes"], group["direction_eps"], solve=group["mud_solve"], workspace=ws,
-                   **placement)
-    return D, None
-
-
-DIRECTION_FNS: dict[str, DirectionFn] = {"spectral": _spectral, "rownorm": _rownorm, "mud": _mud}
-
-
-def register_direction(name: str, fn: DirectionFn) -> None:
-    """Make a new direction selectable by groups (direction= / between=); used by optimizer files that add one."""
-    DIRECTION_FNS[name] = fn
-
-
-def compute_direction(kind: str, U: Tensor, group: dict, workspace: dict | None = None,
-                      **placement) -> tuple[Tensor, Tensor | None]:
-    """The direction of a (possibly batched) matrix U as (D, row_scale): Phi(U) = D * row_scale (row_scale None:
-    D itself). Independent of where U lives; `placement` (reduce=, tall=) describes a shard."""
-    try:
-        fn = DIRECTION_FNS[kind]
-    except KeyError:
-        raise ValueError(f"direction={kind!r} is not valid; choose one of {', '.join(DIRECTION_FNS)}") from None
-    return fn(U, group, {} if workspace is None else workspace, **placement)
-
-
-class MatrixOptimizer(Optimizer):
+class MatrixOptimizer(Optimizer, TrainerHooks):
     """Matrix groups (Muon family, RowNorm, MUD) and AdamW groups in one optimizer; see the module docstring.
 
     `params`: param groups, each a dict with "params" and "kind" ("matrix" or "adamw") plus any per-group
-    overrides of the keyword defaults below; a plain iterable of tensors is one matrix group."""
+    overrides of the keyword defaults below (the directions' hyperparameters included: Direction.group_keys);
+    a plain iterable of tensors is one matrix group. `direction` (default NS5()) runs on refresh steps, `between`
+    (None: none) on the others, every `refresh_every` steps."""
 
     accepts_dtensors = False  # matrix groups of FSDP2 shards need ShardedMatrixOptimizer (optim/sharded_optimizer.py)
 
@@ -152,32 +76,30 @@ class MatrixOptimizer(Optimizer):
         momentum: float = 0.95,
         nesterov: bool = True,
         scale: str = "moonlight",
-        direction: str = "spectral",
+        direction: Direction | None = None,
         refresh_every: int = 1,
-        between: str | None = None,
-        ns_steps: int = 5,
-        ns_dtype: torch.dtype | str = "bf16",
-        ns_gram: bool | None = None,
-        mud_passes: int = 1,
-        mud_solve: str = "triangular",
+        between: Direction | None = None,
         direction_eps: float = 1e-7,
-        rownorm_scale: str = "spectral",
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         adamw_impl: str = "fused",
-        compile_rownorm: bool | str = "auto",
     ):
+        direction = NS5() if direction is None else direction
+        # the directions by the names the groups (and saved states) hold; set before any group is checked
+        self.directions: dict[str, Direction] = {d.name: d for d in (direction, between) if d is not None}
         defaults = dict(
             kind="matrix", lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, scale=scale,
-            direction=direction, refresh_every=refresh_every, between=between, ns_steps=ns_steps,
-            ns_dtype=_dtype_name(ns_dtype), ns_gram=ns_gram, mud_passes=mud_passes, mud_solve=mud_solve,
-            direction_eps=direction_eps, rownorm_scale=rownorm_scale, betas=tuple(betas), eps=eps, adamw_impl=adamw_impl, step=0,
+            direction=direction.name, refresh_every=refresh_every, between=None if between is None else between.name,
+            direction_eps=direction_eps, betas=tuple(betas), eps=eps, adamw_impl=adamw_impl, step=0,
+            **{k: v for d in self.directions.values() for k, v in d.group_keys().items()},
         )
         super().__init__(params, defaults)
-        # RowNorm steps' elementwise passes fused (fused_rownorm.py: C loops on CPU, compiled kernels elsewhere): an
+        # RowNorm steps' elementwise passes fused (fused_rownorm.py: torch.compile'd kernels): an
         # implementation choice with the same maths, so an attribute (not a group key, not in the state_dict)
+        rownorm = next((d for d in self.directions.values() if isinstance(d, RowNorm)), None)
         self.compile_rownorm = resolve_compile_rownorm(
-            compile_rownorm, [p for g in self.param_groups if g["kind"] == "matrix" for p in g["params"]])
+            False if rownorm is None else rownorm.compile,
+            [p for g in self.param_groups if g["kind"] == "matrix" for p in g["params"]])
         self._workspace: dict = {}
         self._last_info: dict[str, float] = {}
         self.routing_table: str = ""
@@ -188,7 +110,7 @@ class MatrixOptimizer(Optimizer):
             param_group["step"] = max(g["step"] for g in self.param_groups)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        _check_group(group, self.accepts_dtensors)
+        _check_group(group, self.directions, self.accepts_dtensors)
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -198,7 +120,7 @@ class MatrixOptimizer(Optimizer):
         self.__dict__.setdefault("compile_rownorm", False)
         for group in self.param_groups:  # states saved before the short dtype names say 'bfloat16'
             if "ns_dtype" in group:
-                group["ns_dtype"] = _dtype_name(group["ns_dtype"])
+                group["ns_dtype"] = dtype_name(group["ns_dtype"])
 
     # ---- public -------------------------------------------------------------------------------------------
     def direction_at(self, group: dict, step: int) -> str:
@@ -220,7 +142,7 @@ class MatrixOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         info: dict[str, float] = {}
-        timer = active_timer()
+        timer = self.timer
         for group in self.param_groups:
             t = group["step"]
             if group["kind"] == "matrix":
@@ -243,24 +165,17 @@ class MatrixOptimizer(Optimizer):
         mu, nesterov = group["momentum"], group["nesterov"]
         lr, wd = float(group["lr"]), group["weight_decay"]
         buckets = _buckets(params, shapes)
-        fused = self.compile_rownorm and kind == "rownorm"
+        fused = self.compile_rownorm and isinstance(self.directions[kind], RowNorm)
         # the fused passes store U only for the spectral RowNorm scale, whose power iteration reads it; otherwise
         # the update recomputes it from G and M
-        store_u = not fused or caps_rownorm(kind, group)
-        # ... and then the momentum pass also forms the power iteration's first product of wide buckets
-        fold_eps = group["direction_eps"] if fused and caps_rownorm(kind, group) else None
-        # with the frobenius scale, buckets whose row factors are local take momentum, factors and update in one
-        # C pass in the update phase (fused_rownorm.one_pass): no U, no direction
-        one = {key for key, idx in buckets.items()
-               if fused and not caps_rownorm(kind, group) and self._row_factors_local(key)
-               and one_pass_takes(*[[ts[i] for i in idx] for ts in (params, grads, bufs)])}
+        store_u = not fused or self._caps(kind, group)
         with timer.phase("momentum"):
             if not fused:
                 torch._foreach_lerp_(bufs, grads, 1.0 - mu)  # buffer = (1 - mu) M: M <- mu M + G
             inputs = {key: self._stack_inputs(key, idx, grads, bufs, mu, nesterov,
                                               self._input_dtype(kind, key, group, params[idx[0]].dtype), fused,
-                                              store_u, fold_eps)
-                      for key, idx in buckets.items() if key not in one}
+                                              store_u)
+                      for key, idx in buckets.items()}
         directions = self._directions(kind, inputs, group, timer)
         with timer.phase("update"):
             decay = 1.0 - lr * wd
@@ -270,10 +185,6 @@ class MatrixOptimizer(Optimizer):
                 m, n = key[0]
                 alpha = -lr * update_scale(group["scale"], m, n)
                 bucket = [params[i] for i in idx]
-                if key in one:
-                    one_pass(bucket, [grads[i] for i in idx], [bufs[i] for i in idx], mu, nesterov, m > n,
-                             group["direction_eps"], decay, alpha)
-                    continue
                 D, row_scale = directions[key]
                 if fused:  # weight decay and update in one pass; RowNorm always has a row scale
                     update_pass(bucket, [grads[i] for i in idx], [bufs[i] for i in idx], D, store_u, row_scale,
@@ -310,43 +221,40 @@ class MatrixOptimizer(Optimizer):
     def _local(t: Tensor) -> Tensor:
         return t
 
-    def _row_factors_local(self, key) -> bool:
-        """Whether a bucket's RowNorm row factors come from the matrices held here alone (whole matrices: yes)."""
-        return True
-
     def _input_dtype(self, kind: str, key, group: dict, param_dtype: torch.dtype) -> torch.dtype:
-        """Dtype of the stacked direction input: NS5 reads its compute dtype directly (the cast is fused into the
-        Nesterov add); rownorm and mud read the momentum's own precision."""
-        return DTYPES[group["ns_dtype"]] if kind == "spectral" else param_dtype
+        """Dtype of the stacked direction input (Direction.input_dtype)."""
+        return self.directions[kind].input_dtype(group, param_dtype)
+
+    def _caps(self, kind: str, group: dict) -> bool:
+        """Whether this step's direction is RowNorm under the spectral scale (§4: spectral_cap.py)."""
+        return isinstance(self.directions[kind], RowNorm) and RowNorm.capped(group)
 
     def _directions(self, kind: str, inputs: dict, group: dict, timer) -> dict:
         """The direction of every bucket: {key: (D, row_scale)}."""
         with timer.phase("direction"):
             out = {key: self._direction(kind, key, U, group) for key, U in inputs.items()}
-            if caps_rownorm(kind, group):
+            if self._caps(kind, group):
                 keys = list(inputs)
                 problems = [whole_matrix_problem(inputs[k], out[k][1], k[0][0] > k[0][1]) for k in keys]
-                firsts = take_first_products([self._bucket_workspace(k) for k in keys])
-                for k, f in zip(keys, cap_factors(problems, native=self.compile_rownorm, firsts=firsts)):
+                for k, f in zip(keys, cap_factors(problems)):
                     out[k] = (out[k][0], out[k][1] * f.to(out[k][1].dtype))
             return out
 
     def _direction(self, kind: str, key, U: Tensor, group: dict) -> tuple[Tensor, Tensor | None]:
         """Direction of one bucket; single device: the whole matrices are here, no reduce."""
-        return compute_direction(kind, U, group, self._bucket_workspace(key))
+        return self.directions[kind](U, group, self._bucket_workspace(key))
 
     def _bucket_workspace(self, key) -> dict:
         return self._workspace.setdefault(key, {})
 
     def _stack_inputs(self, key, idx: list[int], grads, bufs, mu: float, nesterov: bool, dtype,
-                      fused: bool = False, store_u: bool = True, fold_eps: float | None = None) -> Tensor:
+                      fused: bool = False, store_u: bool = True) -> Tensor:
         """U = G + mu M (or M) for the bucket's matrices, written straight into a reused [B, m, n] workspace of the
         direction's input dtype: the Nesterov add, the cast and the stacking are one pass per matrix (torch has no
         foreach op that writes into slices of one tensor; a foreach add followed by a stack is 6x slower here).
         fused: the momentum update happens here too, with U's row sums of squares left in the workspace for the
         RowNorm direction (fused_rownorm.momentum_pass); without store_u, U is not formed at all and a zero-stride
-        placeholder of its shape and dtype stands for it (the fused update recomputes U from G and M). fold_eps (the
-        spectral RowNorm scale, fused): a wide bucket's momentum pass also leaves R^T x0 in the workspace."""
+        placeholder of its shape and dtype stands for it (the fused update recomputes U from G and M)."""
         ws = self._bucket_workspace(key)
         shape = (len(idx), *bufs[idx[0]].shape)  # the local shape (a shard's rows in the sharded subclass)
         device = bufs[idx[0]].device
@@ -357,12 +265,8 @@ class MatrixOptimizer(Optimizer):
             if U is None or U.shape != shape:
                 U = ws[("u", dtype)] = torch.empty(shape, dtype=dtype, device=device)
         if fused:
-            tall = key[0][0] > key[0][1]
-            x0 = self._start_vectors(key, U) if fold_eps is not None and not tall else None
-            ws[ROW_SUMSQ], first = momentum_pass([grads[i] for i in idx], [bufs[i] for i in idx], U, mu, nesterov,
-                                                 tall, store_u, x0, fold_eps or 0.0)
-            if first is not None:
-                ws[FIRST_PRODUCT] = first
+            ws[ROW_SUMSQ] = momentum_pass([grads[i] for i in idx], [bufs[i] for i in idx], U, mu, nesterov,
+                                          key[0][0] > key[0][1], store_u)
             return U
         # bufs hold (1 - mu) M, so G + mu M = G + mu / (1 - mu) * buf and M = buf / (1 - mu)
         for j, i in enumerate(idx):
@@ -371,10 +275,6 @@ class MatrixOptimizer(Optimizer):
             else:
                 torch.mul(bufs[i], 1.0 / (1.0 - mu), out=U[j])
         return U
-
-    def _start_vectors(self, key, U: Tensor) -> Tensor:
-        """The spectral scale's start vectors x0 of a wide bucket, for its rows held here (all of them)."""
-        return start_vectors(U.shape[0], key[0][0], U.device, torch.promote_types(U.dtype, torch.float32))
 
     def _apply_update(self, params: list[Tensor], D: Tensor, row_scale: Tensor | None, alpha: float) -> None:
         """W_i += alpha * D_i (* row_scale_i) for the bucket's matrices (weight decay is already applied)."""
@@ -411,12 +311,6 @@ class MatrixOptimizer(Optimizer):
         )
 
 
-def caps_rownorm(kind: str, group: dict) -> bool:
-    """Whether this step's RowNorm direction takes the spectral cap (rownorm_scale = spectral, §4). Groups saved
-    before the key existed are frobenius."""
-    return kind == "rownorm" and group.get("rownorm_scale", "frobenius") == "spectral"
-
-
 def _buckets(params: list[Tensor], shapes: list[tuple]) -> dict[tuple, list[int]]:
     """Indices of same-(matrix shape, dtype, device) matrices, which are stacked and processed as one batch."""
     out: dict[tuple, list[int]] = defaultdict(list)
@@ -425,7 +319,7 @@ def _buckets(params: list[Tensor], shapes: list[tuple]) -> dict[tuple, list[int]
     return dict(out)
 
 
-def _check_group(group: dict, accepts_dtensors: bool = False) -> None:
+def _check_group(group: dict, directions: dict[str, Direction], accepts_dtensors: bool = False) -> None:
     """Reject a group the step could not run, with the offending key, value and what is valid."""
     kind = group["kind"]
     if kind not in KINDS:
@@ -443,10 +337,12 @@ def _check_group(group: dict, accepts_dtensors: bool = False) -> None:
                                  f"only 2-D parameters take the matrix update (route it to AdamW)")
         for key in ("direction", "between"):
             v = group[key]
-            if v is not None and v not in DIRECTION_FNS:
-                raise ValueError(f"{key}={v!r} is not valid; choose one of {', '.join(DIRECTION_FNS)}")
-        if group.get("rownorm_scale", "frobenius") not in ROWNORM_SCALES:
+            if v is not None and v not in directions:
+                raise ValueError(f"{key}={v!r} is not valid: this optimizer was given the directions "
+                                 f"{', '.join(directions)}")
+        if group.get("rownorm_scale", "frobenius") not in ("frobenius", "spectral"):
             raise ValueError(f"rownorm_scale={group['rownorm_scale']!r} is not valid; choose one of "
-                             f"{', '.join(ROWNORM_SCALES)}")
+                             "frobenius, spectral")
         # momentum, K, scale and adamw_impl are config values: dit_train.config.check_optimizer checks them
-        group["ns_dtype"] = _dtype_name(group["ns_dtype"])
+        if "ns_dtype" in group:
+            group["ns_dtype"] = dtype_name(group["ns_dtype"])

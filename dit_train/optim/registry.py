@@ -1,27 +1,33 @@
 """The optimizer registry: `optimizer=<name>` on the command line -> conf/optimizer/<name>.yaml -> build_optimizer.
+One line per optimizer in OPTIMIZERS: its Config dataclass (the keys it takes) and its builder.
 
-    OPTIMIZERS: name -> builder(model, cfg: dict) -> torch.optim.Optimizer
-    build_optimizer(model, cfg) -> optimizer with `.routing_table: str` (the summary printed at start), `.routing`
-    (a Routing: `.routing.table()` lists every parameter, its shape, its group and why) and `.step_info()`
+    build_optimizer(model, cfg) -> optimizer with `.routing_table: str` (the summary printed at start) and
+    `.routing` (a Routing: `.routing.table()` lists every parameter, its shape, its group and why)
+    config_class(name) -> that optimizer's Config dataclass (keys, defaults, types, rules, docs)
 
-Adding an optimizer: write `dit_train/optim/<name>.py` with a `build(model, values)` (usually `build_matrix(model,
-values, direction=..., ...)` from here, or any torch.optim.Optimizer), add `"<name>": <name>.build` to OPTIMIZERS,
-its schema to dit_train/config/optimizers.py and a conf/optimizer/<name>.yaml. Nothing in the training loop changes.
+Adding a matrix optimizer with a new direction: a file in directions/ (a Direction subclass with its Config) and
+`"<name>": matrix(<Direction>)` here (docs/extending.md), plus conf/optimizer/<name>.yaml with `name: <name>`.
+Any torch.optim.Optimizer can be registered with Entry(<Config>, <builder(model, values)>). Nothing in the
+training loop changes.
 
 The config is checked by dit_train.config.check_optimizer (the validator `python -m dit_train` uses): an unknown
 key, or a value out of range, is a one-line ConfigError naming the key, the value seen and what is valid; missing
-keys take conf/optimizer/<name>.yaml's values. Builders receive that checked plain dict.
+keys take conf/optimizer/<name>.yaml's values, then the Config's defaults. Builders receive that checked plain dict.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, make_dataclass
 from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
 
 from dit_train.config import check_optimizer
+from dit_train.config.fields import key
+from dit_train.optim.directions import MUD, NS5, Direction, RowNorm
 from dit_train.optim.matrix_optimizer import MatrixOptimizer
+from dit_train.optim.optimizer_config import AdamWConfig, MatrixConfig, PeriodicConfig
 from dit_train.optim.routing import Routing, format_routing_table, route_parameters
 from dit_train.optim.sharded_optimizer import ShardedMatrixOptimizer
 
@@ -29,6 +35,13 @@ from dit_train.optim.sharded_optimizer import ShardedMatrixOptimizer
 PLACEMENT_KEYS = ("distributed_mode", "gather_dtype", "bucket_mb", "overlap_exchange")
 
 Builder = Callable[[nn.Module, dict], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A registered optimizer: the dataclass of its config keys and its builder."""
+    config: type
+    build: Builder
 
 
 # ---- builders ---------------------------------------------------------------------------------------------------
@@ -48,10 +61,10 @@ def build_adamw(model: nn.Module, c: dict) -> MatrixOptimizer:
     return opt
 
 
-def build_matrix(model: nn.Module, c: dict, *, name: str, direction: str,
-                 between: str | None = None) -> MatrixOptimizer:
-    """A matrix optimizer: `direction` on hidden 2-D weights (with `between` on non-refresh steps when the config
-    has K), AdamW on the rest; one optimizer, one state_dict. `c`: checked values (check_optimizer)."""
+def build_matrix(model: nn.Module, c: dict, *, name: str, direction: Direction,
+                 between: Direction | None = None) -> MatrixOptimizer:
+    """A matrix optimizer: `direction` on hidden 2-D weights (with `between` on non-refresh steps, every c["K"]
+    steps), AdamW on the rest; one optimizer, one state_dict. `c`: checked values (check_optimizer)."""
     routing = route_parameters(model, c["matrix_patterns"], c["adamw_patterns"])
     lr, wd = c["lr"], c["weight_decay"]
     adamw_lr = lr if c["adamw_lr"] is None else c["adamw_lr"]
@@ -62,20 +75,18 @@ def build_matrix(model: nn.Module, c: dict, *, name: str, direction: str,
     if routing.adamw:
         groups.append({"params": [p for _, p in routing.adamw], "kind": "adamw", "lr": adamw_lr,
                        "weight_decay": adamw_wd})
-    K = c.get("K") or 1
-    kwargs = {k: c[k] for k in ("ns_steps", "ns_dtype", "ns_gram", "mud_passes", "mud_solve", "rownorm_scale",
-                                "compile_rownorm") if k in c}
+    K = c["K"] if between is not None else 1
     # FSDP2 shards (DTensor parameters) take the sharded implementation, with its placement keys
     sharded = any(hasattr(p, "to_local") for _, p in routing.matrix)
     cls = ShardedMatrixOptimizer if sharded else MatrixOptimizer
-    if sharded:
-        kwargs.update({k: c[k] for k in PLACEMENT_KEYS})
+    kwargs = {k: c[k] for k in PLACEMENT_KEYS} if sharded else {}
     opt = cls(
         groups, lr=lr, weight_decay=wd, momentum=c["momentum"], nesterov=c["nesterov"], scale=c["scale"],
         direction=direction, refresh_every=K, between=between, direction_eps=c["direction_eps"],
         betas=tuple(c["betas"]), eps=c["eps"], adamw_impl=c["adamw_impl"], **kwargs,
     )
-    sched = f"{direction} when step % {K} == 0, {between} otherwise" if between else f"{direction} every step"
+    sched = (f"{direction.name} when step % {K} == 0, {between.name} otherwise" if between
+             else f"{direction.name} every step")
     dtype = f", NS5 in {c['ns_dtype']}" if "ns_dtype" in c else ""
     dtype += f", RowNorm scale {c['rownorm_scale']}" if "rownorm_scale" in c else ""
     if "compile_rownorm" in c:  # what compile_rownorm (auto by default) resolved to on these parameters
@@ -91,39 +102,41 @@ def build_matrix(model: nn.Module, c: dict, *, name: str, direction: str,
     return opt
 
 
-def build_muon(model, c):
-    return build_matrix(model, c, name="muon", direction="spectral")
+def matrix(name: str, direction: type[Direction], between: type[Direction] | None = None) -> Entry:
+    """The registry entry of a matrix optimizer: `direction` every step, or with `between` a periodic schedule
+    (key K). Its Config is MatrixConfig plus the directions' Configs (and PeriodicConfig)."""
+    parts = [direction.Config] + ([between.Config, PeriodicConfig] if between else [])
+    bases = tuple(dict.fromkeys(reversed(parts))) + (MatrixConfig,)  # a direction used twice adds its keys once
+    config = make_dataclass(f"{name.title().replace('_', '')}Config",
+                            [("name", str, key(default=name, doc="the optimizer"))], bases=bases, kw_only=True)
+
+    def build(model: nn.Module, c: dict) -> MatrixOptimizer:
+        return build_matrix(model, c, name=name, direction=direction.from_config(c),
+                            between=None if between is None else between.from_config(c))
+
+    return Entry(config, build)
 
 
-def build_periodic_rowwise(model, c):
-    return build_matrix(model, c, name="periodic_rowwise", direction="spectral", between="rownorm")
-
-
-def build_rownorm(model, c):
-    return build_matrix(model, c, name="rownorm", direction="rownorm")
-
-
-def build_mud(model, c):
-    return build_matrix(model, c, name="mud", direction="mud")
-
-
-OPTIMIZERS: dict[str, Builder] = {
-    "adamw": build_adamw,
-    "muon": build_muon,
-    "periodic_rowwise": build_periodic_rowwise,
-    "rownorm": build_rownorm,
-    "mud": build_mud,
+OPTIMIZERS: dict[str, Entry] = {
+    "adamw": Entry(AdamWConfig, build_adamw),
+    "muon": matrix("muon", NS5),
+    "periodic_rowwise": matrix("periodic_rowwise", NS5, between=RowNorm),
+    "rownorm": matrix("rownorm", RowNorm),
+    "mud": matrix("mud", MUD),
 }
+
+
+def config_class(name: str) -> type:
+    """The Config dataclass of the registered optimizer `name` (KeyError for an unknown one)."""
+    return OPTIMIZERS[name].config
 
 
 def build_optimizer(model: nn.Module, cfg: Mapping | Any) -> torch.optim.Optimizer:
     """Build the optimizer named by cfg['name'] (the resolved Hydra `optimizer` node, or a dict) for `model`.
-    The result has `.routing_table` (printed at start) and `.step_info()` (scalars for the last step)."""
+    The result has `.routing_table` (printed at start); its trainer hooks are optim.hooks.hooks_of(result)."""
     values = check_optimizer(cfg)
     name = values["name"]
-    opt = OPTIMIZERS[name](model, values)
+    opt = OPTIMIZERS[name].build(model, values)
     if not isinstance(getattr(opt, "routing_table", None), str):
         opt.routing_table = f"{name}: {type(opt).__name__} over all {sum(len(g['params']) for g in opt.param_groups)} tensors"
-    if not callable(getattr(opt, "step_info", None)):
-        opt.step_info = dict
     return opt

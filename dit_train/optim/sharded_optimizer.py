@@ -33,7 +33,7 @@ checkpoint resumes under any placement):
   gather mode: bucketed all-gathers, owner mode: each exchange's inbound all-to-all once all its matrices have
   their rows); the trainer reports whether clipping scaled the gradients (`gradients_scaled`).
 
-Accounting (through the active PhaseTimer, see collectives.py): phases momentum / direction / comm (exposed wait only) /
+Accounting (through the timer the loop passes in, use_timer; see collectives.py): phases momentum / direction / comm (exposed wait only) /
 update, and comm bytes per collective. `last_whole_matrices` is how many whole-matrix directions this rank
 computed in the last step (gather: every matrix on every rank; owner: each matrix on one rank).
 """
@@ -46,35 +46,20 @@ from torch import Tensor
 
 from dit_train.optim.backward_overlap import BackwardExchange, prefetched_directions
 from dit_train.optim.collectives import PhaseSwitch, ShardComm, shard_rows
-from dit_train.optim.directions import inv_norms_from_sumsq, row_sumsq
-from dit_train.optim.matrix_optimizer import (DTYPES, MatrixOptimizer, caps_rownorm, compute_direction, take_first_products,
-                               take_row_sumsq)
+from dit_train.optim.directions import DTYPES, LOCAL, MUD, REDUCE, WHOLE, RowNorm, inv_norms_from_sumsq, row_sumsq, take_row_sumsq
+from dit_train.optim.matrix_optimizer import MatrixOptimizer
 from dit_train.optim.spectral_cap import cap_factors, spectral_cap, start_vectors
 from dit_train.optim.owner_exchange import owner_directions, plan_exchanges
 from dit_train.optim.whole_matrix_exchange import gather_directions, plan_buckets
 
-LOCAL, REDUCE, WHOLE = "local", "reduce", "whole"
-
-
-def placement(kind: str, m: int, n: int) -> str:
-    """Where the direction of an m x n matrix held as dim-0 shards is computed: LOCAL (each rank its rows),
-    REDUCE (on the shards, with all-reduces of sums over rows) or WHOLE (on gathered whole matrices)."""
-    tall = m > n
-    if kind == "rownorm":
-        return REDUCE if tall else LOCAL
-    if kind == "mud":
-        return REDUCE if tall else WHOLE
-    return WHOLE  # spectral, and any registered direction without a sharded form
-
-
-def _reducer(kind: str, comm: ShardComm, phases: PhaseSwitch):
+def _reducer(gram_lower_triangle: bool, comm: ShardComm, phases: PhaseSwitch):
     """The `reduce=` hook for directions computed on tall shards: a blocking all-reduce of the per-shard sums.
     MUD's Gram matrices ([B, n, n]) travel as their lower triangles, n (n + 1) / 2 values each: MUD uses only
     T = tril(G) (the upper part it zeroes), and G is symmetric anyway."""
 
     def reduce(t: Tensor) -> Tensor:
         n = t.shape[-1]
-        if kind != "mud" or t.shape[-2] != n or n == 1:
+        if not gram_lower_triangle or t.shape[-2] != n or n == 1:
             return comm.all_reduce_(t, phases)
         rows, cols = torch.tril_indices(n, n, device=t.device)
         lower = t[..., rows, cols].contiguous()
@@ -176,12 +161,12 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
                 f"{exchange}{behind}")
 
     # ---- the direction stage ----------------------------------------------------------------------------------
-    def _row_factors_local(self, key) -> bool:
-        """A wide matrix's shards hold whole rows; a tall one's column sums are all-reduced (placement)."""
-        return placement("rownorm", *key[0]) == LOCAL
+    def placement(self, kind: str, m: int, n: int) -> str:
+        """Where the direction `kind` of an m x n matrix held as dim-0 shards is computed (Direction.placement)."""
+        return self.directions[kind].placement(m, n)
 
     def _input_dtype(self, kind: str, key, group: dict, param_dtype: torch.dtype) -> torch.dtype:
-        if placement(kind, *key[0]) == WHOLE:
+        if self.placement(kind, *key[0]) == WHOLE:
             return DTYPES[self.gather_dtype]
         return param_dtype
 
@@ -192,17 +177,19 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
             where = {}
             for key, U in inputs.items():
                 self._check_rows(key, U, comm)
-                where[key] = placement(kind, *key[0])
+                where[key] = self.placement(kind, *key[0])
             out, self.last_whole_matrices = {}, 0
             # RowNorm on tall shards: every bucket's column sums of squares in one all-reduce, in flight while the
             # rest is computed
-            sums = [key for key in inputs if where[key] == REDUCE and kind == "rownorm"]
+            direction = self.directions[kind]
+            sums = [key for key in inputs if where[key] == REDUCE and isinstance(direction, RowNorm)]
             pending = self._start_column_sums(sums, inputs, comm) if sums else None
             for key, U in inputs.items():
                 if where[key] == LOCAL or (where[key] == REDUCE and key not in sums):
-                    reduce = _reducer(kind, comm, phases) if where[key] == REDUCE else None
-                    out[key] = compute_direction(kind, U, group, self._bucket_workspace(key), reduce=reduce,
-                                                 tall=key[0][0] > key[0][1])
+                    reduce = (_reducer(isinstance(direction, MUD), comm, phases) if where[key] == REDUCE
+                              else None)
+                    out[key] = direction(U, group, self._bucket_workspace(key), reduce=reduce,
+                                         tall=key[0][0] > key[0][1])
             whole = {key: U for key, U in inputs.items() if where[key] == WHOLE}
             if whole:
                 out.update(self._whole_directions(kind, whole, group, comm, phases))
@@ -212,7 +199,7 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
                 for key, part in zip(sums, flat.split(parts)):
                     out[key] = (inputs[key], inv_norms_from_sumsq(part.view(inputs[key].shape[0], 1, -1),
                                                                   group["direction_eps"]))
-            if caps_rownorm(kind, group):
+            if self._caps(kind, group):
                 self._cap_row_scales(inputs, out, where, comm, phases)
             return out
         finally:
@@ -220,8 +207,7 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
 
     def _cap_row_scales(self, inputs: dict, out: dict, where: dict, comm: ShardComm, phases: PhaseSwitch) -> None:
         """The spectral RowNorm scale on shards (spectral_cap.py): wide shards hold rows of R, tall shards columns;
-        every bucket's power iteration advances together, one counted fp32 all-reduce per round (ROUNDS in all);
-        with compile_rownorm on CPU its products are C loops."""
+        every bucket's power iteration advances together, one counted fp32 all-reduce per round (ROUNDS in all)."""
         problems = []
         for key, U in inputs.items():
             m, n = key[0]
@@ -232,15 +218,15 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
             else:  # this rank's rows of R are its rows of the matrix
                 x0 = self._start_vectors(key, U)
             problems.append((U, out[key][1], tall, x0, "cols" if tall else "rows", spectral_cap(r, c)))
-        firsts = take_first_products([self._bucket_workspace(key) for key in inputs])
-        factors = cap_factors(problems, lambda t: comm.all_reduce_(t, phases), self.compile_rownorm, firsts)
+        factors = cap_factors(problems, lambda t: comm.all_reduce_(t, phases))
         for key, f in zip(inputs, factors):
             out[key] = (out[key][0], out[key][1] * f.to(out[key][1].dtype))
 
     def _start_vectors(self, key, U: Tensor) -> Tensor:
         """This rank's rows of a wide bucket's start vectors."""
         start, rows = shard_rows(key[0][0], dist.get_world_size(self._group))[dist.get_rank(self._group)]
-        return super()._start_vectors(key, U)[:, start:start + rows].contiguous()
+        whole = start_vectors(U.shape[0], key[0][0], U.device, torch.promote_types(U.dtype, torch.float32))
+        return whole[:, start:start + rows].contiguous()
 
     def _start_column_sums(self, keys: list, inputs: dict, comm: ShardComm):
         """Partial column sums of squares of the tall buckets (each [B, 1, n], fp32; those a fused momentum pass
@@ -263,11 +249,11 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
             # CPU: per-(shape, count) workspaces, reused every step (fresh tens-of-MB buffers page-fault there);
             # GPU: fresh buffers from the caching allocator, so whole matrices are not kept between buckets
             ws = self._workspace.setdefault(("whole", key, X.shape[0]), {}) if keep else None
-            D, row_scale = compute_direction(kind, X, group, ws)
+            D, row_scale = self.directions[kind](X, group, {} if ws is None else ws)
             return D if row_scale is None else D * row_scale  # a registered direction that returns a row scale
 
         if self.distributed_mode == "owner":
-            out_dtype = DTYPES[group["ns_dtype"]] if kind == "spectral" else DTYPES[self.gather_dtype]
+            out_dtype = self.directions[kind].output_dtype(group, DTYPES[self.gather_dtype])
             exchanges = self._exchanges({key: U.shape[0] for key, U in inputs.items()}, comm.world)
             launched = {}
             if self._overlap is not None:  # inbound all-to-alls started in backward, if they hold

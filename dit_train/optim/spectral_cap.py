@@ -20,11 +20,7 @@ one sum over the ranks, of c floats per matrix for row splits (R^T x) and of r f
 `cap_factors` runs the buckets in lock step so that every round is ONE collective for all buckets together (the
 `reduce` hook: sum a flat fp32 tensor over the ranks; None for a single process, where every sum is local).
 
-Cost: 2 ROUNDS - 1 = 5 matrix-vector products with U. Products with no sum over the ranks between them are
-computed together; under compile_rownorm on CPU they are C loops (native_rownorm.py) that then share one read of U
-(row i's dot product is complete at the end of row i, whose term of the next product is added while it is in
-cache): 3 reads of U instead of 5, and 2 for wide buckets, whose first product R^T x_0 the momentum pass forms
-while it writes U (fused_rownorm.momentum_pass).
+Cost: 2 ROUNDS - 1 = 5 matrix-vector products with U, as batched torch ops.
 """
 
 from __future__ import annotations
@@ -37,7 +33,6 @@ import torch
 from torch import Tensor
 
 from dit_train.parallel.matmul_precision import ieee_fp32_matmuls
-from dit_train.optim import native_rownorm
 
 ROUNDS = 3  # R^T matvecs per matrix (and ROUNDS - 1 R matvecs); 3 = Rayleigh quotient at G^2 x_0
 
@@ -64,17 +59,13 @@ def cap_vector(caps: tuple[tuple[float, int], ...], device, dtype) -> Tensor:
     return torch.cat([torch.full((n,), cap, dtype=dtype, device=device) for cap, n in caps])
 
 
-class _TorchProducts:
+class _Products:
     """The products of a bucket's power iteration as batched torch ops, vectors kept [B, 1, k] (no reshapes per
     round). Both are vector-times-matrix bmm's: U v as v^T U^T (on CPU bmm(U, v) takes a path ~3x slower than one
     read of U, measured at 3072 x 512: 9.5 ms against 3.2 ms). Wide: R = s U; tall: R = (U s)^T."""
 
     def __init__(self, U: Tensor, s: Tensor, x0: Tensor):
-        self.U, self.s, self.x0 = U, s.reshape(U.shape[0], 1, -1), self.vector(x0)
-
-    @staticmethod
-    def vector(v):  # [B, k] -> this class's layout
-        return v.unsqueeze(1)
+        self.U, self.s, self.x0 = U, s.reshape(U.shape[0], 1, -1), x0.unsqueeze(1)
 
     def wide_first(self, x):  # R^T x = (s x)^T U
         return torch.bmm(x * self.s, self.U)
@@ -90,49 +81,23 @@ class _TorchProducts:
         return torch.bmm(x * self.s, self.U.mT)
 
 
-class _NativeProducts:
-    """The same products as C loops (native_rownorm.power_iteration_round): each round reads U once."""
-
-    def __init__(self, U: Tensor, s: Tensor, x0: Tensor):
-        self.U, self.s, self.x0 = U, s.reshape(U.shape[0], -1), x0
-
-    @staticmethod
-    def vector(v):
-        return v
-
-    def wide_first(self, x):
-        return native_rownorm.power_iteration_round(native_rownorm.WIDE_FIRST, self.U, self.s, x)[0]
-
-    def wide_pair(self, y):
-        return native_rownorm.power_iteration_round(native_rownorm.WIDE_PAIR, self.U, self.s, y)
-
-    def tall_pair(self, x):
-        return native_rownorm.power_iteration_round(native_rownorm.TALL_PAIR, self.U, self.s, x)[0]
-
-    def tall_last(self, x):
-        return native_rownorm.power_iteration_round(native_rownorm.TALL_LAST, self.U, self.s, x)[1]
-
-
 Rounds = Generator[Tensor, Tensor, Tensor]
 
 
-def _products(U: Tensor, row_scale: Tensor, x0: Tensor, native: bool):
-    """The bucket's products: C loops where asked for (compile_rownorm on CPU) and they take the tensors."""
+def _products(U: Tensor, row_scale: Tensor, x0: Tensor) -> _Products:
+    """The bucket's products, in x0's (fp32/fp64) precision."""
     Uw = U if U.dtype == x0.dtype else U.to(x0.dtype)
-    s = row_scale.reshape(U.shape[0], -1).to(x0.dtype)
-    if native and native_rownorm.supports(Uw, s, x0.contiguous()):  # a rows split's x0 is a slice
-        return _NativeProducts(Uw, s, x0.contiguous())
-    return _TorchProducts(Uw, s, x0)
+    return _Products(Uw, row_scale.reshape(U.shape[0], -1).to(x0.dtype), x0)
 
 
 def _power_iteration(U: Tensor, row_scale: Tensor, tall: bool, x0: Tensor, split: str | None,
-                     native: bool = False, first: Tensor | None = None, rounds: int = ROUNDS) -> Rounds:
+                     rounds: int = ROUNDS) -> Rounds:
     """Yields, each round, the partial sums this rank contributes and receives their sum over the ranks;
     returns sigma^2 per matrix ([B]). split: None (whole matrices), "rows" (this rank holds some rows of R; x0 is
     its slice) or "cols" (this rank holds some columns of R). Products that follow each other without a sum over
-    the ranks between them go together (one read of U in the C loops): wide R^T x, then (R y, R^T of it) twice;
-    tall (R^T x, R of it) twice, then R^T x. first: R^T x0 when the momentum pass already formed it (wide)."""
-    p = _products(U, row_scale, x0, native)
+    the ranks between them go together: wide R^T x, then (R y, R^T of it) twice; tall (R^T x, R of it) twice,
+    then R^T x."""
+    p = _products(U, row_scale, x0)
     if tall:  # R^T x is local in both placements; R y sums over the column blocks ("cols")
         x = p.x0
         for _ in range(rounds - 1):
@@ -140,7 +105,7 @@ def _power_iteration(U: Tensor, row_scale: Tensor, tall: bool, x0: Tensor, split
         num = yield p.tall_last(x).square().sum(-1, keepdim=True)
         return (num / x.square().sum(-1, keepdim=True)).reshape(-1)
     # wide: R^T x sums over the row blocks ("rows"); R y is local
-    y = yield (p.wide_first(p.x0) if first is None else p.vector(first))
+    y = yield p.wide_first(p.x0)
     for r in range(rounds - 1):
         y, x = p.wide_pair(y)
         if r < rounds - 2:
@@ -152,21 +117,16 @@ def _power_iteration(U: Tensor, row_scale: Tensor, tall: bool, x0: Tensor, split
 
 @ieee_fp32_matmuls()
 def cap_factors(problems: list[tuple[Tensor, Tensor, bool, Tensor, str | None, float]],
-                reduce: Callable[[Tensor], Tensor] | None = None, native: bool = False,
-                firsts: list[Tensor | None] | None = None, rounds: int = ROUNDS) -> list[Tensor]:
+                reduce: Callable[[Tensor], Tensor] | None = None, rounds: int = ROUNDS) -> list[Tensor]:
     """min(1, cap / sigma) per matrix ([B, 1, 1], to multiply into the row factors) for each bucket's problem
     (U, row_scale, tall, x0, split, cap). All buckets advance together: each round one `reduce` of their partial
-    sums in one flat fp32/fp64 tensor. native: the products as C loops where they take the tensors
-    (compile_rownorm on CPU; same maths, sums in another order). firsts: per problem, R^T x0 where the momentum pass
-    already formed it (fused_rownorm.momentum_pass; wide buckets), else None. rounds: ROUNDS, the optimizer's; others
+    sums in one flat fp32/fp64 tensor. rounds: ROUNDS, the optimizer's; others
     for measuring the estimate (benchmarks/spectral_estimate_accuracy.py)."""
     if rounds < 2:
         raise ValueError(f"rounds={rounds} is not valid: the power iteration takes >= 2 rounds")
     if not problems:
         return []
-    firsts = firsts or [None] * len(problems)
-    runs = [_power_iteration(U, s, tall, x0, split, native, first, rounds)
-            for (U, s, tall, x0, split, _), first in zip(problems, firsts)]
+    runs = [_power_iteration(U, s, tall, x0, split, rounds) for U, s, tall, x0, split, _ in problems]
     parts = [next(run) for run in runs]
     sigma2: list[Tensor | None] = [None] * len(runs)
     while True:

@@ -200,7 +200,9 @@ def fake_training(cfg, world_size: int, micro_batch: int, mode, micro_batches: i
         ema = EMA(model, tc.ema_decay, shadow=shadow)
         optimizer = build_optimizer(model, cfg.optimizer)
         if cfg.optimizer.get("compile_rownorm") == "auto":
-            optimizer.compile_rownorm = False  # what auto runs on CUDA (on CPU it would take the C loops)
+            # the eager passes (compiled kernels do not run on fake tensors); the compiled ones auto runs on CUDA
+            # store U at most where eager does
+            optimizer.compile_rownorm = False
         if isinstance(optimizer, ShardedMatrixOptimizer):
             optimizer.keep_whole_matrix_workspaces = False  # what a CUDA run keeps (CPU runs keep more)
         scheduler = build_scheduler(optimizer, tc.steps, tc.warmup_steps, tc.lr_schedule, tc.min_lr_ratio)

@@ -109,19 +109,3 @@ class PhaseTimer:
         if times.spans:
             self.clock.wait()
         return times.read()
-
-
-_active: PhaseTimer | None = None
-
-
-def set_active_timer(timer: PhaseTimer | None) -> None:
-    """The optimizer times its inner phases through the active timer, so it needs no reference to the loop."""
-    global _active
-    _active = timer
-
-
-def active_timer() -> PhaseTimer:
-    return _active if _active is not None else _DISABLED
-
-
-_DISABLED = PhaseTimer(enabled=False)

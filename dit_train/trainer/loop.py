@@ -32,7 +32,8 @@ from dit_train.trainer.hydra_run import agree_on_config
 from dit_train.telemetry.logger import MetricLogger
 from dit_train.telemetry.metrics import Throughput, read_summary, write_summary
 from dit_train.model.dit import count_parameters
-from dit_train.optim.native_rownorm import check_buildable
+from dit_train.optim.fused_rownorm import check_buildable
+from dit_train.optim.hooks import hooks_of
 from dit_train.parallel.fsdp import (DistInfo, all_reduce_sum_, autocast, barrier, clip_grad_norm_, clip_scaled, collective_timeouts,
                        init_distributed, resolve_plan, shutdown_process_group, wants_fsdp, weights_finite)
 from dit_train.trainer.preemption import Preemption
@@ -40,7 +41,7 @@ from dit_train.runs.resume_policy import resume_candidates
 from dit_train.runs.folder import prepare_run_folder
 from dit_train.telemetry.step_window import StepWindow
 from dit_train.runs.timeline import set_aside_after
-from dit_train.telemetry.clocks import PhaseTimer, set_active_timer
+from dit_train.telemetry.clocks import PhaseTimer
 from dit_train.telemetry.progress import logging_beside_bars, progress_bar
 from dit_train.trainer.state import TrainState
 
@@ -60,9 +61,7 @@ def micro_batch_sync(model, plan, optimizer, last: bool) -> None:
     The memory estimate runs this too."""
     if plan.sharded and plan.replicate > 1:
         model.set_requires_all_reduce(last)
-    arm = getattr(optimizer, "backward_is_final", None)
-    if callable(arm):
-        arm(last)
+    hooks_of(optimizer).backward_is_final(last)
 
 
 class Trainer:
@@ -83,7 +82,8 @@ class Trainer:
         self.state = TrainState(self.scheduler, generator, self.ema, config=OmegaConf.to_container(cfg, resolve=True),
                                 data_fingerprint=fingerprint(self.train_set, self.val_set) if dist.is_main else None)
         self.timer = PhaseTimer(enabled=self.tc.timing, device=dist.device)
-        set_active_timer(self.timer)
+        self.hooks = hooks_of(self.optimizer)  # what the loop tells the optimizer (optim/hooks.py)
+        self.hooks.use_timer(self.timer)
         self.logger = MetricLogger(cfg.run_dir, cfg.logger, enabled=dist.is_main, resolved_config=self.state.config)
         self.evaluation = Evaluation(cfg, dist, self.val_set, self.logger)
         self.saver = CheckpointSaver(cfg.run_dir, self.tc.keep_last,
@@ -173,9 +173,7 @@ class Trainer:
         finite, stop_votes, scaled = self.step_flags(torch.isfinite(loss) & torch.isfinite(grad_norm), votes[1],
                                                      clip_scaled(grad_norm, max_norm))
         self.preemption.agree(stop_votes)
-        told = getattr(self.optimizer, "gradients_scaled", None)
-        if callable(told):  # an exchange started in backward holds only for unscaled gradients
-            told(scaled)
+        self.hooks.gradients_scaled(scaled)  # an exchange started in backward holds only for unscaled gradients
         if finite:
             with self.timer.phase("optimizer"):
                 self.optimizer.step()
@@ -186,9 +184,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         out = {"train/loss": loss, "train/grad_norm": grad_norm, "train/skipped": float(not finite)}
-        info = getattr(self.optimizer, "step_info", None)
-        if callable(info) and finite:
-            out.update(info())
+        if finite:
+            out.update(self.hooks.step_info())
         return out
 
     @staticmethod

@@ -1,0 +1,81 @@
+"""The config keys every optimizer has (AdamWConfig), those of every matrix optimizer (MatrixConfig) and of a
+periodic schedule (PeriodicConfig), each declared once: default, type, rule, one-line doc and whether a resume may
+change it. A matrix optimizer's Config adds its directions' Configs (directions/); optim/registry.py composes them,
+one line per optimizer, and dit_train.config reads them through registry.config_class."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+from dit_train.config.fields import choice, int_at_least, key, number
+
+_PATTERNS = "a list of dotted name patterns, e.g. ['final_layer.linear', 'blocks.*.attn.qkv']"
+
+
+# Keys of every optimizer: the AdamW update, and for the matrix optimizers their AdamW side (biases, norms,
+# embedders, final projection, embedding tables).
+@dataclass(kw_only=True)  # keyword-only: a subclass may add keys without defaults
+class AdamWConfig:
+    """AdamW on every parameter: the baseline (torch's AdamW maths, decoupled weight decay)."""
+    name: str = key(default="adamw", doc="the optimizer")
+    lr: float = number("expected a learning rate > 0", lambda v: v > 0, default=2.0e-3,
+                       doc="shared by the matrix update and AdamW: the moonlight scale matches AdamW's update RMS")
+    weight_decay: float = number("expected >= 0", lambda v: v >= 0, default=0.01,
+                                 doc="decoupled: W <- (1 - lr*wd) W - lr*update")
+    betas: Tuple[float, float] = key("expected two numbers in [0, 1), e.g. [0.9, 0.999]",
+                                     lambda v: all(0 <= b < 1 for b in v), default=[0.9, 0.999],
+                                     doc="AdamW's moment decays")
+    eps: float = number("expected > 0", lambda v: v > 0, default=1.0e-8, doc="AdamW's denominator eps")
+    adamw_impl: str = choice("fused", "foreach", "single", default="fused",
+                             doc="fused | foreach | single: torch's AdamW kernels, same maths (fused is ~6x faster "
+                                 "on CPU)")
+
+
+# Hidden 2-D weights take the matrix update W <- (1 - lr*wd) W - lr*s(W)*Phi(U), everything else AdamW.
+@dataclass(kw_only=True)
+class MatrixConfig(AdamWConfig):
+    momentum: float = number("expected a value in [0, 1)", lambda v: 0 <= v < 1, default=0.95, doc="M <- mu*M + G")
+    nesterov: bool = key(default=True, doc="U = G + mu*M (false: U = M)")
+    scale: str = choice("moonlight", "keller", "none", default="moonlight",
+                        doc="moonlight: 0.2*sqrt(max(m,n)) | keller: sqrt(max(1,m/n)) | none: 1")
+    direction_eps: float = number("expected > 0", lambda v: v > 0, default=1.0e-7,
+                                  doc="NS5 normalisation eps / RowNorm and MUD row-norm floor")
+    adamw_lr: Optional[float] = key("null (same as lr) or > 0", lambda v: v > 0, default=None,
+                                    doc="null: same as lr")
+    adamw_weight_decay: Optional[float] = key("null (same as weight_decay) or >= 0", lambda v: v >= 0, default=None,
+                                              doc="null: same as weight_decay")
+    # Routing (dit_train/optim/routing.py): 2-D weights (nn.Linear, and other 2-D parameters by shape; not embedding
+    # tables, not convolutions) take the matrix update unless they match adamw_patterns; null keeps the built-in
+    # input/output-layer list. Patterns are dotted name fragments matched on whole components, each an fnmatch glob.
+    matrix_patterns: Optional[List[str]] = key(f"null or {_PATTERNS}", lambda v: all(p.strip(".") for p in v),
+                                               default=None,
+                                               doc="forced to the matrix update (2-D only), checked first")
+    adamw_patterns: Optional[List[str]] = key(f"null or {_PATTERNS}", lambda v: all(p.strip(".") for p in v),
+                                              default=None,
+                                              doc="forced to AdamW; replaces the built-in list when given")
+    # Placement on FSDP2 shards (optim/sharded_optimizer.py; a single process ignores them): how whole-matrix
+    # directions (NS5, MUD) bring whole matrices together. RowNorm never needs whole matrices (local rows, or
+    # all-reduced column norms). None of them changes the maths, so a resume may change them.
+    distributed_mode: str = choice(
+        "gather", "owner", default="owner", resume=True,
+        doc="owner: all-to-all to one owner per matrix, direction once, all-to-all back (W matrices per exchange) | "
+            "gather: all-gather U, direction on every rank (the paper's baseline)")
+    gather_dtype: str = choice("bf16", "fp32", default="bf16",
+                               doc="bf16 | fp32: dtype U travels in (bf16 = NS5's input as a single process "
+                                   "computes it)")
+    bucket_mb: float = number("expected > 0", lambda v: v > 0, default=16, resume=True,
+                              doc="gather mode: MB of whole matrices per bucket; the next bucket's collective overlaps "
+                                  "this bucket's direction")
+    overlap_exchange: bool = key(
+        default=False, resume=True,
+        doc="start the exchange of U during backward, as each matrix's gradient is reduced (gather: bucketed "
+            "all-gathers; owner: each exchange's all-to-all to the owners once its matrices have their rows; "
+            "optim/backward_overlap.py; unused on steps where clipping scaled the gradients)")
+
+
+@dataclass(kw_only=True)
+class PeriodicConfig:
+    K: int = int_at_least(1, default=3, doc="refresh period: the first direction when step % K == 0 (step 0-based, "
+                                            "kept in the optimizer state), the second otherwise; K = 1 is the first "
+                                            "alone")
