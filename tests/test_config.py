@@ -51,12 +51,12 @@ def test_a_schema_redeclares_an_inherited_key_only_to_change_its_default():
 
     redeclared = {}
     for name, schema in OPTIMIZER_SCHEMAS.items():
-        for base in schema.__mro__[1:]:
-            if not dataclasses.is_dataclass(base):
-                continue
-            inherited = {f.name: f.default for f in dataclasses.fields(base)}
-            for k in set(schema.__dict__.get("__annotations__", {})) & set(inherited) - {"name"}:
-                redeclared[(name, k)] = (inherited[k], schema.__dataclass_fields__[k].default)
+        declaring = {}  # key -> the defaults of the classes (the composed one and its bases) that declare it
+        for cls in reversed(schema.__mro__):
+            if dataclasses.is_dataclass(cls):
+                for k in cls.__dict__.get("__annotations__", {}):
+                    declaring.setdefault(k, []).append(cls.__dataclass_fields__[k].default)
+        redeclared.update({(name, k): tuple(d) for k, d in declaring.items() if len(d) > 1 and k != "name"})
     assert redeclared == {("mud", "gather_dtype"): ("bf16", "fp32")}
 
 
