@@ -40,7 +40,7 @@ def latents(tmp_path_factory):
     root = tmp_path_factory.mktemp("shapes")
     save_tiny_vae(root / "vae")
     image_folder(root / "img")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "encode_latents.py"), "--vae",
+    r = subprocess.run([sys.executable, "-m", "dit_train.data.encode", "--vae",
                         str(root / "vae"), "--images", str(root / "img"), "--out", str(root / "lat"),
                         "--image-size", "16", "--shard-size", "8"], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": ROOT})

@@ -118,7 +118,7 @@ def test_sample_and_fd_jobs_show_a_bar_on_a_terminal_and_none_in_a_pipe(stopped_
         cmd, desc = [sys.executable, "-m", "dit_train.sample", str(run), "--steps", "3", "--grid",
                     str(tmp_path / "grid.png")], "sample:"
     else:
-        cmd, desc = [sys.executable, os.path.join(ROOT, "eval", "fd_dino.py"), str(run), "--out", str(tmp_path),
+        cmd, desc = [sys.executable, "-m", "dit_train.evaluation.fd.job", str(run), "--out", str(tmp_path),
                     "--cache-dir", str(tmp_path / "cache"), "--force", *FD], "FD run step 3:"
     code, out = on_terminal(cmd, str(tmp_path))
     assert code == 0, out[-3000:]

@@ -19,7 +19,9 @@ def progress_bar(total: int | None, desc: str, enabled: bool = True, **kwargs):
 def model_call_bar(model, total: int, desc: str, enabled: bool = True, leave: bool = True):
     """A bar advanced by every forward call of `model` (an Euler step of a batch, a validation batch at one t),
     closed on leaving, also on an error, so that a message printed next starts on a line of its own."""
-    bar = progress_bar(total, desc, enabled, unit="call", leave=leave)
+    # every call drawn (tqdm draws at most every 0.1 s by default): a call is a whole model forward, and a part
+    # shorter than 0.1 s would otherwise leave its bar at 0 when it closes
+    bar = progress_bar(total, desc, enabled, unit="call", leave=leave, mininterval=0)
 
     def count(*_) -> None:  # returns None: a forward hook's return value would replace the model's output
         bar.update(1)
