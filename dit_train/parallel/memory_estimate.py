@@ -263,6 +263,7 @@ def step_only_trainer(cfg, info, plan, model, ema, optimizer, scheduler, micro_b
     from omegaconf import OmegaConf
 
     from dit_train import seeds
+    from dit_train.optim.hooks import hooks_of
     from dit_train.telemetry.clocks import PhaseTimer
     from dit_train.trainer.loop import Trainer
     from dit_train.trainer.preemption import Preemption
@@ -273,6 +274,8 @@ def step_only_trainer(cfg, info, plan, model, ema, optimizer, scheduler, micro_b
     trainer.model, trainer.ema, trainer.optimizer, trainer.scheduler = model, ema, optimizer, scheduler
     trainer.state = SimpleNamespace(generator=seeds.generator("train_noise", cfg.seed))
     trainer.timer, trainer.preemption, trainer.bad_steps = PhaseTimer(enabled=False), Preemption(), 0
+    trainer.hooks = hooks_of(optimizer)  # what the loop tells the optimizer, as Trainer.__init__ sets it
+    trainer.hooks.use_timer(trainer.timer)
     trainer.step_flags = lambda finite, stop_votes, scaled: (True, 0.0, False)
     return trainer
 
