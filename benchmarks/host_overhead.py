@@ -201,10 +201,10 @@ def main(argv=None) -> int:
     for name in args.optimizers:  # a fresh process each: the fake process group and compiled state are global
         runs = {}
         for mode in ("fake", "shrunk"):
-            cmd = [sys.executable, os.path.abspath(__file__), "--one", "--mode", mode, "--optimizer", name,
+            cmd = [sys.executable, "-m", "benchmarks.host_overhead", "--one", "--mode", mode, "--optimizer", name,
                    "--preset", args.preset, "--world-size", str(args.world_size), "--micro-batch",
                    str(args.micro_batch), *args.overrides]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             if proc.returncode != 0:
                 sys.exit(f"error: {name} ({mode}) failed: {proc.stderr.strip()[-2000:]}")
             runs[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
