@@ -197,6 +197,9 @@ def test_published_records_count_as_finished_runs(tmp_path):
     assert not run_study.done(str(sweep), str(records), scan[1]["name"], 700)  # a shorter published run
     (records / scan[2]["name"] / "summary.json").unlink()  # published before its end-of-run work: not finished
     assert not run_study.done(str(sweep), str(records), scan[2]["name"], 600)
+    for damaged in ("[]", '{"steps": "600"}'):  # an edited or foreign summary is not a finished run
+        (records / scan[1]["name"] / "summary.json").write_text(damaged)
+        assert not run_study.done(str(sweep), str(records), scan[1]["name"], 600)
 
 
 def test_a_scan_grows_by_its_own_spacing(tmp_path):

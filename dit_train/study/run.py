@@ -203,7 +203,8 @@ def published(record_dir: str, steps: int) -> bool:
     path = os.path.join(record_dir, "summary.json")
     if not os.path.isfile(path) or os.path.isdir(os.path.join(record_dir, "checkpoints")):
         return False
-    return int(read_json(path, fix="restore it from the sweep it was published from").get("steps", -1)) >= steps
+    summary = read_json(path, fix="restore it from the sweep it was published from")
+    return isinstance(summary, dict) and isinstance(summary.get("steps"), int) and summary["steps"] >= steps
 
 
 def run_folder(sweep_dir: str, records: str | None, name: str, steps: int) -> str:
@@ -216,8 +217,9 @@ def run_folder(sweep_dir: str, records: str | None, name: str, steps: int) -> st
 
 
 def done(sweep_dir: str, records: str | None, name: str, steps: int) -> bool:
-    folder = run_folder(sweep_dir, records, name, steps)
-    return finished(folder, steps) or (folder != os.path.join(sweep_dir, name))
+    """Finished in the sweep folder, or published finished in `records`."""
+    return finished(os.path.join(sweep_dir, name), steps) or bool(records) and published(os.path.join(records, name),
+                                                                                          steps)
 
 
 def previous_invocations(sweep_dir: str) -> list[dict]:
