@@ -53,7 +53,7 @@ def registered(monkeypatch):
 
 
 def matrix_defaults() -> dict:
-    """The shared matrix-optimizer values a conf/optimizer/sign.yaml would inherit (_optimizer_matrix_base.yaml)."""
+    """The shared matrix-optimizer values (MatrixConfig's keys, as muon has them)."""
     muon = OmegaConf.to_container(load_option("optimizer", "muon"), resolve=True)
     return {k: v for k, v in muon.items() if k in MatrixConfig.__dataclass_fields__}
 

@@ -1,4 +1,5 @@
-"""The optimizer registry: `optimizer=<name>` on the command line -> conf/optimizer/<name>.yaml -> build_optimizer.
+"""The optimizer registry: `optimizer=<name>` on the command line -> that optimizer's Config (registered with Hydra by
+dit_train/config/store.py) -> build_optimizer.
 One line per optimizer in OPTIMIZERS: its Config dataclass (the keys it takes) and its builder.
 
     build_optimizer(model, cfg) -> optimizer with `.routing_table: str` (the summary printed at start) and
@@ -6,13 +7,13 @@ One line per optimizer in OPTIMIZERS: its Config dataclass (the keys it takes) a
     config_class(name) -> that optimizer's Config dataclass (keys, defaults, types, rules, docs)
 
 Adding a matrix optimizer with a new direction: a file in directions/ (a Direction subclass with its Config) and
-`"<name>": matrix(<Direction>)` here (docs/extending.md), plus conf/optimizer/<name>.yaml with `name: <name>`.
+`"<name>": matrix(<Direction>)` here (docs/extending.md); the command line knows it from that line.
 Any torch.optim.Optimizer can be registered with Entry(<Config>, <builder(model, values)>). Nothing in the
 training loop changes.
 
 The config is checked by dit_train.config.check_optimizer (the validator `python -m dit_train` uses): an unknown
 key, or a value out of range, is a one-line ConfigError naming the key, the value seen and what is valid; missing
-keys take conf/optimizer/<name>.yaml's values, then the Config's defaults. Builders receive that checked plain dict.
+keys take the Config's defaults. Builders receive that checked plain dict.
 """
 
 from __future__ import annotations
