@@ -118,6 +118,8 @@ RUNNERS = {
     "python -m benchmarks.bench_fd": appended("--batches 1 --encoders dinov2_random"),
     # docs/host_overhead.md (its command once h-host's change is merged: PENDING)
     "python -m benchmarks.host_overhead": appended("--preset dit_xs --world-size 2 --optimizers adamw"),
+    # docs/layout.md: reads this checkout's git history
+    "python -m benchmarks.code_shape": lambda command: f"cd {ROOT} && {command}",
     # docs/scaling_out.md
     "torchrun --standalone --nproc_per_node 8 -m dit_train": trainer_config,
     "torchrun --nnodes 4 --nproc_per_node 8 --rdzv_id my_dit_15b": trainer_config,
