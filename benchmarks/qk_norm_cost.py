@@ -6,7 +6,7 @@ interleaved, repeat by repeat; the time is the process's CPU time (time.process_
 measures the neighbours, CPU time the work) and the minimum over repeats is printed, with the cost of qk-norm
 relative to the model without it. docs/qk_norm.md holds the numbers.
 
-    PYTHONPATH=$PWD python benchmarks/qk_norm_cost.py [--repeats 3] [--batch 32] [--threads 1] [--compile]
+    python -m benchmarks.qk_norm_cost [--repeats 3] [--batch 32] [--threads 1] [--compile]
 """
 
 from __future__ import annotations

@@ -153,6 +153,52 @@ def test_added_optimizer_is_one_registry_line(monkeypatch):
     assert opt.step_info() == {"opt/refresh": 1.0} and "mud when step % 2 == 0" in opt.routing_table
 
 
+def test_a_placement_key_declared_once_reaches_the_sharded_optimizer(monkeypatch):
+    """A key declared with placement=True in an optimizer's Config is passed to the sharded implementation, and only
+    there, with no list to extend: a toy key on a new optimizer. The real keys are exactly the sharded optimizer's
+    keyword-only arguments (its signature, not a copy of the list)."""
+    import inspect
+    from dataclasses import dataclass
+
+    from dit_train.config.fields import int_at_least
+    from dit_train.optim import registry
+    from dit_train.optim.directions import NS5
+    from dit_train.optim.sharded_optimizer import ShardedMatrixOptimizer
+
+    keywords = {n for n, p in inspect.signature(ShardedMatrixOptimizer.__init__).parameters.items()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert set(registry.placement_keys(OPTIMIZERS["muon"].config)) == keywords
+    assert registry.placement_keys(OPTIMIZERS["adamw"].config) == ()
+
+    @dataclass(kw_only=True)
+    class ChunkedConfig(OPTIMIZERS["muon"].config):
+        exchange_chunks: int = int_at_least(1, default=2, placement=True, doc="a toy placement key")
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    class Recorder(ShardedMatrixOptimizer):  # records what the registry passes, builds nothing
+        def __init__(self, params, *, exchange_chunks, **kwargs):
+            seen.update(kwargs, exchange_chunks=exchange_chunks)
+            raise Stop
+
+    monkeypatch.setattr(registry, "ShardedMatrixOptimizer", Recorder)
+    monkeypatch.setitem(OPTIMIZERS, "chunked", registry.Entry(ChunkedConfig, lambda model, c: registry.build_matrix(
+        model, c, name="chunked", direction=NS5.from_config(c))))
+    cfg = {"name": "chunked", "exchange_chunks": 5, "distributed_mode": "gather"}
+    single = build_optimizer(tiny_dit(), cfg)  # one process: plain MatrixOptimizer, which takes no such keyword
+    assert type(single) is MatrixOptimizer
+    sharded = tiny_dit()
+    for p in sharded.parameters():  # what the registry looks for on FSDP2's DTensor shards
+        p.to_local = lambda: None
+    with pytest.raises(Stop):
+        build_optimizer(sharded, cfg)
+    assert seen["exchange_chunks"] == 5 and seen["distributed_mode"] == "gather"
+    assert {"bucket_mb", "gather_dtype", "overlap_exchange"} <= set(seen)
+
+
 # ---- exact update maths ------------------------------------------------------------------------------------------
 def _rownorm_ref(U):
     """Independent RowNorm: rows of the min(m, n) side."""
