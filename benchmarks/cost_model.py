@@ -6,9 +6,9 @@ device (model_flops), FSDP2 bytes from comm_volume.fsdp_volumes, the optimizer's
 (owner_exchange.plan_exchanges, collectives.shard_rows) under its own byte-counting rules (collectives.py), and the
 whole-matrix stage's schedule from the discrete-event model of benchmarks/model_owner_schedule.py.
 
-    PYTHONPATH=$PWD python benchmarks/cost_model.py --paper [--hardware h100|h200]         # the paper's table
-    PYTHONPATH=$PWD python benchmarks/cost_model.py --measure-host [--save benchmarks/host_profile.json]
-    PYTHONPATH=$PWD python benchmarks/cost_model.py --calibrate --bench-optimizer LOG --bench-distributed LOG
+    python -m benchmarks.cost_model --paper [--hardware h100|h200]         # the paper's table
+    python -m benchmarks.cost_model --measure-host [--save benchmarks/host_profile.json]
+    python -m benchmarks.cost_model --calibrate --bench-optimizer LOG --bench-distributed LOG
 
 What it assumes (each a field of `Hardware`, stated in the profile):
 - forward + backward run at `mfu` of the dense bf16 peak; FSDP2 prefetches the next block's all-gather and runs
