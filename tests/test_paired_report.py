@@ -99,6 +99,8 @@ def test_selection_seeds_recorded_by_the_runner_are_never_evaluated(tmp_path):
     evaluation = text.split("## Including selection seed")[0]
     assert "| periodic_rowwise K=3 (spectral) | val loss @600 | 2 | " in evaluation
     assert "| val loss @600 | 3 |" not in evaluation and "| val loss @600 | 4 |" not in evaluation
+    # recorded selection seeds ran the scan only: no section with them (that is the old protocol's)
+    assert "## Including selection seed" not in text
 
 
 def test_intervals_use_the_exact_t_quantile():
@@ -205,7 +207,8 @@ def test_a_study_with_axes_and_a_common_lr_pairs_by_seed_within_qk_norm_and_lr_k
     paired_report.main([str(sweep), "--reference", "periodic_rowwise K=3 (frobenius)"])
     text = (sweep / "report.md").read_text()
     assert "Built by `dit-paired-report " + str(sweep) + " --reference 'periodic_rowwise K=3 (frobenius)'`" in text
-    assert "(evaluation seeds 40, 41, 42)" in text and "| 30 |" not in text  # the selection seed is no row
+    assert "and the common ones (evaluation seeds 40, 41, 42)" in text and "| 30 |" not in text
+    assert "## Including selection seed" not in text  # seed 30 ran at a selected lr, in the scan only
     assert "## Paired differences against muon" not in text
     for qk in (True, False):
         for kind, words in (("own", "own lr"), ("common", "common lr")):

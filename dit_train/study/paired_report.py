@@ -248,7 +248,8 @@ def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN,
 
     lines = [f"# Paired optimizer comparison: {study.get('experiment', '?')}", banner(study),
              f"Built by `dit-paired-report {sweep_dir}{out_arg}{margin_arg}{ref_arg}` from {len(eval_runs)} "
-             f"finished runs at the selected learning rates (evaluation seeds {_seeds(seeds)}). Selection "
+             f"finished runs at the selected learning rates{' and the common ones' if study.get('common_lr') else ''} "
+             f"(evaluation seeds {_seeds(seeds)}). Selection "
              f"seed{'s' if len(chosen_by) > 1 else ''} {_seeds(chosen_by)} chose the learning rates and "
              f"{'are' if len(chosen_by) > 1 else 'is'} excluded from every evaluation row.",
              provenance(study, eval_runs), study.get("notes", ""),
@@ -298,7 +299,8 @@ def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN,
                                     f"evaluation seeds {_seeds(seeds)} (per seed, then the t-intervals of the mean)",
                                     at_steps)
     every_seed = sorted({s for by in runs.values() for group in by.values() for s in group})
-    if set(chosen_by) & set(every_seed):
+    # only the old protocol evaluated its selection seed; study.selection_seeds' own scan runs are scan rows only
+    if "selection_seeds" not in study and set(chosen_by) & set(every_seed):
         lines += [f"## Including selection seed {_seeds(chosen_by)} (biased: the learning rates were chosen on it)",
                   "This study's selection seed also ran at the selected learning rates (the protocol before "
                   "selection seeds were kept out). Its rows are given only to compare with figures published from "
