@@ -597,6 +597,36 @@ def test_smoke_study_end_to_end_then_rerun_skips(tmp_path):
     assert "inception" in text
 
 
+@needs_fashion
+def test_the_stability_study_runs_end_to_end_in_its_smoke_version(tmp_path):
+    """rownorm_scale_stability_smoke (the pre-registered study shrunk to seconds per run) through dit-study and
+    dit-paired-report: the report has every arm the pre-registration names (both scales, qk_norm on and off, own and
+    common lr), the primary and stability rows against frobenius, and the selection seed in no evaluation row."""
+    from dit_train.study import paired_report
+
+    sweep = tmp_path / "sweep"
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    r = subprocess.run([sys.executable, "-m", "dit_train.study.run", "rownorm_scale_stability_smoke", "--sweep-dir",
+                        str(sweep)], capture_output=True, text=True, env=env, timeout=1200)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    study = json.loads((sweep / "study.json").read_text())
+    assert study["selection_seeds"] == [30] and len(study["lr_selection"]) == 4 and len(study["common_lr"]) == 4
+    evaluated = {r["name"] for r in study["runs"] if r["phase"] in ("seeds", "common")}
+    assert {int(n.rsplit("seed=", 1)[1]) for n in evaluated} == {40, 41}
+    assert all((sweep / n / "summary.json").exists() for n in evaluated)
+    paired_report.main([str(sweep), "--reference", "periodic_rowwise K=3 (frobenius)"])
+    text = (sweep / "report.md").read_text()
+    for qk in (True, False):
+        for kind in ("own lr", "common lr"):
+            for scale in ("frobenius", "spectral"):
+                assert f"| periodic_rowwise K=3 ({scale}) [model.qk_norm={qk}, {kind}] | " in text
+            section = text.split(f"## Paired differences against periodic_rowwise K=3 (frobenius), "
+                                 f"model.qk_norm={qk}, {kind}, evaluation seeds 40, 41 ")[1].split("\n## ")[0]
+            assert "| periodic_rowwise K=3 (spectral) | val loss @24 | 2 | " in section
+            assert "| periodic_rowwise K=3 (spectral) | max loss spike | 2 | " in section
+    assert "max loss spike | diverged |" in text and "## Including selection seed" not in text
+
+
 def test_a_run_with_a_summary_but_fewer_steps_than_planned_is_not_finished(tmp_path):
     """The study runner asks the checkpoint, not summary.json: an extended run keeps its old summary until done."""
     from dit_train.runs import checkpoint as ckpt
