@@ -84,7 +84,8 @@ def test_paired_differences_intervals_and_time_to_target(tmp_path):
     assert f"| periodic_rowwise K=3 (spectral) | val loss @600 | 4 | {sum(pr_vs_muon(SEEDS)) / 4:+.2f}% |" in biased
     # crossing: muon seed 0 (curve 0.60 @200, 0.45 @400, 0.30 @600) crosses it
     # at step 400 + 200 * (0.45 - 0.41) / 0.15
-    run = paired_report.collect(str(sweep), json.loads((sweep / "study.json").read_text()))[0]["muon"][0]
+    strata = paired_report.collect(str(sweep), json.loads((sweep / "study.json").read_text()))[0]
+    run = strata[("", paired_report.OWN)]["muon"][0]  # the one stratum of a study without axes or a common lr
     steps, secs = paired_report.crossing(run, 0.41)
     assert steps == pytest.approx(400 + 200 * 0.04 / 0.15) and secs == pytest.approx(0.5 * steps)
     assert math.isnan(paired_report.crossing(run, 0.1)[0])
@@ -98,6 +99,8 @@ def test_selection_seeds_recorded_by_the_runner_are_never_evaluated(tmp_path):
     evaluation = text.split("## Including selection seed")[0]
     assert "| periodic_rowwise K=3 (spectral) | val loss @600 | 2 | " in evaluation
     assert "| val loss @600 | 3 |" not in evaluation and "| val loss @600 | 4 |" not in evaluation
+    # recorded selection seeds ran the scan only: no section with them (that is the old protocol's)
+    assert "## Including selection seed" not in text
 
 
 def test_intervals_use_the_exact_t_quantile():
@@ -158,3 +161,77 @@ def test_publishing_a_two_phase_study_writes_its_paired_report_rebuilt_exactly_f
     assert published.startswith("# Paired optimizer comparison: fab")
     assert "Built by `dit-paired-report docs/results/fab/runs --out docs/results/fab`" in published
     assert paired_report.build("docs/results/fab/runs", "docs/results/fab") == published
+
+
+def stability_sweep(sweep) -> dict:
+    """periodic_rowwise K=3, frobenius and spectral, qk_norm on and off (study.axes), 200 steps logged every step:
+    selection seed 30 (scan runs only, one of them at the selected lr), evaluation seeds 40-42 at each arm's own lr
+    and at the common lr. Returns {(scale, qk_norm, lr kind, seed): (final val loss, max loss spike)}."""
+    own = {("frobenius", True): 4e-3, ("spectral", True): 8e-3, ("frobenius", False): 2e-3, ("spectral", False): 2e-3}
+    common = {True: 4e-3, False: 2e-3}
+    truth, study_runs, selection = {}, [], {}
+    for (scale, qk), lr in own.items():
+        label = f"dit_m periodic_rowwise K=3 rownorm_scale={scale} model.qk_norm={qk}"
+        selection[label] = {"lr": lr}
+        arms = [("scan", lr, 30), ("scan", 2 * lr, 30)] + [(p, x, s) for p, x in (("seeds", lr), ("common", common[qk]))
+                                                           for s in (40, 41, 42)]
+        for phase, x, seed in arms:
+            h = 1 + seed % 7 / 10 + (scale == "frobenius") * (1 + (not qk)) + (x != lr) * 0.3
+            final = 0.25 + 0.01 * (seed % 5) + (scale == "frobenius") * 0.05 + (not qk) * 0.02 + (x != lr) * 0.03
+            name = f"{scale}_qk{qk}_lr{x}_s{seed}"
+            # the spike window's mean over the lowest 10-step mean before it (steps 71-80, mean loss at step 75.5);
+            # 1 where that is lower (h = 1): a falling mean is its own minimum
+            spike = max(1.0, h * (1.0 - 0.5 * 80 / 200) / (1.0 - 0.5 * 75.5 / 200))
+            if phase != "scan":
+                truth[(scale, qk, "common" if phase == "common" else "own", seed)] = (final, spike)
+            if not (sweep / name).exists():
+                losses = [1.0 - 0.5 * s / 200 for s in range(1, 201)]
+                losses[80:90] = [h * (1.0 - 0.5 * 80 / 200)] * 10  # one 10-step window at h x the running minimum
+                rows = [{"step": s, "train/loss": losses[s - 1], "time/optimizer": 0.01, "time/step": 0.5,
+                         "window/steps": 1, "time/forward": 0.1, "time/backward": 0.2, "active_time_s": 0.5 * s}
+                        for s in range(1, 201)]
+                rows += [{"step": s, "val/loss": final * (1 + (200 - s) / 200)} for s in (50, 100, 150, 200)]
+                write_run(sweep / name, "dit_m", "periodic_rowwise", seed, sorted(rows, key=lambda r: r["step"]), K=3,
+                          lr=x, scale=scale, warmup=20)
+            study_runs.append({"name": name, "model": "dit_m", "optimizer": "periodic_rowwise", "K": 3,
+                               "scale": scale, "axes": {"model.qk_norm": qk}, "lr": x, "seed": seed, "phase": phase})
+    (sweep / "study.json").write_text(json.dumps({
+        "experiment": "rownorm_scale_stability_dit_m", "runs": study_runs, "lr_selection": selection,
+        "selection_seeds": [30], "common_lr": {k: common[k.endswith("True")] for k in selection}}))
+    return truth
+
+
+def test_a_study_with_axes_and_a_common_lr_pairs_by_seed_within_qk_norm_and_lr_kind(tmp_path):
+    sweep = tmp_path / "sweep"
+    truth = stability_sweep(sweep)
+    paired_report.main([str(sweep), "--reference", "periodic_rowwise K=3 (frobenius)"])
+    text = (sweep / "report.md").read_text()
+    assert "Built by `dit-paired-report " + str(sweep) + " --reference 'periodic_rowwise K=3 (frobenius)'`" in text
+    assert "and the common ones (evaluation seeds 40, 41, 42)" in text and "| 30 |" not in text
+    assert "## Including selection seed" not in text  # seed 30 ran at a selected lr, in the scan only
+    assert "## Paired differences against muon" not in text
+    for qk in (True, False):
+        for kind, words in (("own", "own lr"), ("common", "common lr")):
+            section = text.split(f"## Paired differences against periodic_rowwise K=3 (frobenius), "
+                                 f"model.qk_norm={qk}, {words}, evaluation seeds 40, 41, 42")[1].split("\n## ")[0]
+            for metric, i in (("val loss @200", 0), ("max loss spike", 1)):
+                diffs = [100 * (truth[("spectral", qk, kind, s)][i] - truth[("frobenius", qk, kind, s)][i])
+                         / truth[("frobenius", qk, kind, s)][i] for s in (40, 41, 42)]
+                mean = sum(diffs) / 3
+                if max(diffs) - min(diffs) < 1e-9:  # no spread: the interval is the mean itself
+                    bounds = f"[{mean:+.2f}, {mean:+.2f}]"
+                else:
+                    ci = scipy.stats.ttest_1samp(diffs, 0.0).confidence_interval(0.95)
+                    bounds = f"[{ci.low:+.2f}, {ci.high:+.2f}]"
+                row = f"| periodic_rowwise K=3 (spectral) | {metric} | 3 | {mean:+.2f}% | {bounds} |"
+                assert row in section, (row, section)
+    # the quality table: one row per arm, qk_norm and lr kind; the spike is the window's height over the minimum
+    row = "| periodic_rowwise K=3 (frobenius) [model.qk_norm=False, common lr] | 0.002 | 3 | "
+    assert row in text
+    # validation read at a third (50 is nearer 66.7 than 100), two thirds (150) and the end of the 200 steps
+    assert ("| variant | lr | seeds | val loss @50 | val loss @150 | val loss @200 | final FD | optimizer ms/step | "
+            "refresh steps timed | max loss spike | diverged |") in text
+    assert text.count("| 0 of 3 |") == 8  # each of the 8 arms: 3 seeds, none diverged
+    with pytest.raises(SystemExit, match=r"--reference 'muon' is not a variant with evaluation runs here; valid: "
+                                         r"'periodic_rowwise K=3 \(frobenius\)', 'periodic_rowwise K=3 \(spectral\)'"):
+        paired_report.main([str(sweep), "--reference", "muon"])

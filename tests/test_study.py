@@ -27,7 +27,8 @@ def compose_with_hydra(overrides):
 
 @pytest.mark.parametrize("experiment", ["scaling_study", "scaling_study_cpu", "smoke", "lr_scan_cpu",
                                         "scaling_study_cpu_tuned", "optimizer_comparison_cpu",
-                                        "optimizer_confirmation_cpu"])
+                                        "optimizer_confirmation_cpu", "rownorm_scale_stability_dit_m",
+                                        "rownorm_scale_stability_smoke"])
 def test_experiments_compose_and_expand(experiment):
     cfg = compose_with_hydra([f"experiment={experiment}", "run_dir=/tmp/unused"])
     assert cfg.study.name == experiment
@@ -228,6 +229,102 @@ def test_the_confirmatory_study_is_preregistered():
                                              1.13e-2})
     assert len(scan) == 20 and len(every) == 40
     assert {r["seed"] for r in every if r["phase"] == "seeds"} == set(evaluated)
+
+
+def test_study_axes_make_each_combination_a_variant_with_its_own_scan():
+    study = OmegaConf.create({"models": ["dit_m"], "optimizers": ["periodic_rowwise"], "K": [3],
+                              "rownorm_scale": ["frobenius", "spectral"], "axes": {"model.qk_norm": [True, False]},
+                              "selection_seeds": [30], "seeds": [40], "lr_scan": {"periodic_rowwise": [4e-3, 8e-3]}})
+    labels = [run_study.variant_label(v) for v in run_study.variants(study)]
+    assert labels == ["dit_m periodic_rowwise K=3 rownorm_scale=frobenius model.qk_norm=True",
+                      "dit_m periodic_rowwise K=3 rownorm_scale=frobenius model.qk_norm=False",
+                      "dit_m periodic_rowwise K=3 rownorm_scale=spectral model.qk_norm=True",
+                      "dit_m periodic_rowwise K=3 rownorm_scale=spectral model.qk_norm=False"]
+    scan = run_study.expand(study, [], [])
+    assert len(scan) == 8 and len({r["name"] for r in scan}) == 8
+    # the folder name is Hydra's override_dirname, which writes a yaml false as False
+    assert ("model.qk_norm=False,model=dit_m,optimizer.K=3,optimizer.lr=0.004,optimizer.rownorm_scale=spectral,"
+            "optimizer=periodic_rowwise,seed=30") in {r["name"] for r in scan}
+    assert all(f"model.qk_norm={r['axes']['model.qk_norm']}" in r["overrides"] for r in scan)
+    for bad, why in (({"optimizer.lr": [1e-3]}, r"may not name \['optimizer.lr'\]"),
+                     ({"model.qk_norm": []}, "must map config keys to non-empty lists"),
+                     ([True, False], "must map config keys to non-empty lists")):
+        study.axes = bad
+        with pytest.raises(ValueError, match=why):
+            run_study.expand(study, [], [])
+
+
+def test_the_common_lr_is_the_lowest_selected_of_each_model_and_axes_and_its_shared_runs_run_once(tmp_path, capsys):
+    study = OmegaConf.create({"models": ["dit_m"], "optimizers": ["periodic_rowwise"], "K": [3],
+                              "rownorm_scale": ["frobenius", "spectral"], "axes": {"model.qk_norm": [True, False]},
+                              "selection_seeds": [30], "seeds": [40, 41], "common_lr": "lowest_selected",
+                              "lr_scan": {"periodic_rowwise": [2e-3, 4e-3, 8e-3]}})
+    fro, spe = "dit_m periodic_rowwise K=3 rownorm_scale=frobenius", "dit_m periodic_rowwise K=3 rownorm_scale=spectral"
+    selected = {f"{fro} model.qk_norm=True": 4e-3, f"{spe} model.qk_norm=True": 8e-3,
+                f"{fro} model.qk_norm=False": 2e-3}  # spectral without qk_norm: its scan has not finished
+    common = run_study.common_learning_rates(study, selected)
+    assert common == {f"{fro} model.qk_norm=True": 4e-3, f"{spe} model.qk_norm=True": 4e-3}
+    runs = run_study.expand(study, [], [], selected, None, common)
+    by_phase = {p: {(r["scale"], r["axes"]["model.qk_norm"], r["lr"], r["seed"]) for r in runs if r["phase"] == p}
+                for p in ("seeds", "common")}
+    assert by_phase["common"] == {(s, True, 4e-3, seed) for s in ("frobenius", "spectral") for seed in (40, 41)}
+    assert ("frobenius", False, 2e-3, 40) in by_phase["seeds"] and ("spectral", True, 8e-3, 41) in by_phase["seeds"]
+    # frobenius's own lr is the common one: the same folders, run once
+    args = type("Args", (), {"records": None, "dry_run": True, "experiment": "x", "overrides": []})()
+    run_study.run_groups([r for r in runs if r["phase"] != "scan"], None, str(tmp_path), lambda r: 200, args)
+    commands = [l for l in capsys.readouterr().out.splitlines() if "--multirun" in l]
+    assert len(commands) == 4  # frobenius at 4e-3 (own and common), spectral at 8e-3 and at 4e-3, frobenius off
+    assert sum("rownorm_scale=frobenius optimizer.lr=0.004 model.qk_norm=True seed=40,41 " in c for c in commands) == 1
+    # a number is every variant's, stated in advance
+    study.common_lr = 3e-3
+    assert set(run_study.common_learning_rates(study, {}).values()) == {3e-3}
+    for bad in ("lowest", -1e-3, True):
+        study.common_lr = bad
+        with pytest.raises(ValueError, match="study.common_lr must be a positive number or one of"):
+            run_study.common_learning_rates(study, {})
+    study.common_lr, study.lr_scan = 3e-3, None
+    with pytest.raises(ValueError, match="study.common_lr needs study.lr_scan"):
+        run_study.common_learning_rates(study, {})
+
+
+def all_experiment_seeds(but: str) -> set:
+    """Every seed (evaluated or selecting) of every other experiment."""
+    seeds = set()
+    for f in os.listdir(os.path.join(CONF_DIR, "experiment")):
+        if f.endswith(".yaml") and not f.startswith(but):
+            study = OmegaConf.load(os.path.join(CONF_DIR, "experiment", f)).get("study") or {}
+            seeds |= set(study.get("seeds") or []) | set(study.get("selection_seeds") or [])
+    return seeds
+
+
+def test_the_stability_study_is_preregistered():
+    """rownorm_scale_stability_dit_m as issue 30 item 3 asks: dit_m in the configuration that collapsed, both RowNorm
+    scales with qk_norm on and off, a factor-2 lr scan per arm on selection seeds never evaluated, >= 5 fresh
+    evaluation seeds at each arm's own lr and at a common lr, every step's train loss logged (the stability
+    endpoint needs it), and the plan count its header states."""
+    cfg = compose_with_hydra(["experiment=rownorm_scale_stability_dit_m", "run_dir=/tmp/unused"])
+    study = cfg.study
+    chooser, evaluated = run_study.scan_seeds(study)
+    assert len(chooser) == 2 and len(evaluated) >= 5
+    assert not (set(chooser) | set(evaluated)) & all_experiment_seeds(but="rownorm_scale_stability")
+    assert list(study.models) == ["dit_m"] and list(study.optimizers) == ["periodic_rowwise"] and list(study.K) == [3]
+    assert set(study.rownorm_scale) == {"frobenius", "spectral"} and list(study.axes["model.qk_norm"]) == [True, False]
+    assert study.common_lr == "lowest_selected"
+    # the collapse of scaling_study_cpu_tuned: 200 steps of batch 32, warm-up 20, cosine, lr 8e-3 in the grid
+    assert (cfg.train.steps, cfg.train.batch_size, cfg.train.warmup_steps, cfg.train.lr_schedule) == (
+        200, 32, 20, "cosine")
+    assert cfg.optimizer.weight_decay == 0.01 and cfg.train.log_every == 1
+    grid = list(study.lr_scan.periodic_rowwise)
+    assert all(b / a == pytest.approx(2.0) for a, b in zip(grid, grid[1:])) and 8e-3 in grid
+    assert grid[0] <= 4e-3 and grid[-1] >= 1.6e-2 and study.lr_scan_extend >= 1  # dit_s's optima inside
+    scan = run_study.expand(study, [], list(cfg.hydra.job.config.override_dirname.exclude_keys))
+    labels = [run_study.variant_label(v) for v in run_study.variants(study)]
+    selected = dict(zip(labels, [4e-3, 4e-3, 1.6e-2, 8e-3]))  # frobenius on/off, spectral on/off
+    every = run_study.expand(study, [], [], selected, None, run_study.common_learning_rates(study, selected))
+    assert len(scan) == 32 and len({r["name"] for r in every if r["phase"] != "scan"}) == 24 + 12
+    with open(os.path.join(CONF_DIR, "experiment", "rownorm_scale_stability_dit_m.yaml")) as f:
+        header = f.read()
+    assert "= 32 scan runs now" in header and "4 x 6 = 24" in header and "2 x 6 = 12" in header and "68 runs" in header
 
 
 def test_tuned_study_uses_the_best_fd_lr_of_the_published_scan():
@@ -498,6 +595,36 @@ def test_smoke_study_end_to_end_then_rerun_skips(tmp_path):
     text = (sweep / "report.md").read_text()
     assert "| dit_s | adamw | 1 | finished |" in text and "periodic_rowwise K=2" in text
     assert "inception" in text
+
+
+@needs_fashion
+def test_the_stability_study_runs_end_to_end_in_its_smoke_version(tmp_path):
+    """rownorm_scale_stability_smoke (the pre-registered study shrunk to seconds per run) through dit-study and
+    dit-paired-report: the report has every arm the pre-registration names (both scales, qk_norm on and off, own and
+    common lr), the primary and stability rows against frobenius, and the selection seed in no evaluation row."""
+    from dit_train.study import paired_report
+
+    sweep = tmp_path / "sweep"
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    r = subprocess.run([sys.executable, "-m", "dit_train.study.run", "rownorm_scale_stability_smoke", "--sweep-dir",
+                        str(sweep)], capture_output=True, text=True, env=env, timeout=1200)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    study = json.loads((sweep / "study.json").read_text())
+    assert study["selection_seeds"] == [30] and len(study["lr_selection"]) == 4 and len(study["common_lr"]) == 4
+    evaluated = {r["name"] for r in study["runs"] if r["phase"] in ("seeds", "common")}
+    assert {int(n.rsplit("seed=", 1)[1]) for n in evaluated} == {40, 41}
+    assert all((sweep / n / "summary.json").exists() for n in evaluated)
+    paired_report.main([str(sweep), "--reference", "periodic_rowwise K=3 (frobenius)"])
+    text = (sweep / "report.md").read_text()
+    for qk in (True, False):
+        for kind in ("own lr", "common lr"):
+            for scale in ("frobenius", "spectral"):
+                assert f"| periodic_rowwise K=3 ({scale}) [model.qk_norm={qk}, {kind}] | " in text
+            section = text.split(f"## Paired differences against periodic_rowwise K=3 (frobenius), "
+                                 f"model.qk_norm={qk}, {kind}, evaluation seeds 40, 41 ")[1].split("\n## ")[0]
+            assert "| periodic_rowwise K=3 (spectral) | val loss @24 | 2 | " in section
+            assert "| periodic_rowwise K=3 (spectral) | max loss spike | 2 | " in section
+    assert "max loss spike | diverged |" in text and "## Including selection seed" not in text
 
 
 def test_a_run_with_a_summary_but_fewer_steps_than_planned_is_not_finished(tmp_path):
