@@ -61,7 +61,7 @@ RUNNERS = {
     "bash scripts/setup.sh": lambda command: "bash -n scripts/setup.sh",
     # the demo (1000 steps) as 2 steps of a tiny model: the run folder the later commands use
     "python -m dit_train": appended(f"run_dir=runs/tiny train.steps=2 {TINY_RUN}"),
-    "python -m pytest": lambda command: f"cd {ROOT} && python -m pytest -q --collect-only tests/test_readme.py",
+    "python -m pytest": lambda command: f"cd {ROOT} && python -m pytest -q --collect-only tests/unit/test_readme.py",
     "dit-train experiment=debug": appended("run_dir=runs/debug train.steps=2 train.val_every=0 train.sample_every=0"),
     "dit-train optimizer=periodic_rowwise": appended("train.dry_run=true"),
     "dit-train --multirun": appended("train.dry_run=true"),
@@ -108,7 +108,8 @@ COMMANDS = readme_commands()
 
 def test_every_readme_command_has_a_runner():
     missing = [c for c in COMMANDS if runner_of(c) is None]
-    assert not missing, f"README commands without a row in RUNNERS (tests/test_readme_commands.py): {missing}"
+    assert not missing, (f"README commands without a row in RUNNERS (tests/integration/test_readme_commands.py): "
+                         f"{missing}")
     assert len(COMMANDS) >= 20  # the extraction found the blocks
 
 
