@@ -17,7 +17,8 @@ INTEGRATION = os.path.join(ROOT, "tests", "integration")
 CONF_DIR = os.path.join(ROOT, "dit_train", "conf")
 FASHION_ROOT = "/usr/share/datasets/fashion-mnist"
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Two intra-op threads for the one process on two cores; one each when pytest-xdist runs two workers side by side.
+torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 # Processes the tests start in Python (ranks, checkpoint writers) fork from one server process that imported torch
 # and the trainer once (start method "forkserver"); "spawn" re-imported them in every process, ~5 s of CPU each on

@@ -31,3 +31,13 @@ def test_the_layout_section_names_every_folder_of_the_package():
     assert len(folders) >= 10
     missing = [d for d in folders if f"`{d}/`" not in layout]
     assert not missing, f"README's layout section does not name {missing}"
+
+
+def test_ci_runs_the_readmes_test_command():
+    """.ci/run's last line is the README's test command (CI adds only --durations): CI tests what users run."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = re.search(r"bash scripts/setup.sh --dev && (python -m pytest[^\n]*)", f.read()).group(1)
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        ci = f.read().strip().splitlines()
+    assert "bash scripts/setup.sh --dev" in ci
+    assert re.sub(r" --durations=\d+", "", ci[-1]) == readme, (ci[-1], readme)
