@@ -15,7 +15,7 @@ Read and written once each, that is 3 + 4 transfers per element, as many as fuse
 Both are torch.compile'd functions (Triton on CUDA, C++ from inductor on CPU), one call per bucket with dynamic
 shapes; a tall matrix's column sums reduce blocks of COLUMN_SUM_BLOCK rows first, as inductor's plain reduction
 over dim -2 walks the columns with a stride on CPU. The results agree with the eager path to float rounding, not
-bit for bit: the kernels contract multiply-adds and sum the squares in another order (tests/test_fused_rownorm.py).
+bit for bit: the kernels contract multiply-adds and sum the squares in another order (tests/unit/test_fused_rownorm.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """dit-export RUN OUT_DIR writes a diffusers pipeline folder (transformer/config.json + weights,
 scheduler/, model_index.json), and DiT.from_pretrained(OUT_DIR) gives back the run's EMA model: the same outputs,
-without diffusers or huggingface_hub (the diffusers path: tests/test_diffusers_pipeline.py)."""
+without diffusers or huggingface_hub (the diffusers path: tests/unit/test_diffusers_pipeline.py)."""
 
 import json
 import os

@@ -88,7 +88,7 @@ RUNNERS = {
     "bash scripts/setup.sh": lambda command: "bash -n scripts/setup.sh",
     # the demo (1000 steps) as 2 steps of a tiny model: the run folder the later commands use
     "python -m dit_train": appended(f"run_dir=runs/tiny train.steps=2 {TINY_RUN}"),
-    "python -m pytest": lambda command: f"cd {ROOT} && python -m pytest -q --collect-only tests/test_readme.py",
+    "python -m pytest": lambda command: f"cd {ROOT} && python -m pytest -q --collect-only tests/unit/test_readme.py",
     "dit-train experiment=debug": appended("run_dir=runs/debug train.steps=2 train.val_every=0 train.sample_every=0"),
     "dit-train optimizer=periodic_rowwise": appended("train.dry_run=true"),
     "dit-train --multirun": appended("train.dry_run=true"),
@@ -164,7 +164,7 @@ COMMANDS = documented_commands()
 
 def test_every_documented_command_has_a_runner():
     missing = [f"{page}: {c}" for page, c in COMMANDS if runner_of(c) is None]
-    assert not missing, f"documented commands without a row in RUNNERS (tests/test_readme_commands.py): {missing}"
+    assert not missing, f"documented commands without a row in RUNNERS (tests/integration/test_readme_commands.py): {missing}"
     assert len([c for page, c in COMMANDS if page == "README.md"]) >= 15  # the extraction found the blocks
     assert {"docs/scaling_out.md", "docs/studies.md", "docs/extending.md"} <= {page for page, _ in COMMANDS}
     assert all(os.path.exists(os.path.join(ROOT, page)) for page in PENDING)

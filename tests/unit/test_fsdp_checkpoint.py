@@ -100,5 +100,6 @@ def test_parallel_config_errors_name_key_value_and_choices():
     assert not resolve_plan({"fsdp": "auto"}, DistInfo()).sharded
     cfg = compose(["eval.every_n_steps=10", "eval.num_samples=300", "eval.batch_size=100", "run_dir=/tmp/unused",
                    "train.batch_size=96"])
-    validate(cfg, world_size=2)  # 3 generation batches over 2 ranks: the evaluator pads (tests/test_fd_distributed.py)
+    # 3 generation batches over 2 ranks: the evaluator pads (tests/integration/test_fd_distributed.py)
+    validate(cfg, world_size=2)
     validate(cfg, world_size=3)

@@ -2,7 +2,7 @@
 kernels (inductor's C++ on this CPU) give the eager steps' parameters and momentum to float
 rounding, on wide, tall, square and one-row matrices, with and without Nesterov, weight decay, the spectral RowNorm
 scale and an empty matrix; a periodic schedule still runs its refresh steps eagerly. (The sharded path is in
-tests/test_sharded_optim.py's "compiled" cases.)"""
+tests/integration/test_sharded_optim.py's "compiled" cases.)"""
 
 import pytest
 import torch

@@ -48,3 +48,15 @@ def test_every_relative_link_in_readme_and_docs_resolves():
                     os.path.join(ROOT, os.path.dirname(page), path)):
                 broken.append(f"{page}: {target}")
     assert not broken, f"links to files that do not exist: {broken}"
+
+
+
+
+def test_ci_runs_the_readmes_test_command():
+    """.ci/run's last line is the README's test command (CI adds only --durations): CI tests what users run."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = re.search(r"bash scripts/setup.sh --dev && (python -m pytest[^\n]*)", f.read()).group(1)
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        ci = f.read().strip().splitlines()
+    assert "bash scripts/setup.sh --dev" in ci
+    assert re.sub(r" --durations=\d+", "", ci[-1]) == readme, (ci[-1], readme)

@@ -4,7 +4,8 @@ in reverse parameter order, like a backward), and the parameters after 4 steps e
 the single process bit for bit (muon, bf16 U; periodic_rowwise: overlap equals no overlap), for test_sharded_optim's shapes: shape groups of 1, 2 and 5
 matrices, never a multiple of the ranks, and uneven or empty shards. Cases: the prefetch used on every refresh
 step; dropped because clipping scaled the gradients, a matrix without a gradient, or a second backward before the
-step (the step then exchanges itself). The training loop with FSDP2 itself is tests/test_backward_overlap.py.
+step (the step then exchanges itself). The training loop with FSDP2 itself is
+tests/integration/test_backward_overlap.py.
 """
 
 import pytest

@@ -185,7 +185,7 @@ def test_host_syncs_are_counted_where_the_repository_made_them():
             for _ in range(2):
                 warnings.warn("called a synchronizing CUDA operation", UserWarning)  # the line counted
             warnings.warn("something else", UserWarning)
-    assert len(sink) == 2 and sink[0] == sink[1] and sink[0].startswith("tests/test_gpu_check.py:")
+    assert len(sink) == 2 and sink[0] == sink[1] and sink[0].startswith("tests/integration/test_gpu_check.py:")
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a host without a visible GPU")

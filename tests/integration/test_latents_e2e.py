@@ -159,7 +159,7 @@ def test_the_sample_command_decodes_a_latent_run(runs):
 
 def test_an_exported_latent_run_samples_in_diffusers_like_the_sample_command(runs, tmp_path):
     """dit-export copies the run's VAE (vae.path) into the pipeline folder, and the diffusers pipeline
-    decodes like `dit-sample` (tests/test_diffusers_pipeline.py: the non-zero shift_factor)."""
+    decodes like `dit-sample` (tests/unit/test_diffusers_pipeline.py: the non-zero shift_factor)."""
     from dit_train import seeds
     from dit_train.diffusers_pipeline import DiTTrainPipeline
     from dit_train.export import main as export_main

@@ -11,6 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from conftest import ROOT, needs_fashion
 from dit_train.evaluation.fd import reference as refmod
 from dit_train.evaluation.fd.job_config import load_data_cfg, load_eval_cfg
 from dit_train.evaluation.during_training import update_best_fd
@@ -18,9 +19,6 @@ from dit_train.evaluation.fd.evaluator import FDEvaluator, generation_labels
 from dit_train.evaluation.fd.features import build_extractor
 from dit_train.evaluation.fd.reference import load_or_compute_reference, load_reference
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FASHION_ROOT = "/usr/share/datasets/fashion-mnist"
-needs_fashion = pytest.mark.skipif(not os.path.exists(FASHION_ROOT), reason="apt-get install dataset-fashion-mnist")
 # tiny sample counts on purpose (the warning itself is tested in test_fd_frechet.py)
 pytestmark = pytest.mark.filterwarnings("ignore::dit_train.evaluation.fd.frechet.RankDeficientWarning")
 

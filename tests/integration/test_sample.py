@@ -1,6 +1,7 @@
 """dit-sample: EMA samples of a run as a grid and/or a folder of PNGs through the one sampler
 (the run's own last grid, pixel for pixel, with its settings); latent runs are decoded by their VAE
-(tests/test_latents_e2e.py); and our Euler steps equal diffusers' FlowMatchEulerDiscreteScheduler bit for bit."""
+(tests/integration/test_latents_e2e.py); and our Euler steps equal diffusers' FlowMatchEulerDiscreteScheduler bit
+for bit."""
 
 import numpy as np
 import pytest

@@ -5,7 +5,6 @@ import copy
 import io
 import json
 import math
-import os
 
 import pytest
 import torch
@@ -18,7 +17,6 @@ from dit_train.optim.matrix_optimizer import MatrixOptimizer, update_scale
 from dit_train.optim.hooks import hooks_of
 from dit_train.optim.registry import OPTIMIZERS, build_optimizer
 
-CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dit_train", "conf")
 NAMES = ["adamw", "muon", "periodic_rowwise", "rownorm", "mud"]
 
 
@@ -113,7 +111,7 @@ def test_unknown_keys_are_rejected_with_the_valid_ones(name, key):
 def test_config_files_compose_and_build(name):
     """The optimizer's schema composes through Hydra as `optimizer=<name>`, lists every hyperparameter the
     builder accepts, and builds an optimizer with a routing table and step_info."""
-    from hydra import compose, initialize_config_dir
+    from conftest import compose
 
     from dit_train.config import load_option
     from dit_train.optim.registry import config_class
@@ -121,11 +119,7 @@ def test_config_files_compose_and_build(name):
     raw = load_option("optimizer", name)
     assert raw.name == name
     assert set(raw) == set(config_class(name).__dataclass_fields__)
-    if os.path.exists(os.path.join(CONF, "config.yaml")):
-        with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-            cfg = compose(config_name="config", overrides=[f"optimizer={name}"]).optimizer
-    else:
-        cfg = raw
+    cfg = compose([f"optimizer={name}"]).optimizer
     opt = build_optimizer(tiny_dit(), cfg)
     assert isinstance(opt, torch.optim.Optimizer)
     assert "| matrix |" in opt.routing_table and isinstance(hooks_of(opt).step_info(), dict)

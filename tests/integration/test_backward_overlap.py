@@ -4,7 +4,8 @@ checkpoint, every logged loss and gradient norm), for muon and periodic_rowwise 
 refresh), with gradient accumulation (hooks fire on the syncing micro-batch only), with clipping that never scales
 the gradients (the prefetch is used on every refresh step) and with clipping that always does (the prefetch is
 dropped and the step exchanges itself). One spawn runs every job; the parent compares. The owner mode's
-optimizer-level cases (3 ranks, a matrix without gradient, a second backward) are tests/test_owner_overlap.py.
+optimizer-level cases (3 ranks, a matrix without gradient, a second backward) are
+tests/integration/test_owner_overlap.py.
 """
 
 import pytest

@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import compose, needs_fashion
+from conftest import ROOT, compose, needs_fashion
 from dit_train.telemetry import clocks as timing
 from dit_train.parallel.fsdp import DistInfo
 from dit_train.trainer.loop import Trainer
 
-PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dit_train") + os.sep
+PACKAGE = os.path.join(ROOT, "dit_train") + os.sep
 HOST_DATA = os.path.join(PACKAGE, "data") + os.sep  # the loader's index lists are host tensors: not a device read
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
 LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)

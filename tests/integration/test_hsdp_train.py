@@ -47,7 +47,7 @@ def runs(tmp_path_factory):
 def test_hsdp_matches_the_single_process(runs):
     # the gradients are reduce-scattered within a shard group and all-reduced across the two replicas: a different
     # summation order than one process, so agreement to fp32 rounding; the optimizer's collectives stay within the
-    # shard group (tests/test_sharded_optim.py checks every optimizer on this mesh)
+    # shard group (tests/integration/test_sharded_optim.py checks every optimizer on this mesh)
     for key in ("train/loss", "train/grad_norm", "val/loss"):
         assert_close(losses(runs["hsdp"], key), losses(runs["single_periodic"], key), rtol=1e-5)
     assert losses(runs["hsdp"], "opt/refresh") == {1: 1.0, 2: 0.0, 3: 0.0, 4: 1.0}

@@ -71,7 +71,7 @@ def test_the_start_line_gives_a_runs_traffic_between_nodes(monkeypatch, replicat
 def test_the_scaling_study_shards_within_a_node_and_replicates_across_nodes(preset, world, replicas):
     """HSDP for the multi-node presets (one replica per node of model.launch): what leaves a node per step drops
     from all of FSDP's traffic to the replicas' all-reduce; the config validates at the preset's launch size (its
-    memory: tests/test_memory_estimate.py)."""
+    memory: tests/integration/test_memory_estimate.py)."""
     from conftest import compose
     from dit_train.config import validate
 
