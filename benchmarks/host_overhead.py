@@ -80,7 +80,7 @@ def measure(cfg, world_size: int, micro_batch: int, fake: bool = True) -> list[d
             run.trainer.train_step(run.x, {"y": run.y})
         for i in range(K):  # periodic: K - 1 between steps and a refresh; else one step
             counter.reset()
-            timer.phase = counter.phase  # the trainer's phase marks attribute the calls
+            timer.phase = outermost(counter.phase)  # the trainer's phase marks attribute the calls
             timed_step(run, counter.total_s)
             del timer.phase
             row = {"step": i, "refresh": opt.step_info().get("opt/refresh")}
@@ -99,7 +99,7 @@ def measure(cfg, world_size: int, micro_batch: int, fake: bool = True) -> list[d
                     yield
                     spent[name] += time.thread_time() - start
 
-                timer.phase = phase
+                timer.phase = outermost(phase)
                 timed_step(run, spent)
                 del timer.phase
                 for name in PHASES:
@@ -112,6 +112,27 @@ def measure(cfg, world_size: int, micro_batch: int, fake: bool = True) -> list[d
             ph["python_s"] = max(0.0, ph["total_s"] - ph["inside_s"] - n * overhead)
         row["per_call_overhead_s"] = overhead
     return rows
+
+
+def outermost(phase):
+    """The timer's `phase` for the trainer's marks only: the phases opened inside one (the optimizer's momentum,
+    direction, comm and update, on the same timer) count towards the enclosing one, as the trainer's phase does."""
+    depth = 0
+
+    @contextlib.contextmanager
+    def mark(name):
+        nonlocal depth
+        depth += 1
+        try:
+            if depth > 1:
+                yield
+            else:
+                with phase(name):
+                    yield
+        finally:
+            depth -= 1
+
+    return mark
 
 
 def timed_step(run, spent) -> None:
