@@ -84,8 +84,9 @@ def measure(cfg, world_size: int, micro_batch: int, mode: str = "fake") -> list[
     timer = run.trainer.timer
     counting = counter.profiling if mode == "compiled" else contextlib.nullcontext
     with counter if mode != "compiled" else contextlib.nullcontext(), empty_all_to_all_inputs_allowed():
-        # compiled: the first step compiles, one more step in case a guard recompiles
-        for _ in range(steps_for(cfg.optimizer) + (mode == "compiled")):
+        # compiled: the first step compiles; K more steps in case a guard recompiles, keeping the measured steps
+        # in the eager runs' order of step kinds (combined() pairs them by position)
+        for _ in range(steps_for(cfg.optimizer) + (K if mode == "compiled" else 0)):
             run.trainer.train_step(run.x, {"y": run.y})
         for i in range(K):  # periodic: K - 1 between steps and a refresh; else one step
             counter.reset()
@@ -181,6 +182,8 @@ def combined(fake: dict, shrunk: dict, compiled: dict | None = None) -> dict:
                                "shrunk_thread_s": s[name]["uncounted_s"]} for name in PHASES}}
         if compiled is not None:
             c = compiled["steps"][i]
+            if c["refresh"] != f["refresh"]:
+                raise RuntimeError(f"step {i}: the compiled run measured another kind of step than the eager one")
             for name in PHASES:
                 step[name].update(compiled_calls=c[name]["calls"], compiled_thread_s=c[name]["uncounted_s"],
                                   compiled_top_ops=c[name]["top_ops"])
