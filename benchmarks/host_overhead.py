@@ -1,22 +1,26 @@
 """Host (CPU) time of a training step at full size as rank 0 of W, against the predicted GPU time of that step: does
 the GPU ever wait for Python? (issue 31 item 4; docs/host_overhead.md holds the table.)
 
-    PYTHONPATH=$PWD python benchmarks/host_overhead.py --preset dit_15b --world-size 32 \\
-        --optimizers adamw muon periodic_rowwise [--launch-us 8] [--view-us 2] [--json out.jsonl] [overrides]
+    python -m benchmarks.host_overhead --preset dit_15b --world-size 32 --optimizers adamw muon periodic_rowwise \\
+        [--compiled] [--launch-us 8] [--view-us 2] [--launch-extra-us 3] [--json out.jsonl] [overrides]
 
 How: the trainer's step (memory_estimate.fake_training: FSDP2 plan, sharded optimizer, EMA, on a fake process group,
-the scaling study's config) runs twice per optimizer, each in a fresh process. Neither run can be timed as it
-stands: a fake operator costs Python that a GPU run does not pay (a fake bmm ~ms, a launch ~5-10 us), and real
-tensors at full size need the GPU. So the host time is rebuilt from two measured parts:
+the scaling study's config) runs in fresh processes per optimizer. Neither run can be timed as it stands: a fake
+operator costs Python that a GPU run does not pay (a fake bmm ~ms, a launch ~5-10 us), and real tensors at full
+size need the GPU. So the host time is rebuilt from measured parts:
   calls   the operators dispatched at full size on fake tensors (dispatch_counter: kernels, views/allocations,
           collectives), each costed at a stated host price: --launch-us per kernel or collective (eager dispatch
           + CUDA launch), --view-us per view or allocation (dispatch only);
-  python  the same step on real tensors with the model shrunk to 4 channels per head and one image (the same
-          structure and calls; --top-ops prints both counts): its thread CPU time minus the time inside the
-          dispatched operators and minus the counter's own per-call cost (dispatch_counter.per_call_overhead_s),
-          i.e. the trainer's, FSDP2's, autograd's and the optimizer's Python and C++ around the operators.
-host = python + kernels x launch + views x view. Warm-up steps first (every direction once, DTensor's sharding
-propagation cached), then one step of each kind (periodic_rowwise: between steps and the refresh).
+  python  the same step on real tensors with the model shrunk to 4 channels per head and one image of 2 x 2
+          patches (the same structure and calls, next to no compute; --top-ops prints both counts): its thread CPU
+          time minus the time inside the dispatched operators and minus the counter's own per-call cost
+          (dispatch_counter.per_call_overhead_s), i.e. the trainer's, FSDP2's, autograd's and the optimizer's Python
+          and C++ around the operators; and the same step's whole thread time without the counter;
+  compiled  (--compiled) the shrunk step with the blocks torch.compile'd (parallel.compile=true): its launches
+          counted by the profiler (launch_profile.py) and its thread time.
+eager host = python + kernels x launch + views x view; direct host (eager or compiled) = thread time + launches x
+--launch-extra-us. Warm-up steps first (every direction once, DTensor's sharding propagation cached, compiled code
+compiled), then one step of each kind (periodic_rowwise: between steps and the refresh).
 Not in the fake step (they need real values): the trainer's loss/stop-vote all-reduce and its one host read
 (~12 calls, Trainer.train_step), the data loader. The GPU time is benchmarks/cost_model.py's (predicted_gpu_step_s).
 """
