@@ -32,7 +32,7 @@ SHELL = "bash"
 PAGES = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))),
          "docs/results/README.md"]
 # pages another change rewrites this session (lead: delete each entry once that change is merged)
-PENDING = {"docs/host_overhead.md": "h-host rewrites its command as python -m benchmarks.host_overhead"}
+PENDING: dict[str, str] = {}
 
 # placeholder paths -> the shared scratch run (a sweep is the folder holding it); [optional] flags: given
 PLACEHOLDERS = {"runs/<date>/<time>-<suffix>": "runs/tiny", "runs/<run>": "runs/tiny", "runs/my_run": "runs/tiny",
@@ -116,7 +116,7 @@ RUNNERS = {
                  "eval.mean_pixel.every_n_steps=1"),
     # docs/fd_throughput.md
     "python -m benchmarks.bench_fd": appended("--batches 1 --encoders dinov2_random"),
-    # docs/host_overhead.md (its command once h-host's change is merged: PENDING)
+    # docs/host_overhead.md
     "python -m benchmarks.host_overhead": appended("--preset dit_xs --world-size 2 --optimizers adamw"),
     # docs/layout.md: reads this checkout's git history
     "python -m benchmarks.code_shape": lambda command: f"cd {ROOT} && {command}",

@@ -369,6 +369,30 @@ def test_shard_rows_follow_torch_chunk_like_fsdp2():
             assert all(s == sum(sizes[:i]) for i, (s, _) in enumerate(rows) if rows[i][1])
 
 
+def test_owner_rows_are_rearranged_as_rank_by_rank_chunks():
+    """Owner mode's buffers hold rank 0's rows of every matrix of an exchange, then rank 1's... (torch.chunk
+    shares: full, one shorter, empty): the batched views (_rank_major) read and write exactly what slicing each
+    rank's rows in turn does, both ways, with uneven and empty shares."""
+    from dit_train.optim.owner_exchange import _rank_major
+
+    for m, world in [(50, 3), (50, 4), (64, 32), (12, 5), (4, 3), (2, 4), (1, 2), (7, 1), (33, 32)]:
+        for count in (0, 1, 3):
+            n = 5
+            whole = torch.arange(count * m * n, dtype=torch.float32).view(count, m, n)
+            rows_of = shard_rows(m, world)
+            by_rank = torch.cat([whole[:, s:s + r].reshape(-1) for s, r in rows_of])
+            flat = torch.full_like(by_rank, -1.0)
+            for part, rows in _rank_major(flat, whole, rows_of):
+                part.copy_(rows)
+            assert torch.equal(flat, by_rank), (m, world, count)
+            back = torch.full_like(whole, -1.0)
+            for part, rows in _rank_major(by_rank, back, rows_of):
+                rows.copy_(part)
+            assert torch.equal(back, whole), (m, world, count)
+            if count:
+                assert len(_rank_major(flat, whole, rows_of)) <= 2  # one or two copies, not one per rank
+
+
 def test_gather_buckets_keep_shapes_together_within_the_size():
     counts = {((512, 512),): 9, ((1536, 512),): 8, ((512, 2048),): 8}
     buckets = plan_buckets(counts, 2, 8 * 2**20)
