@@ -6,9 +6,9 @@ device (model_flops), FSDP2 bytes from comm_volume.fsdp_volumes, the optimizer's
 (owner_exchange.plan_exchanges, collectives.shard_rows) under its own byte-counting rules (collectives.py), and the
 whole-matrix stage's schedule from the discrete-event model of benchmarks/model_owner_schedule.py.
 
-    PYTHONPATH=$PWD python benchmarks/cost_model.py --paper [--hardware h100|h200]         # the paper's table
-    PYTHONPATH=$PWD python benchmarks/cost_model.py --measure-host [--save benchmarks/host_profile.json]
-    PYTHONPATH=$PWD python benchmarks/cost_model.py --calibrate --bench-optimizer LOG --bench-distributed LOG
+    python -m benchmarks.cost_model --paper [--hardware h100|h200]         # the paper's table
+    python -m benchmarks.cost_model --measure-host [--save benchmarks/host_profile.json]
+    python -m benchmarks.cost_model --calibrate --bench-optimizer LOG --bench-distributed LOG
 
 What it assumes (each a field of `Hardware`, stated in the profile):
 - forward + backward run at `mfu` of the dense bf16 peak; FSDP2 prefetches the next block's all-gather and runs
@@ -30,7 +30,7 @@ import json
 import os
 import re
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 
 from dit_train.parallel.comm_volume import fsdp_volumes
@@ -38,12 +38,16 @@ from dit_train.optim.collectives import shard_rows
 from dit_train.optim.directions import ns5_executed_flops
 from dit_train.optim.owner_exchange import plan_exchanges
 from benchmarks.model_owner_schedule import Net, gather_schedule, owner_schedule, simulate
+from benchmarks.op_cost import OpRates, count_step, host_op_rates, measure_fused_rate, measure_op_rates, seconds
 
 PAPER_PRESETS = ("dit_1b3", "dit_4b", "dit_9b", "dit_15b")
 PAPER_WORLDS = (8, 16, 32)
 PAPER_GLOBAL_BATCH = 1024  # experiment=scaling_study's global batch
 HOST_PROFILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_profile.json")
 ADAMW_BYTES = 28  # fused AdamW: p, g, m, v read, p, m, v written, fp32
+
+
+GPU_OP_S = 8e-6  # a GPU op's fixed cost: eager dispatch + launch (benchmarks/host_overhead.py's --launch-us default)
 
 
 @dataclass(frozen=True)
@@ -60,8 +64,18 @@ class Hardware:
     devices_per_node: int
     latency_s: float  # fixed cost of one collective
     launch_s: float  # fixed cost of one batched NS5 call
-    rownorm_kernels: str  # "eager": torch ops (CUDA's path); "native": the C loops (compile_rownorm auto on CPU)
+    rownorm_kernels: str  # "compiled": fused kernels (compile_rownorm auto on CUDA); "eager": torch ops (on CPU)
     ns5_rates: tuple = ()  # measured ((r, flop/s), ...) of NS5's GEMMs by the matrix's short side (CPU); else peak
+    ops: OpRates | None = None  # measured rates of each op category (CPU); None: from the fields above (GPU)
+    op_s: float = GPU_OP_S  # fixed cost of one dispatched op where `ops` is None (a GPU launch)
+
+    def op_rates(self) -> OpRates:
+        """What a counted op costs here (benchmarks/op_cost.py): measured on this host, or on a GPU every
+        memory-bound category at memory_efficiency of HBM, GEMMs at ns5_of_peak of the peak, op_s per op."""
+        if self.ops is not None:
+            return self.ops
+        hbm = self.memory_bytes_s * self.memory_efficiency
+        return OpRates(hbm, hbm, hbm, hbm, self.op_s, hbm, hbm, ((1, self.matmul_flops * self.ns5_of_peak),))
 
     def ns5_rate(self, r: int) -> float:
         """flop/s of NS5 on matrices of short side r: the measured rate of the nearest measured r at or below it
@@ -88,7 +102,7 @@ class Hardware:
 # streaming elementwise kernels, 0.8 of the links for NCCL rings (bus bandwidth), 30 us per collective and per
 # batched NS5 call.
 _GPU = dict(mfu=0.40, ns5_of_peak=0.5, memory_efficiency=0.8, intra_bytes_s=450e9, inter_bytes_s=50e9,
-            link_efficiency=0.8, devices_per_node=8, latency_s=30e-6, launch_s=30e-6, rownorm_kernels="eager")
+            link_efficiency=0.8, devices_per_node=8, latency_s=30e-6, launch_s=30e-6, rownorm_kernels="compiled")
 PROFILES = {"h100": Hardware("H100 SXM", 989.4e12, memory_bytes_s=3.35e12, **_GPU),
             "h200": Hardware("H200 SXM", 989.4e12, memory_bytes_s=4.8e12, **_GPU)}
 
@@ -107,12 +121,12 @@ def gpu_profile(device_name: str) -> Hardware | None:
 #   weight decay 8, update 10 (W, bf16 D in; W out);
 # - RowNorm step, torch ops: lerp 12, U formed 12, its row sums 4, decay 8, addcmul 12 = 48; the spectral scale's
 #   5 power-iteration products read U 5 times: + 20;
-# - RowNorm step, C loops: frobenius in one pass 20 (wide: G, M, W read once, W, M written) or two pipelined
+# - RowNorm step, fused (compiled) kernels: frobenius in one pass 20 (wide: G, M, W read once, W, M written) or two pipelined
 #   passes 28 (tall); spectral: momentum 16 (G, M in; M, U out), the power iteration's reads of U 8 (wide) or
 #   12 (tall), update 12 (W, U in; W out).
-ELEMENT_BYTES = {("refresh", "eager"): (40, 40), ("refresh", "native"): (40, 40),
+ELEMENT_BYTES = {("refresh", "eager"): (40, 40), ("refresh", "compiled"): (40, 40),
                  ("frobenius", "eager"): (48, 48), ("spectral", "eager"): (68, 68),
-                 ("frobenius", "native"): (20, 28), ("spectral", "native"): (36, 40)}  # (wide, tall)
+                 ("frobenius", "compiled"): (20, 28), ("spectral", "compiled"): (36, 40)}  # (wide, tall)
 
 
 @dataclass(frozen=True)
@@ -122,6 +136,7 @@ class Shapes:
     params: int
     blocks: tuple  # elements per FSDP unit (block)
     flops_per_image: int  # forward + backward (model_flops)
+    model: object = field(default=None, compare=False)  # the model config, for counting the optimizer's ops
 
 
 @lru_cache(maxsize=None)
@@ -146,7 +161,8 @@ def shapes_of(cfg) -> Shapes:
         groups[tuple(p.shape)] = groups.get(tuple(p.shape), 0) + 1
     return Shapes(tuple(groups.items()), sum(p.numel() for _, p in routing.adamw),
                   sum(p.numel() for p in model.parameters()),
-                  tuple(sum(p.numel() for p in b.parameters()) for b in model.blocks), training_flops_per_image(cfg))
+                  tuple(sum(p.numel() for p in b.parameters()) for b in model.blocks), training_flops_per_image(cfg),
+                  cfg)
 
 
 @dataclass(frozen=True)
@@ -205,32 +221,76 @@ def all_reduce_seconds(hw: Hardware, nbytes: float, world: int) -> float:
     return hw.latency_s + 2 * (world - 1) / world * nbytes / hw.link(world)
 
 
-def optimizer_step(shapes: Shapes, step: str, opt: Optim, hw: Hardware, world: int) -> dict[str, float]:
-    """Seconds of one optimizer step of kind `step` on the busiest rank: 'elementwise' (momentum, update,
-    AdamW, power iteration: memory-bound) and 'direction' (NS5 with its exchange, or RowNorm's all-reduces)."""
+def counted_optimizer(step: str, scale: str, kernels: str) -> dict:
+    """The single-process optimizer whose step of kind `step` op_cost.count_step counts: its ops on a rank of W are
+    the same calls on 1/W of the rows (the whole-matrix NS5 aside, which the schedule places)."""
+    return {"adamw": {"name": "adamw"}, "refresh": {"name": "muon"},
+            "rownorm": {"name": "rownorm", "rownorm_scale": scale, "compile_rownorm": kernels == "compiled"}}[step]
+
+
+_COUNTS: dict = {}
+
+
+def counted_records(shapes: Shapes, step: str, scale: str, kernels: str) -> list:
+    """op_cost.count_step's records of one step of kind `step` at these shapes (cached per shapes and step)."""
+    optimizer = counted_optimizer(step, scale, kernels)
+    key = (shapes, tuple(sorted(optimizer.items())))
+    if key not in _COUNTS:
+        _COUNTS[key] = count_step(shapes.model, optimizer)
+    return _COUNTS[key]
+
+
+def _per_rank(rec, world: int):
+    return replace(rec, read=rec.read / world, written=rec.written / world, flops=rec.flops / world)
+
+
+def optimizer_step(shapes: Shapes, step: str, opt: Optim, hw: Hardware, world: int,
+                   floor: bool = False) -> dict[str, float]:
+    """Seconds of one optimizer step of kind `step` on the busiest rank: 'elementwise' (momentum, update, AdamW)
+    and 'direction' (NS5 with its exchange, or RowNorm with its all-reduces). Counted (the default, where the
+    shapes carry their model): the ops the real step dispatches (op_cost.count_step), each rank's share 1/W of
+    every op's bytes, every op's fixed cost paid by every rank, at hw.op_rates(). floor=True: the first-principles
+    floor instead, each phase at its memory or FLOP floor (ELEMENT_BYTES, NS5's executed FLOPs)."""
+    records = None if floor or shapes.model is None else counted_records(shapes, step, opt.scale,
+                                                                          hw.rownorm_kernels)
+    if records is not None:
+        rates = hw.op_rates()
+        priced = {"elementwise": 0.0, "direction": 0.0}
+        for rec in records:
+            priced["direction" if rec.phase == "direction" else "elementwise"] += seconds(_per_rank(rec, world),
+                                                                                          rates)
     rate = hw.memory_bytes_s * hw.memory_efficiency
     rest = -(-shapes.rest // world) * ADAMW_BYTES
     if step == "adamw":
+        if records is not None:
+            return priced
         total = sum(m * n * c for (m, n), c in shapes.matrices) * ADAMW_BYTES / world
         return {"elementwise": (total + rest) / rate, "direction": 0.0}
     key = "refresh" if step == "refresh" else opt.scale
     wide, tall = ELEMENT_BYTES[(key, hw.rownorm_kernels)]
     moved = sum(c * shard_rows(m, world)[0][1] * n * (tall if m > n else wide) for (m, n), c in shapes.matrices)
-    out = {"elementwise": (moved + rest) / rate}
+    out = {"elementwise": (moved + rest) / rate if records is None else priced["elementwise"]}
     if step == "refresh":
         groups = dict(shapes.matrices)
+        ns5 = ns5_seconds(hw)
+        if records is not None:  # the counted direction of the whole model, shared out by each group's FLOPs
+            flops = sum(c * ns5_executed_flops(*s) for s, c in groups.items())
+            whole = sum(seconds(rec, rates) for rec in records if rec.phase == "direction")
+            ns5 = lambda s, c: whole * c * ns5_executed_flops(*s) / flops  # noqa: E731
         if world == 1:
-            out["direction"] = sum(ns5_seconds(hw)(s, c) for s, c in groups.items())
+            out["direction"] = sum(ns5(s, c) for s, c in groups.items())
         else:
             schedule = owner_schedule if opt.mode == "owner" else gather_schedule
             extra = () if opt.mode == "owner" else (16.0,)  # gather mode's bucket_mb default
-            out["direction"] = simulate(schedule(groups, world, hw.net(), ns5_seconds(hw), *extra))[0]
+            out["direction"] = simulate(schedule(groups, world, hw.net(), ns5, *extra))[0]
     else:
         # on shards: the tall column sums in one all-reduce, then the spectral scale's 3 rounds
         tall = any(m > n for (m, n), _ in shapes.matrices)
         rounds = 0 if world == 1 else int(tall) + 3 * (opt.scale == "spectral")
         nbytes = sum(rank_bytes(shapes, "rownorm", opt.scale, opt.mode, world, 0).values())
         out["direction"] = rounds * all_reduce_seconds(hw, nbytes / rounds, world) if rounds else 0.0
+        if records is not None:  # the local power iteration and row norms
+            out["direction"] += priced["direction"]
     return out
 
 
@@ -247,11 +307,13 @@ def forward_backward(shapes: Shapes, hw: Hardware, world: int, images_per_rank: 
     return {"compute": compute, "fsdp": comm, "fsdp_exposed": first + max(0.0, comm - compute)}
 
 
-def predict(shapes: Shapes, opt: Optim, hw: Hardware, world: int, images_per_rank: int = 0) -> dict:
+def predict(shapes: Shapes, opt: Optim, hw: Hardware, world: int, images_per_rank: int = 0,
+            floor: bool = False) -> dict:
     """Per-step averages over one cycle of `opt` (K steps for periodic_rowwise): optimizer seconds, its phases,
-    logical bytes per rank, and with images_per_rank the whole step's seconds."""
+    logical bytes per rank, and with images_per_rank the whole step's seconds; counted from the code, or its
+    first-principles floor (optimizer_step)."""
     kinds = opt.steps()
-    per = {k: optimizer_step(shapes, k, opt, hw, world) for k in set(kinds)}
+    per = {k: optimizer_step(shapes, k, opt, hw, world, floor) for k in set(kinds)}
     out = {"optimizer": sum(sum(per[k].values()) for k in kinds) / len(kinds),
            "elementwise": sum(per[k]["elementwise"] for k in kinds) / len(kinds),
            "direction": sum(per[k]["direction"] for k in kinds) / len(kinds),
@@ -299,11 +361,12 @@ NS5_SIDES = (128, 256, 512, 1024)  # short sides at which the host's NS5 GEMM ra
 
 
 def measure_compute(threads: int) -> dict:
-    """bf16 GEMM rates by short side r (the plain NS5 iteration's three bmm's on 8 x r x 4r) and the streaming
-    rate of torch's fused AdamW (28 B per element over 32M fp32 elements, far beyond the caches), `threads`
-    threads."""
+    """bf16 GEMM rates by short side r (the plain NS5 iteration's three bmm's on 8 x r x 4r), the streaming
+    rate of torch's fused AdamW (28 B per element over 32M fp32 elements, far beyond the caches) and each op
+    category's rate (op_cost.measure_op_rates, measure_fused_rate), `threads` threads."""
     import torch
 
+    _progress(f"{threads} thread(s): GEMM rates by side")
     torch.set_num_threads(threads)
     rates = []
     for r in NS5_SIDES:
@@ -315,9 +378,19 @@ def measure_compute(threads: int) -> dict:
     for p in params:
         p.grad = torch.randn_like(p)
     adamw = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    _progress(f"{threads} thread(s): fused AdamW")
     stream = _median_seconds(adamw.step)
+    del params, adamw
+    _progress(f"{threads} thread(s): op categories (stream, convert, reduce, matvec, dispatch, square GEMMs)")
+    ops = measure_op_rates(threads)
+    _progress(f"{threads} thread(s): the compiled RowNorm passes (compiles on the first run)")
+    ops["fused"] = measure_fused_rate(threads)
     return {"gemm_flops": max(rate for _, rate in rates), "ns5_rates": rates,
-            "memory_bytes_s": ADAMW_BYTES * sum(p.numel() for p in params) / stream}
+            "memory_bytes_s": ADAMW_BYTES * 32 * 2**20 / stream, "ops": ops}
+
+
+def _progress(what: str) -> None:
+    print(f"  measuring {what} ...", file=sys.stderr, flush=True)
 
 
 def _gloo_rank(rank: int, world: int, port: int, queue) -> None:
@@ -362,8 +435,12 @@ def measure_gloo(world: int) -> dict:
 def measure_host(worlds=(2, 4)) -> dict:
     cores = os.cpu_count() or 1
     threads = sorted({1, cores})
-    return {"cores": cores, "compute": {str(t): measure_compute(t) for t in threads},
-            "gloo": {str(w): measure_gloo(w) for w in worlds}, "load_average": list(os.getloadavg())}
+    compute = {str(t): measure_compute(t) for t in threads}
+    gloo = {}
+    for w in worlds:
+        _progress(f"gloo between {w} processes")
+        gloo[str(w)] = measure_gloo(w)
+    return {"cores": cores, "compute": compute, "gloo": gloo, "load_average": list(os.getloadavg())}
 
 
 def host_profile(measured: dict, processes: int = 1) -> Hardware:
@@ -374,28 +451,41 @@ def host_profile(measured: dict, processes: int = 1) -> Hardware:
     threads = max(1, cores // processes)
     share = min(1.0, cores / (processes * threads))
     rates = measured["compute"][str(threads)]
+    if "ops" not in rates:
+        raise ValueError("the host profile has no op rates (measured before op_cost.py): run --measure-host again")
     gloo = measured["gloo"].get(str(processes), {"link_bytes_s": float("inf"), "latency_s": 0.0})
+    ops = host_op_rates(rates["ops"], rates["ns5_rates"], rates["memory_bytes_s"]).shared(share)
     return Hardware(f"this host ({processes} process(es) x {threads} thread(s))", rates["gemm_flops"] * share,
                     mfu=1.0, ns5_of_peak=1.0, memory_bytes_s=rates["memory_bytes_s"] * share, memory_efficiency=1.0,
                     intra_bytes_s=gloo["link_bytes_s"], inter_bytes_s=gloo["link_bytes_s"], link_efficiency=1.0,
                     devices_per_node=max(processes, 1), latency_s=gloo["latency_s"], launch_s=0.0,
-                    rownorm_kernels="native", ns5_rates=tuple((r, f * share) for r, f in rates["ns5_rates"]))
+                    rownorm_kernels="eager", ns5_rates=tuple((r, f * share) for r, f in rates["ns5_rates"]), ops=ops)
 
 
 # ---- calibration against the CPU benchmarks' logs ---------------------------------------------------------------
 # bench_optimizer's row -> (optimizer, step kind or None for the cycle average, RowNorm kernels)
 BENCH_OPTIMIZER_ROWS = {
-    "adamw": (Optim("adamw"), None, "native"),
-    "muon": (Optim("muon"), None, "native"),
-    "rownorm": (Optim("rownorm"), None, "native"),
-    "periodic_rowwise non-refresh step, rownorm_scale=frobenius, compile_rownorm":
-        (Optim("periodic_rowwise", 3, "frobenius"), "rownorm", "native"),
-    "periodic_rowwise non-refresh step, rownorm_scale=spectral, compile_rownorm":
-        (Optim("periodic_rowwise", 3, "spectral"), "rownorm", "native"),
+    "adamw": (Optim("adamw"), None, "eager"),
+    "muon": (Optim("muon"), None, "eager"),
+    "rownorm": (Optim("rownorm"), None, "eager"),  # the shipped config: compile_rownorm auto is eager on CPU
+    "periodic_rowwise refresh step": (Optim("periodic_rowwise", 3), "refresh", "eager"),
+    "periodic_rowwise non-refresh step, rownorm_scale=frobenius, eager":
+        (Optim("periodic_rowwise", 3, "frobenius"), "rownorm", "eager"),
     "periodic_rowwise non-refresh step, rownorm_scale=spectral, eager":
         (Optim("periodic_rowwise", 3, "spectral"), "rownorm", "eager"),
+    "periodic_rowwise non-refresh step, rownorm_scale=frobenius, compile_rownorm":
+        (Optim("periodic_rowwise", 3, "frobenius"), "rownorm", "compiled"),
+    "periodic_rowwise non-refresh step, rownorm_scale=spectral, compile_rownorm":
+        (Optim("periodic_rowwise", 3, "spectral"), "rownorm", "compiled"),
     "periodic_rowwise K=3 average, rownorm_scale=spectral, compile_rownorm":
-        (Optim("periodic_rowwise", 3, "spectral"), None, "native"),
+        (Optim("periodic_rowwise", 3, "spectral"), None, "compiled"),
+}
+# bench_optimizer's contenders in its phases line -> (optimizer, step kind, kernels)
+BENCH_OPTIMIZER_PHASES = {
+    "muon": (Optim("muon"), "refresh", "eager"), "rownorm": (Optim("rownorm"), "rownorm", "eager"),
+    "periodic_rowwise non-refresh": (Optim("rownorm", scale="frobenius"), "rownorm", "eager"),
+    "periodic_rowwise non-refresh compiled": (Optim("rownorm", scale="frobenius"), "rownorm", "compiled"),
+    "periodic_rowwise non-refresh spectral compiled": (Optim("rownorm"), "rownorm", "compiled"),
 }
 BENCH_DISTRIBUTED_ROWS = {
     "adamw": Optim("adamw"), "muon-gather": Optim("muon", mode="gather"), "muon-owner": Optim("muon"),
@@ -423,6 +513,41 @@ def parse_bench_optimizer(text: str) -> tuple[tuple, dict[str, float]]:
     return model, rows
 
 
+def parse_phases(text: str) -> dict[str, dict[str, float]]:
+    """{contender: {phase: median seconds}} from bench_optimizer's 'phases (median ms):' line."""
+    line = next((x for x in text.splitlines() if x.startswith("phases (median ms): ")), "")
+    out = {}
+    for part in line.removeprefix("phases (median ms): ").split("; ") if line else []:
+        name, _, phases = part.rpartition(": ")
+        out[name] = {p.rsplit(" ", 1)[0]: float(p.rsplit(" ", 1)[1]) / 1e3 for p in phases.split(", ")}
+    return out
+
+
+def phase_rows(measured: dict, optimizer_log: str) -> list[tuple]:
+    """(contender, phase, counted s, measured s) for bench_optimizer's phases line."""
+    from benchmarks.op_cost import phase_seconds
+
+    (preset, width, depth), _ = parse_bench_optimizer(optimizer_log)
+    shapes = model_shapes(preset, width, depth)
+    rows = []
+    for name, phases in parse_phases(optimizer_log).items():
+        if name not in BENCH_OPTIMIZER_PHASES:
+            continue
+        opt, step, kernels = BENCH_OPTIMIZER_PHASES[name]
+        hw = host_profile(measured, 1)
+        counted = phase_seconds(counted_records(shapes, step, opt.scale, kernels), hw.op_rates())
+        rows += [(name, ph, counted.get(ph, 0.0), sec) for ph, sec in sorted(phases.items()) if ph != "adamw"]
+    return rows
+
+
+def phase_table(rows: list[tuple]) -> str:
+    lines = ["| bench_optimizer contender | phase | counted | measured | counted / measured |",
+             "| --- | --- | ---: | ---: | ---: |"]
+    lines += [f"| {name} | {ph} | {c * 1e3:.1f} ms | {m * 1e3:.1f} ms | {c / m if m else float('nan'):.2f} |"
+              for name, ph, c, m in rows]
+    return "\n".join(lines)
+
+
 def parse_bench_distributed(text: str) -> dict[int, tuple[tuple, dict[str, tuple[float, float]]]]:
     """{processes: ((preset, width, depth), {row: (median seconds, mean MB per rank)})} from bench_distributed."""
     out: dict = {}
@@ -441,35 +566,39 @@ def parse_bench_distributed(text: str) -> dict[int, tuple[tuple, dict[str, tuple
 
 
 def calibration_rows(measured: dict, optimizer_log: str | None, distributed_log: str | None) -> list[tuple]:
-    """(benchmark, processes, row, predicted s, measured s) and, for bench_distributed, bytes rows."""
+    """(benchmark, processes, row, predicted, floor, measured, unit): predicted counted from the code, floor the
+    first-principles floor (seconds; for bench_distributed also bytes rows, where both are the optimizer's count)."""
     rows = []
     if optimizer_log:
         (preset, width, depth), times = parse_bench_optimizer(optimizer_log)
         shapes = model_shapes(preset, width, depth)
-        for label, seconds in times.items():
+        for label, sec in times.items():
             opt, step, kernels = BENCH_OPTIMIZER_ROWS[label]
             hw = replace(host_profile(measured, 1), rownorm_kernels=kernels)
-            p = predict(shapes, opt, hw, 1)
-            rows.append(("bench_optimizer", 1, label, p["steps"][step] if step else p["optimizer"], seconds, "s"))
+            p, f = (predict(shapes, opt, hw, 1, floor=floor) for floor in (False, True))
+            pick = (lambda q: q["steps"][step]) if step else (lambda q: q["optimizer"])
+            rows.append(("bench_optimizer", 1, label, pick(p), pick(f), sec, "s"))
     if distributed_log:
         for procs, ((preset, width, depth), found) in parse_bench_distributed(distributed_log).items():
             shapes = model_shapes(preset, width, depth)
             hw = host_profile(measured, procs)
-            for label, (seconds, nbytes) in found.items():
-                p = predict(shapes, BENCH_DISTRIBUTED_ROWS[label], hw, procs)
-                rows.append(("bench_distributed", procs, label, p["optimizer"], seconds, "s"))
+            for label, (sec, nbytes) in found.items():
+                opt = BENCH_DISTRIBUTED_ROWS[label]
+                p, f = (predict(shapes, opt, hw, procs, floor=floor) for floor in (False, True))
+                rows.append(("bench_distributed", procs, label, p["optimizer"], f["optimizer"], sec, "s"))
                 if nbytes:
-                    rows.append(("bench_distributed", procs, label + " (MB/step/rank)", p["bytes"], nbytes, "B"))
+                    rows.append(("bench_distributed", procs, label + " (MB/step/rank)", p["bytes"], p["bytes"],
+                                 nbytes, "B"))
     return rows
 
 
 def calibration_table(rows: list[tuple]) -> str:
-    lines = ["| benchmark | processes | line | predicted | measured | predicted / measured |",
-             "| --- | ---: | --- | ---: | ---: | ---: |"]
-    for bench, procs, label, pred, meas, unit in rows:
+    lines = ["| benchmark | processes | line | predicted (counted) | floor | measured | predicted / measured |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+    for bench, procs, label, pred, floor, meas, unit in rows:
         f = (lambda v: f"{v * 1e3:.1f} ms") if unit == "s" else (lambda v: f"{v / 2**20:.2f} MB")
-        lines.append(f"| {bench} | {procs} | {label} | {f(pred)} | {f(meas)} | {pred / meas:.2f} |")
-    timed = [pred / meas for *_, pred, meas, unit in rows if unit == "s"]
+        lines.append(f"| {bench} | {procs} | {label} | {f(pred)} | {f(floor)} | {f(meas)} | {pred / meas:.2f} |")
+    timed = [pred / meas for *_, pred, _, meas, unit in rows if unit == "s"]
     inside = sum(0.75 <= r <= 1.25 for r in timed)
     lines.append(f"\n{inside} of {len(timed)} time lines within +-25% (predicted / measured "
                  f"{min(timed):.2f}-{max(timed):.2f})" if timed else "")
@@ -547,6 +676,9 @@ def main(argv=None) -> int:
             measured = json.load(f)
         logs = [open(p).read() if p else None for p in (args.bench_optimizer, args.bench_distributed)]
         print(calibration_table(calibration_rows(measured, *logs)))
+        if logs[0]:
+            print("\nwhere the time goes (bench_optimizer's phases line, counted at this profile's rates):\n")
+            print(phase_table(phase_rows(measured, logs[0])))
         return 0
     print(paper_table(PROFILES[args.hardware], args.presets, args.worlds, args.mode))
     return 0

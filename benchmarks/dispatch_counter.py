@@ -65,7 +65,11 @@ class _Counting:
             self.total_s[name] += time.thread_time() - start
             self.current = "other"
 
-    def _counted(self, func, call):
+    def _observe(self, func, args, kwargs, out) -> None:
+        """Called once per counted call with its arguments and result (a subclass records what it needs:
+        benchmarks/op_cost.py, the bytes and FLOPs of each call); nothing here."""
+
+    def _counted(self, func, call, args=(), kwargs=None):
         if self._depth:
             return call()
         self._depth += 1
@@ -81,6 +85,7 @@ class _Counting:
             kind = self.kinds[func.__name__] = kind_of(func)
             self.calls.setdefault(self.current, Counter())[kind] += 1
             self.ops.setdefault(self.current, Counter())[func.__name__] += 1
+            self._observe(func, args, kwargs or {}, out)
         return out
 
 
@@ -93,7 +98,7 @@ class DispatchCounter(_Counting, TorchDispatchMode):
         self._reset_counts()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return self._counted(func, lambda: func(*args, **(kwargs or {})))
+        return self._counted(func, lambda: func(*args, **(kwargs or {})), args, kwargs)
 
 
 class FakeDispatchCounter(_Counting, FakeTensorMode):
@@ -105,7 +110,8 @@ class FakeDispatchCounter(_Counting, FakeTensorMode):
         self._reset_counts()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return self._counted(func, lambda: FakeTensorMode.__torch_dispatch__(self, func, types, args, kwargs))
+        return self._counted(func, lambda: FakeTensorMode.__torch_dispatch__(self, func, types, args, kwargs), args,
+                             kwargs)
 
 
 def per_call_overhead_s(counter_cls=FakeDispatchCounter, calls: int = 2000) -> float:

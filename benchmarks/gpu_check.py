@@ -28,8 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (name, GPU timeout s, CPU smoke timeout s, what it checks), in the order they run: what decides the most first
 # (env with room for a first CUDA initialisation, slow on a GPU without persistence mode), compile + activation
 # checkpointing before the checkpoint. GPU: their sum, with a kill grace each and SETUP_S, is at most 9 minutes by
-# construction (tests/test_gpu_check.py). CPU smoke: only a hang's limit (a loaded 2-core host runs the stages 5x
-# slower than an idle one; the compile stage is a cold inductor compile).
+# construction (tests/integration/test_gpu_check.py). CPU smoke: only a hang's limit (a loaded 2-core host runs the
+# stages 5x slower than an idle one; the compile stage is a cold inductor compile).
 STAGES = (
     ("env", 30, 240, "versions, SDPA backend at head dim 128, bf16 GEMM rate"),
     ("ns5", 20, 240, "NS5 at dit_15b's matrix shapes, batch 1 and 8, Gram vs plain"),

@@ -1,22 +1,26 @@
 """Host (CPU) time of a training step at full size as rank 0 of W, against the predicted GPU time of that step: does
 the GPU ever wait for Python? (issue 31 item 4; docs/host_overhead.md holds the table.)
 
-    PYTHONPATH=$PWD python benchmarks/host_overhead.py --preset dit_15b --world-size 32 \\
-        --optimizers adamw muon periodic_rowwise [--launch-us 8] [--view-us 2] [--json out.jsonl] [overrides]
+    python -m benchmarks.host_overhead --preset dit_15b --world-size 32 --optimizers adamw muon periodic_rowwise \\
+        [--compiled] [--launch-us 8] [--view-us 2] [--launch-extra-us 3] [--json out.jsonl] [overrides]
 
 How: the trainer's step (memory_estimate.fake_training: FSDP2 plan, sharded optimizer, EMA, on a fake process group,
-the scaling study's config) runs twice per optimizer, each in a fresh process. Neither run can be timed as it
-stands: a fake operator costs Python that a GPU run does not pay (a fake bmm ~ms, a launch ~5-10 us), and real
-tensors at full size need the GPU. So the host time is rebuilt from two measured parts:
+the scaling study's config) runs in fresh processes per optimizer. Neither run can be timed as it stands: a fake
+operator costs Python that a GPU run does not pay (a fake bmm ~ms, a launch ~5-10 us), and real tensors at full
+size need the GPU. So the host time is rebuilt from measured parts:
   calls   the operators dispatched at full size on fake tensors (dispatch_counter: kernels, views/allocations,
           collectives), each costed at a stated host price: --launch-us per kernel or collective (eager dispatch
           + CUDA launch), --view-us per view or allocation (dispatch only);
-  python  the same step on real tensors with the model shrunk to 4 channels per head and one image (the same
-          structure and calls; --top-ops prints both counts): its thread CPU time minus the time inside the
-          dispatched operators and minus the counter's own per-call cost (dispatch_counter.per_call_overhead_s),
-          i.e. the trainer's, FSDP2's, autograd's and the optimizer's Python and C++ around the operators.
-host = python + kernels x launch + views x view. Warm-up steps first (every direction once, DTensor's sharding
-propagation cached), then one step of each kind (periodic_rowwise: between steps and the refresh).
+  python  the same step on real tensors with the model shrunk to 4 channels per head and one image of 2 x 2
+          patches (the same structure and calls, next to no compute; --top-ops prints both counts): its thread CPU
+          time minus the time inside the dispatched operators and minus the counter's own per-call cost
+          (dispatch_counter.per_call_overhead_s), i.e. the trainer's, FSDP2's, autograd's and the optimizer's Python
+          and C++ around the operators; and the same step's whole thread time without the counter;
+  compiled  (--compiled) the shrunk step with the blocks torch.compile'd (parallel.compile=true): its launches
+          counted by the profiler (launch_profile.py) and its thread time.
+eager host = python + kernels x launch + views x view; direct host (eager or compiled) = thread time + launches x
+--launch-extra-us. Warm-up steps first (every direction once, DTensor's sharding propagation cached, compiled code
+compiled), then one step of each kind (periodic_rowwise: between steps and the refresh).
 Not in the fake step (they need real values): the trainer's loss/stop-vote all-reduce and its one host read
 (~12 calls, Trainer.train_step), the data loader. The GPU time is benchmarks/cost_model.py's (predicted_gpu_step_s).
 """
@@ -59,36 +63,47 @@ def host_ms(calls: dict, python_s: float, launch_us: float, view_us: float) -> f
     return python_s * 1e3 + (launches * launch_us + calls.get("no_kernel", 0) * view_us) / 1e3
 
 
-def measure(cfg, world_size: int, micro_batch: int, fake: bool = True) -> list[dict]:
-    """One row per measured step: {"step", "refresh", phase: {"calls", "python_s", "top_ops"}} for the phases of
+def measure(cfg, world_size: int, micro_batch: int, mode: str = "fake") -> list[dict]:
+    """One row per measured step: {"step", "refresh", phase: {"calls", "python_s", "top_ops", ...}} for the phases of
     Trainer.train_step (run as the trainer runs it): forward, backward, optimizer, and other (gradient clipping,
-    EMA, zero_grad, LR schedule, the step's noise)."""
+    EMA, zero_grad, LR schedule, the step's noise). mode: "fake" (full size, counted by a TorchDispatchMode),
+    "shrunk" (real tiny tensors, counted the same way, then timed without the counter) or "compiled" (real tiny
+    tensors, the blocks torch.compile'd: counted by the profiler, launch_profile.py, as a dispatch mode would make
+    compiled code run eager; then timed without it)."""
     import torch
 
     from dit_train.parallel.memory_estimate import empty_all_to_all_inputs_allowed, fake_training, steps_for
     from benchmarks.dispatch_counter import DispatchCounter, FakeDispatchCounter, per_call_overhead_s
+    from benchmarks.launch_profile import LaunchProfile, kernel_events
 
     torch.set_num_threads(1)  # fake tensors do no arithmetic; shrunk real ones next to none
-    counter = FakeDispatchCounter(allow_non_fake_inputs=True) if fake else DispatchCounter()
-    run = fake_training(cfg, world_size, micro_batch, counter)
+    if mode == "compiled":
+        kernel_events()  # before anything is compiled
+    counter = {"fake": lambda: FakeDispatchCounter(allow_non_fake_inputs=True), "shrunk": DispatchCounter,
+               "compiled": LaunchProfile}[mode]()
+    run = fake_training(cfg, world_size, micro_batch, counter if mode == "fake" else contextlib.nullcontext())
     opt = run.optimizer
     K = cfg.optimizer.get("K") or 1
     rows = []
     timer = run.trainer.timer
-    with counter, empty_all_to_all_inputs_allowed():
-        for _ in range(steps_for(cfg.optimizer)):
+    counting = counter.profiling if mode == "compiled" else contextlib.nullcontext
+    with counter if mode != "compiled" else contextlib.nullcontext(), empty_all_to_all_inputs_allowed():
+        # compiled: the first step compiles; K more steps in case a guard recompiles, keeping the measured steps
+        # in the eager runs' order of step kinds (combined() pairs them by position)
+        for _ in range(steps_for(cfg.optimizer) + (K if mode == "compiled" else 0)):
             run.trainer.train_step(run.x, {"y": run.y})
         for i in range(K):  # periodic: K - 1 between steps and a refresh; else one step
             counter.reset()
-            timer.phase = counter.phase  # the trainer's phase marks attribute the calls
-            timed_step(run, counter.total_s)
+            timer.phase = outermost(counter.phase)  # the trainer's phase marks attribute the calls
+            with counting():
+                timed_step(run, counter.total_s)
             del timer.phase
             row = {"step": i, "refresh": opt.step_info().get("opt/refresh")}
             for name in PHASES:
                 row[name] = {"calls": dict(counter.calls.get(name, {})), "inside_s": counter.inside_s[name],
                              "total_s": counter.total_s[name], "top_ops": counter.ops.get(name, {}).most_common(8)}
             rows.append(row)
-    if not fake:  # the same steps again without the counter: the thread's whole CPU time, nothing subtracted
+    if mode != "fake":  # the same steps again without the counter: the thread's whole CPU time, nothing subtracted
         with empty_all_to_all_inputs_allowed():
             for row in rows:
                 spent = Counter()
@@ -99,11 +114,13 @@ def measure(cfg, world_size: int, micro_batch: int, fake: bool = True) -> list[d
                     yield
                     spent[name] += time.thread_time() - start
 
-                timer.phase = phase
+                timer.phase = outermost(phase)
                 timed_step(run, spent)
                 del timer.phase
                 for name in PHASES:
                     row[name]["uncounted_s"] = spent[name]
+    if mode == "compiled":  # no Python estimate by subtraction: the profiler's events do not time the launches
+        return rows
     overhead = per_call_overhead_s(type(counter))
     for row in rows:
         for name in PHASES:
@@ -114,6 +131,27 @@ def measure(cfg, world_size: int, micro_batch: int, fake: bool = True) -> list[d
     return rows
 
 
+def outermost(phase):
+    """The timer's `phase` for the trainer's marks only: the phases opened inside one (the optimizer's momentum,
+    direction, comm and update, on the same timer) count towards the enclosing one, as the trainer's phase does."""
+    depth = 0
+
+    @contextlib.contextmanager
+    def mark(name):
+        nonlocal depth
+        depth += 1
+        try:
+            if depth > 1:
+                yield
+            else:
+                with phase(name):
+                    yield
+        finally:
+            depth -= 1
+
+    return mark
+
+
 def timed_step(run, spent) -> None:
     """One Trainer.train_step; the thread time outside its phases (marked by the trainer's timer) goes to 'other'."""
     start, inside = time.thread_time(), sum(spent[name] for name in PHASES[:-1])
@@ -122,40 +160,61 @@ def timed_step(run, spent) -> None:
 
 
 def run_one(args) -> dict:
-    """One optimizer in this process: the full-size step on fake tensors (--mode fake: the calls) or the same step
-    on real tensors with the model's width shrunk to 4 per head and one image (--mode shrunk: the Python time)."""
+    """One optimizer in this process: the full-size step on fake tensors (--mode fake: the calls), or the same step
+    on real tensors with the model's width shrunk to 4 per head, one image of 2 x 2 patches (the compute left is
+    next to nothing) and the same structure: --mode shrunk (eager: the Python time) or --mode compiled (the blocks
+    torch.compile'd as parallel.compile=true does: launches and thread time)."""
     from dit_train.parallel.memory_estimate_cli import compose
 
     cfg = compose(args.preset, args.optimizer, False, args.overrides)
     micro = args.micro_batch or cfg.train.batch_size // args.world_size
     gpu_s = predicted_gpu_step_s(cfg.model, cfg.optimizer, args.world_size, micro)
-    if args.mode == "shrunk":
-        cfg.model.hidden_size, micro = 4 * cfg.model.num_heads, 1
+    if args.mode != "fake":
+        cfg.model.hidden_size, cfg.model.image_size, micro = 4 * cfg.model.num_heads, 2 * cfg.model.patch_size, 1
+    cfg.parallel.compile = args.mode == "compiled"
     return {"preset": args.preset, "optimizer": args.optimizer, "world_size": args.world_size, "micro_batch": micro,
             "mode": args.mode, "overrides": list(args.overrides), "gpu_step_s": gpu_s,
-            "steps": measure(cfg, args.world_size, micro, fake=args.mode == "fake")}
+            "steps": measure(cfg, args.world_size, micro, args.mode)}
 
 
-def combined(fake: dict, shrunk: dict) -> dict:
-    """The full-size calls with the shrunk run's Python time, step by step."""
+def combined(fake: dict, shrunk: dict, compiled: dict | None = None) -> dict:
+    """The full-size calls with the shrunk run's Python time, step by step; with a compiled run, its launches and
+    thread time of each phase beside them (compiled_calls, compiled_thread_s)."""
     out = dict(fake, steps=[])
-    for f, s in zip(fake["steps"], shrunk["steps"], strict=True):
-        out["steps"].append({**f, **{name: {**f[name], "python_s": s[name]["python_s"],
-                                            "shrunk_calls": s[name]["calls"],
-                                            "shrunk_thread_s": s[name]["uncounted_s"]} for name in PHASES}})
+    for i, (f, s) in enumerate(zip(fake["steps"], shrunk["steps"], strict=True)):
+        step = {**f, **{name: {**f[name], "python_s": s[name]["python_s"], "shrunk_calls": s[name]["calls"],
+                               "shrunk_thread_s": s[name]["uncounted_s"]} for name in PHASES}}
+        if compiled is not None:
+            c = compiled["steps"][i]
+            if c["refresh"] != f["refresh"]:
+                raise RuntimeError(f"step {i}: the compiled run measured another kind of step than the eager one")
+            for name in PHASES:
+                step[name].update(compiled_calls=c[name]["calls"], compiled_thread_s=c[name]["uncounted_s"],
+                                  compiled_top_ops=c[name]["top_ops"])
+        out["steps"].append(step)
     return out
 
 
-def table(results: list[dict], launch_us: float, view_us: float) -> str:
-    """One line per measured step kind: calls and host ms per phase, and host / predicted GPU step. "shrunk CPU step":
-    the whole thread CPU time of the shrunk step on real tensors without the counter (its tiny CPU kernels in place
-    of launches), a cross-check of the host estimate."""
-    lines = [f"launch {launch_us:g} us per kernel or collective, {view_us:g} us per view or allocation; GPU step: "
-             "benchmarks/cost_model.py on an H100 SXM (forward+backward at its MFU, exposed FSDP2 communication, the "
-             "optimizer step of that kind)", "",
-             "| preset | W | optimizer | step | fwd+bwd calls | fwd+bwd host ms | optimizer calls | optimizer host ms "
-             "| optimizer python ms | clip, EMA etc. host ms | step host ms | shrunk CPU step ms | GPU step ms | host / GPU |",
-             "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+def launches(calls: dict) -> int:
+    return calls.get("kernel", 0) + calls.get("collective", 0)
+
+
+def table(results: list[dict], launch_us: float, view_us: float, extra_us: float) -> str:
+    """Lines per measured step kind: calls and host ms per phase, and host / predicted GPU step, by two methods:
+      eager          python (shrunk run minus its counted calls) + full-size calls x price (--launch-us, --view-us)
+      eager direct   the tiny step's whole thread CPU time (Python, dispatch and its near-empty CPU kernels) +
+                     launches x --launch-extra-us (the CUDA launch a CPU kernel call does not pay): a cross-check
+      compiled       the same direct method on the step with the blocks compiled (launches: the profiler's count)
+    Optimizer and "other" (clipping, EMA, zero_grad, LR schedule) are compiled in none of them: every line takes
+    the eager method's figures there. "fwd+bwd thread ms": the tiny step's forward+backward thread CPU time."""
+    lines = [f"eager: {launch_us:g} us per kernel or collective, {view_us:g} us per view or allocation; direct: "
+             f"+{extra_us:g} us per launch on the tiny step's thread time; GPU step: benchmarks/cost_model.py on an "
+             "H100 SXM (forward+backward at its MFU, exposed FSDP2 communication, the optimizer step of that kind)", "",
+             "| preset | W | optimizer | step | method | fwd+bwd launches | fwd+bwd views | fwd+bwd thread ms "
+             "| fwd+bwd host ms | optimizer calls | optimizer host ms | clip, EMA etc. host ms | step host ms "
+             "| GPU step ms | host / GPU |",
+             "| --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    fb = ("forward", "backward")
     for r in results:
         seen = set()
         for st in r["steps"]:
@@ -164,15 +223,24 @@ def table(results: list[dict], launch_us: float, view_us: float) -> str:
                 continue
             seen.add(kind)
             ms = {name: host_ms(st[name]["calls"], st[name]["python_s"], launch_us, view_us) for name in PHASES}
-            total, gpu = sum(ms.values()), r["gpu_step_s"][kind] * 1e3
-            direct = sum(st[name]["shrunk_thread_s"] for name in PHASES) * 1e3
-            lines.append(
-                f"| {r['preset']} | {r['world_size']} | {r['optimizer']} | {kind} "
-                f"| {sum(st[n]['calls'][k] for n in ('forward', 'backward') for k in st[n]['calls'])} "
-                f"| {ms['forward'] + ms['backward']:.1f} "
-                f"| {sum(st['optimizer']['calls'].values())} | {ms['optimizer']:.1f} "
-                f"| {st['optimizer']['python_s'] * 1e3:.1f} | {ms['other']:.1f} | {total:.1f} | {direct:.1f} | {gpu:.0f} "
-                f"| {total / gpu:.1%} |")
+            gpu = r["gpu_step_s"][kind] * 1e3
+            rest = ms["optimizer"] + ms["other"]
+            thread = sum(st[n]["shrunk_thread_s"] for n in fb) * 1e3
+            full = {k: sum(st[n]["calls"].get(k, 0) for n in fb) for k in ("kernel", "collective", "no_kernel")}
+            methods = [("eager", full, thread, ms["forward"] + ms["backward"]),
+                       ("eager direct", full, thread, thread + launches(full) * extra_us / 1e3)]
+            if "compiled_calls" in st["forward"]:
+                comp = {k: sum(st[n]["compiled_calls"].get(k, 0) for n in fb) for k in ("kernel", "collective",
+                                                                                           "no_kernel")}
+                cthread = sum(st[n]["compiled_thread_s"] for n in fb) * 1e3
+                methods.append(("compiled", comp, cthread, cthread + launches(comp) * extra_us / 1e3))
+            for method, calls, th, fb_ms in methods:
+                total = fb_ms + rest
+                lines.append(
+                    f"| {r['preset']} | {r['world_size']} | {r['optimizer']} | {kind} | {method} "
+                    f"| {launches(calls)} | {calls['no_kernel']} | {th:.1f} | {fb_ms:.1f} "
+                    f"| {sum(st['optimizer']['calls'].values())} | {ms['optimizer']:.1f} | {ms['other']:.1f} "
+                    f"| {total:.1f} | {gpu:.0f} | {total / gpu:.1%} |")
     return "\n".join(lines)
 
 
@@ -184,11 +252,15 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batch", type=int, default=0, help="images per rank (default: train.batch_size / W)")
     p.add_argument("--launch-us", type=float, default=8.0, help="host us per kernel launch or collective")
     p.add_argument("--view-us", type=float, default=2.0, help="host us per view or allocation")
+    p.add_argument("--launch-extra-us", type=float, default=3.0,
+                   help="direct method: host us a CUDA launch adds to the tiny step's CPU kernel call")
+    p.add_argument("--compiled", action="store_true",
+                   help="also measure the step with the blocks torch.compile'd (parallel.compile=true)")
     p.add_argument("--json", help="append each result to this JSONL file")
     p.add_argument("--top-ops", action="store_true", help="also print each phase's most frequent operators")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # one optimizer, JSON on stdout
     p.add_argument("--optimizer", help=argparse.SUPPRESS)
-    p.add_argument("--mode", choices=("fake", "shrunk"), default="fake", help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=("fake", "shrunk", "compiled"), default="fake", help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model.depth=2")
     args = p.parse_args(argv)
     for name in args.optimizers:
@@ -200,7 +272,7 @@ def main(argv=None) -> int:
     results = []
     for name in args.optimizers:  # a fresh process each: the fake process group and compiled state are global
         runs = {}
-        for mode in ("fake", "shrunk"):
+        for mode in ("fake", "shrunk") + (("compiled",) if args.compiled else ()):
             cmd = [sys.executable, "-m", "benchmarks.host_overhead", "--one", "--mode", mode, "--optimizer", name,
                    "--preset", args.preset, "--world-size", str(args.world_size), "--micro-batch",
                    str(args.micro_batch), *args.overrides]
@@ -208,7 +280,7 @@ def main(argv=None) -> int:
             if proc.returncode != 0:
                 sys.exit(f"error: {name} ({mode}) failed: {proc.stderr.strip()[-2000:]}")
             runs[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
-        r = combined(runs["fake"], runs["shrunk"])
+        r = combined(runs["fake"], runs["shrunk"], runs.get("compiled"))
         results.append(r)
         if args.json:
             with open(args.json, "a") as f:
@@ -220,7 +292,10 @@ def main(argv=None) -> int:
                           f"{st[name_]['shrunk_calls']}) python {st[name_]['python_s'] * 1e3:.1f} ms, shrunk "
                           f"step uncounted {st[name_]['shrunk_thread_s'] * 1e3:.1f} ms; "
                           f"top {st[name_]['top_ops']}")
-    print(table(results, args.launch_us, args.view_us))
+                    if "compiled_calls" in st[name_]:
+                        print(f"  compiled: {st[name_]['compiled_calls']}, thread "
+                              f"{st[name_]['compiled_thread_s'] * 1e3:.1f} ms; top {st[name_]['compiled_top_ops']}")
+    print(table(results, args.launch_us, args.view_us, args.launch_extra_us))
     return 0
 
 

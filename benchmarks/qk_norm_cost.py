@@ -1,12 +1,12 @@
 """Where qk_norm's time goes on the CPU: the model's forward and forward+backward at dit_m (depth 6, fp32) without
 qk-norm, with it as it was (F.rms_norm on the permuted [B, H, N, hd] q/k views) and as the model runs it now
-(normalised on [B, N, H, hd] views, before the permute: the same values bit for bit, tests/test_qk_norm.py), eager
+(normalised on [B, N, H, hd] views, before the permute: the same values bit for bit, tests/unit/test_qk_norm.py), eager
 and, with --compile, under torch.compile. Variants are
 interleaved, repeat by repeat; the time is the process's CPU time (time.process_time: on a loaded machine wall time
 measures the neighbours, CPU time the work) and the minimum over repeats is printed, with the cost of qk-norm
 relative to the model without it. docs/qk_norm.md holds the numbers.
 
-    PYTHONPATH=$PWD python benchmarks/qk_norm_cost.py [--repeats 3] [--batch 32] [--threads 1] [--compile]
+    python -m benchmarks.qk_norm_cost [--repeats 3] [--batch 32] [--threads 1] [--compile]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 one run: interleaved pairs (trainer, minimal, trainer, minimal, ...), each a fresh process, so load that changes
 over the run hits both. The trainer's overhead is the ratio (issue 31 item 6; docs/qk_norm.md holds the numbers).
 
-    PYTHONPATH=$PWD python benchmarks/trainer_vs_minimal_loop.py [--pairs 2] [--steps 12] [--window 4] \\
+    python -m benchmarks.trainer_vs_minimal_loop [--pairs 2] [--steps 12] [--window 4] \\
         [--qk-norm true|false] [--minimal-qk-norm true|false]
 
 Both: dit_m with depth 6, batch 128, AdamW (fused, lr 2e-3), fp32 on the CPU, torch's default threads.

@@ -7,10 +7,10 @@ one sampler, dit_train.diffusion.sampler), a grid with one row per class and/or 
 Everything left out is the run's own grids' (classes 0..9, train.samples_per_class per class, train.sample_steps,
 train.cfg_scale, seed; the noise is the training grids' stream, drawn once for all images; a latent run's VAE
 decodes them all after sampling in vae.decode_batch_size batches), so `dit-sample RUN` is the
-run's last grid pixel for pixel (tests/test_sample.py, tests/test_latents_e2e.py) on the CPU. The noise does not
-depend on the batch size. The Euler steps equal diffusers' FlowMatchEulerDiscreteScheduler with
-`sigmas = linspace(1, 0, steps + 1)[:-1]` bit for bit (tests/test_sample.py), so a diffusers scheduler can replace
-them: feed the model t = the scheduler's sigma (our t runs from 1 = noise to 0). A progress bar counts the model
+run's last grid pixel for pixel (tests/integration/test_sample.py, tests/integration/test_latents_e2e.py) on the
+CPU. The noise does not depend on the batch size. The Euler steps equal diffusers' FlowMatchEulerDiscreteScheduler
+with `sigmas = linspace(1, 0, steps + 1)[:-1]` bit for bit (tests/integration/test_sample.py), so a diffusers
+scheduler can replace them: feed the model t = the scheduler's sigma (our t runs from 1 = noise to 0). A progress bar counts the model
 calls on a terminal (--no-progress: none).
 """
 

@@ -13,16 +13,25 @@ import torch
 import dit_train  # noqa: F401 - registers the config schemas with Hydra (compose needs them)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INTEGRATION = os.path.join(ROOT, "tests", "integration")
 CONF_DIR = os.path.join(ROOT, "dit_train", "conf")
 FASHION_ROOT = "/usr/share/datasets/fashion-mnist"
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Two intra-op threads for the one process on two cores; one each when pytest-xdist runs two workers side by side.
+torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 # Processes the tests start in Python (ranks, checkpoint writers) fork from one server process that imported torch
 # and the trainer once (start method "forkserver"); "spawn" re-imported them in every process, ~5 s of CPU each on
 # a 2-core host, a fifth of the suite's time. A forked process sees the environment of the server, i.e. of the
 # first test that started one: tests that change os.environ must not rely on it reaching their processes.
 multiprocessing.set_forkserver_preload(["torch", "torch.distributed.fsdp", "dit_train.trainer.loop"])
+
+
+def pytest_collection_modifyitems(items):
+    """Everything under tests/integration/ is end to end: `-m "not integration"` runs the unit tests alone."""
+    for item in items:
+        if str(item.path).startswith(INTEGRATION + os.sep):
+            item.add_marker(pytest.mark.integration)
 
 
 def compose(overrides=()):

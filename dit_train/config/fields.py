@@ -21,13 +21,15 @@ class Rule:
 
 
 def key(valid: str | None = None, ok: Callable[[Any], bool] | None = None, default=MISSING, doc: str = "",
-        resume: bool = False, recorded_before=MISSING):
+        resume: bool = False, recorded_before=MISSING, placement: bool = False):
     """A schema field: `valid` describes the accepted values, `ok` tests a value of the right type; `default`
     (none: the key is required), `doc` its one line in --help, `resume` true when a resumed run may change it
     (cadence, paths, logging: what does not change the maths); `recorded_before`, for a key added after runs were
-    recorded, the value that reproduces what they did (a checkpoint whose config lacks the key resumes under it)."""
+    recorded, the value that reproduces what they did (a checkpoint whose config lacks the key resumes under it);
+    `placement` true for an optimizer key that only the sharded implementation takes (a keyword of
+    ShardedMatrixOptimizer; optim/registry.py passes exactly these)."""
     meta = {"rule": Rule(valid, ok or (lambda v: True))} if valid else {}
-    meta.update(doc=doc, resume=resume)
+    meta.update(doc=doc, resume=resume, placement=placement)
     if recorded_before is not MISSING:
         meta["recorded_before"] = recorded_before
     if isinstance(default, (list, dict)):

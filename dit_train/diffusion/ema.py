@@ -12,7 +12,7 @@ import copy
 import torch
 from torch import nn
 
-from dit_train.parallel.fsdp import local
+from dit_train.parallel.fsdp import held_shard, local
 
 
 class EMA:
@@ -38,8 +38,9 @@ class EMA:
     def update(self, model: nn.Module) -> None:
         self.num_updates += 1
         d = min(self.decay, (1 + self.num_updates) / (10 + self.num_updates))
-        ema_p = [local(p) for p in self.model.parameters()]
-        new_p = [local(p.detach()) for p in model.parameters()]
+        # the local shards as held (held_shard): one dispatched lerp, not a view and a detach per parameter too
+        ema_p = [held_shard(p) for p in self.model.parameters()]
+        new_p = [held_shard(p) for p in model.parameters()]
         torch._foreach_lerp_(ema_p, new_p, 1.0 - d)
 
     def state_dict(self) -> dict:

@@ -22,9 +22,8 @@ Both are torch.compile'd functions (Triton on CUDA, C++ from inductor on CPU), o
 once per bucket with static shapes (_kernel); lr is a 0-d tensor, so an lr schedule never recompiles them. A
 tall matrix's column sums reduce blocks of COLUMN_SUM_BLOCK rows first, as inductor's plain reduction over dim -2
 walks the columns with a stride on CPU (one thread, 8 x 3072 x 512: 1.4x a fused AdamW step on the same tensors
-against 0.5x blocked). The
-results agree with the eager path to float rounding, not bit for bit: the kernels contract multiply-adds and sum
-the squares in another order (tests/test_fused_rownorm.py).
+against 0.5x blocked). The results agree with the eager path to float rounding, not bit for bit: the kernels
+contract multiply-adds and sum the squares in another order (tests/unit/test_fused_rownorm.py).
 """
 
 from __future__ import annotations

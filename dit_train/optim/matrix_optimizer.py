@@ -22,7 +22,7 @@ faults on CPU) and updated with foreach ops. The maths lives in directions/; whe
 collectives, docs/algorithms.md §6) overrides while reusing the rest: buckets are keyed by the whole matrix's shape, the
 stacked inputs take the local shape, and the direction functions take `reduce=` (an all-reduce over the ranks
 holding the other columns) and `tall=` (orient a shard as its whole matrix), tested against the whole matrix in
-tests/test_optim_directions.py.
+tests/unit/test_optim_directions.py.
 """
 
 from __future__ import annotations

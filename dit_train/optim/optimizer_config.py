@@ -56,19 +56,20 @@ class MatrixConfig(AdamWConfig):
                                               doc="forced to AdamW; replaces the built-in list when given")
     # Placement on FSDP2 shards (optim/sharded_optimizer.py; a single process ignores them): how whole-matrix
     # directions (NS5, MUD) bring whole matrices together. RowNorm never needs whole matrices (local rows, or
-    # all-reduced column norms). None of them changes the maths, so a resume may change them.
+    # all-reduced column norms). None of them changes the maths, so a resume may change them. placement=True: the
+    # registry passes exactly the keys so marked to ShardedMatrixOptimizer.
     distributed_mode: str = choice(
-        "gather", "owner", default="owner", resume=True,
+        "gather", "owner", default="owner", resume=True, placement=True,
         doc="owner: all-to-all to one owner per matrix, direction once, all-to-all back (W matrices per exchange) | "
             "gather: all-gather U, direction on every rank (the paper's baseline)")
-    gather_dtype: str = choice("bf16", "fp32", default="bf16",
+    gather_dtype: str = choice("bf16", "fp32", default="bf16", placement=True,
                                doc="bf16 | fp32: dtype U travels in (bf16 = NS5's input as a single process "
                                    "computes it)")
-    bucket_mb: float = number("expected > 0", lambda v: v > 0, default=16, resume=True,
+    bucket_mb: float = number("expected > 0", lambda v: v > 0, default=16, resume=True, placement=True,
                               doc="gather mode: MB of whole matrices per bucket; the next bucket's collective overlaps "
                                   "this bucket's direction")
     overlap_exchange: bool = key(
-        default=False, resume=True,
+        default=False, resume=True, placement=True,
         doc="start the exchange of U during backward, as each matrix's gradient is reduced (gather: bucketed "
             "all-gathers; owner: each exchange's all-to-all to the owners once its matrices have their rows; "
             "optim/backward_overlap.py; unused on steps where clipping scaled the gradients)")

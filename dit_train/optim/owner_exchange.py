@@ -100,25 +100,44 @@ def send_to_owners(ex: Exchange, U: Tensor, comm: ShardComm) -> _Inbound:
     return _Inbound(ex, recv, comm.all_to_all(recv, send, out_splits, in_splits), send)
 
 
+def _rank_major(flat: Tensor, whole: Tensor, rows_of: list[tuple[int, int]]) -> list[tuple[Tensor, Tensor]]:
+    """Pairs of views (part of `flat`, the same rows of `whole`) of a buffer laid out rank by rank (rank 0's rows
+    of each of the `whole` [count, m, n] matrices, [count, rows, n], then rank 1's...): the ranks holding a full
+    torch.chunk share of rows as one strided pair, the shorter share after them (if any) as another, so the
+    exchange's rows are rearranged by one or two copies, not one per rank (W small copies: host time at W = 32)."""
+    count, m, n = whole.shape
+    chunk = rows_of[0][1]
+    if not count or not chunk:
+        return []
+    full = sum(rows == chunk for _, rows in rows_of)  # torch.chunk: the full shares come first
+    head = full * chunk
+    whole_head = whole if head == m else whole[:, :head]
+    pairs = [(flat[:count * head * n].view(full, count, chunk, n),
+              whole_head.view(count, full, chunk, n).transpose(0, 1))]
+    if head < m:
+        pairs.append((flat[count * head * n:count * m * n].view(count, m - head, n), whole[:, head:]))
+    return pairs
+
+
 def _assemble(inb: _Inbound, count: int, comm: ShardComm) -> Tensor:
     """The owned whole matrices [count, m, n] from the received rows: from rank 0 its rows of each, then rank 1..."""
     m, n = inb.ex.key[0]
     whole = torch.empty((count, m, n), dtype=inb.recv.dtype, device=inb.recv.device)
-    off = 0
-    for start, rows in comm.rows(m):
-        whole[:, start:start + rows] = inb.recv[off:off + count * rows * n].view(count, rows, n)
-        off += count * rows * n
+    for received, rows in _rank_major(inb.recv, whole, comm.rows(m)):
+        rows.copy_(received)
     return whole
 
 
 def _return_rows(ex: Exchange, D: Tensor, out: Tensor, comm: ShardComm):
     """Start the return all-to-all: to rank r its rows of every owned direction; from the owners, in rank order,
-    this rank's rows of the exchange's matrices, straight into their place in `out` [B, rows_here, n]."""
+    this rank's rows of the exchange's matrices, straight into their place in `out` [B, rows_here, n]. The rows
+    are sent from a copy: D may be a workspace that the next exchange's direction overwrites."""
     m, n = ex.key[0]
     rows_of = comm.rows(m)
-    parts = [D[:, start:start + rows].reshape(-1) for start, rows in rows_of]
-    send = torch.cat(parts) if D.shape[0] else D.new_empty(0)
-    in_splits = [p.numel() for p in parts]
+    send = D.new_empty(D.numel())
+    for part, rows in _rank_major(send, D, rows_of):
+        part.copy_(rows)
+    in_splits = [D.shape[0] * rows * n for _, rows in rows_of]
     out_splits = [c * rows_of[comm.rank][1] * n for c in ex.counts]
     recv = out[ex.start:ex.start + ex.size].view(-1)
     return send, comm.all_to_all(recv, send, out_splits, in_splits)

@@ -18,7 +18,7 @@ keys take the Config's defaults. Builders receive that checked plain dict.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, make_dataclass
+from dataclasses import dataclass, fields, make_dataclass
 from typing import Any, Callable, Mapping
 
 import torch
@@ -31,9 +31,6 @@ from dit_train.optim.matrix_optimizer import MatrixOptimizer
 from dit_train.optim.optimizer_config import AdamWConfig, MatrixConfig, PeriodicConfig
 from dit_train.optim.routing import Routing, format_routing_table, route_parameters
 from dit_train.optim.sharded_optimizer import ShardedMatrixOptimizer
-
-# keys of the sharded implementation only (a single process ignores them)
-PLACEMENT_KEYS = ("distributed_mode", "gather_dtype", "bucket_mb", "overlap_exchange")
 
 Builder = Callable[[nn.Module, dict], torch.optim.Optimizer]
 
@@ -80,7 +77,7 @@ def build_matrix(model: nn.Module, c: dict, *, name: str, direction: Direction,
     # FSDP2 shards (DTensor parameters) take the sharded implementation, with its placement keys
     sharded = any(hasattr(p, "to_local") for _, p in routing.matrix)
     cls = ShardedMatrixOptimizer if sharded else MatrixOptimizer
-    kwargs = {k: c[k] for k in PLACEMENT_KEYS} if sharded else {}
+    kwargs = {k: c[k] for k in placement_keys(config_class(name))} if sharded else {}
     opt = cls(
         groups, lr=lr, weight_decay=wd, momentum=c["momentum"], nesterov=c["nesterov"], scale=c["scale"],
         direction=direction, refresh_every=K, between=between, direction_eps=c["direction_eps"],
@@ -125,6 +122,12 @@ OPTIMIZERS: dict[str, Entry] = {
     "rownorm": matrix("rownorm", RowNorm),
     "mud": matrix("mud", MUD),
 }
+
+
+def placement_keys(config: type) -> tuple[str, ...]:
+    """The keys of an optimizer Config declared with placement=True: the sharded implementation's keywords (a
+    single process ignores them)."""
+    return tuple(f.name for f in fields(config) if f.metadata.get("placement"))
 
 
 def config_class(name: str) -> type:

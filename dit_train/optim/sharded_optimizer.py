@@ -51,6 +51,7 @@ from dit_train.optim.matrix_optimizer import MatrixOptimizer
 from dit_train.optim.spectral_cap import cap_factors, spectral_cap, start_vectors
 from dit_train.optim.owner_exchange import owner_directions, plan_exchanges
 from dit_train.optim.whole_matrix_exchange import gather_directions, plan_buckets
+from dit_train.parallel.fsdp import held_shard
 
 def _reducer(gram_lower_triangle: bool, comm: ShardComm, phases: PhaseSwitch):
     """The `reduce=` hook for directions computed on tall shards: a blocking all-reduce of the per-shard sums.
@@ -151,7 +152,8 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
 
     @staticmethod
     def _local(t: Tensor) -> Tensor:
-        return t.to_local() if hasattr(t, "to_local") else t
+        # the shard as held: to_local() dispatches a view per parameter and step (fsdp.held_shard)
+        return held_shard(t)
 
     def describe_placement(self) -> str:
         behind = ", exchanged behind backward" if self._overlap is not None else ""

@@ -316,6 +316,14 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def held_shard(t: torch.Tensor) -> torch.Tensor:
+    """local(t) for per-step loops outside autograd: the local tensor the DTensor holds, read without dispatching
+    an operator. to_local() on a DTensor that is an nn.Parameter returns a fresh view on every call (a dispatched
+    view per parameter and step: ~600 per EMA update at dit_15b, ~2 us of host each on a GPU); same memory, no
+    autograd link (to_local stays the differentiable path)."""
+    return t._local_tensor if hasattr(t, "to_local") else t
+
+
 @torch.no_grad()
 def weights_finite(model: nn.Module) -> bool:
     """Whether every parameter is finite on every rank (one all-reduce of a count; checked before each save)."""

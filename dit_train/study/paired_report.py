@@ -2,22 +2,27 @@
 differences against Muon and AdamW with 95% intervals over paired seeds and an equivalence test (TOST) at a margin —
 reading run folders only.
 
-    dit-paired-report SWEEP_DIR [--out FOLDER] [--margin 1.0]
+    dit-paired-report SWEEP_DIR [--out FOLDER] [--margin 1.0] [--reference 'periodic_rowwise K=3 (frobenius)']
 
 Each optimizer variant is compared at the learning rate its scan selected (study.json's lr_selection: lowest final
 validation loss over the selection seeds). The selection seeds (study.json's selection_seeds; in records from before
 the runner wrote it, the seeds of its scan runs) chose the lr, so they are never evaluation rows: a study whose
 selection seed also ran at the selected lr gets those rows in a separate, labelled section only.
 A comparison pairs runs of the same seed (same initial weights, data order and noise), so seed-to-seed variation
-common to both cancels:
+common to both cancels; in a study with study.axes (e.g. qk_norm on and off) or study.common_lr, runs pair by seed
+within one combination of the axes and one lr kind (each variant's own selected lr, or the common lr), and each such
+stratum has its own sections. The references are Muon and AdamW unless --reference names others (a variant as the
+tables name it):
     d_s = 100 (x_s(variant) - x_s(reference)) / x_s(reference)   per seed s, then mean(d) +- t(0.975, n-1) sd(d)/sqrt(n).
 Equivalence at margin m (percent): two one-sided t tests at 5% each, i.e. the 90% interval mean(d) +- t(0.95, n-1)
 sd(d)/sqrt(n) lies inside (-m, +m) -> "equivalent"; entirely above +m -> "worse"; entirely below -m -> "better";
 otherwise "not shown equivalent".
-Metrics: EMA validation velocity loss at steps 200/400/600 (the primary metric), final FD, steps and active time to
+Metrics: EMA validation velocity loss at the validation steps nearest a third, two thirds and all of the run
+(200/400/600 for 600 steps validated every 100; the last is the primary metric), final FD, steps and active time to
 reach a target validation loss (the highest final value among the compared runs, so that every finished run reaches
-it; linear between validation points), and optimizer time per
-step averaged over every step (window means weighted by their step counts).
+it; linear between validation points), optimizer time per step averaged over every step (window means weighted by
+their step counts), and, for runs that log every step's train loss, the max loss spike and divergence of
+dit_train/study/stability.py.
 """
 
 from __future__ import annotations
@@ -32,11 +37,14 @@ from collections import defaultdict
 import scipy.stats
 
 from dit_train.runs.json_file import DamagedJSONFile, read_json
+from dit_train.study import stability
 from dit_train.study.report import Run, banner, fmt, provenance, read_run
-from dit_train.study.run import variant_label  # the key of study.json's lr_selection
+from dit_train.study.run import axes_label, variant_label  # variant_label: the key of study.json's lr_selection
 
-VAL_STEPS = (200, 400, 600)
+VAL_FRACTIONS = (1 / 3, 2 / 3, 1.0)  # of the run: where the validation-loss columns are read
 DEFAULT_MARGIN = 1.0  # percent: the equivalence margin of the TOST column
+DEFAULT_REFERENCES = ("muon", "adamw")
+OWN, COMMON = "own lr", "common lr"  # the lr kinds of a stratum
 
 
 def interval(diffs: list[float], level: float = 0.95) -> tuple[float, float, float]:
@@ -89,13 +97,28 @@ def label(r: dict) -> str:
         f" ({r['scale']})" if r.get("scale") else "")
 
 
-def metrics_of(run: Run, target: float) -> dict[str, float]:
+def val_steps(runs: list[Run]) -> list[int]:
+    """The validation steps nearest each of VAL_FRACTIONS of the last one (the later of two as near), over the runs."""
+    logged = sorted({s for r in runs for s, _, _ in r.val_curve})
+    if not logged:
+        return []
+    out = []
+    for f in VAL_FRACTIONS:
+        step = min(logged, key=lambda s: (abs(s - f * logged[-1]), -s))
+        if step not in out:
+            out.append(step)
+    return out
+
+
+def metrics_of(run: Run, target: float, at_steps: list[int]) -> dict[str, float]:
     steps, secs = crossing(run, target)
-    out = {f"val loss @{s}": val_at_step(run, s) for s in VAL_STEPS}
+    out = {f"val loss @{s}": val_at_step(run, s) for s in at_steps}
     fwd_bwd = run.phases.get("forward", math.nan) + run.phases.get("backward", math.nan)
     out.update({"final FD": run.fd_curve[-1][2] if run.fd_curve else math.nan, "steps to target": steps,
                 "time to target (s)": secs, "optimizer s/step": run.optimizer_s,
                 "optimizer / fwd+bwd": run.optimizer_s / fwd_bwd if fwd_bwd > 0 else math.nan})
+    if stability.logs_every_step(run.train_curve):
+        out["max loss spike"] = stability.loss_spike(run.train_curve, run.warmup_steps)
     return out
 
 
@@ -108,26 +131,44 @@ def selection_seeds(study: dict) -> list[int]:
 
 
 def collect(sweep_dir: str, study: dict) -> tuple[dict, dict]:
-    """({variant: {seed: Run}} at the selected lr, every seed, {variant: {lr: ([final val loss per selection seed],
-    selected)}})."""
+    """({stratum: {variant: {seed: Run}}} at the selected lr (and at the common lr), every seed,
+    {variant and axes: {lr: ([final val loss per selection seed], selected)}}). A stratum is (axes, lr kind): a
+    study without study.axes or study.common_lr has the one stratum ('', OWN)."""
     selection = study.get("lr_selection") or {}
     chosen_lr = {key: sel["lr"] for key, sel in selection.items()}
-    runs, scan = defaultdict(dict), defaultdict(dict)
+    runs, scan = defaultdict(lambda: defaultdict(dict)), defaultdict(dict)
     for r in study["runs"]:
         key = variant_label(r)
         folder = os.path.join(sweep_dir, r["name"])
         run = read_run(folder, r["name"]) if os.path.isdir(folder) else None
-        selected = key in chosen_lr and r["lr"] == chosen_lr[key]
+        finished = run is not None and run.status == "finished"
+        selected = key in chosen_lr and r["lr"] == chosen_lr[key] and r.get("phase") != "common"
         if r.get("phase") == "scan":
-            final = run.val_loss if run is not None and run.status == "finished" else math.nan
-            scan[label(r)].setdefault(r["lr"], ([], selected))[0].append(final)
-        if selected and run is not None and run.status == "finished":
-            runs[label(r)][r["seed"]] = run
-    return runs, scan
+            final = run.val_loss if finished else math.nan
+            scan[" ".join(filter(None, [label(r), axes_label(r)]))].setdefault(r["lr"], ([], selected))[0].append(final)
+        if finished and (selected or r.get("phase") == "common"):
+            runs[(axes_label(r), COMMON if r.get("phase") == "common" else OWN)][label(r)][r["seed"]] = run
+    return {k: dict(v) for k, v in sorted(runs.items())}, scan
 
 
 def without(runs: dict, seeds: list[int]) -> dict:
-    return {variant: {s: r for s, r in group.items() if s not in seeds} for variant, group in runs.items()}
+    return {stratum: {variant: {s: r for s, r in group.items() if s not in seeds} for variant, group in by.items()}
+            for stratum, by in runs.items()}
+
+
+def stratum_name(stratum: tuple[str, str], strata: list) -> str:
+    """'model.qk_norm=False, common lr'; '' where the study has the one stratum of the plain protocol."""
+    if list(strata) == [("", OWN)]:
+        return ""
+    return ", ".join(filter(None, [stratum[0], stratum[1]]))
+
+
+def stability_cells(group: list[Run]) -> str:
+    """' | max loss spike | diverged |' cells of a quality row (stability.py's definitions)."""
+    flags = [stability.diverged(r.train_curve) for r in group]
+    counted = [f for f in flags if f is not None]
+    spikes = [stability.loss_spike(r.train_curve, r.warmup_steps) for r in group]
+    return f" | {fmt(spikes, 3)} | {sum(counted)} of {len(counted)} |"
 
 
 def target_of(runs: dict) -> float:
@@ -137,7 +178,7 @@ def target_of(runs: dict) -> float:
     return max(finals) if finals else math.nan
 
 
-def paired_rows(runs: dict, reference: str, target: float, margin: float) -> list[str]:
+def paired_rows(runs: dict, reference: str, target: float, margin: float, at_steps: list[int]) -> list[str]:
     rows = []
     ref = runs.get(reference, {})
     for variant in sorted(runs):
@@ -146,10 +187,10 @@ def paired_rows(runs: dict, reference: str, target: float, margin: float) -> lis
         seeds = sorted(set(runs[variant]) & set(ref))
         if not seeds:
             continue
-        a = {s: metrics_of(runs[variant][s], target) for s in seeds}
-        b = {s: metrics_of(ref[s], target) for s in seeds}
+        a = {s: metrics_of(runs[variant][s], target, at_steps) for s in seeds}
+        b = {s: metrics_of(ref[s], target, at_steps) for s in seeds}
         for metric in a[seeds[0]]:
-            diffs = [100 * (a[s][metric] - b[s][metric]) / b[s][metric] for s in seeds]
+            diffs = [100 * (a[s][metric] - b[s].get(metric, math.nan)) / b[s].get(metric, math.nan) for s in seeds]
             m, lo, hi = interval(diffs)
             lo90, hi90, equivalent = equivalence(diffs, margin)
             finite = [d for d in diffs if math.isfinite(d)]
@@ -165,7 +206,7 @@ def bounds(lo: float, hi: float) -> str:
     return "—" if math.isnan(lo) else f"[{lo:+.2f}, {hi:+.2f}]"
 
 
-def paired_section(runs: dict, reference: str, margin: float, heading: str) -> list[str]:
+def paired_section(runs: dict, reference: str, margin: float, heading: str, at_steps: list[int]) -> list[str]:
     target = target_of(runs)
     return [heading,
             "Negative is better for every metric (lower loss, lower FD, fewer steps, less time). "
@@ -176,11 +217,12 @@ def paired_section(runs: dict, reference: str, margin: float, heading: str) -> l
             f"entirely beyond −{margin:g}%: better; otherwise not shown equivalent).",
             f"| variant | metric | n | mean difference | 95% interval | seeds lower | resolved | 90% interval | "
             f"equivalence at ±{margin:g}% |",
-            "| --- | --- | ---: | ---: | --- | ---: | --- | --- | --- |", *paired_rows(runs, reference, target_of(runs),
-                                                                          margin)]
+            "| --- | --- | ---: | ---: | --- | ---: | --- | --- | --- |", *paired_rows(runs, reference, target, margin,
+                                                                          at_steps)]
 
 
-def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN) -> str:
+def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN,
+          references: list[str] | None = None) -> str:
     out_dir = out_dir or sweep_dir
     study = read_json(os.path.join(sweep_dir, "study.json"),
                       fix="restore it from a copy (dit-study writes it)")
@@ -190,14 +232,24 @@ def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN) -
     runs, scan = collect(sweep_dir, study)
     chosen_by = selection_seeds(study)
     evaluated = without(runs, chosen_by)
-    eval_runs = [r for group in evaluated.values() for r in group.values()]
+    eval_runs = [r for by in evaluated.values() for group in by.values() for r in group.values()]
+    names = sorted({v for by in evaluated.values() for v, group in by.items() if group})
+    if references and not set(references) <= set(names):
+        raise SystemExit(f"error: --reference {', '.join(sorted(set(references) - set(names)))!r} is not a variant "
+                         f"with evaluation runs here; valid: {', '.join(repr(n) for n in names) or 'none'}")
+    references = list(references or DEFAULT_REFERENCES)
+    strata = list(evaluated)
+    at_steps = val_steps(eval_runs)
+    per_step = any(stability.logs_every_step(r.train_curve) for r in eval_runs)
     seeds = sorted({r.seed for r in eval_runs})
     out_arg = "" if out_dir == sweep_dir else f" --out {out_dir}"
     margin_arg = "" if margin == DEFAULT_MARGIN else f" --margin {margin:g}"
+    ref_arg = "".join(f" --reference '{r}'" for r in references) if references != list(DEFAULT_REFERENCES) else ""
 
     lines = [f"# Paired optimizer comparison: {study.get('experiment', '?')}", banner(study),
-             f"Built by `dit-paired-report {sweep_dir}{out_arg}{margin_arg}` from {len(eval_runs)} "
-             f"finished runs at the selected learning rates (evaluation seeds {_seeds(seeds)}). Selection "
+             f"Built by `dit-paired-report {sweep_dir}{out_arg}{margin_arg}{ref_arg}` from {len(eval_runs)} "
+             f"finished runs at the selected learning rates{' and the common ones' if study.get('common_lr') else ''} "
+             f"(evaluation seeds {_seeds(seeds)}). Selection "
              f"seed{'s' if len(chosen_by) > 1 else ''} {_seeds(chosen_by)} chose the learning rates and "
              f"{'are' if len(chosen_by) > 1 else 'is'} excluded from every evaluation row.",
              provenance(study, eval_runs), study.get("notes", ""),
@@ -210,34 +262,55 @@ def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN) -
         for i, (lr, (losses, selected)) in enumerate(values):
             edge = " (edge of the scan)" if selected and i in (0, len(values) - 1) else ""
             lines.append(f"| {variant} | {lr:g}{' *' if selected else ''}{edge} | {statistics.mean(losses):.4f} |")
+    if study.get("common_lr"):
+        lines.append("Common learning rates (the evaluation seeds of every variant at one lr shared by the variants of "
+                     "its model and axes, study.common_lr): " + "; ".join(
+                         f"{k}: {v:g}" for k, v in sorted(study["common_lr"].items())) + ".")
 
+    stab_head = " | max loss spike | diverged" if per_step else ""
     lines += [f"## Quality and cost at the selected learning rate (mean ± sd over evaluation seeds {_seeds(seeds)})",
-              "| variant | lr | seeds | " + " | ".join(f"val loss @{s}" for s in VAL_STEPS)
-              + " | final FD | optimizer ms/step | refresh steps timed |",
-              ("| --- | ---: | ---: | " + "---: | " * (len(VAL_STEPS) + 3)).rstrip()]
-    for variant in sorted(evaluated):
-        group = list(evaluated[variant].values())
-        if not group:
-            continue
-        refresh = sum(r.refresh_steps for r in group if math.isfinite(r.refresh_steps))
-        timed = sum(r.timed_steps for r in group)
-        lines.append(f"| {variant} | {group[0].lr:g} | {len(group)} | "
-                     + " | ".join(fmt([val_at_step(r, s) for r in group]) for s in VAL_STEPS)
-                     + f" | {fmt([r.fd_curve[-1][2] if r.fd_curve else math.nan for r in group])}"
-                     + f" | {fmt([1e3 * r.optimizer_s for r in group], 3)} | {refresh:.0f} of {timed:.0f} |")
+              "| variant | lr | seeds | " + " | ".join(f"val loss @{s}" for s in at_steps)
+              + f" | final FD | optimizer ms/step | refresh steps timed{stab_head} |",
+              ("| --- | ---: | ---: | " + "---: | " * (len(at_steps) + 3 + 2 * per_step)).rstrip()]
+    for stratum in strata:
+        where = stratum_name(stratum, strata)
+        for variant in sorted(evaluated[stratum]):
+            group = list(evaluated[stratum][variant].values())
+            if not group:
+                continue
+            refresh = sum(r.refresh_steps for r in group if math.isfinite(r.refresh_steps))
+            timed = sum(r.timed_steps for r in group)
+            lines.append(f"| {variant}{f' [{where}]' if where else ''} | {group[0].lr:g} | {len(group)} | "
+                         + " | ".join(fmt([val_at_step(r, s) for r in group]) for s in at_steps)
+                         + f" | {fmt([r.fd_curve[-1][2] if r.fd_curve else math.nan for r in group])}"
+                         + f" | {fmt([1e3 * r.optimizer_s for r in group], 3)} | {refresh:.0f} of {timed:.0f}"
+                         + (stability_cells(group) if per_step else " |"))
+    if per_step:
+        lines.append(f"Stability (dit_train/study/stability.py): max loss spike = the largest ratio, after the "
+                     f"warm-up, of the {stability.WINDOW}-step mean train loss to the lowest such mean before it "
+                     f"(1 = it never rose); diverged = a non-finite loss, or a final {stability.WINDOW}-step mean "
+                     f"above {stability.DIVERGED_RATIO:g}x the lowest.")
 
-    for reference in ("muon", "adamw"):
-        lines += paired_section(evaluated, reference, margin, f"## Paired differences against {reference}, evaluation "
-                                f"seeds {_seeds(seeds)} (per seed, then the t-intervals of the mean)")
-    every_seed = sorted({s for group in runs.values() for s in group})
-    if set(chosen_by) & set(every_seed):
+    for reference in references:
+        for stratum in strata:
+            where = stratum_name(stratum, strata)
+            lines += paired_section(evaluated[stratum], reference, margin,
+                                    f"## Paired differences against {reference}{f', {where}' if where else ''}, "
+                                    f"evaluation seeds {_seeds(seeds)} (per seed, then the t-intervals of the mean)",
+                                    at_steps)
+    every_seed = sorted({s for by in runs.values() for group in by.values() for s in group})
+    # only the old protocol evaluated its selection seed; study.selection_seeds' own scan runs are scan rows only
+    if "selection_seeds" not in study and set(chosen_by) & set(every_seed):
         lines += [f"## Including selection seed {_seeds(chosen_by)} (biased: the learning rates were chosen on it)",
                   "This study's selection seed also ran at the selected learning rates (the protocol before "
                   "selection seeds were kept out). Its rows are given only to compare with figures published from "
                   "them; the evaluation rows above are the ones to read."]
-        for reference in ("muon", "adamw"):
-            lines += paired_section(runs, reference, margin, f"### Against {reference}, seeds {_seeds(every_seed)} "
-                                    "including the selection seed")
+        for reference in references:
+            for stratum in strata:
+                where = stratum_name(stratum, strata)
+                lines += paired_section(runs[stratum], reference, margin,
+                                        f"### Against {reference}{f', {where}' if where else ''}, seeds "
+                                        f"{_seeds(every_seed)} including the selection seed", at_steps)
     lines += ["Optimizer times are means over every step of each run (refresh and RowNorm steps both counted), "
               "measured on a 2-core machine shared with other work: machine load, not the optimizer, dominates their "
               "seed-to-seed spread. `optimizer / fwd+bwd` divides each run's optimizer time by its forward plus "
@@ -272,13 +345,16 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=None, help="folder for report.md (default: the sweep folder)")
     p.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
                    help=f"equivalence margin in percent for the TOST column (default {DEFAULT_MARGIN:g})")
+    p.add_argument("--reference", action="append", default=None,
+                   help="a variant to pair the others against, as the tables name it (e.g. 'periodic_rowwise K=3 "
+                        f"(frobenius)'); repeatable; default: {' and '.join(DEFAULT_REFERENCES)}")
     args = p.parse_args(argv)
     if not (math.isfinite(args.margin) and args.margin > 0):
         raise SystemExit(f"error: --margin {args.margin:g} must be a positive number of percent (e.g. 1 for ±1%)")
     if not os.path.isfile(os.path.join(args.sweep_dir, "study.json")):
         raise SystemExit(f"error: {args.sweep_dir!r} has no study.json (made by dit-study)")
     try:
-        build(args.sweep_dir, args.out, args.margin)
+        build(args.sweep_dir, args.out, args.margin, args.reference)
     except DamagedJSONFile as e:
         raise SystemExit(f"error: {e}") from None
     print(f"wrote {os.path.join(args.out or args.sweep_dir, 'report.md')}")

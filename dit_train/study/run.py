@@ -6,14 +6,18 @@
     dit-study scaling_study_cpu --models dit_xs    # one size now, the rest later
 
 The grid is models x optimizers x seeds, with periodic_rowwise expanded over study.K, the RowNorm optimizers over
-study.rownorm_scale when given, and every optimizer over study.lr where a study scans learning rates, or each at its
-own study.lr.<optimizer> where a study tunes them. A study with study.lr_scan runs in two phases: its selection seeds
+study.rownorm_scale when given, every variant over study.axes when given (a mapping of any other config key to its
+values, e.g. {model.qk_norm: [true, false]}: each combination is its own variant), and every optimizer over study.lr
+where a study scans learning rates, or each at its own study.lr.<optimizer> where a study tunes them. A study with study.lr_scan runs in two phases: its selection seeds
 at each value of the optimizer's scan (grown beyond an end where the best value lies by the grid's own spacing at
 that end, up to study.lr_scan_extend times per end), then its evaluation seeds at the value with the lowest final
 validation loss, averaged over the selection seeds (the choice, every scanned loss, any growth and the selection
 seeds are recorded in study.json). The selection seeds are study.selection_seeds, never among study.seeds, which are
 all evaluated; without study.selection_seeds (the older protocol) the first of study.seeds selects and the rest
-are evaluated.
+are evaluated. study.common_lr adds a third phase ("common"): the evaluation seeds of every variant at one learning
+rate shared by the variants of the same model and axes, so that a comparison at equal lr sits beside the one at each
+variant's own lr: a number (stated in advance), or `lowest_selected` (the lowest of those variants' selected values,
+once all of them are selected). A run of this phase that is also a "seeds" run (the same overrides) runs once.
 Each run's folder is <sweep_dir>/<sorted overrides> (Hydra's override_dirname), so rerunning finds finished runs
 (a checkpoint at the run's train.steps; a summary alone proves nothing) and skips them, and continues interrupted
 ones from their last checkpoint (the experiments set train.resume=auto): a study can be completed in pieces. One
@@ -70,23 +74,58 @@ def learning_rates(study, opt: str, K) -> list:
 
 
 ROWNORM_OPTIMIZERS = ("periodic_rowwise", "rownorm")  # the optimizers that take optimizer.rownorm_scale
+GRID_KEYS = ("model", "optimizer", "seed", "optimizer.K", "optimizer.rownorm_scale", "optimizer.lr")  # not axes
+
+
+def axis_combinations(study) -> list[dict]:
+    """study.axes ({config key: [values]}) as every combination of its values, in the order given ([{}] without)."""
+    axes = study.get("axes")
+    if axes is None:
+        return [{}]
+    if not OmegaConf.is_dict(axes) or not all(OmegaConf.is_list(v) and len(v) for v in axes.values()):
+        shown = OmegaConf.to_container(axes) if OmegaConf.is_config(axes) else axes
+        raise ValueError(f"study.axes must map config keys to non-empty lists of values, e.g. "
+                         f"{{model.qk_norm: [true, false]}}; got {shown!r}")
+    taken = sorted(set(axes) & set(GRID_KEYS))
+    if taken:
+        raise ValueError(f"study.axes may not name {taken}: the study's own keys set them (models, optimizers, K, "
+                         f"rownorm_scale, seeds, lr_scan)")
+    combos = [{}]
+    for key, values in axes.items():
+        combos = [{**c, key: v} for c in combos for v in values]
+    return combos
+
+
+def override_value(v) -> str:
+    """A value as Hydra's override_dirname writes it, so the run folder is found again: a yaml true is `True` there
+    (Hydra reads `True` back as a boolean)."""
+    return str(v)
 
 
 def variants(study) -> list[dict]:
-    """models x optimizers, periodic_rowwise x study.K, and the RowNorm optimizers x study.rownorm_scale (when given)."""
+    """models x optimizers, periodic_rowwise x study.K, the RowNorm optimizers x study.rownorm_scale (when given), and
+    every one of them x the combinations of study.axes (when given; then the variant has "axes")."""
     out = []
     for model in study.models:
         for opt in study.optimizers:
             for K in (list(study.K) if opt == "periodic_rowwise" else [None]):
                 scales = list(study.get("rownorm_scale") or [None]) if opt in ROWNORM_OPTIMIZERS else [None]
                 for scale in scales:
-                    out.append({"model": model, "optimizer": opt, "K": K, "scale": scale})
+                    for axes in axis_combinations(study):
+                        v = {"model": model, "optimizer": opt, "K": K, "scale": scale}
+                        out.append({**v, "axes": axes} if axes else v)
     return out
+
+
+def axes_label(v: dict) -> str:
+    """'model.qk_norm=False' for a variant of study.axes ('' without)."""
+    return " ".join(f"{k}={override_value(x)}" for k, x in (v.get("axes") or {}).items())
 
 
 def variant_label(v: dict) -> str:
     return " ".join([v["model"], v["optimizer"], *([f"K={v['K']}"] if v["K"] is not None else []),
-                     *([f"rownorm_scale={v['scale']}"] if v["scale"] is not None else [])])
+                     *([f"rownorm_scale={v['scale']}"] if v["scale"] is not None else []),
+                     *([axes_label(v)] if v.get("axes") else [])])
 
 
 def make_run(v: dict, lr, seed, extra: list[str], exclude_keys: list[str], phase: str = "") -> dict:
@@ -97,6 +136,7 @@ def make_run(v: dict, lr, seed, extra: list[str], exclude_keys: list[str], phase
         overrides.append(f"optimizer.rownorm_scale={v['scale']}")
     if lr is not None:
         overrides.append(f"optimizer.lr={lr}")
+    overrides += [f"{k}={override_value(x)}" for k, x in (v.get("axes") or {}).items()]
     run = {"name": run_name(overrides + extra, exclude_keys), **v, "lr": lr, "seed": seed, "overrides": overrides}
     return {**run, "phase": phase} if phase else run
 
@@ -121,11 +161,12 @@ def scan_seeds(study) -> tuple[list, list]:
 
 
 def expand(study, extra: list[str], exclude_keys: list[str], selected: dict | None = None,
-           extended: dict | None = None) -> list[dict]:
+           extended: dict | None = None, common: dict | None = None) -> list[dict]:
     """Every run of the study. With study.lr_scan (a per-optimizer list of values) the study has two phases: the
     selection seeds at every value of the optimizer's scan ("scan"; `extended` maps a variant label to the values its
     scan grew by, see select_learning_rates), then the evaluation seeds at the value the scan selected ("seeds";
-    `selected` maps a variant label to that value, and a variant not yet selected has no seed runs)."""
+    `selected` maps a variant label to that value, and a variant not yet selected has no seed runs); and with
+    study.common_lr the evaluation seeds at the shared value (`common`, see common_learning_rates) too ("common")."""
     runs = []
     for v in variants(study):
         if study.get("lr_scan") is not None:
@@ -135,6 +176,9 @@ def expand(study, extra: list[str], exclude_keys: list[str], selected: dict | No
             chosen = (selected or {}).get(variant_label(v))
             if chosen is not None:
                 runs += [make_run(v, chosen, s, extra, exclude_keys, "seeds") for s in rest]
+            shared = (common or {}).get(variant_label(v))
+            if shared is not None:
+                runs += [make_run(v, shared, s, extra, exclude_keys, "common") for s in rest]
             continue
         for lr in learning_rates(study, v["optimizer"], v["K"]):
             runs += [make_run(v, lr, seed, extra, exclude_keys) for seed in study.seeds]
@@ -181,6 +225,34 @@ def select_learning_rates(study, sweep_dir: str, scan_runs: list[dict], steps_of
             else:
                 chosen_lrs[label] = {"lr": chosen, "val_loss": {str(lr): v for lr, v in sorted(losses.items())}}
     return chosen_lrs, more
+
+
+COMMON_RULES = ("lowest_selected",)
+
+
+def common_learning_rates(study, selected: dict) -> dict:
+    """{variant label: the lr of its "common" phase} from study.common_lr: a number is every variant's; with
+    `lowest_selected`, the variants of one model and one combination of study.axes (the same optimizer's RowNorm
+    scales, say) share the lowest of their selected lrs, once every one of them is selected ({} without the key)."""
+    rule = study.get("common_lr")
+    if rule is None:
+        return {}
+    if study.get("lr_scan") is None:
+        raise ValueError("study.common_lr needs study.lr_scan: it is a phase after the lr selection")
+    if isinstance(rule, bool) or not (rule in COMMON_RULES or isinstance(rule, (int, float)) and rule > 0):
+        raise ValueError(f"study.common_lr must be a positive number or one of {list(COMMON_RULES)}; got {rule!r}")
+    labels = [variant_label(v) for v in variants(study)]
+    if rule != "lowest_selected":
+        return {label: float(rule) for label in labels}
+    groups: dict[tuple, list[str]] = {}
+    for v in variants(study):
+        groups.setdefault((v["model"], axes_label(v)), []).append(variant_label(v))
+    out = {}
+    for members in groups.values():
+        if all(m in selected for m in members):
+            lowest = min(selected[m] for m in members)
+            out.update({m: lowest for m in members})
+    return out
 
 
 def load_experiment(name: str, overrides: list[str] = ()):
@@ -270,6 +342,7 @@ def run_study(argv=None) -> int:
         return 2
     try:
         runs = expand(study, args.overrides, exclude)
+        common_learning_rates(study, {})  # a bad study.common_lr is refused now, not after the scan
     except ValueError as e:
         print(f"error: {args.experiment}: {e}", file=sys.stderr)
         return 2
@@ -285,7 +358,8 @@ def run_study(argv=None) -> int:
             steps_cache[fixed] = load_experiment(args.experiment, [*fixed, *args.overrides]).train.steps
         return steps_cache[fixed]
 
-    def record(runs: list[dict], selection: dict | None = None, extended: dict | None = None) -> None:
+    def record(runs: list[dict], selection: dict | None = None, extended: dict | None = None,
+               common: dict | None = None) -> None:
         rec = {"experiment": args.experiment, **call, "notes": study.get("notes", ""), "invocations": invocations,
                "runs": [{k: v for k, v in r.items() if k != "overrides"} for r in runs]}
         if study.get("lr_scan") is not None:
@@ -294,6 +368,8 @@ def run_study(argv=None) -> int:
             rec["lr_selection"] = selection
         if extended:
             rec["lr_scan_extended"] = extended
+        if common:
+            rec["common_lr"] = common
         # atomic: the record of a half-finished study must survive a crash mid-write
         atomic_write_bytes(json.dumps(rec, indent=2).encode(), os.path.join(sweep_dir, "study.json"))
 
@@ -316,9 +392,14 @@ def run_study(argv=None) -> int:
                 extended.setdefault(label, []).append(lr)
         for label, chosen in selection.items():
             print(f"[study] {label}: lr={chosen['lr']} selected (final val loss by lr: {chosen['val_loss']})")
-        runs = expand(study, args.overrides, exclude, {k: v["lr"] for k, v in selection.items()}, extended)
-        record(runs, selection, extended)
-        failures += run_groups([r for r in runs if r.get("phase") == "seeds"], only, sweep_dir, steps_of, args)
+        selected = {k: v["lr"] for k, v in selection.items()}
+        common = common_learning_rates(study, selected)
+        for label, lr in common.items():
+            print(f"[study] {label}: common lr={lr}")
+        runs = expand(study, args.overrides, exclude, selected, extended, common)
+        record(runs, selection, extended, common)
+        failures += run_groups([r for r in runs if r.get("phase") in ("seeds", "common")], only, sweep_dir,
+                               steps_of, args)
         waiting = len(variants(study)) - len(selection)
         if waiting:
             print(f"[study] {waiting} variant(s) wait for their lr scan to finish before their other seeds run")
@@ -330,13 +411,15 @@ def run_study(argv=None) -> int:
 
 
 def run_groups(runs: list[dict], only, sweep_dir: str, steps_of, args) -> int:
-    """One `python -m dit_train --multirun` per (model, optimizer, K, RowNorm scale, lr) with its pending seeds;
-    returns the number of groups that failed."""
-    groups: dict[tuple, list[dict]] = {}
+    """One `python -m dit_train --multirun` per (model, optimizer, K, RowNorm scale, axes, lr) with its pending seeds
+    (a run listed in two phases runs once); returns the number of groups that failed."""
+    groups: dict[tuple, dict[str, dict]] = {}
     for r in runs:
-        groups.setdefault((r["model"], r["optimizer"], r["K"], r["scale"], r["lr"]), []).append(r)
+        key = (r["model"], r["optimizer"], r["K"], r["scale"], axes_label(r), r["lr"])
+        groups.setdefault(key, {}).setdefault(r["name"], r)
     failures = 0
-    for members in groups.values():
+    for named in groups.values():
+        members = list(named.values())
         if only and members[0]["model"] not in only:
             continue
         pending = [r for r in members if not done(sweep_dir, args.records, r["name"], steps_of(r))]

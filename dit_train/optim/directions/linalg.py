@@ -10,7 +10,7 @@ is never transposed in memory: the same maths runs on X with the products taken 
 norms, row sums of squares, Gram matrices) goes through an optional `reduce` callable before it is used. For a
 matrix held whole, `reduce` is None. A sharded implementation whose ranks each hold a slice of the c columns
 (dim-0 shards of a tall weight) passes an all-reduce there, and `tall=` to orient a shard as its whole matrix, and
-gets the whole-matrix result on every shard (docs/algorithms.md §6; tests/test_optim_directions.py checks it).
+gets the whole-matrix result on every shard (docs/algorithms.md §6; tests/unit/test_optim_directions.py checks it).
 
 `workspace`: an optional dict the caller keeps between calls; the large intermediates are taken from it instead of
 allocated (on CPU a fresh tens-of-MB buffer costs page faults on every call). With a workspace the returned tensor

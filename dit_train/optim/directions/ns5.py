@@ -18,7 +18,7 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 # Gram-form NS5 (see _ns5_gram) runs where c >= GRAM_MIN_ASPECT * r: there it needs fewer flops than the plain
 # iteration (4 c/r + 14 against 5 (2 c/r + 1) r^3 multiply-adds: 22 vs 25 at 2:1, 38 vs 65 at 6:1; measured on
-# 8 x 512 x c bf16 batches, one thread: 0.87x the plain time at 2:1, 0.70x at 3:1). tests/test_optim_directions.py
+# 8 x 512 x c bf16 batches, one thread: 0.87x the plain time at 2:1, 0.70x at 3:1). tests/unit/test_optim_directions.py
 # pins that it agrees with the plain iteration within bf16 rounding on Gaussian, low-rank, ill-conditioned and
 # zero-row inputs, wide and tall.
 GRAM_MIN_ASPECT = 2.0

@@ -1,0 +1,398 @@
+"""What one optimizer step of the real code dispatches, operator by operator, and what each operator costs: the
+counted half of benchmarks/cost_model.py (docs/cost_model.md, "Counted from the code").
+
+Counting: the optimizer build_optimizer makes (the one the benchmarks time) steps on fake parameters and gradients of
+the model's shapes under a FakeDispatchCounter (benchmarks/dispatch_counter.py), with the optimizer's own phase
+marks (momentum, direction, update, adamw). Every top-level call becomes an OpRecord: the bytes it reads and writes
+(from the operator's schema: a mutated argument is read and written, an out= argument only written, a functional
+result written; a broadcast (stride 0) dimension is read once), its FLOPs if it is a matmul, and a category that
+picks the rate it runs at:
+  gemm     a matmul with both output sides > VECTOR_SIDE: FLOPs at the GEMM rate of its shape (square r x r x r,
+           or the plain NS5 mix r x 4r), by its short side
+  matvec   a matmul with a vector side (the power iteration's products): its bytes at the matvec rate
+  reduce   writes < 1/8 of what it reads (sums, norms): its bytes at the one-array read rate
+  convert  an elementwise op or copy between floating dtypes (the bf16 NS5 input, a bf16 direction added to fp32)
+  stream   any other elementwise op, copy or foreach op: its bytes at the multi-array streaming rate
+  adamw    torch's fused AdamW kernel: its bytes at the rate measured for it
+  fused    a torch.compile'd function (see below): one kernel that reads every outside tensor once and writes
+           every outside tensor once, intermediates free, at the rate measured for the RowNorm step's compiled
+           passes (optim/fused_rownorm.py)
+Views and allocations (dispatch_counter's no_kernel) are free and not recorded; collectives are recorded with
+their bytes and priced by the caller (benchmarks/cost_model.py: gloo or NCCL).
+
+A compiled path is counted by replacing torch.compile, for the count only, with a wrapper that runs the function
+eagerly inside a fused region: what inductor would fuse is priced as one pass over the tensors the function takes
+and mutates (the fusion inductor's kernels aim at), not measured from the generated kernels.
+
+Time of a step = sum over records of max(bytes / rate of its category, FLOPs / GEMM rate) + op_s per record
+(the host's dispatch cost of a small op, or a GPU's launch cost). OpRates holds the rates; measure_op_rates
+measures them on this host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from benchmarks.dispatch_counter import FakeDispatchCounter, kind_of
+
+CATEGORIES = ("gemm", "matvec", "reduce", "convert", "stream", "adamw", "fused", "collective")
+MATMULS = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2)}  # op -> positions of its two factors
+VECTOR_SIDE = 16  # a matmul output side this narrow runs at memory speed (the power iteration's [B, 1, k] vectors)
+REDUCTION = 8  # an op writing under 1/REDUCTION of what it reads is a reduction
+OVERWRITES = {"copy_", "zero_", "fill_"}  # in-place ops that write self without reading it
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    phase: str
+    op: str
+    category: str
+    read: int  # bytes
+    written: int
+    flops: int = 0
+    dims: tuple = ()  # a matmul's (m, k, n): its rate depends on them
+
+    @property
+    def bytes(self) -> int:
+        return self.read + self.written
+
+
+def extent(t: torch.Tensor) -> int:
+    """Bytes of memory a kernel touches reading or writing `t`: its elements, a broadcast (stride 0) dimension once."""
+    n = math.prod(s for s, st in zip(t.shape, t.stride()) if st != 0) if t.dim() else 1
+    return n * t.element_size()
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
+
+
+def _arguments(func, args, kwargs):
+    """(schema argument, value) for every argument given."""
+    for i, arg in enumerate(func._schema.arguments):
+        if not arg.kwarg_only and i < len(args):
+            yield arg, args[i]
+        elif arg.name in kwargs:
+            yield arg, kwargs[arg.name]
+
+
+def traffic(func, args, kwargs, out) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(tensors read, tensors written) by one call: a mutated argument both (in place) or only written (out=, a
+    keyword-only argument; the self of copy_, zero_, fill_), every other tensor argument read; a call that mutates nothing writes its results."""
+    read, written = [], []
+    overwrites = func.__name__.split(".")[0] in OVERWRITES
+    for arg, value in _arguments(func, args, kwargs):
+        ts = _tensors(value)
+        mutated = arg.alias_info is not None and arg.alias_info.is_write
+        if mutated:
+            written += ts
+        if not (mutated and (arg.kwarg_only or overwrites)):
+            read += ts
+    if not written:
+        written = _tensors(out)
+    return read, written
+
+
+def _matmul(name: str, args) -> tuple[int, tuple]:
+    """(FLOPs, (m, k, n)) of an mm/bmm/addmm/baddbmm call."""
+    a, b = (args[i] for i in MATMULS[name])
+    *batch, m, k = a.shape
+    n = b.shape[-1]
+    return 2 * math.prod(batch) * m * k * n, (m, k, n)
+
+
+def record_of(phase: str, func, args, kwargs, out) -> OpRecord | None:
+    """The OpRecord of one dispatched call, None for a view or allocation (free)."""
+    kind = kind_of(func)
+    if kind in ("no_kernel", "sync"):
+        return None
+    name = func.__name__.split(".")[0]
+    read, written = traffic(func, args, kwargs, out)
+    r, w = sum(map(extent, read)), sum(map(extent, written))
+    if kind == "collective":
+        return OpRecord(phase, name, "collective", r, w)
+    if name in MATMULS:
+        flops, (m, k, n) = _matmul(name, args)
+        return OpRecord(phase, name, "matvec" if min(m, n) <= VECTOR_SIDE else "gemm", r, w, flops, (m, k, n))
+    dtypes = {t.dtype for t in read + written if t.is_floating_point()}
+    if name.startswith("_fused_adam"):
+        category = "adamw"
+    elif w * REDUCTION <= r:
+        category = "reduce"
+    elif len(dtypes) > 1:
+        category = "convert"
+    else:
+        category = "stream"
+    return OpRecord(phase, name, category, r, w)
+
+
+class OpCounter(FakeDispatchCounter):
+    """A FakeDispatchCounter that keeps an OpRecord per counted call (`records`), and inside `fused()` one record
+    for the whole region."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.records: list[OpRecord] = []
+        self._region: dict | None = None
+
+    def reset(self) -> None:
+        super().reset()
+        self.records = []
+
+    def _observe(self, func, args, kwargs, out) -> None:
+        if self._region is not None:
+            self._in_region(func, args, kwargs, out)
+            return
+        rec = record_of(self.current, func, args, kwargs, out)
+        if rec is not None:
+            self.records.append(rec)
+
+    def _in_region(self, func, args, kwargs, out) -> None:
+        """Note the outside tensors a call inside fused() reads and writes; storages its results (or an allocation)
+        create are the region's own."""
+        if func.is_view:
+            return
+        region = self._region
+        read, written = traffic(func, args, kwargs, out)
+        mutates = any(a.alias_info is not None and a.alias_info.is_write for a, _ in _arguments(func, args, kwargs))
+        for t in read:
+            if _storage(t) not in region["born"]:
+                region["read"].setdefault(_view_key(t), t)
+        for t in written:
+            if not mutates:
+                region["born"].add(_storage(t))
+            elif _storage(t) not in region["born"]:
+                region["written"].setdefault(_view_key(t), t)
+
+    @contextlib.contextmanager
+    def fused(self, name: str):
+        """One record for everything dispatched inside: the outside tensors it reads and those it writes, once
+        each (intermediates stay in registers in a fused kernel)."""
+        outer, self._region = self._region, {"read": {}, "written": {}, "born": set()}
+        try:
+            yield
+        finally:
+            region, self._region = self._region, outer
+            self.records.append(OpRecord(self.current, name, "fused", sum(map(extent, region["read"].values())),
+                                         sum(map(extent, region["written"].values()))))
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _view_key(t: torch.Tensor) -> tuple:
+    return (_storage(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+
+
+# ---- counting the real step ------------------------------------------------------------------------------------
+BENCH_BASE = {"lr": 1e-3, "weight_decay": 0.01}  # the hyperparameters benchmarks/bench_optimizer.py steps with
+
+
+class _Phases:
+    """The optimizer's timer during a count: its phase marks attribute the calls; bytes it counts are ignored."""
+
+    def __init__(self, counter: OpCounter):
+        self.phase = counter.phase
+
+    def add_bytes(self, collective: str, nbytes: int) -> None:
+        pass
+
+
+def fake_parameters(model: torch.nn.Module) -> None:
+    """Every parameter of a meta-built model replaced by a fake one of its shape and dtype, with a fake gradient
+    (call inside the counter)."""
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            fake = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+            fake.grad = torch.empty_like(fake)
+            setattr(module, name, fake)
+
+
+@contextlib.contextmanager
+def compiled_as_fused(counter: OpCounter):
+    """torch.compile, for the count, returns the function run eagerly inside counter.fused(its name); the
+    optimizer's cache of compiled kernels (optim/fused_rownorm.py) starts empty so that it compiles through it."""
+    from dit_train.optim import fused_rownorm
+
+    real, cache = torch.compile, fused_rownorm._compiled
+
+    def compile(fn=None, **kwargs):
+        if fn is None:
+            return lambda f: compile(f, **kwargs)
+        name = getattr(fn, "__name__", "compiled")
+
+        def run(*args, **kw):
+            with counter.fused(name):
+                return fn(*args, **kw)
+        return run
+
+    torch.compile, fused_rownorm._compiled = compile, {}
+    try:
+        yield
+    finally:
+        torch.compile, fused_rownorm._compiled = real, cache
+
+
+def count_steps(make_optimizer, refresh: bool | None = None) -> list[OpRecord]:
+    """The records of the second step of the optimizer make_optimizer() returns (called inside the counter, so
+    that its parameters and gradients can be made fake there); the first makes the state and the reused
+    workspaces. refresh: for a periodic optimizer, the refresh (NS5) step or a between (RowNorm) step, set as
+    bench_optimizer sets it."""
+    counter = OpCounter(allow_non_fake_inputs=True)
+    with counter, compiled_as_fused(counter), torch.no_grad():
+        opt = make_optimizer()
+        opt.use_timer(_Phases(counter))
+        for _ in range(2):
+            if refresh is not None:
+                for group in opt.param_groups:
+                    group["step"] = 0 if refresh else 1
+            counter.reset()
+            opt.step()
+    return counter.records
+
+
+def count_step(model_cfg, optimizer: dict, refresh: bool | None = None) -> list[OpRecord]:
+    """count_steps of build_optimizer(model, BENCH_BASE + optimizer) on fake tensors of model_cfg's shapes."""
+    from dit_train.model.dit import build_model
+    from dit_train.optim.registry import build_optimizer
+
+    model = build_model(model_cfg, device="meta")
+
+    def make():
+        fake_parameters(model)
+        return build_optimizer(model, {**BENCH_BASE, **optimizer})
+    return count_steps(make, refresh)
+
+
+# ---- pricing ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OpRates:
+    """Bytes/s of each memory-bound category, the GEMM rate by short side, and the fixed cost of one dispatched
+    op (host dispatch, or a GPU launch)."""
+    stream: float
+    convert: float
+    reduce: float
+    matvec: float
+    op_s: float
+    adamw: float
+    fused: float
+    gemm: tuple = field(default=())  # ((short side, flop/s), ...) ascending: bf16 bmm's of 8 x r x 4r (NS5's mix)
+    square: tuple = field(default=())  # the same for 8 x r x r x r (the Gram form's); () = as gemm
+
+    def gemm_rate(self, dims: tuple) -> float:
+        """The rate measured for this shape class at the nearest short side at or below its own (smaller GEMMs
+        run slower): square where no side is 1.5x another."""
+        side = min(dims)
+        table = self.square if self.square and max(dims) < 1.5 * side else self.gemm
+        below = [rate for s, rate in table if s <= side]
+        return below[-1] if below else table[0][1]
+
+    def shared(self, share: float) -> "OpRates":
+        """The rates of a process that gets `share` of the cores it was measured on."""
+        return OpRates(self.stream * share, self.convert * share, self.reduce * share, self.matvec * share,
+                       self.op_s / share, self.adamw * share, self.fused * share, tuple((s, r * share) for s, r in self.gemm),
+                       tuple((s, r * share) for s, r in self.square))
+
+
+def seconds(rec: OpRecord, rates: OpRates) -> float:
+    """max(bytes at its category's rate, FLOPs at the GEMM rate) + the fixed cost of an op; 0 for a collective
+    (its caller prices it on the link)."""
+    if rec.category == "collective":
+        return 0.0
+    rate = rates.stream if rec.category == "gemm" else getattr(rates, rec.category)
+    t = rec.bytes / rate
+    if rec.category == "gemm":
+        t = max(t, rec.flops / rates.gemm_rate(rec.dims))
+    return t + rates.op_s
+
+
+def phase_seconds(records: list[OpRecord], rates: OpRates) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for rec in records:
+        out[rec.phase] = out.get(rec.phase, 0.0) + seconds(rec, rates)
+    return out
+
+
+# ---- this host's rates -----------------------------------------------------------------------------------------
+STREAM_NUMEL = 16 << 20  # 64 MB per fp32 array: far beyond the caches
+SQUARE_SIDES = (128, 256, 512, 1024)
+
+
+def _median_s(fn, repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _rate(cases) -> float:
+    """Bytes/s over a set of (bytes, callable) run in turn: total bytes over the total of their median times."""
+    return sum(b for b, _ in cases) / sum(_median_s(fn) for _, fn in cases)
+
+
+def measure_op_rates(threads: int) -> dict:
+    """Each category's rate with `threads` threads, from the ops the optimizer's steps run most (a few seconds):
+    stream: add out=, lerp_, addcmul_, mul_ on fp32; convert: add into bf16 and a bf16 list added to fp32;
+    reduce: sum and row norms; matvec: [B, 1, r] x [B, r, c] and x [B, c, r]^T on fp32; op_s: the time of a small
+    (8-element) add, i.e. dispatch and Python, per call; square: bf16 8 x r x r x r bmm's by r."""
+    torch.set_num_threads(threads)
+    n = STREAM_NUMEL
+    a, b, c = torch.randn(n), torch.randn(n), torch.randn(n)
+    h = torch.empty(n, dtype=torch.bfloat16)
+    rows = a.view(-1, 2048)
+    U = torch.randn(8, 1024, 2048)
+    x, y = torch.randn(8, 1, 1024), torch.randn(8, 1, 2048)
+    small, other = torch.ones(8), torch.ones(8)
+    calls = 2000
+    return {
+        "stream": _rate([(12 * n, lambda: torch.add(a, b, alpha=0.5, out=c)), (12 * n, lambda: a.lerp_(b, 0.1)),
+                         (16 * n, lambda: a.addcmul_(b, c, value=1e-3)), (8 * n, lambda: a.mul_(0.999))]),
+        "convert": _rate([(10 * n, lambda: torch.add(a, b, alpha=0.5, out=h)),
+                          (10 * n, lambda: torch._foreach_add_([a], [h], alpha=1e-3))]),
+        "reduce": _rate([(4 * n, lambda: a.sum()),
+                         (4 * n, lambda: torch.linalg.vector_norm(rows, dim=-1, keepdim=True))]),
+        "matvec": _rate([(4 * U.numel(), lambda: torch.bmm(x, U)), (4 * U.numel(), lambda: torch.bmm(y, U.mT))]),
+        "op_s": _median_s(lambda: [small.add(other) for _ in range(calls)]) / calls,
+        "square": [[r, 8 * 2 * r ** 3 / _median_s(lambda A=torch.randn(8, r, r).bfloat16(): torch.bmm(A, A))]
+                   for r in SQUARE_SIDES],
+    }
+
+
+def measure_fused_rate(threads: int) -> float | None:
+    """Bytes/s of the RowNorm step's compiled passes (fused_rownorm.momentum_pass and update_pass, U not stored:
+    12 + 16 B per element) on a wide and a tall bucket of 8M elements each; None without a C++ compiler. The
+    first call compiles (seconds; inductor caches the kernels on disk for the next)."""
+    from dit_train.optim import fused_rownorm
+
+    if fused_rownorm.cpp_compiler() is None:
+        return None
+    torch.set_num_threads(threads)
+    cases = []
+    for m, n in ((512, 2048), (2048, 512)):
+        W, G, M = (list(torch.randn(8, m, n).unbind(0)) for _ in range(3))
+        U = torch.zeros((), dtype=torch.float32).expand(8, m, n)
+        s = torch.ones(8, 1, n) if m > n else torch.ones(8, m, 1)
+
+        def passes(W=W, G=G, M=M, U=U, s=s, tall=m > n):
+            fused_rownorm.momentum_pass(G, M, U, 0.95, True, tall, False)
+            fused_rownorm.update_pass(W, G, M, U, False, s, 0.999, -1e-3, 0.95, True, tall)
+        cases.append((28 * 8 * m * n, passes))
+    return _rate(cases)
+
+
+def host_op_rates(measured: dict, gemm: tuple, adamw: float) -> OpRates:
+    """OpRates from measure_op_rates' dict, the GEMM rates by side and fused AdamW's rate (the compiled passes at
+    the streaming rate where they were not measured)."""
+    return OpRates(measured["stream"], measured["convert"], measured["reduce"], measured["matvec"],
+                   measured["op_s"], adamw, measured.get("fused") or measured["stream"], tuple(tuple(x) for x in gemm), tuple(tuple(x) for x in measured["square"]))

