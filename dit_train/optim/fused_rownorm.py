@@ -123,7 +123,8 @@ def _kernel(fn, *variant):
     own copy of fn's code with static shapes, so that it compiles once and dynamo's per-code recompile limit (8)
     is never reached by the buckets of a model sharing one code object. Scalars that change during a run (lr)
     are tensors: a Python float is a guarded constant, and an lr schedule would recompile every step until the
-    limit, then silently run eagerly (test_compiled_step_never_recompiles)."""
+    limit, then silently run eagerly (test_compiled_step_never_recompiles). fullgraph: a graph break would
+    split a pass into separate kernels and is an error instead."""
     key = (fn, *variant)
     if key not in _compiled:
         copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
