@@ -3,19 +3,27 @@
 
 Eager, a RowNorm step is six torch ops per matrix (momentum lerp, Nesterov input stacked into U, U's row sums of
 squares, weight decay, scaled update), ~2x the time of torch's fused AdamW kernel on the same matrices
-(docs/bench_optimizer.md). Every row's norm needs the whole row before any of the update can be written, so two
-passes are the fewest the maths allows:
-- momentum_pass: M <- lerp(M, G, 1 - mu); U = G + c M (c = mu / (1 - mu); or c M without Nesterov); U's sums of
-  squares over the rows of O(U) (rows if wide, columns if tall), unreduced, so that a sharded caller sums a tall
-  shard's columns over the ranks as before. U is written into the caller's stacked workspace only when the
-  direction reads it (the spectral RowNorm scale's power iteration); otherwise nothing but M is stored;
-- update_pass: W <- decay W + alpha U s (s: the row factors, shaped to broadcast against W), with U read from the
-  workspace or, when it was not stored, recomputed from G and M (two reads instead of one write and one read).
-Read and written once each, that is 3 + 4 transfers per element, as many as fused AdamW's 7.
-Both are torch.compile'd functions (Triton on CUDA, C++ from inductor on CPU), one call per bucket with dynamic
-shapes; a tall matrix's column sums reduce blocks of COLUMN_SUM_BLOCK rows first, as inductor's plain reduction
-over dim -2 walks the columns with a stride on CPU. The results agree with the eager path to float rounding, not
-bit for bit: the kernels contract multiply-adds and sum the squares in another order (tests/unit/test_fused_rownorm.py).
+(docs/bench_optimizer.md). Every row's norm needs the whole row before any of the update can be written, and a
+tall matrix's rows of O(U) are its columns, so two passes over memory per bucket:
+- momentum_pass: U's sums of squares over the rows of O(U) (rows if wide, columns if tall), unreduced, so that a
+  sharded caller sums a tall shard's columns over the ranks as before, with U = G + c lerp(M, G, 1 - mu)
+  (c = mu / (1 - mu); or c M without Nesterov). With the frobenius scale it only reads G and M (8 B per fp32
+  element) and writes nothing. With the spectral scale, whose power iteration reads U, it also updates M and
+  writes U into the caller's stacked workspace;
+- update_pass: W <- (1 - lr wd) W - lr scale U s (s: the row factors, shaped to broadcast against W), with U read
+  from the workspace or, when it was not stored, the momentum updated here and U recomputed from G and M: reads G,
+  M, W and writes M, W (20 B).
+So the frobenius step moves 28 B per fp32 element, as fused AdamW does. The momentum update sits in the second
+pass because inductor's C++ backend splits a pass that both reduces and writes M into a reduction loop and a
+store loop, reading G and M twice (36 B in all). One pass over memory for wide matrices (a row's sums, then its
+update, while it is in cache: 20 B) needs both in one graph, which inductor 2.13's C++ backend fails to compile
+(KeyError in its outer-loop local-buffer fusion on a graph that writes two inputs: pytorch/pytorch#196570).
+Both are torch.compile'd functions (Triton on CUDA, C++ from inductor on CPU), one call per bucket, compiled
+once per bucket with static shapes (_kernel); lr is a 0-d tensor, so an lr schedule never recompiles them. A
+tall matrix's column sums reduce blocks of COLUMN_SUM_BLOCK rows first, as inductor's plain reduction over dim -2
+walks the columns with a stride on CPU (one thread, 8 x 3072 x 512: 1.4x a fused AdamW step on the same tensors
+against 0.5x blocked). The results agree with the eager path to float rounding, not bit for bit: the kernels
+contract multiply-adds and sum the squares in another order (tests/unit/test_fused_rownorm.py).
 """
 
 from __future__ import annotations
@@ -79,33 +87,48 @@ def _direction_input(g: Tensor, buf: Tensor, c: float, nesterov: bool, dtype: to
 
 def _momentum(grads: list[Tensor], bufs: list[Tensor], us: list[Tensor] | None, keep: float, c: float,
               nesterov: bool, tall: bool, dtype: torch.dtype) -> Tensor:
+    """With U stored (us): M updated in place, U written, U's sums returned. Without: only the sums of the U this
+    step will have, read from G and M (M is updated by _update, which rewrites the same expression)."""
     sums = []
     for j, (g, buf) in enumerate(zip(grads, bufs)):
-        buf.lerp_(g, keep)
-        x = _direction_input(g, buf, c, nesterov, dtype)
-        if us is not None:
+        if us is None:
+            x = _direction_input(g, torch.lerp(buf, g, keep), c, nesterov, dtype)
+        else:
+            buf.lerp_(g, keep)
+            x = _direction_input(g, buf, c, nesterov, dtype)
             us[j].copy_(x)
         sums.append(_sumsq(x, tall))
     return torch.stack(sums)
 
 
 def _update(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor], us: list[Tensor] | None,
-            scales: list[Tensor], decay: float, alpha: float, c: float, nesterov: bool, dtype: torch.dtype) -> None:
+            scales: list[Tensor], lr: Tensor, wd: float, scale: float, keep: float, c: float, nesterov: bool,
+            dtype: torch.dtype) -> None:
+    """W <- (1 - lr wd) W - lr scale U s; without a stored U, M <- lerp(M, G, keep) here and U from G and M."""
+    decay, alpha = 1.0 - lr * wd, -lr * scale
     for j, (p, s) in enumerate(zip(params, scales)):
-        u = us[j] if us is not None else _direction_input(grads[j], bufs[j], c, nesterov, dtype)
-        p.mul_(decay).addcmul_(u, s, value=alpha)
+        if us is None:
+            bufs[j].lerp_(grads[j], keep)
+            u = _direction_input(grads[j], bufs[j], c, nesterov, dtype)
+        else:
+            u = us[j]
+        p.mul_(decay).add_(u * s * alpha)
 
 
 _compiled: dict = {}
 
 
 def _kernel(fn, *variant):
-    """fn compiled once per variant (bucket size, orientation, whether U is stored, ...): each variant gets its own
-    copy of fn's code, so that dynamo's per-code recompile limit (8) counts one variant's recompiles, not all."""
+    """fn compiled for one bucket (its shape, size, orientation, whether U is stored, ...): each variant gets its
+    own copy of fn's code with static shapes, so that it compiles once and dynamo's per-code recompile limit (8)
+    is never reached by the buckets of a model sharing one code object. Scalars that change during a run (lr)
+    are tensors: a Python float is a guarded constant, and an lr schedule would recompile every step until the
+    limit, then silently run eagerly (test_compiled_step_never_recompiles). fullgraph: a graph break would
+    split a pass into separate kernels and is an error instead."""
     key = (fn, *variant)
     if key not in _compiled:
         copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
-        _compiled[key] = torch.compile(copy, dynamic=True)
+        _compiled[key] = torch.compile(copy, dynamic=False, fullgraph=True)
     return _compiled[key]
 
 
@@ -114,25 +137,32 @@ def _coefficient(mu: float, nesterov: bool) -> float:
     return mu / (1.0 - mu) if nesterov else 1.0 / (1.0 - mu)
 
 
+def _variant(tensors: list[Tensor], U: Tensor, tall: bool, store_u: bool) -> tuple:
+    return len(tensors), tuple(U.shape[1:]), tensors[0].dtype, U.dtype, tensors[0].device, tall, store_u
+
+
 def momentum_pass(grads: list[Tensor], bufs: list[Tensor], U: Tensor, mu: float, nesterov: bool, tall: bool,
                   store_u: bool) -> Tensor:
-    """The momentum update of every matrix of a bucket and U's row sums of squares, stacked ([B, m, 1] wide,
-    [B, 1, n] tall; fp32, fp64 for fp64 input); U[j] = the direction input of matrix j if store_u (U's dtype
-    either way). Empty shards run the same function uncompiled (a zero size would specialise a graph)."""
+    """U's row sums of squares for every matrix of a bucket, stacked ([B, m, 1] wide, [B, 1, n] tall; fp32, fp64
+    for fp64 input). store_u: the momentum is updated here and U[j] = the direction input of matrix j (U's dtype);
+    otherwise nothing is written, and update_pass updates the momentum. Empty shards run the same function
+    uncompiled (a zero size would specialise a graph)."""
     us = list(U.unbind(0)) if store_u else None
     args = (grads, bufs, us, 1.0 - mu, _coefficient(mu, nesterov), nesterov, tall, U.dtype)
     if U.numel() == 0:
         return _momentum(*args)
-    return _kernel(_momentum, len(grads), tall, store_u)(*args)
+    return _kernel(_momentum, *_variant(grads, U, tall, store_u))(*args)
 
 
 def update_pass(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor], U: Tensor, stored_u: bool,
-                row_scale: Tensor, decay: float, alpha: float, mu: float, nesterov: bool, tall: bool) -> None:
-    """W_j <- decay W_j + alpha U_j row_scale_j for the bucket's matrices, one pass; U_j recomputed from G_j and
-    the (updated) momentum unless momentum_pass stored it."""
+                row_scale: Tensor, lr: Tensor, wd: float, scale: float, mu: float, nesterov: bool,
+                tall: bool) -> None:
+    """W_j <- (1 - lr wd) W_j - lr scale U_j row_scale_j for the bucket's matrices, one pass; lr a 0-d tensor on
+    W's device. Unless momentum_pass stored U, the momentum update happens here too and U_j is recomputed from G_j
+    and the updated momentum."""
     us = list(U.unbind(0)) if stored_u else None
-    args = (params, grads, bufs, us, list(row_scale.unbind(0)), decay, alpha, _coefficient(mu, nesterov), nesterov,
-            U.dtype)
+    args = (params, grads, bufs, us, list(row_scale.unbind(0)), lr, wd, scale, 1.0 - mu,
+            _coefficient(mu, nesterov), nesterov, U.dtype)
     if U.numel() == 0:
         return _update(*args)
-    _kernel(_update, len(params), tall, stored_u)(*args)
+    _kernel(_update, *_variant(params, U, tall, stored_u))(*args)

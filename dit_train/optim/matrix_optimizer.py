@@ -167,7 +167,7 @@ class MatrixOptimizer(Optimizer, TrainerHooks):
         buckets = _buckets(params, shapes)
         fused = self.compile_rownorm and isinstance(self.directions[kind], RowNorm)
         # the fused passes store U only for the spectral RowNorm scale, whose power iteration reads it; otherwise
-        # the update recomputes it from G and M
+        # the momentum pass only reads G and M (U's sums), and the update pass writes M and W, recomputing U
         store_u = not fused or self._caps(kind, group)
         with timer.phase("momentum"):
             if not fused:
@@ -178,19 +178,22 @@ class MatrixOptimizer(Optimizer, TrainerHooks):
                       for key, idx in buckets.items()}
         directions = self._directions(kind, inputs, group, timer)
         with timer.phase("update"):
-            decay = 1.0 - lr * wd
             if wd != 0 and not fused:
-                torch._foreach_mul_(params, decay)
+                torch._foreach_mul_(params, 1.0 - lr * wd)
+            lr_on = {}  # the fused passes take lr as a 0-d tensor per device (a float would recompile them)
             for key, idx in buckets.items():
                 m, n = key[0]
-                alpha = -lr * update_scale(group["scale"], m, n)
+                scale = update_scale(group["scale"], m, n)
                 bucket = [params[i] for i in idx]
                 D, row_scale = directions[key]
-                if fused:  # weight decay and update in one pass; RowNorm always has a row scale
+                if fused:  # momentum (unless stored with U), weight decay and update in one pass
+                    device = key[2]
+                    if device not in lr_on:
+                        lr_on[device] = torch.full((), lr, dtype=torch.float64, device=device)
                     update_pass(bucket, [grads[i] for i in idx], [bufs[i] for i in idx], D, store_u, row_scale,
-                                decay, alpha, mu, nesterov, m > n)
+                                lr_on[device], wd, scale, mu, nesterov, m > n)
                 else:
-                    self._apply_update(bucket, D, row_scale, alpha)
+                    self._apply_update(bucket, D, row_scale, -lr * scale)
 
     def _matrix_tensors(self, group: dict) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[tuple]]:
         """(params, grads, momentum buffers, matrix shapes) of the group's matrices that have a gradient, creating
@@ -252,9 +255,10 @@ class MatrixOptimizer(Optimizer, TrainerHooks):
         """U = G + mu M (or M) for the bucket's matrices, written straight into a reused [B, m, n] workspace of the
         direction's input dtype: the Nesterov add, the cast and the stacking are one pass per matrix (torch has no
         foreach op that writes into slices of one tensor; a foreach add followed by a stack is 6x slower here).
-        fused: the momentum update happens here too, with U's row sums of squares left in the workspace for the
-        RowNorm direction (fused_rownorm.momentum_pass); without store_u, U is not formed at all and a zero-stride
-        placeholder of its shape and dtype stands for it (the fused update recomputes U from G and M)."""
+        fused: U's row sums of squares are left in the workspace for the RowNorm direction
+        (fused_rownorm.momentum_pass), with the momentum updated and U stored if store_u; without store_u, U is not
+        formed at all and a zero-stride placeholder of its shape and dtype stands for it (the fused update pass
+        updates the momentum and recomputes U from G and M)."""
         ws = self._bucket_workspace(key)
         shape = (len(idx), *bufs[idx[0]].shape)  # the local shape (a shard's rows in the sharded subclass)
         device = bufs[idx[0]].device

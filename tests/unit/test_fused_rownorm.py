@@ -61,28 +61,51 @@ def test_compiled_rownorm_steps_equal_eager(kw, monkeypatch):
 @needs_cxx
 def test_compiled_passes_match_eager_ops_in_fp64():
     """The compiled passes alone (a bucket of one matrix), fp64, wide and tall, with U stored or not: M, U, the sums
-    and W as independent eager formulas give them (to fp64 rounding)."""
+    and W as independent eager formulas give them (to fp64 rounding); without a stored U the momentum pass writes
+    nothing and the update pass updates M."""
     g = torch.Generator().manual_seed(1)
-    mu = 0.95
+    mu, lr, wd, scale = 0.95, 0.1, 0.5, 2.0
     for shape, tall in (((6, 20), False), ((20, 6), True)):
         G, M, W = (torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(3))
-        M_ref = M.clone().lerp_(G, 1 - mu)
+        M_ref = M + (1 - mu) * (G - M)  # the state holds (1 - mu) M: lerp toward G
         X = G + mu / (1 - mu) * M_ref
         sums_ref = (X * X).sum(dim=0 if tall else 1)
         s = torch.rand(shape[1] if tall else shape[0], dtype=torch.float64, generator=g)
-        scale = s[None] if tall else s[:, None]
-        W_ref = W * 0.9 + 0.1 * X * scale
+        scale_rows = s[None] if tall else s[:, None]
+        W_ref = W * (1 - lr * wd) - lr * scale * X * scale_rows
         for store in (True, False):
             M1, W1 = M.clone(), W.clone()
             U = torch.zeros(1, *shape, dtype=torch.float64)
             U_in = U if store else torch.zeros((), dtype=torch.float64).expand(1, *shape)
             sums = fused_rownorm.momentum_pass([G], [M1], U_in, mu, True, tall, store)
-            fused_rownorm.update_pass([W1], [G], [M1], U_in, store, scale[None], 0.9, 0.1, mu, True, tall)
-            torch.testing.assert_close(M1, M_ref)
             torch.testing.assert_close(sums.reshape(-1), sums_ref)
+            torch.testing.assert_close(M1, M_ref if store else M)  # without U, the momentum moves in the update
+            fused_rownorm.update_pass([W1], [G], [M1], U_in, store, scale_rows[None],
+                                      torch.tensor(lr, dtype=torch.float64), wd, scale, mu, True, tall)
+            torch.testing.assert_close(M1, M_ref)
             torch.testing.assert_close(W1, W_ref)
             if store:
                 torch.testing.assert_close(U[0], X)
+
+
+@needs_cxx
+@pytest.mark.parametrize("rownorm_scale", ["frobenius", "spectral"])
+def test_compiled_step_never_recompiles(rownorm_scale, monkeypatch):
+    """Once a bucket's passes are compiled, later steps with another lr (a schedule changes it every step) and other
+    gradients run the same graphs: a recompile is an error here. (With lr as a Python float they recompiled at
+    every new lr until dynamo's limit of 8, then ran eagerly.)"""
+    g = torch.Generator().manual_seed(2)
+    ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in ((24, 40), (24, 40), (40, 24))]
+    opt = MatrixOptimizer([{"params": ps, "kind": "matrix"}], lr=0.02, weight_decay=0.1,
+                          direction=RowNorm(rownorm_scale, True))
+    for step in range(4):
+        if step == 1:
+            monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+        for group in opt.param_groups:
+            group["lr"] = 0.02 / (step + 1)
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
 
 
 def test_compile_rownorm_auto_compiles_on_cuda_only():
