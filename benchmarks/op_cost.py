@@ -371,7 +371,7 @@ def measure_op_rates(threads: int) -> dict:
 
 def measure_fused_rate(threads: int) -> float | None:
     """Bytes/s of the RowNorm step's compiled passes (fused_rownorm.momentum_pass and update_pass, U not stored:
-    12 + 16 B per element) on a wide and a tall bucket of 8M elements each; None without a C++ compiler. The
+    8 + 20 B per element) on a wide and a tall bucket of 8M elements each; None without a C++ compiler. The
     first call compiles (seconds; inductor caches the kernels on disk for the next)."""
     from dit_train.optim import fused_rownorm
 
@@ -383,10 +383,11 @@ def measure_fused_rate(threads: int) -> float | None:
         W, G, M = (list(torch.randn(8, m, n).unbind(0)) for _ in range(3))
         U = torch.zeros((), dtype=torch.float32).expand(8, m, n)
         s = torch.ones(8, 1, n) if m > n else torch.ones(8, m, 1)
+        lr = torch.tensor(1e-3)  # a 0-d tensor, as the optimizer passes it (a float would recompile per value)
 
         def passes(W=W, G=G, M=M, U=U, s=s, tall=m > n):
             fused_rownorm.momentum_pass(G, M, U, 0.95, True, tall, False)
-            fused_rownorm.update_pass(W, G, M, U, False, s, 0.999, -1e-3, 0.95, True, tall)
+            fused_rownorm.update_pass(W, G, M, U, False, s, lr, 1.0, 1.0, 0.95, True, tall)
         cases.append((28 * 8 * m * n, passes))
     return _rate(cases)
 

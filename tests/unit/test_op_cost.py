@@ -42,11 +42,12 @@ def test_compiled_rownorm_step_is_two_fused_passes_by_hand():
     R = 4 * F  # its 4 column factors
     assert _tiny_step(True, 8, 4) == [
         ("momentum", "zeros", "stream", 0, F),  # the 0-d placeholder expanded to U's shape (U not stored)
-        ("momentum", "_momentum", "fused", 2 * E, E),  # G, M in; M out (the column sums stay in the region)
+        ("momentum", "_momentum", "fused", 2 * E, 0),  # G, M in; nothing out (the column sums stay in the region)
         ("direction", "sqrt_", "stream", R, R),  # the factors from the column sums
         ("direction", "clamp_min_", "stream", R, R),
         ("direction", "reciprocal_", "stream", R, R),
-        ("update", "_update", "fused", 3 * E + R, E),  # W, G, M (U recomputed), the factors in; W out
+        ("update", "full", "stream", 0, 8),  # lr as a 0-d fp64 tensor (a Python float would recompile per value)
+        ("update", "_update", "fused", 3 * E + R + 8, 2 * E),  # W, G, M (U recomputed), factors, lr in; W, M out
     ]
 
 
