@@ -264,9 +264,18 @@ def load_experiment(name: str, overrides: list[str] = ()):
 
 
 def finished(run_dir: str, steps: int) -> bool:
-    """A run is done when its newest complete checkpoint is at its train.steps (not when a summary exists: an
-    extended run keeps an old one until it is overwritten)."""
-    return os.path.isdir(run_dir) and newest_step(run_dir) >= steps
+    """A run is done when its newest complete checkpoint is at its train.steps AND its summary.json, written only
+    after the end-of-run evaluation, says so (a checkpoint alone: the end-of-run work may have been stopped, and a
+    rerun of the run does it; a summary alone: an extended run keeps an old one until it is overwritten)."""
+    return os.path.isdir(run_dir) and newest_step(run_dir) >= steps and _summary_steps(run_dir) >= steps
+
+
+def _summary_steps(run_dir: str) -> int:
+    path = os.path.join(run_dir, "summary.json")
+    if not os.path.isfile(path):
+        return -1
+    summary = read_json(path, fix="delete it: rerunning the run (train.resume=auto) writes it again")
+    return summary["steps"] if isinstance(summary, dict) and isinstance(summary.get("steps"), int) else -1
 
 
 def published(record_dir: str, steps: int) -> bool:

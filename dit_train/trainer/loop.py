@@ -235,12 +235,12 @@ class Trainer:
     def fit(self) -> dict:
         self.resume()
         summary_path = os.path.join(self.cfg.run_dir, "summary.json")
+        if self.state.step == self.tc.steps and not os.path.exists(summary_path):
+            return self.finish_end_of_run()  # a requeue after a signal during the end-of-run work
         if self.state.step >= self.tc.steps:  # a rerun of a finished run: nothing to train, nothing to rewrite
             if self.dist.is_main:
-                summary = "summary.json left unchanged" if os.path.exists(summary_path) else \
-                    "it has no summary.json (its end-of-run work was stopped by a signal, or an earlier version ran it)"
                 print(f"run {self.cfg.run_dir} already finished at step {self.state.step} (train.steps="
-                      f"{self.tc.steps}); {summary}")
+                      f"{self.tc.steps}); summary.json left unchanged")
             self.logger.close()
             return read_summary(summary_path)
         if self.dist.is_main and self.state.step > 0 and os.path.exists(summary_path):
@@ -264,6 +264,34 @@ class Trainer:
         except TrainingStopped:
             self.saver.wait(self.state.step)  # a save in flight from before the trouble holds good weights
             raise
+        finally:
+            self.logger.close()
+
+    def finish_end_of_run(self) -> dict:
+        """The end-of-run work (validation, grid, FD, metrics, summary.json) of a run whose training finished but
+        whose end-of-run work was stopped (a signal after the last checkpoint, or a SIGKILL): run from the last
+        checkpoint's EMA weights, so its numbers are those of an uninterrupted run. A study counts a run only once
+        its summary exists; without this a requeue would leave it without its final evaluation."""
+        state, tc = self.state, self.tc
+        if self.dist.is_main:
+            print(f"run {self.cfg.run_dir} finished training at step {state.step}, but its end-of-run work did not "
+                  f"complete (no summary.json): running it now", flush=True)
+            print(f"end of run: {', '.join(end_of_run_work(self.cfg))} ...", flush=True)
+        try:
+            with self.preemption:
+                best = (state.best_fd, dict(state.metric_best))
+                skipped = self.evaluation.run_due(state.step, tc.steps, self.ema.model, state, self.stop_agreed)
+                if (state.best_fd, state.metric_best) != best:
+                    self.saver.record_train_state(state.step, state.state_dict())
+                if self.preemption.requested and skipped:
+                    self.saver.wait(state.step)
+                    raise self.preemption.stop(state.step, self.cfg.run_dir, skipped, True)
+            self.saver.wait(state.step)
+            summary = write_summary(self.cfg, state, self.throughput, self.evaluation.last_val,
+                                    count_parameters(self.model), self.train_set.dataset_id, self.dist.is_main,
+                                    self.evaluation.metric_summary(state))
+            self.logger.summary(summary)
+            return summary
         finally:
             self.logger.close()
 

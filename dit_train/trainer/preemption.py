@@ -66,8 +66,8 @@ class Preemption:
 
     def stop(self, step: int, run_dir: str, skipped: list[str] = (), last_step: bool = False) -> Preempted:
         """Hand the signal over, then the exception that ends the run (raise it). `skipped`: the evaluations the
-        signal cut short, named in the message; after the last step the training is complete, so a rerun has
-        nothing to continue and the message says how to make what was skipped."""
+        signal cut short, named in the message; after the last step the training is complete, and a rerun does
+        only the end-of-run work that was skipped."""
         if self.signal_name is not None:
             previous = self._previous.get(signal.Signals[self.signal_name])
             if _is_python_code(previous):
@@ -75,8 +75,8 @@ class Preemption:
         received = f"received {self.signal_name or 'a stop signal (on another rank)'} at step {step}"
         if last_step:
             message = (f"{received}, the last, during the end-of-run work: its checkpoint was written first; "
-                       f"skipped {', '.join(skipped)} and summary.json (dit-sample {run_dir} "
-                       f"makes a grid, dit-fd {run_dir} the FD)")
+                       f"skipped {', '.join(skipped)} and summary.json; rerun with train.resume=auto "
+                       f"run_dir={run_dir} to do only them")
         else:
             during = f" during the evaluation (skipped {', '.join(skipped)})" if skipped else ""
             message = (f"{received}{during}; checkpoint written, rerun with train.resume=auto run_dir={run_dir} "

@@ -84,18 +84,54 @@ def test_sigterm_during_the_end_of_run_grid_finds_the_final_checkpoint_written_a
     assert proc.returncode == EXIT_PREEMPTED, err
     lines = [ln for ln in err.splitlines() if ln.startswith("preempted:")]
     assert len(lines) == 1 and "received SIGTERM at step 3, the last, during the end-of-run work" in lines[0], err
-    assert "skipped sample grid and summary.json" in lines[0] and "Traceback" not in err
+    assert "skipped sample grid and summary.json; rerun with train.resume=auto" in lines[0]
+    assert "Traceback" not in err
     assert "end of run: checkpoint, sample grid (10 images, 200000 steps), summary" in out
     saved = ckpt.list_checkpoints(str(run_dir))
     assert [ckpt.read_train_state(p)["step"] for p in saved] == [3]
     assert not (run_dir / "samples").exists() and not (run_dir / "summary.json").exists()
-    # a requeue of the same command: the training is complete, nothing to continue, and it says so
-    again = subprocess.run([sys.executable, "-m", "dit_train", f"run_dir={run_dir}", *TINY, *end_of_run,
-                            "train.resume=auto"], cwd=str(tmp_path), capture_output=True, text=True,
-                           env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
+    # a requeue (here with a shorter grid): nothing is trained again, the skipped end-of-run work is done
+    again = subprocess.run([sys.executable, "-m", "dit_train", f"run_dir={run_dir}", *TINY, *end_of_run[:-1],
+                            "train.sample_steps=1", "train.resume=auto"], cwd=str(tmp_path), capture_output=True,
+                           text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
     assert again.returncode == 0, again.stderr
-    assert "already finished at step 3 (train.steps=3); it has no summary.json (its end-of-run work was stopped " \
-           "by a signal, or an earlier version ran it)" in again.stdout
+    assert "finished training at step 3, but its end-of-run work did not complete (no summary.json): running it " \
+           "now" in again.stdout
+    assert json.load(open(run_dir / "summary.json"))["steps"] == 3 and (run_dir / "samples").is_dir()
+    assert [ckpt.read_train_state(p)["step"] for p in ckpt.list_checkpoints(str(run_dir))] == [3]
+
+
+@needs_fashion
+def test_a_requeue_after_a_kill_in_the_end_of_run_work_gives_the_uninterrupted_runs_numbers(tmp_path):
+    """A SIGKILL after the last checkpoint and before summary.json (here: the summary and the last metrics rows
+    removed by hand, which is what such a kill leaves): the requeue runs the end-of-run validation from the
+    checkpoint's EMA weights, and its validation loss is the uninterrupted run's, bit for bit; the study runner
+    counts the run as finished only once its summary.json exists."""
+    from dit_train.study import run as study_run
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "dit_train", f"run_dir={run_dir}", *TINY, "train.steps=3", "train.val_every=3"]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    first = subprocess.run(cmd, cwd=str(tmp_path), capture_output=True, text=True, env=env, timeout=120)
+    assert first.returncode == 0, first.stderr
+    summary = json.load(open(run_dir / "summary.json"))
+    assert summary["steps"] == 3 and summary["val_loss"] == summary["val_loss"]  # a number, not NaN
+    (run_dir / "summary.json").unlink()
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if "val/loss" not in r))
+    assert not study_run.finished(str(run_dir), 3)  # a checkpoint at the last step is not enough
+    again = subprocess.run(cmd + ["train.resume=auto"], cwd=str(tmp_path), capture_output=True, text=True, env=env,
+                           timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert "running it now" in again.stdout
+    redone = json.load(open(run_dir / "summary.json"))
+    assert redone["val_loss"] == summary["val_loss"] and redone["steps"] == 3
+    assert study_run.finished(str(run_dir), 3)
+    # and a second requeue leaves the finished run as it is
+    third = subprocess.run(cmd + ["train.resume=auto"], cwd=str(tmp_path), capture_output=True, text=True, env=env,
+                           timeout=120)
+    assert third.returncode == 0 and "already finished at step 3 (train.steps=3); summary.json left unchanged" \
+        in third.stdout
 
 
 def write_checkpoints(run_dir: str, start: int, saved) -> None:

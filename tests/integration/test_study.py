@@ -94,6 +94,7 @@ def test_a_two_phase_study_scans_seed_0_then_runs_the_other_seeds_at_the_lowest_
         if key in final:
             run_dir = tmp_path / r["name"]
             ckpt.save(str(run_dir), 600, {"model": {"w": torch.zeros(1)}}, {"step": 600}, keep_last=0)
+            (run_dir / "summary.json").write_text(json.dumps({"steps": 600}))  # finished: end-of-run work done
             (run_dir / "metrics.jsonl").write_text(
                 json.dumps({"step": 400, "val/loss": 0.1}) + "\n" + json.dumps({"step": 600, "val/loss": final[key]}))
     chosen, more = run_study.select_learning_rates(study, str(tmp_path), scan, lambda r: 600)
@@ -129,6 +130,7 @@ def test_a_scan_whose_best_value_is_at_an_end_grows_there_up_to_lr_scan_extend(t
             run_dir = tmp_path / r["name"]
             if not run_dir.exists():
                 ckpt.save(str(run_dir), 600, {"model": {"w": torch.zeros(1)}}, {"step": 600}, keep_last=0)
+                (run_dir / "summary.json").write_text(json.dumps({"steps": 600}))  # finished: end-of-run work done
                 (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 600, "val/loss": loss[(r["optimizer"], r["lr"])]}))
 
     extended = {}
@@ -157,6 +159,7 @@ def finish_runs(tmp_path, runs, loss_of) -> None:
     for r in runs:
         run_dir = tmp_path / r["name"]
         ckpt.save(str(run_dir), 600, {"model": {"w": torch.zeros(1)}}, {"step": 600}, keep_last=0)
+        (run_dir / "summary.json").write_text(json.dumps({"steps": 600}))  # finished: end-of-run work done
         (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 600, "val/loss": loss_of(r)}))
 
 
