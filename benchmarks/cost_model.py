@@ -584,12 +584,63 @@ def calibration_rows(measured: dict, optimizer_log: str | None, distributed_log:
             hw = host_profile(measured, procs)
             for label, (sec, nbytes) in found.items():
                 opt = BENCH_DISTRIBUTED_ROWS[label]
-                p, f = (predict(shapes, opt, hw, procs, floor=floor) for floor in (False, True))
-                rows.append(("bench_distributed", procs, label, p["optimizer"], f["optimizer"], sec, "s"))
+                f = predict(shapes, opt, hw, procs, floor=True)
+                p = sharded_step(shapes, label, measured, procs)
+                rows.append(("bench_distributed", procs, label, p["total_s"], f["optimizer"], sec, "s"))
                 if nbytes:
-                    rows.append(("bench_distributed", procs, label + " (MB/step/rank)", p["bytes"], p["bytes"],
+                    rows.append(("bench_distributed", procs, label + " (MB/step/rank)", f["bytes"], f["bytes"],
                                  nbytes, "B"))
     return rows
+
+
+_SHARDED: dict = {}
+
+
+def sharded_step(shapes: Shapes, label: str, measured: dict, procs: int) -> dict:
+    """bench_distributed's contender `label` counted on rank 0 of a fake group of `procs`
+    (sharded_count.count_sharded_steps, cached) and priced at this host's profile for `procs` processes: ops at
+    a process's share of the cores, collectives at the gloo latency and bandwidth of `procs` processes."""
+    from benchmarks.bench_distributed import CONTENDERS
+    from benchmarks.sharded_count import count_sharded_steps, mean_priced
+
+    key = (shapes, label, procs)
+    if key not in _SHARDED:
+        _SHARDED[key] = count_sharded_steps(shapes.model, CONTENDERS[label], procs)
+    gloo = measured["gloo"][str(procs)]
+    return mean_priced(_SHARDED[key], host_profile(measured, procs).op_rates(), procs, gloo["link_bytes_s"],
+                       gloo["latency_s"])
+
+
+def sharded_table(measured: dict, distributed_log: str) -> str:
+    """Where rank 0's counted step goes, per bench_distributed line: ops and their fixed cost, collectives and
+    their latency, bytes on the wire; against the measured step and its exposed wait on collectives."""
+    lines = ["| processes | line | ops | ops' work | ops' fixed cost | collectives | their latency | wire | "
+             "predicted | measured (exposed comm) |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    ms = lambda v: f"{v * 1e3:.1f} ms"  # noqa: E731
+    comm = parse_exposed_comm(distributed_log)
+    for procs, ((preset, width, depth), found) in parse_bench_distributed(distributed_log).items():
+        shapes = model_shapes(preset, width, depth)
+        for label, (sec, _) in found.items():
+            p = sharded_step(shapes, label, measured, procs)
+            lines.append(f"| {procs} | {label} | {p['ops']:.0f} | {ms(p['op_work_s'])} | {ms(p['op_fixed_s'])} | "
+                         f"{p['collectives']:.1f} | {ms(p['latency_s'])} | {ms(p['wire_s'])} | {ms(p['total_s'])} | "
+                         f"{ms(sec)} ({ms(comm[procs][label])}) |")
+    return "\n".join(lines)
+
+
+def parse_exposed_comm(text: str) -> dict[int, dict[str, float]]:
+    """{processes: {row: exposed comm seconds}} from bench_distributed's 'exposed comm ms' column."""
+    out: dict = {}
+    current = None
+    for line in text.splitlines():
+        head = re.match(r"^### (\d+) process", line)
+        if head:
+            current = out.setdefault(int(head.group(1)), {})
+            continue
+        m = _ROW.match(line)
+        if current is not None and m and m.group(1) in BENCH_DISTRIBUTED_ROWS:
+            current[m.group(1)] = float(m.group(3).split("|")[1]) / 1e3  # after the ratio column
+    return out
 
 
 def calibration_table(rows: list[tuple]) -> str:
@@ -679,6 +730,9 @@ def main(argv=None) -> int:
         if logs[0]:
             print("\nwhere the time goes (bench_optimizer's phases line, counted at this profile's rates):\n")
             print(phase_table(phase_rows(measured, logs[0])))
+        if logs[1]:
+            print("\nwhere rank 0's distributed step goes (counted on a fake process group, at this profile's rates):\n")
+            print(sharded_table(measured, logs[1]))
         return 0
     print(paper_table(PROFILES[args.hardware], args.presets, args.worlds, args.mode))
     return 0
