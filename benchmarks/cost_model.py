@@ -393,7 +393,7 @@ def _progress(what: str) -> None:
     print(f"  measuring {what} ...", file=sys.stderr, flush=True)
 
 
-def _gloo_rank(rank: int, world: int, port: int, queue) -> None:
+def _gloo_rank(rank: int, world: int, port: int, queue, numel: int, work_numel: int, rounds: int) -> None:
     from datetime import timedelta
 
     import torch
@@ -403,22 +403,42 @@ def _gloo_rank(rank: int, world: int, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
-        inp = torch.zeros(4 << 20)  # 16 MB per rank
+        inp = torch.zeros(numel)
         out = torch.empty(world * inp.numel())
         tiny = torch.zeros(1)
         gather = _median_seconds(lambda: (dist.barrier(), dist.all_gather_into_tensor(out, inp)))
         barrier = _median_seconds(dist.barrier)
         latency = _median_seconds(lambda: (dist.all_reduce(tiny), dist.barrier())) - barrier
+        busy = _busy_latency_s(tiny, work_numel, rounds)
         if rank == 0:
             sent = (world - 1) * inp.numel() * 4  # what one rank sends (collectives.py's all-gather count)
-            queue.put({"link_bytes_s": sent / max(gather - barrier - latency, 1e-9), "latency_s": max(latency, 0.0)})
+            queue.put({"link_bytes_s": sent / max(gather - barrier - latency, 1e-9), "latency_s": max(latency, 0.0),
+                       "busy_latency_s": busy})
     finally:
         dist.destroy_process_group()
 
 
-def measure_gloo(world: int) -> dict:
-    """gloo between `world` processes on this host: the bytes/s one rank sends in an all-gather, and the fixed
-    cost of a collective (a 4-byte all-reduce)."""
+def _busy_latency_s(tiny, work_numel: int, rounds: int) -> float:
+    """The cost of a collective between processes that compute between collectives, as the optimizer's ranks do
+    (when processes outnumber the cores, a peer may be descheduled when the others arrive): every rank runs
+    `rounds` x (an add over work_numel fp32 elements, a 4-byte all-reduce), against the same adds alone, all
+    ranks at once in both; the difference per round."""
+    import torch
+    import torch.distributed as dist
+
+    a, b = torch.randn(work_numel), torch.randn(work_numel)
+    work = lambda: torch.add(a, b, out=a)  # noqa: E731
+    alone = _median_seconds(lambda: (dist.barrier(), [work() for _ in range(rounds)], dist.barrier()))
+    synced = _median_seconds(lambda: (dist.barrier(), [(work(), dist.all_reduce(tiny)) for _ in range(rounds)],
+                                      dist.barrier()))
+    return max(synced - alone, 0.0) / rounds
+
+
+def measure_gloo(world: int, numel: int = 4 << 20, work_numel: int = 1 << 18, rounds: int = 20) -> dict:
+    """gloo between `world` processes on this host: the bytes/s one rank sends in an all-gather, the fixed cost
+    of a collective (a 4-byte all-reduce) between otherwise idle processes, and its cost between processes that
+    compute between collectives (busy_latency_s): numel fp32 elements gathered per rank (16 MB), work_numel per
+    add between rounds of the busy measure (1 MB, ~0.1-1 ms), `rounds` of it (tests shrink them)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -428,7 +448,8 @@ def measure_gloo(world: int) -> dict:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    mp.start_processes(_gloo_rank, args=(world, port, queue), nprocs=world, start_method="spawn")
+    mp.start_processes(_gloo_rank, args=(world, port, queue, numel, work_numel, rounds), nprocs=world,
+                       start_method="spawn")
     return queue.get(timeout=10)
 
 
@@ -607,8 +628,9 @@ def sharded_step(shapes: Shapes, label: str, measured: dict, procs: int) -> dict
     if key not in _SHARDED:
         _SHARDED[key] = count_sharded_steps(shapes.model, CONTENDERS[label], procs)
     gloo = measured["gloo"][str(procs)]
-    return mean_priced(_SHARDED[key], host_profile(measured, procs).op_rates(), procs, gloo["link_bytes_s"],
-                       gloo["latency_s"])
+    # a collective between busy processes where the profile has it (measured since this model); else idle ones'
+    latency = gloo.get("busy_latency_s", gloo["latency_s"])
+    return mean_priced(_SHARDED[key], host_profile(measured, procs).op_rates(), procs, gloo["link_bytes_s"], latency)
 
 
 def sharded_table(measured: dict, distributed_log: str) -> str:
