@@ -633,38 +633,6 @@ def sharded_step(shapes: Shapes, label: str, measured: dict, procs: int) -> dict
     return mean_priced(_SHARDED[key], host_profile(measured, procs).op_rates(), procs, gloo["link_bytes_s"], latency)
 
 
-def sharded_table(measured: dict, distributed_log: str) -> str:
-    """Where rank 0's counted step goes, per bench_distributed line: ops and their fixed cost, collectives and
-    their latency, bytes on the wire; against the measured step and its exposed wait on collectives."""
-    lines = ["| processes | line | ops | ops' work | ops' fixed cost | collectives | their latency | wire | "
-             "predicted | measured (exposed comm) |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    ms = lambda v: f"{v * 1e3:.1f} ms"  # noqa: E731
-    comm = parse_exposed_comm(distributed_log)
-    for procs, ((preset, width, depth), found) in parse_bench_distributed(distributed_log).items():
-        shapes = model_shapes(preset, width, depth)
-        for label, (sec, _) in found.items():
-            p = sharded_step(shapes, label, measured, procs)
-            lines.append(f"| {procs} | {label} | {p['ops']:.0f} | {ms(p['op_work_s'])} | {ms(p['op_fixed_s'])} | "
-                         f"{p['collectives']:.1f} | {ms(p['latency_s'])} | {ms(p['wire_s'])} | {ms(p['total_s'])} | "
-                         f"{ms(sec)} ({ms(comm[procs][label])}) |")
-    return "\n".join(lines)
-
-
-def parse_exposed_comm(text: str) -> dict[int, dict[str, float]]:
-    """{processes: {row: exposed comm seconds}} from bench_distributed's 'exposed comm ms' column."""
-    out: dict = {}
-    current = None
-    for line in text.splitlines():
-        head = re.match(r"^### (\d+) process", line)
-        if head:
-            current = out.setdefault(int(head.group(1)), {})
-            continue
-        m = _ROW.match(line)
-        if current is not None and m and m.group(1) in BENCH_DISTRIBUTED_ROWS:
-            current[m.group(1)] = float(m.group(3).split("|")[1]) / 1e3  # after the ratio column
-    return out
-
-
 def calibration_table(rows: list[tuple]) -> str:
     lines = ["| benchmark | processes | line | predicted (counted) | floor | measured | predicted / measured |",
              "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
@@ -676,6 +644,43 @@ def calibration_table(rows: list[tuple]) -> str:
     lines.append(f"\n{inside} of {len(timed)} time lines within +-25% (predicted / measured "
                  f"{min(timed):.2f}-{max(timed):.2f})" if timed else "")
     return "\n".join(lines)
+
+
+def sharded_table(measured: dict, distributed_log: str) -> str:
+    """Where rank 0's counted step goes, per bench_distributed line and phase, against the log's phases (slowest
+    rank): the direction phase's ops, the collectives (latency + wire) against the exposed wait on them, the other
+    ops (momentum, update, AdamW) against the wall time less both."""
+    lines = ["| processes | line | ops | collectives | direction: counted / measured | collectives: counted / "
+             "exposed wait | other ops: counted / rest of the wall | step: predicted / measured |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    ms = lambda a, b: f"{a * 1e3:.1f} / {b * 1e3:.1f} ms"  # noqa: E731
+    logged = parse_distributed_phases(distributed_log)
+    for procs, ((preset, width, depth), found) in parse_bench_distributed(distributed_log).items():
+        shapes = model_shapes(preset, width, depth)
+        for label, (sec, _) in found.items():
+            p = sharded_step(shapes, label, measured, procs)
+            comm, direction = logged[procs][label]
+            lines.append(f"| {procs} | {label} | {p['ops']:.0f} | {p['collectives']:.1f} | "
+                         f"{ms(p['direction_s'], direction)} | {ms(p['latency_s'] + p['wire_s'], comm)} | "
+                         f"{ms(p['other_s'], sec - comm - direction)} | {ms(p['total_s'], sec)} |")
+    return "\n".join(lines)
+
+
+def parse_distributed_phases(text: str) -> dict[int, dict[str, tuple[float, float]]]:
+    """{processes: {row: (exposed comm s, direction s)}} from bench_distributed's 'exposed comm ms' and
+    'direction ms' columns (each the slowest rank's)."""
+    out: dict = {}
+    current = None
+    for line in text.splitlines():
+        head = re.match(r"^### (\d+) process", line)
+        if head:
+            current = out.setdefault(int(head.group(1)), {})
+            continue
+        m = _ROW.match(line)
+        if current is not None and m and m.group(1) in BENCH_DISTRIBUTED_ROWS:
+            cols = m.group(3).split("|")  # after the ratio column: exposed comm, direction, ...
+            current[m.group(1)] = (float(cols[1]) / 1e3, float(cols[2]) / 1e3)
+    return out
 
 
 # ---- the paper's table ---------------------------------------------------------------------------------------

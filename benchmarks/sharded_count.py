@@ -170,11 +170,14 @@ def wire_seconds(c: Collective, world: int, link_bytes_s: float, latency_s: floa
 
 def priced(step: SimpleNamespace, rates: OpRates, world: int, link_bytes_s: float, latency_s: float) -> dict:
     """Seconds of one counted step: ops (bytes/FLOPs at their category's rate), their fixed cost (op_s each),
-    collectives' latency and their bytes on the wire; with the counts."""
+    the ops of the direction phase and the others (momentum, update, AdamW), collectives' latency and their
+    bytes on the wire; with the counts."""
     ops = sum(seconds(r, rates) for r in step.records)
+    direction = sum(seconds(r, rates) for r in step.records if r.phase == "direction")
     wire = sum(wire_seconds(c, world, link_bytes_s, 0.0) for c in step.collectives)
     return {"ops": len(step.records), "collectives": len(step.collectives),
             "op_work_s": ops - len(step.records) * rates.op_s, "op_fixed_s": len(step.records) * rates.op_s,
+            "direction_s": direction, "other_s": ops - direction,
             "latency_s": len(step.collectives) * latency_s, "wire_s": wire,
             "total_s": ops + wire + len(step.collectives) * latency_s,
             "sent": sum(c.sent for c in step.collectives)}

@@ -59,6 +59,7 @@ def test_collectives_counted_and_priced_by_hand():
                            collectives=[reduce, sc.Collective("comm", "all_to_all", 50, 50)])
     p = sc.priced(step, rates, 4, 1000.0, 0.1)
     assert p["op_work_s"] == pytest.approx(0.1) and p["op_fixed_s"] == pytest.approx(0.01)
+    assert p["other_s"] == pytest.approx(0.11) and p["direction_s"] == 0
     assert p["latency_s"] == pytest.approx(0.2) and p["wire_s"] == pytest.approx(0.65)
     assert p["total_s"] == pytest.approx(0.1 + 0.01 + 0.2 + 0.65) and p["sent"] == 450
 
