@@ -35,7 +35,8 @@ def test_counted_collectives_are_the_optimizers_own(counted, label):
         assert [(c.op, c.sent) for c in step.collectives] == step.accounted
         assert step.collectives, "a sharded matrix step on 2 ranks communicates"
         # and the total is what the cost model's byte rules give rank 0
-        assert sum(c.sent for c in step.collectives) == sum(cm.rank_bytes(shapes, kind, "spectral", mode, 2, 0).values())
+        expected = sum(cm.rank_bytes(shapes, kind, "spectral", mode, 2, 0).values())
+        assert sum(c.sent for c in step.collectives) == expected
         assert step.records  # and it dispatched ops
 
 
@@ -44,7 +45,8 @@ def test_collectives_counted_and_priced_by_hand():
     assert sc.collective_of("direction", "allreduce_", ([f32, torch.empty(5)],), 4) == \
         sc.Collective("direction", "all_reduce", 420, 420)
     bf16 = torch.empty(10, dtype=torch.bfloat16)  # 20 B: 3 peers receive it
-    assert sc.collective_of("direction", "_allgather_base_", (torch.empty(40, dtype=torch.bfloat16), bf16), 4).sent == 60
+    gathered = torch.empty(40, dtype=torch.bfloat16)
+    assert sc.collective_of("direction", "_allgather_base_", (gathered, bf16), 4).sent == 60
     # rank 0 keeps its 2 elements and sends 3 + 5 fp32 to the others
     assert sc.collective_of("comm", "alltoall_base_", (torch.empty(10), torch.empty(10), None, [1, 1, 8], [2, 3, 5]),
                             3).sent == 32
