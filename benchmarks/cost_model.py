@@ -393,7 +393,7 @@ def _progress(what: str) -> None:
     print(f"  measuring {what} ...", file=sys.stderr, flush=True)
 
 
-def _gloo_rank(rank: int, world: int, port: int, queue) -> None:
+def _gloo_rank(rank: int, world: int, port: int, queue, numel: int, work_numel: int, rounds: int) -> None:
     from datetime import timedelta
 
     import torch
@@ -403,22 +403,42 @@ def _gloo_rank(rank: int, world: int, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
-        inp = torch.zeros(4 << 20)  # 16 MB per rank
+        inp = torch.zeros(numel)
         out = torch.empty(world * inp.numel())
         tiny = torch.zeros(1)
         gather = _median_seconds(lambda: (dist.barrier(), dist.all_gather_into_tensor(out, inp)))
         barrier = _median_seconds(dist.barrier)
         latency = _median_seconds(lambda: (dist.all_reduce(tiny), dist.barrier())) - barrier
+        busy = _busy_latency_s(tiny, work_numel, rounds)
         if rank == 0:
             sent = (world - 1) * inp.numel() * 4  # what one rank sends (collectives.py's all-gather count)
-            queue.put({"link_bytes_s": sent / max(gather - barrier - latency, 1e-9), "latency_s": max(latency, 0.0)})
+            queue.put({"link_bytes_s": sent / max(gather - barrier - latency, 1e-9), "latency_s": max(latency, 0.0),
+                       "busy_latency_s": busy})
     finally:
         dist.destroy_process_group()
 
 
-def measure_gloo(world: int) -> dict:
-    """gloo between `world` processes on this host: the bytes/s one rank sends in an all-gather, and the fixed
-    cost of a collective (a 4-byte all-reduce)."""
+def _busy_latency_s(tiny, work_numel: int, rounds: int) -> float:
+    """The cost of a collective between processes that compute between collectives, as the optimizer's ranks do
+    (when processes outnumber the cores, a peer may be descheduled when the others arrive): every rank runs
+    `rounds` x (an add over work_numel fp32 elements, a 4-byte all-reduce), against the same adds alone, all
+    ranks at once in both; the difference per round."""
+    import torch
+    import torch.distributed as dist
+
+    a, b = torch.randn(work_numel), torch.randn(work_numel)
+    work = lambda: torch.add(a, b, out=a)  # noqa: E731
+    alone = _median_seconds(lambda: (dist.barrier(), [work() for _ in range(rounds)], dist.barrier()))
+    synced = _median_seconds(lambda: (dist.barrier(), [(work(), dist.all_reduce(tiny)) for _ in range(rounds)],
+                                      dist.barrier()))
+    return max(synced - alone, 0.0) / rounds
+
+
+def measure_gloo(world: int, numel: int = 4 << 20, work_numel: int = 1 << 18, rounds: int = 20) -> dict:
+    """gloo between `world` processes on this host: the bytes/s one rank sends in an all-gather, the fixed cost
+    of a collective (a 4-byte all-reduce) between otherwise idle processes, and its cost between processes that
+    compute between collectives (busy_latency_s): numel fp32 elements gathered per rank (16 MB), work_numel per
+    add between rounds of the busy measure (1 MB, ~0.1-1 ms), `rounds` of it (tests shrink them)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -428,7 +448,8 @@ def measure_gloo(world: int) -> dict:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    mp.start_processes(_gloo_rank, args=(world, port, queue), nprocs=world, start_method="spawn")
+    mp.start_processes(_gloo_rank, args=(world, port, queue, numel, work_numel, rounds), nprocs=world,
+                       start_method="spawn")
     return queue.get(timeout=10)
 
 
@@ -584,12 +605,32 @@ def calibration_rows(measured: dict, optimizer_log: str | None, distributed_log:
             hw = host_profile(measured, procs)
             for label, (sec, nbytes) in found.items():
                 opt = BENCH_DISTRIBUTED_ROWS[label]
-                p, f = (predict(shapes, opt, hw, procs, floor=floor) for floor in (False, True))
-                rows.append(("bench_distributed", procs, label, p["optimizer"], f["optimizer"], sec, "s"))
+                f = predict(shapes, opt, hw, procs, floor=True)
+                p = sharded_step(shapes, label, measured, procs)
+                rows.append(("bench_distributed", procs, label, p["total_s"], f["optimizer"], sec, "s"))
                 if nbytes:
-                    rows.append(("bench_distributed", procs, label + " (MB/step/rank)", p["bytes"], p["bytes"],
+                    rows.append(("bench_distributed", procs, label + " (MB/step/rank)", f["bytes"], f["bytes"],
                                  nbytes, "B"))
     return rows
+
+
+_SHARDED: dict = {}
+
+
+def sharded_step(shapes: Shapes, label: str, measured: dict, procs: int) -> dict:
+    """bench_distributed's contender `label` counted on rank 0 of a fake group of `procs`
+    (sharded_count.count_sharded_steps, cached) and priced at this host's profile for `procs` processes: ops at
+    a process's share of the cores, collectives at the gloo latency and bandwidth of `procs` processes."""
+    from benchmarks.bench_distributed import CONTENDERS
+    from benchmarks.sharded_count import count_sharded_steps, mean_priced
+
+    key = (shapes, label, procs)
+    if key not in _SHARDED:
+        _SHARDED[key] = count_sharded_steps(shapes.model, CONTENDERS[label], procs)
+    gloo = measured["gloo"][str(procs)]
+    # a collective between busy processes where the profile has it (measured since this model); else idle ones'
+    latency = gloo.get("busy_latency_s", gloo["latency_s"])
+    return mean_priced(_SHARDED[key], host_profile(measured, procs).op_rates(), procs, gloo["link_bytes_s"], latency)
 
 
 def calibration_table(rows: list[tuple]) -> str:
@@ -603,6 +644,43 @@ def calibration_table(rows: list[tuple]) -> str:
     lines.append(f"\n{inside} of {len(timed)} time lines within +-25% (predicted / measured "
                  f"{min(timed):.2f}-{max(timed):.2f})" if timed else "")
     return "\n".join(lines)
+
+
+def sharded_table(measured: dict, distributed_log: str) -> str:
+    """Where rank 0's counted step goes, per bench_distributed line and phase, against the log's phases (slowest
+    rank): the direction phase's ops, the collectives (latency + wire) against the exposed wait on them, the other
+    ops (momentum, update, AdamW) against the wall time less both."""
+    lines = ["| processes | line | ops | collectives | direction: counted / measured | collectives: counted / "
+             "exposed wait | other ops: counted / rest of the wall | step: predicted / measured |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    ms = lambda a, b: f"{a * 1e3:.1f} / {b * 1e3:.1f} ms"  # noqa: E731
+    logged = parse_distributed_phases(distributed_log)
+    for procs, ((preset, width, depth), found) in parse_bench_distributed(distributed_log).items():
+        shapes = model_shapes(preset, width, depth)
+        for label, (sec, _) in found.items():
+            p = sharded_step(shapes, label, measured, procs)
+            comm, direction = logged[procs][label]
+            lines.append(f"| {procs} | {label} | {p['ops']:.0f} | {p['collectives']:.1f} | "
+                         f"{ms(p['direction_s'], direction)} | {ms(p['latency_s'] + p['wire_s'], comm)} | "
+                         f"{ms(p['other_s'], sec - comm - direction)} | {ms(p['total_s'], sec)} |")
+    return "\n".join(lines)
+
+
+def parse_distributed_phases(text: str) -> dict[int, dict[str, tuple[float, float]]]:
+    """{processes: {row: (exposed comm s, direction s)}} from bench_distributed's 'exposed comm ms' and
+    'direction ms' columns (each the slowest rank's)."""
+    out: dict = {}
+    current = None
+    for line in text.splitlines():
+        head = re.match(r"^### (\d+) process", line)
+        if head:
+            current = out.setdefault(int(head.group(1)), {})
+            continue
+        m = _ROW.match(line)
+        if current is not None and m and m.group(1) in BENCH_DISTRIBUTED_ROWS:
+            cols = m.group(3).split("|")  # after the ratio column: exposed comm, direction, ...
+            current[m.group(1)] = (float(cols[1]) / 1e3, float(cols[2]) / 1e3)
+    return out
 
 
 # ---- the paper's table ---------------------------------------------------------------------------------------
@@ -679,6 +757,10 @@ def main(argv=None) -> int:
         if logs[0]:
             print("\nwhere the time goes (bench_optimizer's phases line, counted at this profile's rates):\n")
             print(phase_table(phase_rows(measured, logs[0])))
+        if logs[1]:
+            print("\nwhere rank 0's distributed step goes (counted on a fake process group, at this profile's "
+                  "rates):\n")
+            print(sharded_table(measured, logs[1]))
         return 0
     print(paper_table(PROFILES[args.hardware], args.presets, args.worlds, args.mode))
     return 0

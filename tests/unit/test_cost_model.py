@@ -163,6 +163,7 @@ def test_the_benchmarks_logs_are_read_by_row():
                     "periodic_rowwise K=3 average, rownorm_scale=spectral, compile_rownorm": pytest.approx(0.1604)}
     dist_rows = cm.parse_bench_distributed(BENCH_DISTRIBUTED_LOG)
     assert dist_rows == {2: (("dit_m", 256, 4), {"muon-gather": (pytest.approx(0.0305), 2.5 * 2**20)})}
+    assert cm.parse_distributed_phases(BENCH_DISTRIBUTED_LOG) == {2: {"muon-gather": pytest.approx((0.001, 0.02))}}
 
 
 @pytest.mark.parametrize("args, message", [(["--paper", "--worlds", "3"], "--worlds [3] is not valid"),
@@ -171,3 +172,22 @@ def test_bad_arguments_are_one_line_errors(args, message, capsys):
     with pytest.raises(SystemExit) as e:
         cm.main(args)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_gloo_profile_has_the_cost_of_a_collective_between_busy_processes():
+    # tiny sizes: that every number is measured and sane, not its value (this host is loaded)
+    g = cm.measure_gloo(2, numel=1024, work_numel=1024, rounds=2)
+    assert set(g) == {"link_bytes_s", "latency_s", "busy_latency_s"}
+    assert g["link_bytes_s"] > 0 and g["latency_s"] >= 0 and g["busy_latency_s"] >= 0
+
+
+def test_sharded_lines_use_the_busy_latency_where_the_profile_has_it():
+    measured = {"cores": 2, "compute": {"1": {"gemm_flops": 1e9, "ns5_rates": [[1, 1e9]], "memory_bytes_s": 1e9,
+                                              "ops": {"stream": 1e9, "convert": 1e9, "reduce": 1e9, "matvec": 1e9,
+                                                      "op_s": 0.0, "square": [[1, 1e9]], "fused": 1e9}}},
+                "gloo": {"2": {"link_bytes_s": 1e12, "latency_s": 0.0}}}
+    shapes = cm.model_shapes("dit_xs", 64, 2)
+    idle = cm.sharded_step(shapes, "rownorm", measured, 2)
+    measured["gloo"]["2"]["busy_latency_s"] = 1.0
+    busy = cm.sharded_step(shapes, "rownorm", measured, 2)
+    assert busy["total_s"] - idle["total_s"] == pytest.approx(busy["collectives"] * 1.0)

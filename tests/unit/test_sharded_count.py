@@ -1,0 +1,78 @@
+"""benchmarks/sharded_count.py: the collectives counted on rank 0 of a fake 2-rank group against the optimizer's own
+accounting (ShardComm's timer.add_bytes) and the cost model's byte rules, and a collective priced by hand."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from benchmarks import cost_model as cm
+from benchmarks import sharded_count as sc
+from benchmarks.op_cost import OpRates, OpRecord
+
+CONFIGS = {"muon gather": ({"name": "muon", "distributed_mode": "gather"}, "gather", ["refresh"] * 3),
+           "muon owner": ({"name": "muon", "distributed_mode": "owner"}, "owner", ["refresh"] * 3),
+           "K=3 owner": ({"name": "periodic_rowwise", "K": 3}, "owner", ["refresh", "rownorm", "rownorm"]),
+           "rownorm": ({"name": "rownorm"}, "owner", ["rownorm"] * 3)}
+
+
+@pytest.fixture(scope="module")
+def counted():
+    from dit_train.model.dit import load_preset
+
+    cfg = load_preset("dit_xs", 64, 2)
+    return {label: sc.count_sharded_steps(cfg, c, 2) for label, (c, _, _) in CONFIGS.items()}
+
+
+@pytest.mark.parametrize("label", list(CONFIGS))
+def test_counted_collectives_are_the_optimizers_own(counted, label):
+    _, mode, kinds = CONFIGS[label]
+    shapes = cm.model_shapes("dit_xs", 64, 2)
+    for step, kind in zip(counted[label], kinds, strict=True):
+        # one counted collective per ShardComm call, same kind and bytes, in order
+        assert [(c.op, c.sent) for c in step.collectives] == step.accounted
+        assert step.collectives, "a sharded matrix step on 2 ranks communicates"
+        # and the total is what the cost model's byte rules give rank 0
+        expected = sum(cm.rank_bytes(shapes, kind, "spectral", mode, 2, 0).values())
+        assert sum(c.sent for c in step.collectives) == expected
+        assert step.records  # and it dispatched ops
+
+
+def test_collectives_counted_and_priced_by_hand():
+    f32 = torch.empty(100)  # 400 B
+    assert sc.collective_of("direction", "allreduce_", ([f32, torch.empty(5)],), 4) == \
+        sc.Collective("direction", "all_reduce", 420, 420)
+    bf16 = torch.empty(10, dtype=torch.bfloat16)  # 20 B: 3 peers receive it
+    gathered = torch.empty(40, dtype=torch.bfloat16)
+    assert sc.collective_of("direction", "_allgather_base_", (gathered, bf16), 4).sent == 60
+    # rank 0 keeps its 2 elements and sends 3 + 5 fp32 to the others
+    assert sc.collective_of("comm", "alltoall_base_", (torch.empty(10), torch.empty(10), None, [1, 1, 8], [2, 3, 5]),
+                            3).sent == 32
+    with pytest.raises(ValueError, match="no byte rule"):
+        sc.collective_of("x", "broadcast_", (f32,), 2)
+    # a 400 B all-reduce on 4 ranks: a ring puts 2 x 3/4 x 400 = 600 B on the wire; at 1000 B/s + 0.1 s latency
+    reduce = sc.Collective("direction", "all_reduce", 400, 400)
+    assert sc.wire_seconds(reduce, 4, 1000.0, 0.1) == pytest.approx(0.7)
+    # one step: a 1000 B stream op (at 1e4 B/s + 0.01 s fixed), that all-reduce, a 50 B all-to-all (sent as is)
+    rates = OpRates(stream=1e4, convert=1, reduce=1, matvec=1, op_s=0.01, adamw=1, fused=1)
+    step = SimpleNamespace(records=[OpRecord("update", "add_", "stream", 500, 500)],
+                           collectives=[reduce, sc.Collective("comm", "all_to_all", 50, 50)])
+    p = sc.priced(step, rates, 4, 1000.0, 0.1)
+    assert p["op_work_s"] == pytest.approx(0.1) and p["op_fixed_s"] == pytest.approx(0.01)
+    assert p["other_s"] == pytest.approx(0.11) and p["direction_s"] == 0
+    assert p["latency_s"] == pytest.approx(0.2) and p["wire_s"] == pytest.approx(0.65)
+    assert p["total_s"] == pytest.approx(0.1 + 0.01 + 0.2 + 0.65) and p["sent"] == 450
+
+
+def test_a_second_process_group_is_refused():
+    from dit_train.parallel.memory_estimate import init_fake_process_group
+    import torch.distributed as dist
+
+    init_fake_process_group(2)
+    try:
+        with pytest.raises(RuntimeError, match="already initialised"):
+            sc.count_sharded_steps(None, {"name": "muon"}, 2)
+    finally:
+        dist.destroy_process_group()
