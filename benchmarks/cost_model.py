@@ -38,7 +38,8 @@ from dit_train.optim.collectives import shard_rows
 from dit_train.optim.directions import ns5_executed_flops
 from dit_train.optim.owner_exchange import plan_exchanges
 from benchmarks.model_owner_schedule import Net, gather_schedule, owner_schedule, simulate
-from benchmarks.op_cost import OpRates, count_step, host_op_rates, measure_fused_rate, measure_op_rates, seconds
+from benchmarks.op_cost import (OpRates, count_step, host_op_rates, measure_fused_rate, measure_op_rates,
+                                median_seconds, seconds)
 
 PAPER_PRESETS = ("dit_1b3", "dit_4b", "dit_9b", "dit_15b")
 PAPER_WORLDS = (8, 16, 32)
@@ -344,19 +345,6 @@ def describe_prediction(model_cfg, optimizer_cfg, world: int, images_per_rank: i
 
 
 # ---- this host as a hardware profile ---------------------------------------------------------------------------
-def _median_seconds(fn, repeats: int = 5) -> float:
-    import statistics
-    import time
-
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 NS5_SIDES = (128, 256, 512, 1024)  # short sides at which the host's NS5 GEMM rate is measured
 
 
@@ -372,14 +360,14 @@ def measure_compute(threads: int) -> dict:
     for r in NS5_SIDES:
         B, c = 8, 4 * r
         X, A = torch.randn(B, r, c).bfloat16(), torch.randn(B, r, r).bfloat16()
-        seconds = _median_seconds(lambda: (torch.bmm(X, X.mT), torch.bmm(A, A), torch.bmm(A, X)))
+        seconds = median_seconds(lambda: (torch.bmm(X, X.mT), torch.bmm(A, A), torch.bmm(A, X)))
         rates.append([r, B * (4 * r * r * c + 2 * r ** 3) / seconds])
     params = [torch.zeros(4 << 20, requires_grad=True) for _ in range(8)]
     for p in params:
         p.grad = torch.randn_like(p)
     adamw = torch.optim.AdamW(params, lr=1e-3, fused=True)
     _progress(f"{threads} thread(s): fused AdamW")
-    stream = _median_seconds(adamw.step)
+    stream = median_seconds(adamw.step)
     del params, adamw
     _progress(f"{threads} thread(s): op categories (stream, convert, reduce, matvec, dispatch, square GEMMs)")
     ops = measure_op_rates(threads)
@@ -406,9 +394,9 @@ def _gloo_rank(rank: int, world: int, port: int, queue, numel: int, work_numel: 
         inp = torch.zeros(numel)
         out = torch.empty(world * inp.numel())
         tiny = torch.zeros(1)
-        gather = _median_seconds(lambda: (dist.barrier(), dist.all_gather_into_tensor(out, inp)))
-        barrier = _median_seconds(dist.barrier)
-        latency = _median_seconds(lambda: (dist.all_reduce(tiny), dist.barrier())) - barrier
+        gather = median_seconds(lambda: (dist.barrier(), dist.all_gather_into_tensor(out, inp)))
+        barrier = median_seconds(dist.barrier)
+        latency = median_seconds(lambda: (dist.all_reduce(tiny), dist.barrier())) - barrier
         busy = _busy_latency_s(tiny, work_numel, rounds)
         if rank == 0:
             sent = (world - 1) * inp.numel() * 4  # what one rank sends (collectives.py's all-gather count)
@@ -428,8 +416,8 @@ def _busy_latency_s(tiny, work_numel: int, rounds: int) -> float:
 
     a, b = torch.randn(work_numel), torch.randn(work_numel)
     work = lambda: torch.add(a, b, out=a)  # noqa: E731
-    alone = _median_seconds(lambda: (dist.barrier(), [work() for _ in range(rounds)], dist.barrier()))
-    synced = _median_seconds(lambda: (dist.barrier(), [(work(), dist.all_reduce(tiny)) for _ in range(rounds)],
+    alone = median_seconds(lambda: (dist.barrier(), [work() for _ in range(rounds)], dist.barrier()))
+    synced = median_seconds(lambda: (dist.barrier(), [(work(), dist.all_reduce(tiny)) for _ in range(rounds)],
                                       dist.barrier()))
     return max(synced - alone, 0.0) / rounds
 

@@ -326,7 +326,8 @@ STREAM_NUMEL = 16 << 20  # 64 MB per fp32 array: far beyond the caches
 SQUARE_SIDES = (128, 256, 512, 1024)
 
 
-def _median_s(fn, repeats: int = 5) -> float:
+def median_seconds(fn, repeats: int = 5) -> float:
+    """fn's median wall time over `repeats` calls after one warm-up call."""
     fn()
     times = []
     for _ in range(repeats):
@@ -338,7 +339,7 @@ def _median_s(fn, repeats: int = 5) -> float:
 
 def _rate(cases) -> float:
     """Bytes/s over a set of (bytes, callable) run in turn: total bytes over the total of their median times."""
-    return sum(b for b, _ in cases) / sum(_median_s(fn) for _, fn in cases)
+    return sum(b for b, _ in cases) / sum(median_seconds(fn) for _, fn in cases)
 
 
 def measure_op_rates(threads: int) -> dict:
@@ -363,8 +364,8 @@ def measure_op_rates(threads: int) -> dict:
         "reduce": _rate([(4 * n, lambda: a.sum()),
                          (4 * n, lambda: torch.linalg.vector_norm(rows, dim=-1, keepdim=True))]),
         "matvec": _rate([(4 * U.numel(), lambda: torch.bmm(x, U)), (4 * U.numel(), lambda: torch.bmm(y, U.mT))]),
-        "op_s": _median_s(lambda: [small.add(other) for _ in range(calls)]) / calls,
-        "square": [[r, 8 * 2 * r ** 3 / _median_s(lambda A=torch.randn(8, r, r).bfloat16(): torch.bmm(A, A))]
+        "op_s": median_seconds(lambda: [small.add(other) for _ in range(calls)]) / calls,
+        "square": [[r, 8 * 2 * r ** 3 / median_seconds(lambda A=torch.randn(8, r, r).bfloat16(): torch.bmm(A, A))]
                    for r in SQUARE_SIDES],
     }
 
