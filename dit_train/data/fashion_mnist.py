@@ -84,3 +84,11 @@ class FashionMNIST(Dataset):
     def __getitem__(self, i):
         x = self.images[i].float().div(127.5).sub(1.0).unsqueeze(0)
         return x, int(self.labels[i])
+
+    def __getitems__(self, indices: list[int]) -> list:
+        """A batch's items, converted together (the DataLoader fetches a batch with this where it exists): the
+        values __getitem__ gives, with one indexing and one conversion per batch instead of four ops per image;
+        default_collate stacks them as before."""
+        index = torch.as_tensor(indices, dtype=torch.long)
+        x = self.images[index].float().div(127.5).sub(1.0).unsqueeze(1)
+        return list(zip(x.unbind(0), self.labels[index].tolist()))
