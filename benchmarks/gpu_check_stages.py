@@ -353,7 +353,7 @@ def sharded_step(model, ema, optimizer, scheduler, cfg, noise_of, x, y) -> None:
     read (Trainer.step_flags, whose answer is not used: the fake peers make every value arbitrary), the update,
     the EMA, zero_grad and the schedule."""
     from dit_train.diffusion.flow import velocity_loss
-    from dit_train.parallel.fsdp import all_reduce_sum_, autocast, clip_grad_norm_, clip_scaled
+    from dit_train.parallel.fsdp import all_reduce_sum_, autocast, clip_grads_, clip_scaled, global_grad_norm
     from dit_train.trainer.loop import Trainer
 
     t, eps, drop = noise_of(x)
@@ -361,9 +361,10 @@ def sharded_step(model, ema, optimizer, scheduler, cfg, noise_of, x, y) -> None:
         loss = velocity_loss(model, x, t, eps, drop_mask=drop, y=y)
     loss.backward()
     max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
-    grad_norm = clip_grad_norm_(model.parameters(), max_norm)
+    grad_norm = global_grad_norm(model.parameters())
     votes = all_reduce_sum_(torch.stack([loss.detach().float(), torch.zeros((), device=loss.device)]))
     Trainer.step_flags(torch.isfinite(votes[0]) & torch.isfinite(grad_norm), votes[1], clip_scaled(grad_norm, max_norm))
+    clip_grads_(model.parameters(), max_norm, grad_norm)  # as a clipped step does (the trainer skips it unscaled)
     optimizer.step()
     ema.update(model)
     optimizer.zero_grad(set_to_none=True)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -336,31 +335,41 @@ def weights_finite(model: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ for plain tensors; for FSDP2 shards (every gradient Shard(0) over the one
-    mesh's shard dim) the squared norms of the local shards are summed, one all-reduce over the shard group gives
-    the global norm (the replicas of an HSDP mesh hold the same gradients: summing over them would count each
-    R times), and the local shards are scaled: the same maths, one scalar of communication."""
+def global_grad_norm(parameters) -> torch.Tensor:
+    """The global L2 norm of the gradients, as torch.nn.utils.clip_grad_norm_ computes it (get_total_norm) for
+    plain tensors; for FSDP2 shards (every gradient Shard(0) over the one mesh's shard dim) the squared norms of
+    the local shards are summed and one all-reduce over the shard group gives the global norm (the replicas of an
+    HSDP mesh hold the same gradients: summing over them would count each R times): one scalar of communication."""
     from torch.distributed.tensor import DTensor
 
     params = [p for p in parameters if p.grad is not None]
     if not any(isinstance(p.grad, DTensor) for p in params):
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    grads = [p.grad.to_local() for p in params]
-    if not grads:
-        return torch.zeros(())
-    norms = torch._foreach_norm(grads)
+        return torch.nn.utils.get_total_norm([p.grad for p in params])
+    norms = torch._foreach_norm([p.grad.to_local() for p in params])
     sq = torch.stack([n.float() for n in norms]).pow(2).sum()
     dist.all_reduce(sq, group=shard_group(params[0].grad))
-    total = sq.sqrt()
-    if math.isfinite(max_norm):
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
-    return total
+    return sq.sqrt()
+
+
+@torch.no_grad()
+def clip_grads_(parameters, max_norm: float, total: torch.Tensor) -> None:
+    """Scale the gradients as torch.nn.utils.clip_grad_norm_ does, by min(1, max_norm / (total + 1e-6)) with
+    `total` from global_grad_norm (FSDP2: the local shards). The trainer calls it only where clip_scaled said the factor
+    is below 1: a factor of exactly 1 leaves every gradient bit for bit as it was, so that pass over the gradients
+    (a read and a write of each) is skipped, not run."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in parameters if p.grad is not None]
+    if not any(isinstance(p.grad, DTensor) for p in params):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return
+    grads = [p.grad.to_local() for p in params]
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_(grads, coef.to(grads[0].dtype))
 
 
 def clip_scaled(total: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """Whether clip_grad_norm_ changed the gradients (a device bool): its factor, as it computes it, below 1.
+    """Whether clipping changes the gradients (a device bool): clip_grads_' factor, as it computes it, below 1.
     A factor of exactly 1 leaves every gradient bit for bit as it was."""
     return (max_norm / (total + 1e-6)) < 1.0
 

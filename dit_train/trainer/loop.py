@@ -34,8 +34,8 @@ from dit_train.telemetry.metrics import Throughput, read_summary, write_summary
 from dit_train.model.dit import count_parameters
 from dit_train.optim.fused_rownorm import check_buildable
 from dit_train.optim.hooks import hooks_of
-from dit_train.parallel.fsdp import (DistInfo, all_reduce_sum_, autocast, barrier, clip_grad_norm_, clip_scaled, collective_timeouts,
-                       init_distributed, resolve_plan, shutdown_process_group, wants_fsdp, weights_finite)
+from dit_train.parallel.fsdp import (DistInfo, all_reduce_sum_, autocast, barrier, clip_grads_, clip_scaled, collective_timeouts,
+                       global_grad_norm, init_distributed, resolve_plan, shutdown_process_group, wants_fsdp, weights_finite)
 from dit_train.trainer.preemption import Preemption
 from dit_train.runs.resume_policy import resume_candidates
 from dit_train.runs.folder import prepare_run_folder
@@ -164,7 +164,7 @@ class Trainer:
         t, eps, drop = self.global_batch_noise(x)
         loss = self.forward_backward(x, t, eps, drop, cond)
         max_norm = self.tc.grad_clip if self.tc.grad_clip > 0 else float("inf")
-        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = global_grad_norm(self.model.parameters())
         # the global-batch loss and the ranks' stop votes in one all-reduce
         # (the vote is filled on the device: torch.tensor(vote, device=cuda) would be a blocking copy, a sync)
         votes = all_reduce_sum_(torch.stack([loss.float(),
@@ -175,6 +175,8 @@ class Trainer:
         self.preemption.agree(stop_votes)
         self.hooks.gradients_scaled(scaled)  # an exchange started in backward holds only for unscaled gradients
         if finite:
+            if scaled:  # clipping at a factor of 1 would leave every gradient as it is: that pass is skipped
+                clip_grads_(self.model.parameters(), max_norm, grad_norm)
             with self.timer.phase("optimizer"):
                 self.optimizer.step()
             self.ema.update(self.model)

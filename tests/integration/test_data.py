@@ -38,6 +38,23 @@ def test_missing_root_says_how_to_get_it(tmp_path):
 
 
 @needs_fashion
+def test_fashion_mnist_batches_equal_the_items_one_by_one():
+    from torch.utils.data import default_collate
+
+    from dit_train.data.order import fixed_batches, train_batches
+
+    ds = build_dataset(OmegaConf.create({"name": "fashion_mnist"}), "train")
+    sampler = StepBatchSampler(len(ds), 16, seed=3, start_step=5, total_steps=7)
+    for indices, (x, y) in zip(sampler, train_batches(ds, 16, 3, 5, 7)):
+        one_by_one = default_collate([ds[i] for i in indices])
+        assert x.shape == (16, 1, 32, 32) and y.dtype == torch.long
+        assert torch.equal(x, one_by_one[0]) and torch.equal(y, one_by_one[1])
+    x, y = next(iter(fixed_batches(ds, 10, 10)))  # the validation set's Subset fetches through it too
+    assert torch.equal(x, default_collate([ds[i] for i in range(10)])[0])
+    assert torch.equal(y, default_collate([ds[i] for i in range(10)])[1])
+
+
+@needs_fashion
 def test_truncated_idx_file_names_the_file(tmp_path):
     for f in os.listdir(FASHION_ROOT):
         shutil.copy(os.path.join(FASHION_ROOT, f), tmp_path)
