@@ -267,25 +267,24 @@ def finished(run_dir: str, steps: int) -> bool:
     """A run is done when its newest complete checkpoint is at its train.steps AND its summary.json, written only
     after the end-of-run evaluation, says so (a checkpoint alone: the end-of-run work may have been stopped, and a
     rerun of the run does it; a summary alone: an extended run keeps an old one until it is overwritten)."""
-    return os.path.isdir(run_dir) and newest_step(run_dir) >= steps and _summary_steps(run_dir) >= steps
+    return (os.path.isdir(run_dir) and newest_step(run_dir) >= steps
+            and summary_steps(run_dir, fix="delete it: rerunning the run (train.resume=auto) writes it again") >= steps)
 
 
-def _summary_steps(run_dir: str) -> int:
+def summary_steps(run_dir: str, fix: str) -> int:
+    """The step count of run_dir's summary.json (written only after the end-of-run evaluation); -1 without one."""
     path = os.path.join(run_dir, "summary.json")
     if not os.path.isfile(path):
         return -1
-    summary = read_json(path, fix="delete it: rerunning the run (train.resume=auto) writes it again")
+    summary = read_json(path, fix=fix)
     return summary["steps"] if isinstance(summary, dict) and isinstance(summary.get("steps"), int) else -1
 
 
 def published(record_dir: str, steps: int) -> bool:
     """A published record (dit-publish-study: no checkpoints) is a finished run when its summary.json, written only
     after the end-of-run evaluation, is of its train.steps."""
-    path = os.path.join(record_dir, "summary.json")
-    if not os.path.isfile(path) or os.path.isdir(os.path.join(record_dir, "checkpoints")):
-        return False
-    summary = read_json(path, fix="restore it from the sweep it was published from")
-    return isinstance(summary, dict) and isinstance(summary.get("steps"), int) and summary["steps"] >= steps
+    return (not os.path.isdir(os.path.join(record_dir, "checkpoints"))
+            and summary_steps(record_dir, fix="restore it from the sweep it was published from") >= steps)
 
 
 def run_folder(sweep_dir: str, records: str | None, name: str, steps: int) -> str:

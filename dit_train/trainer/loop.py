@@ -258,11 +258,7 @@ class Trainer:
             with self.preemption:
                 self.loop()
             self.saver.wait(self.state.step)
-            summary = write_summary(self.cfg, self.state, self.throughput, self.evaluation.last_val,
-                                    count_parameters(self.model), self.train_set.dataset_id, self.dist.is_main,
-                                    self.evaluation.metric_summary(self.state))
-            self.logger.summary(summary)
-            return summary
+            return self.write_summary()
         except TrainingStopped:
             self.saver.wait(self.state.step)  # a save in flight from before the trouble holds good weights
             raise
@@ -289,13 +285,17 @@ class Trainer:
                     self.saver.wait(state.step)
                     raise self.preemption.stop(state.step, self.cfg.run_dir, skipped, True)
             self.saver.wait(state.step)
-            summary = write_summary(self.cfg, state, self.throughput, self.evaluation.last_val,
-                                    count_parameters(self.model), self.train_set.dataset_id, self.dist.is_main,
-                                    self.evaluation.metric_summary(state))
-            self.logger.summary(summary)
-            return summary
+            return self.write_summary()
         finally:
             self.logger.close()
+
+    def write_summary(self) -> dict:
+        """summary.json and the `done:` line (rank 0), and the logger's summary: the run's last act."""
+        summary = write_summary(self.cfg, self.state, self.throughput, self.evaluation.last_val,
+                                count_parameters(self.model), self.train_set.dataset_id, self.dist.is_main,
+                                self.evaluation.metric_summary(self.state))
+        self.logger.summary(summary)
+        return summary
 
     def batches(self, until: int | None = None):
         """This rank's training batches from the current step up to `until` (default train.steps)."""
