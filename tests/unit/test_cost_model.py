@@ -190,4 +190,31 @@ def test_sharded_lines_use_the_busy_latency_where_the_profile_has_it():
     idle = cm.sharded_step(shapes, "rownorm", measured, 2)
     measured["gloo"]["2"]["busy_latency_s"] = 1.0
     busy = cm.sharded_step(shapes, "rownorm", measured, 2)
-    assert busy["total_s"] - idle["total_s"] == pytest.approx(busy["collectives"] * 1.0)
+    # each of RowNorm's 4 collectives waits its busy latency (the ops that overlap the async one take microseconds)
+    assert busy["collectives"] == 4
+    assert busy["total_s"] - idle["total_s"] == pytest.approx(busy["collectives"] * 1.0, rel=1e-3)
+
+
+def test_sharded_lines_price_the_python_per_op_where_the_profile_has_it():
+    # AdamW's sharded step: 2 ops per step on every rank, no collective; the profile's Python per op is added to
+    # each, divided by the share of a core a process gets (2 processes on 2 cores: all of it)
+    measured = {"cores": 2, "compute": {"1": {"gemm_flops": 1e9, "ns5_rates": [[1, 1e9]], "memory_bytes_s": 1e9,
+                                              "ops": {"stream": 1e9, "convert": 1e9, "reduce": 1e9, "matvec": 1e9,
+                                                      "op_s": 0.0, "square": [[1, 1e9]], "fused": 1e9}}},
+                "gloo": {"2": {"link_bytes_s": 1e12, "latency_s": 0.0}}}
+    shapes = cm.model_shapes("dit_xs", 64, 2)
+    without = cm.sharded_step(shapes, "adamw", measured, 2)
+    measured["python"] = {"2": {"adamw": {"direction": 0.0, "other": 0.5}}}
+    priced = cm.sharded_step(shapes, "adamw", measured, 2)
+    assert without["ops"] == 2 and priced["total_s"] - without["total_s"] == pytest.approx(2 * 0.5)
+    assert cm.step_kinds(cm.Optim("periodic_rowwise", 3, mode="gather"), 4) == ["refresh gather", "rownorm",
+                                                                                 "rownorm", "refresh gather"]
+
+
+def test_the_python_per_op_of_the_sharded_step_is_measured_per_class():
+    # the shrunk step of a tiny model: that both classes are measured and sane, not their values (loaded host)
+    from benchmarks.sharded_python import python_per_op
+    from dit_train.model.dit import load_preset
+
+    rates = python_per_op(load_preset("dit_xs", 64, 2), {"name": "muon", "distributed_mode": "owner"}, 2, repeats=1)
+    assert set(rates) == {"direction", "other"} and all(0 < v < 1e-2 for v in rates.values())
