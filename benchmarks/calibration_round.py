@@ -64,7 +64,8 @@ def stages(args, folder: str) -> list[tuple[str, list[str]]]:
                                    os.path.join(folder, FILES["measure-host"])]),
             ("bench_distributed", py + ["benchmarks.bench_distributed"]
              + (TINY_DISTRIBUTED if args.tiny else BENCH_DISTRIBUTED)),
-            ("bench_optimizer", py + ["benchmarks.bench_optimizer"] + (TINY_OPTIMIZER if args.tiny else BENCH_OPTIMIZER))]
+            ("bench_optimizer", py + ["benchmarks.bench_optimizer"]
+             + (TINY_OPTIMIZER if args.tiny else BENCH_OPTIMIZER))]
 
 
 def say(what: str) -> None:

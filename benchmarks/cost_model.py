@@ -783,8 +783,8 @@ def main(argv=None) -> int:
             print("\nwhere the time goes (bench_optimizer's phases line, counted at this profile's rates):\n")
             print(phase_table(phase_rows(measured, logs[0])))
         if logs[1]:
-            print("\nwhere rank 0's distributed step goes (counted on a fake process group, at this profile's "
-                  "rates):\n")
+            print("\nwhere the distributed step goes (every rank counted on a fake process group and replayed with "
+                  "the code's overlap, at this profile's rates; each column the slowest rank's):\n")
             print(sharded_table(measured, logs[1]))
         return 0
     print(paper_table(PROFILES[args.hardware], args.presets, args.worlds, args.mode))

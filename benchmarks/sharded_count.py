@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import torch
 
-from benchmarks.op_cost import OpCounter, OpRates, seconds
+from benchmarks.op_cost import OpCounter
 
 CYCLE = 3  # bench_distributed's steps per repetition (one periodic_rowwise K=3 cycle)
 BENCH_BASE = {"lr": 1e-6, "weight_decay": 0.01}  # bench_distributed's hyperparameters
