@@ -12,8 +12,10 @@ i.e. seconds of Python per op. Classes: "direction" (the direction stage: its op
 and "other" (momentum, update, AdamW and the step's Python outside the phases). Thread CPU time: a loaded machine
 does not inflate it, but a process sharing a core gets only its share of it (cost_model.host_profile divides).
 
-What the shrunk model changes: matrices of one shrunk shape merge into one group when full-size shapes that differ
-only by a fixed dimension (the patch embedding's) shrink to the same one: one exchange or bucket fewer at most.
+What the shrunk model changes: a dimension that does not scale with the width (the timestep MLP's 256 frequencies,
+the patch embedding's inputs) can split or merge shape groups: dit_m width 256 has 23 matrices in 6 shape groups,
+shrunk to 16 in 7 (the timestep MLP's 256 x 256 input layer no longer has the width's shape), i.e. an exchange or
+a bucket more or fewer; the rate is per op, so the structure's Python is carried over, not its op count.
 """
 
 from __future__ import annotations
