@@ -53,3 +53,20 @@ def test_bad_arguments_are_one_line_errors_and_write_nothing(tmp_path, args, mes
 def test_an_existing_out_folder_is_refused(tmp_path):
     proc = run("--out", str(tmp_path))
     assert proc.returncode == 2 and "exists" in proc.stderr
+
+
+def test_a_full_rounds_commands_are_the_docs_and_their_programs_accept_them(monkeypatch):
+    import shlex
+    from types import SimpleNamespace
+
+    from benchmarks import bench_distributed, bench_optimizer, calibration_round, cost_model
+
+    stages = dict(calibration_round.stages(SimpleNamespace(tiny=False), "round_1"))
+    assert cost_model.parse(stages["measure-host"][3:]).measure_host
+    assert bench_distributed.parse(stages["bench_distributed"][3:]).nproc == [2, 4]
+    monkeypatch.setattr(sys, "argv", ["bench_optimizer", *stages["bench_optimizer"][3:]])
+    assert bench_optimizer.parse().quick
+    text = open(os.path.join(ROOT, "docs", "cost_model.md")).read().replace("\\\n", " ")
+    documented = [shlex.split(line.strip()) for line in text.splitlines() if line.startswith("    python -m ")]
+    for stage in ("bench_distributed", "bench_optimizer"):
+        assert ["python", *stages[stage][1:]] in documented, stage
