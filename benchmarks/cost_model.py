@@ -40,6 +40,7 @@ from dit_train.optim.owner_exchange import plan_exchanges
 from benchmarks.model_owner_schedule import Net, gather_schedule, owner_schedule, simulate
 from benchmarks.op_cost import (OpRates, count_step, host_op_rates, measure_fused_rate, measure_op_rates,
                                 median_seconds, seconds)
+from benchmarks.sharded_python import measure_python
 
 PAPER_PRESETS = ("dit_1b3", "dit_4b", "dit_9b", "dit_15b")
 PAPER_WORLDS = (8, 16, 32)
@@ -445,11 +446,14 @@ def measure_host(worlds=(2, 4)) -> dict:
     cores = os.cpu_count() or 1
     threads = sorted({1, cores})
     compute = {str(t): measure_compute(t) for t in threads}
-    gloo = {}
+    gloo, python = {}, {}
     for w in worlds:
         _progress(f"gloo between {w} processes")
         gloo[str(w)] = measure_gloo(w)
-    return {"cores": cores, "compute": compute, "gloo": gloo, "load_average": list(os.getloadavg())}
+        _progress(f"Python per op of the sharded step, rank 0 of {w} (shrunk model)")
+        python[str(w)] = measure_python(w)
+    return {"cores": cores, "compute": compute, "gloo": gloo, "python": python,
+            "load_average": list(os.getloadavg())}
 
 
 def host_profile(measured: dict, processes: int = 1) -> Hardware:
@@ -605,20 +609,50 @@ def calibration_rows(measured: dict, optimizer_log: str | None, distributed_log:
 _SHARDED: dict = {}
 
 
-def sharded_step(shapes: Shapes, label: str, measured: dict, procs: int) -> dict:
-    """bench_distributed's contender `label` counted on rank 0 of a fake group of `procs`
-    (sharded_count.count_sharded_steps, cached) and priced at this host's profile for `procs` processes: ops at
-    a process's share of the cores, collectives at the gloo latency and bandwidth of `procs` processes."""
+def sharded_cycle(shapes: Shapes, label: str, procs: int) -> list[list]:
+    """bench_distributed's contender `label` counted on every rank of a fake group of `procs`
+    (sharded_count.count_sharded_steps, cached): cycle[k][r] is step k on rank r."""
     from benchmarks.bench_distributed import CONTENDERS
-    from benchmarks.sharded_count import count_sharded_steps, mean_priced
+    from benchmarks.sharded_count import count_sharded_steps
 
     key = (shapes, label, procs)
     if key not in _SHARDED:
-        _SHARDED[key] = count_sharded_steps(shapes.model, CONTENDERS[label], procs)
+        ranks = [count_sharded_steps(shapes.model, CONTENDERS[label], procs, rank=r) for r in range(procs)]
+        _SHARDED[key] = [list(step) for step in zip(*ranks, strict=True)]
+    return _SHARDED[key]
+
+
+def step_kinds(opt: Optim, steps: int) -> list[str]:
+    """The kinds of sharded_python's rates of `steps` consecutive steps from a cycle's start."""
+    kinds = [k if k != "refresh" else f"refresh {opt.mode}" for k in opt.steps()]
+    return [kinds[i % len(kinds)] for i in range(steps)]
+
+
+def python_rates(measured: dict, procs: int) -> dict | None:
+    """{step kind: {class: seconds of Python per op}} of a process of `procs` (measured on one thread, divided by
+    the share of a core it gets, as host_profile shares the op rates), or None where the profile has none."""
+    python = measured.get("python", {}).get(str(procs))
+    if python is None:
+        return None
+    cores = measured["cores"]
+    share = min(1.0, cores / (procs * max(1, cores // procs)))
+    return {kind: {cls: v / share for cls, v in rates.items()} for kind, rates in python.items()}
+
+
+def sharded_step(shapes: Shapes, label: str, measured: dict, procs: int) -> dict:
+    """bench_distributed's contender `label` on `procs` processes of this host: every rank's counted step replayed
+    with the overlap the code has (sharded_schedule), ops at a process's share of the cores plus the Python per
+    op where the profile has it, collectives at the gloo latency between busy processes where the profile has it
+    (else between idle ones) and its bandwidth; the slowest rank's step, averaged over the cycle."""
+    from benchmarks.sharded_schedule import mean_scheduled
+
+    cycle = sharded_cycle(shapes, label, procs)
     gloo = measured["gloo"][str(procs)]
-    # a collective between busy processes where the profile has it (measured since this model); else idle ones'
     latency = gloo.get("busy_latency_s", gloo["latency_s"])
-    return mean_priced(_SHARDED[key], host_profile(measured, procs).op_rates(), procs, gloo["link_bytes_s"], latency)
+    python = python_rates(measured, procs)
+    per_step = [python[k] for k in step_kinds(BENCH_DISTRIBUTED_ROWS[label], len(cycle))] if python else None
+    return mean_scheduled(cycle, host_profile(measured, procs).op_rates(), procs, gloo["link_bytes_s"], latency,
+                          per_step)
 
 
 def calibration_table(rows: list[tuple]) -> str:
@@ -635,12 +669,14 @@ def calibration_table(rows: list[tuple]) -> str:
 
 
 def sharded_table(measured: dict, distributed_log: str) -> str:
-    """Where rank 0's counted step goes, per bench_distributed line and phase, against the log's phases (slowest
-    rank): the direction phase's ops, the collectives (latency + wire) against the exposed wait on them, the other
-    ops (momentum, update, AdamW) against the wall time less both."""
-    lines = ["| processes | line | ops | collectives | direction: counted / measured | collectives: counted / "
-             "exposed wait | other ops: counted / rest of the wall | step: predicted / measured |",
-             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    """Where the counted step goes, per bench_distributed line and phase, against the log's phases (each the
+    slowest rank's): the direction phase's ops (with their Python), the waits on collectives the schedule leaves
+    exposed against the exposed wait measured, the other ops (momentum, update, AdamW) against the wall time less
+    both."""
+    lines = ["| processes | line | ops (rank 0) | collectives | Python priced | direction: predicted / measured | "
+             "exposed wait: predicted / measured | collectives run (latency + wire) | other ops: predicted / rest "
+             "of the wall | step: predicted / measured |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     ms = lambda a, b: f"{a * 1e3:.1f} / {b * 1e3:.1f} ms"  # noqa: E731
     logged = parse_distributed_phases(distributed_log)
     for procs, ((preset, width, depth), found) in parse_bench_distributed(distributed_log).items():
@@ -649,7 +685,8 @@ def sharded_table(measured: dict, distributed_log: str) -> str:
             p = sharded_step(shapes, label, measured, procs)
             comm, direction = logged[procs][label]
             lines.append(f"| {procs} | {label} | {p['ops']:.0f} | {p['collectives']:.1f} | "
-                         f"{ms(p['direction_s'], direction)} | {ms(p['latency_s'] + p['wire_s'], comm)} | "
+                         f"{p['python_s'] * 1e3:.1f} ms | {ms(p['direction_s'], direction)} | "
+                         f"{ms(p['exposed_s'], comm)} | {(p['latency_s'] + p['wire_s']) * 1e3:.1f} ms | "
                          f"{ms(p['other_s'], sec - comm - direction)} | {ms(p['total_s'], sec)} |")
     return "\n".join(lines)
 
@@ -746,8 +783,8 @@ def main(argv=None) -> int:
             print("\nwhere the time goes (bench_optimizer's phases line, counted at this profile's rates):\n")
             print(phase_table(phase_rows(measured, logs[0])))
         if logs[1]:
-            print("\nwhere rank 0's distributed step goes (counted on a fake process group, at this profile's "
-                  "rates):\n")
+            print("\nwhere the distributed step goes (every rank counted on a fake process group and replayed with "
+                  "the code's overlap, at this profile's rates; each column the slowest rank's):\n")
             print(sharded_table(measured, logs[1]))
         return 0
     print(paper_table(PROFILES[args.hardware], args.presets, args.worlds, args.mode))

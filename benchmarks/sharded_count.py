@@ -1,21 +1,16 @@
-"""What rank 0 of W dispatches in the sharded optimizer steps benchmarks/bench_distributed.py times, and what they
-cost on this host (docs/cost_model.md, "Calibration on this host"): the distributed half of the counted model.
+"""What each rank of W dispatches in the sharded optimizer steps benchmarks/bench_distributed.py times, in order
+(docs/cost_model.md, "Calibration on this host"): the distributed half of the counted model.
 
-Counting: bench_distributed's setup on fake tensors under a fake process group of W ranks, this process rank 0 (the
-largest dim-0 shards): the model built on meta and sharded by apply_fsdp (every block, then the root), a gradient
-on every parameter, build_optimizer with the contender's config (lr 1e-6, weight decay 0.01). One cycle of
+Counting: bench_distributed's setup on fake tensors under a fake process group of W ranks, this process rank r
+(count_sharded_steps' `rank`): the model built on meta and sharded by apply_fsdp (every block, then the root), a
+gradient on every parameter, build_optimizer with the contender's config (lr 1e-6, weight decay 0.01). One cycle of
 CYCLE steps makes the state and workspaces; the next CYCLE steps are counted, each under an op_cost.OpCounter:
 every dispatched op an OpRecord (packing, unpacking, the per-matrix ops on the local rows, the owner's NS5), and
 every collective (c10d) a Collective with the bytes this rank sends under the optimizer's own rules
 (optim/collectives.py: an all-reduce its tensor, an all-gather (W - 1) x its input, an all-to-all what goes to
 other ranks). The optimizer's own count (ShardComm's timer.add_bytes) is kept beside it (`accounted`), so the two
-can be compared (tests/unit/test_sharded_count.py).
-
-Pricing: each op at op_cost's rates for a process's share of the cores (cost_model.host_profile); each
-collective at the gloo profile of W processes: its latency + the bytes a rank puts on the wire / the measured
-bandwidth (a ring all-reduce sends 2 (W - 1) / W of its tensor; an all-gather or all-to-all what it sends).
-A step's time is rank 0's; bench_distributed reports the slowest rank's (owner mode's ranks own different NS5
-work): not modelled.
+can be compared (tests/unit/test_sharded_count.py). The order of ops, issues and waits (`events`) is what
+benchmarks/sharded_schedule.py replays to price the step with the overlap the code has.
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ from types import SimpleNamespace
 
 import torch
 
-from benchmarks.op_cost import OpCounter, OpRates, seconds
+from benchmarks.op_cost import OpCounter
 
 CYCLE = 3  # bench_distributed's steps per repetition (one periodic_rowwise K=3 cycle)
 BENCH_BASE = {"lr": 1e-6, "weight_decay": 0.01}  # bench_distributed's hyperparameters
@@ -62,24 +57,34 @@ def collective_of(phase: str, name: str, args, world: int, rank: int = 0) -> Col
 
 
 class ShardedCounter(OpCounter):
-    """An OpCounter that keeps collectives apart (`collectives`), with the bytes rank 0 of `world` sends."""
+    """An OpCounter that keeps collectives apart (`collectives`, with the bytes `rank` of `world` sends) and the
+    order of everything (`events`): ("op", OpRecord), ("issue", i) of collectives[i], ("wait", i) where the
+    optimizer waits for it (handles_tracked) or, for a blocking collective, right after its issue."""
 
-    def __init__(self, world: int, **kwargs):
+    def __init__(self, world: int, rank: int = 0, **kwargs):
         super().__init__(**kwargs)
-        self.world = world
+        self.world, self.rank = world, rank
         self.collectives: list[Collective] = []
+        self.events: list[tuple] = []
+        self.waited_later: set[int] = set()  # collectives whose handle the optimizer waits for later
 
     def reset(self) -> None:
         super().reset()
-        self.collectives = []
+        self.collectives, self.events, self.waited_later = [], [], set()
+
+    def issue(self, c: Collective) -> None:
+        self.collectives.append(c)
+        self.events.append(("issue", len(self.collectives) - 1))
 
     def _observe(self, func, args, kwargs, out) -> None:
         from benchmarks.dispatch_counter import kind_of
 
         if kind_of(func) == "collective" and self._region is None:
-            self.collectives.append(collective_of(self.current, func.__name__.split(".")[0], args, self.world))
+            self.issue(collective_of(self.current, func.__name__.split(".")[0], args, self.world, self.rank))
             return
+        before = len(self.records)
         super()._observe(func, args, kwargs, out)
+        self.events += [("op", rec) for rec in self.records[before:]]
 
 
 class _Accounting:
@@ -109,7 +114,7 @@ def empty_all_to_alls_counted(counter: ShardedCounter):
 
         def all_to_all_single(output, input, *args, **kwargs):
             if input.numel() == 0:
-                counter.collectives.append(Collective(counter.current, "all_to_all", 0, 0))
+                counter.issue(Collective(counter.current, "all_to_all", 0, 0))
             return skipping(output, input, *args, **kwargs)
 
         dist.all_to_all_single = all_to_all_single
@@ -119,10 +124,54 @@ def empty_all_to_alls_counted(counter: ShardedCounter):
             dist.all_to_all_single = skipping
 
 
-def count_sharded_steps(model_cfg, optimizer: dict, world: int, steps: int = CYCLE) -> list[SimpleNamespace]:
-    """Rank 0's counted steps (after one warm-up cycle) of build_optimizer(model, BENCH_BASE + optimizer) on
+@contextlib.contextmanager
+def handles_tracked(counter: ShardedCounter):
+    """ShardComm's asynchronous collectives (all_reduce, all_gather, all_to_all) remember which counted collective
+    their handle is, and ShardComm.wait records ("wait", i) for it; a collective issued otherwise (all_reduce_)
+    blocks, and its wait is placed right after its issue."""
+    from dit_train.optim.collectives import ShardComm
+
+    real = {name: getattr(ShardComm, name) for name in ("all_reduce", "all_gather", "all_to_all", "wait")}
+    handles: dict[int, int] = {}
+
+    def started(name):
+        def call(self, *args, **kwargs):
+            work = real[name](self, *args, **kwargs)
+            handles[id(work)] = len(counter.collectives) - 1
+            counter.waited_later.add(len(counter.collectives) - 1)
+            return work
+        return call
+
+    def wait(self, work, phases):
+        counter.events.append(("wait", handles.pop(id(work))))
+        return real["wait"](self, work, phases)
+
+    for name in ("all_reduce", "all_gather", "all_to_all"):
+        setattr(ShardComm, name, started(name))
+    ShardComm.wait = wait
+    try:
+        yield
+    finally:
+        for name, fn in real.items():
+            setattr(ShardComm, name, fn)
+
+
+def with_blocking_waits(events: list[tuple], waited_later: set) -> list[tuple]:
+    """The events with a wait right after the issue of every collective not waited for later (a blocking call)."""
+    out = []
+    for ev in events:
+        out.append(ev)
+        if ev[0] == "issue" and ev[1] not in waited_later:
+            out.append(("wait", ev[1]))
+    return out
+
+
+def count_sharded_steps(model_cfg, optimizer: dict, world: int, steps: int = CYCLE,
+                        rank: int = 0) -> list[SimpleNamespace]:
+    """`rank`'s counted steps (after one warm-up cycle) of build_optimizer(model, BENCH_BASE + optimizer) on
     model_cfg's model sharded over a fake group of `world`: per step SimpleNamespace(records, collectives,
-    accounted), accounted being ShardComm's own (collective, bytes) calls."""
+    accounted, events), accounted being ShardComm's own (collective, bytes) calls, events the ops, issues and
+    waits in order (ShardedCounter)."""
     import torch.distributed as dist
 
     from dit_train.model.dit import build_model
@@ -132,14 +181,14 @@ def count_sharded_steps(model_cfg, optimizer: dict, world: int, steps: int = CYC
 
     if dist.is_initialized():
         raise RuntimeError("count_sharded_steps makes its own fake process group: one is already initialised")
-    init_fake_process_group(world)
+    init_fake_process_group(world, rank)
     try:
-        counter = ShardedCounter(world, allow_non_fake_inputs=True)
+        counter = ShardedCounter(world, rank, allow_non_fake_inputs=True)
         plan = ParallelPlan(sharded=True)
         model = build_model(model_cfg, device="meta")
         apply_fsdp(model, model.blocks, plan, mesh=fsdp_mesh(plan, "cpu"))
         out = []
-        with counter, empty_all_to_alls_counted(counter), torch.no_grad():
+        with counter, empty_all_to_alls_counted(counter), handles_tracked(counter), torch.no_grad():
             model.to_empty(device="cpu")
             for p in model.parameters():
                 p.grad = torch.zeros_like(p)
@@ -155,7 +204,8 @@ def count_sharded_steps(model_cfg, optimizer: dict, world: int, steps: int = CYC
                 timer.added = []
                 opt.step()
                 out.append(SimpleNamespace(records=counter.records, collectives=counter.collectives,
-                                           accounted=timer.added))
+                                           accounted=timer.added,
+                                           events=with_blocking_waits(counter.events, counter.waited_later)))
         return out
     finally:
         dist.destroy_process_group()
@@ -166,26 +216,3 @@ def wire_seconds(c: Collective, world: int, link_bytes_s: float, latency_s: floa
     all-reduce sends 2 (W - 1) / W of its tensor)."""
     wire = 2 * (world - 1) / world * c.tensor if c.op == "all_reduce" else c.sent
     return latency_s + wire / link_bytes_s
-
-
-def priced(step: SimpleNamespace, rates: OpRates, world: int, link_bytes_s: float, latency_s: float) -> dict:
-    """Seconds of one counted step: ops (bytes/FLOPs at their category's rate), their fixed cost (op_s each),
-    the ops of the direction phase and the others (momentum, update, AdamW), collectives' latency and their
-    bytes on the wire; with the counts."""
-    ops = sum(seconds(r, rates) for r in step.records)
-    direction = sum(seconds(r, rates) for r in step.records if r.phase == "direction")
-    wire = sum(wire_seconds(c, world, link_bytes_s, 0.0) for c in step.collectives)
-    return {"ops": len(step.records), "collectives": len(step.collectives),
-            "op_work_s": ops - len(step.records) * rates.op_s, "op_fixed_s": len(step.records) * rates.op_s,
-            "direction_s": direction, "other_s": ops - direction,
-            "latency_s": len(step.collectives) * latency_s, "wire_s": wire,
-            "total_s": ops + wire + len(step.collectives) * latency_s,
-            "sent": sum(c.sent for c in step.collectives)}
-
-
-def mean_priced(steps: list[SimpleNamespace], rates: OpRates, world: int, link_bytes_s: float,
-                latency_s: float) -> dict:
-    """priced() averaged over the counted steps (bench_distributed's per-step average over one cycle)."""
-    each = [priced(s, rates, world, link_bytes_s, latency_s) for s in steps]
-    return {k: sum(e[k] for e in each) / len(each) for k in each[0]}
-

@@ -115,12 +115,12 @@ class StepTracker(FSDPMemTracker):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-def init_fake_process_group(world_size: int) -> None:
+def init_fake_process_group(world_size: int, rank: int = 0) -> None:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if not dist.is_initialized():
-        dist.init_process_group("fake", world_size=world_size, rank=0, store=FakeStore())
+        dist.init_process_group("fake", world_size=world_size, rank=rank, store=FakeStore())
 
 
 @contextlib.contextmanager

@@ -181,13 +181,52 @@ def test_gloo_profile_has_the_cost_of_a_collective_between_busy_processes():
     assert g["link_bytes_s"] > 0 and g["latency_s"] >= 0 and g["busy_latency_s"] >= 0
 
 
+def fast_profile() -> dict:
+    """A host profile of 2 cores where every op costs next to nothing and gloo has no latency: only what a test
+    adds to it shows."""
+    return {"cores": 2, "compute": {"1": {"gemm_flops": 1e9, "ns5_rates": [[1, 1e9]], "memory_bytes_s": 1e9,
+                                          "ops": {"stream": 1e9, "convert": 1e9, "reduce": 1e9, "matvec": 1e9,
+                                                  "op_s": 0.0, "square": [[1, 1e9]], "fused": 1e9}}},
+            "gloo": {"2": {"link_bytes_s": 1e12, "latency_s": 0.0}}}
+
+
 def test_sharded_lines_use_the_busy_latency_where_the_profile_has_it():
-    measured = {"cores": 2, "compute": {"1": {"gemm_flops": 1e9, "ns5_rates": [[1, 1e9]], "memory_bytes_s": 1e9,
-                                              "ops": {"stream": 1e9, "convert": 1e9, "reduce": 1e9, "matvec": 1e9,
-                                                      "op_s": 0.0, "square": [[1, 1e9]], "fused": 1e9}}},
-                "gloo": {"2": {"link_bytes_s": 1e12, "latency_s": 0.0}}}
+    measured = fast_profile()
     shapes = cm.model_shapes("dit_xs", 64, 2)
     idle = cm.sharded_step(shapes, "rownorm", measured, 2)
     measured["gloo"]["2"]["busy_latency_s"] = 1.0
     busy = cm.sharded_step(shapes, "rownorm", measured, 2)
-    assert busy["total_s"] - idle["total_s"] == pytest.approx(busy["collectives"] * 1.0)
+    # each of RowNorm's 4 collectives waits its busy latency (the ops that overlap the async one take microseconds)
+    assert busy["collectives"] == 4
+    assert busy["total_s"] - idle["total_s"] == pytest.approx(busy["collectives"] * 1.0, rel=1e-3)
+
+
+def test_sharded_lines_price_the_python_per_op_where_the_profile_has_it():
+    # AdamW's sharded step: 2 ops per step on every rank, no collective; the profile's Python per op is added to
+    # each, divided by the share of a core a process gets (2 processes on 2 cores: all of it)
+    measured = fast_profile()
+    shapes = cm.model_shapes("dit_xs", 64, 2)
+    without = cm.sharded_step(shapes, "adamw", measured, 2)
+    measured["python"] = {"2": {"adamw": {"direction": 0.0, "other": 0.5}}}
+    priced = cm.sharded_step(shapes, "adamw", measured, 2)
+    assert without["ops"] == 2 and priced["total_s"] - without["total_s"] == pytest.approx(2 * 0.5)
+    assert cm.step_kinds(cm.Optim("periodic_rowwise", 3, mode="gather"), 4) == ["refresh gather", "rownorm",
+                                                                                 "rownorm", "refresh gather"]
+
+
+def test_the_python_per_op_of_the_sharded_step_is_measured_per_class():
+    # the shrunk step of a tiny model: that both classes are measured and sane, not their values (loaded host)
+    from benchmarks.sharded_python import python_per_op
+    from dit_train.model.dit import load_preset
+
+    rates = python_per_op(load_preset("dit_xs", 64, 2), {"name": "muon", "distributed_mode": "owner"}, 2, repeats=1)
+    assert set(rates) == {"direction", "other"} and all(0 < v < 1e-2 for v in rates.values())
+
+
+def test_every_rank_is_counted_and_owner_modes_ranks_differ():
+    # owner mode gives each rank its own matrices: rank 1 of 2 dispatches other ops than rank 0 (on dit_xs, more
+    # NS5), so counting rank 0 alone would not give the slowest rank that bench_distributed reports
+    cycle = cm.sharded_cycle(cm.model_shapes("dit_xs", 64, 2), "muon-owner", 2)
+    assert [len(step) for step in cycle] == [2, 2, 2]
+    flops = [sum(rec.flops for rec in rank.records) for rank in cycle[0]]
+    assert flops[0] != flops[1]

@@ -1,16 +1,14 @@
-"""benchmarks/sharded_count.py: the collectives counted on rank 0 of a fake 2-rank group against the optimizer's own
-accounting (ShardComm's timer.add_bytes) and the cost model's byte rules, and a collective priced by hand."""
+"""benchmarks/sharded_count.py: the collectives counted on a rank of a fake 2-rank group against the optimizer's own
+accounting (ShardComm's timer.add_bytes) and the cost model's byte rules, the order of issues and waits the
+schedule replays, and a collective priced by hand."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from benchmarks import cost_model as cm
 from benchmarks import sharded_count as sc
-from benchmarks.op_cost import OpRates, OpRecord
 
 CONFIGS = {"muon gather": ({"name": "muon", "distributed_mode": "gather"}, "gather", ["refresh"] * 3),
            "muon owner": ({"name": "muon", "distributed_mode": "owner"}, "owner", ["refresh"] * 3),
@@ -55,15 +53,39 @@ def test_collectives_counted_and_priced_by_hand():
     # a 400 B all-reduce on 4 ranks: a ring puts 2 x 3/4 x 400 = 600 B on the wire; at 1000 B/s + 0.1 s latency
     reduce = sc.Collective("direction", "all_reduce", 400, 400)
     assert sc.wire_seconds(reduce, 4, 1000.0, 0.1) == pytest.approx(0.7)
-    # one step: a 1000 B stream op (at 1e4 B/s + 0.01 s fixed), that all-reduce, a 50 B all-to-all (sent as is)
-    rates = OpRates(stream=1e4, convert=1, reduce=1, matvec=1, op_s=0.01, adamw=1, fused=1)
-    step = SimpleNamespace(records=[OpRecord("update", "add_", "stream", 500, 500)],
-                           collectives=[reduce, sc.Collective("comm", "all_to_all", 50, 50)])
-    p = sc.priced(step, rates, 4, 1000.0, 0.1)
-    assert p["op_work_s"] == pytest.approx(0.1) and p["op_fixed_s"] == pytest.approx(0.01)
-    assert p["other_s"] == pytest.approx(0.11) and p["direction_s"] == 0
-    assert p["latency_s"] == pytest.approx(0.2) and p["wire_s"] == pytest.approx(0.65)
-    assert p["total_s"] == pytest.approx(0.1 + 0.01 + 0.2 + 0.65) and p["sent"] == 450
+
+
+def test_every_collective_is_issued_once_and_waited_for_once_after_its_issue(counted):
+    for label, steps in counted.items():
+        for step in steps:
+            issued = [i for kind, i in step.events if kind == "issue"]
+            waited = [i for kind, i in step.events if kind == "wait"]
+            assert issued == list(range(len(step.collectives))), label
+            assert sorted(waited) == issued, label
+            at = {ev: n for n, ev in enumerate(step.events) if ev[0] != "op"}
+            assert all(at[("issue", i)] < at[("wait", i)] for i in issued), label
+            assert [ev[1] for ev in step.events if ev[0] == "op"] == step.records, label
+
+
+def test_owner_mode_has_its_inbound_exchanges_in_flight_while_it_computes(counted):
+    from dit_train.optim.owner_exchange import IN_FLIGHT
+
+    events = counted["muon owner"][0].events
+    first_wait = next(n for n, ev in enumerate(events) if ev[0] == "wait")
+    assert [ev for ev in events[:first_wait] if ev[0] == "issue"] == [("issue", i) for i in range(IN_FLIGHT)]
+    # NS5 (the owner's bmm's) runs between the first wait and the last: while later exchanges are in flight
+    last_wait = max(n for n, ev in enumerate(events) if ev[0] == "wait")
+    assert any(ev[0] == "op" and ev[1].op in ("bmm", "baddbmm") for ev in events[first_wait:last_wait])
+
+
+def test_another_rank_is_counted_with_its_own_bytes_and_ownership():
+    from dit_train.model.dit import load_preset
+
+    cfg, shapes = load_preset("dit_xs", 64, 2), cm.model_shapes("dit_xs", 64, 2)
+    rank1 = sc.count_sharded_steps(cfg, {"name": "muon", "distributed_mode": "owner"}, 2, steps=1, rank=1)[0]
+    assert sum(c.sent for c in rank1.collectives) == sum(cm.rank_bytes(shapes, "refresh", "spectral", "owner", 2,
+                                                                        1).values())
+    assert [(c.op, c.sent) for c in rank1.collectives] == rank1.accounted
 
 
 def test_a_second_process_group_is_refused():

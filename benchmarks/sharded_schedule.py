@@ -1,0 +1,115 @@
+"""The time of one counted sharded optimizer step on W processes of this host (docs/cost_model.md, "Calibration on
+this host"): every rank's counted ops, collective issues and waits (benchmarks/sharded_count.py) replayed in the
+order the optimizer runs them, so that what overlaps in the code overlaps here and what waits, waits.
+
+The schedule (the semantics of model_owner_schedule's simulator, on counted programs):
+- a rank runs its ops one after the other (each at its priced seconds: op_cost's rates plus, where the profile has
+  it, the Python the sharded step spends per op of its phase, sharded_python.py);
+- a collective starts once every rank has issued it and the previous collective has finished (one at a time, in
+  issue order, as ShardComm issues them on one process group), and lasts its latency + the busiest rank's bytes on
+  the wire; while it runs, the ranks go on with the ops issued after it (async_op: owner mode's inbound
+  all-to-alls in flight during NS5, gather mode's next bucket, RowNorm's column sums);
+- a wait blocks its rank until that collective has finished (a blocking all_reduce_ waits right after its issue).
+A step starts on every rank at once (bench_distributed's barrier) and lasts until its slowest rank is done, which is
+what bench_distributed reports (its phases are each the slowest rank's too).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from benchmarks.op_cost import OpRates, seconds
+from benchmarks.sharded_count import wire_seconds
+
+DIRECTION_PHASES = ("direction", "comm")  # the direction stage: its ops and the waits inside it
+
+
+def simulate(programs: list[list[tuple]], durations: list[float]) -> list[dict]:
+    """programs[r]: rank r's events in order, ("op", seconds, phase), ("issue", c) or ("wait", c), every rank
+    issuing the same collectives in the same order; durations[c]: seconds of collective c. Returns per rank
+    {"end": when it is done, "waited": seconds blocked in waits, "phases": {phase: seconds of its ops}}."""
+    w, n = len(programs), len(durations)
+    issued = [[None] * n for _ in range(w)]
+    end: list[float | None] = [None] * n
+    clock, waited, pos = [0.0] * w, [0.0] * w, [0] * w
+    phases: list[dict] = [{} for _ in range(w)]
+    comm_free, next_coll = 0.0, 0
+    progress = True
+    while progress:
+        progress = False
+        for r, prog in enumerate(programs):  # each rank until it waits for a collective not yet timed
+            while pos[r] < len(prog):
+                ev = prog[pos[r]]
+                if ev[0] == "op":
+                    clock[r] += ev[1]
+                    phases[r][ev[2]] = phases[r].get(ev[2], 0.0) + ev[1]
+                elif ev[0] == "issue":
+                    issued[r][ev[1]] = clock[r]
+                else:
+                    if end[ev[1]] is None:
+                        break
+                    waited[r] += max(0.0, end[ev[1]] - clock[r])
+                    clock[r] = max(clock[r], end[ev[1]])
+                pos[r] += 1
+                progress = True
+        while next_coll < n and all(issued[r][next_coll] is not None for r in range(w)):
+            start = max([comm_free] + [issued[r][next_coll] for r in range(w)])
+            end[next_coll] = comm_free = start + durations[next_coll]
+            next_coll += 1
+            progress = True
+    if any(p < len(prog) for p, prog in zip(pos, programs)):
+        raise RuntimeError("the ranks' programs deadlock: they do not issue the same collectives in one order")
+    return [{"end": clock[r], "waited": waited[r], "phases": phases[r]} for r in range(w)]
+
+
+def program(step: SimpleNamespace, rates: OpRates, python: dict | None) -> list[tuple]:
+    """A counted step's events with each op priced: op_cost's seconds + the Python per op of its phase class
+    (python {"direction": s, "other": s}, or None where the profile has not measured it)."""
+    out = []
+    for ev in step.events:
+        if ev[0] != "op":
+            out.append(ev)
+            continue
+        rec = ev[1]
+        cls = "direction" if rec.phase in DIRECTION_PHASES else "other"
+        out.append(("op", seconds(rec, rates) + (python[cls] if python else 0.0), cls))
+    return out
+
+
+def scheduled(ranks: list[SimpleNamespace], rates: OpRates, world: int, link_bytes_s: float, latency_s: float,
+              python: dict | None = None) -> dict:
+    """One step counted on every rank (ranks[r]: rank r's SimpleNamespace of sharded_count) on W processes: the
+    slowest rank's end (`total_s`, the step), the most any rank blocked in waits (`exposed_s`, bench_distributed's
+    exposed comm), the most direction time (`direction_s`), the collectives' latency and wire seconds (each
+    once, as they run one at a time), the Python priced, and the counts of rank 0."""
+    counts = {len(r.collectives) for r in ranks}
+    if len(counts) != 1:
+        raise RuntimeError(f"the ranks issue different numbers of collectives: {sorted(counts)}")
+    n = counts.pop()
+    wire = [max(wire_seconds(r.collectives[c], world, link_bytes_s, 0.0) for r in ranks) for c in range(n)]
+    done = simulate([program(r, rates, python) for r in ranks], [latency_s + x for x in wire])
+    ops = [sum(d["phases"].values()) for d in done]
+    return {"ops": len(ranks[0].records), "collectives": n, "total_s": max(d["end"] for d in done),
+            "exposed_s": max(d["waited"] for d in done),
+            "direction_s": max(d["phases"].get("direction", 0.0) for d in done),
+            "other_s": max(d["phases"].get("other", 0.0) for d in done), "ops_s": max(ops),
+            "python_s": python_seconds(ranks, python),
+            "latency_s": n * latency_s, "wire_s": sum(wire), "sent": sum(c.sent for c in ranks[0].collectives)}
+
+
+def python_seconds(ranks: list[SimpleNamespace], python: dict | None) -> float:
+    """The most Python any rank's step is priced with."""
+    if not python:
+        return 0.0
+    return max(sum(python["direction" if rec.phase in DIRECTION_PHASES else "other"] for rec in r.records)
+               for r in ranks)
+
+
+def mean_scheduled(cycle: list[list[SimpleNamespace]], rates: OpRates, world: int, link_bytes_s: float,
+                   latency_s: float, python: list[dict | None] | None = None) -> dict:
+    """scheduled() averaged over the counted steps of a cycle (cycle[k][r]: step k on rank r; python[k]: the
+    Python rates of step k's kind), bench_distributed's per-step average of the slowest rank."""
+    python = python or [None] * len(cycle)
+    each = [scheduled(ranks, rates, world, link_bytes_s, latency_s, py) for ranks, py in zip(cycle, python,
+                                                                                              strict=True)]
+    return {k: sum(e[k] for e in each) / len(each) for k in each[0]}

@@ -1,0 +1,76 @@
+"""benchmarks/sharded_schedule.py: hand-built schedules whose times are worked out by hand (overlap of an async
+collective with the ops issued after it, a collective waiting for the last peer to issue it, one collective at a
+time, the slowest rank's step, the Python per op), and the counted owner-mode step's order of issues and waits."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks import sharded_schedule as ss
+from benchmarks.op_cost import OpRates, OpRecord
+from benchmarks.sharded_count import Collective, with_blocking_waits
+
+
+def test_an_async_collective_overlaps_the_ops_issued_after_it():
+    # issue a 3 s collective, 2 s of ops, wait: done at 3 (summed it would be 5), 1 s of it exposed
+    done = ss.simulate([[("issue", 0), ("op", 2.0, "direction"), ("wait", 0)]], [3.0])
+    assert done == [{"end": 3.0, "waited": 1.0, "phases": {"direction": 2.0}}]
+    # waited at once (a blocking collective), nothing overlaps: 5 s, 3 of them waiting
+    done = ss.simulate([[("issue", 0), ("wait", 0), ("op", 2.0, "direction")]], [3.0])
+    assert done[0]["end"] == 5.0 and done[0]["waited"] == 3.0
+
+
+def test_a_collective_starts_when_the_last_peer_issues_it_and_runs_after_the_previous_one():
+    # rank 1 computes 4 s before issuing: rank 0 waits from 0 to 4 + 1
+    done = ss.simulate([[("issue", 0), ("wait", 0)], [("op", 4.0, "other"), ("issue", 0), ("wait", 0)]], [1.0])
+    assert [d["end"] for d in done] == [5.0, 5.0] and [d["waited"] for d in done] == [5.0, 1.0]
+    # two collectives issued together run one after the other: the second ends at 1 + 2
+    done = ss.simulate([[("issue", 0), ("issue", 1), ("wait", 1)]], [1.0, 2.0])
+    assert done[0]["end"] == 3.0
+
+
+def test_programs_that_issue_different_collectives_are_refused():
+    with pytest.raises(RuntimeError, match="deadlock"):
+        ss.simulate([[("issue", 0), ("wait", 0)], [("op", 1.0, "other")]], [1.0])
+
+
+def test_a_blocking_collective_is_waited_for_at_its_issue():
+    events = [("issue", 0), ("op", "x"), ("issue", 1), ("op", "y"), ("wait", 1)]
+    assert with_blocking_waits(events, {1}) == [("issue", 0), ("wait", 0), ("op", "x"), ("issue", 1), ("op", "y"),
+                                                ("wait", 1)]
+
+
+RATES = OpRates(stream=1e4, convert=1, reduce=1, matvec=1, op_s=0.01, adamw=1, fused=1)
+
+
+def _step(ops: int, phase: str = "direction", sent: int = 50) -> SimpleNamespace:
+    """ops 1000 B stream ops (0.1 s + 0.01 s fixed each) after the issue of a `sent` B all-to-all, then its wait."""
+    records = [OpRecord(phase, "add_", "stream", 500, 500) for _ in range(ops)]
+    coll = Collective("direction", "all_to_all", sent, sent)
+    return SimpleNamespace(records=records, collectives=[coll],
+                           events=[("issue", 0)] + [("op", r) for r in records] + [("wait", 0)])
+
+
+def test_the_step_is_the_slowest_rank_and_the_collective_the_busiest_ranks_bytes():
+    # rank 0: one op (0.11 s), rank 1: three (0.33 s); the all-to-all: 0.1 s latency + 100 B at 1000 B/s (rank 1's)
+    p = ss.scheduled([_step(1), _step(3, sent=100)], RATES, 2, 1000.0, 0.1)
+    assert p["total_s"] == pytest.approx(0.33)  # rank 1's ops, the collective (0.2 s) hidden behind them
+    assert p["exposed_s"] == pytest.approx(0.2 - 0.11)  # rank 0 waits for the rest of the collective
+    assert p["direction_s"] == pytest.approx(0.33) and p["wire_s"] == pytest.approx(0.1)
+    assert p["latency_s"] == pytest.approx(0.1) and p["collectives"] == 1 and p["sent"] == 50
+
+
+def test_python_per_op_is_priced_on_every_op_of_its_class():
+    python = {"direction": 0.5, "other": 0.25}
+    p = ss.scheduled([_step(2), _step(2)], RATES, 2, 1e12, 0.0, python)
+    assert p["total_s"] == pytest.approx(2 * (0.11 + 0.5)) and p["python_s"] == pytest.approx(1.0)
+    other = ss.scheduled([_step(2, "update")], RATES, 1, 1e12, 0.0, python)
+    assert other["total_s"] == pytest.approx(2 * (0.11 + 0.25)) and other["other_s"] == other["total_s"]
+
+
+def test_mean_scheduled_averages_the_cycle_with_each_steps_python():
+    cycle = [[_step(1)], [_step(1)]]
+    p = ss.mean_scheduled(cycle, RATES, 1, 1e12, 0.0, [{"direction": 1.0, "other": 0.0}, None])
+    assert p["total_s"] == pytest.approx(0.11 + 1.0 / 2)
