@@ -23,6 +23,7 @@ import sys
 import torch
 
 from dit_train import seeds
+from dit_train.devices import check_device
 from dit_train.runs.checkpoint import load_for_inference
 from dit_train.evaluation.grids import save_grid, save_image
 from dit_train.diffusion.sampler import as_latents, make_sampler, noise_shape
@@ -64,6 +65,7 @@ def sample(source: str, classes: list[int] | None = None, per_class: int | None 
     """(images [N, C, H, W] in [-1, 1], labels [N], run config, meta: the checkpoint's and the settings used) from
     the EMA weights of `source`. Left as None, a setting is the run's own grids'; the noise of all N images is one
     draw, as in the run's grids, so the batch size does not change the images."""
+    check_device(device)
     model, cfg, meta = load_for_inference(source, device)
     if int(cfg.model.get("text_dim", 0) or 0):
         raise ValueError(f"model.text_dim={cfg.model.text_dim}: a text-conditioned model needs caption embeddings, "

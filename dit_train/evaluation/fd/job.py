@@ -34,6 +34,7 @@ from dit_train.evaluation.fd.job_config import add_eval_args, eval_cfg_from_args
 from dit_train.runs.json_file import read_json
 from dit_train.parallel.fsdp import init_distributed, shutdown_process_group
 from dit_train.telemetry.progress import model_call_bar, write
+from dit_train.devices import check_device
 
 COLUMNS = ["run", "step", "active_time_s", "fd", "encoder", "num_gen", "num_ref", "ref_id", "sample_steps",
            "cfg_scale", "seed", "checkpoint", "eval_time_s", "scored_at"]
@@ -129,6 +130,7 @@ def main(argv=None) -> list[dict]:
                                                                   "a terminal)")
     add_eval_args(ap)
     args = ap.parse_args(argv)
+    check_device(args.device)  # before the process group, checkpoints and encoder
 
     import torch.distributed as dist
     from omegaconf import OmegaConf
