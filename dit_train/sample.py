@@ -17,6 +17,7 @@ calls on a terminal (--no-progress: none).
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 
@@ -24,6 +25,7 @@ import torch
 
 from dit_train import seeds
 from dit_train.devices import check_device
+from dit_train.runs.atomic_io import check_folder_can_be_made, describe_os_error
 from dit_train.runs.checkpoint import load_for_inference
 from dit_train.evaluation.grids import save_grid, save_image
 from dit_train.diffusion.sampler import as_latents, make_sampler, noise_shape
@@ -127,6 +129,15 @@ def main(argv=None) -> int:
                                                                   "a terminal)")
     args = ap.parse_args(argv)
     grid = args.grid or (None if args.out_dir else "samples.png")
+    try:  # the output places first: a bad one is found now, not after loading and sampling
+        if grid and os.path.isdir(grid):
+            raise IsADirectoryError(errno.EISDIR, "--grid is a folder, expected a PNG path", grid)
+        for folder in ([os.path.dirname(os.path.abspath(grid))] if grid else []) + [args.out_dir or ""]:
+            if folder:
+                check_folder_can_be_made(folder)
+    except OSError as e:
+        print(f"error: {describe_os_error(e)}", file=sys.stderr)
+        return 1
     try:
         images, labels, _, meta = sample(args.source, args.classes, args.per_class, args.steps, args.cfg_scale,
                                          args.seed, args.batch_size, args.device, args.vae,
@@ -135,11 +146,15 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     written = []
-    if grid:
-        os.makedirs(os.path.dirname(os.path.abspath(grid)), exist_ok=True)
-        written.append(save_grid(images, grid, nrow=meta["per_class"]))
-    if args.out_dir:
-        written.append(f"{len(write_folder(images, labels, args.out_dir))} PNGs in {args.out_dir}")
+    try:
+        if grid:
+            os.makedirs(os.path.dirname(os.path.abspath(grid)), exist_ok=True)
+            written.append(save_grid(images, grid, nrow=meta["per_class"]))
+        if args.out_dir:
+            written.append(f"{len(write_folder(images, labels, args.out_dir))} PNGs in {args.out_dir}")
+    except OSError as e:  # a full disk
+        print(f"error: {describe_os_error(e)}", file=sys.stderr)
+        return 1
     print(f"{len(images)} samples from {meta['path']} (step {meta['step']}, {meta['steps']} Euler steps, CFG "
           f"{meta['cfg_scale']:g}, seed {meta['seed']}): {', '.join(written)}")
     return 0

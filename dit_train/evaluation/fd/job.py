@@ -31,6 +31,7 @@ from pathlib import Path
 
 from dit_train.runs import checkpoint as ckpt
 from dit_train.evaluation.fd.job_config import add_eval_args, eval_cfg_from_args
+from dit_train.runs.atomic_io import check_folder_can_be_made, describe_os_error
 from dit_train.runs.json_file import read_json
 from dit_train.parallel.fsdp import init_distributed, shutdown_process_group
 from dit_train.telemetry.progress import model_call_bar, write
@@ -152,6 +153,8 @@ def main(argv=None) -> list[dict]:
         root, found = find_checkpoints(p)
         out = out or Path(args.out or root)
         todo += found
+    if rank == 0:
+        check_folder_can_be_made(str(out))  # an unusable --out is found now, not after the first checkpoint
     rows = load_results(out) if rank == 0 else []  # a damaged results file is refused before the encoder loads
     extractor = build_extractor(cfg.encoder, cfg.encoder_path, device)
     reference = f"{cfg.reference_split}:{cfg.reference_num}"
@@ -229,6 +232,10 @@ def cli() -> int:
         shutdown_process_group()
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # --out not a folder, not writable, a full disk: the path and the operation
+        shutdown_process_group()
+        print(f"error: {describe_os_error(e)}", file=sys.stderr)
+        return 1
     return 0
 
 
