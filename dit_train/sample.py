@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import os
 import sys
 
@@ -80,8 +81,9 @@ def sample(source: str, classes: list[int] | None = None, per_class: int | None 
     steps = cfg.train.sample_steps if steps is None else steps
     cfg_scale = cfg.train.cfg_scale if cfg_scale is None else cfg_scale
     seed = cfg.seed if seed is None else seed
-    if steps < 1 or cfg_scale < 0:
-        raise ValueError(f"--steps={steps} / --cfg-scale={cfg_scale} is not valid: expected steps >= 1, scale >= 0")
+    if steps < 1 or not 0 <= cfg_scale < math.inf:  # a NaN scale would sample NaN images
+        raise ValueError(f"--steps={steps} / --cfg-scale={cfg_scale} is not valid: expected steps >= 1, a finite "
+                         f"scale >= 0")
     labels = class_labels(cfg, classes, per_class)
     codec = latent_codec(cfg, vae, device)
     # latents are decoded after sampling, all together, as the run's grid decodes them
