@@ -17,12 +17,16 @@ calls on a terminal (--no-progress: none).
 from __future__ import annotations
 
 import argparse
+import errno
+import math
 import os
 import sys
 
 import torch
 
 from dit_train import seeds
+from dit_train.devices import check_device
+from dit_train.runs.atomic_io import check_folder_can_be_made, describe_os_error
 from dit_train.runs.checkpoint import load_for_inference
 from dit_train.evaluation.grids import save_grid, save_image
 from dit_train.diffusion.sampler import as_latents, make_sampler, noise_shape
@@ -64,6 +68,7 @@ def sample(source: str, classes: list[int] | None = None, per_class: int | None 
     """(images [N, C, H, W] in [-1, 1], labels [N], run config, meta: the checkpoint's and the settings used) from
     the EMA weights of `source`. Left as None, a setting is the run's own grids'; the noise of all N images is one
     draw, as in the run's grids, so the batch size does not change the images."""
+    check_device(device)
     model, cfg, meta = load_for_inference(source, device)
     if int(cfg.model.get("text_dim", 0) or 0):
         raise ValueError(f"model.text_dim={cfg.model.text_dim}: a text-conditioned model needs caption embeddings, "
@@ -76,8 +81,9 @@ def sample(source: str, classes: list[int] | None = None, per_class: int | None 
     steps = cfg.train.sample_steps if steps is None else steps
     cfg_scale = cfg.train.cfg_scale if cfg_scale is None else cfg_scale
     seed = cfg.seed if seed is None else seed
-    if steps < 1 or cfg_scale < 0:
-        raise ValueError(f"--steps={steps} / --cfg-scale={cfg_scale} is not valid: expected steps >= 1, scale >= 0")
+    if steps < 1 or not 0 <= cfg_scale < math.inf:  # a NaN scale would sample NaN images
+        raise ValueError(f"--steps={steps} / --cfg-scale={cfg_scale} is not valid: expected steps >= 1, a finite "
+                         f"scale >= 0")
     labels = class_labels(cfg, classes, per_class)
     codec = latent_codec(cfg, vae, device)
     # latents are decoded after sampling, all together, as the run's grid decodes them
@@ -125,6 +131,15 @@ def main(argv=None) -> int:
                                                                   "a terminal)")
     args = ap.parse_args(argv)
     grid = args.grid or (None if args.out_dir else "samples.png")
+    try:  # the output places first: a bad one is found now, not after loading and sampling
+        if grid and os.path.isdir(grid):
+            raise IsADirectoryError(errno.EISDIR, "--grid is a folder, expected a PNG path", grid)
+        for folder in ([os.path.dirname(os.path.abspath(grid))] if grid else []) + [args.out_dir or ""]:
+            if folder:
+                check_folder_can_be_made(folder)
+    except OSError as e:
+        print(f"error: {describe_os_error(e)}", file=sys.stderr)
+        return 1
     try:
         images, labels, _, meta = sample(args.source, args.classes, args.per_class, args.steps, args.cfg_scale,
                                          args.seed, args.batch_size, args.device, args.vae,
@@ -133,11 +148,15 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     written = []
-    if grid:
-        os.makedirs(os.path.dirname(os.path.abspath(grid)), exist_ok=True)
-        written.append(save_grid(images, grid, nrow=meta["per_class"]))
-    if args.out_dir:
-        written.append(f"{len(write_folder(images, labels, args.out_dir))} PNGs in {args.out_dir}")
+    try:
+        if grid:
+            os.makedirs(os.path.dirname(os.path.abspath(grid)), exist_ok=True)
+            written.append(save_grid(images, grid, nrow=meta["per_class"]))
+        if args.out_dir:
+            written.append(f"{len(write_folder(images, labels, args.out_dir))} PNGs in {args.out_dir}")
+    except OSError as e:  # a full disk
+        print(f"error: {describe_os_error(e)}", file=sys.stderr)
+        return 1
     print(f"{len(images)} samples from {meta['path']} (step {meta['step']}, {meta['steps']} Euler steps, CFG "
           f"{meta['cfg_scale']:g}, seed {meta['seed']}): {', '.join(written)}")
     return 0

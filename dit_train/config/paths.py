@@ -11,7 +11,8 @@ from dit_train.config.errors import ConfigError, invalid
 
 
 def check_paths(cfg) -> None:
-    """Raise ConfigError (one line) for the first path of `cfg` that cannot be read. A dry run reads nothing."""
+    """Raise ConfigError (one line) for the first path of `cfg` that cannot be read, or a run folder with a link
+    where the run writes in place (runs/in_place_files.py). A dry run reads and writes nothing."""
     if cfg.train.get("dry_run"):
         return
     vae = cfg.vae.get("path")
@@ -28,17 +29,27 @@ def check_paths(cfg) -> None:
             resolve_checkpoint(str(source))
         except FileNotFoundError as e:
             raise invalid("train.init_from", source, str(e)) from None
+    run_dir = _explicit_run_dir(cfg)
+    if run_dir is not None:  # before Hydra opens its log there
+        from dit_train.runs.in_place_files import refuse_links
+
+        refuse_links(run_dir)
     check_data_files(cfg.data)
+
+
+def _explicit_run_dir(cfg) -> str | None:
+    try:
+        return str(cfg.run_dir)  # the default ${hydra:...} resolves only inside Hydra: a new folder then
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _has_checkpoints(cfg) -> bool:
     from dit_train.runs.checkpoint import list_checkpoints
 
-    try:
-        run_dir = str(cfg.run_dir)  # the default ${hydra:...} resolves only inside Hydra: a new folder then
-    except Exception:  # noqa: BLE001
-        return False
-    return cfg.train.get("resume") == "auto" and bool(list_checkpoints(run_dir, remove_partial=False, legacy=True))
+    run_dir = _explicit_run_dir(cfg)
+    return run_dir is not None and cfg.train.get("resume") == "auto" and \
+        bool(list_checkpoints(run_dir, remove_partial=False, legacy=True))
 
 
 def check_data_files(data) -> None:

@@ -262,7 +262,8 @@ class VaeConfig:
 class RunConfig:
     """The top level; the groups are checked with their own schemas (data and optimizer by name)."""
     seed: int = key(default=0, doc="seed of the weights, the data order and the noise")
-    run_dir: str = key(default="${hydra:runtime.output_dir}", resume=True,
+    run_dir: str = key("expected a folder path", lambda v: bool(v.strip()), default="${hydra:runtime.output_dir}",
+                       resume=True,
                        doc="the run folder: metrics.jsonl, checkpoints/, samples/, summary.json, config.yaml; "
                            "set it explicitly to resume")
     model: Any = key()

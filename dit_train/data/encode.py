@@ -1,6 +1,6 @@
 """Encode images into the latent shards that data=latents trains on.
 
-    dit-encode-latents --vae /w/sd-vae-ft-ema --images /data/imagenet --out /data/latents \
+    dit-encode-latents --vae /w/sd-vae-ft-ema --images /data/imagenet --out /data/latents \\
         --image-size 256 --flip
     torchrun --nproc_per_node 8 --no-python dit-encode-latents ...             # shards dealt over the ranks
     dit-encode-latents --vae /w/vae --data fashion_mnist --out /tmp/fm_latents --limit 512

@@ -1,7 +1,7 @@
 """Bytes each rank moves per training step, from the real preset shapes (built on the meta device), for plain FSDP
 over every GPU and for HSDP (shard within a node, replicate across nodes). Runs on a CPU in seconds.
 
-    dit-comm-volume [--presets dit_1b3 dit_4b dit_9b dit_15b] [--nodes 4] [--gpus-per-node 8] \
+    dit-comm-volume [--presets dit_1b3 dit_4b dit_9b dit_15b] [--nodes 4] [--gpus-per-node 8] \\
         [--reduce-dtype fp32|bf16] [--no-reshard]
 
 What is counted (per rank, per optimizer step, no gradient accumulation; bytes as the collectives' ring

@@ -1,9 +1,9 @@
 """Per-GPU memory of a training step, measured by running the trainer's code on fake tensors under a fake process
 group (dit_train/parallel/memory_estimate.py: FSDP2 plan, sharded optimizer, EMA, FSDPMemTracker). Runs on a CPU.
 
-    dit-estimate-memory --preset dit_15b --world-size 32 --optimizer periodic_rowwise --micro-batch 8 \
+    dit-estimate-memory --preset dit_15b --world-size 32 --optimizer periodic_rowwise --micro-batch 8 \\
         [--activation-checkpointing] [--json] [hydra overrides, e.g. model.depth=2 optimizer.K=5]
-    dit-estimate-memory --table [--presets ...] [--optimizers ...] [--world-sizes 8 16 32] \
+    dit-estimate-memory --table [--presets ...] [--optimizers ...] [--world-sizes 8 16 32] \\
         [--micro-batch N] [--activation-checkpointing] [--results grid.jsonl]
 
 The config is the scaling study's (experiment=scaling_study: bf16 autocast, global batch 1024) with bf16 compute

@@ -96,6 +96,20 @@ def describe_os_error(e: OSError) -> str:
     return f"{e.strerror or e}{f' ({code})' if code else ''}:{path} (in {where})"
 
 
+def check_folder_can_be_made(folder: str) -> None:
+    """Raise OSError naming the path unless `folder` is, or could be made as, a writable folder; writes nothing
+    (a command checks its output places this way before minutes of work, and makes them only once it has results)."""
+    import errno
+
+    probe = os.path.abspath(folder)
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), probe)
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), probe)
+
+
 def remove_stale_temp_files(folder: str) -> list[str]:
     """Leftovers of writers that died mid-write (`*.tmp-<pid>`) in `folder`; call only while holding the folder."""
     stale = [os.path.join(folder, f) for f in os.listdir(folder) if ".tmp-" in f] if os.path.isdir(folder) else []

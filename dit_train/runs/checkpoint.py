@@ -315,6 +315,10 @@ def read_train_state(path: str, keys: tuple[str, ...] = ("step",)) -> dict:
     step and, where present, the run's config as an object. One line naming the file on anything else."""
     file = os.path.join(path, TRAIN_STATE)
     fix = "this checkpoint cannot be used: remove it, or use an earlier one of the run"
+    try:
+        checkpoint_metadata.check_plain_file(path, TRAIN_STATE)
+    except checkpoint_metadata.RefusedMetadata as e:
+        raise CheckpointError(f"checkpoint {path!r}: {e}; {fix}") from None
     state = read_json(file, keys, fix=fix)
     if type(state.get("step")) is not int or state["step"] < 0 or not isinstance(state.get("config", {}), dict):
         raise CheckpointError(f"{file} is not a dit_train train state (an integer 'step' and the run's 'config' "

@@ -7,7 +7,8 @@
 - the pure-Python unpickler, whose BUILD sets state only on new instances of DCP's dataclasses (BUILD on a
   class, a function or an enum member would set attributes of our own code), and no persistent ids;
 - a check of the result's shape: DCP's dataclasses in the places DCP puts them, and storage entries that name a
-  plain file in the checkpoint folder (`__0_0.distcp`, never `../x` or `/etc/passwd`) with no byte transforms.
+  plain file in the checkpoint folder (`__0_0.distcp`, never `../x` or `/etc/passwd`) with no byte transforms;
+- the files themselves: regular files, never a symbolic link (to a file elsewhere) or a FIFO (a reader that hangs).
 Anything else is refused with one line: `RefusedMetadata` (could run code or read elsewhere) or `DamagedMetadata`
 (empty, truncated or not DCP's).
 """
@@ -81,9 +82,25 @@ class _Unpickler(pickle._Unpickler):  # the pure-Python one: its opcodes can be 
 
 
 def read(path: str) -> dcp_md.Metadata:
-    """The checkpoint folder's `.metadata`, checked. Raises RefusedMetadata or DamagedMetadata (one line each)."""
+    """The checkpoint folder's `.metadata`, checked, and the shard files it names. Raises RefusedMetadata or
+    DamagedMetadata (one line each)."""
+    check_plain_file(path, ".metadata")
     with open(os.path.join(path, ".metadata"), "rb") as f:
-        return loads(f.read())
+        metadata = loads(f.read())
+    for name in sorted({info.relative_path for info in metadata.storage_data.values()}):
+        check_plain_file(path, name)
+    return metadata
+
+
+def check_plain_file(folder: str, name: str) -> None:
+    """A file of a checkpoint folder is read only as a regular file of its own: a symbolic link would read a file
+    elsewhere, a FIFO would hang the reader forever. A missing file is left to the reader (damage)."""
+    file = os.path.join(folder, name)
+    if os.path.islink(file):
+        raise RefusedMetadata(f"its {name} is a symbolic link (to {os.readlink(file)}), which a checkpoint never holds")
+    if os.path.exists(file) and not os.path.isfile(file):
+        raise RefusedMetadata(f"its {name} is not a regular file (a FIFO, socket, device or folder), which a "
+                              f"checkpoint never holds")
 
 
 def loads(data: bytes) -> dcp_md.Metadata:

@@ -354,10 +354,11 @@ def run_study(argv=None) -> int:
     except ValueError as e:
         print(f"error: {args.experiment}: {e}", file=sys.stderr)
         return 2
-    os.makedirs(sweep_dir, exist_ok=True)
+    if not args.dry_run:  # a dry run prints the commands only
+        os.makedirs(sweep_dir, exist_ok=True)
     call = {"command": " ".join(["dit-study", *(sys.argv[1:] if argv is None else argv)]),
             "git_commit": git_commit(CHECKOUT), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    invocations = previous_invocations(sweep_dir) + ([] if args.dry_run else [call])
+    invocations = previous_invocations(sweep_dir) + [call]
     steps_cache: dict[tuple, int] = {}
 
     def steps_of(r: dict) -> int:
@@ -368,6 +369,8 @@ def run_study(argv=None) -> int:
 
     def record(runs: list[dict], selection: dict | None = None, extended: dict | None = None,
                common: dict | None = None) -> None:
+        if args.dry_run:  # the record of a study under way is left as it is
+            return
         rec = {"experiment": args.experiment, **call, "notes": study.get("notes", ""), "invocations": invocations,
                "runs": [{k: v for k, v in r.items() if k != "overrides"} for r in runs]}
         if study.get("lr_scan") is not None:

@@ -11,6 +11,8 @@ import os
 
 from dit_train.runs.atomic_io import naming
 
+METRICS_FILE = "metrics.jsonl"
+
 
 def drop_torn_last_line(path: str) -> None:
     """A run killed mid-write leaves a partial last row; appending to it would corrupt the first new row too."""
@@ -26,7 +28,7 @@ def drop_torn_last_line(path: str) -> None:
 class MetricLogger:
     def __init__(self, run_dir: str, cfg, enabled: bool = True, resolved_config: dict | None = None):
         self.enabled = enabled
-        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.path = os.path.join(run_dir, METRICS_FILE)
         self.wandb = None
         if not enabled:
             return

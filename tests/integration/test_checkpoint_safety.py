@@ -5,6 +5,7 @@ import importlib
 import io
 import os
 import pickle
+import re
 import subprocess
 import sys
 
@@ -210,6 +211,38 @@ def test_metadata_may_not_ask_for_byte_transforms(tmp_path):
     rewrite_metadata(path, transformed)
     with pytest.raises(ckpt.CheckpointError, match="byte transforms"):
         ckpt.load_ema_weights(run_dir)
+
+
+@pytest.mark.parametrize("name", ["__0_0.distcp", ".metadata", "train_state.json"])
+@pytest.mark.parametrize("kind", ["link elsewhere", "fifo"])
+def test_a_checkpoint_file_that_is_a_link_or_a_fifo_is_refused_without_reading_it(tmp_path, name, kind):
+    """A shard linked to a file elsewhere was read into the weights; a FIFO in its place hung every reader
+    (dit-sample waited forever). Each reader refuses it in one line, within seconds."""
+    import signal
+
+    run_dir, path = saved_run(tmp_path)
+    file = os.path.join(path, name)
+    os.replace(file, tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", file) if kind == "link elsewhere" else os.mkfifo(file)
+
+    def hung(*_):
+        raise TimeoutError(f"the reader hung on the {kind}")
+
+    model, ema = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
+    readers = [lambda: ckpt.load_ema_weights(run_dir), lambda: ckpt.load_for_inference(run_dir),
+               lambda: ckpt.load(path, model, torch.optim.SGD(model.parameters(), lr=0.1), ema),
+               lambda: ckpt.load_weights(path, model, ema)]
+    previous = signal.signal(signal.SIGALRM, hung)
+    try:
+        for reader in readers[:1] if name == "train_state.json" else readers:  # the tensor readers skip train_state
+            signal.alarm(20)
+            with pytest.raises(ckpt.CheckpointError, match=f"its {re.escape(name)} is .*never holds") as e:
+                reader()
+            signal.alarm(0)
+            assert "\n" not in str(e.value)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 # ---- damaged files: one line that says damaged, never "could run code" ----------------------------------------

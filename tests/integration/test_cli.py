@@ -102,6 +102,7 @@ def test_bad_value_on_command_line_is_one_line():
     (["optimizer=muon", "optimizer.weight_decy=0.1"], "error: optimizer.weight_decy=0.1 is not valid: not a key of "
      "optimizer 'muon'; valid keys: "),
     (["--multirun", "optimizer.lr=1e-3,abc"], "error: optimizer.lr='abc' is not valid: expected a learning rate > 0"),
+    (["run_dir="], "error: config.run_dir='' is not valid: expected a folder path"),  # was an unnamed ENOENT, exit 1
 ])
 def test_bad_config_on_command_line_leaves_no_run_folder(tmp_path, args, line):
     """Checked before Hydra makes runs/<date>/<time> (or the sweep folder): one line, exit 2, seconds, nothing

@@ -364,6 +364,26 @@ def test_an_unwritable_run_dir_is_one_line(tmp_path):
     assert r.stderr.startswith("error: Not a directory") and "a_file" in r.stderr
 
 
+@pytest.mark.parametrize("name", [".lock", "metrics.jsonl", "dit_train.log"])
+def test_a_link_in_the_run_folder_is_refused_before_anything_outside_it_is_written(tmp_path, name):
+    """A run folder from elsewhere with `.lock -> ~/.bashrc` (the lock is truncated and rewritten), metrics.jsonl
+    (its torn last row cut off, then appended to) or Hydra's log (appended to) as a link: resuming it wrote into the
+    link's target. Refused in one line, exit 2, before Hydra's log is opened; the target is untouched."""
+    os.makedirs(tmp_path / "run")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"important\nno newline at the end")
+    os.symlink(victim, tmp_path / "run" / name)
+    r = cli(tmp_path, f"run_dir={tmp_path / 'run'}", "train.resume=auto")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"error: run_dir={str(tmp_path / 'run')!r} is not valid: {tmp_path / 'run' / name} "
+                               f"is a symbolic link"), r.stderr
+    assert victim.read_bytes() == b"important\nno newline at the end"
+    assert sorted(os.listdir(tmp_path / "run")) == [name]
+    with pytest.raises(ConfigError, match="is a symbolic link"):  # the library path (run()) refuses it too
+        prepare_run_folder(tiny(tmp_path / "run", "train.resume=auto"), DistInfo())
+    assert victim.read_bytes() == b"important\nno newline at the end"
+
+
 def test_stale_temp_files_of_a_dead_writer_are_removed_first(tmp_path):
     os.makedirs(tmp_path / "run")
     (tmp_path / "run" / "run_info.json.tmp-99999").write_text("torn")

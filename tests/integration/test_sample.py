@@ -57,6 +57,8 @@ def test_folder_of_pngs_for_chosen_classes(trained_run, tmp_path, capsys):
 @pytest.mark.parametrize("args, message", [
     (["--classes", "10"], "--classes 10 is not valid: this model has classes 0..9"),
     (["--steps", "0"], "--steps=0 / --cfg-scale=2.5 is not valid"),
+    (["--cfg-scale", "nan"], "--steps=3 / --cfg-scale=nan is not valid: expected steps >= 1, a finite scale >= 0"),
+    (["--cfg-scale", "inf"], "--steps=3 / --cfg-scale=inf is not valid"),
 ])
 def test_bad_arguments_are_one_line(trained_run, tmp_path, capsys, args, message):
     assert sample_main([str(trained_run), "--grid", str(tmp_path / "g.png"), *args]) == 2

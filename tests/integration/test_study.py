@@ -752,6 +752,22 @@ def test_a_torn_train_state_in_the_sweep_is_one_line_naming_it(tmp_path, capsys)
                    f"earlier one of the run"]
 
 
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_dry_run_prints_the_commands_and_writes_nothing(tmp_path, capsys, existing):
+    """`dit-study X --dry-run` ("print the commands only") made the sweep folder and wrote study.json, over the record
+    of a study already under way (its lr selection and scan extensions gone until the next real invocation)."""
+    sweep = tmp_path / "sweep"
+    if existing:
+        os.makedirs(sweep)
+        (sweep / "study.json").write_text('{"experiment": "smoke", "invocations": [], "lr_selection": {"a": 1}}')
+    assert run_study.main(["smoke", "--sweep-dir", str(sweep), "--dry-run"]) == 0
+    assert "-m dit_train --multirun experiment=smoke" in capsys.readouterr().out
+    if existing:
+        assert os.listdir(sweep) == ["study.json"] and json.loads((sweep / "study.json").read_text())["lr_selection"]
+    else:
+        assert not sweep.exists()
+
+
 def test_a_torn_study_record_is_one_line_naming_it_in_every_study_script(tmp_path, capsys):
     """study.json cut short by a crash: dit-report, dit-paired-report and dit-publish-study said JSONDecodeError in a
     traceback; now one line naming the file."""

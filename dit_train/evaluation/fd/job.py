@@ -31,9 +31,11 @@ from pathlib import Path
 
 from dit_train.runs import checkpoint as ckpt
 from dit_train.evaluation.fd.job_config import add_eval_args, eval_cfg_from_args
+from dit_train.runs.atomic_io import check_folder_can_be_made, describe_os_error
 from dit_train.runs.json_file import read_json
 from dit_train.parallel.fsdp import init_distributed, shutdown_process_group
 from dit_train.telemetry.progress import model_call_bar, write
+from dit_train.devices import check_device
 
 COLUMNS = ["run", "step", "active_time_s", "fd", "encoder", "num_gen", "num_ref", "ref_id", "sample_steps",
            "cfg_scale", "seed", "checkpoint", "eval_time_s", "scored_at"]
@@ -129,6 +131,7 @@ def main(argv=None) -> list[dict]:
                                                                   "a terminal)")
     add_eval_args(ap)
     args = ap.parse_args(argv)
+    check_device(args.device)  # before the process group, checkpoints and encoder
 
     import torch.distributed as dist
     from omegaconf import OmegaConf
@@ -150,6 +153,8 @@ def main(argv=None) -> list[dict]:
         root, found = find_checkpoints(p)
         out = out or Path(args.out or root)
         todo += found
+    if rank == 0:
+        check_folder_can_be_made(str(out))  # an unusable --out is found now, not after the first checkpoint
     rows = load_results(out) if rank == 0 else []  # a damaged results file is refused before the encoder loads
     extractor = build_extractor(cfg.encoder, cfg.encoder_path, device)
     reference = f"{cfg.reference_split}:{cfg.reference_num}"
@@ -227,6 +232,10 @@ def cli() -> int:
         shutdown_process_group()
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # --out not a folder, not writable, a full disk: the path and the operation
+        shutdown_process_group()
+        print(f"error: {describe_os_error(e)}", file=sys.stderr)
+        return 1
     return 0
 
 

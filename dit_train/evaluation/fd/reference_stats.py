@@ -20,6 +20,7 @@ import numpy as np
 
 from dit_train.evaluation.fd.job_config import add_eval_args, eval_cfg_from_args, load_data_cfg
 from dit_train.parallel.fsdp import init_distributed, shutdown_process_group
+from dit_train.devices import check_device
 
 
 def main(argv=None) -> dict:
@@ -31,6 +32,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--num-workers", type=int, default=0)
     add_eval_args(ap)
     args = ap.parse_args(argv)
+    check_device(args.device)  # before the process group, checkpoints and encoder
 
     from dit_train.data import build_dataset
     from dit_train.evaluation.fd.features import build_extractor
@@ -56,8 +58,14 @@ def main(argv=None) -> dict:
 
 
 def cli() -> int:
-    """The command (main returns the summary to callers; a console script exits with what it returns)."""
-    main()
+    """The command (main returns the summary to callers; a console script exits with what it returns): a bad flag
+    or data path is one line, exit status 2."""
+    try:
+        main()
+    except (FileNotFoundError, ValueError) as e:
+        shutdown_process_group()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
