@@ -123,6 +123,7 @@ def measure(cfg, world_size: int, micro_batch: int, mode: str = "fake") -> list[
                 del timer.phase
                 for name in PHASES:
                     row[name]["uncounted_s"] = spent[name]
+        count_python_calls(run, rows)
     if mode == "compiled":  # no Python estimate by subtraction: the profiler's events do not time the launches
         return rows
     overhead = per_call_overhead_s(type(counter))
@@ -154,6 +155,39 @@ def outermost(phase):
             depth -= 1
 
     return mark
+
+
+def count_python_calls(run, rows: list[dict]) -> None:
+    """The same steps once more under sys.setprofile: the Python function calls of each phase (FSDP2's hooks,
+    autograd's Python functions, module calls, the trainer's and the optimizer's code) as row[phase]
+    ["python_calls"]: a count that the machine's load cannot change, beside the thread time that it can. Run
+    inside empty_all_to_all_inputs_allowed, as the other passes."""
+    calls, current = Counter(), ["other"]
+
+    @contextlib.contextmanager
+    def phase(name):
+        current[0] = name
+        try:
+            yield
+        finally:
+            current[0] = "other"
+
+    def profile(frame, event, arg):
+        if event == "call":
+            calls[current[0]] += 1
+
+    timer = run.trainer.timer
+    timer.phase = outermost(phase)
+    for row in rows:  # the step kinds in the order measured (one cycle)
+        calls.clear()
+        sys.setprofile(profile)
+        try:
+            run.trainer.train_step(run.x, {"y": run.y})
+        finally:
+            sys.setprofile(None)
+        for name in PHASES:
+            row[name]["python_calls"] = calls[name]
+    del timer.phase
 
 
 def timed_step(run, spent) -> None:
@@ -188,13 +222,15 @@ def combined(fake: dict, shrunk: dict, compiled: dict | None = None) -> dict:
     out = dict(fake, steps=[])
     for i, (f, s) in enumerate(zip(fake["steps"], shrunk["steps"], strict=True)):
         step = {**f, **{name: {**f[name], "python_s": s[name]["python_s"], "shrunk_calls": s[name]["calls"],
-                               "shrunk_thread_s": s[name]["uncounted_s"]} for name in PHASES}}
+                               "shrunk_thread_s": s[name]["uncounted_s"],
+                               "shrunk_python_calls": s[name].get("python_calls")} for name in PHASES}}
         if compiled is not None:
             c = compiled["steps"][i]
             if c["refresh"] != f["refresh"]:
                 raise RuntimeError(f"step {i}: the compiled run measured another kind of step than the eager one")
             for name in PHASES:
                 step[name].update(compiled_calls=c[name]["calls"], compiled_thread_s=c[name]["uncounted_s"],
+                                  compiled_python_calls=c[name].get("python_calls"),
                                   compiled_top_ops=c[name]["top_ops"])
         out["steps"].append(step)
     return out
@@ -204,6 +240,12 @@ def launches(calls: dict) -> int:
     return calls.get("kernel", 0) + calls.get("collective", 0)
 
 
+def calls_of(step: dict, key: str) -> int | str:
+    """Forward+backward's Python calls of a combined step; "-" for a result saved before they were counted."""
+    counts = [step[n].get(key) for n in ("forward", "backward")]
+    return "-" if None in counts else sum(counts)
+
+
 def table(results: list[dict], launch_us: float, view_us: float, extra_us: float) -> str:
     """Lines per measured step kind: calls and host ms per phase, and host / predicted GPU step, by two methods:
       eager          python (shrunk run minus its counted calls) + full-size calls x price (--launch-us, --view-us)
@@ -211,15 +253,16 @@ def table(results: list[dict], launch_us: float, view_us: float, extra_us: float
                      launches x --launch-extra-us (the CUDA launch a CPU kernel call does not pay): a cross-check
       compiled       the same direct method on the step with the blocks compiled (launches: the profiler's count)
     Optimizer and "other" (clipping, EMA, zero_grad, LR schedule) are compiled in none of them: every line takes
-    the eager method's figures there. "fwd+bwd thread ms": the tiny step's forward+backward thread CPU time."""
+    the eager method's figures there. "fwd+bwd Python calls": the tiny step's forward+backward Python function
+    calls (count_python_calls); "fwd+bwd thread ms": its thread CPU time."""
     lines = [f"eager: {launch_us:g} us per kernel or collective, {view_us:g} us per view or allocation; direct: "
              f"+{extra_us:g} us per launch on the tiny step's thread time; GPU step: benchmarks/cost_model.py on an "
              "H100 SXM (forward+backward at its MFU, exposed FSDP2 communication, the optimizer step of that kind)", "",
              "| preset | W | blocks per unit | optimizer | step | method | fwd+bwd launches | fwd+bwd views "
-             "| fwd+bwd thread ms | fwd+bwd host ms | optimizer calls | optimizer host ms | clip, EMA etc. host ms "
-             "| step host ms | GPU step ms | host / GPU |",
+             "| fwd+bwd Python calls | fwd+bwd thread ms | fwd+bwd host ms | optimizer calls | optimizer host ms "
+             "| clip, EMA etc. host ms | step host ms | GPU step ms | host / GPU |",
              "| --- | ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-             "| ---: |"]
+             "| ---: | ---: |"]
     fb = ("forward", "backward")
     for r in results:
         seen = set()
@@ -232,20 +275,22 @@ def table(results: list[dict], launch_us: float, view_us: float, extra_us: float
             gpu = r["gpu_step_s"][kind] * 1e3
             rest = ms["optimizer"] + ms["other"]
             thread = sum(st[n]["shrunk_thread_s"] for n in fb) * 1e3
+            py = calls_of(st, "shrunk_python_calls")
             full = {k: sum(st[n]["calls"].get(k, 0) for n in fb) for k in ("kernel", "collective", "no_kernel")}
-            methods = [("eager", full, thread, ms["forward"] + ms["backward"]),
-                       ("eager direct", full, thread, thread + launches(full) * extra_us / 1e3)]
+            methods = [("eager", full, py, thread, ms["forward"] + ms["backward"]),
+                       ("eager direct", full, py, thread, thread + launches(full) * extra_us / 1e3)]
             if "compiled_calls" in st["forward"]:
                 comp = {k: sum(st[n]["compiled_calls"].get(k, 0) for n in fb) for k in ("kernel", "collective",
                                                                                            "no_kernel")}
                 cthread = sum(st[n]["compiled_thread_s"] for n in fb) * 1e3
-                methods.append(("compiled", comp, cthread, cthread + launches(comp) * extra_us / 1e3))
-            for method, calls, th, fb_ms in methods:
+                cpy = calls_of(st, "compiled_python_calls")
+                methods.append(("compiled", comp, cpy, cthread, cthread + launches(comp) * extra_us / 1e3))
+            for method, calls, py_calls, th, fb_ms in methods:
                 total = fb_ms + rest
                 lines.append(
                     f"| {r['preset']} | {r['world_size']} | {r['blocks_per_unit']} | {r['optimizer']} | {kind} "
                     f"| {method} "
-                    f"| {launches(calls)} | {calls['no_kernel']} | {th:.1f} | {fb_ms:.1f} "
+                    f"| {launches(calls)} | {calls['no_kernel']} | {py_calls} | {th:.1f} | {fb_ms:.1f} "
                     f"| {sum(st['optimizer']['calls'].values())} | {ms['optimizer']:.1f} | {ms['other']:.1f} "
                     f"| {total:.1f} | {gpu:.0f} | {total / gpu:.1%} |")
     return "\n".join(lines)
