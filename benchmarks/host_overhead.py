@@ -123,7 +123,7 @@ def measure(cfg, world_size: int, micro_batch: int, mode: str = "fake") -> list[
                 del timer.phase
                 for name in PHASES:
                     row[name]["uncounted_s"] = spent[name]
-        count_python_calls(run, rows)
+            count_python_calls(run, rows)
     if mode == "compiled":  # no Python estimate by subtraction: the profiler's events do not time the launches
         return rows
     overhead = per_call_overhead_s(type(counter))
