@@ -19,6 +19,8 @@ size need the GPU. So the host time is rebuilt from measured parts:
           and C++ around the operators; and the same step's whole thread time without the counter;
   compiled  (--compiled) the shrunk step with the blocks torch.compile'd (parallel.compile=true): its launches
           counted by the profiler (launch_profile.py) and its thread time.
+  Python calls  the shrunk (or compiled) step's Python function calls per phase (count_python_calls): what the
+          thread time mostly pays for, counted exactly where the load makes the time scatter.
 eager host = python + kernels x launch + views x view; direct host (eager or compiled) = thread time + launches x
 --launch-extra-us. Warm-up steps first (every direction once, DTensor's sharding propagation cached, compiled code
 compiled), then one step of each kind (periodic_rowwise: between steps and the refresh).
