@@ -5,8 +5,9 @@ prints its own run's figure at start, with the part that crosses nodes.
 Per rank and optimizer step, no gradient accumulation, ring bytes as the collectives send them, over a shard group
 of S ranks and R replicas (HSDP; R = 1 is plain FSDP): forward all-gather of the bf16 compute weights
 (S - 1) / S x P x 2; backward all-gather of every FSDP unit (a block, or parallel.blocks_per_fsdp_unit of them)
-but the last (with reshard_after_forward) the same per unit; gradient reduce-scatter (S - 1) / S x P x the reduce dtype's bytes; HSDP's all-reduce of each gradient
-shard across the replicas 2 (R - 1) / R x P / S x the reduce dtype's bytes. The optimizer's own exchanges
+but the last (with reshard_after_forward) the same per unit; gradient reduce-scatter (S - 1) / S x P x the reduce
+dtype's bytes; HSDP's all-reduce of each gradient shard across the replicas 2 (R - 1) / R x P / S x the reduce
+dtype's bytes. The optimizer's own exchanges
 (Muon and periodic_rowwise refresh steps) are counted by the sharded optimizer itself (opt/* metrics)."""
 
 from __future__ import annotations

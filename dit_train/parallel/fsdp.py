@@ -309,8 +309,8 @@ def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, plan: ParallelPlan, trai
 
 def parallelize(model: nn.Module, plan: ParallelPlan, trainable: bool = True, mesh=None) -> nn.Module:
     """Apply the plan to a DiT (its `blocks`): activation checkpointing and compile to the trained model only,
-    then FSDP2 per unit of plan.blocks_per_unit blocks and the root, over `mesh` (default: fsdp_mesh(plan)). A frozen model (the EMA) is only
-    sharded."""
+    then FSDP2 per unit of plan.blocks_per_unit blocks and the root, over `mesh` (default: fsdp_mesh(plan)). A
+    frozen model (the EMA) is only sharded."""
     if not trainable:
         model.requires_grad_(False)
     if trainable and plan.activation_checkpointing:
