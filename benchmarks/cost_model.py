@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 
 from dit_train.parallel.comm_volume import fsdp_volumes
+from dit_train.parallel.fsdp import fsdp_units
 from dit_train.optim.collectives import shard_rows
 from dit_train.optim.directions import ns5_executed_flops
 from dit_train.optim.owner_exchange import plan_exchanges
@@ -136,7 +137,7 @@ class Shapes:
     matrices: tuple  # ((m, n), count) of the matrix-routed parameters, in the optimizer's stacking order
     rest: int  # elements on AdamW
     params: int
-    blocks: tuple  # elements per FSDP unit (block)
+    blocks: tuple  # elements per block (FSDP2 units: parallel.blocks_per_fsdp_unit of them)
     flops_per_image: int  # forward + backward (model_flops)
     model: object = field(default=None, compare=False)  # the model config, for counting the optimizer's ops
 
@@ -297,15 +298,17 @@ def optimizer_step(shapes: Shapes, step: str, opt: Optim, hw: Hardware, world: i
 
 
 def forward_backward(shapes: Shapes, hw: Hardware, world: int, images_per_rank: int,
-                     reduce_bytes: int = 4) -> dict[str, float]:
-    """Compute at the assumed MFU, and the exposed part of FSDP2's collectives (plain FSDP over `world`)."""
+                     reduce_bytes: int = 4, blocks_per_unit: int = 1) -> dict[str, float]:
+    """Compute at the assumed MFU, and the exposed part of FSDP2's collectives (plain FSDP over `world`, units of
+    `blocks_per_unit` blocks: parallel.blocks_per_fsdp_unit)."""
     compute = shapes.flops_per_image * images_per_rank / (hw.matmul_flops * hw.mfu)
     if world == 1:
         return {"compute": compute, "fsdp": 0.0, "fsdp_exposed": 0.0}
-    v = fsdp_volumes(shapes.params, list(shapes.blocks), world, 1, reduce_bytes, True)
-    calls = 3 * len(shapes.blocks)  # per block: all-gather forward, all-gather backward, reduce-scatter
+    units = [sum(u) for u in fsdp_units(shapes.blocks, blocks_per_unit)]
+    v = fsdp_volumes(shapes.params, units, world, 1, reduce_bytes, True)
+    calls = 3 * len(units)  # per unit: all-gather forward, all-gather backward, reduce-scatter
     comm = v["fsdp_total"] / hw.link(world) + calls * hw.latency_s
-    first = hw.latency_s + (world - 1) / world * shapes.blocks[0] * 2 / hw.link(world)
+    first = hw.latency_s + (world - 1) / world * units[0] * 2 / hw.link(world)
     return {"compute": compute, "fsdp": comm, "fsdp_exposed": first + max(0.0, comm - compute)}
 
 

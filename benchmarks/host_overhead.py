@@ -2,7 +2,8 @@
 the GPU ever wait for Python? (issue 31 item 4; docs/host_overhead.md holds the table.)
 
     python -m benchmarks.host_overhead --preset dit_15b --world-size 32 --optimizers adamw muon periodic_rowwise \\
-        [--compiled] [--launch-us 8] [--view-us 2] [--launch-extra-us 3] [--json out.jsonl] [overrides]
+        [--blocks-per-unit 1 2 4] [--compiled] [--launch-us 8] [--view-us 2] [--launch-extra-us 3] \\
+        [--json out.jsonl] [overrides]
 
 How: the trainer's step (memory_estimate.fake_training: FSDP2 plan, sharded optimizer, EMA, on a fake process group,
 the scaling study's config) runs in fresh processes per optimizer. Neither run can be timed as it stands: a fake
@@ -18,9 +19,13 @@ size need the GPU. So the host time is rebuilt from measured parts:
           and C++ around the operators; and the same step's whole thread time without the counter;
   compiled  (--compiled) the shrunk step with the blocks torch.compile'd (parallel.compile=true): its launches
           counted by the profiler (launch_profile.py) and its thread time.
+  Python calls  the shrunk (or compiled) step's Python function calls per phase (count_python_calls): what the
+          thread time mostly pays for, counted exactly where the load makes the time scatter.
 eager host = python + kernels x launch + views x view; direct host (eager or compiled) = thread time + launches x
 --launch-extra-us. Warm-up steps first (every direction once, DTensor's sharding propagation cached, compiled code
 compiled), then one step of each kind (periodic_rowwise: between steps and the refresh).
+--blocks-per-unit measures each optimizer once per FSDP2 unit size (parallel.blocks_per_fsdp_unit), one after the
+other, so that the unit sizes are compared side by side under the same load.
 Not in the fake step (they need real values): the trainer's loss/stop-vote all-reduce and its one host read
 (~12 calls, Trainer.train_step), the data loader. The GPU time is benchmarks/cost_model.py's (predicted_gpu_step_s).
 """
@@ -43,16 +48,17 @@ PHASES = ("forward", "backward", "optimizer", "other")
 KIND_OF_STEP = {None: "every", 1.0: "refresh", 0.0: "between"}  # opt/refresh of step_info
 
 
-def predicted_gpu_step_s(model_cfg, optimizer_cfg, world_size: int, images_per_rank: int) -> dict[str, float]:
+def predicted_gpu_step_s(model_cfg, optimizer_cfg, world_size: int, images_per_rank: int,
+                         blocks_per_unit: int = 1) -> dict[str, float]:
     """GPU seconds of each step kind on an H100 by benchmarks/cost_model.py: forward + backward at its assumed MFU,
-    FSDP2's exposed communication, and the optimizer step of that kind."""
+    FSDP2's exposed communication (units of `blocks_per_unit` blocks), and the optimizer step of that kind."""
     from benchmarks.cost_model import PROFILES, Optim, forward_backward, optimizer_step, shapes_of
 
     hw, shapes = PROFILES["h100"], shapes_of(model_cfg)
     name = optimizer_cfg.get("name")
     opt = Optim(name, int(optimizer_cfg.get("K", 1) or 1), optimizer_cfg.get("rownorm_scale", "spectral"),
                 optimizer_cfg.get("distributed_mode", "owner"))
-    fb = forward_backward(shapes, hw, world_size, images_per_rank)
+    fb = forward_backward(shapes, hw, world_size, images_per_rank, blocks_per_unit=blocks_per_unit)
     kinds = {"every": "adamw" if name == "adamw" else "refresh", "refresh": "refresh", "between": "rownorm"}
     return {kind: fb["compute"] + fb["fsdp_exposed"] + sum(optimizer_step(shapes, step, opt, hw, world_size).values())
             for kind, step in kinds.items() if name != "adamw" or step == "adamw"}
@@ -119,6 +125,7 @@ def measure(cfg, world_size: int, micro_batch: int, mode: str = "fake") -> list[
                 del timer.phase
                 for name in PHASES:
                     row[name]["uncounted_s"] = spent[name]
+            count_python_calls(run, rows)
     if mode == "compiled":  # no Python estimate by subtraction: the profiler's events do not time the launches
         return rows
     overhead = per_call_overhead_s(type(counter))
@@ -152,6 +159,39 @@ def outermost(phase):
     return mark
 
 
+def count_python_calls(run, rows: list[dict]) -> None:
+    """The same steps once more under sys.setprofile: the Python function calls of each phase (FSDP2's hooks,
+    autograd's Python functions, module calls, the trainer's and the optimizer's code) as row[phase]
+    ["python_calls"]: a count that the machine's load cannot change, beside the thread time that it can. Run
+    inside empty_all_to_all_inputs_allowed, as the other passes."""
+    calls, current = Counter(), ["other"]
+
+    @contextlib.contextmanager
+    def phase(name):
+        current[0] = name
+        try:
+            yield
+        finally:
+            current[0] = "other"
+
+    def profile(frame, event, arg):
+        if event == "call":
+            calls[current[0]] += 1
+
+    timer = run.trainer.timer
+    timer.phase = outermost(phase)
+    for row in rows:  # the step kinds in the order measured (one cycle)
+        calls.clear()
+        sys.setprofile(profile)
+        try:
+            run.trainer.train_step(run.x, {"y": run.y})
+        finally:
+            sys.setprofile(None)
+        for name in PHASES:
+            row[name]["python_calls"] = calls[name]
+    del timer.phase
+
+
 def timed_step(run, spent) -> None:
     """One Trainer.train_step; the thread time outside its phases (marked by the trainer's timer) goes to 'other'."""
     start, inside = time.thread_time(), sum(spent[name] for name in PHASES[:-1])
@@ -168,12 +208,13 @@ def run_one(args) -> dict:
 
     cfg = compose(args.preset, args.optimizer, False, args.overrides)
     micro = args.micro_batch or cfg.train.batch_size // args.world_size
-    gpu_s = predicted_gpu_step_s(cfg.model, cfg.optimizer, args.world_size, micro)
+    per_unit = cfg.parallel.blocks_per_fsdp_unit
+    gpu_s = predicted_gpu_step_s(cfg.model, cfg.optimizer, args.world_size, micro, per_unit)
     if args.mode != "fake":
         cfg.model.hidden_size, cfg.model.image_size, micro = 4 * cfg.model.num_heads, 2 * cfg.model.patch_size, 1
     cfg.parallel.compile = args.mode == "compiled"
     return {"preset": args.preset, "optimizer": args.optimizer, "world_size": args.world_size, "micro_batch": micro,
-            "mode": args.mode, "overrides": list(args.overrides), "gpu_step_s": gpu_s,
+            "mode": args.mode, "overrides": list(args.overrides), "blocks_per_unit": per_unit, "gpu_step_s": gpu_s,
             "steps": measure(cfg, args.world_size, micro, args.mode)}
 
 
@@ -183,13 +224,15 @@ def combined(fake: dict, shrunk: dict, compiled: dict | None = None) -> dict:
     out = dict(fake, steps=[])
     for i, (f, s) in enumerate(zip(fake["steps"], shrunk["steps"], strict=True)):
         step = {**f, **{name: {**f[name], "python_s": s[name]["python_s"], "shrunk_calls": s[name]["calls"],
-                               "shrunk_thread_s": s[name]["uncounted_s"]} for name in PHASES}}
+                               "shrunk_thread_s": s[name]["uncounted_s"],
+                               "shrunk_python_calls": s[name].get("python_calls")} for name in PHASES}}
         if compiled is not None:
             c = compiled["steps"][i]
             if c["refresh"] != f["refresh"]:
                 raise RuntimeError(f"step {i}: the compiled run measured another kind of step than the eager one")
             for name in PHASES:
                 step[name].update(compiled_calls=c[name]["calls"], compiled_thread_s=c[name]["uncounted_s"],
+                                  compiled_python_calls=c[name].get("python_calls"),
                                   compiled_top_ops=c[name]["top_ops"])
         out["steps"].append(step)
     return out
@@ -199,6 +242,12 @@ def launches(calls: dict) -> int:
     return calls.get("kernel", 0) + calls.get("collective", 0)
 
 
+def calls_of(step: dict, key: str) -> int | str:
+    """Forward+backward's Python calls of a combined step; "-" for a result saved before they were counted."""
+    counts = [step[n].get(key) for n in ("forward", "backward")]
+    return "-" if None in counts else sum(counts)
+
+
 def table(results: list[dict], launch_us: float, view_us: float, extra_us: float) -> str:
     """Lines per measured step kind: calls and host ms per phase, and host / predicted GPU step, by two methods:
       eager          python (shrunk run minus its counted calls) + full-size calls x price (--launch-us, --view-us)
@@ -206,14 +255,16 @@ def table(results: list[dict], launch_us: float, view_us: float, extra_us: float
                      launches x --launch-extra-us (the CUDA launch a CPU kernel call does not pay): a cross-check
       compiled       the same direct method on the step with the blocks compiled (launches: the profiler's count)
     Optimizer and "other" (clipping, EMA, zero_grad, LR schedule) are compiled in none of them: every line takes
-    the eager method's figures there. "fwd+bwd thread ms": the tiny step's forward+backward thread CPU time."""
+    the eager method's figures there. "fwd+bwd Python calls": the tiny step's forward+backward Python function
+    calls (count_python_calls); "fwd+bwd thread ms": its thread CPU time."""
     lines = [f"eager: {launch_us:g} us per kernel or collective, {view_us:g} us per view or allocation; direct: "
              f"+{extra_us:g} us per launch on the tiny step's thread time; GPU step: benchmarks/cost_model.py on an "
              "H100 SXM (forward+backward at its MFU, exposed FSDP2 communication, the optimizer step of that kind)", "",
-             "| preset | W | optimizer | step | method | fwd+bwd launches | fwd+bwd views | fwd+bwd thread ms "
-             "| fwd+bwd host ms | optimizer calls | optimizer host ms | clip, EMA etc. host ms | step host ms "
-             "| GPU step ms | host / GPU |",
-             "| --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| preset | W | blocks per unit | optimizer | step | method | fwd+bwd launches | fwd+bwd views "
+             "| fwd+bwd Python calls | fwd+bwd thread ms | fwd+bwd host ms | optimizer calls | optimizer host ms "
+             "| clip, EMA etc. host ms | step host ms | GPU step ms | host / GPU |",
+             "| --- | ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+             "| ---: | ---: |"]
     fb = ("forward", "backward")
     for r in results:
         seen = set()
@@ -226,19 +277,22 @@ def table(results: list[dict], launch_us: float, view_us: float, extra_us: float
             gpu = r["gpu_step_s"][kind] * 1e3
             rest = ms["optimizer"] + ms["other"]
             thread = sum(st[n]["shrunk_thread_s"] for n in fb) * 1e3
+            py = calls_of(st, "shrunk_python_calls")
             full = {k: sum(st[n]["calls"].get(k, 0) for n in fb) for k in ("kernel", "collective", "no_kernel")}
-            methods = [("eager", full, thread, ms["forward"] + ms["backward"]),
-                       ("eager direct", full, thread, thread + launches(full) * extra_us / 1e3)]
+            methods = [("eager", full, py, thread, ms["forward"] + ms["backward"]),
+                       ("eager direct", full, py, thread, thread + launches(full) * extra_us / 1e3)]
             if "compiled_calls" in st["forward"]:
                 comp = {k: sum(st[n]["compiled_calls"].get(k, 0) for n in fb) for k in ("kernel", "collective",
                                                                                            "no_kernel")}
                 cthread = sum(st[n]["compiled_thread_s"] for n in fb) * 1e3
-                methods.append(("compiled", comp, cthread, cthread + launches(comp) * extra_us / 1e3))
-            for method, calls, th, fb_ms in methods:
+                cpy = calls_of(st, "compiled_python_calls")
+                methods.append(("compiled", comp, cpy, cthread, cthread + launches(comp) * extra_us / 1e3))
+            for method, calls, py_calls, th, fb_ms in methods:
                 total = fb_ms + rest
                 lines.append(
-                    f"| {r['preset']} | {r['world_size']} | {r['optimizer']} | {kind} | {method} "
-                    f"| {launches(calls)} | {calls['no_kernel']} | {th:.1f} | {fb_ms:.1f} "
+                    f"| {r['preset']} | {r['world_size']} | {r['blocks_per_unit']} | {r['optimizer']} | {kind} "
+                    f"| {method} "
+                    f"| {launches(calls)} | {calls['no_kernel']} | {py_calls} | {th:.1f} | {fb_ms:.1f} "
                     f"| {sum(st['optimizer']['calls'].values())} | {ms['optimizer']:.1f} | {ms['other']:.1f} "
                     f"| {total:.1f} | {gpu:.0f} | {total / gpu:.1%} |")
     return "\n".join(lines)
@@ -254,6 +308,8 @@ def main(argv=None) -> int:
     p.add_argument("--view-us", type=float, default=2.0, help="host us per view or allocation")
     p.add_argument("--launch-extra-us", type=float, default=3.0,
                    help="direct method: host us a CUDA launch adds to the tiny step's CPU kernel call")
+    p.add_argument("--blocks-per-unit", type=int, nargs="+", default=[1],
+                   help="parallel.blocks_per_fsdp_unit: each optimizer is measured once per value, in turn")
     p.add_argument("--compiled", action="store_true",
                    help="also measure the step with the blocks torch.compile'd (parallel.compile=true)")
     p.add_argument("--json", help="append each result to this JSONL file")
@@ -269,13 +325,18 @@ def main(argv=None) -> int:
     if args.one:
         print(json.dumps(run_one(args)))
         return 0
+    if any(o.startswith("parallel.blocks_per_fsdp_unit=") for o in args.overrides):
+        p.error("give the unit sizes as --blocks-per-unit, not as an override")
+    for per_unit in args.blocks_per_unit:
+        if per_unit < 1:
+            p.error(f"--blocks-per-unit: {per_unit} is not a number of blocks (an integer >= 1)")
     results = []
-    for name in args.optimizers:  # a fresh process each: the fake process group and compiled state are global
-        runs = {}
+    for name, per_unit in [(n, u) for n in args.optimizers for u in args.blocks_per_unit]:
+        runs = {}  # a fresh process each: the fake process group and compiled state are global
         for mode in ("fake", "shrunk") + (("compiled",) if args.compiled else ()):
             cmd = [sys.executable, "-m", "benchmarks.host_overhead", "--one", "--mode", mode, "--optimizer", name,
                    "--preset", args.preset, "--world-size", str(args.world_size), "--micro-batch",
-                   str(args.micro_batch), *args.overrides]
+                   str(args.micro_batch), *args.overrides, f"parallel.blocks_per_fsdp_unit={per_unit}"]
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             if proc.returncode != 0:
                 sys.exit(f"error: {name} ({mode}) failed: {proc.stderr.strip()[-2000:]}")

@@ -88,7 +88,8 @@ class FlowConfig:
 @dataclass(kw_only=True)
 class ParallelConfig:
     fsdp: Any = choice("auto", True, False, valid="choose auto, true or false", default="auto", resume=True,
-                       doc="auto: FSDP2 (fully_shard per DiT block, then the root) when WORLD_SIZE > 1 | true | false")
+                       doc="auto: FSDP2 (fully_shard per unit of DiT blocks, then the root) when WORLD_SIZE > 1 "
+                           "| true | false")
     mixed_precision: str = choice(
         "auto", "bf16", "fp32", valid="choose auto (bf16 on CUDA, fp32 on CPU), bf16 or fp32", default="auto",
         doc="dtype of the gathered compute weights: auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32")
@@ -100,6 +101,11 @@ class ParallelConfig:
         default=True, resume=True,
         doc="free gathered block weights after forward (regather in backward); false: more memory; an int N: keep "
             "them sharded over groups of N ranks (a node), regathered within it")
+    # A checkpoint holds each parameter's shards, not the units, so a resume may change it (tests/integration).
+    blocks_per_fsdp_unit: int = int_at_least(
+        1, default=1, resume=True,
+        doc="consecutive DiT blocks per FSDP2 unit (one all-gather / reduce-scatter and one set of hooks each): "
+            "fewer hook calls for more gathered memory; the last unit holds the remainder of depth")
     replicate: int = int_at_least(1, default=1, resume=True,
                                   doc="HSDP: N replicas, each sharded over WORLD_SIZE / N consecutive ranks (a node); "
                                       "1: plain FSDP")

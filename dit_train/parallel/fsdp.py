@@ -1,8 +1,9 @@
 """Process group, FSDP2 wrapping, mixed precision, activation checkpointing and per-block compile.
 
 Single process unless launched by torchrun (WORLD_SIZE > 1): NCCL on CUDA, gloo on CPU, chosen automatically.
-Under torchrun the model is sharded with `torch.distributed.fsdp.fully_shard` (FSDP2): every DiT block is one
-FSDP unit (its parameters all-gathered just before its forward/backward and freed after), then the root takes the
+Under torchrun the model is sharded with `torch.distributed.fsdp.fully_shard` (FSDP2): every
+`parallel.blocks_per_fsdp_unit` consecutive DiT blocks (default 1) form one FSDP unit (their parameters all-gathered
+in one collective just before the unit's first forward/backward and freed after its last), then the root takes the
 rest (embedders, final layer). Parameters stay fp32 shards (what the optimizer and the EMA see); the gathered
 compute copies are `parallel.mixed_precision` (bf16 on CUDA by default) and gradients are reduce-scattered in
 `parallel.reduce_dtype` (fp32 by default).
@@ -179,6 +180,7 @@ class ParallelPlan:
     reduce_dtype: torch.dtype = torch.float32
     reshard_after_forward: bool | int = True  # an int: keep the gathered weights sharded over groups of that size
     replicate: int = 1  # HSDP: replicas of the sharded model (the mesh's first dim); 1 is plain FSDP
+    blocks_per_unit: int = 1  # consecutive blocks sharing one fully_shard (one set of hooks and collectives)
     activation_checkpointing: bool = False
     compile: bool = False
 
@@ -187,7 +189,8 @@ class ParallelPlan:
         if not self.sharded:
             mode = "single process"
         else:
-            mode = (f"FSDP2 per block + root, params {name(self.param_dtype)} / reduce {name(self.reduce_dtype)}, "
+            unit = "block" if self.blocks_per_unit == 1 else f"{self.blocks_per_unit} blocks"
+            mode = (f"FSDP2 per {unit} + root, params {name(self.param_dtype)} / reduce {name(self.reduce_dtype)}, "
                     f"reshard_after_forward {self.reshard_after_forward}"
                     + (f", HSDP: {self.replicate} replicas" if self.replicate > 1 else ""))
         return f"{mode}; activation checkpointing {self.activation_checkpointing}; compile {self.compile}"
@@ -210,7 +213,7 @@ def resolve_plan(pcfg, dist_info: DistInfo) -> ParallelPlan:
         mp = "bf16" if dist_info.device.type == "cuda" else "fp32"
     return ParallelPlan(sharded=wants_fsdp(p, dist_info.world_size), param_dtype=DTYPES[mp],
                         reduce_dtype=DTYPES[p["reduce_dtype"]], reshard_after_forward=p["reshard_after_forward"],
-                        replicate=p["replicate"],
+                        replicate=p["replicate"], blocks_per_unit=p["blocks_per_fsdp_unit"],
                         activation_checkpointing=p["activation_checkpointing"], compile=p["compile"])
 
 
@@ -273,6 +276,13 @@ def shard_group(t: torch.Tensor):
     return mesh.get_group(mesh.ndim - 1)
 
 
+def fsdp_units(blocks: list, per_unit: int) -> list[list]:
+    """The blocks grouped as FSDP2 units: consecutive runs of `per_unit`, the last unit holding the remainder
+    (depth 28 by 3: nine units of 3, then one of 1; `per_unit` >= depth: one unit of every block)."""
+    blocks = list(blocks)
+    return [blocks[i:i + per_unit] for i in range(0, len(blocks), per_unit)]
+
+
 def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, plan: ParallelPlan, trainable: bool = True,
                mesh=None) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -282,13 +292,15 @@ def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, plan: ParallelPlan, trai
     param = None if plan.param_dtype == torch.float32 else plan.param_dtype
     reduce = None if plan.reduce_dtype == torch.float32 and param is None else plan.reduce_dtype
     policy = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
-    for i, block in enumerate(blocks):
-        # training: the last block's weights are needed again at once by backward, so keep them gathered.
+    units = fsdp_units(blocks, plan.blocks_per_unit)
+    for i, unit in enumerate(units):
+        # training: the last unit's weights are needed again at once by backward, so keep them gathered.
         # A frozen model (the EMA, no backward) always reshards: its shards change between calls (EMA update).
         # An int reshards to groups of that size: the next gather stays within the group (e.g. a node).
-        last = i == len(blocks) - 1
+        last = i == len(units) - 1
         after = (not last and plan.reshard_after_forward) if trainable else True
-        fully_shard(block, mesh=mesh, reshard_after_forward=after, mp_policy=policy)
+        # a list is one unit (one all-gather, one reduce-scatter); a single block is passed as itself, as before
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=after, mp_policy=policy)
     # The root's inputs stay as given: a bf16 cast would round t (0.9987 -> 1.0, an error of 1.3 on the timestep
     # embedding's 1000-step scale); the model casts the image and text inputs to its compute dtype itself.
     root = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce, cast_forward_inputs=False)
@@ -297,8 +309,8 @@ def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, plan: ParallelPlan, trai
 
 def parallelize(model: nn.Module, plan: ParallelPlan, trainable: bool = True, mesh=None) -> nn.Module:
     """Apply the plan to a DiT (its `blocks`): activation checkpointing and compile to the trained model only,
-    then FSDP2 per block and the root, over `mesh` (default: fsdp_mesh(plan)). A frozen model (the EMA) is only
-    sharded."""
+    then FSDP2 per unit of plan.blocks_per_unit blocks and the root, over `mesh` (default: fsdp_mesh(plan)). A
+    frozen model (the EMA) is only sharded."""
     if not trainable:
         model.requires_grad_(False)
     if trainable and plan.activation_checkpointing:

@@ -65,6 +65,8 @@ BAD = [
     ("+train.stepz=3", "train.stepz=3"),
     ("parallel.fsdp=maybe", "parallel.fsdp='maybe'"),
     ("parallel.reduce_dtype=float32", "parallel.reduce_dtype='float32'"),
+    ("parallel.blocks_per_fsdp_unit=0", "parallel.blocks_per_fsdp_unit=0"),
+    ("parallel.blocks_per_fsdp_unit=1.5", "parallel.blocks_per_fsdp_unit=1.5"),
     ("optimizer=muon optimizer.ns_dtype=bfloat16", "optimizer.ns_dtype='bfloat16'"),
     ("data.image_size=16 model.image_size=16", "data.image_size=16"),
     ("eval.encoder=clip", "eval.encoder='clip'"),
@@ -99,6 +101,8 @@ def test_bad_value_on_command_line_is_one_line():
     (["logger.wandb.mode=bogus"],
      "error: logger.wandb.mode='bogus' is not valid: choose one of online, offline, disabled"),
     (["train.steps=1.5"], "error: train.steps=1.5 is not valid: expected an integer >= 1"),
+    (["parallel.blocks_per_fsdp_unit=0"],
+     "error: parallel.blocks_per_fsdp_unit=0 is not valid: expected an integer >= 1"),
     (["optimizer=muon", "optimizer.weight_decy=0.1"], "error: optimizer.weight_decy=0.1 is not valid: not a key of "
      "optimizer 'muon'; valid keys: "),
     (["--multirun", "optimizer.lr=1e-3,abc"], "error: optimizer.lr='abc' is not valid: expected a learning rate > 0"),

@@ -14,12 +14,32 @@ WORLD = 8
 SHRINK = ["model.depth=2", "model.hidden_size=256", "model.num_heads=2"]
 
 
-def estimate(optimizer: str, *flags: str) -> dict:
+def estimate(optimizer: str, *flags: str, shrink=SHRINK) -> dict:
     cmd = [sys.executable, "-m", "dit_train.parallel.memory_estimate_cli", "--preset", "dit_1b3",
-           "--world-size", str(WORLD), "--optimizer", optimizer, "--micro-batch", "2", "--json", *flags, *SHRINK]
+           "--world-size", str(WORLD), "--optimizer", optimizer, "--micro-batch", "2", "--json", *flags, *shrink]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("depth, per_unit, last, before_last", [(4, 1, 1, 1), (4, 2, 2, 2), (5, 2, 1, 2)])
+def test_the_gathered_weights_at_peak_are_the_last_unit_and_the_prefetched_one(depth, per_unit, last, before_last):
+    """parallel.blocks_per_fsdp_unit: the peak is at the start of backward (every activation alive), where FSDP2
+    holds the last unit's bf16 weights (kept gathered from forward), the all-gather output of the unit before it
+    (backward's prefetch) and the root's (embedders, final layer): 2 bytes x (last + before-last units' parameters
+    + the root's), each parameter's rows padded to a multiple of W as FSDP2 pads its shards. Depth 5 by 2 ends in
+    a unit of one block: the last unit kept is one block, the prefetched one two."""
+    from omegaconf import OmegaConf
+
+    from dit_train.model.dit import build_model, load_preset
+
+    shrink = [o for o in SHRINK if not o.startswith("model.depth=")] + [f"model.depth={depth}"]
+    r = estimate("adamw", f"parallel.blocks_per_fsdp_unit={per_unit}", shrink=shrink)
+    model = build_model(OmegaConf.merge(load_preset("dit_1b3"), OmegaConf.from_dotlist(shrink).model), device="meta")
+    padded = lambda params: sum(-(-p.shape[0] // WORLD) * WORLD * (p.numel() // p.shape[0]) for p in params)
+    block = padded(model.blocks[0].parameters())  # every block has the same shapes
+    root = padded(p for name, p in model.named_parameters() if not name.startswith("blocks."))
+    assert r["peak"]["gathered_and_comm"] == 2 * ((last + before_last) * block + root)
 
 
 def rank0_elements():

@@ -118,6 +118,8 @@ RUNNERS = {
     "python -m benchmarks.bench_fd": appended("--batches 1 --encoders dinov2_random"),
     # docs/host_overhead.md
     "python -m benchmarks.host_overhead": appended("--preset dit_xs --world-size 2 --optimizers adamw"),
+    "python -m benchmarks.host_overhead --preset dit_15b --world-size 32 --optimizers adamw muon periodic_rowwise "
+    "--blocks-per-unit": appended("--preset dit_xs --world-size 2 --optimizers adamw --blocks-per-unit 1 2"),
     # docs/layout.md: reads this checkout's git history
     "python -m benchmarks.code_shape": lambda command: f"cd {ROOT} && {command}",
     # docs/scaling_out.md

@@ -67,6 +67,25 @@ def test_the_start_line_gives_a_runs_traffic_between_nodes(monkeypatch, replicat
     assert 116 < total / 1e9 < 118
 
 
+@pytest.mark.parametrize("per_unit, regathered_blocks", [(1, 49), (2, 48), (4, 48), (7, 49), (50, 0)])
+def test_backward_regathers_every_unit_of_blocks_but_the_last(per_unit, regathered_blocks):
+    """parallel.blocks_per_fsdp_unit: the last unit stays gathered from forward to backward, so the backward
+    all-gather moves every block outside it: dit_15b's 50 blocks by 4 end in a unit of 2 (48 regathered), by 7 in
+    one of 1 (49), and one unit of all 50 regathers nothing. The forward gather and the reduce-scatter move every
+    parameter whatever the units."""
+    from dit_train.model.dit import build_model, load_preset
+    from dit_train.parallel.comm_volume import GB, describe_run
+    from dit_train.parallel.fsdp import DistInfo, resolve_plan
+
+    model = build_model(load_preset("dit_15b"), device="meta")
+    P = sum(p.numel() for p in model.parameters())
+    per_block = sum(p.numel() for p in model.blocks[0].parameters())  # every block has the same shapes
+    plan = resolve_plan({"blocks_per_fsdp_unit": per_unit, "mixed_precision": "bf16"},
+                        DistInfo(0, 32, torch.device("cpu")))
+    total = 31 / 32 * (2 * P + 2 * regathered_blocks * per_block + 4 * P)
+    assert describe_run(model, plan, 32, 32).startswith(f"FSDP2 traffic per rank per step: {total / GB:.2f} GB,")
+
+
 @pytest.mark.parametrize("preset, world, replicas", [("dit_15b", 32, 4), ("dit_9b", 16, 2), ("dit_1b3", 8, 1)])
 def test_the_scaling_study_shards_within_a_node_and_replicates_across_nodes(preset, world, replicas):
     """HSDP for the multi-node presets (one replica per node of model.launch): what leaves a node per step drops

@@ -4,6 +4,8 @@ predictions' direction (bigger models cost more, larger K less)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from benchmarks import cost_model as cm
@@ -58,6 +60,13 @@ def test_two_ranks_bytes_and_fsdp_by_hand():
     compute = 1e6 / 0.5e9
     first_block = 3000 / 1e8
     assert fb["fsdp_exposed"] == pytest.approx(first_block + max(0.0, fb["fsdp"] - compute))
+    # both blocks in one unit: nothing regathered in backward (the one unit is the last), and the first gather,
+    # exposed, is the whole unit; with a latency, 3 collectives instead of 6
+    one = cm.forward_backward(TOY, ROUND, 2, images_per_rank=1, blocks_per_unit=2)
+    assert one["fsdp"] == pytest.approx((P + 2 * P) / 1e8)
+    assert one["fsdp_exposed"] == pytest.approx((3000 + 3178) / 1e8 + max(0.0, one["fsdp"] - compute))
+    slow = lambda per_unit: cm.forward_backward(TOY, replace(ROUND, latency_s=1.0), 2, 1, blocks_per_unit=per_unit)
+    assert slow(1)["fsdp"] - slow(2)["fsdp"] == pytest.approx(3 + 3000 / 1e8)
 
 
 def test_collectives_cross_nodes_at_the_slower_link():
