@@ -230,3 +230,17 @@ def test_every_rank_is_counted_and_owner_modes_ranks_differ():
     assert [len(step) for step in cycle] == [2, 2, 2]
     flops = [sum(rec.flops for rec in rank.records) for rank in cycle[0]]
     assert flops[0] != flops[1]
+
+
+def test_the_host_profile_prices_ns5_at_its_own_measured_matmuls():
+    # a profile with NS5's matmuls measured (at 1e6 flop/s, 1000x slower than its other GEMM rates): Muon's
+    # direction is every counted direction op at its rate, its GEMMs at 1e6, not at the rates by side
+    from benchmarks.ns5_gemm_rates import ns5_matmuls
+
+    measured = {**fast_profile(), "cores": 1}  # one process of one thread
+    shapes = cm.model_shapes("dit_xs", 64, 2)
+    measured["compute"]["1"]["ns5_gemms"] = [[*p, 1e6] for p in ns5_matmuls(sides=(32,), batches=(1,))]
+    records = [r for r in cm.counted_records(shapes, "refresh", "spectral", "eager") if r.phase == "direction"]
+    expect = sum(r.flops / 1e6 if r.category == "gemm" else r.bytes / 1e9 for r in records)
+    assert any(r.category == "gemm" for r in records)
+    assert cm.predict(shapes, cm.Optim("muon"), cm.host_profile(measured, 1), 1)["direction"] == pytest.approx(expect)
