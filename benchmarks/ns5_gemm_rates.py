@@ -33,6 +33,17 @@ DTYPES = ("bf16",)  # NS5's compute dtype by default (ns_dtype); other dtypes fa
 Point = tuple  # (op, layout, dtype, m, k, n, batch)
 
 
+def ns5_group(dtype: str = "bf16") -> dict:
+    """The param-group keys the NS5 direction reads, at the optimizer's defaults but for `dtype`."""
+    import inspect
+
+    from dit_train.optim.directions import NS5
+    from dit_train.optim.matrix_optimizer import MatrixOptimizer
+
+    eps = inspect.signature(MatrixOptimizer).parameters["direction_eps"].default
+    return {**NS5(dtype=dtype).group_keys(), "direction_eps": eps}
+
+
 @lru_cache(maxsize=None)
 def ns5_matmuls(sides=SIDES, aspects=ASPECTS, batches=BATCHES, dtypes=DTYPES) -> tuple[Point, ...]:
     """Every distinct matmul the NS5 direction dispatches on [B, m, n] inputs of the grid (counted on fake
@@ -45,7 +56,7 @@ def ns5_matmuls(sides=SIDES, aspects=ASPECTS, batches=BATCHES, dtypes=DTYPES) ->
     seen: dict[Point, None] = {}
     counter = OpCounter(allow_non_fake_inputs=True)
     for dtype in dtypes:
-        group = {"ns_dtype": dtype, "ns_steps": 5, "direction_eps": 1e-7, "ns_gram": None}
+        group = ns5_group(dtype)
         for r in sides:
             for a in aspects:
                 c = round(a * r)

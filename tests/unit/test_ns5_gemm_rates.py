@@ -49,11 +49,10 @@ def test_outside_the_measured_range_the_nearest_edge_and_other_kinds_are_not_cov
 
 def _ns5_records(m: int, n: int, B: int = 2) -> list:
     counter = oc.OpCounter(allow_non_fake_inputs=True)
-    group = {"ns_dtype": "bf16", "ns_steps": 5, "direction_eps": 1e-7, "ns_gram": None}
     with counter, torch.no_grad():
         U = torch.empty(B, m, n, dtype=torch.bfloat16)
         counter.reset()
-        NS5()(U, group, {})
+        NS5()(U, nr.ns5_group(), {})
     return [r for r in counter.records if r.category == "gemm"]
 
 
@@ -93,3 +92,13 @@ def test_measured_rows_are_positive_flop_rates():
     rows = nr.measure_ns5_gemms(1, [("bmm", "tn", BF16, 16, 64, 16, 2), ("baddbmm", "nn", BF16, 16, 16, 16, 1)])
     assert [row[:7] for row in rows] == [["bmm", "tn", BF16, 16, 64, 16, 2], ["baddbmm", "nn", BF16, 16, 16, 16, 1]]
     assert all(row[7] > 0 for row in rows)
+
+
+def test_the_price_check_rejects_bad_arguments_in_one_line(capsys):
+    from benchmarks import ns5_price_check
+
+    for args, message in ((["--cpu-time", "--threads", "2"], "it needs --threads 1, not 2"),
+                          (["--repeats", "0"], "--threads and --repeats must be >= 1")):
+        with pytest.raises(SystemExit):
+            ns5_price_check.main(args)
+        assert message in capsys.readouterr().err
