@@ -1,4 +1,4 @@
-"""The rate of NS5's own matmuls on this host (docs/cost_model.md, "NS5 at the rate of its own GEMMs"): which
+"""The rate of NS5's own matmuls on this host (docs/cost_model.md, "NS5 at the rate of its own matmuls"): which
 bmm/baddbmm calls the optimizer's NS5 direction dispatches, measured one by one at a grid of matrix shapes, and the
 rate of a counted matmul interpolated between them.
 

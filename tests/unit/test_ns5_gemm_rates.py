@@ -92,6 +92,8 @@ def test_measured_rows_are_positive_flop_rates():
     rows = nr.measure_ns5_gemms(1, [("bmm", "tn", BF16, 16, 64, 16, 2), ("baddbmm", "nn", BF16, 16, 16, 16, 1)])
     assert [row[:7] for row in rows] == [["bmm", "tn", BF16, 16, 64, 16, 2], ["baddbmm", "nn", BF16, 16, 16, 16, 1]]
     assert all(row[7] > 0 for row in rows)
+    # the timed operands have the layout measured (a transposed view stays one after the cast to bf16)
+    assert [oc.layout_of(nr._operand(2, 16, 64, lay, torch.bfloat16)) for lay in "nt"] == ["n", "t"]
 
 
 def test_the_price_check_rejects_bad_arguments_in_one_line(capsys):
