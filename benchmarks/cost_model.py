@@ -41,6 +41,7 @@ from dit_train.optim.owner_exchange import plan_exchanges
 from benchmarks.model_owner_schedule import Net, gather_schedule, owner_schedule, simulate
 from benchmarks.op_cost import (OpRates, count_step, host_op_rates, measure_fused_rate, measure_op_rates,
                                 median_seconds, seconds)
+from benchmarks.ns5_gemm_rates import measure_ns5_gemms
 from benchmarks.sharded_python import measure_python
 
 PAPER_PRESETS = ("dit_1b3", "dit_4b", "dit_9b", "dit_15b")
@@ -352,13 +353,10 @@ def describe_prediction(model_cfg, optimizer_cfg, world: int, images_per_rank: i
 NS5_SIDES = (128, 256, 512, 1024)  # short sides at which the host's NS5 GEMM rate is measured
 
 
-def measure_compute(threads: int) -> dict:
-    """bf16 GEMM rates by short side r (the plain NS5 iteration's three bmm's on 8 x r x 4r), the streaming
-    rate of torch's fused AdamW (28 B per element over 32M fp32 elements, far beyond the caches) and each op
-    category's rate (op_cost.measure_op_rates, measure_fused_rate), `threads` threads."""
+def gemm_rates_by_side(threads: int) -> list[list]:
+    """[[r, flop/s], ...] of the plain NS5 iteration's three bf16 bmm's on 8 x r x 4r, by short side r."""
     import torch
 
-    _progress(f"{threads} thread(s): GEMM rates by side")
     torch.set_num_threads(threads)
     rates = []
     for r in NS5_SIDES:
@@ -366,6 +364,18 @@ def measure_compute(threads: int) -> dict:
         X, A = torch.randn(B, r, c).bfloat16(), torch.randn(B, r, r).bfloat16()
         seconds = median_seconds(lambda: (torch.bmm(X, X.mT), torch.bmm(A, A), torch.bmm(A, X)))
         rates.append([r, B * (4 * r * r * c + 2 * r ** 3) / seconds])
+    return rates
+
+
+def measure_compute(threads: int) -> dict:
+    """bf16 GEMM rates by short side r (the plain NS5 iteration's three bmm's on 8 x r x 4r), the streaming
+    rate of torch's fused AdamW (28 B per element over 32M fp32 elements, far beyond the caches) and each op
+    category's rate (op_cost.measure_op_rates, measure_fused_rate) and NS5's own matmuls (ns5_gemm_rates: every
+    bmm/baddbmm it dispatches on a grid of shapes and batches, ~5 s of CPU at 1 thread), `threads` threads."""
+    import torch
+
+    _progress(f"{threads} thread(s): GEMM rates by side")
+    rates = gemm_rates_by_side(threads)
     params = [torch.zeros(4 << 20, requires_grad=True) for _ in range(8)]
     for p in params:
         p.grad = torch.randn_like(p)
@@ -377,8 +387,9 @@ def measure_compute(threads: int) -> dict:
     ops = measure_op_rates(threads)
     _progress(f"{threads} thread(s): the compiled RowNorm passes (compiles on the first run)")
     ops["fused"] = measure_fused_rate(threads)
+    _progress(f"{threads} thread(s): NS5's own matmuls (op, layout, shape, batch)")
     return {"gemm_flops": max(rate for _, rate in rates), "ns5_rates": rates,
-            "memory_bytes_s": ADAMW_BYTES * 32 * 2**20 / stream, "ops": ops}
+            "memory_bytes_s": ADAMW_BYTES * 32 * 2**20 / stream, "ops": ops, "ns5_gemms": measure_ns5_gemms(threads)}
 
 
 def _progress(what: str) -> None:
@@ -470,7 +481,8 @@ def host_profile(measured: dict, processes: int = 1) -> Hardware:
     if "ops" not in rates:
         raise ValueError("the host profile has no op rates (measured before op_cost.py): run --measure-host again")
     gloo = measured["gloo"].get(str(processes), {"link_bytes_s": float("inf"), "latency_s": 0.0})
-    ops = host_op_rates(rates["ops"], rates["ns5_rates"], rates["memory_bytes_s"]).shared(share)
+    ops = host_op_rates(rates["ops"], rates["ns5_rates"], rates["memory_bytes_s"],
+                        rates.get("ns5_gemms", ())).shared(share)
     return Hardware(f"this host ({processes} process(es) x {threads} thread(s))", rates["gemm_flops"] * share,
                     mfu=1.0, ns5_of_peak=1.0, memory_bytes_s=rates["memory_bytes_s"] * share, memory_efficiency=1.0,
                     intra_bytes_s=gloo["link_bytes_s"], inter_bytes_s=gloo["link_bytes_s"], link_efficiency=1.0,

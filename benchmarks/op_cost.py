@@ -7,8 +7,10 @@ marks (momentum, direction, update, adamw). Every top-level call becomes an OpRe
 (from the operator's schema: a mutated argument is read and written, an out= argument only written, a functional
 result written; a broadcast (stride 0) dimension is read once), its FLOPs if it is a matmul, and a category that
 picks the rate it runs at:
-  gemm     a matmul with both output sides > VECTOR_SIDE: FLOPs at the GEMM rate of its shape (square r x r x r,
-           or the plain NS5 mix r x 4r), by its short side
+  gemm     a matmul with both output sides > VECTOR_SIDE: FLOPs at the rate of NS5's own matmuls of its op,
+           operand layout, dtype, shape and batch, interpolated between those measured (ns5_gemm_rates.py); where
+           they do not cover it (not an NS5 kind, or a profile without them), at the GEMM rate of its shape class
+           (square r x r x r, or the plain NS5 mix r x 4r) by its short side
   matvec   a matmul with a vector side (the power iteration's products): its bytes at the matvec rate
   reduce   writes < 1/8 of what it reads (sums, norms): its bytes at the one-array read rate
   convert  an elementwise op or copy between floating dtypes (the bf16 NS5 input, a bf16 direction added to fp32)
@@ -40,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_flatten
 
+from benchmarks import ns5_gemm_rates
 from benchmarks.dispatch_counter import FakeDispatchCounter, kind_of
 
 CATEGORIES = ("gemm", "matvec", "reduce", "convert", "stream", "adamw", "fused", "collective")
@@ -58,6 +61,9 @@ class OpRecord:
     written: int
     flops: int = 0
     dims: tuple = ()  # a matmul's (m, k, n): its rate depends on them
+    batch: int = 1  # a matmul's batch (bmm, baddbmm)
+    dtype: str = ""  # a matmul's operand dtype ("bfloat16", "float32")
+    layout: str = ""  # a matmul's factors, BLAS-style: "n" row-major, "t" a transposed view (A.mT); e.g. "nt"
 
     @property
     def bytes(self) -> int:
@@ -100,12 +106,19 @@ def traffic(func, args, kwargs, out) -> tuple[list[torch.Tensor], list[torch.Ten
     return read, written
 
 
-def _matmul(name: str, args) -> tuple[int, tuple]:
-    """(FLOPs, (m, k, n)) of an mm/bmm/addmm/baddbmm call."""
+def _matmul(name: str, args) -> dict:
+    """The OpRecord fields of an mm/bmm/addmm/baddbmm call: flops, dims (m, k, n), batch, dtype, layout."""
     a, b = (args[i] for i in MATMULS[name])
     *batch, m, k = a.shape
     n = b.shape[-1]
-    return 2 * math.prod(batch) * m * k * n, (m, k, n)
+    B = math.prod(batch)
+    return {"flops": 2 * B * m * k * n, "dims": (m, k, n), "batch": B, "dtype": str(a.dtype).removeprefix("torch."),
+            "layout": layout_of(a) + layout_of(b)}
+
+
+def layout_of(t: torch.Tensor) -> str:
+    """'t' for a transposed view (column-major: the last two dims' strides swapped), else 'n'."""
+    return "t" if t.dim() >= 2 and t.stride(-2) == 1 and t.stride(-1) != 1 else "n"
 
 
 def record_of(phase: str, func, args, kwargs, out) -> OpRecord | None:
@@ -119,8 +132,9 @@ def record_of(phase: str, func, args, kwargs, out) -> OpRecord | None:
     if kind == "collective":
         return OpRecord(phase, name, "collective", r, w)
     if name in MATMULS:
-        flops, (m, k, n) = _matmul(name, args)
-        return OpRecord(phase, name, "matvec" if min(m, n) <= VECTOR_SIDE else "gemm", r, w, flops, (m, k, n))
+        mm = _matmul(name, args)
+        m, _, n = mm["dims"]
+        return OpRecord(phase, name, "matvec" if min(m, n) <= VECTOR_SIDE else "gemm", r, w, **mm)
     dtypes = {t.dtype for t in read + written if t.is_floating_point()}
     if name.startswith("_fused_adam"):
         category = "adamw"
@@ -286,10 +300,17 @@ class OpRates:
     fused: float
     gemm: tuple = field(default=())  # ((short side, flop/s), ...) ascending: bf16 bmm's of 8 x r x 4r (NS5's mix)
     square: tuple = field(default=())  # the same for 8 x r x r x r (the Gram form's); () = as gemm
+    ns5: tuple = field(default=())  # NS5's own matmuls measured: ((op, layout, dtype, m, k, n, batch, flop/s), ...)
 
-    def gemm_rate(self, dims: tuple) -> float:
-        """The rate measured for this shape class at the nearest short side at or below its own (smaller GEMMs
-        run slower): square where no side is 1.5x another."""
+    def gemm_rate(self, rec: OpRecord) -> float:
+        """flop/s of a counted matmul: interpolated between NS5's own matmuls measured at its op, layout, dtype
+        and shape class (benchmarks/ns5_gemm_rates.py) where they cover it; else the rate by side measured for
+        its shape class at the nearest short side at or below its own (smaller GEMMs run slower): square where
+        no side is 1.5x another."""
+        measured = ns5_gemm_rates.rate(self.ns5, rec.op, rec.layout, rec.dtype, rec.dims, rec.batch)
+        if measured is not None:
+            return measured
+        dims = rec.dims
         side = min(dims)
         table = self.square if self.square and max(dims) < 1.5 * side else self.gemm
         below = [rate for s, rate in table if s <= side]
@@ -298,8 +319,9 @@ class OpRates:
     def shared(self, share: float) -> "OpRates":
         """The rates of a process that gets `share` of the cores it was measured on."""
         return OpRates(self.stream * share, self.convert * share, self.reduce * share, self.matvec * share,
-                       self.op_s / share, self.adamw * share, self.fused * share, tuple((s, r * share) for s, r in self.gemm),
-                       tuple((s, r * share) for s, r in self.square))
+                       self.op_s / share, self.adamw * share, self.fused * share,
+                       tuple((s, r * share) for s, r in self.gemm), tuple((s, r * share) for s, r in self.square),
+                       tuple((*p, r * share) for *p, r in self.ns5))
 
 
 def seconds(rec: OpRecord, rates: OpRates) -> float:
@@ -310,7 +332,7 @@ def seconds(rec: OpRecord, rates: OpRates) -> float:
     rate = rates.stream if rec.category == "gemm" else getattr(rates, rec.category)
     t = rec.bytes / rate
     if rec.category == "gemm":
-        t = max(t, rec.flops / rates.gemm_rate(rec.dims))
+        t = max(t, rec.flops / rates.gemm_rate(rec))
     return t + rates.op_s
 
 
@@ -326,14 +348,30 @@ STREAM_NUMEL = 16 << 20  # 64 MB per fp32 array: far beyond the caches
 SQUARE_SIDES = (128, 256, 512, 1024)
 
 
+_CLOCK = [time.perf_counter]  # what median_seconds reads: wall time, or thread CPU time inside thread_clock()
+
+
+@contextlib.contextmanager
+def thread_clock():
+    """median_seconds reads the calling thread's CPU time instead of wall time: on a loaded host, the time of
+    one-thread work without the waits for a core (not the rate an idle host reaches: caches are shared)."""
+    _CLOCK.append(time.thread_time)
+    try:
+        yield
+    finally:
+        _CLOCK.pop()
+
+
 def median_seconds(fn, repeats: int = 5) -> float:
-    """fn's median wall time over `repeats` calls after one warm-up call."""
+    """fn's median time (wall, or thread CPU time inside thread_clock()) over `repeats` calls after one warm-up
+    call."""
+    clock = _CLOCK[-1]
     fn()
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
 
 
@@ -393,8 +431,10 @@ def measure_fused_rate(threads: int) -> float | None:
     return _rate(cases)
 
 
-def host_op_rates(measured: dict, gemm: tuple, adamw: float) -> OpRates:
-    """OpRates from measure_op_rates' dict, the GEMM rates by side and fused AdamW's rate (the compiled passes at
-    the streaming rate where they were not measured)."""
+def host_op_rates(measured: dict, gemm: tuple, adamw: float, ns5: list = ()) -> OpRates:
+    """OpRates from measure_op_rates' dict, the GEMM rates by side, fused AdamW's rate and NS5's measured matmuls
+    (ns5_gemm_rates.measure_ns5_gemms; a profile measured before them has none: matmuls at the rates by side; the
+    compiled passes at the streaming rate where they were not measured)."""
     return OpRates(measured["stream"], measured["convert"], measured["reduce"], measured["matvec"],
-                   measured["op_s"], adamw, measured.get("fused") or measured["stream"], tuple(tuple(x) for x in gemm), tuple(tuple(x) for x in measured["square"]))
+                   measured["op_s"], adamw, measured.get("fused") or measured["stream"], tuple(tuple(x) for x in gemm),
+                   tuple(tuple(x) for x in measured["square"]), tuple(tuple(x) for x in ns5))

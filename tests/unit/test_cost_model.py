@@ -239,3 +239,32 @@ def test_every_rank_is_counted_and_owner_modes_ranks_differ():
     assert [len(step) for step in cycle] == [2, 2, 2]
     flops = [sum(rec.flops for rec in rank.records) for rank in cycle[0]]
     assert flops[0] != flops[1]
+
+
+def test_the_host_profile_prices_ns5_at_its_own_measured_matmuls():
+    # a profile with NS5's matmuls measured (at 1e6 flop/s, 1000x slower than its other GEMM rates): Muon's
+    # direction is every counted direction op at its rate, its GEMMs at 1e6, not at the rates by side
+    from benchmarks.ns5_gemm_rates import ns5_matmuls
+
+    measured = {**fast_profile(), "cores": 1}  # one process of one thread
+    shapes = cm.model_shapes("dit_xs", 64, 2)
+    measured["compute"]["1"]["ns5_gemms"] = [[*p, 1e6] for p in ns5_matmuls(sides=(32,), batches=(1,))]
+    records = [r for r in cm.counted_records(shapes, "refresh", "spectral", "eager") if r.phase == "direction"]
+    expect = sum(r.flops / 1e6 if r.category == "gemm" else r.bytes / 1e9 for r in records)
+    assert any(r.category == "gemm" for r in records)
+    assert cm.predict(shapes, cm.Optim("muon"), cm.host_profile(measured, 1), 1)["direction"] == pytest.approx(expect)
+
+
+def test_the_sharded_lines_price_ns5_at_its_own_measured_matmuls():
+    # gather-mode Muon on 2 processes: every rank runs every NS5; with NS5's matmuls measured at 1e6 flop/s the
+    # direction phase is (next to) the busiest rank's matmul FLOPs at 1e6, averaged over the counted steps
+    from benchmarks.ns5_gemm_rates import ns5_matmuls
+
+    measured = fast_profile()
+    shapes = cm.model_shapes("dit_xs", 64, 2)
+    measured["compute"]["1"]["ns5_gemms"] = [[*p, 1e6] for p in ns5_matmuls(sides=(32,), batches=(1,))]
+    cycle = cm.sharded_cycle(shapes, "muon-gather", 2)
+    flops = [max(sum(r.flops for r in rank.records if r.category == "gemm") for rank in step) for step in cycle]
+    assert min(flops) > 0
+    predicted = cm.sharded_step(shapes, "muon-gather", measured, 2)["direction_s"]
+    assert predicted == pytest.approx(sum(flops) / len(flops) / 1e6, rel=0.01)
