@@ -17,8 +17,9 @@ its per-unit work is benchmarks/host_overhead.py's. One warm-up pass first, then
 The forward runs under bf16 autocast on the CPU (--precision bf16, the scaling study's train.precision), as the
 fake step of host_overhead.py does. The operators are the CPU's: on CUDA, F.rms_norm (qk-norm) is one fused kernel
 each way (_fused_rms_norm) where the CPU decomposes it (one F.rms_norm is counted on its own, and the block's norms'
-share is shown), and CUDA's autocast runs rms_norm in fp32 (casts in and out) where the CPU's does not;
-scaled_dot_product_attention is one call each way on both.
+share is shown); CUDA's autocast runs layer_norm and rms_norm in fp32 (a cast in, and one back before the next
+projection or the attention: not counted here) where the CPU's runs them in bf16; scaled_dot_product_attention is
+one call each way on both.
 key=value: model keys over the preset (qk_norm=false, swiglu=true, text_dim=...).
 """
 
