@@ -46,7 +46,14 @@ class DiTConfig:
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+    """adaLN: x [B, N, D] scaled and shifted per image; shift and scale [B, 1, D] (broadcast over the tokens)."""
+    return x * (1 + scale) + shift
+
+
+def adaln_chunks(modulation: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """The adaLN projection [B, n*D] as n vectors [B, 1, D] that broadcast over the tokens: one view for all n (a
+    view per vector and use would be one more operator to dispatch each, forward and backward)."""
+    return modulation.unsqueeze(1).chunk(n, dim=2)
 
 
 def sincos_pos_embed_2d(dim: int, grid: int) -> torch.Tensor:
@@ -105,27 +112,33 @@ class RMSNorm(nn.Module):
 
 
 class SelfAttention(nn.Module):
+    """The projections run on the [B*N, D] token rows: one addmm each (nn.Linear on a 3-D input adds a flatten and
+    an unflatten view to dispatch, forward and backward)."""
+
     def __init__(self, dim: int, num_heads: int, qk_norm: bool):
         super().__init__()
         self.num_heads = num_heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
         head_dim = dim // num_heads
-        self.q_norm = RMSNorm(head_dim) if qk_norm else nn.Identity()
-        self.k_norm = RMSNorm(head_dim) if qk_norm else nn.Identity()
+        self.qk_norm = qk_norm  # a plain attribute: read without nn.Module.__getattr__
+        self.q_norm = RMSNorm(head_dim) if qk_norm else None  # None, not nn.Identity: no module call to do nothing
+        self.k_norm = RMSNorm(head_dim) if qk_norm else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, N, D = x.shape
-        # q/k normalised on [B, N, H, hd] views, before the heads are moved forward: the same rows and values as
-        # on the permuted views, bit for bit, and cheaper on the CPU (docs/qk_norm.md)
-        q, k, v = self.qkv(x).view(B, N, 3, self.num_heads, D // self.num_heads).unbind(2)
-        q, k = self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2))
-        return self.proj(out.transpose(1, 2).reshape(B, N, D))
+        q, k, v = self.qkv(x.reshape(B * N, D)).view(B, N, 3, self.num_heads, D // self.num_heads).unbind(2)
+        if self.qk_norm:
+            # q/k normalised on [B, N, H, hd] views, before the heads are moved forward: the same rows and values as
+            # on the permuted views, bit for bit, and cheaper on the CPU (docs/qk_norm.md)
+            q, k = self.q_norm(q), self.k_norm(k)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.proj(out.transpose(1, 2).reshape(B * N, D)).view(B, N, D)
 
 
 class CrossAttention(nn.Module):
-    """Image tokens attend to projected text tokens (already mapped to the model width by context_embedder)."""
+    """Image tokens attend to projected text tokens (already mapped to the model width by context_embedder);
+    projections on token rows, as in SelfAttention."""
 
     def __init__(self, dim: int, num_heads: int, qk_norm: bool):
         super().__init__()
@@ -134,32 +147,37 @@ class CrossAttention(nn.Module):
         self.kv = nn.Linear(dim, 2 * dim)
         self.proj = nn.Linear(dim, dim)
         head_dim = dim // num_heads
-        self.q_norm = RMSNorm(head_dim) if qk_norm else nn.Identity()
-        self.k_norm = RMSNorm(head_dim) if qk_norm else nn.Identity()
+        self.qk_norm = qk_norm
+        self.q_norm = RMSNorm(head_dim) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim) if qk_norm else None
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor | None) -> torch.Tensor:
         B, N, D = x.shape
-        H, hd = self.num_heads, D // self.num_heads
-        q = self.q_norm(self.q(x).view(B, N, H, hd)).transpose(1, 2)  # normalised before the transpose, as above
-        k, v = self.kv(context).view(B, context.shape[1], 2, H, hd).unbind(2)
-        k, v = self.k_norm(k).transpose(1, 2), v.transpose(1, 2)
+        L, H, hd = context.shape[1], self.num_heads, D // self.num_heads
+        q = self.q(x.reshape(B * N, D)).view(B, N, H, hd)
+        k, v = self.kv(context.reshape(B * L, D)).view(B, L, 2, H, hd).unbind(2)
+        if self.qk_norm:  # normalised before the transpose, as above
+            q, k = self.q_norm(q), self.k_norm(k)
         mask = None if context_mask is None else context_mask[:, None, None, :].bool()
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.proj(out.transpose(1, 2).reshape(B, N, D))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+        return self.proj(out.transpose(1, 2).reshape(B * N, D)).view(B, N, D)
 
 
 class Mlp(nn.Module):
+    """On the token rows [..., D] -> [rows, D], as the attention's projections."""
+
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden)
         self.fc2 = nn.Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+        return self.fc2(F.gelu(self.fc1(x.reshape(-1, x.shape[-1])), approximate="tanh")).view(x.shape)
 
 
 class SwiGLU(nn.Module):
-    """SwiGLU with 2/3 of the hidden width so its parameter count matches the GELU MLP of the same ratio."""
+    """SwiGLU with 2/3 of the hidden width so its parameter count matches the GELU MLP of the same ratio; on token rows,
+    as Mlp."""
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
@@ -168,8 +186,8 @@ class SwiGLU(nn.Module):
         self.w3 = nn.Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a, b = self.w12(x).chunk(2, dim=-1)
-        return self.w3(F.silu(a) * b)
+        a, b = self.w12(x.reshape(-1, x.shape[-1])).chunk(2, dim=-1)
+        return self.w3(F.silu(a) * b).view(x.shape)
 
 
 class DiTBlock(nn.Module):
@@ -189,12 +207,11 @@ class DiTBlock(nn.Module):
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(d, 6 * d))
 
     def forward(self, x, c, context=None, context_mask=None):
-        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.adaLN_modulation(c).chunk(6, dim=1)
-        x = x + gate_a.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_a, scale_a))
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = adaln_chunks(self.adaLN_modulation(c), 6)
+        x = x + gate_a * self.attn(modulate(self.norm1(x), shift_a, scale_a))
         if self.cross_attn is not None and context is not None:
             x = x + self.cross_attn(self.norm_cross(x), context, context_mask)
-        x = x + gate_m.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_m, scale_m))
-        return x
+        return x + gate_m * self.mlp(modulate(self.norm2(x), shift_m, scale_m))
 
 
 class FinalLayer(nn.Module):
@@ -205,7 +222,7 @@ class FinalLayer(nn.Module):
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(d, 2 * d))
 
     def forward(self, x, c):
-        shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
+        shift, scale = adaln_chunks(self.adaLN_modulation(c), 2)
         return self.linear(modulate(self.norm_final(x), shift, scale))
 
 

@@ -60,7 +60,7 @@ def run_one(args) -> dict:
     micro = args.micro_batch or cfg.train.batch_size // args.world_size
     out = estimate(cfg, args.world_size, micro, fake=not args.real_tensors, micro_batches=args.micro_batches)
     out.update(preset=args.preset, optimizer=args.optimizer, world_size=args.world_size, micro_batch=micro,
-               micro_batches=args.micro_batches,
+               micro_batches=args.micro_batches, blocks_per_unit=cfg.parallel.blocks_per_fsdp_unit,
                activation_checkpointing=args.activation_checkpointing, overrides=list(args.overrides))
     return out
 
@@ -127,7 +127,8 @@ def formula_total(r: dict, counts_cache: dict) -> float:
     if r["preset"] not in counts_cache:
         counts_cache[r["preset"]] = memory_formula.counts(r["preset"])
     c = counts_cache[r["preset"]]
-    parts = memory_formula.memory(c, r["world_size"], r["micro_batch"], r["optimizer"], r["activation_checkpointing"])
+    parts = memory_formula.memory(c, r["world_size"], r["micro_batch"], r["optimizer"], r["activation_checkpointing"],
+                                  r.get("blocks_per_unit", 1))  # rows written before it was recorded: 1
     return sum(parts.values())
 
 

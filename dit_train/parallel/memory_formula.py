@@ -3,7 +3,7 @@ dit-estimate-memory, which measures the same by running the trainer's code on fa
 compares the two; this formula leaves out the optimizer's kept workspaces and MUD's Gram matrices, and its 40 d
 bytes of activations per token per block are below the ~60 d measured).
 
-    dit-memory-formula [--micro-batch 32] [--world-sizes 8 16 32 64] [--presets dit_1b3 ...]
+    dit-memory-formula [--micro-batch 32] [--world-sizes 8 16 32 64] [--presets dit_1b3 ...] [--blocks-per-unit 1]
 
 Each model is built on the meta device (nothing allocated), its parameters routed as the optimizers route them
 (2-D hidden nn.Linear weights -> matrix update; the rest -> AdamW), and the bytes per GPU summed from the terms
@@ -11,12 +11,13 @@ below. Everything is an accounting of tensors the trainer keeps, not a measureme
 CUDA context (~0.5-1 GiB), NCCL buffers and the data pipeline come on top (budget ~10-15 %).
 
 Per GPU, world size W, P parameters (P_m of them in matrices), blocks of P_b parameters, depth L, width d,
-N tokens per image, B images per GPU (micro-batch):
+N tokens per image, B images per GPU (micro-batch), FSDP2 units of u blocks (parallel.blocks_per_fsdp_unit; the last
+unit holds the remainder of L), G the blocks of the largest two consecutive units (2u when u divides L, L at most):
 - sharded state (FSDP2 Shard(0), every term / W): fp32 master weights 4P, fp32 gradients 4P, fp32 EMA 4P;
   optimizer: AdamW 8P (exp_avg, exp_avg_sq) | Muon family 4 P_m (momentum) + 8 (P - P_m) (AdamW on the rest);
-- unsharded working set: bf16 weights of two blocks (the one computing and the prefetched next), the current
-  block's bf16 gradient and its fp32 reduce-scatter input (2 + 4 bytes), and the root's (embedders, final layer)
-  bf16 weights, which stay gathered through forward and backward: 2*2 P_b + 6 P_b + 2 P_root;
+- unsharded working set: bf16 weights of two units (the one computing and the prefetched next: G blocks), the
+  current unit's bf16 gradient and its fp32 reduce-scatter input (2 + 4 bytes), and the root's (embedders, final
+  layer) bf16 weights, which stay gathered through forward and backward: 2 G P_b + 6 u P_b + 2 P_root;
   Muon family, gather mode: plus one gathered bf16 bucket of momentum of one block's matrices (2 P_b,m);
 - activations, bf16, with memory-efficient attention (no N x N scores stored): ~20 values per token per block
   (LayerNorm/modulate inputs, q/k/v before and after qk-norm, attention output, projection output, MLP hidden
@@ -53,14 +54,31 @@ def counts(preset: str) -> dict:
     }
 
 
-def memory(c: dict, world: int, micro_batch: int, optimizer: str, checkpointing: bool) -> dict[str, float]:
-    """Bytes per GPU by term."""
-    P, Pm = c["P"], c["P_matrix"]
+def gathered_blocks(depth: int, per_unit: int) -> int:
+    """G: the blocks of the largest two consecutive FSDP2 units (parallel.fsdp.fsdp_units' grouping), the most
+    that are gathered at once (the unit computing and the one prefetched)."""
+    from dit_train.parallel.fsdp import fsdp_units
+
+    sizes = [len(u) for u in fsdp_units(range(depth), per_unit)]
+    return max(a + b for a, b in zip(sizes, sizes[1:] + [0]))
+
+
+def gathered_bytes(c: dict, blocks_per_unit: int = 1) -> int:
+    """The bf16 weights gathered at once: the largest two consecutive units' blocks and the root's, 2 G P_b + 2 P_root
+    (tests/integration/test_memory_estimate.py: what the estimator finds gathered at its peak)."""
+    return 2 * gathered_blocks(c["depth"], blocks_per_unit) * c["P_block"] + 2 * c["P_root"]
+
+
+def memory(c: dict, world: int, micro_batch: int, optimizer: str, checkpointing: bool,
+           blocks_per_unit: int = 1) -> dict[str, float]:
+    """Bytes per GPU by term, for FSDP2 units of `blocks_per_unit` blocks."""
+    P, Pm, Pb = c["P"], c["P_matrix"], c["P_block"]
     opt = 8 * P if optimizer == "adamw" else 4 * Pm + 8 * (P - Pm)
+    unit = min(blocks_per_unit, c["depth"])
     out = {
         "weights+grads+ema": 12 * P / world,
         "optimizer": opt / world,
-        "working": 4 * c["P_block"] + 6 * c["P_block"] + 2 * c["P_root"]
+        "working": gathered_bytes(c, blocks_per_unit) + 6 * unit * Pb
                    + (2 * c["P_block_matrix"] if optimizer != "adamw" else 0),
     }
     per_block = ACT_VALUES_PER_TOKEN * 2 * c["d"] * c["tokens"] * micro_batch
@@ -75,21 +93,23 @@ def gib(x: float) -> str:
     return f"{x / GIB:.1f}"
 
 
-def tables(presets, worlds, micro_batch: int) -> str:
+def tables(presets, worlds, micro_batch: int, blocks_per_unit: int = 1) -> str:
     lines = ["| preset | parameters | in matrices | per block | depth x width | tokens/image |",
              "| --- | ---: | ---: | ---: | --- | ---: |"]
     all_counts = [counts(p) for p in presets]
     for c in all_counts:
         lines.append(f"| {c['preset']} | {c['P']:,} | {c['P_matrix']:,} ({c['P_matrix'] / c['P']:.1%}) | "
                      f"{c['P_block']:,} | {c['depth']} x {c['d']} | {c['tokens']} |")
-    lines += ["", f"GiB per GPU, micro-batch {micro_batch} images per GPU; AC = activation checkpointing per block.",
+    unit = "block" if blocks_per_unit == 1 else f"{blocks_per_unit} blocks"
+    lines += ["", f"GiB per GPU, micro-batch {micro_batch} images per GPU, FSDP2 units of {unit}; AC = activation "
+              "checkpointing per block.",
               "", "| preset | GPUs | sharded state AdamW | sharded state Muon family | working set AdamW / Muon | "
               "activations | activations (AC) | total AdamW | total AdamW (AC) | total Muon | total Muon (AC) |",
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for c in all_counts:
         for w in worlds:
-            a, a_ac = memory(c, w, micro_batch, "adamw", False), memory(c, w, micro_batch, "adamw", True)
-            m, m_ac = memory(c, w, micro_batch, "muon", False), memory(c, w, micro_batch, "muon", True)
+            a, a_ac, m, m_ac = (memory(c, w, micro_batch, opt, ac, blocks_per_unit)
+                                for opt in ("adamw", "muon") for ac in (False, True))
             lines.append(
                 f"| {c['preset']} | {w} | {gib(a['weights+grads+ema'] + a['optimizer'])} | "
                 f"{gib(m['weights+grads+ema'] + m['optimizer'])} | {gib(a['working'])} / {gib(m['working'])} | "
@@ -105,8 +125,12 @@ def main(argv=None) -> None:
     ap.add_argument("--micro-batch", type=int, default=32, help="images per GPU per step (default 32)")
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[8, 16, 32, 64])
     ap.add_argument("--presets", nargs="+", default=list(PRESETS))
+    ap.add_argument("--blocks-per-unit", type=int, default=1,
+                    help="consecutive blocks per FSDP2 unit (parallel.blocks_per_fsdp_unit; default 1)")
     args = ap.parse_args(argv)
-    print(tables(args.presets, args.world_sizes, args.micro_batch))
+    if args.blocks_per_unit < 1:
+        ap.error(f"--blocks-per-unit: {args.blocks_per_unit} is not a number of blocks (an integer >= 1)")
+    print(tables(args.presets, args.world_sizes, args.micro_batch, args.blocks_per_unit))
 
 
 if __name__ == "__main__":

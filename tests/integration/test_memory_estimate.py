@@ -42,6 +42,39 @@ def test_the_gathered_weights_at_peak_are_the_last_unit_and_the_prefetched_one(d
     assert r["peak"]["gathered_and_comm"] == 2 * ((last + before_last) * block + root)
 
 
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["no AC", "AC"])
+@pytest.mark.parametrize("per_unit", [2, 4])
+def test_the_formula_gathers_what_the_estimator_finds_at_its_peak(per_unit, checkpointing):
+    """dit-memory-formula with parallel.blocks_per_fsdp_unit against the estimator, which runs the real plan (depth
+    8: units of 2 and 4 blocks). Without activation checkpointing the peak is at the start of backward, and the
+    formula's gathered weights, 2 bytes x (the largest two consecutive units' blocks + the root's), are exactly the
+    estimate's gathered weights and buffers there. With it the peak is late in backward, where the estimate also
+    holds a reduce-scatter input (2 + 2 x per_unit blocks' bf16 bytes in all, measured): within the formula's
+    working set, which adds one unit's bf16 gradient and fp32 reduce-scatter input to the gathered weights. Counts
+    are each parameter's rows padded to a multiple of W, as FSDP2 pads its shards."""
+    from omegaconf import OmegaConf
+
+    from dit_train.model.dit import build_model, load_preset
+    from dit_train.parallel.memory_formula import gathered_bytes, memory
+
+    depth = 8
+    shrink = [o for o in SHRINK if not o.startswith("model.depth=")] + [f"model.depth={depth}"]
+    flags = ["--activation-checkpointing"] if checkpointing else []
+    r = estimate("adamw", *flags, f"parallel.blocks_per_fsdp_unit={per_unit}", shrink=shrink)
+    model = build_model(OmegaConf.merge(load_preset("dit_1b3"), OmegaConf.from_dotlist(shrink).model), device="meta")
+    padded = lambda params: sum(-(-p.shape[0] // WORLD) * WORLD * (p.numel() // p.shape[0]) for p in params)
+    block = padded(model.blocks[0].parameters())
+    c = {"depth": depth, "P_block": block, "P_root": padded(p for name, p in model.named_parameters()
+                                                            if not name.startswith("blocks.")),
+         "P": 0, "P_matrix": 0, "P_block_matrix": 0, "d": 0, "tokens": 0}
+    seen = r["peak"]["gathered_and_comm"]
+    if not checkpointing:
+        assert seen == gathered_bytes(c, per_unit) == 2 * (2 * per_unit * block + c["P_root"])
+    else:
+        assert seen == 2 * ((2 + 2 * per_unit) * block + c["P_root"])
+        assert gathered_bytes(c, per_unit) < seen <= memory(c, WORLD, 2, "adamw", True, per_unit)["working"]
+
+
 def rank0_elements():
     """(every parameter's rank-0 shard elements, the matrix-routed ones) of the shrunken model: dim-0 chunks of
     ceil(rows / W), as FSDP2 shards."""
