@@ -80,7 +80,9 @@ def main(argv=None) -> int:
             module = "dit_train.study.paired_report" if paired else "dit_train.study.report"
             run([py, "-m", module, runs, "--out", out], f"report {study}")
             with open(os.path.join(out, "report.md")) as f:
-                text = f.read().replace(out, "OUT")  # the command line it records names the temporary folder
+                # its "Built by" command names this checkout's runs folder and the temporary folder (the records'
+                # own command lines may name a checkout too, and are data)
+                text = f.read().replace(f"{runs} --out {out}", "RUNS --out OUT")
             print(f"report/{study} {hashlib.sha256(text.encode()).hexdigest()[:16]}", flush=True)
     return 0
 
