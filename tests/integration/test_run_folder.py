@@ -384,6 +384,60 @@ def test_a_link_in_the_run_folder_is_refused_before_anything_outside_it_is_writt
     assert victim.read_bytes() == b"important\nno newline at the end"
 
 
+def test_a_linked_checkpoints_folder_is_refused_before_another_runs_checkpoints_are_pruned(tmp_path):
+    """A copy of a run folder whose `checkpoints` links to the original run's: resuming it trained on, saved into
+    the original's folder and pruned (train.keep_last) its checkpoints, and removed its `*.tmp` folders as leftovers
+    of saves. Refused in one line before anything is written; the original is untouched."""
+    original = tmp_path / "original"
+    run(tiny(original))
+    (original / "checkpoints" / "notes.tmp").mkdir()  # not a save's leftover: a folder of the original's owner
+    before = sorted(os.listdir(original / "checkpoints"))
+    os.makedirs(tmp_path / "copy")
+    os.symlink(original / "checkpoints", tmp_path / "copy" / "checkpoints")
+    with pytest.raises(ConfigError, match=r"checkpoints is a symbolic link .* would write or delete outside") as e:
+        run(tiny(tmp_path / "copy", "train.resume=auto", "train.steps=6", "train.keep_last=1"))
+    assert "\n" not in str(e.value)
+    assert sorted(os.listdir(original / "checkpoints")) == before
+    assert sorted(os.listdir(tmp_path / "copy")) == ["checkpoints"]
+
+
+def test_a_linked_checkpoint_or_written_folder_or_a_fifo_is_refused(tmp_path):
+    """A checkpoint linked to one elsewhere (a resume rewrites its train_state.json), each folder a run writes
+    inside (checkpoints, samples, abandoned, .hydra, wandb, nccl_traces) linked to a folder elsewhere, and a FIFO
+    in place of a file the run writes in place (Hydra's log opened for appending waited for a reader forever)."""
+    from dit_train.runs.in_place_files import IN_PLACE, WRITTEN_FOLDERS, refuse_writes_outside
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.makedirs(tmp_path / "run" / "checkpoints")
+    os.symlink(elsewhere, tmp_path / "run" / "checkpoints" / "step_00000002.dcp")
+    with pytest.raises(ConfigError, match=r"step_00000002\.dcp is a symbolic link"):
+        refuse_writes_outside(str(tmp_path / "run"))
+    for name in WRITTEN_FOLDERS:
+        folder = tmp_path / ("run_" + name.strip("."))
+        folder.mkdir()
+        os.symlink(elsewhere, folder / name)
+        with pytest.raises(ConfigError, match=f"{re.escape(name)} is a symbolic link"):
+            refuse_writes_outside(str(folder))
+    for name in IN_PLACE:
+        folder = tmp_path / ("fifo_" + name.strip("."))
+        folder.mkdir()
+        os.mkfifo(folder / name)
+        with pytest.raises(ConfigError, match=f"{re.escape(name)} is not a regular file"):
+            refuse_writes_outside(str(folder))
+
+
+def test_a_run_writes_no_folder_the_link_check_does_not_know(tmp_path):
+    """WRITTEN_FOLDERS names every folder a run makes in its run folder (with samples, a resume that sets a timeline
+    aside and Hydra's record): a new one must be added there, or a link at its name would be followed."""
+    from dit_train.runs.in_place_files import WRITTEN_FOLDERS
+
+    run(tiny(tmp_path / "run", "train.sample_every=2"))
+    run(tiny(tmp_path / "run", "train.resume=" + str(tmp_path / "run" / "checkpoints" / "step_00000002.dcp")))
+    folders = {name for name in os.listdir(tmp_path / "run") if os.path.isdir(tmp_path / "run" / name)}
+    assert {"checkpoints", "samples", "abandoned"} <= folders <= set(WRITTEN_FOLDERS), folders
+
+
 def test_stale_temp_files_of_a_dead_writer_are_removed_first(tmp_path):
     os.makedirs(tmp_path / "run")
     (tmp_path / "run" / "run_info.json.tmp-99999").write_text("torn")
