@@ -557,3 +557,28 @@ def test_a_torn_summary_is_one_line_naming_it(tmp_path):
         read_summary(str(path))
     assert str(e.value).startswith(f"{path} is not valid JSON (") and "\n" not in str(e.value)
     assert read_summary(str(tmp_path / "absent.json")) == {}
+
+
+def test_a_fifo_in_place_of_a_record_is_one_line_not_a_hang(tmp_path):
+    """summary.json, wandb_run.json (read when a run folder is resumed) or metrics.jsonl (read by the study runner
+    and dit-report) as a FIFO in a folder from elsewhere: the reader waited for a writer forever."""
+    from dit_train.study.report import read_metrics
+    from dit_train.telemetry.metrics import read_summary
+    from dit_train.telemetry.wandb_run import read_identity
+
+    def hung(*_):
+        raise TimeoutError("the reader hung on the FIFO")
+
+    readers = {"summary.json": read_summary, "wandb_run.json": read_identity, "metrics.jsonl": read_metrics}
+    previous = signal.signal(signal.SIGALRM, hung)
+    try:
+        for name, reader in readers.items():
+            os.mkfifo(tmp_path / name)
+            signal.alarm(20)
+            with pytest.raises(ValueError, match=f"{re.escape(name)} is not a regular file") as e:
+                reader(str(tmp_path / name))
+            signal.alarm(0)
+            assert "\n" not in str(e.value)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
