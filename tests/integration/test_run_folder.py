@@ -519,6 +519,50 @@ def test_a_hung_peer_ends_the_survivor_with_one_line_after_the_timeout():
     assert "\n" not in message and waited < 30
 
 
+def _dead_peer(rank, port, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
+                      LOCAL_RANK=str(rank))
+    import torch.distributed as dist
+
+    from dit_train.parallel.fsdp import collective_timeouts, init_distributed
+
+    init_distributed(timeout_minutes=0.5)  # 30 s
+    dist.barrier()
+    if rank == 1:
+        os._exit(1)  # dies mid-step: its peer is about to reduce the loss with it
+    t0 = time.time()
+    try:
+        with collective_timeouts(0.5):
+            for _ in range(3):
+                dist.all_reduce(torch.ones(1))
+                time.sleep(0.5)
+        queue.put(("finished", time.time() - t0))
+    except Exception as e:  # noqa: BLE001 - what the test inspects
+        queue.put((f"{type(e).__name__}: {e}", time.time() - t0))
+
+
+def test_a_dead_peer_ends_the_survivor_with_one_line_within_the_timeout():
+    """A rank killed mid-step (gloo): its peer's collective fails with the transport's error ("Connection closed by
+    peer"), which is one line naming what happened, within parallel.timeout_minutes, like a hung peer's."""
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+
+    ctx = mp.get_context("forkserver")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_dead_peer, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        message, waited = queue.get(timeout=90)
+    finally:
+        for p in procs:
+            p.kill()
+    assert message.startswith("CollectiveTimeout: rank 0: ") and "died" in message, message
+    assert "\n" not in message and waited < 30
+
+
 def test_a_torn_last_metrics_row_is_dropped_before_appending(tmp_path):
     from omegaconf import OmegaConf
 
