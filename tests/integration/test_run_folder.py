@@ -479,60 +479,24 @@ def test_a_second_sigterm_during_the_shutdown_keeps_the_requeue_exit_code(tmp_pa
     assert len(ckpt.list_checkpoints(str(tmp_path / "run"))) == 1
 
 
-def _hung_peer(rank, port, queue):
+def _faulty_peer(rank, port, queue, fault, timeout_minutes):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
                       LOCAL_RANK=str(rank))
     import torch.distributed as dist
 
     from dit_train.parallel.fsdp import collective_timeouts, init_distributed
 
-    init_distributed(timeout_minutes=0.05)  # 3 s
+    init_distributed(timeout_minutes=timeout_minutes)
+    if fault == "dies":
+        dist.barrier()
     if rank == 1:
+        if fault == "dies":
+            os._exit(1)  # dies mid-step: its peer is about to reduce the loss with it
         time.sleep(60)  # hangs: never joins the collective
         return
     t0 = time.time()
     try:
-        with collective_timeouts(0.05):
-            dist.all_reduce(torch.ones(1))
-        queue.put(("finished", time.time() - t0))
-    except Exception as e:  # noqa: BLE001 - what the test inspects
-        queue.put((f"{type(e).__name__}: {e}", time.time() - t0))
-
-
-def test_a_hung_peer_ends_the_survivor_with_one_line_after_the_timeout():
-    import torch.multiprocessing as mp
-
-    from conftest import free_port
-
-    ctx = mp.get_context("forkserver")  # conftest: the server has imported torch and the trainer
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_hung_peer, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        message, waited = queue.get(timeout=90)
-    finally:
-        for p in procs:
-            p.kill()
-    assert message.startswith("CollectiveTimeout: rank 0: a collective waited more than parallel.timeout_minutes=0.05")
-    assert "\n" not in message and waited < 30
-
-
-def _dead_peer(rank, port, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
-                      LOCAL_RANK=str(rank))
-    import torch.distributed as dist
-
-    from dit_train.parallel.fsdp import collective_timeouts, init_distributed
-
-    init_distributed(timeout_minutes=0.5)  # 30 s
-    dist.barrier()
-    if rank == 1:
-        os._exit(1)  # dies mid-step: its peer is about to reduce the loss with it
-    t0 = time.time()
-    try:
-        with collective_timeouts(0.5):
+        with collective_timeouts(timeout_minutes):
             for _ in range(3):
                 dist.all_reduce(torch.ones(1))
                 time.sleep(0.5)
@@ -541,25 +505,37 @@ def _dead_peer(rank, port, queue):
         queue.put((f"{type(e).__name__}: {e}", time.time() - t0))
 
 
-def test_a_dead_peer_ends_the_survivor_with_one_line_within_the_timeout():
-    """A rank killed mid-step (gloo): its peer's collective fails with the transport's error ("Connection closed by
-    peer"), which is one line naming what happened, within parallel.timeout_minutes, like a hung peer's."""
+def survivor(fault: str, timeout_minutes: float) -> tuple[str, float]:
+    """(what rank 0's collective raised, how long it waited) when rank 1 of a gloo pair hangs or dies."""
     import torch.multiprocessing as mp
 
     from conftest import free_port
 
-    ctx = mp.get_context("forkserver")
+    ctx = mp.get_context("forkserver")  # conftest: the server has imported torch and the trainer
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_dead_peer, args=(r, port, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_faulty_peer, args=(r, port, queue, fault, timeout_minutes)) for r in range(2)]
     for p in procs:
         p.start()
     try:
-        message, waited = queue.get(timeout=90)
+        return queue.get(timeout=90)
     finally:
         for p in procs:
             p.kill()
-    assert message.startswith("CollectiveTimeout: rank 0: ") and "died" in message, message
+
+
+def test_a_hung_peer_ends_the_survivor_with_one_line_after_the_timeout():
+    message, waited = survivor("hangs", 0.05)  # 3 s
+    assert message.startswith("CollectiveTimeout: rank 0: a collective waited more than parallel.timeout_minutes=0.05")
+    assert "\n" not in message and waited < 30
+
+
+def test_a_dead_peer_ends_the_survivor_with_one_line_within_the_timeout():
+    """A rank killed mid-step (gloo): its peer's collective failed at once with the transport's error ("Connection
+    closed by peer", "Connection reset by peer") in a traceback; it is one line saying a rank died, well within
+    parallel.timeout_minutes (30 s here)."""
+    message, waited = survivor("dies", 0.5)
+    assert message.startswith("CollectiveTimeout: rank 0: another rank died during a collective"), message
     assert "\n" not in message and waited < 30
 
 
