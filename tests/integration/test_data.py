@@ -1,4 +1,5 @@
 import gzip
+import json
 import os
 import shutil
 import subprocess
@@ -466,3 +467,23 @@ def test_a_fifo_among_latent_shards_or_images_is_one_line_not_a_hang(tmp_path):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("vae_config, info, named", [
+    ('{"scaling_factor": 0.18', {"scaling_factor": 0.18, "shift_factor": 0.0}, r"config\.json is not valid JSON"),
+    ('{"scaling_factor": "big"}', {"scaling_factor": 0.18, "shift_factor": 0.0}, "numeric scaling_factor"),
+    ('{"scaling_factor": 0.18}', {"scaling_factor": [1], "shift_factor": 0.0}, "holds factors that are not numbers"),
+])
+def test_a_damaged_vae_config_or_latents_info_is_one_line(tmp_path, vae_config, info, named):
+    """A VAE folder from elsewhere whose config.json is torn or holds a string factor, or a latents_info.json whose
+    factor is not a number: the config check stopped in a traceback (JSONDecodeError, ValueError, TypeError)."""
+    from dit_train.config.latents import check_latent_run
+
+    write_latent_split(tmp_path / "latents")
+    (tmp_path / "latents" / "latents_info.json").write_text(json.dumps({**info, "complete": True}))
+    (tmp_path / "vae").mkdir()
+    (tmp_path / "vae" / "config.json").write_text(vae_config)
+    with pytest.raises(ConfigError, match=named) as e:
+        check_latent_run({"name": "dit_1b3", "image_size": 8}, {"root": str(tmp_path / "latents")},
+                         {"path": str(tmp_path / "vae")}, needs_decoding=True)
+    assert "\n" not in str(e.value)
