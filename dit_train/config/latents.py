@@ -9,6 +9,7 @@ import math
 import os
 
 from dit_train.config.errors import ConfigError, invalid
+from dit_train.runs.json_file import DamagedJSONFile, read_json
 
 LATENTS_INFO = "latents_info.json"  # written by dit-encode-latents at the root of the shards
 
@@ -21,10 +22,15 @@ def encode_hint(model: dict) -> str:
 
 
 def vae_scaling(vae_path: str) -> tuple[float, float]:
-    """(scaling_factor, shift_factor) of a diffusers AutoencoderKL folder, as dit-encode-latents applies them."""
-    with open(os.path.join(vae_path, "config.json")) as f:
-        config = json.load(f)
-    return float(config.get("scaling_factor") or 1.0), float(config.get("shift_factor") or 0.0)
+    """(scaling_factor, shift_factor) of a diffusers AutoencoderKL folder, as dit-encode-latents applies them. A
+    damaged or hand-edited config.json (a VAE folder from elsewhere) is one line naming it (DamagedJSONFile)."""
+    path = os.path.join(vae_path, "config.json")
+    config = read_json(path, fix="use the VAE folder the latents were made with")
+    try:
+        return float(config.get("scaling_factor") or 1.0), float(config.get("shift_factor") or 0.0)
+    except (AttributeError, TypeError, ValueError):
+        raise DamagedJSONFile(f"{path} is not an AutoencoderKL config with numeric scaling_factor and "
+                              f"shift_factor") from None
 
 
 def read_latents_info(root: str) -> dict:
@@ -64,8 +70,12 @@ def check_latent_run(model: dict, data: dict, vae: dict, needs_decoding: bool) -
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise invalid("vae.path", path, "expected a diffusers AutoencoderKL folder (config.json + weights)")
     if "scaling_factor" in info:
-        now = vae_scaling(path)
-        then = (float(info["scaling_factor"]), float(info["shift_factor"]))
+        try:
+            now = vae_scaling(path)
+            then = (float(info["scaling_factor"]), float(info.get("shift_factor") or 0.0))
+        except (TypeError, ValueError) as e:  # a damaged config.json, or latents_info.json edited by hand
+            raise invalid("vae.path", path, str(e) if isinstance(e, DamagedJSONFile) else
+                          f"{os.path.join(root, LATENTS_INFO)} holds factors that are not numbers ({e})") from None
         if not all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(now, then)):
             raise invalid("vae.path", path, f"its scaling/shift factors {now} differ from those the latents in "
                                             f"{root} were made with {then} ({info.get('vae', '?')})")

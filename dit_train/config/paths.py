@@ -31,9 +31,9 @@ def check_paths(cfg) -> None:
             raise invalid("train.init_from", source, str(e)) from None
     run_dir = _explicit_run_dir(cfg)
     if run_dir is not None:  # before Hydra opens its log there
-        from dit_train.runs.in_place_files import refuse_links
+        from dit_train.runs.in_place_files import refuse_writes_outside
 
-        refuse_links(run_dir)
+        refuse_writes_outside(run_dir)
     check_data_files(cfg.data)
 
 

@@ -5,8 +5,10 @@ our validation split. The whole split is decoded into one uint8 tensor (47 MB fo
 from __future__ import annotations
 
 import gzip
+import math
 import os
 import struct
+import zlib
 
 import numpy as np
 import torch
@@ -31,23 +33,39 @@ def _find(root: str, stem: str) -> str:
     )
 
 
+MAX_GZIP_RATIO = 1032  # deflate's limit: no .gz holds more bytes than this per byte stored
+
+
 def read_idx(path: str) -> np.ndarray:
-    """Parse an idx file (gzipped or raw); a truncated or malformed file raises ValueError naming it."""
-    opener = gzip.open if path.endswith(".gz") else open
+    """Parse an idx file (gzipped or raw); a truncated or malformed file raises ValueError naming it. Data files may
+    come from elsewhere: only a regular file is opened (a FIFO would hang the reader, a link to /dev/zero fill the
+    memory), a header may not declare more bytes than the file can hold, and no more than it declares is read (a
+    gzip bomb is never decompressed beyond that)."""
+    if not os.path.isfile(path):
+        raise ValueError(f"idx file {path} is not a regular file (a FIFO, device or folder)")
+    gz = path.endswith(".gz")
     try:
-        with opener(path, "rb") as f:
-            raw = f.read()
-    except (OSError, EOFError) as e:
+        with (gzip.open if gz else open)(path, "rb") as f:
+            head = f.read(4)
+            if len(head) < 4 or head[:3] != b"\0\0\x08":
+                raise ValueError(f"{path} is not a uint8 idx file (bad magic number)")
+            ndim = head[3]
+            sizes = f.read(4 * ndim)
+            if len(sizes) < 4 * ndim:
+                raise ValueError(f"{path} is truncated: its header ends early")
+            dims = struct.unpack(">" + "I" * ndim, sizes)
+            expected = math.prod(dims)  # exact: numpy's int64 product wraps for a crafted header
+            room = os.path.getsize(path) * (MAX_GZIP_RATIO if gz else 1)
+            if expected > room:
+                raise ValueError(f"{path} is corrupt: header says {dims} ({expected} bytes), more than a "
+                                 f"{os.path.getsize(path)}-byte file can hold")
+            raw = f.read(expected + 1)
+    except (OSError, EOFError, zlib.error) as e:
         raise ValueError(f"cannot read idx file {path}: {e}") from None
-    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
-        raise ValueError(f"{path} is not a uint8 idx file (bad magic number)")
-    ndim = raw[3]
-    dims = struct.unpack(">" + "I" * ndim, raw[4 : 4 + 4 * ndim])
-    expected = int(np.prod(dims))
-    data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
-    if data.size != expected:
-        raise ValueError(f"{path} is truncated or corrupt: header says {dims} ({expected} bytes), found {data.size}")
-    return data.reshape(dims)
+    if len(raw) != expected:
+        found = "more" if len(raw) > expected else f"{len(raw)}"
+        raise ValueError(f"{path} is truncated or corrupt: header says {dims} ({expected} bytes), found {found}")
+    return np.frombuffer(raw, dtype=np.uint8).reshape(dims)
 
 
 class FashionMNIST(Dataset):

@@ -25,7 +25,7 @@ EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 def load_image(path: str, size: int) -> torch.Tensor:
     """RGB, shorter side resized to `size` (bicubic), center crop, CHW float in [-1, 1]. 16-bit and float images
     are scaled from their own range (converting them to 8-bit RGB the PIL way saturates them)."""
-    with Image.open(path) as im:
+    with open_image(path) as im:
         if im.mode in WIDE_MODES:
             full_scale = 1.0 if im.mode == "F" else 65535.0  # PIL reads 16-bit PNG/TIFF as I;16 or I
             im = Image.fromarray(np.asarray(im, dtype=np.float32) * (255.0 / full_scale), mode="F")
@@ -41,6 +41,13 @@ def load_image(path: str, size: int) -> torch.Tensor:
     if arr.ndim == 2:  # grey (16-bit or float): the same value in R, G and B
         arr = np.repeat(arr[:, :, None], 3, axis=2)
     return torch.from_numpy(arr.clip(0, 255)).permute(2, 0, 1).div(127.5).sub(1.0)
+
+
+def open_image(path: str):
+    """PIL's image of a regular file: a FIFO in an image folder from elsewhere would hang the reader."""
+    if not os.path.isfile(path):
+        raise OSError(f"{path} is not a regular file (a FIFO, device or folder)")
+    return Image.open(path)
 
 
 WIDE_MODES = ("I;16", "I;16B", "I;16L", "I", "F")
@@ -65,7 +72,7 @@ def first_image_sizes(folder: str, classes: list[str]) -> list[tuple[int, int]]:
         for name in sorted(os.listdir(os.path.join(folder, cls))):
             if name.lower().endswith(EXTENSIONS):
                 try:
-                    with Image.open(os.path.join(folder, cls, name)) as im:
+                    with open_image(os.path.join(folder, cls, name)) as im:
                         sizes.append(im.size)
                     break
                 except UNREADABLE:

@@ -20,6 +20,8 @@ LABEL_DTYPES = ("I64", "I32", "I16", "I8", "U8")
 
 
 def open_shard(path: str):
+    if not os.path.isfile(path):  # a FIFO would hang the reader
+        raise ValueError(f"latent shard {path} is not a regular file (a FIFO, device or folder)")
     try:
         return safe_open(path, framework="pt")
     except SafetensorError as e:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import os
+import io
 
 import numpy as np
 import torch
 from PIL import Image
+
+from dit_train.runs.atomic_io import atomic_write_bytes
 
 
 def to_uint8(x: torch.Tensor) -> np.ndarray:
@@ -34,15 +36,18 @@ def save_grid(images: torch.Tensor, path: str, nrow: int, pad: int = 2, min_size
         r, col = divmod(i, ncol)
         y0, x0 = pad + r * (h + pad), pad + col * (w + pad)
         canvas[y0 : y0 + h, x0 : x0 + w] = to_uint8(images[i])
-    tmp = path + ".tmp.png"
-    Image.fromarray(canvas).save(tmp)
-    os.replace(tmp, path)
-    return path
+    return _write_png(canvas, path)
 
 
 def save_image(image: torch.Tensor, path: str) -> str:
     """One image [C, H, W] in [-1, 1] -> PNG at its own size; written atomically."""
-    tmp = path + ".tmp.png"
-    Image.fromarray(to_uint8(image)).save(tmp)
-    os.replace(tmp, path)
+    return _write_png(to_uint8(image), path)
+
+
+def _write_png(pixels: np.ndarray, path: str) -> str:
+    """Encoded in memory, then written atomically: a full disk leaves no partial file, a link planted at the temp
+    name (a run folder from elsewhere) is not written through."""
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    atomic_write_bytes(buffer.getvalue(), path)
     return path

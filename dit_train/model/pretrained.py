@@ -122,9 +122,18 @@ def load_pretrained(cls, path: str, device="cpu"):
         architecture.validate()  # a folder from elsewhere: types and ranges checked before anything is built
     except ValueError as e:
         raise ValueError(f"{file!r}: {e}") from None
-    model = cls(architecture)
+    with torch.device("meta"):  # shapes only: a config.json from elsewhere declaring a huge model allocates nothing
+        model = cls(architecture)
     weights = os.path.join(folder, WEIGHTS_FILE)
     if not os.path.isfile(weights):  # the transformer/ folder of an export: diffusers' name
         weights = os.path.join(folder, DIFFUSERS_WEIGHTS_FILE)
-    model.load_state_dict(load_file(weights))
+    expected = model.state_dict()
+    state = {k: v.to(expected[k].dtype) if k in expected else v for k, v in load_file(weights).items()}
+    try:
+        model.load_state_dict(state, assign=True)  # the file's own tensors, of the model's dtype
+    except RuntimeError as e:
+        raise ValueError(f"{weights!r} does not hold the weights of the model {file!r} describes "
+                         f"({' '.join(str(e).split())[:300]})") from None
+    model.pos_embed = torch.empty(model.pos_embed.shape)  # not saved: computed
+    model.reset_buffers()
     return model.to(device).eval()

@@ -127,21 +127,30 @@ def init_distributed(single_process_group: bool = False, device: str | torch.dev
 
 
 class CollectiveTimeout(RuntimeError):
-    """A collective waited longer than parallel.timeout_minutes: a peer rank died or hangs."""
+    """A collective waited longer than parallel.timeout_minutes (a peer rank died or hangs), or its transport saw a
+    peer die (gloo: the connection closed at once)."""
+
+
+PEER_DIED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")  # gloo's words for a dead peer
 
 
 @contextlib.contextmanager
 def collective_timeouts(timeout_minutes: float):
-    """Turns the backend's timeout error (gloo: RuntimeError "Timed out ...", NCCL: DistBackendError) into one line
-    that says what happened and which knob sets the wait."""
+    """Turns the backend's timeout error (gloo: RuntimeError "Timed out ...", NCCL: DistBackendError), and gloo's report
+    of a dead peer, into one line that says what happened (and for a wait, which knob sets it)."""
     try:
         yield
     except RuntimeError as e:
         text = str(e)
-        if isinstance(e, CollectiveTimeout) or not ("Timed out" in text or "timed out" in text or "Timeout" in text):
+        died = any(s in text for s in PEER_DIED)
+        if isinstance(e, CollectiveTimeout) or not (died or "Timed out" in text or "timed out" in text
+                                                    or "Timeout" in text):
             raise
         rank = dist.get_rank() if dist.is_initialized() else 0
         first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+        if died:
+            raise CollectiveTimeout(f"rank {rank}: another rank died during a collective ({first[:160]}); "
+                                    f"see its log for why") from None
         raise CollectiveTimeout(f"rank {rank}: a collective waited more than parallel.timeout_minutes="
                                 f"{timeout_minutes:g} for another rank, which died or hangs ({first[:160]})") from None
 

@@ -19,15 +19,27 @@ def fsync_dir(path: str) -> None:
 
 
 def write_synced(data: bytes, path: str) -> None:
-    """Write and fsync (for files inside a folder that is itself renamed into place when complete)."""
-    with open(path, "wb") as f:
+    """Write a new file and fsync it (for files inside a folder that is itself renamed into place when complete).
+    The name must be free, and a symbolic link there is never written through (O_EXCL, O_NOFOLLOW): a temp name
+    planted as a link in a folder from elsewhere would otherwise overwrite the link's target."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+    with os.fdopen(fd, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
 
 
-def atomic_write_bytes(data: bytes, path: str) -> None:
+def temp_name(path: str) -> str:
+    """The temp name of `path` for this process, free: a leftover of a dead writer with the same pid, or a link
+    planted there in a folder from elsewhere, is removed (never written through)."""
     tmp = f"{path}.tmp-{os.getpid()}"
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(tmp)
+    return tmp
+
+
+def atomic_write_bytes(data: bytes, path: str) -> None:
+    tmp = temp_name(path)
     try:
         write_synced(data, tmp)
         os.replace(tmp, path)
@@ -51,7 +63,7 @@ def atomic_save_tensors(tensors: dict, path: str, metadata: dict | None = None) 
     save_file itself creates its file 0600, which would hide exported weights and latent shards from other users."""
     from safetensors.torch import save_file
 
-    tmp = f"{path}.tmp-{os.getpid()}"
+    tmp = temp_name(path)
     try:
         try:
             save_file(tensors, tmp, metadata=metadata)

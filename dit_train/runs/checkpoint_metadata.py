@@ -8,15 +8,18 @@
   class, a function or an enum member would set attributes of our own code), and no persistent ids;
 - a check of the result's shape: DCP's dataclasses in the places DCP puts them, and storage entries that name a
   plain file in the checkpoint folder (`__0_0.distcp`, never `../x` or `/etc/passwd`) with no byte transforms;
-- the files themselves: regular files, never a symbolic link (to a file elsewhere) or a FIFO (a reader that hangs).
+- the files themselves: regular files, never a symbolic link (to a file elsewhere) or a FIFO (a reader that hangs);
+- the sizes: the tensors it declares fit in its shard files (the readers allocate what it declares: a crafted size of
+  terabytes was an allocation failure, or an out-of-memory where the allocator gave the memory).
 Anything else is refused with one line: `RefusedMetadata` (could run code or read elsewhere) or `DamagedMetadata`
-(empty, truncated or not DCP's).
+(empty, truncated, declaring more than it holds, or not DCP's).
 """
 
 from __future__ import annotations
 
 import collections
 import io
+import math
 import os
 import pathlib
 import pickle
@@ -87,8 +90,16 @@ def read(path: str) -> dcp_md.Metadata:
     check_plain_file(path, ".metadata")
     with open(os.path.join(path, ".metadata"), "rb") as f:
         metadata = loads(f.read())
-    for name in sorted({info.relative_path for info in metadata.storage_data.values()}):
+    shards = sorted({info.relative_path for info in metadata.storage_data.values()})
+    for name in shards:
         check_plain_file(path, name)
+    files = [os.path.join(path, name) for name in shards]
+    stored = sum(os.path.getsize(file) for file in files if os.path.isfile(file))  # a missing one: damage, later
+    declared = sum(math.prod(item.size) * item.properties.dtype.itemsize
+                   for item in metadata.state_dict_metadata.values() if type(item) is dcp_md.TensorStorageMetadata)
+    if declared > stored:  # no byte transforms: every tensor byte is in a shard (readers allocate what is declared)
+        raise DamagedMetadata(f"its .metadata declares {declared} bytes of tensors, more than its shard files hold "
+                              f"({stored} bytes)")
     return metadata
 
 
@@ -129,6 +140,11 @@ def check(metadata) -> None:
     for key, item in metadata.state_dict_metadata.items():
         if not isinstance(key, str) or type(item) not in (dcp_md.TensorStorageMetadata, dcp_md.BytesStorageMetadata):
             raise damaged(f"entry {key!r} is a {type(item).__name__}")
+        tensor = type(item) is dcp_md.TensorStorageMetadata
+        if tensor and not (isinstance(item.size, torch.Size) and all(type(n) is int and n >= 0 for n in item.size)
+                           and type(item.properties) is dcp_md.TensorProperties
+                           and isinstance(item.properties.dtype, torch.dtype)):
+            raise damaged(f"entry {key!r} has size {item.size!r} and properties {item.properties!r}")
     storage = metadata.storage_data
     if not isinstance(storage, dict):
         raise damaged("storage_data is not a dict")

@@ -16,7 +16,7 @@ from dit_train.runs.hydra_files import write_hydra_files
 from dit_train.parallel.fsdp import DistInfo, broadcast_object
 from dit_train.runs.resume_policy import check_resume
 from dit_train.runs.provenance import write_run_info
-from dit_train.runs.in_place_files import refuse_links
+from dit_train.runs.in_place_files import refuse_writes_outside
 from dit_train.runs.lock import RunLock
 from dit_train.runs.timeline import set_aside_after
 
@@ -34,7 +34,7 @@ def prepare_run_folder(cfg, dist: DistInfo) -> RunLock | None:
             record = os.path.join(cfg.run_dir, wandb_run.RECORD)
             if cfg.logger.wandb.mode != "disabled" and os.path.exists(record):
                 wandb_run.read_identity(record)  # a damaged one is refused before anything is written
-            refuse_links(cfg.run_dir)
+            refuse_writes_outside(cfg.run_dir)
             os.makedirs(cfg.run_dir, exist_ok=True)
             lock = RunLock(cfg.run_dir).acquire()
             for stale in remove_stale_temp_files(cfg.run_dir):

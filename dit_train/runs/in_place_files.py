@@ -1,7 +1,11 @@
-"""The files of a run folder that a run writes in place instead of renaming a new file over them: the lock (truncated
-and rewritten), metrics.jsonl (a torn last row cut off, then appended to) and Hydra's log (appended to). In a run
-folder from elsewhere a symbolic link at one of these names made a resume write into the link's target
-(`.lock -> ~/.bashrc` emptied it), so such a folder is refused before anything is written."""
+"""The places of a run folder that a run writes through instead of renaming a new file over them: the files it writes
+in place (the lock, truncated and rewritten; metrics.jsonl, a torn last row cut off, then appended to; Hydra's log,
+appended to), the folders it writes, moves and deletes inside (checkpoints/, where pruning deletes and leftovers of
+saves are removed; samples/; abandoned/; .hydra/; wandb/; nccl_traces/) and the checkpoints themselves (a resume
+rewrites a checkpoint's train_state.json). In a run folder from elsewhere a symbolic link at one of these made a
+resume write or delete at the link's target (`.lock -> ~/.bashrc` emptied it; `checkpoints -> /shared/other_run/
+checkpoints` had the other run's checkpoints pruned), and a FIFO in place of a file hung it (Hydra's log opened for
+appending waits for a reader), so such a folder is refused before anything is written."""
 
 from __future__ import annotations
 
@@ -13,14 +17,27 @@ from dit_train.telemetry.logger import METRICS_FILE
 
 HYDRA_LOG = "dit_train.log"  # Hydra's job log, <job name>.log; the job is named after the dit_train module
 IN_PLACE = (LOCK_NAME, METRICS_FILE, HYDRA_LOG)
+# the folders a run writes inside (checkpoint.py, evaluation/during_training.py, timeline.py, hydra_files.py,
+# wandb's dir=run_dir, backend_env.py): tests/integration/test_run_folder.py checks that a run makes no other
+WRITTEN_FOLDERS = ("checkpoints", "samples", "abandoned", ".hydra", "wandb", "nccl_traces")
 
 
-def refuse_links(run_dir: str) -> None:
-    """Raise ConfigError (one line) if a file the run writes in place is a symbolic link."""
-    for name in IN_PLACE:
-        path = os.path.join(run_dir, name)
+def refuse_writes_outside(run_dir: str) -> None:
+    """Raise ConfigError (one line) if a file the run writes in place, a folder it writes inside or one of its
+    checkpoints is a symbolic link, or a file it writes in place is not a regular file."""
+    checkpoints = os.path.join(run_dir, "checkpoints")
+    entries = sorted(os.listdir(checkpoints)) if os.path.isdir(checkpoints) and not os.path.islink(checkpoints) else []
+    for path in [os.path.join(run_dir, name) for name in IN_PLACE + WRITTEN_FOLDERS] + \
+            [os.path.join(checkpoints, name) for name in entries]:
         if os.path.islink(path):
-            raise invalid("run_dir", run_dir, f"{path} is a symbolic link (to {os.readlink(path)}); a run writes "
-                                              f"this file in place, so it would write outside the run folder: "
-                                              f"remove the link, or fork the run with train.init_from={run_dir} "
-                                              f"into a new run_dir")
+            _refuse(run_dir, f"{path} is a symbolic link (to {os.readlink(path)}); a run writes there, so it would "
+                             f"write or delete outside the run folder")
+    for path in [os.path.join(run_dir, name) for name in IN_PLACE]:
+        if os.path.exists(path) and not os.path.isfile(path):
+            _refuse(run_dir, f"{path} is not a regular file (a FIFO, socket, device or folder); a run writes this "
+                             f"file in place")
+
+
+def _refuse(run_dir: str, why: str):
+    raise invalid("run_dir", run_dir, f"{why}: remove it, or fork the run with train.init_from={run_dir} into a "
+                                      f"new run_dir")

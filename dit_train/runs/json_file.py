@@ -5,6 +5,7 @@ instead of a traceback from the JSON parser that names neither."""
 from __future__ import annotations
 
 import json
+import os
 
 
 class DamagedJSONFile(ValueError):
@@ -15,6 +16,8 @@ def read_json(path: str, keys: tuple[str, ...] = (), fix: str = ""):
     """The value in `path`; with `keys`, a JSON object that must hold each of them. A missing file raises
     FileNotFoundError as open() does (callers decide what a missing file means); `fix` ends the message."""
     after = f"; {fix}" if fix else ""
+    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO hung the reader forever
+        raise DamagedJSONFile(f"{path} is not a regular file (a FIFO, socket, device or folder){after}")
     try:
         with open(path, encoding="utf-8") as f:
             value = json.load(f)

@@ -39,6 +39,7 @@ def continue_saved_config(cfg, overrides: list[str]):
     path, saved = found
     from dit_train.config.schemas import recorded_before
     from dit_train.runs.resume_policy import flatten
+    from dit_train.runs.checkpoint import literal_config
 
     earlier = recorded_before()
 
@@ -57,7 +58,7 @@ def continue_saved_config(cfg, overrides: list[str]):
                     str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
         return cfg
     named = _named_keys(own)
-    kept = flatten(saved)
+    kept = flatten(literal_config(saved))  # a crafted `${oc.env:...}` stays a string: nothing resolves
     merged, set_here = {}, []
     for key, value in now.items():
         from_command = key in ALWAYS_FROM_COMMAND or any(key == n or key.startswith(n + ".") for n in named) \

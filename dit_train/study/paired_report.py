@@ -36,7 +36,8 @@ from collections import defaultdict
 
 import scipy.stats
 
-from dit_train.runs.json_file import DamagedJSONFile, read_json
+from dit_train.runs.json_file import DamagedJSONFile
+from dit_train.study.record import read_study
 from dit_train.study import stability
 from dit_train.study.report import Run, banner, fmt, provenance, read_run
 from dit_train.study.run import axes_label, variant_label  # variant_label: the key of study.json's lr_selection
@@ -224,8 +225,7 @@ def paired_section(runs: dict, reference: str, margin: float, heading: str, at_s
 def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN,
           references: list[str] | None = None) -> str:
     out_dir = out_dir or sweep_dir
-    study = read_json(os.path.join(sweep_dir, "study.json"),
-                      fix="restore it from a copy (dit-study writes it)")
+    study = read_study(os.path.join(sweep_dir, "study.json"))
     if "lr_selection" not in study:
         raise SystemExit(f"error: {sweep_dir}/study.json has no lr_selection: not a two-phase study, or its lr scan "
                          f"has not finished (run: dit-study {study.get('experiment', '?')})")

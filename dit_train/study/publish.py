@@ -20,7 +20,8 @@ import sys
 from dit_train.study import paired_report, report
 from dit_train.study import run as run_study
 from dit_train.runs.atomic_io import atomic_write_bytes
-from dit_train.runs.json_file import DamagedJSONFile, read_json
+from dit_train.runs.json_file import DamagedJSONFile
+from dit_train.study.record import read_study
 
 RECORDS = ("config.yaml", "metrics.jsonl", "summary.json", "run_info.json")
 
@@ -49,7 +50,7 @@ def merge_study_record(src: str, dst: str) -> None:
     published banner (report.banner)."""
     if not os.path.exists(src):
         return
-    record = read_json(src, fix="restore it from a copy (dit-study writes it)")
+    record = read_study(src)
     published = read_study_record(os.path.dirname(dst))
     if published.get("banner"):
         record["banner"] = published["banner"]
@@ -66,7 +67,7 @@ def read_study_record(folder: str) -> dict:
     path = os.path.join(folder, "study.json")
     if not os.path.exists(path):
         return {}
-    return read_json(path, fix="restore it from a copy (dit-study writes it)")
+    return read_study(path)
 
 
 def main(argv=None) -> int:

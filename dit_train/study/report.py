@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from dit_train.runs.json_file import DamagedJSONFile, read_json
+from dit_train.runs.json_file import DamagedJSONFile
+from dit_train.study.record import read_study
 
 PHASES = ("data", "forward", "backward", "optimizer compute", "exposed communication")
 WARMUP_ROWS = 2  # the first logged rows include one-off costs (allocation, first NS5); left out of time means
@@ -99,11 +100,15 @@ def read_metrics(path: str) -> list[dict]:
     rows: dict[tuple, dict] = {}
     if not os.path.exists(path):
         return []
+    if not os.path.isfile(path):  # a FIFO hung the reader forever
+        raise ValueError(f"{path} is not a regular file (a FIFO, socket, device or folder)")
     with open(path) as f:
         for line in f:
             try:
                 r = json.loads(line)
             except json.JSONDecodeError:
+                continue
+            if not isinstance(r, dict) or type(r.get("step", 0)) is not int:  # a hand-edited line: not a row
                 continue
             r = {k: float(v) if isinstance(v, str) and v.lower() in NON_FINITE else v for k, v in r.items()}
             kind = next((k for k in ("train/loss", "val/loss", "fd") if k in r), "other")
@@ -193,7 +198,7 @@ def find_runs(sweep_dir: str) -> list[Run]:
             seen.add(name)
     study = os.path.join(sweep_dir, "study.json")
     if os.path.exists(study):
-        for r in read_json(study, ("runs",), fix="restore it from a copy (dit-study writes it)")["runs"]:
+        for r in read_study(study, ("runs",))["runs"]:
             if r["name"] not in seen:
                 label = optimizer_label({"name": r["optimizer"], **({"K": r["K"]} if r.get("K") is not None else {}),
                                          "rownorm_scale": r.get("scale")})
@@ -598,8 +603,7 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
         raise SystemExit(f"error: no run folders (config.yaml + metrics.jsonl) under {sweep_dir!r}")
     study = {}
     if os.path.exists(os.path.join(sweep_dir, "study.json")):
-        study = read_json(os.path.join(sweep_dir, "study.json"),
-                          fix="restore it from a copy (dit-study writes it)")
+        study = read_study(os.path.join(sweep_dir, "study.json"))
     images = plots(runs, out_dir)
     n_done = sum(r.status == "finished" for r in runs)
     parts = [

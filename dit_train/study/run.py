@@ -42,6 +42,7 @@ from dit_train.config.files import CONF_DIR
 from dit_train.runs.atomic_io import atomic_write_bytes
 from dit_train.runs.checkpoint import newest_step
 from dit_train.runs.json_file import read_json
+from dit_train.study.record import read_study
 from dit_train.runs.provenance import CHECKOUT, git_commit
 from dit_train.study.report import read_metrics
 
@@ -307,7 +308,7 @@ def previous_invocations(sweep_dir: str) -> list[dict]:
     path = os.path.join(sweep_dir, "study.json")
     if not os.path.exists(path):
         return []
-    old = read_json(path, fix="restore it, or move it away to start the study's record afresh")
+    old = read_study(path, fix="restore it, or move it away to start the study's record afresh")
     if "invocations" in old:
         return old["invocations"]
     return [{"command": old["command"], "git_commit": old.get("git_commit")}] if "command" in old else []

@@ -339,3 +339,36 @@ def test_an_exported_folder_from_elsewhere_is_checked_before_anything_is_built(t
     with pytest.raises(ValueError, match=match) as e:
         DiT.from_pretrained(str(tmp_path))
     assert "config.json" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_exported_config_declaring_a_huge_model_is_refused_before_anything_is_allocated(tmp_path):
+    """config.json from elsewhere declaring hidden_size 131072 (a 69 GB first block matrix) beside small weights:
+    the model was built and initialised before the weights were read (an OOM kill where the allocator gives the
+    memory; here it refuses and the traceback names no file). It is built on meta, so the weights decide."""
+    import json
+
+    from dit_train.model.dit import DiT, DiTConfig
+
+    DiT(DiTConfig(image_size=8, patch_size=2, hidden_size=32, depth=1, num_heads=2)).save_pretrained(str(tmp_path))
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_size": 131072, "num_heads": 1024}))
+    with pytest.raises(ValueError, match=r"model\.safetensors' does not hold the weights of the model .*config\.json")\
+            as e:
+        DiT.from_pretrained(str(tmp_path))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("size", [[10**12], [-1], ["3"]])
+def test_a_declared_tensor_size_the_shards_cannot_hold_is_damage_found_before_allocating(tmp_path, size):
+    """A `.metadata` declaring a 4 TB tensor: the export, sampling and FD readers allocated what it declared (an
+    allocation failure as a traceback, or an out-of-memory where the allocator gave the memory); a negative or
+    non-integer size failed inside torch. Each is one line saying the checkpoint is damaged."""
+    run_dir, path = saved_run(tmp_path)
+
+    def huge(metadata):
+        metadata.state_dict_metadata["ema.w"].size = torch.Size(size) if size != ["3"] else ("3",)
+
+    rewrite_metadata(path, huge)
+    with pytest.raises(ckpt.CheckpointError, match="is damaged: its .metadata (declares|is not a DCP)") as e:
+        ckpt.load_ema_weights(run_dir)
+    assert "\n" not in str(e.value)

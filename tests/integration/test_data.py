@@ -1,4 +1,5 @@
 import gzip
+import json
 import os
 import shutil
 import subprocess
@@ -387,3 +388,102 @@ def test_an_image_folder_without_val_holds_out_a_fixed_part_as_validation(tmp_pa
         Image.new("RGB", (8, 8)).save(tmp_path / "tiny" / "a" / f"{i}.png")
     train, val = splits(tmp_path / "tiny")
     assert len(train) == 2 and len(val) == 1 and not train & val
+
+
+# ---- data files from elsewhere: no hang, no memory filled from a declared size ----------------------------------
+def idx_header(*dims):
+    import struct
+
+    return b"\0\0\x08" + bytes([len(dims)]) + struct.pack(">" + "I" * len(dims), *dims)
+
+
+@pytest.mark.parametrize("attack", ["gzip bomb", "wrapping product", "link to /dev/zero", "fifo"])
+def test_a_crafted_idx_file_is_one_line_without_filling_memory_or_hanging(tmp_path, attack):
+    """A gzip bomb (a 60 kB .gz declaring 1e9 images, decompressing to 60 MB): the whole stream was decompressed
+    into memory before the header was checked. A link to /dev/zero was read without end, a FIFO hung the reader. A
+    header whose int64 product wraps round guards the bounded read. Each is one line naming the file, in seconds."""
+    import signal
+    import tracemalloc
+
+    from dit_train.data.fashion_mnist import read_idx
+
+    path = tmp_path / ("train-images-idx3-ubyte" + (".gz" if attack == "gzip bomb" else ""))
+    if attack == "gzip bomb":
+        path.write_bytes(gzip.compress(idx_header(10**9, 28, 28) + bytes(60 * 10**6), compresslevel=9))
+        match = r"more than a \d+-byte file can hold"
+    elif attack == "wrapping product":
+        path.write_bytes(idx_header(2**32 - 1, 2**32 - 1, 2**32 - 1, 2**32 - 1, 2**32 - 1) + bytes(64))
+        match = "more than a 88-byte file can hold"
+    elif attack == "link to /dev/zero":
+        os.symlink("/dev/zero", path)
+        match = "is not a regular file"
+    else:
+        os.mkfifo(path)
+        match = "is not a regular file"
+
+    def hung(*_):
+        raise TimeoutError("the reader hung")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    tracemalloc.start()
+    signal.alarm(20)
+    try:
+        with pytest.raises(ValueError, match=match) as e:
+            read_idx(str(path))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        tracemalloc.stop()
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+    assert peak < 10**6  # bytes: the bomb was never decompressed (60 MB)
+
+
+def test_a_fifo_among_latent_shards_or_images_is_one_line_not_a_hang(tmp_path):
+    """A FIFO in a data folder from elsewhere hung the reader: PIL's open could be interrupted, safetensors' open
+    cannot (it retries after a signal), so before the fix this test hung rather than failed."""
+    import signal
+
+    write_latent_split(tmp_path)
+    os.mkfifo(tmp_path / "train" / "shard_00001.safetensors")
+    make_split_folders(tmp_path / "images")
+    os.mkfifo(tmp_path / "images" / "train" / "cat" / "3.png")
+
+    def hung(*_):
+        raise TimeoutError("the reader hung on the FIFO")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    try:
+        with pytest.raises(ValueError, match=r"shard_00001\.safetensors is not a regular file"):
+            build_dataset(OmegaConf.create({"name": "latents", "root": str(tmp_path), "image_size": 8, "channels": 4,
+                                            "num_classes": 10}), "train")
+        images = build_dataset(OmegaConf.create({"name": "image_folder", "root": str(tmp_path / "images"),
+                                                 "image_size": 16}), "train")
+        fifo = [i for i, (p, _) in enumerate(images.samples) if p.endswith("3.png")]
+        assert len(fifo) == 1
+        with pytest.raises(ValueError, match=r"corrupt image .*3\.png: .* is not a regular file"):
+            images[fifo[0]]
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("vae_config, info, named", [
+    ('{"scaling_factor": 0.18', {"scaling_factor": 0.18, "shift_factor": 0.0}, r"config\.json is not valid JSON"),
+    ('{"scaling_factor": "big"}', {"scaling_factor": 0.18, "shift_factor": 0.0}, "numeric scaling_factor"),
+    ('{"scaling_factor": 0.18}', {"scaling_factor": [1], "shift_factor": 0.0}, "holds factors that are not numbers"),
+])
+def test_a_damaged_vae_config_or_latents_info_is_one_line(tmp_path, vae_config, info, named):
+    """A VAE folder from elsewhere whose config.json is torn or holds a string factor, or a latents_info.json whose
+    factor is not a number: the config check stopped in a traceback (JSONDecodeError, ValueError, TypeError)."""
+    from dit_train.config.latents import check_latent_run
+
+    write_latent_split(tmp_path / "latents")
+    (tmp_path / "latents" / "latents_info.json").write_text(json.dumps({**info, "complete": True}))
+    (tmp_path / "vae").mkdir()
+    (tmp_path / "vae" / "config.json").write_text(vae_config)
+    with pytest.raises(ConfigError, match=named) as e:
+        check_latent_run({"name": "dit_1b3", "image_size": 8}, {"root": str(tmp_path / "latents")},
+                         {"path": str(tmp_path / "vae")}, needs_decoding=True)
+    assert "\n" not in str(e.value)

@@ -250,3 +250,32 @@ def test_fd_dino_command_errors_are_one_line(tmp_path, case):
     r = subprocess.run([sys.executable, "-m", "dit_train.evaluation.fd.job", str(run_dir), "--device", "cpu"],
                        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
     assert r.returncode == 2 and r.stderr.splitlines() == [expected], r.stderr
+
+
+@pytest.mark.parametrize("attack", ["wrong shapes", "non-finite", "zip bomb"])
+def test_a_crafted_cached_reference_is_recomputed_not_used(tmp_path, extractor, monkeypatch, attack):
+    """A cache file from elsewhere (a shared cache_dir) under the right name and key, holding statistics of another
+    shape, NaNs, or a covariance member that decompresses to 128 MB: it was used as it was (an FD of wrong
+    numbers, or an error mid-run), the bomb read whole. Each is reported and recomputed; the bomb is not read."""
+    import tracemalloc
+
+    ds = ToyDataset()
+    ref = load_or_compute_reference(extractor, ds, "train", 64, tmp_path, batch_size=32, log=lambda *_: None)
+    with np.load(ref.path) as z:
+        fields = {k: z[k] for k in z.files}
+    d = {"wrong shapes": 8, "non-finite": 32, "zip bomb": 4000}[attack]
+    fields.update(mean=np.zeros(d), cov=np.full((d, d), np.nan if attack == "non-finite" else 0.0))
+    with open(ref.path, "wb") as f:
+        np.savez_compressed(f, **fields)
+    calls, said = [], []
+    real = refmod.compute_reference
+    monkeypatch.setattr(refmod, "compute_reference", lambda *a, **k: calls.append(1) or real(*a, **k))
+    tracemalloc.start()
+    try:
+        again = load_or_compute_reference(extractor, ds, "train", 64, tmp_path, batch_size=32, log=said.append)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert calls == [1] and again.stats.dim == 32 and np.isfinite(again.stats.cov).all()
+    assert any("could not read cached reference" in line for line in said), said
+    assert peak < 64 * 10**6  # bytes: the 128 MB member was never decompressed

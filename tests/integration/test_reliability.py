@@ -241,3 +241,27 @@ def test_a_full_disk_while_logging_metrics_is_one_line_naming_metrics_jsonl(tmp_
     assert proc.returncode == 1 and "Traceback" not in err, err
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"error: No space left on device (ENOSPC): '{run_dir}/metrics.jsonl'"), err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_at_the_worst_moment_of_a_save_lets_it_finish(tmp_path, monkeypatch, signum):
+    """SIGTERM or Ctrl-C after the tensors are written and before the COMPLETE marker (the moment a stop that
+    raised there would leave a checkpoint without its marker): the signal is recorded, the save completes, and the
+    previous checkpoint is still there."""
+    from dit_train.trainer.preemption import Preemption
+
+    run_dir = str(tmp_path / "run")
+    tensors = {"ema": {"w": torch.ones(3)}}
+    ckpt.save(run_dir, 1, tensors, {"step": 1, "config": {}}, keep_last=0)
+    real = ckpt.write_synced
+
+    def signalled(data, path):
+        if path.endswith(ckpt.MARKER):
+            os.kill(os.getpid(), signum)
+        real(data, path)
+
+    monkeypatch.setattr(ckpt, "write_synced", signalled)
+    with Preemption() as preemption:
+        ckpt.save(run_dir, 2, tensors, {"step": 2, "config": {}}, keep_last=0)
+    assert preemption.signal_name == signal.Signals(signum).name
+    assert [os.path.basename(p) for p in ckpt.list_checkpoints(run_dir)] == ["step_00000001.dcp", "step_00000002.dcp"]

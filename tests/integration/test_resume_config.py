@@ -4,6 +4,7 @@ unless the original command was repeated in full (each key it did not repeat lis
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -64,3 +65,25 @@ def test_a_fork_starts_from_its_sources_config_with_the_command_lines_changes(ru
     config = json.load(open(run / "fork" / "checkpoints" / "step_00000002.dcp" / "train_state.json"))["config"]
     assert config["optimizer"]["name"] == "muon" and config["optimizer"]["lr"] == 1e-3
     assert config["model"]["hidden_size"] == 32 and config["train"]["batch_size"] == 8
+
+
+def test_a_crafted_saved_config_resolves_nothing_on_resume(run, tmp_path, monkeypatch):
+    """A run folder from elsewhere whose checkpoint's config holds `${oc.env:...}`: the resumed config kept it as
+    an interpolation, so the reader's environment went into config.yaml, the logs and wandb's config. It is taken
+    literally, as sampling and export take it."""
+    from omegaconf import OmegaConf
+
+    from conftest import compose
+    from dit_train.runs.resume_config import continue_saved_config
+
+    monkeypatch.setenv("DIT_TRAIN_TEST_SECRET", "s3cret")
+    copy = tmp_path / "copy"
+    shutil.copytree(run / "run", copy)
+    for state_file in copy.glob("checkpoints/*.dcp/train_state.json"):
+        state = json.loads(state_file.read_text())
+        state["config"]["logger"]["wandb"]["project"] = "${oc.env:DIT_TRAIN_TEST_SECRET}"
+        state_file.write_text(json.dumps(state))
+    overrides = [f"run_dir={copy}", "train.resume=auto"]
+    resumed = continue_saved_config(compose(overrides), overrides)
+    assert resumed.logger.wandb.project == "${oc.env:DIT_TRAIN_TEST_SECRET}"
+    assert "s3cret" not in OmegaConf.to_yaml(resumed, resolve=True)

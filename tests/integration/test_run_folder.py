@@ -384,6 +384,60 @@ def test_a_link_in_the_run_folder_is_refused_before_anything_outside_it_is_writt
     assert victim.read_bytes() == b"important\nno newline at the end"
 
 
+def test_a_linked_checkpoints_folder_is_refused_before_another_runs_checkpoints_are_pruned(tmp_path):
+    """A copy of a run folder whose `checkpoints` links to the original run's: resuming it trained on, saved into
+    the original's folder and pruned (train.keep_last) its checkpoints, and removed its `*.tmp` folders as leftovers
+    of saves. Refused in one line before anything is written; the original is untouched."""
+    original = tmp_path / "original"
+    run(tiny(original))
+    (original / "checkpoints" / "notes.tmp").mkdir()  # not a save's leftover: a folder of the original's owner
+    before = sorted(os.listdir(original / "checkpoints"))
+    os.makedirs(tmp_path / "copy")
+    os.symlink(original / "checkpoints", tmp_path / "copy" / "checkpoints")
+    with pytest.raises(ConfigError, match=r"checkpoints is a symbolic link .* would write or delete outside") as e:
+        run(tiny(tmp_path / "copy", "train.resume=auto", "train.steps=6", "train.keep_last=1"))
+    assert "\n" not in str(e.value)
+    assert sorted(os.listdir(original / "checkpoints")) == before
+    assert sorted(os.listdir(tmp_path / "copy")) == ["checkpoints"]
+
+
+def test_a_linked_checkpoint_or_written_folder_or_a_fifo_is_refused(tmp_path):
+    """A checkpoint linked to one elsewhere (a resume rewrites its train_state.json), each folder a run writes
+    inside (checkpoints, samples, abandoned, .hydra, wandb, nccl_traces) linked to a folder elsewhere, and a FIFO
+    in place of a file the run writes in place (Hydra's log opened for appending waited for a reader forever)."""
+    from dit_train.runs.in_place_files import IN_PLACE, WRITTEN_FOLDERS, refuse_writes_outside
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.makedirs(tmp_path / "run" / "checkpoints")
+    os.symlink(elsewhere, tmp_path / "run" / "checkpoints" / "step_00000002.dcp")
+    with pytest.raises(ConfigError, match=r"step_00000002\.dcp is a symbolic link"):
+        refuse_writes_outside(str(tmp_path / "run"))
+    for name in WRITTEN_FOLDERS:
+        folder = tmp_path / ("run_" + name.strip("."))
+        folder.mkdir()
+        os.symlink(elsewhere, folder / name)
+        with pytest.raises(ConfigError, match=f"{re.escape(name)} is a symbolic link"):
+            refuse_writes_outside(str(folder))
+    for name in IN_PLACE:
+        folder = tmp_path / ("fifo_" + name.strip("."))
+        folder.mkdir()
+        os.mkfifo(folder / name)
+        with pytest.raises(ConfigError, match=f"{re.escape(name)} is not a regular file"):
+            refuse_writes_outside(str(folder))
+
+
+def test_a_run_writes_no_folder_the_link_check_does_not_know(tmp_path):
+    """WRITTEN_FOLDERS names every folder a run makes in its run folder (with samples, a resume that sets a timeline
+    aside and Hydra's record): a new one must be added there, or a link at its name would be followed."""
+    from dit_train.runs.in_place_files import WRITTEN_FOLDERS
+
+    run(tiny(tmp_path / "run", "train.sample_every=2"))
+    run(tiny(tmp_path / "run", "train.resume=" + str(tmp_path / "run" / "checkpoints" / "step_00000002.dcp")))
+    folders = {name for name in os.listdir(tmp_path / "run") if os.path.isdir(tmp_path / "run" / name)}
+    assert {"checkpoints", "samples", "abandoned"} <= folders <= set(WRITTEN_FOLDERS), folders
+
+
 def test_stale_temp_files_of_a_dead_writer_are_removed_first(tmp_path):
     os.makedirs(tmp_path / "run")
     (tmp_path / "run" / "run_info.json.tmp-99999").write_text("torn")
@@ -425,27 +479,34 @@ def test_a_second_sigterm_during_the_shutdown_keeps_the_requeue_exit_code(tmp_pa
     assert len(ckpt.list_checkpoints(str(tmp_path / "run"))) == 1
 
 
-def _hung_peer(rank, port, queue):
+def _faulty_peer(rank, port, queue, fault, timeout_minutes):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
                       LOCAL_RANK=str(rank))
     import torch.distributed as dist
 
     from dit_train.parallel.fsdp import collective_timeouts, init_distributed
 
-    init_distributed(timeout_minutes=0.05)  # 3 s
+    init_distributed(timeout_minutes=timeout_minutes)
+    if fault == "dies":
+        dist.barrier()
     if rank == 1:
+        if fault == "dies":
+            os._exit(1)  # dies mid-step: its peer is about to reduce the loss with it
         time.sleep(60)  # hangs: never joins the collective
         return
     t0 = time.time()
     try:
-        with collective_timeouts(0.05):
-            dist.all_reduce(torch.ones(1))
+        with collective_timeouts(timeout_minutes):
+            for _ in range(3):
+                dist.all_reduce(torch.ones(1))
+                time.sleep(0.5)
         queue.put(("finished", time.time() - t0))
     except Exception as e:  # noqa: BLE001 - what the test inspects
         queue.put((f"{type(e).__name__}: {e}", time.time() - t0))
 
 
-def test_a_hung_peer_ends_the_survivor_with_one_line_after_the_timeout():
+def survivor(fault: str, timeout_minutes: float) -> tuple[str, float]:
+    """(what rank 0's collective raised, how long it waited) when rank 1 of a gloo pair hangs or dies."""
     import torch.multiprocessing as mp
 
     from conftest import free_port
@@ -453,15 +514,28 @@ def test_a_hung_peer_ends_the_survivor_with_one_line_after_the_timeout():
     ctx = mp.get_context("forkserver")  # conftest: the server has imported torch and the trainer
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_hung_peer, args=(r, port, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_faulty_peer, args=(r, port, queue, fault, timeout_minutes)) for r in range(2)]
     for p in procs:
         p.start()
     try:
-        message, waited = queue.get(timeout=90)
+        return queue.get(timeout=90)
     finally:
         for p in procs:
             p.kill()
+
+
+def test_a_hung_peer_ends_the_survivor_with_one_line_after_the_timeout():
+    message, waited = survivor("hangs", 0.05)  # 3 s
     assert message.startswith("CollectiveTimeout: rank 0: a collective waited more than parallel.timeout_minutes=0.05")
+    assert "\n" not in message and waited < 30
+
+
+def test_a_dead_peer_ends_the_survivor_with_one_line_within_the_timeout():
+    """A rank killed mid-step (gloo): its peer's collective failed at once with the transport's error ("Connection
+    closed by peer", "Connection reset by peer") in a traceback; it is one line saying a rank died, well within
+    parallel.timeout_minutes (30 s here)."""
+    message, waited = survivor("dies", 0.5)
+    assert message.startswith("CollectiveTimeout: rank 0: another rank died during a collective"), message
     assert "\n" not in message and waited < 30
 
 
@@ -503,3 +577,28 @@ def test_a_torn_summary_is_one_line_naming_it(tmp_path):
         read_summary(str(path))
     assert str(e.value).startswith(f"{path} is not valid JSON (") and "\n" not in str(e.value)
     assert read_summary(str(tmp_path / "absent.json")) == {}
+
+
+def test_a_fifo_in_place_of_a_record_is_one_line_not_a_hang(tmp_path):
+    """summary.json, wandb_run.json (read when a run folder is resumed) or metrics.jsonl (read by the study runner
+    and dit-report) as a FIFO in a folder from elsewhere: the reader waited for a writer forever."""
+    from dit_train.study.report import read_metrics
+    from dit_train.telemetry.metrics import read_summary
+    from dit_train.telemetry.wandb_run import read_identity
+
+    def hung(*_):
+        raise TimeoutError("the reader hung on the FIFO")
+
+    readers = {"summary.json": read_summary, "wandb_run.json": read_identity, "metrics.jsonl": read_metrics}
+    previous = signal.signal(signal.SIGALRM, hung)
+    try:
+        for name, reader in readers.items():
+            os.mkfifo(tmp_path / name)
+            signal.alarm(20)
+            with pytest.raises(ValueError, match=f"{re.escape(name)} is not a regular file") as e:
+                reader(str(tmp_path / name))
+            signal.alarm(0)
+            assert "\n" not in str(e.value)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

@@ -666,6 +666,39 @@ def test_report_survives_damaged_folders_and_reads_resumed_metrics(tmp_path):
     assert "| torn_summary | damaged: JSONDecodeError" in text and "| bad_config | damaged: " in text
 
 
+def test_hand_edited_metrics_lines_that_are_not_rows_are_skipped(tmp_path):
+    """A line of metrics.jsonl that is JSON but not a row (a list, a string, a step that is not an integer) stopped
+    the study runner and dit-report with a traceback (AttributeError, TypeError); it is skipped like a torn line."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('[1, 2]\n"text"\n{"step": "3", "train/loss": 1}\n{"step": [4], "val/loss": 1}\n'
+                    '{"step": 5, "val/loss": 0.5}\n')
+    assert report.read_metrics(str(path)) == [{"step": 5, "val/loss": 0.5}]
+    assert run_study.final_val_loss(str(tmp_path), 5) == 0.5
+
+
+@pytest.mark.parametrize("record, named", [
+    ([], "holds a JSON list, not the object"),
+    ({"runs": 5}, "its 'runs' is not a list of runs each with name, model, optimizer, seed"),
+    ({"runs": [{"name": "x", "model": "dit_xs"}]}, "its 'runs' is not a list of runs"),
+    ({"runs": [], "invocations": "dit-study x"}, "its 'invocations' is not a list of commands"),
+])
+def test_a_hand_edited_study_record_is_one_line_naming_it(tmp_path, record, named):
+    """study.json handed over with a sweep, edited by hand: dit-report, dit-paired-report, dit-publish-study and
+    dit-study stopped with a KeyError or TypeError traceback."""
+    from dit_train.study import paired_report
+
+    sweep = tmp_path / "sweep"
+    write_run(sweep / "good", "dit_xs", "adamw", 0, train_rows(0.01, 0.1, 0.0))
+    (sweep / "study.json").write_text(json.dumps(record))
+    readers = [lambda: report.main([str(sweep)]), lambda: paired_report.build(str(sweep), None),
+               lambda: publish_study.read_study_record(str(sweep)), lambda: run_study.previous_invocations(str(sweep))]
+    for reader in readers:
+        with pytest.raises((SystemExit, ValueError)) as e:
+            reader()
+        message = str(e.value)
+        assert "study.json" in message and named in message and "\n" not in message, message
+
+
 def test_report_weights_window_means_by_their_step_counts_and_reads_old_records(tmp_path):
     """Rows with window/steps are means over every step of their window (dit_train/telemetry/step_window.py): Table 2 weights
     them by window/steps, never by row. Records without window fields still read, with a note that they alias."""

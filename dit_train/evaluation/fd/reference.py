@@ -114,6 +114,30 @@ def load_reference(path: str | os.PathLike) -> ReferenceStats:
             preprocessing=str(z["preprocessing"]), subset=str(z["subset"]), key=str(z["key"]), path=path)
 
 
+def load_checked_reference(path: str | os.PathLike, feature_dim: int, count: int) -> ReferenceStats:
+    """load_reference for a cache file that may come from elsewhere (a shared cache_dir): its members may decompress
+    to no more than a [D, D] covariance or [count] labels (a zip bomb is refused before it is read), and it must hold
+    the shapes of the statistics its key names, with finite numbers and integer labels. ValueError otherwise."""
+    import zipfile
+
+    limit = 8 * max(feature_dim * feature_dim, count) + 4096  # float64 / int64 arrays and their .npy headers
+    with zipfile.ZipFile(path) as z:
+        big = [(i.filename, i.file_size) for i in z.infolist() if i.file_size > limit]
+    if big:
+        raise ValueError(f"its {big[0][0]} declares {big[0][1]} bytes, more than statistics of {feature_dim} "
+                         f"features and {count} images take")
+    ref = load_reference(path)
+    mean, cov, labels = ref.stats.mean, ref.stats.cov, ref.labels
+    expected = ((feature_dim,), (feature_dim, feature_dim), (count,), count)
+    if (mean.shape, cov.shape, labels.shape, ref.count) != expected:
+        raise ValueError(f"it holds mean {list(mean.shape)}, cov {list(cov.shape)}, labels {list(labels.shape)} and "
+                         f"count {ref.count}, not the statistics of {feature_dim} features and {count} images")
+    if not (np.issubdtype(mean.dtype, np.floating) and np.issubdtype(cov.dtype, np.floating)
+            and np.isfinite(mean).all() and np.isfinite(cov).all() and np.issubdtype(labels.dtype, np.integer)):
+        raise ValueError("its statistics are not finite floating-point numbers, or its labels not integers")
+    return ref
+
+
 def dataset_id_of(dataset, data_cfg=None) -> str:
     did = getattr(dataset, "dataset_id", None)
     if did:
@@ -175,7 +199,7 @@ def load_or_compute_reference(extractor: FeatureExtractor, dataset, split: str, 
     hit = None
     if path is not None and not recompute and rank == 0 and path.is_file():
         try:
-            cand = load_reference(path)
+            cand = load_checked_reference(path, extractor.feature_dim, len(indices))
             if (cand.key, cand.encoder_id, cand.preprocessing, cand.dataset_id, cand.split, cand.subset) == (
                     key, extractor.encoder_id, extractor.preprocessing, dataset_id, split, subset):
                 hit = cand
