@@ -51,17 +51,18 @@ KIND_OF_STEP = {None: "every", 1.0: "refresh", 0.0: "between"}  # opt/refresh of
 def predicted_gpu_step_s(model_cfg, optimizer_cfg, world_size: int, images_per_rank: int,
                          blocks_per_unit: int = 1) -> dict[str, float]:
     """GPU seconds of each step kind on an H100 by benchmarks/cost_model.py: forward + backward at its assumed MFU,
-    FSDP2's exposed communication (units of `blocks_per_unit` blocks), and the optimizer step of that kind."""
-    from benchmarks.cost_model import PROFILES, Optim, forward_backward, optimizer_step, shapes_of
+    FSDP2's exposed communication (units of `blocks_per_unit` blocks), and the optimizer step of that kind (on
+    W > 1 counted on the sharded step: call before a process group is initialised)."""
+    from benchmarks.cost_model import PROFILES, Optim, forward_backward, predict, shapes_of
 
     hw, shapes = PROFILES["h100"], shapes_of(model_cfg)
     name = optimizer_cfg.get("name")
     opt = Optim(name, int(optimizer_cfg.get("K", 1) or 1), optimizer_cfg.get("rownorm_scale", "spectral"),
                 optimizer_cfg.get("distributed_mode", "owner"))
     fb = forward_backward(shapes, hw, world_size, images_per_rank, blocks_per_unit=blocks_per_unit)
+    steps = predict(shapes, opt, hw, world_size)["steps"]
     kinds = {"every": "adamw" if name == "adamw" else "refresh", "refresh": "refresh", "between": "rownorm"}
-    return {kind: fb["compute"] + fb["fsdp_exposed"] + sum(optimizer_step(shapes, step, opt, hw, world_size).values())
-            for kind, step in kinds.items() if name != "adamw" or step == "adamw"}
+    return {kind: fb["compute"] + fb["fsdp_exposed"] + steps[step] for kind, step in kinds.items() if step in steps}
 
 
 def host_ms(calls: dict, python_s: float, launch_us: float, view_us: float) -> float:
@@ -209,7 +210,10 @@ def run_one(args) -> dict:
     cfg = compose(args.preset, args.optimizer, False, args.overrides)
     micro = args.micro_batch or cfg.train.batch_size // args.world_size
     per_unit = cfg.parallel.blocks_per_fsdp_unit
-    gpu_s = predicted_gpu_step_s(cfg.model, cfg.optimizer, args.world_size, micro, per_unit)
+    # the prediction counts the sharded optimizer step (seconds of CPU at full size): once, in the fake run, whose
+    # record the combined result keeps
+    gpu_s = predicted_gpu_step_s(cfg.model, cfg.optimizer, args.world_size, micro, per_unit) \
+        if args.mode == "fake" else None
     if args.mode != "fake":
         cfg.model.hidden_size, cfg.model.image_size, micro = 4 * cfg.model.num_heads, 2 * cfg.model.patch_size, 1
     cfg.parallel.compile = args.mode == "compiled"

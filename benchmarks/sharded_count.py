@@ -1,16 +1,20 @@
-"""What each rank of W dispatches in the sharded optimizer steps benchmarks/bench_distributed.py times, in order
-(docs/cost_model.md, "Calibration on this host"): the distributed half of the counted model.
+"""What each rank of W dispatches in a sharded optimizer step, in order (docs/cost_model.md): the distributed half
+of the counted model, for bench_distributed's lines on this host (--calibrate) and the paper's table (--paper).
 
-Counting: bench_distributed's setup on fake tensors under a fake process group of W ranks, this process rank r
-(count_sharded_steps' `rank`): the model built on meta and sharded by apply_fsdp (every block, then the root), a
-gradient on every parameter, build_optimizer with the contender's config (lr 1e-6, weight decay 0.01). One cycle of
-CYCLE steps makes the state and workspaces; the next CYCLE steps are counted, each under an op_cost.OpCounter:
-every dispatched op an OpRecord (packing, unpacking, the per-matrix ops on the local rows, the owner's NS5), and
-every collective (c10d) a Collective with the bytes this rank sends under the optimizer's own rules
-(optim/collectives.py: an all-reduce its tensor, an all-gather (W - 1) x its input, an all-to-all what goes to
-other ranks). The optimizer's own count (ShardComm's timer.add_bytes) is kept beside it (`accounted`), so the two
-can be compared (tests/unit/test_sharded_count.py). The order of ops, issues and waits (`events`) is what
-benchmarks/sharded_schedule.py replays to price the step with the overlap the code has.
+Counting: the model built on meta and sharded by apply_fsdp (every block, then the root) over a fake process group
+of W ranks, this process rank r (`rank`: its dim-0 shards; rank 0 holds the largest), a gradient on every
+parameter, build_optimizer with the contender's config (lr 1e-6, weight decay 0.01), stepped on fake tensors under
+an op_cost.OpCounter: every dispatched op an OpRecord (packing, unpacking, the per-matrix ops on the local rows, the
+owner's NS5), and every collective (c10d) a Collective with the bytes this rank sends under the optimizer's own
+rules (optim/collectives.py: an all-reduce its tensor, an all-gather (W - 1) x its input, an all-to-all what goes
+to other ranks, per destination). The optimizer's own count (ShardComm's timer.add_bytes) is kept beside it
+(`accounted`), so the two can be compared (tests/unit/test_sharded_count.py). The order of ops, issues and waits
+(`events`) is what benchmarks/sharded_schedule.py replays, at this host's rates or a GPU's.
+
+Two ways to count: count_sharded_steps (bench_distributed's cycle: CYCLE warm-up steps, then CYCLE counted, as it
+runs on CPU) and count_step_kinds (one step of each kind, refresh or RowNorm, of several contenders on one sharded
+model; gpu=True: the CUDA path, compile_rownorm auto compiled and counted as fused regions, whole-matrix workspaces
+not kept).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class Collective:
     op: str  # all_reduce | all_gather | all_to_all
     sent: int  # bytes this rank sends, counted as ShardComm counts them
     tensor: int  # bytes of the tensor reduced (all_reduce), else == sent
+    to: tuple = ()  # all_to_all: bytes this rank sends to each rank (0 to itself)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -50,9 +55,9 @@ def collective_of(phase: str, name: str, args, world: int, rank: int = 0) -> Col
         return Collective(phase, "all_gather", n, n)
     if name.startswith("alltoall"):
         inp, in_splits = args[1], list(args[4]) if len(args) > 4 and args[4] else []
-        size = inp.element_size()
-        sent = (sum(in_splits) - in_splits[rank]) * size if in_splits else _nbytes(inp) * (world - 1) // world
-        return Collective(phase, "all_to_all", sent, sent)
+        to = [n * inp.element_size() for n in in_splits] if in_splits else [_nbytes(inp) // world] * world
+        to[rank] = 0
+        return Collective(phase, "all_to_all", sum(to), sum(to), tuple(to))
     raise ValueError(f"no byte rule for the collective {name}")
 
 
@@ -86,6 +91,14 @@ class ShardedCounter(OpCounter):
         super()._observe(func, args, kwargs, out)
         self.events += [("op", rec) for rec in self.records[before:]]
 
+    @contextlib.contextmanager
+    def fused(self, name: str):
+        """OpCounter.fused, its one record an event where the region ends (a compiled kernel runs there)."""
+        before = len(self.records)
+        with super().fused(name):
+            yield
+        self.events += [("op", rec) for rec in self.records[before:]]
+
 
 class _Accounting:
     """The optimizer's timer during a count: its phase marks attribute the calls; the bytes ShardComm counts are
@@ -114,7 +127,7 @@ def empty_all_to_alls_counted(counter: ShardedCounter):
 
         def all_to_all_single(output, input, *args, **kwargs):
             if input.numel() == 0:
-                counter.issue(Collective(counter.current, "all_to_all", 0, 0))
+                counter.issue(Collective(counter.current, "all_to_all", 0, 0, (0,) * counter.world))
             return skipping(output, input, *args, **kwargs)
 
         dist.all_to_all_single = all_to_all_single
@@ -166,49 +179,116 @@ def with_blocking_waits(events: list[tuple], waited_later: set) -> list[tuple]:
     return out
 
 
-def count_sharded_steps(model_cfg, optimizer: dict, world: int, steps: int = CYCLE,
-                        rank: int = 0) -> list[SimpleNamespace]:
-    """`rank`'s counted steps (after one warm-up cycle) of build_optimizer(model, BENCH_BASE + optimizer) on
-    model_cfg's model sharded over a fake group of `world`: per step SimpleNamespace(records, collectives,
-    accounted, events), accounted being ShardComm's own (collective, bytes) calls, events the ops, issues and
-    waits in order (ShardedCounter)."""
+@contextlib.contextmanager
+def fake_sharded_model(model_cfg, world: int, rank: int, counter: ShardedCounter, gpu: bool = False):
+    """model_cfg's model on fake tensors, sharded as `rank` of a fake group of `world`, with a gradient on every
+    parameter, inside the counter with its collectives' issues and waits tracked (and, gpu=True, torch.compile
+    counted as fused regions)."""
     import torch.distributed as dist
 
+    from benchmarks.op_cost import compiled_as_fused
     from dit_train.model.dit import build_model
-    from dit_train.optim.registry import build_optimizer
     from dit_train.parallel.fsdp import ParallelPlan, apply_fsdp, fsdp_mesh
     from dit_train.parallel.memory_estimate import init_fake_process_group
 
     if dist.is_initialized():
-        raise RuntimeError("count_sharded_steps makes its own fake process group: one is already initialised")
+        raise RuntimeError("a sharded count makes its own fake process group: one is already initialised")
     init_fake_process_group(world, rank)
     try:
-        counter = ShardedCounter(world, rank, allow_non_fake_inputs=True)
         plan = ParallelPlan(sharded=True)
         model = build_model(model_cfg, device="meta")
         apply_fsdp(model, model.blocks, plan, mesh=fsdp_mesh(plan, "cpu"))
-        out = []
-        with counter, empty_all_to_alls_counted(counter), handles_tracked(counter), torch.no_grad():
+        with contextlib.ExitStack() as stack:
+            for cm in (counter, empty_all_to_alls_counted(counter), handles_tracked(counter), torch.no_grad()):
+                stack.enter_context(cm)
+            if gpu:
+                stack.enter_context(compiled_as_fused(counter))
             model.to_empty(device="cpu")
             for p in model.parameters():
                 p.grad = torch.zeros_like(p)
-            opt = build_optimizer(model, {**BENCH_BASE, **optimizer})
-            if getattr(opt, "compile_rownorm", None) == "auto":
-                opt.compile_rownorm = False  # auto is eager on CPU, where bench_distributed runs
-            timer = _Accounting(counter)
-            opt.use_timer(timer)
-            for _ in range(CYCLE):
-                opt.step()
-            for _ in range(steps):
-                counter.reset()
-                timer.added = []
-                opt.step()
-                out.append(SimpleNamespace(records=counter.records, collectives=counter.collectives,
-                                           accounted=timer.added,
-                                           events=with_blocking_waits(counter.events, counter.waited_later)))
-        return out
+            yield model
     finally:
         dist.destroy_process_group()
+
+
+def optimizer_under_count(model, optimizer: dict, counter: ShardedCounter, gpu: bool = False):
+    """(build_optimizer(model, BENCH_BASE + optimizer), its accounting timer): as it runs on CPU (compile_rownorm
+    auto resolves to eager on CPU tensors, as bench_distributed runs it), or gpu=True as it runs on CUDA, where auto
+    compiles the RowNorm passes and the whole-matrix workspaces are not kept between steps."""
+    from dit_train.optim.directions import RowNorm
+    from dit_train.optim.registry import build_optimizer
+
+    opt = build_optimizer(model, {**BENCH_BASE, **optimizer})
+    if gpu and hasattr(opt, "directions"):
+        opt.keep_whole_matrix_workspaces = False
+        if optimizer.get("compile_rownorm", "auto") == "auto":
+            opt.compile_rownorm = any(isinstance(d, RowNorm) for d in opt.directions.values())
+    timer = _Accounting(counter)
+    opt.use_timer(timer)
+    return opt, timer
+
+
+def counted_step(opt, counter: ShardedCounter, timer: _Accounting) -> SimpleNamespace:
+    """One counted step: SimpleNamespace(records, collectives, accounted, events); the counter is reset after it
+    too, so that uncounted steps do not add to its lists."""
+    counter.reset()
+    timer.added = []
+    opt.step()
+    out = SimpleNamespace(records=counter.records, collectives=counter.collectives, accounted=timer.added,
+                          events=with_blocking_waits(counter.events, counter.waited_later))
+    counter.reset()
+    timer.added = []
+    return out
+
+
+def count_sharded_steps(model_cfg, optimizer: dict, world: int, steps: int = CYCLE,
+                        rank: int = 0) -> list[SimpleNamespace]:
+    """`rank`'s counted steps (after one warm-up cycle) of build_optimizer(model, BENCH_BASE + optimizer) on
+    model_cfg's model sharded over a fake group of `world`, as bench_distributed runs them on CPU: per step
+    SimpleNamespace(records, collectives, accounted, events), accounted being ShardComm's own (collective, bytes)
+    calls, events the ops, issues and waits in order (ShardedCounter)."""
+    counter = ShardedCounter(world, rank, allow_non_fake_inputs=True)
+    with fake_sharded_model(model_cfg, world, rank, counter) as model:
+        opt, timer = optimizer_under_count(model, optimizer, counter)
+        for _ in range(CYCLE):
+            opt.step()
+        return [counted_step(opt, counter, timer) for _ in range(steps)]
+
+
+STEP_OF_KIND = {"refresh": 0, "rownorm": 1}  # a periodic optimizer's step index of each kind (refresh at 0 mod K)
+
+
+def count_step_kinds(model_cfg, contenders: dict, world: int, rank: int = 0,
+                     gpu: bool = False) -> dict[object, SimpleNamespace]:
+    """For contenders {label: (optimizer config, step kinds)}, on one sharded model: `rank`'s counted step of each
+    kind ('refresh': NS5, 'rownorm'; 'adamw'), set through the matrix groups' step index as op_cost.count_steps
+    sets it, after one warm-up step of each kind. Per label SimpleNamespace(steps={kind: counted_step}, owned):
+    owned[r] the NS5 flops rank r computes in owner mode by the optimizer's own assignment (its cached exchange
+    plan, the same on every rank), else None."""
+    from dit_train.optim.directions import ns5_flops
+
+    counter = ShardedCounter(world, rank, allow_non_fake_inputs=True)
+    out = {}
+    with fake_sharded_model(model_cfg, world, rank, counter, gpu) as model:
+        for label, (optimizer, kinds) in contenders.items():
+            opt, timer = optimizer_under_count(model, optimizer, counter, gpu)
+            steps = {}
+            for counted in (False, True):
+                for kind in kinds:
+                    for group in opt.param_groups:
+                        if group.get("kind") == "matrix":
+                            group["step"] = STEP_OF_KIND.get(kind, 0)
+                    if counted:
+                        steps[kind] = counted_step(opt, counter, timer)
+                    else:
+                        opt.step()
+                        counter.reset()
+            cache = opt.__dict__.get("_exchange_cache")
+            owned = None if cache is None else [sum(ex.counts[r] * ns5_flops(*ex.key[0]) for ex in cache[1])
+                                                for r in range(world)]
+            out[label] = SimpleNamespace(steps=steps, owned=owned)
+            del opt
+    return out
 
 
 def wire_seconds(c: Collective, world: int, link_bytes_s: float, latency_s: float) -> float:

@@ -1,14 +1,18 @@
-"""The time of one counted sharded optimizer step on W processes of this host (docs/cost_model.md, "Calibration on
-this host"): every rank's counted ops, collective issues and waits (benchmarks/sharded_count.py) replayed in the
-order the optimizer runs them, so that what overlaps in the code overlaps here and what waits, waits.
+"""The time of one counted sharded optimizer step (docs/cost_model.md): the counted ranks' ops, collective issues
+and waits (benchmarks/sharded_count.py) replayed in the order the optimizer runs them, so that what overlaps in the
+code overlaps here and what waits, waits. Priced on W processes of this host (`scheduled`: ops at a process's share
+of the cores, collectives at gloo's latency and bandwidth) or on GPUs (cost_model.sharded_optimizer, through
+`replayed`: ops at the GPU profile's rates on the compute stream, collectives on a communication stream at NVLink
+or InfiniBand).
 
 The schedule (the semantics of model_owner_schedule's simulator, on counted programs):
 - a rank runs its ops one after the other (each at its priced seconds: op_cost's rates plus, where the profile has
   it, the Python the sharded step spends per op of its phase, sharded_python.py);
 - a collective starts once every rank has issued it and the previous collective has finished (one at a time, in
-  issue order, as ShardComm issues them on one process group), and lasts its latency + the busiest rank's bytes on
-  the wire; while it runs, the ranks go on with the ops issued after it (async_op: owner mode's inbound
-  all-to-alls in flight during NS5, gather mode's next bucket, RowNorm's column sums);
+  issue order, as ShardComm issues them on one process group: on a GPU, NCCL's one communication stream), and
+  lasts its duration (gloo: its latency + the busiest rank's bytes on the wire); while it runs, the ranks go on
+  with the ops issued after it (async_op: owner mode's inbound all-to-alls in flight during NS5, gather mode's
+  next bucket, RowNorm's column sums);
 - a wait blocks its rank until that collective has finished (a blocking all_reduce_ waits right after its issue).
 A step starts on every rank at once (bench_distributed's barrier) and lasts until its slowest rank is done, which is
 what bench_distributed reports (its phases are each the slowest rank's too).
@@ -76,24 +80,43 @@ def program(step: SimpleNamespace, rates: OpRates, python: dict | None) -> list[
     return out
 
 
-def scheduled(ranks: list[SimpleNamespace], rates: OpRates, world: int, link_bytes_s: float, latency_s: float,
-              python: dict | None = None) -> dict:
-    """One step counted on every rank (ranks[r]: rank r's SimpleNamespace of sharded_count) on W processes: the
-    slowest rank's end (`total_s`, the step), the most any rank blocked in waits (`exposed_s`, bench_distributed's
-    exposed comm), the most direction time (`direction_s`), the collectives' latency and wire seconds (each
-    once, as they run one at a time), the Python priced, and the counts of rank 0."""
+def collectives_of(ranks: list[SimpleNamespace]) -> int:
+    """How many collectives each rank's counted step issues (the same number on every rank, or the ranks' programs
+    cannot be replayed together)."""
     counts = {len(r.collectives) for r in ranks}
     if len(counts) != 1:
         raise RuntimeError(f"the ranks issue different numbers of collectives: {sorted(counts)}")
-    n = counts.pop()
-    wire = [max(wire_seconds(r.collectives[c], world, link_bytes_s, 0.0) for r in ranks) for c in range(n)]
-    done = simulate([program(r, rates, python) for r in ranks], [latency_s + x for x in wire])
-    ops = [sum(d["phases"].values()) for d in done]
-    return {"ops": len(ranks[0].records), "collectives": n, "total_s": max(d["end"] for d in done),
-            "exposed_s": max(d["waited"] for d in done),
+    return counts.pop()
+
+
+def replayed(ranks: list[SimpleNamespace], rates: OpRates, durations: list[float],
+             python: dict | None = None) -> dict:
+    """One step counted on some ranks (ranks[i]: a SimpleNamespace of sharded_count) replayed together (simulate),
+    each op at `rates` (+ the Python per op of its class), collective c lasting durations[c]: the slowest rank's
+    end (`total_s`, the step), the most any rank blocked in waits (`exposed_s`), the most direction and other op
+    time, and per rank its end and its time blocked (`ends`, `waited`, in the order of `ranks`). The pricing is the
+    caller's: this host's gloo (scheduled) or a GPU's links (cost_model.sharded_optimizer)."""
+    if collectives_of(ranks) != len(durations):
+        raise ValueError(f"{len(durations)} durations for {collectives_of(ranks)} collectives")
+    done = simulate([program(r, rates, python) for r in ranks], durations)
+    return {"total_s": max(d["end"] for d in done), "exposed_s": max(d["waited"] for d in done),
             "direction_s": max(d["phases"].get("direction", 0.0) for d in done),
-            "other_s": max(d["phases"].get("other", 0.0) for d in done), "ops_s": max(ops),
-            "python_s": python_seconds(ranks, python),
+            "other_s": max(d["phases"].get("other", 0.0) for d in done),
+            "ops_s": max(sum(d["phases"].values()) for d in done),
+            "ends": [d["end"] for d in done], "waited": [d["waited"] for d in done]}
+
+
+def scheduled(ranks: list[SimpleNamespace], rates: OpRates, world: int, link_bytes_s: float, latency_s: float,
+              python: dict | None = None) -> dict:
+    """One step counted on every rank (ranks[r]: rank r's SimpleNamespace of sharded_count) on W processes of this
+    host (replayed): each collective its gloo latency + the busiest rank's bytes on the wire; with the
+    collectives' latency and wire seconds (each once, as they run one at a time), the Python priced, and the counts
+    of rank 0."""
+    n = collectives_of(ranks)
+    wire = [max(wire_seconds(r.collectives[c], world, link_bytes_s, 0.0) for r in ranks) for c in range(n)]
+    out = replayed(ranks, rates, [latency_s + x for x in wire], python)
+    del out["ends"], out["waited"]
+    return {"ops": len(ranks[0].records), "collectives": n, **out, "python_s": python_seconds(ranks, python),
             "latency_s": n * latency_s, "wire_s": sum(wire), "sent": sum(c.sent for c in ranks[0].collectives)}
 
 

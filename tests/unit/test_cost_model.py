@@ -268,3 +268,75 @@ def test_the_sharded_lines_price_ns5_at_its_own_measured_matmuls():
     assert min(flops) > 0
     predicted = cm.sharded_step(shapes, "muon-gather", measured, 2)["direction_s"]
     assert predicted == pytest.approx(sum(flops) / len(flops) / 1e6, rel=0.01)
+
+
+def _gpu(**kw) -> cm.Hardware:
+    """A GPU profile with round numbers: no fixed costs, infinite links and memory unless given."""
+    inf = float("inf")
+    base = dict(matmul_flops=1e12, mfu=1.0, ns5_of_peak=1.0, memory_bytes_s=inf, memory_efficiency=1.0,
+                intra_bytes_s=inf, inter_bytes_s=inf, link_efficiency=1.0, devices_per_node=8, latency_s=0.0,
+                launch_s=0.0, rownorm_kernels="compiled", op_s=0.0)
+    return cm.Hardware("toy GPU", **{**base, **kw})
+
+
+def test_gpu_replay_of_a_hand_built_step():
+    # 1 s per op (10 kB at 10 kB/s); on 2 ranks of one node (1 kB/s): an all-gather sending 3 kB (3 s), an
+    # all-reduce of 1 kB (a ring: 2 x 1/2 x 1 kB, 1 s), an all-to-all sending 1 kB to rank 1 (1 s)
+    from types import SimpleNamespace
+
+    from benchmarks.op_cost import OpRecord
+    from benchmarks.sharded_count import Collective
+
+    hw = _gpu(memory_bytes_s=1e4, intra_bytes_s=1e3)
+    op = OpRecord("direction", "add_", "stream", 5000, 5000)
+    colls = [Collective("direction", "all_gather", 3000, 3000), Collective("direction", "all_reduce", 1000, 1000),
+             Collective("direction", "all_to_all", 1000, 1000, (0, 1000))]
+    assert [cm.collective_seconds(c, 2, hw, 0) for c in colls] == [3.0, 1.0, 1.0]
+    events = [("issue", 0), ("op", op), ("op", op), ("wait", 0), ("op", op), ("issue", 1), ("issue", 2),
+              ("wait", 2)]
+    step = SimpleNamespace(records=[op] * 3, collectives=colls, events=events)
+    # the all-gather runs beside ops 0 and 1 (0-2 s) until 3 s: the wait holds the compute stream 1 s; op 2 ends
+    # at 4; the all-reduce runs 4-5 and the all-to-all, queued behind it on the one communication stream, 5-6;
+    # its wait holds compute until 6 (summed: 3 + 3 + 1 + 1 = 8 s)
+    done = cm.gpu_replayed({0: step}, hw, 2)
+    assert done["total_s"] == pytest.approx(6.0) and done["waited"] == [pytest.approx(3.0)]
+    # a second counted rank that computes 2 s more before issuing the all-gather delays it for both: it runs 2-5,
+    # the all-reduce 6-7, the all-to-all 7-8; both ranks end at 8, rank 0 blocked 3 + 2 s, rank 3 1 + 2 s: the tie
+    # goes to the rank whose own work ends the step
+    late = SimpleNamespace(records=[op] * 5, collectives=colls, events=[("op", op), ("op", op)] + events)
+    done = cm.gpu_replayed({0: step, 3: late}, hw, 2)
+    assert done["ends"] == [pytest.approx(8.0), pytest.approx(8.0)]
+    assert done["waited"] == [pytest.approx(5.0), pytest.approx(3.0)] and done["slowest"] == 3
+
+
+def test_an_all_to_all_crosses_nodes_at_infiniband_and_stays_inside_at_nvlink_at_once():
+    from benchmarks.sharded_count import Collective
+
+    hw = _gpu(intra_bytes_s=1e3, inter_bytes_s=1e2, devices_per_node=2, latency_s=0.5)
+    # rank 1 of 4 on nodes of 2: 1 kB to rank 0 (its node, 1 s), 50 B to ranks 2 and 3 (the other, 1 s at 1e2)
+    c = Collective("comm", "all_to_all", 1100, 1100, (1000, 0, 50, 50))
+    assert cm.collective_seconds(c, 4, hw, 1) == pytest.approx(0.5 + 1.0)
+    # the same bytes sent by rank 2: the 1 kB to rank 0 crosses (10 s at 1e2), 100 B stay (0.1 s at 1e3)
+    assert cm.collective_seconds(c, 4, hw, 2) == pytest.approx(0.5 + 10.0)
+
+
+def test_owner_mode_step_is_the_slowest_ranks_not_rank_0s():
+    # dit_xs 64 wide, 2 deep on 8 ranks: the owner plan gives rank 2 the most NS5 flops (1.23x rank 0's). On a
+    # profile where only GEMM flops cost, rank 0 replayed alone is done after its own NS5; the step is at least
+    # rank 2's NS5 (its owned matrices' executed flops), and more: rank 2 also waits for exchanges rank 0 issues
+    # only after computing its own matrices (IN_FLIGHT ahead)
+    from dit_train.optim.directions import ns5_executed_flops
+
+    gemm_only = _gpu()
+    shapes = cm.model_shapes("dit_xs", 64, 2)
+    plan = cm.plan_exchanges({s: (s, c) for s, c in shapes.matrices}, 8)
+    ns5_s = [sum(ex.counts[r] * ns5_executed_flops(*ex.key) for ex in plan) / 1e12 for r in range(8)]
+    assert max(range(8), key=lambda r: ns5_s[r]) == 2 and ns5_s[2] > 1.2 * ns5_s[0]
+    p = cm.sharded_optimizer(shapes, cm.Optim("muon"), gemm_only, 8)
+    assert p["ranks"] == [0, 2] and p["slowest"] == {"refresh": 2}
+    rank0 = cm.counted_ranks(shapes, [cm.Optim("muon")], 8, True)[cm.Optim("muon")][0]["refresh"]
+    assert cm.gpu_replayed({0: rank0}, gemm_only, 8)["total_s"] == pytest.approx(ns5_s[0])
+    assert p["steps"]["refresh"] > ns5_s[2] * (1 - 1e-9)
+    assert cm.predict(shapes, cm.Optim("muon"), gemm_only, 8)["optimizer"] == p["steps"]["refresh"]
+    # rank 0's bytes are what the optimizer's rules give rank 0
+    assert p["bytes"]["refresh"] == sum(cm.rank_bytes(shapes, "refresh", "spectral", "owner", 8, 0).values())

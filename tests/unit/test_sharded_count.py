@@ -1,6 +1,7 @@
-"""benchmarks/sharded_count.py: the collectives counted on a rank of a fake 2-rank group against the optimizer's own
-accounting (ShardComm's timer.add_bytes) and the cost model's byte rules, the order of issues and waits the
-schedule replays, and a collective priced by hand."""
+"""benchmarks/sharded_count.py: the collectives counted on a rank of a fake group (2 ranks at dit_xs; 8 at dit_1b3,
+the paper's smallest cell, on its CUDA path) against the optimizer's own accounting (ShardComm's timer.add_bytes),
+the cost model's byte rules and the owner plan, the order of issues and waits the schedule replays, and a
+collective priced by hand."""
 
 from __future__ import annotations
 
@@ -45,9 +46,11 @@ def test_collectives_counted_and_priced_by_hand():
     bf16 = torch.empty(10, dtype=torch.bfloat16)  # 20 B: 3 peers receive it
     gathered = torch.empty(40, dtype=torch.bfloat16)
     assert sc.collective_of("direction", "_allgather_base_", (gathered, bf16), 4).sent == 60
-    # rank 0 keeps its 2 elements and sends 3 + 5 fp32 to the others
-    assert sc.collective_of("comm", "alltoall_base_", (torch.empty(10), torch.empty(10), None, [1, 1, 8], [2, 3, 5]),
-                            3).sent == 32
+    # rank 0 keeps its 2 elements and sends 3 + 5 fp32 to the others; rank 1 keeps its 3
+    args = (torch.empty(10), torch.empty(10), None, [1, 1, 8], [2, 3, 5])
+    assert sc.collective_of("comm", "alltoall_base_", args, 3).to == (0, 12, 20)
+    assert sc.collective_of("comm", "alltoall_base_", args, 3, rank=1).to == (8, 0, 20)
+    assert sc.collective_of("comm", "alltoall_base_", args, 3).sent == 32
     with pytest.raises(ValueError, match="no byte rule"):
         sc.collective_of("x", "broadcast_", (f32,), 2)
     # a 400 B all-reduce on 4 ranks: a ring puts 2 x 3/4 x 400 = 600 B on the wire; at 1000 B/s + 0.1 s latency
@@ -98,3 +101,51 @@ def test_a_second_process_group_is_refused():
             sc.count_sharded_steps(None, {"name": "muon"}, 2)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def paper_cell():
+    """dit_1b3 (the paper's smallest preset, full size) as rank 0 of 8, each step kind as it runs on CUDA."""
+    from dit_train.model.dit import load_preset
+
+    contenders = {"K=3 owner": ({"name": "periodic_rowwise", "K": 3}, ["refresh", "rownorm"]),
+                  "muon gather": ({"name": "muon", "distributed_mode": "gather"}, ["refresh"])}
+    return sc.count_step_kinds(load_preset("dit_1b3"), contenders, 8, gpu=True)
+
+
+def test_a_paper_cell_counts_the_optimizers_own_collectives_and_bytes(paper_cell):
+    from dit_train.optim.directions import ns5_flops
+    from dit_train.optim.owner_exchange import plan_exchanges
+
+    shapes = cm.model_shapes("dit_1b3")
+    for label, mode in (("K=3 owner", "owner"), ("muon gather", "gather")):
+        for kind, step in paper_cell[label].steps.items():
+            assert [(c.op, c.sent) for c in step.collectives] == step.accounted, (label, kind)
+            assert sum(c.sent for c in step.collectives) == \
+                sum(cm.rank_bytes(shapes, kind, "spectral", mode, 8, 0).values()), (label, kind)
+            # every collective is issued once, in order, and waited for once after its issue
+            issued = [i for what, i in step.events if what == "issue"]
+            assert issued == list(range(len(step.collectives))), (label, kind)
+            assert sorted(i for what, i in step.events if what == "wait") == issued, (label, kind)
+            assert [ev[1] for ev in step.events if ev[0] == "op"] == step.records, (label, kind)
+    # on CUDA compile_rownorm auto compiles: the RowNorm step's passes are fused regions, each an op event
+    rownorm = paper_cell["K=3 owner"].steps["rownorm"]
+    assert any(what == "op" and rec.category == "fused" for what, rec in rownorm.events)
+    # the NS5 flops each rank owns, read from the optimizer, are its owner plan's
+    groups = {s: (s, c) for s, c in shapes.matrices}
+    plan = plan_exchanges(groups, 8)
+    assert paper_cell["K=3 owner"].owned == [sum(ex.counts[r] * ns5_flops(*ex.key) for ex in plan) for r in range(8)]
+    assert paper_cell["muon gather"].owned is None
+
+
+def test_k_only_mixes_the_counted_steps():
+    # each kind's step is set, so periodic_rowwise K=3 and K=5 count the same steps (cost_model.counted shares them)
+    from dit_train.model.dit import load_preset
+
+    contenders = {K: ({"name": "periodic_rowwise", "K": K}, ["refresh", "rownorm"]) for K in (3, 5)}
+    counted = sc.count_step_kinds(load_preset("dit_xs", 64, 2), contenders, 2)
+    for kind in ("refresh", "rownorm"):
+        three, five = counted[3].steps[kind], counted[5].steps[kind]
+        assert three.records == five.records and three.collectives == five.collectives, kind
+        assert three.events == five.events, kind
+    assert counted[3].steps["refresh"].records != counted[3].steps["rownorm"].records
