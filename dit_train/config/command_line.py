@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import shutil
 import sys
@@ -18,9 +19,28 @@ from dit_train.config.files import CONF_DIR, group_options, is_group
 from dit_train.config.validate import validate
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
+CONFIG_DIR_FLAGS = ("--config-dir", "-cd")
 
 
-def check_group_overrides(overrides: list[str]) -> None:
+def split_config_dir(argv: list[str]) -> tuple[str | None, list[str]]:
+    """Hydra's `--config-dir DIR` (`-cd DIR`, `--config-dir=DIR`; the last one counts, as in Hydra): a user's own
+    config folder, whose groups join ours (their experiment/mine.yaml is experiment=mine), and argv without it."""
+    config_dir, rest, i = None, [], 0
+    while i < len(argv):
+        flag, eq, value = argv[i].partition("=")
+        if flag in CONFIG_DIR_FLAGS:
+            if not eq:
+                if i + 1 == len(argv):
+                    raise ConfigError(f"{flag} needs a folder: {flag} DIR")
+                i, value = i + 1, argv[i + 1]
+            config_dir = value
+        else:
+            rest.append(argv[i])
+        i += 1
+    return config_dir, rest
+
+
+def check_group_overrides(overrides: list[str], config_dir: str | None = None) -> None:
     """`group=option` names against the config folders: Hydra's own message spans several lines."""
     for arg in overrides:
         if "=" not in arg:
@@ -29,7 +49,7 @@ def check_group_overrides(overrides: list[str]) -> None:
         key = key.lstrip("+~")
         if "." in key or "/" in key or not is_group(key):
             continue
-        valid = group_options(key)
+        valid = group_options(key, config_dir)
         for option in value.split(","):  # --multirun lists
             if option not in valid:
                 raise ConfigError(f"{key}={option!r} is not a known {key}; valid: {', '.join(valid)}")
@@ -97,21 +117,29 @@ def check_slurm_needs_multirun(flags: list[str], overrides: list[str]) -> None:
 
 
 def check_command_line(argv: list[str], world_size: int | None = None) -> None:
-    """Exit 2 with `error: ...` on stderr if any job of this command line has a bad config. Command lines with
-    other Hydra flags (--cfg, --config-dir, --help, ...) are left to Hydra."""
-    flags = [a for a in argv if a.startswith("-")]
-    overrides = [a for a in argv if not a.startswith("-")]
+    """Exit 2 with `error: ...` on stderr if any job of this command line has a bad config, composed with the
+    user's --config-dir if any. Command lines with other Hydra flags (--cfg, --help, ...) are left to Hydra."""
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        check_group_overrides(overrides)
+        config_dir, argv = split_config_dir(argv)
+        if config_dir is not None and not os.path.isdir(config_dir):
+            raise ConfigError(f"--config-dir {config_dir}: no such folder (it holds your own config groups, e.g. "
+                              f"{os.path.join(config_dir, 'experiment', 'mine.yaml')} for experiment=mine)")
+        flags = [a for a in argv if a.startswith("-")]
+        overrides = [a for a in argv if not a.startswith("-")]
+        check_group_overrides(overrides, config_dir)
         if any(f not in MULTIRUN_FLAGS for f in flags):
             return
         from dit_train.extras import check_extras, check_launcher
 
         check_launcher(overrides)  # a missing plugin first: it is needed with --multirun too
         check_slurm_needs_multirun(flags, overrides)
+        # the user's folder where Hydra puts it, after ours; an override, so that a resume's compositions keep it
+        searchpath = [f"hydra.searchpath=[{json.dumps('file://' + os.path.abspath(config_dir), ensure_ascii=False)}]"
+                      ] if config_dir else []
         for job in job_overrides(overrides):
+            job = searchpath + job
             cfg = _compose_job(job)
             composed = cfg
             if cfg.train.get("resume") is not None or cfg.train.get("init_from") is not None:

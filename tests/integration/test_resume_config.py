@@ -64,3 +64,16 @@ def test_a_fork_starts_from_its_sources_config_with_the_command_lines_changes(ru
     config = json.load(open(run / "fork" / "checkpoints" / "step_00000002.dcp" / "train_state.json"))["config"]
     assert config["optimizer"]["name"] == "muon" and config["optimizer"]["lr"] == 1e-3
     assert config["model"]["hidden_size"] == 32 and config["train"]["batch_size"] == 8
+
+
+def test_a_run_of_the_users_own_experiment_resumes_with_its_options(tmp_path):
+    """`--config-dir DIR experiment=mine`: the check before Hydra composes the saved run's options with DIR too
+    (before, it could not find experiment/mine and warned that the resume was judged as typed)."""
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "mine.yaml").write_text("# @package _global_\noptimizer:\n  lr: 3e-3\n")
+    mine = ["--config-dir", str(tmp_path / "conf"), "experiment=mine", f"run_dir={tmp_path / 'run'}", *TINY]
+    rc, out, err = dit_train(*mine, "train.steps=1", cwd=tmp_path)
+    assert rc == 0, err
+    rc, out, err = dit_train(*mine, "train.resume=auto", "train.steps=2", cwd=tmp_path)
+    assert rc == 0 and "cannot compose" not in out + err, out + err
+    assert "the command line changes train.steps" in out and steps_logged(tmp_path / "run") == [1, 2]
