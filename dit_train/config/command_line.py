@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import os
 import shutil
 import sys
@@ -145,14 +146,49 @@ def check_command_line(argv: list[str], world_size: int | None = None) -> None:
             if cfg.train.get("resume") is not None or cfg.train.get("init_from") is not None:
                 from dit_train.runs.resume_config import continue_saved_config  # reads the checkpoint: only for resumes
 
-                cfg = continue_saved_config(cfg, job)
+                with quiet_log():
+                    cfg = continue_saved_config(cfg, job)
             cfg = apply_data_shapes(cfg, job, continued=cfg is not composed)
             validate(cfg, world_size)
             check_paths(cfg)
             check_extras(cfg)
+            with quiet_log():
+                check_run_folder(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def check_run_folder(cfg) -> None:
+    """The resume decision (resume_policy.check_resume) before Hydra starts logging, so that a refused resume, or a
+    fresh run into a folder that has checkpoints, is its one line and the run folder's dit_train.log is left as it
+    was. A folder Hydra names (no run_dir=) is new: nothing to decide. The run decides again, under its lock."""
+    from omegaconf.errors import InterpolationResolutionError
+
+    from dit_train.runs.resume_policy import check_resume
+
+    if cfg.train.get("dry_run"):  # it reads no run folder
+        return
+    try:
+        check_resume(cfg)
+    except InterpolationResolutionError:  # run_dir is ${hydra:runtime.output_dir}: known once Hydra runs
+        return
+    except (FileExistsError, FileNotFoundError, ValueError) as e:  # a CheckpointError is a ValueError
+        raise ConfigError(str(e)) from None
+    except OSError:  # an unreadable folder: the run says it, with the path and the operation
+        return
+
+
+@contextlib.contextmanager
+def quiet_log():
+    """Silences dit_train's log while the check repeats the run's own first steps: the run logs them once Hydra has
+    set up its logging, and a warning here (printed bare, before Hydra) would come twice."""
+    logger = logging.getLogger("dit_train")
+    was, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = was
 
 
 def remove_stray_hydra_dir(path: str) -> None:
