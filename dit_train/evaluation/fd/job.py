@@ -169,7 +169,7 @@ def main(argv=None) -> list[dict]:
         dist.broadcast_object_list(obj, src=0)
         skip = obj[0]
     for run, c in skip:
-        log(f"[fd_dino] skip {run} {c.name}: already scored with these settings")
+        log(f"[fd] skip {run} {c.name}: already scored with these settings")
     todo = [t for t in todo if t not in skip]
 
     evaluators: dict[str, FDEvaluator] = {}
@@ -206,7 +206,7 @@ def main(argv=None) -> list[dict]:
                 grid = out / "fd_grids" / run.replace(os.sep, "__") / f"step_{row['step']:08d}.png"
                 grid.parent.mkdir(parents=True, exist_ok=True)
                 save_grid(res["images"], str(grid), nrow=8)
-            log(f"[fd_dino] {run} step {row['step']}: FD={row['fd']:.4f} ({extractor.name}, n_gen={row['num_gen']}, "
+            log(f"[fd] {run} step {row['step']}: FD={row['fd']:.4f} ({extractor.name}, n_gen={row['num_gen']}, "
                 f"n_ref={row['num_ref']}, {row['eval_time_s']} s)")
         del model
 
@@ -217,9 +217,9 @@ def main(argv=None) -> list[dict]:
             if same and (r["run"] not in best or r["fd"] < best[r["run"]]["fd"]):
                 best[r["run"]] = r
         for r in best.values():
-            log(f"[fd_dino] best {r['run']}: FD={r['fd']:.4f} at step {r['step']} "
+            log(f"[fd] best {r['run']}: FD={r['fd']:.4f} at step {r['step']} "
                 f"(active time {r['active_time_s']:.1f} s)")
-        log(f"[fd_dino] results: {out / 'fd_results.csv'} and {out / 'fd_results.json'}")
+        log(f"[fd] results: {out / 'fd_results.csv'} and {out / 'fd_results.json'}")
     shutdown_process_group()
     return rows
 
