@@ -48,12 +48,29 @@ def check_group_overrides(overrides: list[str], config_dir: str | None = None) -
             continue
         key, value = arg.split("=", 1)
         key = key.lstrip("+~")
-        if "." in key or "/" in key or not is_group(key):
+        if "." in key or "/" in key or (config_dir and os.path.isdir(os.path.join(config_dir, key))):
+            continue
+        if not is_group(key):
+            check_top_level_key(key, value)
             continue
         valid = group_options(key, config_dir)
         for option in value.split(","):  # --multirun lists
             if option not in valid:
                 raise ConfigError(f"{key}={option!r} is not a known {key}; valid: {', '.join(valid)}")
+
+
+def check_top_level_key(key: str, value: str) -> None:
+    """A name that is neither a group nor a top-level key (`optimzer=muon`): Hydra's own first line, `Could not
+    override 'optimzer'.`, named neither what was meant nor what exists."""
+    from dataclasses import fields
+
+    from dit_train.config.files import GROUPS
+    from dit_train.config.schema import RunConfig
+
+    keys = [f.name for f in fields(RunConfig) if f.name not in GROUPS]
+    if key not in keys:
+        raise ConfigError(f"{key}={value!r} is not valid: not a config group or key; groups: {', '.join(GROUPS)}; "
+                          f"keys: {', '.join(keys)}")
 
 
 def job_overrides(overrides: list[str]) -> list[list[str]]:

@@ -107,6 +107,9 @@ def test_bad_value_on_command_line_is_one_line():
      "optimizer 'muon'; valid keys: "),
     (["--multirun", "optimizer.lr=1e-3,abc"], "error: optimizer.lr='abc' is not valid: expected a learning rate > 0"),
     (["run_dir="], "error: config.run_dir='' is not valid: expected a folder path"),  # was an unnamed ENOENT, exit 1
+    # a misspelt group: was Hydra's "Could not override 'optimzer'."
+    (["optimzer=muon"], "error: optimzer='muon' is not valid: not a config group or key; groups: data, model, "
+                        "optimizer, eval, logger, launcher, experiment; keys: seed, run_dir, flow, train, "),
 ])
 def test_bad_config_on_command_line_leaves_no_run_folder(tmp_path, args, line):
     """Checked before Hydra makes runs/<date>/<time> (or the sweep folder): one line, exit 2, seconds, nothing
