@@ -188,7 +188,7 @@ def test_fd_dino_job_scores_a_sweep_and_skips_scored_checkpoints(tmp_path, capsy
     assert len(json.loads((sweep / "fd_results.json").read_text())["rows"]) == 3
     assert (sweep / "fd_grids" / "0" / "step_00000003.png").is_file()
     said = capsys.readouterr().out  # labelled [fd] whatever the encoder (was [fd_dino], for Inception too)
-    assert "[fd] 0 step 3: FD=" in said and "[fd] best 0: FD=" in said and "fd_dino" not in said, said
+    assert "[fd] 0 step 3: FD=" in said and "[fd] best 0: FD=" in said and "[fd_dino]" not in said, said
 
     again = job.main([str(sweep)] + args)  # nothing new to score
     assert "skip 1 step_00000006.pt" in capsys.readouterr().out

@@ -78,7 +78,7 @@ def latent_decoder(run_cfg, data_cfg, vae_path: str | None, device):
         return None
     path = vae_path or OmegaConf.select(run_cfg, "vae.path")
     if not path:
-        raise SystemExit("a latent run's samples are decoded by its VAE: pass --vae /path/to/vae")
+        raise ValueError("a latent run's samples are decoded by its VAE: pass --vae /path/to/vae")
     if path not in _CODECS:
         from dit_train.diffusion.vae import LatentCodec
 
@@ -179,7 +179,7 @@ def main(argv=None) -> list[dict]:
         data_cfg = OmegaConf.merge(run_cfg.data, OmegaConf.from_dotlist(list(args.data_set)))
         mcfg = run_cfg.model
         if int(mcfg.get("text_dim", 0) or 0) > 0:
-            raise SystemExit(f"{path}: FD of text-conditioned models needs prompts; not supported by this job")
+            raise ValueError(f"{path}: FD of text-conditioned models needs prompts; not supported by this job")
         real = reference_data_config(data_cfg)  # a latent run: the images its latents were made from
         dkey = json.dumps(OmegaConf.to_container(real, resolve=True), sort_keys=True)
         if dkey not in evaluators:
