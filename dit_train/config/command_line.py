@@ -104,7 +104,8 @@ def compose(overrides: list[str]):
         return hydra_compose(config_name="config", overrides=list(overrides))
 
 
-def _compose_job(job: list[str]):
+def compose_checked(job: list[str]):
+    """The config of one job's overrides, or a ConfigError whose one line names the bad override."""
     try:
         return compose(job)
     except Exception as e:  # noqa: BLE001 - Hydra's composition errors (unknown key, bad syntax), several lines
@@ -158,7 +159,7 @@ def check_command_line(argv: list[str], world_size: int | None = None) -> None:
                       ] if config_dir else []
         for job in job_overrides(overrides):
             job = searchpath + job
-            cfg = _compose_job(job)
+            cfg = compose_checked(job)
             composed = cfg
             if cfg.train.get("resume") is not None or cfg.train.get("init_from") is not None:
                 from dit_train.runs.resume_config import continue_saved_config  # reads the checkpoint: only for resumes
