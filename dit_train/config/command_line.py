@@ -48,10 +48,11 @@ def check_group_overrides(overrides: list[str], config_dir: str | None = None) -
             continue
         key, value = arg.split("=", 1)
         key = key.lstrip("+~")
-        if "." in key or "/" in key or (config_dir and os.path.isdir(os.path.join(config_dir, key))):
+        if "." in key or "/" in key:
             continue
         if not is_group(key):
-            check_top_level_key(key, value)
+            if not (config_dir and os.path.isdir(os.path.join(config_dir, key))):  # not a group of the user's
+                check_top_level_key(key, value)
             continue
         valid = group_options(key, config_dir)
         for option in value.split(","):  # --multirun lists
