@@ -10,6 +10,7 @@ import hydra
 
 from dit_train.runs.atomic_io import describe_os_error
 from dit_train.config import CONF_DIR, ConfigError, check_command_line, remove_stray_hydra_dir
+from dit_train.config.command_line import split_config_dir
 from dit_train.runs.hydra_files import defer_hydra_files
 from dit_train.trainer.preemption import Preempted, Preemption
 
@@ -73,7 +74,9 @@ def check_writable(run_dir: str) -> None:
 
 
 def explicit_run_dir(argv: list[str]) -> str | None:
-    """`run_dir=X` of a single run (no sweep, --help, completion or other flag; no hydra.run.dir), else None."""
+    """`run_dir=X` of a single run (no sweep, --help, completion or other flag than --config-dir; no
+    hydra.run.dir), else None."""
+    _, argv = split_config_dir(argv)
     if any(a.startswith("-") or a.startswith("hydra.run.dir=") for a in argv):
         return None
     run_dirs = [a.split("=", 1)[1] for a in argv if a.startswith("run_dir=")]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
+import logging
 import os
 import shutil
 import sys
@@ -18,21 +20,58 @@ from dit_train.config.files import CONF_DIR, group_options, is_group
 from dit_train.config.validate import validate
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
+CONFIG_DIR_FLAGS = ("--config-dir", "-cd")
 
 
-def check_group_overrides(overrides: list[str]) -> None:
+def split_config_dir(argv: list[str]) -> tuple[str | None, list[str]]:
+    """Hydra's `--config-dir DIR` (`-cd DIR`, `--config-dir=DIR`; the last one counts, as in Hydra): a user's own
+    config folder, whose groups join ours (their experiment/mine.yaml is experiment=mine), and argv without it."""
+    config_dir, rest, i = None, [], 0
+    while i < len(argv):
+        flag, eq, value = argv[i].partition("=")
+        if flag in CONFIG_DIR_FLAGS:
+            if not eq:
+                if i + 1 == len(argv):
+                    raise ConfigError(f"{flag} needs a folder: {flag} DIR")
+                i, value = i + 1, argv[i + 1]
+            config_dir = value
+        else:
+            rest.append(argv[i])
+        i += 1
+    return config_dir, rest
+
+
+def check_group_overrides(overrides: list[str], config_dir: str | None = None) -> None:
     """`group=option` names against the config folders: Hydra's own message spans several lines."""
     for arg in overrides:
         if "=" not in arg:
             continue
         key, value = arg.split("=", 1)
         key = key.lstrip("+~")
-        if "." in key or "/" in key or not is_group(key):
+        if "." in key or "/" in key:
             continue
-        valid = group_options(key)
+        if not is_group(key):
+            if not (config_dir and os.path.isdir(os.path.join(config_dir, key))):  # not a group of the user's
+                check_top_level_key(key, value)
+            continue
+        valid = group_options(key, config_dir)
         for option in value.split(","):  # --multirun lists
             if option not in valid:
                 raise ConfigError(f"{key}={option!r} is not a known {key}; valid: {', '.join(valid)}")
+
+
+def check_top_level_key(key: str, value: str) -> None:
+    """A name that is neither a group nor a top-level key (`optimzer=muon`): Hydra's own first line, `Could not
+    override 'optimzer'.`, named neither what was meant nor what exists."""
+    from dataclasses import fields
+
+    from dit_train.config.files import GROUPS
+    from dit_train.config.schema import RunConfig
+
+    keys = [f.name for f in fields(RunConfig) if f.name not in GROUPS]
+    if key not in keys:
+        raise ConfigError(f"{key}={value!r} is not valid: not a config group or key; groups: {', '.join(GROUPS)}; "
+                          f"keys: {', '.join(keys)}")
 
 
 def job_overrides(overrides: list[str]) -> list[list[str]]:
@@ -66,7 +105,8 @@ def compose(overrides: list[str]):
         return hydra_compose(config_name="config", overrides=list(overrides))
 
 
-def _compose_job(job: list[str]):
+def compose_checked(job: list[str]):
+    """The config of one job's overrides, or a ConfigError whose one line names the bad override."""
     try:
         return compose(job)
     except Exception as e:  # noqa: BLE001 - Hydra's composition errors (unknown key, bad syntax), several lines
@@ -97,34 +137,77 @@ def check_slurm_needs_multirun(flags: list[str], overrides: list[str]) -> None:
 
 
 def check_command_line(argv: list[str], world_size: int | None = None) -> None:
-    """Exit 2 with `error: ...` on stderr if any job of this command line has a bad config. Command lines with
-    other Hydra flags (--cfg, --config-dir, --help, ...) are left to Hydra."""
-    flags = [a for a in argv if a.startswith("-")]
-    overrides = [a for a in argv if not a.startswith("-")]
+    """Exit 2 with `error: ...` on stderr if any job of this command line has a bad config, composed with the
+    user's --config-dir if any. Command lines with other Hydra flags (--cfg, --help, ...) are left to Hydra."""
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        check_group_overrides(overrides)
+        config_dir, argv = split_config_dir(argv)
+        if config_dir is not None and not os.path.isdir(config_dir):
+            raise ConfigError(f"--config-dir {config_dir}: no such folder (it holds your own config groups, e.g. "
+                              f"{os.path.join(config_dir, 'experiment', 'mine.yaml')} for experiment=mine)")
+        flags = [a for a in argv if a.startswith("-")]
+        overrides = [a for a in argv if not a.startswith("-")]
+        check_group_overrides(overrides, config_dir)
         if any(f not in MULTIRUN_FLAGS for f in flags):
             return
         from dit_train.extras import check_extras, check_launcher
 
         check_launcher(overrides)  # a missing plugin first: it is needed with --multirun too
         check_slurm_needs_multirun(flags, overrides)
+        # the user's folder where Hydra puts it, after ours; an override, so that a resume's compositions keep it
+        searchpath = [f"hydra.searchpath=[{json.dumps('file://' + os.path.abspath(config_dir), ensure_ascii=False)}]"
+                      ] if config_dir else []
         for job in job_overrides(overrides):
-            cfg = _compose_job(job)
+            job = searchpath + job
+            cfg = compose_checked(job)
             composed = cfg
             if cfg.train.get("resume") is not None or cfg.train.get("init_from") is not None:
                 from dit_train.runs.resume_config import continue_saved_config  # reads the checkpoint: only for resumes
 
-                cfg = continue_saved_config(cfg, job)
+                with quiet_log():
+                    cfg = continue_saved_config(cfg, job)
             cfg = apply_data_shapes(cfg, job, continued=cfg is not composed)
             validate(cfg, world_size)
             check_paths(cfg)
             check_extras(cfg)
+            with quiet_log():
+                check_run_folder(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def check_run_folder(cfg) -> None:
+    """The resume decision (resume_policy.check_resume) before Hydra starts logging, so that a refused resume, or a
+    fresh run into a folder that has checkpoints, is its one line and the run folder's dit_train.log is left as it
+    was. A folder Hydra names (no run_dir=) is new: nothing to decide. The run decides again, under its lock."""
+    from omegaconf.errors import InterpolationResolutionError
+
+    from dit_train.runs.resume_policy import check_resume
+
+    if cfg.train.get("dry_run"):  # it reads no run folder
+        return
+    try:
+        check_resume(cfg)
+    except InterpolationResolutionError:  # run_dir is ${hydra:runtime.output_dir}: known once Hydra runs
+        return
+    except (FileExistsError, FileNotFoundError, ValueError) as e:  # a CheckpointError is a ValueError
+        raise ConfigError(str(e)) from None
+    except OSError:  # an unreadable folder: the run says it, with the path and the operation
+        return
+
+
+@contextlib.contextmanager
+def quiet_log():
+    """Silences dit_train's log while the check repeats the run's own first steps: the run logs them once Hydra has
+    set up its logging, and a warning here (printed bare, before Hydra) would come twice."""
+    logger = logging.getLogger("dit_train")
+    was, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = was
 
 
 def remove_stray_hydra_dir(path: str) -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from dit_train.runs.atomic_io import atomic_save_tensors, atomic_write_bytes
+from dit_train.config.errors import ConfigError
 from dit_train.config.latents import LATENTS_INFO, read_latents_info, vae_scaling
 from dit_train.data import build_dataset
 from dit_train.evaluation.fd.features import _fingerprint
@@ -158,7 +159,7 @@ def main(argv=None) -> dict:
     from dit_train.diffusion.vae import LatentCodec
 
     if not os.path.isfile(os.path.join(args.vae, "config.json")):
-        raise SystemExit(f"error: --vae {args.vae} is not a diffusers AutoencoderKL folder (config.json + weights)")
+        raise ConfigError(f"--vae {args.vae} is not a diffusers AutoencoderKL folder (config.json + weights)")
     dist = init_distributed()
     source = source_config(args)
     datasets = {}
@@ -169,10 +170,10 @@ def main(argv=None) -> dict:
     try:
         old = read_latents_info(args.out)
     except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+        raise ConfigError(str(e)) from None
     conflict = resume_conflict(old, info, args.out)
     if conflict:
-        raise SystemExit(f"error: {conflict}")
+        raise ConfigError(conflict)
     codec = LatentCodec(args.vae, dist.device, args.batch_size)
     this_run = {s["split"] for s in info["splits"]}
     info["splits"] = [s for s in old.get("splits", []) if s["split"] not in this_run] + info["splits"]
@@ -200,8 +201,13 @@ def main(argv=None) -> dict:
 
 
 def cli() -> int:
-    """The command (main returns the latents_info.json record to callers; a console script exits with what it returns)."""
-    main()
+    """The command (main returns the latents_info.json record to callers; a console script exits with what it
+    returns): a refusal is one line and exit status 2, as in every dit-* command."""
+    try:
+        main()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

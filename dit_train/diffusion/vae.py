@@ -12,7 +12,7 @@ from dit_train.config.latents import vae_scaling
 
 
 def load_autoencoder(path: str, device):
-    from dit_train.extras import require
+    from dit_train.extras import installed, require
 
     require("diffusers", "latents", "the VAE of latent runs")
     from diffusers import AutoencoderKL
@@ -21,8 +21,10 @@ def load_autoencoder(path: str, device):
         what = "has no config.json" if os.path.isdir(path) else "does not exist"
         raise FileNotFoundError(f"VAE folder {path!r} {what}: expected a local diffusers AutoencoderKL folder "
                                 f"(config.json and its weights), the one given to dit-encode-latents --vae")
-    # a local folder only: a path that is not one must not become a Hub download
-    return AutoencoderKL.from_pretrained(path, local_files_only=True).to(device).eval().requires_grad_(False)
+    # a local folder only: a path that is not one must not become a Hub download. Without accelerate, diffusers'
+    # default low_cpu_mem_usage=True falls back to False after a 5-line warning to `pip install accelerate`
+    return AutoencoderKL.from_pretrained(path, local_files_only=True, low_cpu_mem_usage=installed("accelerate")) \
+        .to(device).eval().requires_grad_(False)
 
 
 class LatentCodec:

@@ -22,7 +22,8 @@ import subprocess
 import sys
 import time
 
-from dit_train.config.files import CONF_DIR
+from dit_train.config.errors import ConfigError
+from dit_train.config.files import group_options
 
 
 GIB = 1024**3
@@ -37,17 +38,15 @@ ROWS = (("parameters", "parameters (fp32 shards)"), ("gradients", "gradients"),
 
 
 def compose(preset: str, optimizer: str, checkpointing: bool, overrides=()):
-    from hydra import compose as hcompose
-    from hydra import initialize_config_dir
-
+    """The estimated config; a bad override (`model.depht=2`) is a ConfigError of one line, as in dit-train."""
     import dit_train  # noqa: F401  registers the config schemas that conf/config.yaml names
+    from dit_train.config.command_line import compose_checked
 
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return hcompose(config_name="config", overrides=[
-            "experiment=scaling_study", f"model={preset}", f"optimizer={optimizer}", "run_dir=unused",
-            "parallel.mixed_precision=bf16", f"parallel.activation_checkpointing={str(checkpointing).lower()}",
-            # plain FSDP over --world-size: the study's own layout (HSDP for multi-node presets) only when asked
-            "parallel.replicate=1", *overrides])
+    return compose_checked([
+        "experiment=scaling_study", f"model={preset}", f"optimizer={optimizer}", "run_dir=unused",
+        "parallel.mixed_precision=bf16", f"parallel.activation_checkpointing={str(checkpointing).lower()}",
+        # plain FSDP over --world-size: the study's own layout (HSDP for multi-node presets) only when asked
+        "parallel.replicate=1", *overrides])
 
 
 def run_one(args) -> dict:
@@ -162,11 +161,13 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
+    """The command: a bad preset, optimizer or override is one line and exit status 2 (was a traceback)."""
+    models, optimizers = group_options("model"), group_options("optimizer")
     ap = argparse.ArgumentParser(prog="dit-estimate-memory", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="dit_1b3")
-    ap.add_argument("--optimizer", default="adamw")
+    ap.add_argument("--preset", default="dit_1b3", choices=models, metavar="PRESET", help=", ".join(models))
+    ap.add_argument("--optimizer", default="adamw", choices=optimizers, metavar="NAME", help=", ".join(optimizers))
     ap.add_argument("--world-size", type=int, default=8)
     ap.add_argument("--micro-batch", type=int, default=None, help="images per rank (default batch_size / W)")
     ap.add_argument("--micro-batches", type=int, default=1,
@@ -176,18 +177,23 @@ def main(argv=None) -> None:
     ap.add_argument("--real-tensors", action="store_true",
                     help="allocate and compute for real (small models only): checks the fake run against a real one")
     ap.add_argument("--table", action="store_true", help="run the grid, one subprocess per configuration")
-    ap.add_argument("--presets", nargs="+", default=list(PRESETS))
-    ap.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS))
+    ap.add_argument("--presets", nargs="+", default=list(PRESETS), choices=models, metavar="PRESET")
+    ap.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=optimizers, metavar="NAME")
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[8, 16, 32])
     ap.add_argument("--results", help="--table: JSON lines file, appended to and reused")
     ap.add_argument("overrides", nargs="*", help="hydra overrides for the one configuration")
     args = ap.parse_args(argv)
     if args.table:
         print(markdown(run_grid(args)))
-        return
-    r = run_one(args)
+        return 0
+    try:
+        r = run_one(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(r) if args.json else describe(r))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -75,8 +75,8 @@ def list_checkpoints(run_dir: str, remove_partial: bool = True, legacy: bool = F
     without its marker is reported and skipped."""
     folder = checkpoint_dir(run_dir)
     for tmp in glob.glob(os.path.join(folder, "*.tmp-*")) + glob.glob(os.path.join(folder, "*.tmp")):
-        log.warning("ignoring%s partial checkpoint %s (a save was interrupted)",
-                    " and removing" if remove_partial else "", tmp)
+        _report_once(f"ignoring partial checkpoint {tmp} (a save was interrupted; a run resumed in this folder "
+                     f"removes it)", tmp)
         if remove_partial:
             shutil.rmtree(tmp, ignore_errors=True) if os.path.isdir(tmp) else os.remove(tmp)
     if not os.path.isdir(folder):
@@ -88,10 +88,19 @@ def list_checkpoints(run_dir: str, remove_partial: bool = True, legacy: bool = F
             if is_complete(path):
                 found.append(path)
             else:
-                log.warning("ignoring incomplete checkpoint %s (no %s marker)", path, MARKER)
+                _report_once(f"ignoring incomplete checkpoint {path} (no {MARKER} marker)", path)
         elif legacy and LEGACY_RE.match(name) and os.path.isfile(path):
             found.append(path)
     return sorted(found, key=lambda p: (os.path.basename(p)[5:13], p.endswith(".dcp")))
+
+
+_REPORTED: set[str] = set()  # leftovers this process has reported: the run reads its folder several times
+
+
+def _report_once(message: str, path: str) -> None:
+    if path not in _REPORTED and log.isEnabledFor(logging.WARNING):  # not while the command-line check is quiet
+        _REPORTED.add(path)
+        log.warning(message)
 
 
 def newest_step(run_dir: str) -> int:

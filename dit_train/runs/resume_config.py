@@ -46,13 +46,16 @@ def continue_saved_config(cfg, overrides: list[str]):
     # the saved run's own group options (optimizer, model, data record their names) under the command's
     # overrides, against the same options without them: what differs is what the command line set
     own = [o for o in overrides if not o.startswith("hydra.")]
+    searchpath = [o for o in overrides if o.startswith("hydra.searchpath=")]  # --config-dir, before Hydra runs
     chosen = {o.split("=", 1)[0].lstrip("+~") for o in own if "=" in o}
     options = {group: f"{group}={saved[group]['name']}" for group in SAVED_CHOICES
                if isinstance(saved.get(group), dict) and saved[group].get("name")}
     unchosen = [o for group, o in options.items() if group not in chosen]
     try:
-        now = flatten(OmegaConf.to_container(_compose(unchosen + own + [f"run_dir={run_dir}"]), resolve=True))
-        base = flatten(OmegaConf.to_container(_compose([*options.values(), f"run_dir={run_dir}"]), resolve=True))
+        now = flatten(OmegaConf.to_container(_compose(searchpath + unchosen + own + [f"run_dir={run_dir}"]),
+                                             resolve=True))
+        base = flatten(OmegaConf.to_container(_compose([*searchpath, *options.values(), f"run_dir={run_dir}"]),
+                                              resolve=True))
     except Exception as e:  # noqa: BLE001 - e.g. a preset the saved run names no longer exists: judged as typed
         log.warning("cannot compose the saved run's own options (%s); the resume is judged as typed",
                     str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)

@@ -36,6 +36,7 @@ from collections import defaultdict
 
 import scipy.stats
 
+from dit_train.config.errors import ConfigError
 from dit_train.runs.json_file import DamagedJSONFile
 from dit_train.study.record import read_study
 from dit_train.study import stability
@@ -227,7 +228,7 @@ def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN,
     out_dir = out_dir or sweep_dir
     study = read_study(os.path.join(sweep_dir, "study.json"))
     if "lr_selection" not in study:
-        raise SystemExit(f"error: {sweep_dir}/study.json has no lr_selection: not a two-phase study, or its lr scan "
+        raise ConfigError(f"{sweep_dir}/study.json has no lr_selection: not a two-phase study, or its lr scan "
                          f"has not finished (run: dit-study {study.get('experiment', '?')})")
     runs, scan = collect(sweep_dir, study)
     chosen_by = selection_seeds(study)
@@ -235,7 +236,7 @@ def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN,
     eval_runs = [r for by in evaluated.values() for group in by.values() for r in group.values()]
     names = sorted({v for by in evaluated.values() for v, group in by.items() if group})
     if references and not set(references) <= set(names):
-        raise SystemExit(f"error: --reference {', '.join(sorted(set(references) - set(names)))!r} is not a variant "
+        raise ConfigError(f"--reference {', '.join(sorted(set(references) - set(names)))!r} is not a variant "
                          f"with evaluation runs here; valid: {', '.join(repr(n) for n in names) or 'none'}")
     references = list(references or DEFAULT_REFERENCES)
     strata = list(evaluated)
@@ -338,7 +339,8 @@ def _paragraphs(lines: list[str]) -> list[str]:
     return out
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
+    """The command: bad input is one line and exit status 2, as in every dit-* command."""
     p = argparse.ArgumentParser(prog="dit-paired-report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweep_dir")
@@ -349,15 +351,17 @@ def main(argv=None) -> None:
                    help="a variant to pair the others against, as the tables name it (e.g. 'periodic_rowwise K=3 "
                         f"(frobenius)'); repeatable; default: {' and '.join(DEFAULT_REFERENCES)}")
     args = p.parse_args(argv)
-    if not (math.isfinite(args.margin) and args.margin > 0):
-        raise SystemExit(f"error: --margin {args.margin:g} must be a positive number of percent (e.g. 1 for ±1%)")
-    if not os.path.isfile(os.path.join(args.sweep_dir, "study.json")):
-        raise SystemExit(f"error: {args.sweep_dir!r} has no study.json (made by dit-study)")
     try:
+        if not (math.isfinite(args.margin) and args.margin > 0):
+            raise ConfigError(f"--margin {args.margin:g} must be a positive number of percent (e.g. 1 for ±1%)")
+        if not os.path.isfile(os.path.join(args.sweep_dir, "study.json")):
+            raise ConfigError(f"{args.sweep_dir!r} has no study.json (made by dit-study)")
         build(args.sweep_dir, args.out, args.margin, args.reference)
-    except DamagedJSONFile as e:
-        raise SystemExit(f"error: {e}") from None
+    except (ConfigError, DamagedJSONFile) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {os.path.join(args.out or args.sweep_dir, 'report.md')}")
+    return 0
 
 
 if __name__ == "__main__":

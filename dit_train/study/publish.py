@@ -20,6 +20,7 @@ import sys
 from dit_train.study import paired_report, report
 from dit_train.study import run as run_study
 from dit_train.runs.atomic_io import atomic_write_bytes
+from dit_train.config.errors import ConfigError
 from dit_train.runs.json_file import DamagedJSONFile
 from dit_train.study.record import read_study
 
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
             paired_report.build(runs, args.dest)
         else:
             report.build_report(runs, args.dest)
-    except DamagedJSONFile as e:
+    except (ConfigError, DamagedJSONFile) as e:  # a damaged record, a two-phase study whose scan is unfinished
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"copied {n} run records to {os.path.join(args.dest, 'runs')}; wrote {os.path.join(args.dest, 'report.md')}")

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from dit_train.config.errors import ConfigError
 from dit_train.runs.json_file import DamagedJSONFile
 from dit_train.study.record import read_study
 
@@ -600,7 +601,7 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
     os.makedirs(out_dir, exist_ok=True)
     runs = find_runs(sweep_dir)
     if not runs:
-        raise SystemExit(f"error: no run folders (config.yaml + metrics.jsonl) under {sweep_dir!r}")
+        raise ConfigError(f"no run folders (config.yaml + metrics.jsonl) under {sweep_dir!r}")
     study = {}
     if os.path.exists(os.path.join(sweep_dir, "study.json")):
         study = read_study(os.path.join(sweep_dir, "study.json"))
@@ -650,19 +651,22 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
     return text
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
+    """The command: bad input is one line and exit status 2, as in every dit-* command."""
     p = argparse.ArgumentParser(prog="dit-report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweep_dir")
     p.add_argument("--out", default=None, help="folder for report.md and plots (default: the sweep folder)")
     args = p.parse_args(argv)
-    if not os.path.isdir(args.sweep_dir):
-        raise SystemExit(f"error: sweep folder {args.sweep_dir!r} does not exist")
     try:
+        if not os.path.isdir(args.sweep_dir):
+            raise ConfigError(f"sweep folder {args.sweep_dir!r} does not exist")
         build_report(args.sweep_dir, args.out)
-    except DamagedJSONFile as e:
-        raise SystemExit(f"error: {e}") from None
+    except (ConfigError, DamagedJSONFile) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {os.path.join(args.out or args.sweep_dir, 'report.md')}")
+    return 0
 
 
 if __name__ == "__main__":

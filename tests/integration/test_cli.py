@@ -107,6 +107,9 @@ def test_bad_value_on_command_line_is_one_line():
      "optimizer 'muon'; valid keys: "),
     (["--multirun", "optimizer.lr=1e-3,abc"], "error: optimizer.lr='abc' is not valid: expected a learning rate > 0"),
     (["run_dir="], "error: config.run_dir='' is not valid: expected a folder path"),  # was an unnamed ENOENT, exit 1
+    # a misspelt group: was Hydra's "Could not override 'optimzer'."
+    (["optimzer=muon"], "error: optimzer='muon' is not valid: not a config group or key; groups: data, model, "
+                        "optimizer, eval, logger, launcher, experiment; keys: seed, run_dir, flow, train, "),
 ])
 def test_bad_config_on_command_line_leaves_no_run_folder(tmp_path, args, line):
     """Checked before Hydra makes runs/<date>/<time> (or the sweep folder): one line, exit 2, seconds, nothing
@@ -193,3 +196,16 @@ def test_a_missing_image_folder_is_refused_before_any_run_folder_exists(tmp_path
         f"error: data.root='{tmp_path / 'missing'}' is not valid: not a folder; image_folder needs "
         f"root/<class>/<images>"], r.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_an_experiment_in_the_users_own_config_dir_runs(tmp_path):
+    """`--config-dir DIR experiment=mine`, as Hydra users write it: DIR's experiment group joins ours (before, the
+    check before Hydra refused `mine` as unknown); a dry run of it is dit_xs, as mine.yaml chooses."""
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "mine.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /model: dit_xs\n")
+    r = cli("--config-dir", str(tmp_path / "conf"), "experiment=mine", "train.dry_run=true", cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "model dit_xs: 1,275,920 parameters" in r.stdout, r.stdout
+    r = cli("--config-dir", str(tmp_path / "conf"), "experiment=yours", cwd=str(tmp_path))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "valid: debug, lr_scan_cpu, mine, " in r.stderr, r.stderr

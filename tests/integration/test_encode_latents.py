@@ -125,9 +125,9 @@ def test_a_resumed_encoding_refuses_another_vae_and_continues_with_its_own(tmp_p
         check_latent_run({"name": "dit_s"}, {"root": str(tmp_path / "lat")}, {"path": str(tmp_path / "vae")}, True)
     Image.new("RGB", (20, 18), (120, 200, 0)).save(tmp_path / "img" / "b" / "2.png")  # the image, repaired
     before = folder_state(tmp_path / "lat")
-    with pytest.raises(SystemExit, match=rf"^error: {tmp_path}/lat holds latents made with another VAE "
-                                         rf"\({tmp_path}/vae\), not --vae {tmp_path}/other_vae; rerun with the "
-                                         rf"settings in {tmp_path}/lat/latents_info.json, or choose another --out$"):
+    with pytest.raises(ConfigError, match=rf"^{tmp_path}/lat holds latents made with another VAE "
+                                          rf"\({tmp_path}/vae\), not --vae {tmp_path}/other_vae; rerun with the "
+                                          rf"settings in {tmp_path}/lat/latents_info.json, or choose another --out$"):
         encode(["--vae", str(tmp_path / "other_vae"), *args])
     assert folder_state(tmp_path / "lat") == before
     info = encode(["--vae", str(tmp_path / "vae"), *args])
@@ -175,7 +175,7 @@ def test_a_resumed_encoding_refuses_other_settings_before_writing(tmp_path, chan
         info_path.write_text(json.dumps({k: old[k] for k in ("vae", "scaling_factor", "shift_factor", "flip",
                                                              "source", "splits")}))
     before = folder_state(tmp_path / "lat")
-    with pytest.raises(SystemExit, match=rf"^error: {tmp_path}/lat" + message) as e:
+    with pytest.raises(ConfigError, match=rf"^{tmp_path}/lat" + message) as e:
         encode(args + (change if isinstance(change, list) else []))
     assert "\n" not in str(e.value)
     assert folder_state(tmp_path / "lat") == before  # nothing written, the missing shard still missing
@@ -191,7 +191,7 @@ def test_the_refusal_is_one_line_on_the_command_line(tmp_path):
     assert subprocess.run(cmd, capture_output=True, timeout=120, env=env).returncode == 0
     r = subprocess.run(cmd[:-4] + ["--shard-size", "4", "--splits", "train"], capture_output=True, text=True,
                        timeout=120, env=env)
-    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr  # argparse's status for bad input (was 1)
     assert r.stderr.splitlines()[-1] == (f"error: {tmp_path}/lat holds latents made with --shard-size 2, not 4; rerun "
                                          f"with the settings in {tmp_path}/lat/latents_info.json, or choose another "
                                          f"--out")
@@ -199,8 +199,8 @@ def test_the_refusal_is_one_line_on_the_command_line(tmp_path):
 
 def test_a_vae_path_that_is_not_a_vae_folder_is_one_line_before_anything_is_written(tmp_path):
     image_folder(tmp_path / "img")
-    with pytest.raises(SystemExit, match=rf"^error: --vae {tmp_path}/nope is not a diffusers AutoencoderKL folder "
-                                         rf"\(config.json \+ weights\)$"):
+    with pytest.raises(ConfigError, match=rf"^--vae {tmp_path}/nope is not a diffusers AutoencoderKL folder "
+                                          rf"\(config.json \+ weights\)$"):
         load_encoder()(["--vae", str(tmp_path / "nope"), "--images", str(tmp_path / "img"), "--out",
                         str(tmp_path / "lat"), "--image-size", "16"])
     assert not (tmp_path / "lat").exists()

@@ -5,6 +5,7 @@ import importlib
 import json
 import math
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from dit_train.evaluation.fd.job_config import load_data_cfg, load_eval_cfg
 from dit_train.evaluation.during_training import update_best_fd
 from dit_train.evaluation.fd.evaluator import FDEvaluator, generation_labels
 from dit_train.evaluation.fd.features import build_extractor
+from dit_train.evaluation.fd.frechet import RankDeficientWarning
 from dit_train.evaluation.fd.reference import load_or_compute_reference, load_reference
 
 # tiny sample counts on purpose (the warning itself is tested in test_fd_frechet.py)
@@ -180,15 +182,21 @@ def test_fd_dino_job_scores_a_sweep_and_skips_scored_checkpoints(tmp_path, capsy
 
     args = ["--eval-preset", "ci", "--cache-dir", str(tmp_path / "cache"), "--reference-split", "val",
             "--num-samples", "16", "--batch-size", "8", "--reference-num", "32", "--sample-steps", "2"]
-    rows = job.main([str(sweep)] + args)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = job.main([str(sweep)] + args)
+    # 16 samples < 32 features: said once, as an [fd] line (it also came as a Python warning per checkpoint)
+    assert not [w for w in caught if issubclass(w.category, RankDeficientWarning)]
     assert [(r["run"], r["step"]) for r in rows] == [("0", 3), ("0", 6), ("1", 6)]
     assert all(math.isfinite(r["fd"]) and r["num_gen"] == 16 and r["num_ref"] == 32 for r in rows)
     assert rows[1]["active_time_s"] == 9.0 and rows[0]["fd"] != rows[1]["fd"]
     assert (sweep / "fd_results.csv").read_text().splitlines()[0].startswith("run,step,active_time_s,fd,encoder")
     assert len(json.loads((sweep / "fd_results.json").read_text())["rows"]) == 3
     assert (sweep / "fd_grids" / "0" / "step_00000003.png").is_file()
+    said = capsys.readouterr().out  # labelled [fd] whatever the encoder (was [fd_dino], for Inception too)
+    assert "[fd] 0 step 3: FD=" in said and "[fd] best 0: FD=" in said and "[fd_dino]" not in said, said
+    assert said.count("[fd] eval.num_samples=16 < feature dim 32") == 1, said
 
-    capsys.readouterr()
     again = job.main([str(sweep)] + args)  # nothing new to score
     assert "skip 1 step_00000006.pt" in capsys.readouterr().out
     assert [r["fd"] for r in again] == [r["fd"] for r in rows]

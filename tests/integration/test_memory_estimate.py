@@ -192,3 +192,18 @@ def test_the_grid_is_plain_fsdp_over_its_world_size_unless_asked():
 
     assert em.compose("dit_15b", "adamw", True).parallel.replicate == 1
     assert em.compose("dit_15b", "adamw", True, ["parallel.replicate=4"]).parallel.replicate == 4
+
+
+def test_a_bad_preset_optimizer_or_override_is_one_line_and_exit_status_2(capsys):
+    """Was a traceback of Hydra's (61 lines for --preset nope, exit 1)."""
+    from dit_train.parallel.memory_estimate_cli import main
+
+    for bad in (["--preset", "nope"], ["--optimizer", "sgd"]):
+        with pytest.raises(SystemExit) as stop:
+            main(bad)
+        assert stop.value.code == 2 and "invalid choice" in capsys.readouterr().err.splitlines()[-1]
+    assert main(["--preset", "dit_xs", "model.depht=2"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: model.depht=2 is not valid: not a key of model; valid keys: class_dropout_prob, depth, hidden_size, "
+        "image_size, in_channels, launch, mlp_ratio, name, nominal_params, num_classes, num_heads, patch_size, "
+        "qk_norm, swiglu, text_dim"]

@@ -125,7 +125,7 @@ def test_sample_and_fd_jobs_show_a_bar_on_a_terminal_and_none_in_a_pipe(stopped_
     assert "100%" in bar(out, desc)
     if job == "fd":
         assert "100%" in bar(out, "reference statistics (dinov2_random):")
-        assert line_with(out, "[fd_dino] run step 3: FD=").startswith("[fd_dino]")
+        assert line_with(out, "[fd] run step 3: FD=").startswith("[fd]")
     piped = subprocess.run(cmd, cwd=str(tmp_path), env=ENV, capture_output=True, text=True, timeout=240)
     assert piped.returncode == 0, piped.stderr
     assert desc not in piped.stderr + piped.stdout and "%|" not in piped.stderr, piped.stderr

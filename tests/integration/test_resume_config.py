@@ -52,10 +52,20 @@ def test_a_resume_needs_only_the_run_folder_and_what_changes(run):
 @pytest.mark.parametrize("change, named", [(["model.depth=3"], "model.depth: 2 -> 3); these keys"),
                                           (["optimizer=adamw"], 'optimizer.name: "muon" -> "adamw" (and ')])
 def test_a_change_outside_the_resume_policy_is_refused_naming_only_it(run, change, named):
-    before = sorted(os.listdir(run / "run"))
+    """The refusal is the only output, and the run folder is as it was, its dit_train.log included (before, an INFO
+    line `continuing with the config saved in ...` came first, on stdout and in the run's log)."""
+    before = files_of(run / "run")
     rc, out, err = dit_train(f"run_dir={run / 'run'}", "train.resume=auto", *change, cwd=run)
     assert rc == 2 and err.strip().count("\n") == 0 and named in err, err
-    assert sorted(os.listdir(run / "run")) == before
+    assert out == ""
+    assert files_of(run / "run") == before
+
+
+def files_of(folder):
+    """Every file under `folder` with its size and modification time."""
+    return {os.path.relpath(os.path.join(d, f), folder): (os.stat(os.path.join(d, f)).st_size,
+                                                          os.stat(os.path.join(d, f)).st_mtime_ns)
+            for d, _, files in os.walk(folder) for f in files}
 
 
 def test_a_fork_starts_from_its_sources_config_with_the_command_lines_changes(run):
@@ -87,3 +97,33 @@ def test_a_crafted_saved_config_resolves_nothing_on_resume(run, tmp_path, monkey
     resumed = continue_saved_config(compose(overrides), overrides)
     assert resumed.logger.wandb.project == "${oc.env:DIT_TRAIN_TEST_SECRET}"
     assert "s3cret" not in OmegaConf.to_yaml(resumed, resolve=True)
+
+
+def test_a_run_of_the_users_own_experiment_resumes_with_its_options(tmp_path):
+    """`--config-dir DIR experiment=mine`: the check before Hydra composes the saved run's options with DIR too
+    (before, it could not find experiment/mine and warned that the resume was judged as typed)."""
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "mine.yaml").write_text("# @package _global_\noptimizer:\n  lr: 3e-3\n")
+    mine = ["--config-dir", str(tmp_path / "conf"), "experiment=mine", f"run_dir={tmp_path / 'run'}", *TINY]
+    rc, out, err = dit_train(*mine, "train.steps=1", cwd=tmp_path)
+    assert rc == 0, err
+    rc, out, err = dit_train(*mine, "train.resume=auto", "train.steps=2", cwd=tmp_path)
+    assert rc == 0 and "cannot compose" not in out + err, out + err
+    assert "the command line changes train.steps" in out and steps_logged(tmp_path / "run") == [1, 2]
+
+
+def test_a_resume_says_each_warning_once_and_a_refused_fresh_run_only_its_line(tmp_path):
+    """The check before Hydra repeats the run's first steps quietly: the warning about an interrupted save's
+    leftovers comes once (before, it was printed bare by the check, then again by the run). A fresh run into the
+    folder is refused in one line and nothing else, the folder left as it was."""
+    rc, out, err = dit_train(f"run_dir={tmp_path / 'run'}", *TINY, "train.steps=1", cwd=tmp_path)
+    assert rc == 0, err
+    (tmp_path / "run" / "checkpoints" / "step_00000002.dcp.tmp-123").mkdir()
+    rc, out, err = dit_train(f"run_dir={tmp_path / 'run'}", "train.resume=auto", "train.steps=2", cwd=tmp_path)
+    assert rc == 0 and (out + err).count("partial checkpoint") == 1, out + err
+    before = files_of(tmp_path / "run")
+    rc, out, err = dit_train(f"run_dir={tmp_path / 'run'}", *TINY, cwd=tmp_path)
+    assert rc == 2 and out == "" and err == (f"error: run folder {tmp_path / 'run'} already has checkpoints "
+                                             f"(step_00000002.dcp); pass train.resume=auto to continue it, or choose "
+                                             f"a new run_dir\n"), out + err
+    assert files_of(tmp_path / "run") == before

@@ -682,7 +682,7 @@ def test_hand_edited_metrics_lines_that_are_not_rows_are_skipped(tmp_path):
     ({"runs": [{"name": "x", "model": "dit_xs"}]}, "its 'runs' is not a list of runs"),
     ({"runs": [], "invocations": "dit-study x"}, "its 'invocations' is not a list of commands"),
 ])
-def test_a_hand_edited_study_record_is_one_line_naming_it(tmp_path, record, named):
+def test_a_hand_edited_study_record_is_one_line_naming_it(tmp_path, capsys, record, named):
     """study.json handed over with a sweep, edited by hand: dit-report, dit-paired-report, dit-publish-study and
     dit-study stopped with a KeyError or TypeError traceback."""
     from dit_train.study import paired_report
@@ -690,7 +690,11 @@ def test_a_hand_edited_study_record_is_one_line_naming_it(tmp_path, record, name
     sweep = tmp_path / "sweep"
     write_run(sweep / "good", "dit_xs", "adamw", 0, train_rows(0.01, 0.1, 0.0))
     (sweep / "study.json").write_text(json.dumps(record))
-    readers = [lambda: report.main([str(sweep)]), lambda: paired_report.build(str(sweep), None),
+    capsys.readouterr()
+    assert report.main([str(sweep)]) == 2  # dit-report: its one error line, exit 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "study.json" in err and named in err and err.count("\n") == 1, err
+    readers = [lambda: paired_report.build(str(sweep), None),
                lambda: publish_study.read_study_record(str(sweep)), lambda: run_study.previous_invocations(str(sweep))]
     for reader in readers:
         with pytest.raises((SystemExit, ValueError)) as e:
@@ -811,9 +815,8 @@ def test_a_torn_study_record_is_one_line_naming_it_in_every_study_script(tmp_pat
     (sweep / "study.json").write_text('{"experiment": "fab", "runs": [')
     line = (f"error: {sweep / 'study.json'} is not valid JSON (Expecting value: line 1 column 32): the file is "
             f"damaged (cut short by a crash or edited); restore it from a copy (dit-study writes it)")
-    for script in (report, paired_report):
-        with pytest.raises(SystemExit) as e:
-            script.main([str(sweep)])
-        assert str(e.value) == line
+    for script in (report, paired_report):  # exit status 2, as in every dit-* command (dit-report's was 1)
+        assert script.main([str(sweep)]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [line]
     assert publish_study.main([str(sweep), str(tmp_path / "dest")]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == line

@@ -8,6 +8,7 @@ import math
 import pytest
 import scipy.stats
 
+from dit_train.config import ConfigError
 from dit_train.study import paired_report
 from test_study import write_run
 
@@ -139,14 +140,15 @@ def test_the_margin_is_named_in_the_report_and_a_bad_one_is_refused(tmp_path, ca
     text = (sweep / "report.md").read_text()
     assert f"Built by `dit-paired-report {sweep} --margin 2.5`" in text
     assert "| equivalence at ±2.5% |" in text
-    for bad in ("0", "-1", "nan"):
-        with pytest.raises(SystemExit, match=f"--margin {bad} must be a positive number of percent"):
-            paired_report.main([str(sweep), "--margin", bad])
+    capsys.readouterr()
+    for bad in ("0", "-1", "nan"):  # exit status 2, as in every dit-* command (was 1)
+        assert paired_report.main([str(sweep), "--margin", bad]) == 2
+        assert capsys.readouterr().err.startswith(f"error: --margin {bad} must be a positive number of percent")
 
 
 def test_a_study_without_a_finished_scan_is_refused(tmp_path):
     (tmp_path / "study.json").write_text(json.dumps({"experiment": "optimizer_comparison_cpu", "runs": []}))
-    with pytest.raises(SystemExit, match="has no lr_selection"):
+    with pytest.raises(ConfigError, match="has no lr_selection"):
         paired_report.build(str(tmp_path), None)
 
 
@@ -232,6 +234,6 @@ def test_a_study_with_axes_and_a_common_lr_pairs_by_seed_within_qk_norm_and_lr_k
     assert ("| variant | lr | seeds | val loss @50 | val loss @150 | val loss @200 | final FD | optimizer ms/step | "
             "refresh steps timed | max loss spike | diverged |") in text
     assert text.count("| 0 of 3 |") == 8  # each of the 8 arms: 3 seeds, none diverged
-    with pytest.raises(SystemExit, match=r"--reference 'muon' is not a variant with evaluation runs here; valid: "
-                                         r"'periodic_rowwise K=3 \(frobenius\)', 'periodic_rowwise K=3 \(spectral\)'"):
-        paired_report.main([str(sweep), "--reference", "muon"])
+    with pytest.raises(ConfigError, match=r"--reference 'muon' is not a variant with evaluation runs here; valid: "
+                                          r"'periodic_rowwise K=3 \(frobenius\)', 'periodic_rowwise K=3 \(spectral\)'"):
+        paired_report.build(str(sweep), None, references=["muon"])

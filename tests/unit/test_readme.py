@@ -50,6 +50,30 @@ def test_every_relative_link_in_readme_and_docs_resolves():
     assert not broken, f"links to files that do not exist: {broken}"
 
 
+# Python files the docs name that are not in the checkout, each for its reason
+NOT_IN_THE_CHECKOUT = {
+    "dit_train/optim/directions/sign.py": "docs/extending.md: the file it tells a user to write",
+    "scripts/gpu_check_stages.py": "docs/layout.md: the layout before the restructure, beside the one after",
+    "torch/storage.py": "docs/host_overhead.md: a file of torch's",
+}
+
+
+def test_every_python_file_the_docs_name_exists():
+    """A `name.py` in the README or docs is a file of the checkout (the end of its path, as the pages abbreviate
+    it: `optim/routing.py`): docs/data.md sent users to an `encode_latents.py` that was `dit-encode-latents`."""
+    files = {os.path.relpath(os.path.join(d, f), ROOT) for d, _, fs in os.walk(ROOT) if "/.git" not in d
+             for f in fs if f.endswith(".py")}
+    pages = ["README.md",
+             *(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md"))]
+    missing = []
+    for page in pages:
+        with open(os.path.join(ROOT, page)) as f:
+            for name in re.findall(r"`([\w./-]+\.py)`", f.read()):
+                if name not in NOT_IN_THE_CHECKOUT and not any(p == name or p.endswith("/" + name) for p in files):
+                    missing.append(f"{page}: {name}")
+    assert not missing, f"Python files the docs name that do not exist: {missing}"
+
+
 
 
 def test_ci_runs_the_readmes_test_command():

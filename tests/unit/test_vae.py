@@ -28,3 +28,17 @@ def test_codec_applies_scaling_and_shift_factor_as_diffusers_pipelines_do(tmp_pa
         torch.testing.assert_close(codec.decode(made), vae.decode(made / SCALE + SHIFT).sample.clamp(-1, 1))
         # encode then decode gives the VAE's own reconstruction of the posterior mean
         torch.testing.assert_close(codec.decode(latents), vae.decode(z).sample.clamp(-1, 1))
+
+
+def test_loading_the_vae_says_nothing(tmp_path, capfd):
+    """dit-encode-latents, sampling and FD of latent runs load the VAE: without accelerate installed (not one of
+    our dependencies), diffusers printed a 5-line advice to `pip install accelerate` every time."""
+    from diffusers import AutoencoderKL
+
+    AutoencoderKL(in_channels=1, out_channels=1, latent_channels=4, block_out_channels=(8,),
+                  down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",),
+                  layers_per_block=1, norm_num_groups=4).save_pretrained(tmp_path / "vae")
+    capfd.readouterr()
+    LatentCodec(str(tmp_path / "vae"), "cpu")
+    out, err = capfd.readouterr()
+    assert out + err == ""

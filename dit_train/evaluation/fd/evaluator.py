@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from typing import Callable
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 
 from dit_train import seeds
 from dit_train.evaluation.fd.features import FeatureExtractor, build_extractor
-from dit_train.evaluation.fd.frechet import StreamingStats, fd_from_stats
+from dit_train.evaluation.fd.frechet import RankDeficientWarning, StreamingStats, fd_from_stats
 from dit_train.evaluation.fd.reference import ReferenceStats, load_or_compute_reference
 
 SampleFn = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
@@ -81,10 +82,11 @@ class FDEvaluator:
             self.extractor, dataset, split, cfg["reference_num"], cfg["cache_dir"],
             data_cfg=data_cfg, batch_size=self.batch_size, log=self.log, progress=progress)
         self.labels = generation_labels(self.reference.labels, self.num_samples, self.seed)
-        if self.num_samples < self.extractor.feature_dim:
-            self.log(f"[fd] eval.num_samples={self.num_samples} < feature dim {self.extractor.feature_dim} of "
-                     f"{self.extractor.name}: covariance rank-deficient, FD biased (fine for tracking, compare "
-                     f"only equal counts)")
+        for count, what in ((self.num_samples, "eval.num_samples"), (self.reference.count, "the reference count")):
+            if count < self.extractor.feature_dim:
+                self.log(f"[fd] {what}={count} < feature dim {self.extractor.feature_dim} of "
+                         f"{self.extractor.name}: covariance rank-deficient, FD biased (fine for tracking, compare "
+                         f"only equal counts)")
 
     def my_batches(self) -> list[int | None]:
         """This rank's generation batches, dealt round-robin; None marks a padding turn. Every rank takes the same
@@ -128,7 +130,9 @@ class FDEvaluator:
                 fd = float("nan")
                 self.log(f"[fd] step {step}: generated images gave non-finite features; FD = nan")
             else:
-                fd = fd_from_stats(acc.finalize(), self.reference.stats)
+                with warnings.catch_warnings():  # said once, in words, when the evaluator was made
+                    warnings.simplefilter("ignore", RankDeficientWarning)
+                    fd = fd_from_stats(acc.finalize(), self.reference.stats)
             out = [fd]
         if dist:
             dist.broadcast_object_list(out, src=0)

@@ -78,7 +78,7 @@ def latent_decoder(run_cfg, data_cfg, vae_path: str | None, device):
         return None
     path = vae_path or OmegaConf.select(run_cfg, "vae.path")
     if not path:
-        raise SystemExit("a latent run's samples are decoded by its VAE: pass --vae /path/to/vae")
+        raise ValueError("a latent run's samples are decoded by its VAE: pass --vae /path/to/vae")
     if path not in _CODECS:
         from dit_train.diffusion.vae import LatentCodec
 
@@ -169,7 +169,7 @@ def main(argv=None) -> list[dict]:
         dist.broadcast_object_list(obj, src=0)
         skip = obj[0]
     for run, c in skip:
-        log(f"[fd_dino] skip {run} {c.name}: already scored with these settings")
+        log(f"[fd] skip {run} {c.name}: already scored with these settings")
     todo = [t for t in todo if t not in skip]
 
     evaluators: dict[str, FDEvaluator] = {}
@@ -179,7 +179,7 @@ def main(argv=None) -> list[dict]:
         data_cfg = OmegaConf.merge(run_cfg.data, OmegaConf.from_dotlist(list(args.data_set)))
         mcfg = run_cfg.model
         if int(mcfg.get("text_dim", 0) or 0) > 0:
-            raise SystemExit(f"{path}: FD of text-conditioned models needs prompts; not supported by this job")
+            raise ValueError(f"{path}: FD of text-conditioned models needs prompts; not supported by this job")
         real = reference_data_config(data_cfg)  # a latent run: the images its latents were made from
         dkey = json.dumps(OmegaConf.to_container(real, resolve=True), sort_keys=True)
         if dkey not in evaluators:
@@ -206,7 +206,7 @@ def main(argv=None) -> list[dict]:
                 grid = out / "fd_grids" / run.replace(os.sep, "__") / f"step_{row['step']:08d}.png"
                 grid.parent.mkdir(parents=True, exist_ok=True)
                 save_grid(res["images"], str(grid), nrow=8)
-            log(f"[fd_dino] {run} step {row['step']}: FD={row['fd']:.4f} ({extractor.name}, n_gen={row['num_gen']}, "
+            log(f"[fd] {run} step {row['step']}: FD={row['fd']:.4f} ({extractor.name}, n_gen={row['num_gen']}, "
                 f"n_ref={row['num_ref']}, {row['eval_time_s']} s)")
         del model
 
@@ -217,9 +217,9 @@ def main(argv=None) -> list[dict]:
             if same and (r["run"] not in best or r["fd"] < best[r["run"]]["fd"]):
                 best[r["run"]] = r
         for r in best.values():
-            log(f"[fd_dino] best {r['run']}: FD={r['fd']:.4f} at step {r['step']} "
+            log(f"[fd] best {r['run']}: FD={r['fd']:.4f} at step {r['step']} "
                 f"(active time {r['active_time_s']:.1f} s)")
-        log(f"[fd_dino] results: {out / 'fd_results.csv'} and {out / 'fd_results.json'}")
+        log(f"[fd] results: {out / 'fd_results.csv'} and {out / 'fd_results.json'}")
     shutdown_process_group()
     return rows
 
