@@ -120,6 +120,11 @@ RUNNERS = {
     "python -m benchmarks.host_overhead": appended("--preset dit_xs --world-size 2 --optimizers adamw"),
     "python -m benchmarks.host_overhead --preset dit_15b --world-size 32 --optimizers adamw muon periodic_rowwise "
     "--blocks-per-unit": appended("--preset dit_xs --world-size 2 --optimizers adamw --blocks-per-unit 1 2"),
+    "python -m benchmarks.block_ops --preset dit_15b --json": lambda command: (
+        "python -m benchmarks.block_ops --preset dit_xs --json after.json"),
+    "python -m benchmarks.block_ops --compare": lambda command: (
+        "python -m benchmarks.block_ops --preset dit_xs --json before.json && "
+        "python -m benchmarks.block_ops --preset dit_xs --json after.json && " + command),
     # docs/layout.md: reads this checkout's git history
     "python -m benchmarks.code_shape": lambda command: f"cd {ROOT} && {command}",
     # docs/scaling_out.md
