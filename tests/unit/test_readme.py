@@ -55,6 +55,7 @@ NOT_IN_THE_CHECKOUT = {
     "dit_train/optim/directions/sign.py": "docs/extending.md: the file it tells a user to write",
     "scripts/gpu_check_stages.py": "docs/layout.md: the layout before the restructure, beside the one after",
     "torch/storage.py": "docs/host_overhead.md: a file of torch's",
+    "hubconf.py": "docs/fd_evaluation.md, docs/reliability.md: the entry file of a torch.hub checkout",
 }
 
 
