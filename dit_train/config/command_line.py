@@ -136,6 +136,11 @@ def check_slurm_needs_multirun(flags: list[str], overrides: list[str]) -> None:
                           + " ".join(o for o in overrides if o != "launcher=slurm"))
 
 
+# Hydra's flags whose next word is their value (`-sc query=bash`, `--cfg job`), not an override
+HYDRA_FLAGS_WITH_VALUE = ("-sc", "--shell-completion", "-c", "--cfg", "-p", "--package", "-i", "--info", "-cp",
+                          "--config-path", "-cn", "--config-name")
+
+
 def check_command_line(argv: list[str], world_size: int | None = None) -> None:
     """Exit 2 with `error: ...` on stderr if any job of this command line has a bad config, composed with the
     user's --config-dir if any. Command lines with other Hydra flags (--cfg, --help, ...) are left to Hydra."""
@@ -147,7 +152,8 @@ def check_command_line(argv: list[str], world_size: int | None = None) -> None:
             raise ConfigError(f"--config-dir {config_dir}: no such folder (it holds your own config groups, e.g. "
                               f"{os.path.join(config_dir, 'experiment', 'mine.yaml')} for experiment=mine)")
         flags = [a for a in argv if a.startswith("-")]
-        overrides = [a for a in argv if not a.startswith("-")]
+        overrides = [a for i, a in enumerate(argv) if not a.startswith("-")
+                     and not (i and argv[i - 1] in HYDRA_FLAGS_WITH_VALUE)]  # `-sc query=bash` is no override
         check_group_overrides(overrides, config_dir)
         if any(f not in MULTIRUN_FLAGS for f in flags):
             return
