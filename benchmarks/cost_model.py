@@ -35,6 +35,7 @@ import json
 import os
 import re
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
@@ -514,10 +515,11 @@ def _gloo_rank(rank: int, world: int, port: int, queue, numel: int, work_numel: 
         barrier = median_seconds(dist.barrier)
         latency = median_seconds(lambda: (dist.all_reduce(tiny), dist.barrier())) - barrier
         busy = _busy_latency_s(tiny, work_numel, rounds)
+        sent = (world - 1) * inp.numel() * 4  # what one rank sends (collectives.py's all-gather count)
+        cpu = _collective_cpu(lambda: dist.all_gather_into_tensor(out, inp), sent, tiny, rounds)
         if rank == 0:
-            sent = (world - 1) * inp.numel() * 4  # what one rank sends (collectives.py's all-gather count)
             queue.put({"link_bytes_s": sent / max(gather - barrier - latency, 1e-9), "latency_s": max(latency, 0.0),
-                       "busy_latency_s": busy})
+                       "busy_latency_s": busy, **cpu})
     finally:
         dist.destroy_process_group()
 
@@ -538,11 +540,49 @@ def _busy_latency_s(tiny, work_numel: int, rounds: int) -> float:
     return max(synced - alone, 0.0) / rounds
 
 
+def other_threads_cpu_s() -> float | None:
+    """CPU seconds run so far by this process's threads other than the calling one (Linux schedstat; None where it
+    cannot be read): on a benchmark rank's main thread, gloo's worker and transport threads (torch's intra-op pool
+    is idle between ops)."""
+    me, total = threading.get_native_id(), 0
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            if int(tid) != me:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return total / 1e9
+
+
+def _collective_cpu(gather, sent: int, tiny, calls: int) -> dict:
+    """The CPU gloo's own threads spend on one rank for a collective (sharded_schedule charges it to the compute
+    an asynchronous collective overlaps): {"cpu_s_per_call": a 4-byte all-reduce's, "cpu_s_per_byte": the
+    all-gather's beyond that, per byte this rank sends (as many arrive)}, each less a barrier's, over `calls`
+    calls; {} where the threads' CPU cannot be read."""
+    import torch.distributed as dist
+
+    def per_call(fn) -> float | None:
+        dist.barrier()
+        start = other_threads_cpu_s()
+        for _ in range(calls):
+            fn()
+            dist.barrier()
+        end = other_threads_cpu_s()
+        return None if start is None or end is None else (end - start) / calls
+
+    barrier, call, gathered = per_call(lambda: None), per_call(lambda: dist.all_reduce(tiny)), per_call(gather)
+    if barrier is None or call is None or gathered is None:
+        return {}
+    return {"cpu_s_per_call": max(call - barrier, 0.0), "cpu_s_per_byte": max(gathered - barrier - call, 0.0) / sent}
+
+
 def measure_gloo(world: int, numel: int = 4 << 20, work_numel: int = 1 << 18, rounds: int = 20) -> dict:
     """gloo between `world` processes on this host: the bytes/s one rank sends in an all-gather, the fixed cost
-    of a collective (a 4-byte all-reduce) between otherwise idle processes, and its cost between processes that
-    compute between collectives (busy_latency_s): numel fp32 elements gathered per rank (16 MB), work_numel per
-    add between rounds of the busy measure (1 MB, ~0.1-1 ms), `rounds` of it (tests shrink them)."""
+    of a collective (a 4-byte all-reduce) between otherwise idle processes, its cost between processes that
+    compute between collectives (busy_latency_s), and the CPU gloo's threads spend per collective and per byte
+    (_collective_cpu): numel fp32 elements gathered per rank (16 MB), work_numel per add between rounds of the
+    busy measure (1 MB, ~0.1-1 ms), `rounds` of it and of each CPU measure (tests shrink them)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -575,9 +615,8 @@ def host_profile(measured: dict, processes: int = 1) -> Hardware:
     """This host as the profile of one of `processes` processes sharing its cores, each with the benchmarks'
     cores // processes threads (at least one): rates of that thread count, times the share of the cores a
     process gets when there are more threads than cores."""
-    cores = measured["cores"]
-    threads = max(1, cores // processes)
-    share = min(1.0, cores / (processes * threads))
+    threads = max(1, measured["cores"] // processes)
+    share = core_share(measured, processes)
     rates = measured["compute"][str(threads)]
     if "ops" not in rates:
         raise ValueError("the host profile has no op rates (measured before op_cost.py): run --measure-host again")
@@ -744,22 +783,39 @@ def step_kinds(opt: Optim, steps: int) -> list[str]:
     return [kinds[i % len(kinds)] for i in range(steps)]
 
 
+def core_share(measured: dict, procs: int) -> float:
+    """The share of a core each of bench_distributed's threads gets on this host: `procs` processes of
+    cores // procs threads (at least one each)."""
+    cores = measured["cores"]
+    return min(1.0, cores / (procs * max(1, cores // procs)))
+
+
 def python_rates(measured: dict, procs: int) -> dict | None:
     """{step kind: {class: seconds of Python per op}} of a process of `procs` (measured on one thread, divided by
     the share of a core it gets, as host_profile shares the op rates), or None where the profile has none."""
     python = measured.get("python", {}).get(str(procs))
     if python is None:
         return None
-    cores = measured["cores"]
-    share = min(1.0, cores / (procs * max(1, cores // procs)))
+    share = core_share(measured, procs)
     return {kind: {cls: v / share for cls, v in rates.items()} for kind, rates in python.items()}
+
+
+def collective_cpu_rates(measured: dict, procs: int) -> tuple[float, float] | None:
+    """(seconds per collective, seconds per byte on the wire) that gloo's threads take from a process's share of
+    the cores (measure_gloo's CPU, divided by core_share), or None where the profile has not measured them."""
+    gloo = measured["gloo"][str(procs)]
+    if "cpu_s_per_call" not in gloo:
+        return None
+    share = core_share(measured, procs)
+    return gloo["cpu_s_per_call"] / share, gloo["cpu_s_per_byte"] / share
 
 
 def sharded_step(shapes: Shapes, label: str, measured: dict, procs: int) -> dict:
     """bench_distributed's contender `label` on `procs` processes of this host: every rank's counted step replayed
     with the overlap the code has (sharded_schedule), ops at a process's share of the cores plus the Python per
     op where the profile has it, collectives at the gloo latency between busy processes where the profile has it
-    (else between idle ones) and its bandwidth; the slowest rank's step, averaged over the cycle."""
+    (else between idle ones) and its bandwidth, and their CPU (gloo's threads) taken from the compute they overlap
+    where the profile has it (collective_cpu_rates); the slowest rank's step, averaged over the cycle."""
     from benchmarks.sharded_schedule import mean_scheduled
 
     cycle = sharded_cycle(shapes, label, procs)
@@ -768,7 +824,7 @@ def sharded_step(shapes: Shapes, label: str, measured: dict, procs: int) -> dict
     python = python_rates(measured, procs)
     per_step = [python[k] for k in step_kinds(BENCH_DISTRIBUTED_ROWS[label], len(cycle))] if python else None
     return mean_scheduled(cycle, host_profile(measured, procs).op_rates(), procs, gloo["link_bytes_s"], latency,
-                          per_step)
+                          per_step, collective_cpu_rates(measured, procs))
 
 
 def calibration_table(rows: list[tuple]) -> str:
@@ -789,10 +845,10 @@ def sharded_table(measured: dict, distributed_log: str) -> str:
     slowest rank's): the direction phase's ops (with their Python), the waits on collectives the schedule leaves
     exposed against the exposed wait measured, the other ops (momentum, update, AdamW) against the wall time less
     both."""
-    lines = ["| processes | line | ops (rank 0) | collectives | Python priced | direction: predicted / measured | "
-             "exposed wait: predicted / measured | collectives run (latency + wire) | other ops: predicted / rest "
-             "of the wall | step: predicted / measured |",
-             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| processes | line | ops (rank 0) | collectives | Python priced | collectives' CPU charged | "
+             "direction: predicted / measured | exposed wait: predicted / measured | collectives run (latency + "
+             "wire) | other ops: predicted / rest of the wall | step: predicted / measured |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     ms = lambda a, b: f"{a * 1e3:.1f} / {b * 1e3:.1f} ms"  # noqa: E731
     logged = parse_distributed_phases(distributed_log)
     for procs, ((preset, width, depth), found) in parse_bench_distributed(distributed_log).items():
@@ -801,7 +857,8 @@ def sharded_table(measured: dict, distributed_log: str) -> str:
             p = sharded_step(shapes, label, measured, procs)
             comm, direction = logged[procs][label]
             lines.append(f"| {procs} | {label} | {p['ops']:.0f} | {p['collectives']:.1f} | "
-                         f"{p['python_s'] * 1e3:.1f} ms | {ms(p['direction_s'], direction)} | "
+                         f"{p['python_s'] * 1e3:.1f} ms | {p['collective_cpu_s'] * 1e3:.1f} ms | "
+                         f"{ms(p['direction_s'], direction)} | "
                          f"{ms(p['exposed_s'], comm)} | {(p['latency_s'] + p['wire_s']) * 1e3:.1f} ms | "
                          f"{ms(p['other_s'], sec - comm - direction)} | {ms(p['total_s'], sec)} |")
     return "\n".join(lines)

@@ -291,8 +291,12 @@ def count_step_kinds(model_cfg, contenders: dict, world: int, rank: int = 0,
     return out
 
 
+def wire_bytes(c: Collective, world: int) -> float:
+    """What this rank puts on the wire in a collective: a ring all-reduce sends 2 (W - 1) / W of its tensor, the
+    others what they count as sent."""
+    return 2 * (world - 1) / world * c.tensor if c.op == "all_reduce" else c.sent
+
+
 def wire_seconds(c: Collective, world: int, link_bytes_s: float, latency_s: float) -> float:
-    """A collective on gloo: its latency + what this rank puts on the wire at the measured rate (a ring
-    all-reduce sends 2 (W - 1) / W of its tensor)."""
-    wire = 2 * (world - 1) / world * c.tensor if c.op == "all_reduce" else c.sent
-    return latency_s + wire / link_bytes_s
+    """A collective on gloo: its latency + what this rank puts on the wire at the measured rate."""
+    return latency_s + wire_bytes(c, world) / link_bytes_s

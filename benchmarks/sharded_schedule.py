@@ -16,6 +16,14 @@ The schedule (the semantics of model_owner_schedule's simulator, on counted prog
 - a wait blocks its rank until that collective has finished (a blocking all_reduce_ waits right after its issue).
 A step starts on every rank at once (bench_distributed's barrier) and lasts until its slowest rank is done, which is
 what bench_distributed reports (its phases are each the slowest rank's too).
+
+On this host a collective is not a free stream (`scheduled`'s `cpu`): gloo moves the bytes with its own
+threads (a worker thread per process group, the TCP device loop), on the same cores as the ranks' compute, and
+bench_distributed gives each rank cores // W torch threads, so no core is spare. An asynchronous collective's CPU
+(per call + per byte on the wire, where the profile has measured it) is therefore charged to the rank's compute
+between its issue and its wait, at most that compute (placed just before the wait): owner mode's IN_FLIGHT
+all-to-alls run during the owner's NS5 and take their CPU from it. A collective waited at once overlaps nothing
+(its CPU is in its duration). GPUs (cost_model.gpu_replayed) are not charged: NCCL runs on the device.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from benchmarks.op_cost import OpRates, seconds
-from benchmarks.sharded_count import wire_seconds
+from benchmarks.sharded_count import wire_bytes, wire_seconds
 
 DIRECTION_PHASES = ("direction", "comm")  # the direction stage: its ops and the waits inside it
 
@@ -66,9 +74,12 @@ def simulate(programs: list[list[tuple]], durations: list[float]) -> list[dict]:
     return [{"end": clock[r], "waited": waited[r], "phases": phases[r]} for r in range(w)]
 
 
-def program(step: SimpleNamespace, rates: OpRates, python: dict | None) -> list[tuple]:
+def program(step: SimpleNamespace, rates: OpRates, python: dict | None,
+            collective_cpu: list[float] | None = None) -> list[tuple]:
     """A counted step's events with each op priced: op_cost's seconds + the Python per op of its phase class
-    (python {"direction": s, "other": s}, or None where the profile has not measured it)."""
+    (python {"direction": s, "other": s}, or None where the profile has not measured it); with collective_cpu
+    (seconds of CPU of each collective on this rank), each collective's CPU charged before its wait
+    (charged_collective_cpu)."""
     out = []
     for ev in step.events:
         if ev[0] != "op":
@@ -77,6 +88,30 @@ def program(step: SimpleNamespace, rates: OpRates, python: dict | None) -> list[
         rec = ev[1]
         cls = "direction" if rec.phase in DIRECTION_PHASES else "other"
         out.append(("op", seconds(rec, rates) + (python[cls] if python else 0.0), cls))
+    return out if collective_cpu is None else charged_collective_cpu(out, step.collectives, collective_cpu)
+
+
+def charged_collective_cpu(prog: list[tuple], collectives: list, cpu: list[float]) -> list[tuple]:
+    """A priced program with the CPU of each asynchronous collective c (cpu[c] seconds) taken from the compute it
+    overlaps: an op of min(cpu[c], the op seconds between its issue and its wait) just before its wait, in the
+    class of the collective's phase (module docstring). The charged ops are marked ("op", s, cls, "collective")."""
+    running, window = {}, {}  # collective -> op seconds since its issue; -> op seconds from issue to wait
+    for ev in prog:
+        if ev[0] == "issue":
+            running[ev[1]] = 0.0
+        elif ev[0] == "wait":
+            window[ev[1]] = running.pop(ev[1])
+        else:
+            for c in running:
+                running[c] += ev[1]
+    out = []
+    for ev in prog:
+        if ev[0] == "wait":
+            charge = min(cpu[ev[1]], window[ev[1]])
+            if charge > 0:
+                cls = "direction" if collectives[ev[1]].phase in DIRECTION_PHASES else "other"
+                out.append(("op", charge, cls, "collective"))
+        out.append(ev)
     return out
 
 
@@ -90,31 +125,39 @@ def collectives_of(ranks: list[SimpleNamespace]) -> int:
 
 
 def replayed(ranks: list[SimpleNamespace], rates: OpRates, durations: list[float],
-             python: dict | None = None) -> dict:
+             python: dict | None = None, collective_cpu: list[list[float]] | None = None) -> dict:
     """One step counted on some ranks (ranks[i]: a SimpleNamespace of sharded_count) replayed together (simulate),
-    each op at `rates` (+ the Python per op of its class), collective c lasting durations[c]: the slowest rank's
-    end (`total_s`, the step), the most any rank blocked in waits (`exposed_s`), the most direction and other op
-    time, and per rank its end and its time blocked (`ends`, `waited`, in the order of `ranks`). The pricing is the
-    caller's: this host's gloo (scheduled) or a GPU's links (cost_model.sharded_optimizer)."""
+    each op at `rates` (+ the Python per op of its class), collective c lasting durations[c] (and, with
+    collective_cpu[i][c], its CPU on rank i charged to the compute it overlaps): the slowest rank's end
+    (`total_s`, the step), the most any rank blocked in waits (`exposed_s`), the most direction and other op time,
+    the most collective CPU charged to a rank (`collective_cpu_s`), and per rank its end and its time blocked
+    (`ends`, `waited`, in the order of `ranks`). The pricing is the caller's: this host's gloo (scheduled) or a
+    GPU's links (cost_model.sharded_optimizer)."""
     if collectives_of(ranks) != len(durations):
         raise ValueError(f"{len(durations)} durations for {collectives_of(ranks)} collectives")
-    done = simulate([program(r, rates, python) for r in ranks], durations)
+    cpu = collective_cpu or [None] * len(ranks)
+    programs = [program(r, rates, python, c) for r, c in zip(ranks, cpu, strict=True)]
+    done = simulate(programs, durations)
     return {"total_s": max(d["end"] for d in done), "exposed_s": max(d["waited"] for d in done),
             "direction_s": max(d["phases"].get("direction", 0.0) for d in done),
             "other_s": max(d["phases"].get("other", 0.0) for d in done),
             "ops_s": max(sum(d["phases"].values()) for d in done),
+            "collective_cpu_s": max(sum(ev[1] for ev in prog if len(ev) == 4) for prog in programs),
             "ends": [d["end"] for d in done], "waited": [d["waited"] for d in done]}
 
 
 def scheduled(ranks: list[SimpleNamespace], rates: OpRates, world: int, link_bytes_s: float, latency_s: float,
-              python: dict | None = None) -> dict:
+              python: dict | None = None, cpu: tuple[float, float] | None = None) -> dict:
     """One step counted on every rank (ranks[r]: rank r's SimpleNamespace of sharded_count) on W processes of this
-    host (replayed): each collective its gloo latency + the busiest rank's bytes on the wire; with the
-    collectives' latency and wire seconds (each once, as they run one at a time), the Python priced, and the counts
-    of rank 0."""
+    host (replayed): each collective its gloo latency + the busiest rank's bytes on the wire; with cpu =
+    (seconds per call, seconds per byte on the wire) of gloo's threads on a process's share of the cores, each
+    collective's CPU on each rank charged to the compute it overlaps (module docstring); with the collectives'
+    latency and wire seconds (each once, as they run one at a time), the Python priced, and the counts of rank 0."""
     n = collectives_of(ranks)
     wire = [max(wire_seconds(r.collectives[c], world, link_bytes_s, 0.0) for r in ranks) for c in range(n)]
-    out = replayed(ranks, rates, [latency_s + x for x in wire], python)
+    charged = None if cpu is None else [[cpu[0] + cpu[1] * wire_bytes(c, world) for c in r.collectives]
+                                        for r in ranks]
+    out = replayed(ranks, rates, [latency_s + x for x in wire], python, charged)
     del out["ends"], out["waited"]
     return {"ops": len(ranks[0].records), "collectives": n, **out, "python_s": python_seconds(ranks, python),
             "latency_s": n * latency_s, "wire_s": sum(wire), "sent": sum(c.sent for c in ranks[0].collectives)}
@@ -129,10 +172,12 @@ def python_seconds(ranks: list[SimpleNamespace], python: dict | None) -> float:
 
 
 def mean_scheduled(cycle: list[list[SimpleNamespace]], rates: OpRates, world: int, link_bytes_s: float,
-                   latency_s: float, python: list[dict | None] | None = None) -> dict:
+                   latency_s: float, python: list[dict | None] | None = None,
+                   cpu: tuple[float, float] | None = None) -> dict:
     """scheduled() averaged over the counted steps of a cycle (cycle[k][r]: step k on rank r; python[k]: the
-    Python rates of step k's kind), bench_distributed's per-step average of the slowest rank."""
+    Python rates of step k's kind; cpu: the collectives' CPU rates), bench_distributed's per-step average of the
+    slowest rank."""
     python = python or [None] * len(cycle)
-    each = [scheduled(ranks, rates, world, link_bytes_s, latency_s, py) for ranks, py in zip(cycle, python,
-                                                                                              strict=True)]
+    each = [scheduled(ranks, rates, world, link_bytes_s, latency_s, py, cpu)
+            for ranks, py in zip(cycle, python, strict=True)]
     return {k: sum(e[k] for e in each) / len(each) for k in each[0]}

@@ -186,8 +186,31 @@ def test_bad_arguments_are_one_line_errors(args, message, capsys):
 def test_gloo_profile_has_the_cost_of_a_collective_between_busy_processes():
     # tiny sizes: that every number is measured and sane, not its value (this host is loaded)
     g = cm.measure_gloo(2, numel=1024, work_numel=1024, rounds=2)
-    assert set(g) == {"link_bytes_s", "latency_s", "busy_latency_s"}
+    assert set(g) == {"link_bytes_s", "latency_s", "busy_latency_s", "cpu_s_per_call", "cpu_s_per_byte"}
     assert g["link_bytes_s"] > 0 and g["latency_s"] >= 0 and g["busy_latency_s"] >= 0
+    assert g["cpu_s_per_call"] >= 0 and g["cpu_s_per_byte"] >= 0
+
+
+def test_other_threads_cpu_is_the_cpu_of_threads_but_the_callers():
+    import threading
+
+    worked, release = threading.Event(), threading.Event()
+
+    def work():
+        sum(i * i for i in range(300_000))
+        worked.set()
+        release.wait()  # alive while measured: a thread's CPU leaves /proc/self/task with it
+
+    before = cm.other_threads_cpu_s()
+    worker = threading.Thread(target=work)
+    worker.start()
+    worked.wait()
+    own = cm.other_threads_cpu_s()
+    sum(i * i for i in range(300_000))  # the caller's own work is not counted
+    after = cm.other_threads_cpu_s()
+    release.set()
+    worker.join()
+    assert own > before and after == pytest.approx(own, abs=2e-3)
 
 
 def fast_profile() -> dict:
@@ -221,6 +244,25 @@ def test_sharded_lines_price_the_python_per_op_where_the_profile_has_it():
     assert without["ops"] == 2 and priced["total_s"] - without["total_s"] == pytest.approx(2 * 0.5)
     assert cm.step_kinds(cm.Optim("periodic_rowwise", 3, mode="gather"), 4) == ["refresh gather", "rownorm",
                                                                                  "rownorm", "refresh gather"]
+
+
+def test_owner_modes_all_to_alls_take_their_cpu_from_the_ns5_they_overlap():
+    # dit_xs width 64 depth 2 on 2 ranks, owner mode: shape groups of 3, 3, 2, 2, 2 and 1 matrices, 2 per exchange,
+    # so 2 + 2 + 1 + 1 + 1 + 1 = 8 exchanges, 16 all-to-alls per rank. Every op costs 1 s (windows >> the CPU): all
+    # but two overlap compute, the first inbound one (the 4 in flight are issued back to back and it is waited for
+    # before any compute) and the last return (waited for after all compute), so 14 are charged 1 ms each
+    measured = fast_profile()
+    measured["compute"]["1"]["ops"]["op_s"] = 1.0
+    shapes = cm.model_shapes("dit_xs", 64, 2)
+    free = cm.sharded_step(shapes, "muon-owner", measured, 2)
+    measured["gloo"]["2"].update(cpu_s_per_call=1e-3, cpu_s_per_byte=0.0)
+    charged = cm.sharded_step(shapes, "muon-owner", measured, 2)
+    assert charged["collectives"] == 16 and free["collective_cpu_s"] == 0.0
+    assert charged["collective_cpu_s"] == pytest.approx(14e-3)
+    assert charged["direction_s"] - free["direction_s"] == pytest.approx(14e-3)
+    # 4 processes on 2 cores: each gets half a core, so the same CPU costs twice the time
+    measured["gloo"]["4"] = {"link_bytes_s": 1e12, "latency_s": 0.0, "cpu_s_per_call": 1e-3, "cpu_s_per_byte": 0.0}
+    assert cm.collective_cpu_rates(measured, 4) == (2e-3, 0.0) and cm.collective_cpu_rates(measured, 2) == (1e-3, 0)
 
 
 def test_the_python_per_op_of_the_sharded_step_is_measured_per_class():

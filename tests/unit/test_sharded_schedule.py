@@ -1,6 +1,7 @@
 """benchmarks/sharded_schedule.py: hand-built schedules whose times are worked out by hand (overlap of an async
 collective with the ops issued after it, a collective waiting for the last peer to issue it, one collective at a
-time, the slowest rank's step, the Python per op), and the counted owner-mode step's order of issues and waits."""
+time, the slowest rank's step, the Python per op, an async collective's CPU taken from the compute it overlaps), and
+the counted owner-mode step's order of issues and waits."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from benchmarks import sharded_count as sc
 from benchmarks import sharded_schedule as ss
 from benchmarks.op_cost import OpRates, OpRecord
 from benchmarks.sharded_count import Collective, with_blocking_waits
@@ -74,3 +76,33 @@ def test_mean_scheduled_averages_the_cycle_with_each_steps_python():
     cycle = [[_step(1)], [_step(1)]]
     p = ss.mean_scheduled(cycle, RATES, 1, 1e12, 0.0, [{"direction": 1.0, "other": 0.0}, None])
     assert p["total_s"] == pytest.approx(0.11 + 1.0 / 2)
+
+
+def test_an_async_collectives_cpu_is_taken_from_the_compute_it_overlaps():
+    # issue, 2 s of ops, wait; the collective lasts 0.5 s and its gloo threads take 0.3 s of the rank's core:
+    # the ops end at 2.3 (nothing left to wait for), and the 0.3 s are direction time (the phase it overlaps)
+    collectives = [Collective("direction", "all_to_all", 0, 0)]
+    step = SimpleNamespace(records=[], collectives=collectives,
+                           events=[("issue", 0), ("op", OpRecord("direction", "add_", "stream", 5000, 5000)),
+                                   ("op", OpRecord("direction", "add_", "stream", 5000, 5000)), ("wait", 0)])
+    rates = OpRates(stream=1e4, convert=1, reduce=1, matvec=1, op_s=0.0, adamw=1, fused=1)
+    done = ss.replayed([step], rates, [0.5], collective_cpu=[[0.3]])
+    assert done["total_s"] == pytest.approx(2.3) and done["direction_s"] == pytest.approx(2.3)
+    assert done["collective_cpu_s"] == pytest.approx(0.3) and done["exposed_s"] == 0.0
+    # at most the compute it overlaps: 5 s of CPU against 2 s of ops charges 2 s
+    assert ss.replayed([step], rates, [0.5], collective_cpu=[[5.0]])["total_s"] == pytest.approx(4.0)
+    # waited at once (a blocking collective), it overlaps nothing: its CPU is inside its 0.5 s
+    blocking = SimpleNamespace(records=[], collectives=collectives,
+                               events=[("issue", 0), ("wait", 0)] + step.events[1:3])
+    done = ss.replayed([blocking], rates, [0.5], collective_cpu=[[0.3]])
+    assert done["total_s"] == pytest.approx(2.5) and done["collective_cpu_s"] == 0.0
+
+
+def test_scheduled_charges_each_ranks_collective_cpu_per_call_and_per_byte():
+    # _step: 3 ops (0.33 s) inside the all-to-all's window; rank 0 sends 50 B, rank 1 100 B; 0.1 s per call and
+    # 1 ms per byte on the wire: rank 0 is charged 0.15 s, rank 1 0.2 s, and rank 1 ends the step at 0.53 s
+    p = ss.scheduled([_step(3), _step(3, sent=100)], RATES, 2, 1e12, 0.0, cpu=(0.1, 1e-3))
+    assert p["collective_cpu_s"] == pytest.approx(0.2) and p["total_s"] == pytest.approx(0.33 + 0.2)
+    # a ring all-reduce puts 2 (W - 1) / W of its tensor on the wire: 4 ranks, 80 B -> 120 B
+    reduce = Collective("direction", "all_reduce", 80, 80)
+    assert sc.wire_bytes(reduce, 4) == pytest.approx(120.0)
