@@ -9,27 +9,40 @@ from benchmarks.cost_model.hardware import Hardware, all_reduce_seconds
 from benchmarks.cost_model.shapes import Shapes
 
 
-_SHARDED_KINDS: dict = {}  # (shapes, counted(contender), world, rank, gpu) -> sharded_count.count_step_kinds' entry
+_COUNTED_STEPS: dict = {}  # (shapes, step_key, world, rank, gpu) -> one counted step (sharded_count.counted_step)
+_OWNED: dict = {}  # (shapes, distributed_mode, world, gpu) -> NS5 flops per rank by the owner plan, or None
 
 
-def counted(opt: Optim) -> tuple:
-    """What a contender's counted steps depend on: each kind's step is set (sharded_count.STEP_OF_KIND), so K only
-    mixes them (the cycle's mean) and periodic_rowwise K=3 and K=5 of one scale share their counts."""
-    return opt.name, opt.scale, opt.mode
+def step_key(opt: Optim, kind: str) -> tuple:
+    """What a contender's counted step of kind `kind` depends on. Each kind's step is set (sharded_count.
+    STEP_OF_KIND), so K only mixes the steps (periodic_rowwise K=3 and K=5 share them); the refresh step is NS5
+    with the distributed mode's exchange, the same ops for Muon and periodic_rowwise of any RowNorm scale, so a
+    paper cell counts it once per mode instead of once per contender."""
+    if kind == "refresh":
+        return kind, opt.mode
+    return kind, opt.name, opt.scale, opt.mode
 
 
 def _count_ranks(shapes: Shapes, opts: list, world: int, rank: int, gpu: bool) -> None:
-    """Count `rank`'s steps of every kind of the contenders not counted yet, on one fake sharded model (each with
-    its own config: the first of those that share their counts)."""
+    """Count `rank`'s steps of the kinds of the contenders not counted yet, on one fake sharded model, each step
+    with the config of the first contender that needs it (the others share it: step_key); the owner plan is read
+    where a refresh step is counted."""
     from benchmarks.sharded_count import count_step_kinds
 
-    todo = {}
+    todo, claimed = {}, set()
     for o in opts:
-        if (shapes, counted(o), world, rank, gpu) not in _SHARDED_KINDS:
-            todo.setdefault(counted(o), (optimizer_config(o), sorted(set(o.steps()))))
-    if todo:
-        for key, steps in count_step_kinds(shapes.model, todo, world, rank, gpu).items():
-            _SHARDED_KINDS[(shapes, key, world, rank, gpu)] = steps
+        kinds = [k for k in sorted(set(o.steps()))
+                 if (shapes, step_key(o, k), world, rank, gpu) not in _COUNTED_STEPS and step_key(o, k) not in claimed]
+        claimed.update(step_key(o, k) for k in kinds)
+        if kinds:
+            todo[o] = (optimizer_config(o), kinds)
+    if not todo:
+        return
+    for o, counted in count_step_kinds(shapes.model, todo, world, rank, gpu).items():
+        for kind, step in counted.steps.items():
+            _COUNTED_STEPS[(shapes, step_key(o, kind), world, rank, gpu)] = step
+        if "refresh" in counted.steps:
+            _OWNED[(shapes, o.mode, world, gpu)] = counted.owned
 
 
 def heaviest_rank(owned: list | None) -> int:
@@ -42,13 +55,14 @@ def counted_ranks(shapes: Shapes, opts: list, world: int, gpu: bool) -> dict:
     """{contender: {rank: {kind: counted step}}} for the ranks that can be the slowest: rank 0 (the largest dim-0
     shards: the most elementwise work, and in gather mode as much NS5 as any rank) and, in owner mode, the rank
     that owns the most NS5 flops (read from rank 0's optimizer: its cached exchange plan, the same on every rank).
-    Counted once per (shapes, contender's counted(), W, rank) in a run."""
+    Each step counted once per (shapes, step_key, W, rank) in a run."""
     _count_ranks(shapes, opts, world, 0, gpu)
-    heavy = {o: heaviest_rank(_SHARDED_KINDS[(shapes, counted(o), world, 0, gpu)].owned) for o in opts}
+    heavy = {o: heaviest_rank(_OWNED.get((shapes, o.mode, world, gpu)) if "refresh" in o.steps() else None)
+             for o in opts}
     for rank in sorted(set(heavy.values()) - {0}):
         _count_ranks(shapes, [o for o in opts if heavy[o] == rank], world, rank, gpu)
-    return {o: {r: _SHARDED_KINDS[(shapes, counted(o), world, r, gpu)].steps for r in sorted({0, heavy[o]})}
-            for o in opts}
+    return {o: {r: {k: _COUNTED_STEPS[(shapes, step_key(o, k), world, r, gpu)] for k in sorted(set(o.steps()))}
+                for r in sorted({0, heavy[o]})} for o in opts}
 
 
 def collective_seconds(c, world: int, hw: Hardware, rank: int) -> float:

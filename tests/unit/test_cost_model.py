@@ -391,3 +391,24 @@ def test_owner_mode_step_is_the_slowest_ranks_not_rank_0s():
     assert predict(shapes, Optim("muon"), gemm_only, 8)["optimizer"] == p["steps"]["refresh"]
     # rank 0's bytes are what the optimizer's rules give rank 0
     assert p["bytes"]["refresh"] == sum(rank_bytes(shapes, "refresh", "spectral", "owner", 8, 0).values())
+
+
+def test_a_paper_cell_counts_the_refresh_step_once_per_counted_rank(monkeypatch):
+    # Muon and periodic_rowwise (each RowNorm scale) dispatch the same refresh step, so a cell asks the sharded
+    # count for it once per rank, and for each scale's RowNorm step once; every contender still gets every kind
+    from benchmarks import sharded_count
+    from benchmarks.cost_model.paper import paper_contenders
+
+    asked = []
+    count = sharded_count.count_step_kinds
+
+    def recorded(model_cfg, contenders, world, rank=0, gpu=False):
+        asked.extend((rank, kind) for _, kinds in contenders.values() for kind in kinds)
+        return count(model_cfg, contenders, world, rank, gpu)
+
+    monkeypatch.setattr(sharded_count, "count_step_kinds", recorded)
+    shapes = model_shapes("dit_xs", 64, 1)  # counted by no other test (the cache lives for the session)
+    contenders = paper_contenders("owner")
+    ranks = counted_ranks(shapes, contenders, 2, True)
+    assert sorted(kind for rank, kind in asked if rank == 0) == ["refresh", "rownorm", "rownorm"]
+    assert all(set(steps) == set(o.steps()) for o in contenders for steps in ranks[o].values())

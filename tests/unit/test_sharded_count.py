@@ -139,7 +139,7 @@ def test_a_paper_cell_counts_the_optimizers_own_collectives_and_bytes(paper_cell
 
 
 def test_k_only_mixes_the_counted_steps():
-    # each kind's step is set, so periodic_rowwise K=3 and K=5 count the same steps (cost_model.sharded.counted
+    # each kind's step is set, so periodic_rowwise K=3 and K=5 count the same steps (cost_model.sharded.step_key
     # shares them)
     from dit_train.model.dit import load_preset
 
@@ -150,3 +150,21 @@ def test_k_only_mixes_the_counted_steps():
         assert three.records == five.records and three.collectives == five.collectives, kind
         assert three.events == five.events, kind
     assert counted[3].steps["refresh"].records != counted[3].steps["rownorm"].records
+
+
+def test_the_refresh_step_is_muons_and_a_rownorm_step_is_the_same_without_a_refresh_before_it():
+    # what lets a paper cell count the refresh step once per mode (cost_model.sharded.step_key): periodic_rowwise's
+    # refresh step dispatches what Muon's does (same ops, collectives, order, owner plan), and its RowNorm step
+    # counted alone (warmed up by a RowNorm step only) what it dispatches after a refresh
+    from dit_train.model.dit import load_preset
+
+    for mode in ("gather", "owner"):
+        periodic = {"name": "periodic_rowwise", "K": 3, "distributed_mode": mode}
+        counted = sc.count_step_kinds(load_preset("dit_xs", 64, 2), {
+            "muon": ({"name": "muon", "distributed_mode": mode}, ["refresh"]),
+            "periodic": (periodic, ["refresh", "rownorm"]), "rownorm alone": (periodic, ["rownorm"])}, 2, gpu=True)
+        pairs = ((counted["muon"].steps["refresh"], counted["periodic"].steps["refresh"]),
+                 (counted["periodic"].steps["rownorm"], counted["rownorm alone"].steps["rownorm"]))
+        for a, b in pairs:
+            assert a.records == b.records and a.collectives == b.collectives and a.events == b.events, mode
+        assert counted["muon"].owned == counted["periodic"].owned, mode
