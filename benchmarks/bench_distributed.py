@@ -204,10 +204,10 @@ TIME_SLACK = 1.2  # a measured time may exceed its floor by 20% (bookkeeping, no
 def targets(s: dict, info: dict, args, p: int) -> list[tuple[str, float, float, str]]:
     """(line, measured ratio, target, derivation). Bytes: a K=3 cycle's floor is its refresh step's bytes plus two
     RowNorm steps' (the tall column sums, the spectral scale's power-iteration all-reduces), counted by the cost
-    model under the optimizer's own rules (benchmarks/cost_model.rank_bytes; tests/unit/test_cost_model.py checks it
+    model under the optimizer's own rules (benchmarks/cost_model/shapes.py's rank_bytes; tests/unit/test_cost_model.py checks it
     against the optimizer's count). Time: a K=3 cycle cannot beat one muon step (its refresh) plus two RowNorm
     steps measured in the same run, so its floor is (muon-<mode> + 2 rownorm) / 3; target 1.2x that."""
-    from benchmarks.cost_model import mean_bytes, model_shapes
+    from benchmarks.cost_model.shapes import mean_bytes, model_shapes
 
     base, out = s[BASELINE], []
     shapes = model_shapes(args.preset, info["width"], info["depth"])

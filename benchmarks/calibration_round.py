@@ -94,7 +94,7 @@ def run_round(args, i: int) -> str:
 
 def round_rows(folder: str) -> dict[tuple, float]:
     """{(benchmark, processes, line): predicted / measured} of one round's files (time lines)."""
-    from benchmarks.cost_model import calibration_rows
+    from benchmarks.cost_model.calibration import calibration_rows
 
     with open(os.path.join(folder, FILES["measure-host"])) as f:
         measured = json.load(f)

@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import torch
 
-from benchmarks.cost_model import describe_prediction
+from benchmarks.cost_model.predict import describe_prediction
 from benchmarks.gpu_check import (OPTIMIZER, ROOT, SHARD_OVERRIDES, SHARD_RUNS, SMOKE_MODEL, SMOKE_SHARD_BATCH, SMOKE_TRAINER,
                        TRAINER_BATCH)
 
@@ -393,7 +393,7 @@ def stage_dit15b(ctx) -> dict:
     cfg = estimate_config("dit_15b", OPTIMIZER, ac, [*SHARD_OVERRIDES, *(SMOKE_MODEL if ctx.smoke else [])])
     init_distributed(device=device)  # the trainer's device set-up, no process group (WORLD_SIZE is 1)
     # the peers are fake: no network, so the prediction is of one rank's compute (FSDP and exchange bytes free);
-    # counted on its own fake process group (cost_model.sharded_optimizer), so before this stage's is made
+    # counted on its own fake process group (cost_model.sharded.sharded_optimizer), so before this stage's is made
     predicted = describe_prediction(cfg.model, cfg.optimizer, world, batch, spec_peak(device)[1], network=False)
     init_fake_process_group(world)
     info = DistInfo(rank=0, world_size=world, device=device)

@@ -27,7 +27,7 @@ compiled), then one step of each kind (periodic_rowwise: between steps and the r
 --blocks-per-unit measures each optimizer once per FSDP2 unit size (parallel.blocks_per_fsdp_unit), one after the
 other, so that the unit sizes are compared side by side under the same load.
 Not in the fake step (they need real values): the trainer's loss/stop-vote all-reduce and its one host read
-(~12 calls, Trainer.train_step), the data loader. The GPU time is benchmarks/cost_model.py's (predicted_gpu_step_s).
+(~12 calls, Trainer.train_step), the data loader. The GPU time is benchmarks/cost_model's (predicted_gpu_step_s).
 """
 
 from __future__ import annotations
@@ -50,10 +50,13 @@ KIND_OF_STEP = {None: "every", 1.0: "refresh", 0.0: "between"}  # opt/refresh of
 
 def predicted_gpu_step_s(model_cfg, optimizer_cfg, world_size: int, images_per_rank: int,
                          blocks_per_unit: int = 1) -> dict[str, float]:
-    """GPU seconds of each step kind on an H100 by benchmarks/cost_model.py: forward + backward at its assumed MFU,
+    """GPU seconds of each step kind on an H100 by benchmarks/cost_model: forward + backward at its assumed MFU,
     FSDP2's exposed communication (units of `blocks_per_unit` blocks), and the optimizer step of that kind (on
     W > 1 counted on the sharded step: call before a process group is initialised)."""
-    from benchmarks.cost_model import PROFILES, Optim, forward_backward, predict, shapes_of
+    from benchmarks.cost_model.contender import Optim
+    from benchmarks.cost_model.hardware import PROFILES
+    from benchmarks.cost_model.predict import forward_backward, predict
+    from benchmarks.cost_model.shapes import shapes_of
 
     hw, shapes = PROFILES["h100"], shapes_of(model_cfg)
     name = optimizer_cfg.get("name")
@@ -262,7 +265,7 @@ def table(results: list[dict], launch_us: float, view_us: float, extra_us: float
     the eager method's figures there. "fwd+bwd Python calls": the tiny step's forward+backward Python function
     calls (count_python_calls); "fwd+bwd thread ms": its thread CPU time."""
     lines = [f"eager: {launch_us:g} us per kernel or collective, {view_us:g} us per view or allocation; direct: "
-             f"+{extra_us:g} us per launch on the tiny step's thread time; GPU step: benchmarks/cost_model.py on an "
+             f"+{extra_us:g} us per launch on the tiny step's thread time; GPU step: benchmarks/cost_model on an "
              "H100 SXM (forward+backward at its MFU, exposed FSDP2 communication, the optimizer step of that kind)", "",
              "| preset | W | blocks per unit | optimizer | step | method | fwd+bwd launches | fwd+bwd views "
              "| fwd+bwd Python calls | fwd+bwd thread ms | fwd+bwd host ms | optimizer calls | optimizer host ms "

@@ -19,7 +19,9 @@ from dataclasses import replace
 
 import torch
 
-from benchmarks.cost_model import gemm_rates_by_side, model_shapes, counted_records
+from benchmarks.cost_model.measure_host import gemm_rates_by_side
+from benchmarks.cost_model.predict import counted_records
+from benchmarks.cost_model.shapes import model_shapes
 from benchmarks.ns5_gemm_rates import measure_ns5_gemms, ns5_group
 from benchmarks.op_cost import host_op_rates, measure_op_rates, median_seconds, seconds, thread_clock
 from dit_train.optim.directions import NS5

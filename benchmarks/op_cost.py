@@ -1,5 +1,5 @@
 """What one optimizer step of the real code dispatches, operator by operator, and what each operator costs: the
-counted half of benchmarks/cost_model.py (docs/cost_model.md, "Counted from the code").
+counted half of benchmarks/cost_model/ (docs/cost_model.md, "Counted from the code").
 
 Counting: the optimizer build_optimizer makes (the one the benchmarks time) steps on fake parameters and gradients of
 the model's shapes under a FakeDispatchCounter (benchmarks/dispatch_counter.py), with the optimizer's own phase
@@ -20,7 +20,7 @@ picks the rate it runs at:
            every outside tensor once, intermediates free, at the rate measured for the RowNorm step's compiled
            passes (optim/fused_rownorm.py)
 Views and allocations (dispatch_counter's no_kernel) are free and not recorded; collectives are recorded with
-their bytes and priced by the caller (benchmarks/cost_model.py: gloo or NCCL).
+their bytes and priced by the caller (benchmarks/cost_model/: gloo or NCCL).
 
 A compiled path is counted by replacing torch.compile, for the count only, with a wrapper that runs the function
 eagerly inside a fused region: what inductor would fuse is priced as one pass over the tensors the function takes

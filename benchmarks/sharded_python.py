@@ -10,7 +10,7 @@ the optimizer's phase marks: per phase class, the thread CPU time less the time 
 less the counter's own cost per call (dispatch_counter.per_call_overhead_s), over the kernel calls of the class,
 i.e. seconds of Python per op. Classes: "direction" (the direction stage: its ops and its waits on collectives)
 and "other" (momentum, update, AdamW and the step's Python outside the phases). Thread CPU time: a loaded machine
-does not inflate it, but a process sharing a core gets only its share of it (cost_model.host_profile divides).
+does not inflate it, but a process sharing a core gets only its share of it (cost_model.measure_host.host_profile divides).
 
 What the shrunk model changes: a dimension that does not scale with the width (the timestep MLP's 256 frequencies,
 the patch embedding's inputs) can split or merge shape groups: dit_m width 256 has 23 matrices in 6 shape groups,

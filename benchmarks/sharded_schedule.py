@@ -1,7 +1,7 @@
 """The time of one counted sharded optimizer step (docs/cost_model.md): the counted ranks' ops, collective issues
 and waits (benchmarks/sharded_count.py) replayed in the order the optimizer runs them, so that what overlaps in the
 code overlaps here and what waits, waits. Priced on W processes of this host (`scheduled`: ops at a process's share
-of the cores, collectives at gloo's latency and bandwidth) or on GPUs (cost_model.sharded_optimizer, through
+of the cores, collectives at gloo's latency and bandwidth) or on GPUs (cost_model.sharded.sharded_optimizer, through
 `replayed`: ops at the GPU profile's rates on the compute stream, collectives on a communication stream at NVLink
 or InfiniBand).
 
@@ -23,7 +23,7 @@ bench_distributed gives each rank cores // W torch threads, so no core is spare.
 (per call + per byte on the wire, where the profile has measured it) is therefore charged to the rank's compute
 between its issue and its wait, at most that compute (placed just before the wait): owner mode's IN_FLIGHT
 all-to-alls run during the owner's NS5 and take their CPU from it. A collective waited at once overlaps nothing
-(its CPU is in its duration). GPUs (cost_model.gpu_replayed) are not charged: NCCL runs on the device.
+(its CPU is in its duration). GPUs (cost_model.sharded.gpu_replayed) are not charged: NCCL runs on the device.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def replayed(ranks: list[SimpleNamespace], rates: OpRates, durations: list[float
     (`total_s`, the step), the most any rank blocked in waits (`exposed_s`), the most direction and other op time,
     the most collective CPU charged to a rank (`collective_cpu_s`), and per rank its end and its time blocked
     (`ends`, `waited`, in the order of `ranks`). The pricing is the caller's: this host's gloo (scheduled) or a
-    GPU's links (cost_model.sharded_optimizer)."""
+    GPU's links (cost_model.sharded.sharded_optimizer)."""
     if collectives_of(ranks) != len(durations):
         raise ValueError(f"{len(durations)} durations for {collectives_of(ranks)} collectives")
     cpu = collective_cpu or [None] * len(ranks)

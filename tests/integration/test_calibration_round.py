@@ -59,10 +59,11 @@ def test_a_full_rounds_commands_are_the_docs_and_their_programs_accept_them(monk
     import shlex
     from types import SimpleNamespace
 
-    from benchmarks import bench_distributed, bench_optimizer, calibration_round, cost_model
+    from benchmarks import bench_distributed, bench_optimizer, calibration_round
+    from benchmarks.cost_model import cli
 
     stages = dict(calibration_round.stages(SimpleNamespace(tiny=False), "round_1"))
-    assert cost_model.parse(stages["measure-host"][3:]).measure_host
+    assert cli.parse(stages["measure-host"][3:]).measure_host
     assert bench_distributed.parse(stages["bench_distributed"][3:]).nproc == [2, 4]
     monkeypatch.setattr(sys, "argv", ["bench_optimizer", *stages["bench_optimizer"][3:]])
     assert bench_optimizer.parse().quick

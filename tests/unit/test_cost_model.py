@@ -1,4 +1,4 @@
-"""benchmarks/cost_model.py: a 2-matrix toy whose FLOPs, bytes and seconds are worked out by hand, the logical
+"""benchmarks/cost_model/: a 2-matrix toy whose FLOPs, bytes and seconds are worked out by hand, the logical
 bytes against what the real ShardedMatrixOptimizer counts (rank 0 of a fake process group), and sanity of the
 predictions' direction (bigger models cost more, larger K less)."""
 
@@ -8,14 +8,23 @@ from dataclasses import replace
 
 import pytest
 
-from benchmarks import cost_model as cm
+from benchmarks.cost_model.bench_logs import parse_bench_distributed, parse_bench_optimizer, parse_distributed_phases
+from benchmarks.cost_model.calibration import collective_cpu_rates, sharded_cycle, sharded_step, step_kinds
+from benchmarks.cost_model.cli import main
+from benchmarks.cost_model.contender import Optim
+from benchmarks.cost_model.hardware import Hardware, PROFILES
+from benchmarks.cost_model.measure_host import host_profile, measure_gloo, other_threads_cpu_s
+from benchmarks.cost_model.predict import counted_records, forward_backward, optimizer_step, predict
+from benchmarks.cost_model.shapes import Shapes, model_shapes, rank_bytes
+from benchmarks.cost_model.sharded import collective_seconds, counted_ranks, gpu_replayed, sharded_optimizer
+from dit_train.optim.owner_exchange import plan_exchanges
 
 # a wide-by-2 matrix (64 x 32: tall, Gram form at aspect 2) and a 32 x 128 (wide, aspect 4), 10 AdamW elements
-TOY = cm.Shapes(matrices=(((64, 32), 1), ((32, 128), 1)), rest=10, params=64 * 32 + 32 * 128 + 10,
-                blocks=(3000, 3178), flops_per_image=10**6)
-ROUND = cm.Hardware("toy", matmul_flops=1e9, mfu=0.5, ns5_of_peak=0.5, memory_bytes_s=1e9, memory_efficiency=0.5,
-                    intra_bytes_s=1e8, inter_bytes_s=1e7, link_efficiency=1.0, devices_per_node=2, latency_s=0.0,
-                    launch_s=0.0, rownorm_kernels="eager")
+TOY = Shapes(matrices=(((64, 32), 1), ((32, 128), 1)), rest=10, params=64 * 32 + 32 * 128 + 10,
+             blocks=(3000, 3178), flops_per_image=10**6)
+ROUND = Hardware("toy", matmul_flops=1e9, mfu=0.5, ns5_of_peak=0.5, memory_bytes_s=1e9, memory_efficiency=0.5,
+                 intra_bytes_s=1e8, inter_bytes_s=1e7, link_efficiency=1.0, devices_per_node=2, latency_s=0.0,
+                 launch_s=0.0, rownorm_kernels="eager")
 ELEMENTS = 64 * 32 + 32 * 128  # 6144
 
 
@@ -25,7 +34,7 @@ def test_single_process_muon_step_by_hand():
     ns5 = (1638400 * 0.88 + 2949120 * 2 / 3) / 0.5e9
     # elementwise: 40 B per matrix element (refresh) + 28 per AdamW element, at 1e9 x 0.5 B/s
     moved = (40 * ELEMENTS + 28 * 10) / 0.5e9
-    p = cm.predict(TOY, cm.Optim("muon"), ROUND, 1, images_per_rank=4)
+    p = predict(TOY, Optim("muon"), ROUND, 1, images_per_rank=4)
     assert p["direction"] == pytest.approx(ns5)
     assert p["elementwise"] == pytest.approx(moved)
     assert p["optimizer"] == pytest.approx(ns5 + moved)
@@ -36,25 +45,25 @@ def test_single_process_muon_step_by_hand():
 
 def test_periodic_cycle_is_one_refresh_and_k_minus_one_rownorm_steps():
     rownorm = (68 * ELEMENTS + 28 * 10) / 0.5e9  # spectral, torch ops: 68 B per element
-    refresh = cm.predict(TOY, cm.Optim("muon"), ROUND, 1)["optimizer"]
-    p = cm.predict(TOY, cm.Optim("periodic_rowwise", K=5), ROUND, 1)
+    refresh = predict(TOY, Optim("muon"), ROUND, 1)["optimizer"]
+    p = predict(TOY, Optim("periodic_rowwise", K=5), ROUND, 1)
     assert p["steps"]["rownorm"] == pytest.approx(rownorm)
     assert p["optimizer"] == pytest.approx((refresh + 4 * rownorm) / 5)
 
 
 def test_two_ranks_bytes_and_fsdp_by_hand():
     # gather mode: each rank sends its half of every matrix, bf16: 32*32*2 + 16*128*2
-    assert cm.rank_bytes(TOY, "refresh", "spectral", "gather", 2, 0) == {"all_gather": 2048 + 4096}
+    assert rank_bytes(TOY, "refresh", "spectral", "gather", 2, 0) == {"all_gather": 2048 + 4096}
     # RowNorm: the tall matrix's 32 column sums (fp32); spectral adds 3 rounds: wide 4 (3*128 + 1), tall 4 (2*32 + 1)
-    assert cm.rank_bytes(TOY, "rownorm", "frobenius", "owner", 2, 1) == {"all_reduce": 128}
-    assert cm.rank_bytes(TOY, "rownorm", "spectral", "owner", 2, 1) == {"all_reduce": 128 + 1540 + 260}
+    assert rank_bytes(TOY, "rownorm", "frobenius", "owner", 2, 1) == {"all_reduce": 128}
+    assert rank_bytes(TOY, "rownorm", "spectral", "owner", 2, 1) == {"all_reduce": 128 + 1540 + 260}
     # owner mode, 2 ranks, one matrix per shape: rank 0 owns both (one exchange per group, ties to rank 0): it
     # returns the other rank's rows (bf16) and sends nothing out; rank 1 sends its rows of both
-    assert cm.rank_bytes(TOY, "refresh", "spectral", "owner", 2, 0) == {"all_to_all": 2048 + 4096}
-    assert cm.rank_bytes(TOY, "refresh", "spectral", "owner", 2, 1) == {"all_to_all": 2048 + 4096}
+    assert rank_bytes(TOY, "refresh", "spectral", "owner", 2, 0) == {"all_to_all": 2048 + 4096}
+    assert rank_bytes(TOY, "refresh", "spectral", "owner", 2, 1) == {"all_to_all": 2048 + 4096}
     # FSDP over 2 ranks inside a node (1e8 B/s): all-gather forward P, backward the first block (not the last),
     # reduce-scatter 2 P (fp32)
-    fb = cm.forward_backward(TOY, ROUND, 2, images_per_rank=1)
+    fb = forward_backward(TOY, ROUND, 2, images_per_rank=1)
     P = TOY.params
     assert fb["fsdp"] == pytest.approx((P + 3000 + 2 * P) / 1e8)
     compute = 1e6 / 0.5e9
@@ -62,16 +71,16 @@ def test_two_ranks_bytes_and_fsdp_by_hand():
     assert fb["fsdp_exposed"] == pytest.approx(first_block + max(0.0, fb["fsdp"] - compute))
     # both blocks in one unit: nothing regathered in backward (the one unit is the last), and the first gather,
     # exposed, is the whole unit; with a latency, 3 collectives instead of 6
-    one = cm.forward_backward(TOY, ROUND, 2, images_per_rank=1, blocks_per_unit=2)
+    one = forward_backward(TOY, ROUND, 2, images_per_rank=1, blocks_per_unit=2)
     assert one["fsdp"] == pytest.approx((P + 2 * P) / 1e8)
     assert one["fsdp_exposed"] == pytest.approx((3000 + 3178) / 1e8 + max(0.0, one["fsdp"] - compute))
-    slow = lambda per_unit: cm.forward_backward(TOY, replace(ROUND, latency_s=1.0), 2, 1, blocks_per_unit=per_unit)
+    slow = lambda per_unit: forward_backward(TOY, replace(ROUND, latency_s=1.0), 2, 1, blocks_per_unit=per_unit)
     assert slow(1)["fsdp"] - slow(2)["fsdp"] == pytest.approx(3 + 3000 / 1e8)
 
 
 def test_collectives_cross_nodes_at_the_slower_link():
     # 4 ranks on nodes of 2: RowNorm's all-reduces ride InfiniBand (1e7 B/s): 2 (W - 1) / W of each round's tensor
-    p = cm.optimizer_step(TOY, "rownorm", cm.Optim("rownorm", scale="frobenius"), ROUND, 4)
+    p = optimizer_step(TOY, "rownorm", Optim("rownorm", scale="frobenius"), ROUND, 4)
     assert p["direction"] == pytest.approx(1.5 * 128 / 1e7)
 
 
@@ -119,37 +128,37 @@ def counted_on_rank0():
 
 
 def test_logical_bytes_equal_the_sharded_optimizers_own_count(counted_on_rank0):
-    shapes = cm.model_shapes("dit_xs", 64, 2)
+    shapes = model_shapes("dit_xs", 64, 2)
     for label, mode in (("K=3 gather", "gather"), ("K=3 owner", "owner")):
-        predicted = [sum(cm.rank_bytes(shapes, step, "spectral", mode, 4, 0).values())
+        predicted = [sum(rank_bytes(shapes, step, "spectral", mode, 4, 0).values())
                      for step in ("refresh", "rownorm", "rownorm")]
         assert counted_on_rank0[label] == predicted, label
     ratio = sum(counted_on_rank0["K=3 gather"]) / (3 * counted_on_rank0["muon gather"][0])
-    model = (cm.predict(shapes, cm.Optim("periodic_rowwise", 3, mode="gather"), cm.PROFILES["h100"], 4)["bytes"]
-             / cm.predict(shapes, cm.Optim("muon", mode="gather"), cm.PROFILES["h100"], 4)["bytes"])
+    model = (predict(shapes, Optim("periodic_rowwise", 3, mode="gather"), PROFILES["h100"], 4)["bytes"]
+             / predict(shapes, Optim("muon", mode="gather"), PROFILES["h100"], 4)["bytes"])
     assert ratio == pytest.approx(model)  # gather mode: every rank sends the same, so rank 0's ratio is the mean's
     assert model > 1 / 3  # one gather in three steps, plus the RowNorm steps' all-reduces
 
 
 def test_bigger_models_cost_more_and_larger_k_less():
-    hw = cm.PROFILES["h100"]
-    small, big = cm.model_shapes("dit_xs"), cm.model_shapes("dit_m")
+    hw = PROFILES["h100"]
+    small, big = model_shapes("dit_xs"), model_shapes("dit_m")
     for mode in ("gather", "owner"):
-        muon = [cm.predict(s, cm.Optim("muon", mode=mode), hw, 8, 16) for s in (small, big)]
+        muon = [predict(s, Optim("muon", mode=mode), hw, 8, 16) for s in (small, big)]
         assert muon[0]["optimizer"] < muon[1]["optimizer"] and muon[0]["step"] < muon[1]["step"]
-        cycle = (cm.Optim("muon", mode=mode), cm.Optim("periodic_rowwise", 3, mode=mode),
-                 cm.Optim("periodic_rowwise", 5, mode=mode))
-        times = [cm.predict(big, o, hw, 8, 16, floor=True)["optimizer"] for o in cycle]
+        cycle = (Optim("muon", mode=mode), Optim("periodic_rowwise", 3, mode=mode),
+                 Optim("periodic_rowwise", 5, mode=mode))
+        times = [predict(big, o, hw, 8, 16, floor=True)["optimizer"] for o in cycle]
         assert times[0] > times[1] > times[2]
         # counted from the code on one GPU too; on 8 a RowNorm step's ~150 launches (8 us each) outweigh dit_m's
         # NS5 share (cost_model.md, "Counted from the code")
-        times = [cm.predict(big, o, hw, 1, 16)["optimizer"] for o in cycle]
+        times = [predict(big, o, hw, 1, 16)["optimizer"] for o in cycle]
         assert times[0] > times[1] > times[2]
     # more GPUs: less compute per rank at the same global batch; a faster memory never makes a step slower
-    steps = [cm.predict(big, cm.Optim("muon"), hw, w, 256 // w)["compute"] for w in (2, 4, 8)]
+    steps = [predict(big, Optim("muon"), hw, w, 256 // w)["compute"] for w in (2, 4, 8)]
     assert steps[0] > steps[1] > steps[2]
-    h200 = cm.predict(big, cm.Optim("rownorm"), cm.PROFILES["h200"], 8)["optimizer"]
-    assert h200 < cm.predict(big, cm.Optim("rownorm"), hw, 8)["optimizer"]
+    h200 = predict(big, Optim("rownorm"), PROFILES["h200"], 8)["optimizer"]
+    assert h200 < predict(big, Optim("rownorm"), hw, 8)["optimizer"]
 
 
 BENCH_OPTIMIZER_LOG = """# optimizer step benchmark: dit_m width 512 depth 8, 38.8M params (38.7M in 43 matrices), torch 2.13.0+cpu, 2 threads
@@ -166,26 +175,26 @@ BENCH_DISTRIBUTED_LOG = """### 2 process(es): gloo on cpu, 1 thread(s) each; dit
 
 
 def test_the_benchmarks_logs_are_read_by_row():
-    model, rows = cm.parse_bench_optimizer(BENCH_OPTIMIZER_LOG)
+    model, rows = parse_bench_optimizer(BENCH_OPTIMIZER_LOG)
     assert model == ("dit_m", 512, 8)
     assert rows == {"adamw": pytest.approx(0.0117), "muon": pytest.approx(0.4222),
                     "periodic_rowwise K=3 average, rownorm_scale=spectral, compile_rownorm": pytest.approx(0.1604)}
-    dist_rows = cm.parse_bench_distributed(BENCH_DISTRIBUTED_LOG)
+    dist_rows = parse_bench_distributed(BENCH_DISTRIBUTED_LOG)
     assert dist_rows == {2: (("dit_m", 256, 4), {"muon-gather": (pytest.approx(0.0305), 2.5 * 2**20)})}
-    assert cm.parse_distributed_phases(BENCH_DISTRIBUTED_LOG) == {2: {"muon-gather": pytest.approx((0.001, 0.02))}}
+    assert parse_distributed_phases(BENCH_DISTRIBUTED_LOG) == {2: {"muon-gather": pytest.approx((0.001, 0.02))}}
 
 
 @pytest.mark.parametrize("args, message", [(["--paper", "--worlds", "3"], "--worlds [3] is not valid"),
                                            (["--calibrate"], "--calibrate needs")])
 def test_bad_arguments_are_one_line_errors(args, message, capsys):
     with pytest.raises(SystemExit) as e:
-        cm.main(args)
+        main(args)
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_gloo_profile_has_the_cost_of_a_collective_between_busy_processes():
     # tiny sizes: that every number is measured and sane, not its value (this host is loaded)
-    g = cm.measure_gloo(2, numel=1024, work_numel=1024, rounds=2)
+    g = measure_gloo(2, numel=1024, work_numel=1024, rounds=2)
     assert set(g) == {"link_bytes_s", "latency_s", "busy_latency_s", "cpu_s_per_call", "cpu_s_per_byte"}
     assert g["link_bytes_s"] > 0 and g["latency_s"] >= 0 and g["busy_latency_s"] >= 0
     assert g["cpu_s_per_call"] >= 0 and g["cpu_s_per_byte"] >= 0
@@ -201,13 +210,13 @@ def test_other_threads_cpu_is_the_cpu_of_threads_but_the_callers():
         worked.set()
         release.wait()  # alive while measured: a thread's CPU leaves /proc/self/task with it
 
-    before = cm.other_threads_cpu_s()
+    before = other_threads_cpu_s()
     worker = threading.Thread(target=work)
     worker.start()
     worked.wait()
-    own = cm.other_threads_cpu_s()
+    own = other_threads_cpu_s()
     sum(i * i for i in range(300_000))  # the caller's own work is not counted
-    after = cm.other_threads_cpu_s()
+    after = other_threads_cpu_s()
     release.set()
     worker.join()
     assert own > before and after == pytest.approx(own, abs=2e-3)
@@ -224,10 +233,10 @@ def fast_profile() -> dict:
 
 def test_sharded_lines_use_the_busy_latency_where_the_profile_has_it():
     measured = fast_profile()
-    shapes = cm.model_shapes("dit_xs", 64, 2)
-    idle = cm.sharded_step(shapes, "rownorm", measured, 2)
+    shapes = model_shapes("dit_xs", 64, 2)
+    idle = sharded_step(shapes, "rownorm", measured, 2)
     measured["gloo"]["2"]["busy_latency_s"] = 1.0
-    busy = cm.sharded_step(shapes, "rownorm", measured, 2)
+    busy = sharded_step(shapes, "rownorm", measured, 2)
     # each of RowNorm's 4 collectives waits its busy latency (the ops that overlap the async one take microseconds)
     assert busy["collectives"] == 4
     assert busy["total_s"] - idle["total_s"] == pytest.approx(busy["collectives"] * 1.0, rel=1e-3)
@@ -237,13 +246,13 @@ def test_sharded_lines_price_the_python_per_op_where_the_profile_has_it():
     # AdamW's sharded step: 2 ops per step on every rank, no collective; the profile's Python per op is added to
     # each, divided by the share of a core a process gets (2 processes on 2 cores: all of it)
     measured = fast_profile()
-    shapes = cm.model_shapes("dit_xs", 64, 2)
-    without = cm.sharded_step(shapes, "adamw", measured, 2)
+    shapes = model_shapes("dit_xs", 64, 2)
+    without = sharded_step(shapes, "adamw", measured, 2)
     measured["python"] = {"2": {"adamw": {"direction": 0.0, "other": 0.5}}}
-    priced = cm.sharded_step(shapes, "adamw", measured, 2)
+    priced = sharded_step(shapes, "adamw", measured, 2)
     assert without["ops"] == 2 and priced["total_s"] - without["total_s"] == pytest.approx(2 * 0.5)
-    assert cm.step_kinds(cm.Optim("periodic_rowwise", 3, mode="gather"), 4) == ["refresh gather", "rownorm",
-                                                                                 "rownorm", "refresh gather"]
+    assert step_kinds(Optim("periodic_rowwise", 3, mode="gather"), 4) == ["refresh gather", "rownorm",
+                                                                          "rownorm", "refresh gather"]
 
 
 def test_owner_modes_all_to_alls_take_their_cpu_from_the_ns5_they_overlap():
@@ -253,16 +262,16 @@ def test_owner_modes_all_to_alls_take_their_cpu_from_the_ns5_they_overlap():
     # before any compute) and the last return (waited for after all compute), so 14 are charged 1 ms each
     measured = fast_profile()
     measured["compute"]["1"]["ops"]["op_s"] = 1.0
-    shapes = cm.model_shapes("dit_xs", 64, 2)
-    free = cm.sharded_step(shapes, "muon-owner", measured, 2)
+    shapes = model_shapes("dit_xs", 64, 2)
+    free = sharded_step(shapes, "muon-owner", measured, 2)
     measured["gloo"]["2"].update(cpu_s_per_call=1e-3, cpu_s_per_byte=0.0)
-    charged = cm.sharded_step(shapes, "muon-owner", measured, 2)
+    charged = sharded_step(shapes, "muon-owner", measured, 2)
     assert charged["collectives"] == 16 and free["collective_cpu_s"] == 0.0
     assert charged["collective_cpu_s"] == pytest.approx(14e-3)
     assert charged["direction_s"] - free["direction_s"] == pytest.approx(14e-3)
     # 4 processes on 2 cores: each gets half a core, so the same CPU costs twice the time
     measured["gloo"]["4"] = {"link_bytes_s": 1e12, "latency_s": 0.0, "cpu_s_per_call": 1e-3, "cpu_s_per_byte": 0.0}
-    assert cm.collective_cpu_rates(measured, 4) == (2e-3, 0.0) and cm.collective_cpu_rates(measured, 2) == (1e-3, 0)
+    assert collective_cpu_rates(measured, 4) == (2e-3, 0.0) and collective_cpu_rates(measured, 2) == (1e-3, 0)
 
 
 def test_the_python_per_op_of_the_sharded_step_is_measured_per_class():
@@ -277,7 +286,7 @@ def test_the_python_per_op_of_the_sharded_step_is_measured_per_class():
 def test_every_rank_is_counted_and_owner_modes_ranks_differ():
     # owner mode gives each rank its own matrices: rank 1 of 2 dispatches other ops than rank 0 (on dit_xs, more
     # NS5), so counting rank 0 alone would not give the slowest rank that bench_distributed reports
-    cycle = cm.sharded_cycle(cm.model_shapes("dit_xs", 64, 2), "muon-owner", 2)
+    cycle = sharded_cycle(model_shapes("dit_xs", 64, 2), "muon-owner", 2)
     assert [len(step) for step in cycle] == [2, 2, 2]
     flops = [sum(rec.flops for rec in rank.records) for rank in cycle[0]]
     assert flops[0] != flops[1]
@@ -289,12 +298,12 @@ def test_the_host_profile_prices_ns5_at_its_own_measured_matmuls():
     from benchmarks.ns5_gemm_rates import ns5_matmuls
 
     measured = {**fast_profile(), "cores": 1}  # one process of one thread
-    shapes = cm.model_shapes("dit_xs", 64, 2)
+    shapes = model_shapes("dit_xs", 64, 2)
     measured["compute"]["1"]["ns5_gemms"] = [[*p, 1e6] for p in ns5_matmuls(sides=(32,), batches=(1,))]
-    records = [r for r in cm.counted_records(shapes, "refresh", "spectral", "eager") if r.phase == "direction"]
+    records = [r for r in counted_records(shapes, "refresh", "spectral", "eager") if r.phase == "direction"]
     expect = sum(r.flops / 1e6 if r.category == "gemm" else r.bytes / 1e9 for r in records)
     assert any(r.category == "gemm" for r in records)
-    assert cm.predict(shapes, cm.Optim("muon"), cm.host_profile(measured, 1), 1)["direction"] == pytest.approx(expect)
+    assert predict(shapes, Optim("muon"), host_profile(measured, 1), 1)["direction"] == pytest.approx(expect)
 
 
 def test_the_sharded_lines_price_ns5_at_its_own_measured_matmuls():
@@ -303,22 +312,22 @@ def test_the_sharded_lines_price_ns5_at_its_own_measured_matmuls():
     from benchmarks.ns5_gemm_rates import ns5_matmuls
 
     measured = fast_profile()
-    shapes = cm.model_shapes("dit_xs", 64, 2)
+    shapes = model_shapes("dit_xs", 64, 2)
     measured["compute"]["1"]["ns5_gemms"] = [[*p, 1e6] for p in ns5_matmuls(sides=(32,), batches=(1,))]
-    cycle = cm.sharded_cycle(shapes, "muon-gather", 2)
+    cycle = sharded_cycle(shapes, "muon-gather", 2)
     flops = [max(sum(r.flops for r in rank.records if r.category == "gemm") for rank in step) for step in cycle]
     assert min(flops) > 0
-    predicted = cm.sharded_step(shapes, "muon-gather", measured, 2)["direction_s"]
+    predicted = sharded_step(shapes, "muon-gather", measured, 2)["direction_s"]
     assert predicted == pytest.approx(sum(flops) / len(flops) / 1e6, rel=0.01)
 
 
-def _gpu(**kw) -> cm.Hardware:
+def _gpu(**kw) -> Hardware:
     """A GPU profile with round numbers: no fixed costs, infinite links and memory unless given."""
     inf = float("inf")
     base = dict(matmul_flops=1e12, mfu=1.0, ns5_of_peak=1.0, memory_bytes_s=inf, memory_efficiency=1.0,
                 intra_bytes_s=inf, inter_bytes_s=inf, link_efficiency=1.0, devices_per_node=8, latency_s=0.0,
                 launch_s=0.0, rownorm_kernels="compiled", op_s=0.0)
-    return cm.Hardware("toy GPU", **{**base, **kw})
+    return Hardware("toy GPU", **{**base, **kw})
 
 
 def test_gpu_replay_of_a_hand_built_step():
@@ -333,20 +342,20 @@ def test_gpu_replay_of_a_hand_built_step():
     op = OpRecord("direction", "add_", "stream", 5000, 5000)
     colls = [Collective("direction", "all_gather", 3000, 3000), Collective("direction", "all_reduce", 1000, 1000),
              Collective("direction", "all_to_all", 1000, 1000, (0, 1000))]
-    assert [cm.collective_seconds(c, 2, hw, 0) for c in colls] == [3.0, 1.0, 1.0]
+    assert [collective_seconds(c, 2, hw, 0) for c in colls] == [3.0, 1.0, 1.0]
     events = [("issue", 0), ("op", op), ("op", op), ("wait", 0), ("op", op), ("issue", 1), ("issue", 2),
               ("wait", 2)]
     step = SimpleNamespace(records=[op] * 3, collectives=colls, events=events)
     # the all-gather runs beside ops 0 and 1 (0-2 s) until 3 s: the wait holds the compute stream 1 s; op 2 ends
     # at 4; the all-reduce runs 4-5 and the all-to-all, queued behind it on the one communication stream, 5-6;
     # its wait holds compute until 6 (summed: 3 + 3 + 1 + 1 = 8 s)
-    done = cm.gpu_replayed({0: step}, hw, 2)
+    done = gpu_replayed({0: step}, hw, 2)
     assert done["total_s"] == pytest.approx(6.0) and done["waited"] == [pytest.approx(3.0)]
     # a second counted rank that computes 2 s more before issuing the all-gather delays it for both: it runs 2-5,
     # the all-reduce 6-7, the all-to-all 7-8; both ranks end at 8, rank 0 blocked 3 + 2 s, rank 3 1 + 2 s: the tie
     # goes to the rank whose own work ends the step
     late = SimpleNamespace(records=[op] * 5, collectives=colls, events=[("op", op), ("op", op)] + events)
-    done = cm.gpu_replayed({0: step, 3: late}, hw, 2)
+    done = gpu_replayed({0: step, 3: late}, hw, 2)
     assert done["ends"] == [pytest.approx(8.0), pytest.approx(8.0)]
     assert done["waited"] == [pytest.approx(5.0), pytest.approx(3.0)] and done["slowest"] == 3
 
@@ -357,9 +366,9 @@ def test_an_all_to_all_crosses_nodes_at_infiniband_and_stays_inside_at_nvlink_at
     hw = _gpu(intra_bytes_s=1e3, inter_bytes_s=1e2, devices_per_node=2, latency_s=0.5)
     # rank 1 of 4 on nodes of 2: 1 kB to rank 0 (its node, 1 s), 50 B to ranks 2 and 3 (the other, 1 s at 1e2)
     c = Collective("comm", "all_to_all", 1100, 1100, (1000, 0, 50, 50))
-    assert cm.collective_seconds(c, 4, hw, 1) == pytest.approx(0.5 + 1.0)
+    assert collective_seconds(c, 4, hw, 1) == pytest.approx(0.5 + 1.0)
     # the same bytes sent by rank 2: the 1 kB to rank 0 crosses (10 s at 1e2), 100 B stay (0.1 s at 1e3)
-    assert cm.collective_seconds(c, 4, hw, 2) == pytest.approx(0.5 + 10.0)
+    assert collective_seconds(c, 4, hw, 2) == pytest.approx(0.5 + 10.0)
 
 
 def test_owner_mode_step_is_the_slowest_ranks_not_rank_0s():
@@ -370,15 +379,36 @@ def test_owner_mode_step_is_the_slowest_ranks_not_rank_0s():
     from dit_train.optim.directions import ns5_executed_flops
 
     gemm_only = _gpu()
-    shapes = cm.model_shapes("dit_xs", 64, 2)
-    plan = cm.plan_exchanges({s: (s, c) for s, c in shapes.matrices}, 8)
+    shapes = model_shapes("dit_xs", 64, 2)
+    plan = plan_exchanges({s: (s, c) for s, c in shapes.matrices}, 8)
     ns5_s = [sum(ex.counts[r] * ns5_executed_flops(*ex.key) for ex in plan) / 1e12 for r in range(8)]
     assert max(range(8), key=lambda r: ns5_s[r]) == 2 and ns5_s[2] > 1.2 * ns5_s[0]
-    p = cm.sharded_optimizer(shapes, cm.Optim("muon"), gemm_only, 8)
+    p = sharded_optimizer(shapes, Optim("muon"), gemm_only, 8)
     assert p["ranks"] == [0, 2] and p["slowest"] == {"refresh": 2}
-    rank0 = cm.counted_ranks(shapes, [cm.Optim("muon")], 8, True)[cm.Optim("muon")][0]["refresh"]
-    assert cm.gpu_replayed({0: rank0}, gemm_only, 8)["total_s"] == pytest.approx(ns5_s[0])
+    rank0 = counted_ranks(shapes, [Optim("muon")], 8, True)[Optim("muon")][0]["refresh"]
+    assert gpu_replayed({0: rank0}, gemm_only, 8)["total_s"] == pytest.approx(ns5_s[0])
     assert p["steps"]["refresh"] > ns5_s[2] * (1 - 1e-9)
-    assert cm.predict(shapes, cm.Optim("muon"), gemm_only, 8)["optimizer"] == p["steps"]["refresh"]
+    assert predict(shapes, Optim("muon"), gemm_only, 8)["optimizer"] == p["steps"]["refresh"]
     # rank 0's bytes are what the optimizer's rules give rank 0
-    assert p["bytes"]["refresh"] == sum(cm.rank_bytes(shapes, "refresh", "spectral", "owner", 8, 0).values())
+    assert p["bytes"]["refresh"] == sum(rank_bytes(shapes, "refresh", "spectral", "owner", 8, 0).values())
+
+
+def test_a_paper_cell_counts_the_refresh_step_once_per_counted_rank(monkeypatch):
+    # Muon and periodic_rowwise (each RowNorm scale) dispatch the same refresh step, so a cell asks the sharded
+    # count for it once per rank, and for each scale's RowNorm step once; every contender still gets every kind
+    from benchmarks import sharded_count
+    from benchmarks.cost_model.paper import paper_contenders
+
+    asked = []
+    count = sharded_count.count_step_kinds
+
+    def recorded(model_cfg, contenders, world, rank=0, gpu=False):
+        asked.extend((rank, kind) for _, kinds in contenders.values() for kind in kinds)
+        return count(model_cfg, contenders, world, rank, gpu)
+
+    monkeypatch.setattr(sharded_count, "count_step_kinds", recorded)
+    shapes = model_shapes("dit_xs", 64, 1)  # counted by no other test (the cache lives for the session)
+    contenders = paper_contenders("owner")
+    ranks = counted_ranks(shapes, contenders, 2, True)
+    assert sorted(kind for rank, kind in asked if rank == 0) == ["refresh", "rownorm", "rownorm"]
+    assert all(set(steps) == set(o.steps()) for o in contenders for steps in ranks[o].values())

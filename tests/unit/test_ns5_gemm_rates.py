@@ -9,7 +9,8 @@ import torch
 
 from benchmarks import ns5_gemm_rates as nr
 from benchmarks import op_cost as oc
-from benchmarks.cost_model import counted_records, model_shapes
+from benchmarks.cost_model.predict import counted_records
+from benchmarks.cost_model.shapes import model_shapes
 from dit_train.optim.directions import NS5
 
 BF16 = "bfloat16"

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks import cost_model as cm
 from benchmarks import sharded_count as sc
+from benchmarks.cost_model.shapes import model_shapes, rank_bytes
 
 CONFIGS = {"muon gather": ({"name": "muon", "distributed_mode": "gather"}, "gather", ["refresh"] * 3),
            "muon owner": ({"name": "muon", "distributed_mode": "owner"}, "owner", ["refresh"] * 3),
@@ -28,13 +28,13 @@ def counted():
 @pytest.mark.parametrize("label", list(CONFIGS))
 def test_counted_collectives_are_the_optimizers_own(counted, label):
     _, mode, kinds = CONFIGS[label]
-    shapes = cm.model_shapes("dit_xs", 64, 2)
+    shapes = model_shapes("dit_xs", 64, 2)
     for step, kind in zip(counted[label], kinds, strict=True):
         # one counted collective per ShardComm call, same kind and bytes, in order
         assert [(c.op, c.sent) for c in step.collectives] == step.accounted
         assert step.collectives, "a sharded matrix step on 2 ranks communicates"
         # and the total is what the cost model's byte rules give rank 0
-        expected = sum(cm.rank_bytes(shapes, kind, "spectral", mode, 2, 0).values())
+        expected = sum(rank_bytes(shapes, kind, "spectral", mode, 2, 0).values())
         assert sum(c.sent for c in step.collectives) == expected
         assert step.records  # and it dispatched ops
 
@@ -84,9 +84,9 @@ def test_owner_mode_has_its_inbound_exchanges_in_flight_while_it_computes(counte
 def test_another_rank_is_counted_with_its_own_bytes_and_ownership():
     from dit_train.model.dit import load_preset
 
-    cfg, shapes = load_preset("dit_xs", 64, 2), cm.model_shapes("dit_xs", 64, 2)
+    cfg, shapes = load_preset("dit_xs", 64, 2), model_shapes("dit_xs", 64, 2)
     rank1 = sc.count_sharded_steps(cfg, {"name": "muon", "distributed_mode": "owner"}, 2, steps=1, rank=1)[0]
-    assert sum(c.sent for c in rank1.collectives) == sum(cm.rank_bytes(shapes, "refresh", "spectral", "owner", 2,
+    assert sum(c.sent for c in rank1.collectives) == sum(rank_bytes(shapes, "refresh", "spectral", "owner", 2,
                                                                         1).values())
     assert [(c.op, c.sent) for c in rank1.collectives] == rank1.accounted
 
@@ -117,12 +117,12 @@ def test_a_paper_cell_counts_the_optimizers_own_collectives_and_bytes(paper_cell
     from dit_train.optim.directions import ns5_flops
     from dit_train.optim.owner_exchange import plan_exchanges
 
-    shapes = cm.model_shapes("dit_1b3")
+    shapes = model_shapes("dit_1b3")
     for label, mode in (("K=3 owner", "owner"), ("muon gather", "gather")):
         for kind, step in paper_cell[label].steps.items():
             assert [(c.op, c.sent) for c in step.collectives] == step.accounted, (label, kind)
             assert sum(c.sent for c in step.collectives) == \
-                sum(cm.rank_bytes(shapes, kind, "spectral", mode, 8, 0).values()), (label, kind)
+                sum(rank_bytes(shapes, kind, "spectral", mode, 8, 0).values()), (label, kind)
             # every collective is issued once, in order, and waited for once after its issue
             issued = [i for what, i in step.events if what == "issue"]
             assert issued == list(range(len(step.collectives))), (label, kind)
@@ -139,7 +139,8 @@ def test_a_paper_cell_counts_the_optimizers_own_collectives_and_bytes(paper_cell
 
 
 def test_k_only_mixes_the_counted_steps():
-    # each kind's step is set, so periodic_rowwise K=3 and K=5 count the same steps (cost_model.counted shares them)
+    # each kind's step is set, so periodic_rowwise K=3 and K=5 count the same steps (cost_model.sharded.step_key
+    # shares them)
     from dit_train.model.dit import load_preset
 
     contenders = {K: ({"name": "periodic_rowwise", "K": K}, ["refresh", "rownorm"]) for K in (3, 5)}
@@ -149,3 +150,21 @@ def test_k_only_mixes_the_counted_steps():
         assert three.records == five.records and three.collectives == five.collectives, kind
         assert three.events == five.events, kind
     assert counted[3].steps["refresh"].records != counted[3].steps["rownorm"].records
+
+
+def test_the_refresh_step_is_muons_and_a_rownorm_step_is_the_same_without_a_refresh_before_it():
+    # what lets a paper cell count the refresh step once per mode (cost_model.sharded.step_key): periodic_rowwise's
+    # refresh step dispatches what Muon's does (same ops, collectives, order, owner plan), and its RowNorm step
+    # counted alone (warmed up by a RowNorm step only) what it dispatches after a refresh
+    from dit_train.model.dit import load_preset
+
+    for mode in ("gather", "owner"):
+        periodic = {"name": "periodic_rowwise", "K": 3, "distributed_mode": mode}
+        counted = sc.count_step_kinds(load_preset("dit_xs", 64, 2), {
+            "muon": ({"name": "muon", "distributed_mode": mode}, ["refresh"]),
+            "periodic": (periodic, ["refresh", "rownorm"]), "rownorm alone": (periodic, ["rownorm"])}, 2, gpu=True)
+        pairs = ((counted["muon"].steps["refresh"], counted["periodic"].steps["refresh"]),
+                 (counted["periodic"].steps["rownorm"], counted["rownorm alone"].steps["rownorm"]))
+        for a, b in pairs:
+            assert a.records == b.records and a.collectives == b.collectives and a.events == b.events, mode
+        assert counted["muon"].owned == counted["periodic"].owned, mode

@@ -1,0 +1,81 @@
+"""A hardware profile of the cost model: a device's peak rates, the assumed efficiencies and its links; the
+H100/H200 SXM profiles."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from benchmarks.model_owner_schedule import Net
+from benchmarks.op_cost import OpRates
+
+
+GPU_OP_S = 8e-6  # a GPU op's fixed cost: eager dispatch + launch (benchmarks/host_overhead.py's --launch-us default)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    matmul_flops: float  # dense bf16 peak per device (data sheet), or the GEMM rate measured here (CPU)
+    mfu: float  # assumed share of matmul_flops that forward + backward reach
+    ns5_of_peak: float  # share of matmul_flops NS5's batched GEMMs reach (CPU: 1, the rate is measured at GEMMs)
+    memory_bytes_s: float  # HBM (data sheet), or fused AdamW's streaming rate measured here (CPU)
+    memory_efficiency: float
+    intra_bytes_s: float  # per device and direction inside a node (NVLink; CPU: gloo between processes)
+    inter_bytes_s: float  # per device and direction between nodes (InfiniBand)
+    link_efficiency: float
+    devices_per_node: int
+    latency_s: float  # fixed cost of one collective
+    launch_s: float  # fixed cost of one batched NS5 call
+    rownorm_kernels: str  # "compiled": fused kernels (compile_rownorm auto on CUDA); "eager": torch ops (on CPU)
+    ns5_rates: tuple = ()  # measured ((r, flop/s), ...) of NS5's GEMMs by the matrix's short side (CPU); else peak
+    ops: OpRates | None = None  # measured rates of each op category (CPU); None: from the fields above (GPU)
+    op_s: float = GPU_OP_S  # fixed cost of one dispatched op where `ops` is None (a GPU launch)
+
+    def op_rates(self) -> OpRates:
+        """What a counted op costs here (benchmarks/op_cost.py): measured on this host, or on a GPU every
+        memory-bound category at memory_efficiency of HBM, GEMMs at ns5_of_peak of the peak, op_s per op."""
+        if self.ops is not None:
+            return self.ops
+        hbm = self.memory_bytes_s * self.memory_efficiency
+        return OpRates(hbm, hbm, hbm, hbm, self.op_s, hbm, hbm, ((1, self.matmul_flops * self.ns5_of_peak),))
+
+    def ns5_rate(self, r: int) -> float:
+        """flop/s of NS5 on matrices of short side r: the measured rate of the nearest measured r at or below it
+        (small GEMMs run slower), else the assumed share of the peak."""
+        if not self.ns5_rates:
+            return self.matmul_flops * self.ns5_of_peak
+        below = [rate for side, rate in self.ns5_rates if side <= r]
+        return below[-1] if below else self.ns5_rates[0][1]
+
+    def link(self, world: int) -> float:
+        """Bytes/s of a collective over `world` consecutive ranks: NVLink inside one node, else InfiniBand."""
+        raw = self.intra_bytes_s if world <= self.devices_per_node else self.inter_bytes_s
+        return raw * self.link_efficiency
+
+    def net(self) -> Net:
+        return Net(self.inter_bytes_s * self.link_efficiency, self.intra_bytes_s * self.link_efficiency,
+                   self.devices_per_node, self.latency_s)
+
+
+# Data sheets: H100 SXM5 989.4 TFLOP/s dense bf16, 3.35 TB/s HBM3; H200 SXM 989.4, 4.8 TB/s HBM3e; both NVLink 4
+# (900 GB/s both ways = 450 per direction) and one 400 Gbit/s NDR InfiniBand port per GPU (50 GB/s). The
+# efficiencies are assumptions until the GPU check measures them (benchmarks/gpu_check.sh prints this model beside
+# its measurements): MFU 0.40, NS5 at 0.5 of peak (batched bf16 bmm of 1.5k-4k matrices), 0.8 of HBM for
+# streaming elementwise kernels, 0.8 of the links for NCCL rings (bus bandwidth), 30 us per collective and per
+# batched NS5 call.
+_GPU = dict(mfu=0.40, ns5_of_peak=0.5, memory_efficiency=0.8, intra_bytes_s=450e9, inter_bytes_s=50e9,
+            link_efficiency=0.8, devices_per_node=8, latency_s=30e-6, launch_s=30e-6, rownorm_kernels="compiled")
+PROFILES = {"h100": Hardware("H100 SXM", 989.4e12, memory_bytes_s=3.35e12, **_GPU),
+            "h200": Hardware("H200 SXM", 989.4e12, memory_bytes_s=4.8e12, **_GPU)}
+
+
+def gpu_profile(device_name: str) -> Hardware | None:
+    """The profile of a CUDA device by its name (H200 before H100: 'NVIDIA H200' names neither twice)."""
+    for key in ("h200", "h100"):
+        if key in device_name.lower():
+            return PROFILES[key]
+    return None
+
+
+def all_reduce_seconds(hw: Hardware, nbytes: float, world: int) -> float:
+    return hw.latency_s + 2 * (world - 1) / world * nbytes / hw.link(world)
