@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import logging
 import os
 import shutil
@@ -17,6 +16,8 @@ from dit_train.config.data_shapes import apply_data_shapes
 from dit_train.config.errors import ConfigError
 from dit_train.config.paths import check_paths
 from dit_train.config.files import CONF_DIR, group_options, is_group
+from dit_train.config.search_path import (config_name, is_searchpath, searchpath_entries, searchpath_override,
+                                          user_folders)
 from dit_train.config.validate import validate
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
@@ -41,8 +42,9 @@ def split_config_dir(argv: list[str]) -> tuple[str | None, list[str]]:
     return config_dir, rest
 
 
-def check_group_overrides(overrides: list[str], config_dir: str | None = None) -> None:
-    """`group=option` names against the config folders: Hydra's own message spans several lines."""
+def check_group_overrides(overrides: list[str], folders: list[str] = ()) -> None:
+    """`group=option` names against our config folder and the user's `folders`: Hydra's own message spans several
+    lines."""
     for arg in overrides:
         if "=" not in arg:
             continue
@@ -51,10 +53,10 @@ def check_group_overrides(overrides: list[str], config_dir: str | None = None) -
         if "." in key or "/" in key:
             continue
         if not is_group(key):
-            if not (config_dir and os.path.isdir(os.path.join(config_dir, key))):  # not a group of the user's
+            if not any(os.path.isdir(os.path.join(d, key)) for d in folders):  # not a group of the user's
                 check_top_level_key(key, value)
             continue
-        valid = group_options(key, config_dir)
+        valid = group_options(key, folders)
         for option in value.split(","):  # --multirun lists
             if option not in valid:
                 raise ConfigError(f"{key}={option!r} is not a known {key}; valid: {', '.join(valid)}")
@@ -154,17 +156,17 @@ def check_command_line(argv: list[str], world_size: int | None = None) -> None:
         flags = [a for a in argv if a.startswith("-")]
         overrides = [a for i, a in enumerate(argv) if not a.startswith("-")
                      and not (i and argv[i - 1] in HYDRA_FLAGS_WITH_VALUE)]  # `-sc query=bash` is no override
-        check_group_overrides(overrides, config_dir)
+        entries = searchpath_entries(overrides, config_dir, config_name(argv))
+        check_group_overrides(overrides, user_folders(config_dir, entries))
         if any(f not in MULTIRUN_FLAGS for f in flags):
             return
         from dit_train.extras import check_extras, check_launcher
 
         check_launcher(overrides)  # a missing plugin first: it is needed with --multirun too
         check_slurm_needs_multirun(flags, overrides)
-        # the user's folder where Hydra puts it, after ours; an override, so that a resume's compositions keep it
-        searchpath = [f"hydra.searchpath=[{json.dumps('file://' + os.path.abspath(config_dir), ensure_ascii=False)}]"
-                      ] if config_dir else []
-        for job in job_overrides(overrides):
+        # the user's folders where Hydra puts them, after ours, as one override
+        searchpath = searchpath_override(config_dir, entries)
+        for job in job_overrides([o for o in overrides if not is_searchpath(o)]):
             job = searchpath + job
             cfg = compose_checked(job)
             composed = cfg
