@@ -64,16 +64,25 @@ def check_group_overrides(overrides: list[str], folders: list[str] = ()) -> None
 
 def check_top_level_key(key: str, value: str) -> None:
     """A name that is neither a group nor a top-level key (`optimzer=muon`): Hydra's own first line, `Could not
-    override 'optimzer'.`, named neither what was meant nor what exists."""
+    override 'optimzer'.`, named neither what was meant nor what exists. A section of keys given one value as if it
+    were a group (`train=x`): a traceback, or Hydra's line about another override."""
     from dataclasses import fields
 
     from dit_train.config.files import GROUPS
-    from dit_train.config.schema import RunConfig
+    from dit_train.config.schema import SECTIONS, RunConfig
 
     keys = [f.name for f in fields(RunConfig) if f.name not in GROUPS]
     if key not in keys:
         raise ConfigError(f"{key}={value!r} is not valid: not a config group or key; groups: {', '.join(GROUPS)}; "
                           f"keys: {', '.join(keys)}")
+    is_mapping = value.lstrip().startswith("{")  # `train={steps: 3}` merges into the section
+    if key in SECTIONS and not is_mapping:
+        raise ConfigError(f"{key}={value!r} is not valid: {key} is a section of keys, not a config group with "
+                          f"options; set its keys one by one ({key}.<key>=VALUE), its keys: "
+                          f"{', '.join(f.name for f in fields(SECTIONS[key]))}")
+    if key == "study" and not is_mapping:  # Hydra: `Could not override 'study'.`
+        raise ConfigError(f"study={value!r} is not valid: an experiment's grid for dit-study, set in its yaml "
+                          f"(dit_train/conf/experiment/), e.g. study.seeds=[0,1] under experiment=smoke")
 
 
 def job_overrides(overrides: list[str]) -> list[list[str]]:

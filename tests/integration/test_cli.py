@@ -110,6 +110,14 @@ def test_bad_value_on_command_line_is_one_line():
     # a misspelt group: was Hydra's "Could not override 'optimzer'."
     (["optimzer=muon"], "error: optimzer='muon' is not valid: not a config group or key; groups: data, model, "
                         "optimizer, eval, logger, launcher, experiment; keys: seed, run_dir, flow, train, "),
+    # a section of keys given one value, as if it were a group: was a traceback (AttributeError: 'str' object has
+    # no attribute 'get'), or with other overrides Hydra's "Could not override 'train.dry_run'."
+    (["train=x"], "error: train='x' is not valid: train is a section of keys, not a config group with options; set "
+                  "its keys one by one (train.<key>=VALUE), its keys: steps, batch_size, "),
+    (["flow=1", "train.dry_run=true"], "error: flow='1' is not valid: flow is a section of keys, not a config group "
+                                       "with options; set its keys one by one (flow.<key>=VALUE), its keys: "
+                                       "t_sampling, t_mean, t_std, shift"),
+    (["study=x"], "error: study='x' is not valid: an experiment's grid for dit-study, set in its yaml "),
 ])
 def test_bad_config_on_command_line_leaves_no_run_folder(tmp_path, args, line):
     """Checked before Hydra makes runs/<date>/<time> (or the sweep folder): one line, exit 2, seconds, nothing
