@@ -6,6 +6,7 @@ and exit status 2."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -179,23 +180,31 @@ def check_command_line(argv: list[str], world_size: int | None = None) -> None:
             job = searchpath + job
             cfg = compose_checked(job)
             composed = cfg
+            # the checkpoint's train state, read once for both the config it continues and the resume decision
+            read_state = functools.cache(read_saved_state)
             if cfg.train.get("resume") is not None or cfg.train.get("init_from") is not None:
                 from dit_train.runs.resume_config import continue_saved_config  # reads the checkpoint: only for resumes
 
                 with quiet_log():
-                    cfg = continue_saved_config(cfg, job)
+                    cfg = continue_saved_config(cfg, job, read_state)
             cfg = apply_data_shapes(cfg, job, continued=cfg is not composed)
             validate(cfg, world_size)
             check_paths(cfg)
             check_extras(cfg)
             with quiet_log():
-                check_run_folder(cfg)
+                check_run_folder(cfg, read_state)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 
 
-def check_run_folder(cfg) -> None:
+def read_saved_state(path: str) -> dict:
+    from dit_train.runs.checkpoint import read_saved_state as read  # torch: only once a checkpoint is read
+
+    return read(path)
+
+
+def check_run_folder(cfg, read_state) -> None:
     """The resume decision (resume_policy.check_resume) before Hydra starts logging, so that a refused resume, or a
     fresh run into a folder that has checkpoints, is its one line and the run folder's dit_train.log is left as it
     was. A folder Hydra names (no run_dir=) is new: nothing to decide. The run decides again, under its lock."""
@@ -206,7 +215,7 @@ def check_run_folder(cfg) -> None:
     if cfg.train.get("dry_run"):  # it reads no run folder
         return
     try:
-        check_resume(cfg)
+        check_resume(cfg, read_state)
     except InterpolationResolutionError:  # run_dir is ${hydra:runtime.output_dir}: known once Hydra runs
         return
     except (FileExistsError, FileNotFoundError, ValueError) as e:  # a CheckpointError is a ValueError
