@@ -24,6 +24,16 @@ def test_unknown_group_option_is_one_line_listing_choices():
     assert "adamw, mud, muon, periodic_rowwise, rownorm" in lines[0]
 
 
+def test_a_dry_run_of_an_image_folder_says_its_shapes_are_the_presets(tmp_path):
+    """A dry run reads no data: with data=image_folder it printed dit_xs's 1x32x32 size and 64 tokens as if they were
+    the run's, which takes 3 channels, the images' size and the class folders from data.root."""
+    r = cli("data=image_folder", f"data.root={tmp_path}", "model=dit_xs", "train.dry_run=true", cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert (f"shapes: the preset's (1x32x32, 10 classes); a dry run reads no data: the run takes channels, image "
+            f"size and class count from data.root={tmp_path} (docs/data.md)") in r.stdout, r.stdout
+    assert "shapes:" not in cli("model=dit_xs", "train.dry_run=true", cwd=str(tmp_path)).stdout
+
+
 def test_dry_run_every_preset_from_any_directory(tmp_path):
     r = cli("model=dit_15b", "train.dry_run=true", cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr
