@@ -25,10 +25,13 @@ def main(cfg) -> None:
         from hydra.core.hydra_config import HydraConfig
 
         from dit_train.config.data_shapes import apply_data_shapes
+        from dit_train.config.search_path import is_searchpath
         from dit_train.runs.resume_config import continue_saved_config
 
         overrides = list(HydraConfig.get().overrides.task)
-        continued = continue_saved_config(cfg, overrides)
+        # the command line's hydra.searchpath (not a task override): a resume composes its options with it too
+        searchpath = [o for o in HydraConfig.get().overrides.hydra if is_searchpath(o)]
+        continued = continue_saved_config(cfg, searchpath + overrides)
         run(apply_data_shapes(continued, overrides, continued=continued is not cfg))
         if cfg.train.dry_run:  # it writes nothing: no run folder holding only Hydra's own files either
             from hydra.core.hydra_config import HydraConfig

@@ -6,8 +6,8 @@ and exit status 2."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
-import json
 import logging
 import os
 import shutil
@@ -17,6 +17,8 @@ from dit_train.config.data_shapes import apply_data_shapes
 from dit_train.config.errors import ConfigError
 from dit_train.config.paths import check_paths
 from dit_train.config.files import CONF_DIR, group_options, is_group
+from dit_train.config.search_path import (config_name, is_searchpath, searchpath_entries, searchpath_override,
+                                          user_folders)
 from dit_train.config.validate import validate
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
@@ -41,8 +43,9 @@ def split_config_dir(argv: list[str]) -> tuple[str | None, list[str]]:
     return config_dir, rest
 
 
-def check_group_overrides(overrides: list[str], config_dir: str | None = None) -> None:
-    """`group=option` names against the config folders: Hydra's own message spans several lines."""
+def check_group_overrides(overrides: list[str], folders: list[str] = ()) -> None:
+    """`group=option` names against our config folder and the user's `folders`: Hydra's own message spans several
+    lines."""
     for arg in overrides:
         if "=" not in arg:
             continue
@@ -51,10 +54,10 @@ def check_group_overrides(overrides: list[str], config_dir: str | None = None) -
         if "." in key or "/" in key:
             continue
         if not is_group(key):
-            if not (config_dir and os.path.isdir(os.path.join(config_dir, key))):  # not a group of the user's
+            if not any(os.path.isdir(os.path.join(d, key)) for d in folders):  # not a group of the user's
                 check_top_level_key(key, value)
             continue
-        valid = group_options(key, config_dir)
+        valid = group_options(key, folders)
         for option in value.split(","):  # --multirun lists
             if option not in valid:
                 raise ConfigError(f"{key}={option!r} is not a known {key}; valid: {', '.join(valid)}")
@@ -62,16 +65,25 @@ def check_group_overrides(overrides: list[str], config_dir: str | None = None) -
 
 def check_top_level_key(key: str, value: str) -> None:
     """A name that is neither a group nor a top-level key (`optimzer=muon`): Hydra's own first line, `Could not
-    override 'optimzer'.`, named neither what was meant nor what exists."""
+    override 'optimzer'.`, named neither what was meant nor what exists. A section of keys given one value as if it
+    were a group (`train=x`): a traceback, or Hydra's line about another override."""
     from dataclasses import fields
 
     from dit_train.config.files import GROUPS
-    from dit_train.config.schema import RunConfig
+    from dit_train.config.schema import SECTIONS, RunConfig
 
     keys = [f.name for f in fields(RunConfig) if f.name not in GROUPS]
     if key not in keys:
         raise ConfigError(f"{key}={value!r} is not valid: not a config group or key; groups: {', '.join(GROUPS)}; "
                           f"keys: {', '.join(keys)}")
+    is_mapping = value.lstrip().startswith("{")  # `train={steps: 3}` merges into the section
+    if key in SECTIONS and not is_mapping:
+        raise ConfigError(f"{key}={value!r} is not valid: {key} is a section of keys, not a config group with "
+                          f"options; set its keys one by one ({key}.<key>=VALUE), its keys: "
+                          f"{', '.join(f.name for f in fields(SECTIONS[key]))}")
+    if key == "study" and not is_mapping:  # Hydra: `Could not override 'study'.`
+        raise ConfigError(f"study={value!r} is not valid: an experiment's grid for dit-study, set in its yaml "
+                          f"(dit_train/conf/experiment/), e.g. study.seeds=[0,1] under experiment=smoke")
 
 
 def job_overrides(overrides: list[str]) -> list[list[str]]:
@@ -154,37 +166,45 @@ def check_command_line(argv: list[str], world_size: int | None = None) -> None:
         flags = [a for a in argv if a.startswith("-")]
         overrides = [a for i, a in enumerate(argv) if not a.startswith("-")
                      and not (i and argv[i - 1] in HYDRA_FLAGS_WITH_VALUE)]  # `-sc query=bash` is no override
-        check_group_overrides(overrides, config_dir)
+        entries = searchpath_entries(overrides, config_dir, config_name(argv))
+        check_group_overrides(overrides, user_folders(config_dir, entries))
         if any(f not in MULTIRUN_FLAGS for f in flags):
             return
         from dit_train.extras import check_extras, check_launcher
 
         check_launcher(overrides)  # a missing plugin first: it is needed with --multirun too
         check_slurm_needs_multirun(flags, overrides)
-        # the user's folder where Hydra puts it, after ours; an override, so that a resume's compositions keep it
-        searchpath = [f"hydra.searchpath=[{json.dumps('file://' + os.path.abspath(config_dir), ensure_ascii=False)}]"
-                      ] if config_dir else []
-        for job in job_overrides(overrides):
+        # the user's folders where Hydra puts them, after ours, as one override
+        searchpath = searchpath_override(config_dir, entries)
+        for job in job_overrides([o for o in overrides if not is_searchpath(o)]):
             job = searchpath + job
             cfg = compose_checked(job)
             composed = cfg
+            # the checkpoint's train state, read once for both the config it continues and the resume decision
+            read_state = functools.cache(read_saved_state)
             if cfg.train.get("resume") is not None or cfg.train.get("init_from") is not None:
                 from dit_train.runs.resume_config import continue_saved_config  # reads the checkpoint: only for resumes
 
                 with quiet_log():
-                    cfg = continue_saved_config(cfg, job)
+                    cfg = continue_saved_config(cfg, job, read_state)
             cfg = apply_data_shapes(cfg, job, continued=cfg is not composed)
             validate(cfg, world_size)
             check_paths(cfg)
             check_extras(cfg)
             with quiet_log():
-                check_run_folder(cfg)
+                check_run_folder(cfg, read_state)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 
 
-def check_run_folder(cfg) -> None:
+def read_saved_state(path: str) -> dict:
+    from dit_train.runs.checkpoint import read_saved_state as read  # torch: only once a checkpoint is read
+
+    return read(path)
+
+
+def check_run_folder(cfg, read_state) -> None:
     """The resume decision (resume_policy.check_resume) before Hydra starts logging, so that a refused resume, or a
     fresh run into a folder that has checkpoints, is its one line and the run folder's dit_train.log is left as it
     was. A folder Hydra names (no run_dir=) is new: nothing to decide. The run decides again, under its lock."""
@@ -195,7 +215,7 @@ def check_run_folder(cfg) -> None:
     if cfg.train.get("dry_run"):  # it reads no run folder
         return
     try:
-        check_resume(cfg)
+        check_resume(cfg, read_state)
     except InterpolationResolutionError:  # run_dir is ${hydra:runtime.output_dir}: known once Hydra runs
         return
     except (FileExistsError, FileNotFoundError, ValueError) as e:  # a CheckpointError is a ValueError

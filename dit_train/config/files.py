@@ -20,10 +20,10 @@ def _preset_path(group: str, option: str) -> str:
     return os.path.join(CONF_DIR, group, f"{option}.yaml")
 
 
-def group_options(group: str, config_dir: str | None = None) -> list[str]:
-    """The options of a config group: its schemas and its preset yamls, with those of a user's own config folder
-    (Hydra's --config-dir) where one is given."""
-    folders = [os.path.join(d, group) for d in (CONF_DIR, config_dir) if d]
+def group_options(group: str, user_folders: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """The options of a config group: its schemas and its preset yamls, with those of the user's own config folders
+    (Hydra's --config-dir and hydra.searchpath: search_path.py) where given."""
+    folders = [os.path.join(d, group) for d in (CONF_DIR, *user_folders)]
     presets = [f[:-5] for folder in folders if os.path.isdir(folder) for f in os.listdir(folder) if f.endswith(".yaml")]
     return sorted({*schema_options(group), *presets})
 

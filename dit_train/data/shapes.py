@@ -24,6 +24,9 @@ class Found:
     suggested: bool = False
 
 
+SHAPES_FROM_FILES = ("latents", "image_folder")  # the data whose files decide shapes (read_data_shapes)
+
+
 def read_data_shapes(data: dict) -> dict[str, Found]:
     """{data key: Found} for data.channels, data.image_size and data.num_classes, as far as the files decide them."""
     if data.get("name") == "latents":

@@ -342,6 +342,11 @@ def saved_config(path: str, state: dict | None = None) -> dict:
     return state["config"]
 
 
+def read_saved_state(path: str) -> dict:
+    """A checkpoint's train state holding the run's config: what the resume decisions read."""
+    return read_train_state(path, ("step", "config"))
+
+
 def literal_config(node):
     """A saved config with every string taken literally: `${` escaped, so that OmegaConf resolves nothing from a
     checkpoint's config (a crafted `${oc.env:...}` would copy the reader's environment into configs and logs)."""

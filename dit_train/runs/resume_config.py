@@ -23,17 +23,18 @@ SAVED_CHOICES = ("data", "model", "optimizer")  # groups whose option a saved co
 ABSENT = object()
 
 
-def continue_saved_config(cfg, overrides: list[str]):
+def continue_saved_config(cfg, overrides: list[str], read_state=None):
     """`cfg` (composed from the defaults and `overrides`) rebuilt on the saved config of the checkpoint it will
     resume (a fork: its source's, while the run has no checkpoint of its own); `cfg` itself for a fresh run or
-    when no readable saved config exists (check_resume then says why, in its own words)."""
+    when no readable saved config exists (check_resume then says why, in its own words). `read_state`: how a
+    checkpoint's train state is read (default checkpoint.read_saved_state)."""
     if cfg.train.get("resume") is None and cfg.train.get("init_from") is None:
         return cfg
     try:
         run_dir = cfg.run_dir  # the default ${hydra:runtime.output_dir} resolves only inside the Hydra app
     except Exception:  # noqa: BLE001 - checked before Hydra runs and no run_dir given: no run folder to read yet
         return cfg
-    found = _saved(cfg)
+    found = _saved(cfg, read_state)
     if found is None:
         return cfg
     path, saved = found
@@ -79,9 +80,11 @@ def continue_saved_config(cfg, overrides: list[str]):
     return out
 
 
-def _saved(cfg):
+def _saved(cfg, read_state=None):
     from dit_train.runs import checkpoint as ckpt
     from dit_train.runs.resume_policy import resume_candidates
+
+    read_state = read_state or ckpt.read_saved_state
 
     try:
         paths = resume_candidates(cfg)
@@ -92,7 +95,7 @@ def _saved(cfg):
     for path in paths:
         if ckpt.is_complete(path):
             try:
-                return path, ckpt.saved_config(path)
+                return path, read_state(path)["config"]
             except (OSError, ValueError):
                 continue
     return None

@@ -92,14 +92,15 @@ def describe_changes(changes: list[tuple[str, object, object]]) -> str:
     return "; ".join(first + rest)
 
 
-def check_resume(cfg) -> str | None:
-    """The checkpoint this run will continue from (None: fresh), after checking it is the same experiment."""
+def check_resume(cfg, read_state=ckpt.read_saved_state) -> str | None:
+    """The checkpoint this run will continue from (None: fresh), after checking it is the same experiment.
+    `read_state`: how a checkpoint's train state is read (the check before Hydra passes one that reads each once)."""
     for path in resume_candidates(cfg):
         if not ckpt.is_complete(path):
             return path  # a read-only file of an earlier version: loading it says why it cannot resume
         try:
-            state = ckpt.read_train_state(path)
-            saved = ckpt.saved_config(path, state)
+            state = read_state(path)
+            saved = state["config"]
         except (OSError, ValueError, KeyError) as e:
             if cfg.train.resume != "auto":
                 raise

@@ -4,6 +4,7 @@
     dit-study scaling_study launcher=slurm data.root=/data/latents eval.encoder_path=/w/dinov2
     dit-study scaling_study_cpu --dry-run          # print the commands only
     dit-study scaling_study_cpu --models dit_xs    # one size now, the rest later
+    dit-study mine --config-dir DIR                # DIR/experiment/mine.yaml, a study of your own
 
 The grid is models x optimizers x seeds, with periodic_rowwise expanded over study.K, the RowNorm optimizers over
 study.rownorm_scale when given, every variant over study.axes when given (a mapping of any other config key to its
@@ -38,7 +39,7 @@ import time
 
 from omegaconf import OmegaConf
 
-from dit_train.config.files import CONF_DIR
+from dit_train.config.files import CONF_DIR, group_options
 from dit_train.runs.atomic_io import atomic_write_bytes
 from dit_train.runs.checkpoint import newest_step
 from dit_train.runs.json_file import read_json
@@ -46,7 +47,6 @@ from dit_train.study.record import read_study
 from dit_train.runs.provenance import CHECKOUT, git_commit
 from dit_train.study.report import read_metrics
 
-EXPERIMENTS = os.path.join(CONF_DIR, "experiment")
 
 
 def run_name(overrides: list[str], exclude_keys: list[str]) -> str:
@@ -256,12 +256,16 @@ def common_learning_rates(study, selected: dict) -> dict:
     return out
 
 
-def load_experiment(name: str, overrides: list[str] = ()):
-    """The experiment composed as the trainer sees it (its defaults, e.g. another experiment it extends)."""
+def load_experiment(name: str, overrides: list[str] = (), config_dir: str | None = None):
+    """The experiment composed as the trainer sees it (its defaults, e.g. another experiment it extends), with the
+    user's --config-dir where Hydra puts it, after ours."""
     from hydra import compose, initialize_config_dir
 
+    from dit_train.config.search_path import searchpath_override
+
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(config_name="config", overrides=[f"experiment={name}", *overrides], return_hydra_config=True)
+        return compose(config_name="config", overrides=[*searchpath_override(config_dir, []), f"experiment={name}",
+                                                        *overrides], return_hydra_config=True)
 
 
 def finished(run_dir: str, steps: int) -> bool:
@@ -326,7 +330,7 @@ def main(argv=None) -> int:
 def run_study(argv=None) -> int:
     p = argparse.ArgumentParser(prog="dit-study", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("experiment", help="a file name in dit_train/conf/experiment/ (without .yaml)")
+    p.add_argument("experiment", help="a file name in dit_train/conf/experiment/ or DIR/experiment/ (without .yaml)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (launcher=slurm, data.root=...)")
     p.add_argument("--sweep-dir", default=None, help="default: sweeps/<study.name>")
     p.add_argument("--models", default=None,
@@ -334,14 +338,21 @@ def run_study(argv=None) -> int:
     p.add_argument("--records", default=None,
                    help="a folder of published run records (dit-publish-study's DEST/runs): runs finished there are "
                         "not run again, so a study continues from what an earlier machine published")
+    p.add_argument("--config-dir", "-cd", default=None,
+                   help="your own config folder, as for dit-train: DIR/experiment/<name>.yaml is a study too")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_intermixed_args(argv)
-    path = os.path.join(EXPERIMENTS, f"{args.experiment}.yaml")
-    if not os.path.exists(path):
-        valid = sorted(f[:-5] for f in os.listdir(EXPERIMENTS) if f.endswith(".yaml"))
+    if args.config_dir is not None:
+        if not os.path.isdir(args.config_dir):
+            print(f"error: --config-dir {args.config_dir}: no such folder (it holds your own config groups, e.g. "
+                  f"{os.path.join(args.config_dir, 'experiment', 'mine.yaml')})", file=sys.stderr)
+            return 2
+        args.config_dir = os.path.abspath(args.config_dir)  # the runs start in the checkout
+    valid = group_options("experiment", [args.config_dir] if args.config_dir else [])
+    if args.experiment not in valid:
         print(f"error: experiment {args.experiment!r} does not exist; valid: {', '.join(valid)}", file=sys.stderr)
         return 2
-    exp = load_experiment(args.experiment)
+    exp = load_experiment(args.experiment, config_dir=args.config_dir)
     study = exp.study
     exclude = list(OmegaConf.select(exp, "hydra.job.config.override_dirname.exclude_keys") or [])
     sweep_dir = os.path.abspath(args.sweep_dir or os.path.join("sweeps", study.name))
@@ -365,7 +376,8 @@ def run_study(argv=None) -> int:
     def steps_of(r: dict) -> int:
         fixed = tuple(o for o in r["overrides"] if not o.startswith("seed="))
         if fixed not in steps_cache:
-            steps_cache[fixed] = load_experiment(args.experiment, [*fixed, *args.overrides]).train.steps
+            steps_cache[fixed] = load_experiment(args.experiment, [*fixed, *args.overrides],
+                                                 args.config_dir).train.steps
         return steps_cache[fixed]
 
     def record(runs: list[dict], selection: dict | None = None, extended: dict | None = None,
@@ -440,7 +452,8 @@ def run_groups(runs: list[dict], only, sweep_dir: str, steps_of, args) -> int:
             print(f"[study] {label}: all seeds finished, skipping")
             continue
         fixed = [o for o in members[0]["overrides"] if not o.startswith("seed=")]
-        cmd = [sys.executable, "-m", "dit_train", "--multirun", f"experiment={args.experiment}", *fixed,
+        config_dir = ["--config-dir", args.config_dir] if args.config_dir else []
+        cmd = [sys.executable, "-m", "dit_train", *config_dir, "--multirun", f"experiment={args.experiment}", *fixed,
                "seed=" + ",".join(str(r["seed"]) for r in pending), f"hydra.sweep.dir={sweep_dir}", *args.overrides]
         print("[study]", " ".join(cmd[1:]), flush=True)
         if not args.dry_run:

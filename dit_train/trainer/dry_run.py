@@ -3,6 +3,7 @@ where each parameter goes."""
 
 from __future__ import annotations
 
+from dit_train.data.shapes import SHAPES_FROM_FILES
 from dit_train.model.dit import build_model, count_parameters
 from dit_train.optim.registry import build_optimizer
 
@@ -17,6 +18,11 @@ def dry_run(cfg) -> dict:
     rel = f" ({n / nominal:.3f} x nominal {nominal / 1e9:.2f}B)" if nominal else ""
     print(f"model {cfg.model.name}: {n:,} parameters{rel}; depth {cfg.model.depth}, width {cfg.model.hidden_size}, "
           f"heads {cfg.model.num_heads}, patch {cfg.model.patch_size}, tokens {(cfg.model.image_size // cfg.model.patch_size) ** 2}")
+    if cfg.data.name in SHAPES_FROM_FILES:  # the size above is not that of the run, which reads them
+        m = cfg.model
+        print(f"shapes: the preset's ({m.in_channels}x{m.image_size}x{m.image_size}, {m.num_classes} classes); a dry "
+              f"run reads no data: the run takes channels, image size and class count from data.root="
+              f"{cfg.data.get('root')} (docs/data.md)")
     print(f"optimizer {cfg.optimizer.name}:\n{optimizer.routing_table}\n{optimizer.routing.table()}")
     print("dry run: nothing allocated, exiting")
     return {"params": n}

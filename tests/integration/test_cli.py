@@ -24,6 +24,16 @@ def test_unknown_group_option_is_one_line_listing_choices():
     assert "adamw, mud, muon, periodic_rowwise, rownorm" in lines[0]
 
 
+def test_a_dry_run_of_an_image_folder_says_its_shapes_are_the_presets(tmp_path):
+    """A dry run reads no data: with data=image_folder it printed dit_xs's 1x32x32 size and 64 tokens as if they were
+    the run's, which takes 3 channels, the images' size and the class folders from data.root."""
+    r = cli("data=image_folder", f"data.root={tmp_path}", "model=dit_xs", "train.dry_run=true", cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert (f"shapes: the preset's (1x32x32, 10 classes); a dry run reads no data: the run takes channels, image "
+            f"size and class count from data.root={tmp_path} (docs/data.md)") in r.stdout, r.stdout
+    assert "shapes:" not in cli("model=dit_xs", "train.dry_run=true", cwd=str(tmp_path)).stdout
+
+
 def test_dry_run_every_preset_from_any_directory(tmp_path):
     r = cli("model=dit_15b", "train.dry_run=true", cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr
@@ -110,6 +120,14 @@ def test_bad_value_on_command_line_is_one_line():
     # a misspelt group: was Hydra's "Could not override 'optimzer'."
     (["optimzer=muon"], "error: optimzer='muon' is not valid: not a config group or key; groups: data, model, "
                         "optimizer, eval, logger, launcher, experiment; keys: seed, run_dir, flow, train, "),
+    # a section of keys given one value, as if it were a group: was a traceback (AttributeError: 'str' object has
+    # no attribute 'get'), or with other overrides Hydra's "Could not override 'train.dry_run'."
+    (["train=x"], "error: train='x' is not valid: train is a section of keys, not a config group with options; set "
+                  "its keys one by one (train.<key>=VALUE), its keys: steps, batch_size, "),
+    (["flow=1", "train.dry_run=true"], "error: flow='1' is not valid: flow is a section of keys, not a config group "
+                                       "with options; set its keys one by one (flow.<key>=VALUE), its keys: "
+                                       "t_sampling, t_mean, t_std, shift"),
+    (["study=x"], "error: study='x' is not valid: an experiment's grid for dit-study, set in its yaml "),
 ])
 def test_bad_config_on_command_line_leaves_no_run_folder(tmp_path, args, line):
     """Checked before Hydra makes runs/<date>/<time> (or the sweep folder): one line, exit 2, seconds, nothing

@@ -206,6 +206,25 @@ def test_fd_dino_job_scores_a_sweep_and_skips_scored_checkpoints(tmp_path, capsy
 
 
 @needs_fashion
+def test_fd_of_a_local_dinov2_folder_is_labelled_by_what_it_holds(tmp_path, capsys):
+    """`dit-fd RUN --eval-preset dinov2 --encoder-path FOLDER` with a folder that is not ViT-L/14: every line and the
+    results say the network loaded (it said dinov2_vitl14, the preset's encoder)."""
+    from dit_train.evaluation.fd import job
+    from dit_train.evaluation.fd.features import random_dinov2
+
+    random_dinov2().save_pretrained(tmp_path / "dino")  # hidden 32, 2 layers, patch 14
+    _fake_run(tmp_path / "run", [3])
+    job.main([str(tmp_path / "run"), "--eval-preset", "dinov2", "--encoder-path", str(tmp_path / "dino"),
+              "--cache-dir", str(tmp_path / "cache"), "--reference-split", "val", "--num-samples", "8",
+              "--batch-size", "8", "--reference-num", "16", "--sample-steps", "1", "--no-progress"])
+    said = capsys.readouterr().out
+    assert "(dinov2_h32_l2_p14, n_gen=8" in said and "vitl14" not in said, said
+    row = json.loads((tmp_path / "run" / "fd_results.json").read_text())["rows"][0]
+    assert row["encoder"].startswith("dinov2_h32_l2_p14["), row
+    assert ["_dinov2_h32_l2_p14_" in p.name for p in (tmp_path / "cache").glob("*.npz")] == [True]
+
+
+@needs_fashion
 def test_reference_stats_job(tmp_path):
     from dit_train.evaluation.fd import reference_stats as job
 

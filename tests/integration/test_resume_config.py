@@ -99,12 +99,34 @@ def test_a_crafted_saved_config_resolves_nothing_on_resume(run, tmp_path, monkey
     assert "s3cret" not in OmegaConf.to_yaml(resumed, resolve=True)
 
 
-def test_a_run_of_the_users_own_experiment_resumes_with_its_options(tmp_path):
+def test_the_check_before_hydra_reads_the_checkpoints_train_state_once(run, monkeypatch, capsys):
+    """`dit-train run_dir=RUN train.resume=auto ...`: the check rebuilds the run's config from the checkpoint and
+    judges the resume on the same train_state.json; it read and parsed the file twice. Its verdicts are unchanged."""
+    from dit_train.config import check_command_line
+    from dit_train.runs import checkpoint as ckpt
+
+    read = ckpt.read_json
+    files = []
+    monkeypatch.setattr(ckpt, "read_json", lambda file, *a, **kw: files.append(os.path.basename(file)) or
+                        read(file, *a, **kw))
+    check_command_line([f"run_dir={run / 'run'}", "train.resume=auto", "train.steps=3"])
+    assert capsys.readouterr().err == "" and files == ["train_state.json"]
+    files.clear()
+    with pytest.raises(SystemExit) as stop:  # a refused change: the same line as before, from one read
+        check_command_line([f"run_dir={run / 'run'}", "train.resume=auto", "optimizer.lr=1e-3"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "optimizer.lr: 0.003 -> 0.001" in err and files == ["train_state.json"], err
+
+
+@pytest.mark.parametrize("folder", [["--config-dir", "{conf}"], ["hydra.searchpath=[file://{conf}]"]])
+def test_a_run_of_the_users_own_experiment_resumes_with_its_options(tmp_path, folder):
     """`--config-dir DIR experiment=mine`: the check before Hydra composes the saved run's options with DIR too
-    (before, it could not find experiment/mine and warned that the resume was judged as typed)."""
+    (before, it could not find experiment/mine and warned that the resume was judged as typed). The same with
+    `hydra.searchpath=[file://DIR]`: the check refused experiment=mine, and the run itself composed without DIR."""
     (tmp_path / "conf" / "experiment").mkdir(parents=True)
     (tmp_path / "conf" / "experiment" / "mine.yaml").write_text("# @package _global_\noptimizer:\n  lr: 3e-3\n")
-    mine = ["--config-dir", str(tmp_path / "conf"), "experiment=mine", f"run_dir={tmp_path / 'run'}", *TINY]
+    folder = [f.format(conf=tmp_path / "conf") for f in folder]
+    mine = [*folder, "experiment=mine", f"run_dir={tmp_path / 'run'}", *TINY]
     rc, out, err = dit_train(*mine, "train.steps=1", cwd=tmp_path)
     assert rc == 0, err
     rc, out, err = dit_train(*mine, "train.resume=auto", "train.steps=2", cwd=tmp_path)

@@ -820,3 +820,42 @@ def test_a_torn_study_record_is_one_line_naming_it_in_every_study_script(tmp_pat
         assert capsys.readouterr().err.strip().splitlines() == [line]
     assert publish_study.main([str(sweep), str(tmp_path / "dest")]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == line
+
+
+MY_STUDY = """# @package _global_
+defaults:
+  - override /model: dit_xs
+study:
+  name: mine
+  models: [dit_xs]
+  optimizers: [adamw]
+  seeds: [0]
+model: {hidden_size: 32, depth: 1, num_heads: 1, patch_size: 8}
+train: {steps: 2, batch_size: 8, val_every: 0, sample_every: 0, ckpt_every: 0, resume: auto, progress: false}
+eval: {every_n_steps: 0}
+logger: {wandb: {mode: disabled}}
+hydra:
+  sweep: {dir: "sweeps/${study.name}", subdir: "${hydra.job.override_dirname}"}
+  job: {config: {override_dirname: {exclude_keys: [experiment, launcher]}}}
+"""
+
+
+@needs_fashion
+def test_a_study_of_the_users_config_dir_runs_from_there(tmp_path, capsys):
+    """`dit-study mine --config-dir DIR` (the docs' way to add experiments): found in DIR/experiment/, composed with it,
+    and its runs are started with the same --config-dir. Before, dit-study knew only dit_train/conf/experiment/."""
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "mine.yaml").write_text(MY_STUDY)
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "dit_train.study.run", "mine", "--config-dir", "conf", "--sweep-dir", str(sweep)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, cwd=tmp_path,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"dit_train --config-dir {tmp_path / 'conf'} --multirun experiment=mine model=dit_xs" in r.stdout, r.stdout
+    assert os.listdir(sweep / "model=dit_xs,optimizer=adamw,seed=0" / "checkpoints") == ["step_00000002.dcp"]
+
+    assert run_study.main(["mien", "--config-dir", str(tmp_path / "conf"), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: experiment 'mien' does not exist; valid: ") and ", mine, " in err, err
+    assert run_study.main(["mine", "--config-dir", str(tmp_path / "nope"), "--dry-run"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --config-dir {tmp_path / 'nope'}: no such folder")

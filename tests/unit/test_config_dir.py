@@ -58,3 +58,47 @@ def test_a_missing_config_folder_is_one_line(tmp_path, capsys):
         check_command_line(["--config-dir", str(tmp_path / "nope"), "experiment=mine"])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.startswith(f"error: --config-dir {tmp_path / 'nope'}: no such folder"), err
+
+
+@pytest.mark.parametrize("spelling", ["file://{d}", "{d}"])
+def test_an_experiment_of_the_users_searchpath_passes_the_check(config_dir, capsys, spelling):
+    """`hydra.searchpath=[file://DIR]` adds DIR's groups in Hydra; the check refused experiment=mine as unknown."""
+    searchpath = f"hydra.searchpath=[{spelling.format(d=config_dir)}]"
+    check_command_line([searchpath, "experiment=mine", "run_dir=/tmp/unused", "train.dry_run=true"])
+    assert capsys.readouterr().err == ""
+    with pytest.raises(SystemExit) as stop:  # composed with it and validated, as with --config-dir
+        check_command_line([searchpath, "experiment=broken", "run_dir=/tmp/unused"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("error: train.steps=0 is not valid") and err.count("\n") == 1, err
+
+
+def test_the_searchpath_of_the_users_primary_config_counts(config_dir, tmp_path, capsys):
+    """`--config-dir D --config-name main` where D/main.yaml sets hydra.searchpath: its folders' groups count too."""
+    own = tmp_path / "own"
+    (own / "experiment").mkdir(parents=True)
+    (own / "experiment" / "theirs.yaml").write_text(MINE.format(steps=5))
+    (config_dir / "main.yaml").write_text(f"defaults:\n  - config\n  - _self_\nhydra:\n  searchpath:\n    - file://{own}\n")
+    check_command_line(["--config-dir", str(config_dir), "--config-name", "main", "experiment=theirs"])
+    assert capsys.readouterr().err == ""
+    with pytest.raises(SystemExit):
+        check_command_line(["--config-dir", str(config_dir), "--config-name", "main", "experiment=nope"])
+    err = capsys.readouterr().err
+    assert "experiment='nope' is not a known experiment" in err and ", theirs" in err and ", mine," in err, err
+
+
+def test_searchpath_and_config_dir_together(config_dir, tmp_path, capsys):
+    """Hydra searches --config-dir and every hydra.searchpath entry: both folders' options pass, one override."""
+    other = tmp_path / "other"
+    (other / "experiment").mkdir(parents=True)
+    (other / "experiment" / "theirs.yaml").write_text(MINE.format(steps=5))
+    for option in ("mine", "theirs"):
+        check_command_line(["--config-dir", str(config_dir), f"hydra.searchpath=[file://{other}]",
+                            f"experiment={option}", "run_dir=/tmp/unused", "train.dry_run=true"])
+    assert capsys.readouterr().err == ""
+
+
+def test_a_searchpath_that_is_not_a_list_is_one_line(capsys):
+    with pytest.raises(SystemExit) as stop:
+        check_command_line(["hydra.searchpath=/some/folder", "experiment=mine"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("error: hydra.searchpath='/some/folder' is not valid: a list"), err

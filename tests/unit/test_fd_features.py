@@ -74,11 +74,24 @@ def test_dinov2_loads_a_local_hugging_face_directory(tmp_path, rand_dino):
     net.save_pretrained(tmp_path / "dino")
     ex = build_extractor("dinov2_vitb14", tmp_path / "dino")
     assert isinstance(ex, DinoV2Extractor) and ex.kind == "hf" and ex.feature_dim == 32
-    assert ex.encoder_id.startswith("dinov2_vitb14[")
+    # named by what the folder holds (hidden 32, 2 layers, patch 14), not by the variant asked for
+    assert ex.name == "dinov2_h32_l2_p14" and ex.encoder_id.startswith("dinov2_h32_l2_p14[")
     x = torch.rand(2, 3, 32, 32) * 2 - 1
     with torch.no_grad():
         want = net.eval()(pixel_values=ex.preprocess(x)).pooler_output
     assert torch.allclose(ex(x), want, atol=1e-5)
+
+
+def test_a_hugging_face_config_is_named_by_its_shape():
+    from transformers import Dinov2Config
+
+    from dit_train.evaluation.fd.features import dinov2_label
+
+    # the published sizes (facebook/dinov2-small ... -giant config.json) keep their hub names
+    assert dinov2_label(Dinov2Config(hidden_size=384, num_hidden_layers=12, patch_size=14)) == "dinov2_vits14"
+    assert dinov2_label(Dinov2Config(hidden_size=1024, num_hidden_layers=24, patch_size=14)) == "dinov2_vitl14"
+    assert dinov2_label(Dinov2Config(hidden_size=1536, num_hidden_layers=40, patch_size=14)) == "dinov2_vitg14"
+    assert dinov2_label(Dinov2Config(hidden_size=768, num_hidden_layers=6, patch_size=16)) == "dinov2_h768_l6_p16"
 
 
 HUBCONF = textwrap.dedent('''

