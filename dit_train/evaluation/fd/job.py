@@ -156,7 +156,7 @@ def main(argv=None) -> list[dict]:
     if rank == 0:
         check_folder_can_be_made(str(out))  # an unusable --out is found now, not after the first checkpoint
     rows = load_results(out) if rank == 0 else []  # a damaged results file is refused before the encoder loads
-    extractor = build_extractor(cfg.encoder, cfg.encoder_path, device)
+    extractor = build_extractor(cfg.encoder, cfg.encoder_path, device, trust_code=cfg.trust_encoder_code)
     reference = f"{cfg.reference_split}:{cfg.reference_num}"
     settings = {"encoder": extractor.encoder_id, "num_gen": int(cfg.num_samples),
                 "sample_steps": int(cfg.sample_steps), "cfg_scale": float(cfg.cfg_scale), "seed": int(cfg.seed),
