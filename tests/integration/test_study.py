@@ -559,6 +559,36 @@ def test_publish_copies_records_only_and_keeps_earlier_pieces(tmp_path):
     assert publish_study.main([str(tmp_path / "nothing"), str(dest)]) == 2
 
 
+@pytest.mark.parametrize("record", ["metrics.jsonl", "summary.json", "study.json"])
+@pytest.mark.parametrize("kind", ["link", "fifo"])
+def test_publishing_a_sweep_with_a_linked_or_fifo_record_copies_nothing(tmp_path, record, kind):
+    """A sweep from elsewhere whose record is a link to a file outside it (`metrics.jsonl -> ~/.ssh/id_rsa`): the
+    publish copied the secret into the folder meant to be committed; a FIFO hung it. One line, exit 2, nothing
+    copied."""
+    import signal
+
+    sweep, dest = tmp_path / "sweep", tmp_path / "docs"
+    write_run(sweep / "a", "dit_xs", "adamw", 0, train_rows(0.01, 0.1, 0) + [{"step": 4, "val/loss": 0.5}])
+    (sweep / "study.json").write_text(json.dumps({"experiment": "fab", "command": "dit-study fab", "runs": []}))
+    secret = tmp_path / "id_rsa"
+    secret.write_text("-----BEGIN OPENSSH PRIVATE KEY-----")
+    file = sweep / ("a" if record != "study.json" else "") / record
+    file.unlink()
+    os.symlink(secret, file) if kind == "link" else os.mkfifo(file)
+
+    def hung(*_):
+        raise TimeoutError("the publish hung on the FIFO")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    try:
+        assert publish_study.main([str(sweep), str(dest)]) == 2
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert not dest.exists()
+
+
 def test_a_published_banner_heads_the_report_and_survives_republishing(tmp_path):
     """A study superseded after it was published says so at the top of its report, rebuilt from its records."""
     sweep, dest = tmp_path / "sweep", tmp_path / "docs"
