@@ -497,6 +497,21 @@ def test_report_numbers_on_fabricated_runs(tmp_path):
         assert os.path.getsize(sweep / png) > 1000
 
 
+@pytest.mark.parametrize("name", ["report.md", "val_loss_vs_step.png"])
+def test_a_report_into_a_sweep_with_a_linked_output_name_replaces_the_link(tmp_path, name):
+    """A sweep folder from elsewhere with `report.md -> ~/.bashrc` (or a plot's name linked): dit-report wrote
+    through the link and overwrote the user's file. The report and its plots are written through a temp name and
+    renamed: the link is replaced, its target untouched."""
+    sweep = tmp_path / "sweep"
+    write_run(sweep / "a", "dit_xs", "adamw", 0, train_rows(0.01, 0.1, 0) + [{"step": 4, "val/loss": 0.5}])
+    victim = tmp_path / "bashrc"
+    victim.write_text("export PATH=/usr/bin\n")
+    os.symlink(victim, sweep / name)
+    report.build_report(str(sweep))
+    assert victim.read_text() == "export PATH=/usr/bin\n"
+    assert not os.path.islink(sweep / name) and os.path.getsize(sweep / name) > 0
+
+
 def test_report_of_an_lr_scan_compares_at_each_lr(tmp_path):
     sweep = tmp_path / "scan"
     # best FD: adamw 100 @1e-3, 90 @4e-3; muon 95 @1e-3, 70 @4e-3
