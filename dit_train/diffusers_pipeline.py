@@ -55,6 +55,19 @@ class DiTTrainTransformer2DModel(ModelMixin, DiT, ConfigMixin):
         DiT.__init__(self, DiTConfig(image_size, in_channels, patch_size, hidden_size, depth, num_heads, mlp_ratio,
                                      num_classes, class_dropout_prob, qk_norm, swiglu, text_dim))
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, subfolder: str | None = None, **kwargs):
+        """diffusers' loader (DiTTrainPipeline's loads the transformer through this too), after checking a local
+        folder's config.json against its weights' header: diffusers builds the model before reading the weights
+        (allocated without accelerate, its buffers allocated with it), so a config declaring a huge model or
+        position table is refused first, in one line (model/pretrained.checked_architecture)."""
+        from dit_train.model.pretrained import checked_architecture
+
+        folder = os.path.join(str(pretrained_model_name_or_path), subfolder or "")
+        if os.path.isdir(folder):
+            checked_architecture(folder)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, subfolder=subfolder, **kwargs)
+
     def reset_parameters(self, seed: int | None = None) -> None:
         if not self.x_embedder.proj.weight.is_meta:  # diffusers with accelerate builds on meta, then loads
             super().reset_parameters(seed)

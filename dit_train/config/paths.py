@@ -21,6 +21,13 @@ def check_paths(cfg) -> None:
     encoder = cfg.eval.get("encoder_path")
     if encoder is not None and not os.path.exists(str(encoder)):
         raise invalid("eval.encoder_path", encoder, "no such file or folder (the FD encoder's local weights)")
+    if encoder is not None:  # a torch.hub checkout is code: refused here unless trusted, before any folder is made
+        from dit_train.evaluation.fd.features import UntrustedCodeError, check_encoder_trusted
+
+        try:
+            check_encoder_trusted(cfg.eval.encoder, encoder, bool(cfg.eval.get("trust_encoder_code")))
+        except UntrustedCodeError as e:
+            raise ConfigError(str(e)) from None
     source = cfg.train.get("init_from")
     if source is not None and not _has_checkpoints(cfg):  # a requeued fork continues from its own
         from dit_train.runs.checkpoint import resolve_checkpoint

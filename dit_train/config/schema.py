@@ -174,6 +174,9 @@ class EvalConfig:
                        doc="dinov2 (ViT-L/14) | dinov2_vitb14 | inception | dinov2_random (tests only)")
     encoder_path: Optional[str] = key(default=None, resume=True, doc="local weights (DINOv2: HF dir or torch.hub "
                                                                      "checkout/.pth; inception: default_1.pt)")
+    trust_encoder_code: bool = key(default=False, resume=True,
+                                   doc="allow a torch.hub checkout as the encoder: its hubconf.py is Python that "
+                                       "runs in this process (false: refused in one line)")
     reference_split: str = choice("train", "val", default="train", doc="dataset split of the real images")
     reference_num: int = key(default=2000, doc="real images in the reference statistics (<= 0: the whole split)")
     cache_dir: str = key(default="~/.cache/dit_train/fd_reference", resume=True,

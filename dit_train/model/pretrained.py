@@ -105,13 +105,14 @@ def _local_folder(path: str) -> str:
                                                                  f"{TRANSFORMER}/*"]))
 
 
-def load_pretrained(cls, path: str, device="cpu"):
-    """A `cls` (DiT) built from config.json with the weights of model.safetensors, in eval mode."""
-    from safetensors.torch import load_file
-
+def checked_architecture(folder: str):
+    """(DiTConfig, its config.json, the weights file) of a local model folder, the config checked as data from
+    elsewhere: types and ranges, then against the shapes in the weights file's header (model/stored_shapes.py), so
+    a config.json declaring a huge model, or a huge image_size whose position table no weight pins down, is refused
+    in one line before anything is built or allocated."""
     from dit_train.model.dit import DiTConfig
+    from dit_train.model.stored_shapes import check_stored_shapes, safetensors_shapes
 
-    folder = _local_folder(path)
     file = os.path.join(folder, CONFIG_FILE)
     config = read_json(file, fix="export the model again")
     if not isinstance(config, dict):
@@ -119,21 +120,26 @@ def load_pretrained(cls, path: str, device="cpu"):
     names = {f.name for f in fields(DiTConfig)}
     architecture = DiTConfig(**{k: v for k, v in config.items() if k in names})
     try:
-        architecture.validate()  # a folder from elsewhere: types and ranges checked before anything is built
+        architecture.validate()
     except ValueError as e:
         raise ValueError(f"{file!r}: {e}") from None
-    with torch.device("meta"):  # shapes only: a config.json from elsewhere declaring a huge model allocates nothing
-        model = cls(architecture)
     weights = os.path.join(folder, WEIGHTS_FILE)
     if not os.path.isfile(weights):  # the transformer/ folder of an export: diffusers' name
         weights = os.path.join(folder, DIFFUSERS_WEIGHTS_FILE)
+    check_stored_shapes(architecture, safetensors_shapes(weights), file, weights)
+    return architecture, file, weights
+
+
+def load_pretrained(cls, path: str, device="cpu"):
+    """A `cls` (DiT) built from config.json with the weights of model.safetensors, in eval mode."""
+    from safetensors.torch import load_file
+
+    architecture, _, weights = checked_architecture(_local_folder(path))
+    with torch.device("meta"):  # shapes only, checked: the file's own tensors are assigned below
+        model = cls(architecture)
     expected = model.state_dict()
-    state = {k: v.to(expected[k].dtype) if k in expected else v for k, v in load_file(weights).items()}
-    try:
-        model.load_state_dict(state, assign=True)  # the file's own tensors, of the model's dtype
-    except RuntimeError as e:
-        raise ValueError(f"{weights!r} does not hold the weights of the model {file!r} describes "
-                         f"({' '.join(str(e).split())[:300]})") from None
+    state = {k: v.to(expected[k].dtype) for k, v in load_file(weights).items()}
+    model.load_state_dict(state, assign=True)  # of the model's dtype
     model.pos_embed = torch.empty(model.pos_embed.shape)  # not saved: computed
     model.reset_buffers()
     return model.to(device).eval()

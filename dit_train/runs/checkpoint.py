@@ -386,6 +386,15 @@ def load_weights(path: str, model, ema_model) -> None:
     set_model_state_dict(ema_model, state["ema"])
 
 
+def stored_shapes(path: str, prefix: str) -> dict[str, tuple[int, ...]]:
+    """Name (without the prefix) -> full shape of one part's tensors, from the checkpoint's metadata alone."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    head = prefix + "."
+    return {k[len(head):]: tuple(m.size) for k, m in _read_metadata(path).state_dict_metadata.items()
+            if k.startswith(head) and isinstance(m, TensorStorageMetadata)}
+
+
 def read_tensors(path: str, prefix: str) -> dict[str, torch.Tensor]:
     """Consolidated (full, CPU) tensors of one part of a checkpoint (`prefix` "ema", "model" or "optimizer"),
     keyed without the prefix. Needs no process group: any number of ranks wrote it, one reads it."""
@@ -400,6 +409,29 @@ def read_tensors(path: str, prefix: str) -> dict[str, torch.Tensor]:
         raise KeyError(f"checkpoint {path!r} holds no '{prefix}' tensors")
     _dcp_load(out, path)
     return {k[len(head):]: v for k, v in out.items()}
+
+
+def check_saved_model(path: str, config: dict, shapes: dict[str, tuple[int, ...]], part: str = "ema"):
+    """The DiTConfig of a checkpoint's saved `config`, checked (one line) against the `shapes` its `part` tensors
+    have, before any model is built: a saved config from elsewhere declaring another or an absurd model (a huge
+    depth, width or image_size) is refused naming both (model/stored_shapes.py)."""
+    from dit_train.model.dit import DiTConfig
+    from dit_train.model.stored_shapes import check_stored_shapes
+
+    source = os.path.join(path, TRAIN_STATE) if os.path.isdir(path) else path
+    model = config.get("model")
+    if not isinstance(model, dict):
+        raise CheckpointError(f"{source}: its saved config has no model section; it was not written by dit_train")
+    try:
+        architecture = DiTConfig.from_cfg(model)
+        architecture.validate()
+    except ValueError as e:
+        raise CheckpointError(f"{source}: {e}") from None
+    try:
+        check_stored_shapes(architecture, shapes, source, f"{path} ({part} tensors)")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    return architecture
 
 
 def _read_legacy(path: str) -> dict:
@@ -423,12 +455,14 @@ def load_ema_weights(path: str) -> tuple[dict[str, torch.Tensor], dict, dict]:
     path = resolve_checkpoint(path)
     if is_complete(path):
         state = read_train_state(path, ("step", "config"))
+        check_saved_model(path, saved_config(path, state), stored_shapes(path, "ema"))  # before reading them
         weights, fmt = read_tensors(path, "ema"), "dcp"
     else:
         state = _read_legacy(path)
         if "config" not in state:
             raise CheckpointError(f"checkpoint {path!r} holds no run config: it was not written by dit_train")
         weights, fmt = state["ema"]["model"], "pt"
+        check_saved_model(path, state["config"], {k: tuple(v.shape) for k, v in weights.items()})
     meta = {"step": state["step"], "active_time_s": state.get("active_time_s", 0.0), "path": path, "format": fmt}
     return weights, saved_config(path, state), meta
 

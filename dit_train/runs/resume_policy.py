@@ -117,6 +117,7 @@ def check_resume(cfg, read_state=ckpt.read_saved_state) -> str | None:
                               f"this one with train.init_from={cfg.run_dir} (its weights, a fresh optimizer, step 0)")
         if recorded is not None:
             check_same_data(cfg, path, recorded, saved.get("data", {}).get("root"))
+        check_model_fits(cfg, path)
         return path
     if cfg.train.init_from:
         check_fork(cfg)
@@ -153,3 +154,12 @@ def check_fork(cfg) -> None:
         raise ConfigError(f"train.init_from={cfg.train.init_from}: {source} holds a model of another architecture "
                           f"({'; '.join(changed)}); a fork keeps the architecture: use the model it was trained with "
                           f"(model={saved.get('name')}) or start without train.init_from")
+    check_model_fits(cfg, source)
+
+
+def check_model_fits(cfg, path: str) -> None:
+    """The model this run builds, against the shapes of the tensors `path` holds for it (its metadata only):
+    a saved config from elsewhere declaring a huge model was allocated, and initialised, before the load found
+    that the checkpoint's tensors do not fit it."""
+    ckpt.check_saved_model(path, {"model": OmegaConf.to_container(cfg.model, resolve=True)},
+                           ckpt.stored_shapes(path, "model"), part="model")

@@ -37,6 +37,7 @@ from collections import defaultdict
 import scipy.stats
 
 from dit_train.config.errors import ConfigError
+from dit_train.runs.atomic_io import atomic_write_bytes
 from dit_train.runs.json_file import DamagedJSONFile
 from dit_train.study.record import read_study
 from dit_train.study import stability
@@ -319,8 +320,7 @@ def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN,
               "cost to quote. Active times to target inherit the load's noise."]
     text = "\n\n".join(l for l in _paragraphs(lines) if l) + "\n"
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "report.md"), "w") as f:
-        f.write(text)
+    atomic_write_bytes(text.encode(), os.path.join(out_dir, "report.md"))  # a link there is replaced, not followed
     return text
 
 

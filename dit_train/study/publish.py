@@ -29,7 +29,7 @@ RECORDS = ("config.yaml", "metrics.jsonl", "summary.json", "run_info.json")
 
 def publish(sweep_dir: str, dest: str, finished_only: bool = False) -> int:
     runs_dir = os.path.join(dest, "runs")
-    copied = 0
+    copies = []
     for root, dirs, files in os.walk(sweep_dir):
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in ("checkpoints", "samples"))
         if "config.yaml" not in files or "metrics.jsonl" not in files:
@@ -37,13 +37,28 @@ def publish(sweep_dir: str, dest: str, finished_only: bool = False) -> int:
         if finished_only and "summary.json" not in files:  # a run still going (or stopped before its end)
             continue
         target = os.path.join(runs_dir, os.path.relpath(root, sweep_dir))
-        os.makedirs(target, exist_ok=True)
-        for name in RECORDS:
-            if name in files:
-                shutil.copy2(os.path.join(root, name), os.path.join(target, name))
-        copied += 1
-    merge_study_record(os.path.join(sweep_dir, "study.json"), os.path.join(runs_dir, "study.json"))
-    return copied
+        copies += [(os.path.join(root, name), os.path.join(target, name)) for name in RECORDS if name in files]
+    study = os.path.join(sweep_dir, "study.json")
+    for source, _ in copies + [(study, None)]:  # all of them before anything is copied
+        refuse_unless_regular(source)
+    for source, target in copies:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.copy2(source, target)
+    merge_study_record(study, os.path.join(runs_dir, "study.json"))
+    return len({os.path.dirname(target) for _, target in copies})
+
+
+def refuse_unless_regular(path: str) -> None:
+    """A sweep from elsewhere is published only from regular files of its own: a record that is a symbolic link
+    copied the file it points at (`metrics.jsonl -> ~/.ssh/id_rsa`) into the folder meant to be committed, and a
+    FIFO hung the copy. A missing file is skipped by the caller."""
+    if os.path.islink(path):
+        raise ConfigError(f"{path} is a symbolic link (to {os.readlink(path)}): a run record is published only as a "
+                          f"regular file of the sweep (a link would copy a file from elsewhere); replace it by the "
+                          f"file itself or remove it")
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise ConfigError(f"{path} is not a regular file (a FIFO, socket, device or folder): a run record is "
+                          f"published only as a regular file of the sweep; remove it")
 
 
 def merge_study_record(src: str, dst: str) -> None:

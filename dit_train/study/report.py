@@ -22,6 +22,7 @@ point as a marker), with the axis values written out (no offset).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from dit_train.config.errors import ConfigError
+from dit_train.runs.atomic_io import atomic_write_bytes
 from dit_train.runs.json_file import DamagedJSONFile
 from dit_train.study.record import read_study
 
@@ -517,7 +519,7 @@ def _plots(runs: list[Run], out_dir: str) -> list[str]:
             legend(ax)
         fig.tight_layout()
         path = os.path.join(out_dir, fname)
-        fig.savefig(path, dpi=110)
+        save_figure(fig, path)
         plt.close(fig)
         written.append(path)
 
@@ -546,7 +548,7 @@ def _plots(runs: list[Run], out_dir: str) -> list[str]:
             ax.legend(fontsize=7)
     fig.tight_layout()
     path = os.path.join(out_dir, "step_time_phases.png")
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
     written.append(path)
     return written
@@ -591,7 +593,7 @@ def lr_plot(runs: list[Run], models: list[str], colors: dict, out_dir: str, plt)
         axes[0][col].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     path = os.path.join(out_dir, "lr_sensitivity.png")
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 
@@ -646,9 +648,17 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
         status_table(runs),
     ]
     text = "\n\n".join(p for p in parts if p) + "\n"
-    with open(os.path.join(out_dir, "report.md"), "w") as f:
-        f.write(text)
+    atomic_write_bytes(text.encode(), os.path.join(out_dir, "report.md"))
     return text
+
+
+def save_figure(fig, path: str) -> None:
+    """A plot written as report.md is: through a temp name and a rename, so a link planted at its name in a sweep
+    folder from elsewhere is replaced, never written through (savefig opened the name and overwrote the link's
+    target)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    atomic_write_bytes(buf.getvalue(), path)
 
 
 def main(argv=None) -> int:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from dit_train.model.dit import DiT, DiTConfig
 from dit_train.runs import checkpoint as ckpt
 
 
@@ -26,17 +27,29 @@ class Payload:
         return os.makedirs, (self.path,)
 
 
-def saved_run(tmp_path):
+TINY = {"image_size": 8, "in_channels": 1, "patch_size": 2, "hidden_size": 32, "depth": 1, "num_heads": 2,
+        "num_classes": 2}
+
+
+def saved_run(tmp_path, model: dict | None = None):
+    """A one-step checkpoint of a tiny DiT's EMA weights (seed 0), its saved config declaring `model` (TINY's keys
+    by default)."""
     run_dir = str(tmp_path / "run")
-    tensors = {"ema": {"w": torch.ones(3)}, "optimizer": {"param_groups": [{"lr": 0.1}]}}
-    path = ckpt.save(run_dir, 1, tensors, {"step": 1, "active_time_s": 0.0, "config": {}}, keep_last=0)
+    torch.manual_seed(0)
+    ema = DiT(DiTConfig(**TINY)).state_dict()
+    tensors = {"ema": ema, "optimizer": {"param_groups": [{"lr": 0.1}]}}
+    config = {"model": {**TINY, **(model or {})}, "data": {"name": "synthetic"}}
+    path = ckpt.save(run_dir, 1, tensors, {"step": 1, "active_time_s": 0.0, "config": config}, keep_last=0)
     return run_dir, path
 
 
 def test_a_clean_checkpoint_reads_back(tmp_path):
     run_dir, path = saved_run(tmp_path)
     weights, config, meta = ckpt.load_ema_weights(run_dir)
-    assert torch.equal(weights["w"], torch.ones(3)) and meta["step"] == 1 and meta["format"] == "dcp"
+    torch.manual_seed(0)
+    ema = DiT(DiTConfig(**TINY)).state_dict()
+    assert weights.keys() == ema.keys() and all(torch.equal(weights[k], ema[k]) for k in ema) \
+        and meta["step"] == 1 and meta["format"] == "dcp"
 
 
 def test_code_in_dcp_metadata_is_refused(tmp_path):
@@ -358,6 +371,67 @@ def test_an_exported_config_declaring_a_huge_model_is_refused_before_anything_is
     assert "\n" not in str(e.value)
 
 
+CRAFTED_ARCHITECTURES = {  # a saved or exported config from elsewhere beside TINY's weights -> what the line names
+    # no weight pins image_size: its position table (2^38 tokens x 32: 32 TiB) was allocated, then filled
+    "huge image_size": ({"image_size": 2**20}, r"image_size=1048576 with patch_size=2 makes a position table of "
+                                               r"8,796,093,022,208 values, more than the model's [\d,]+ parameters"),
+    # 10^8 blocks were built (on meta: Python modules, gigabytes) before any shape was compared
+    "huge depth": ({"depth": 10**8}, r"depth=100000000, but the weights hold 1 blocks"),
+    "another width": ({"hidden_size": 64}, r": the config makes \[.*\] \([\d,]+ values\), the weights hold \["),
+}
+
+
+@pytest.mark.parametrize("crafted", sorted(CRAFTED_ARCHITECTURES))
+def test_a_saved_config_that_disagrees_with_its_tensors_is_refused_before_anything_is_built(tmp_path, crafted):
+    """The checkpoint's metadata declares the true shapes; a saved config declaring another or an absurd model is
+    refused naming both by every reader that builds the model (sampling and FD: load_for_inference; export:
+    load_ema_weights), before a tensor is read."""
+    model, match = CRAFTED_ARCHITECTURES[crafted]
+    run_dir, _ = saved_run(tmp_path, model)
+    for reader in (ckpt.load_ema_weights, ckpt.load_for_inference):
+        with pytest.raises(ckpt.CheckpointError, match=match) as e:
+            reader(run_dir)
+        assert "train_state.json" in str(e.value) and "ema tensors" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("crafted", sorted(CRAFTED_ARCHITECTURES))
+def test_an_exported_config_that_disagrees_with_its_weights_is_refused_before_anything_is_built(tmp_path, crafted):
+    """The same for an exported folder's config.json against the safetensors header: DiT.from_pretrained and, with
+    diffusers, the transformer's and the pipeline's from_pretrained."""
+    import json
+
+    from dit_train.model.pretrained import save_export
+
+    model, match = CRAFTED_ARCHITECTURES[crafted]
+    torch.manual_seed(0)
+    dit = DiT(DiTConfig(**TINY))
+    save_export(dit.state_dict(), dit.config, str(tmp_path))
+    config_file = tmp_path / "transformer" / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **model}))
+    loaders = [lambda: DiT.from_pretrained(str(tmp_path))]
+    if importlib.util.find_spec("diffusers"):
+        from dit_train.diffusers_pipeline import DiTTrainPipeline, DiTTrainTransformer2DModel
+
+        loaders += [lambda: DiTTrainPipeline.from_pretrained(str(tmp_path)),
+                    lambda: DiTTrainTransformer2DModel.from_pretrained(str(tmp_path), subfolder="transformer")]
+    for load in loaders:
+        with pytest.raises(ValueError, match=match) as e:
+            load()
+        assert "config.json" in str(e.value) and ".safetensors" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_sample_and_export_refuse_a_huge_declared_model_in_one_line(tmp_path):
+    """The user's side: `dit-sample RUN` / `dit-export RUN OUT` on a run folder whose saved config declares a huge
+    image_size: one line, exit 2, nothing written."""
+    run_dir, _ = saved_run(tmp_path, {"image_size": 2**20})
+    for module in ("dit_train.sample", "dit_train.export"):
+        args = [sys.executable, "-m", module, run_dir] + ([str(tmp_path / "out")] if "export" in module else [])
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "Warning" not in ln]
+        assert proc.returncode == 2 and len(lines) == 1 and "makes a position table" in lines[0], proc.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "run" / "samples.png").exists()
+
+
 @pytest.mark.parametrize("size", [[10**12], [-1], ["3"]])
 def test_a_declared_tensor_size_the_shards_cannot_hold_is_damage_found_before_allocating(tmp_path, size):
     """A `.metadata` declaring a 4 TB tensor: the export, sampling and FD readers allocated what it declared (an
@@ -366,7 +440,7 @@ def test_a_declared_tensor_size_the_shards_cannot_hold_is_damage_found_before_al
     run_dir, path = saved_run(tmp_path)
 
     def huge(metadata):
-        metadata.state_dict_metadata["ema.w"].size = torch.Size(size) if size != ["3"] else ("3",)
+        metadata.state_dict_metadata["ema.final_layer.linear.bias"].size = torch.Size(size) if size != ["3"] else ("3",)
 
     rewrite_metadata(path, huge)
     with pytest.raises(ckpt.CheckpointError, match="is damaged: its .metadata (declares|is not a DCP)") as e:

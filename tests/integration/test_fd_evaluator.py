@@ -306,3 +306,18 @@ def test_a_crafted_cached_reference_is_recomputed_not_used(tmp_path, extractor, 
     assert calls == [1] and again.stats.dim == 32 and np.isfinite(again.stats.cov).all()
     assert any("could not read cached reference" in line for line in said), said
     assert peak < 64 * 10**6  # bytes: the 128 MB member was never decompressed
+
+
+@pytest.mark.parametrize("name", ["fd_results.json", "fd_results.csv"])
+def test_fd_results_are_never_written_through_a_link_planted_at_their_temp_name(tmp_path, name):
+    """A run folder from elsewhere with `fd_results.json.tmp-<pid> -> ~/.bashrc` (links for every likely pid cost
+    nothing in a tarball): dit-fd wrote its results through the link, overwriting the user's file. The temp name is
+    removed first and created exclusively; the link's target is untouched."""
+    from dit_train.evaluation.fd.job import write_results
+
+    victim = tmp_path / "bashrc"
+    victim.write_text("export PATH=/usr/bin\n")
+    os.symlink(victim, tmp_path / f"{name}.tmp-{os.getpid()}")
+    write_results(tmp_path, [{"run": "r", "step": 1, "encoder": "inception", "fd": 1.0}])
+    assert victim.read_text() == "export PATH=/usr/bin\n"
+    assert "inception" in (tmp_path / name).read_text()

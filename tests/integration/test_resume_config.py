@@ -118,6 +118,24 @@ def test_the_check_before_hydra_reads_the_checkpoints_train_state_once(run, monk
     assert stop.value.code == 2 and "optimizer.lr: 0.003 -> 0.001" in err and files == ["train_state.json"], err
 
 
+def test_a_saved_config_declaring_another_model_than_its_tensors_is_refused_before_building(run, tmp_path):
+    """A run folder from elsewhere whose checkpoints' saved config declares a wider model than their tensors: the
+    resume built (and allocated) that model, then failed in the load with a traceback; a huge declared width or
+    depth was an out-of-memory. The metadata's shapes decide first: one line naming both, exit 2, nothing
+    written."""
+    copy = tmp_path / "copy"
+    shutil.copytree(run / "run", copy)
+    for state_file in copy.glob("checkpoints/*.dcp/train_state.json"):
+        state = json.loads(state_file.read_text())
+        state["config"]["model"]["hidden_size"] = 64
+        state_file.write_text(json.dumps(state))
+    before = files_of(copy)
+    rc, out, err = dit_train(f"run_dir={copy}", "train.resume=auto", "train.steps=3", cwd=tmp_path)
+    assert rc == 2 and err.strip().count("\n") == 0, err
+    assert "does not hold the weights of the model" in err and "(model tensors)" in err and "makes [384]" in err, err
+    assert files_of(copy) == before
+
+
 @pytest.mark.parametrize("folder", [["--config-dir", "{conf}"], ["hydra.searchpath=[file://{conf}]"]])
 def test_a_run_of_the_users_own_experiment_resumes_with_its_options(tmp_path, folder):
     """`--config-dir DIR experiment=mine`: the check before Hydra composes the saved run's options with DIR too

@@ -497,6 +497,21 @@ def test_report_numbers_on_fabricated_runs(tmp_path):
         assert os.path.getsize(sweep / png) > 1000
 
 
+@pytest.mark.parametrize("name", ["report.md", "val_loss_vs_step.png"])
+def test_a_report_into_a_sweep_with_a_linked_output_name_replaces_the_link(tmp_path, name):
+    """A sweep folder from elsewhere with `report.md -> ~/.bashrc` (or a plot's name linked): dit-report wrote
+    through the link and overwrote the user's file. The report and its plots are written through a temp name and
+    renamed: the link is replaced, its target untouched."""
+    sweep = tmp_path / "sweep"
+    write_run(sweep / "a", "dit_xs", "adamw", 0, train_rows(0.01, 0.1, 0) + [{"step": 4, "val/loss": 0.5}])
+    victim = tmp_path / "bashrc"
+    victim.write_text("export PATH=/usr/bin\n")
+    os.symlink(victim, sweep / name)
+    report.build_report(str(sweep))
+    assert victim.read_text() == "export PATH=/usr/bin\n"
+    assert not os.path.islink(sweep / name) and os.path.getsize(sweep / name) > 0
+
+
 def test_report_of_an_lr_scan_compares_at_each_lr(tmp_path):
     sweep = tmp_path / "scan"
     # best FD: adamw 100 @1e-3, 90 @4e-3; muon 95 @1e-3, 70 @4e-3
@@ -557,6 +572,36 @@ def test_publish_copies_records_only_and_keeps_earlier_pieces(tmp_path):
     text = (dest / "report.md").read_text()
     assert f"--out {dest}" in text and "| dit_xs | adamw | 1 | finished |" in text and "| dit_s | adamw | 1 |" in text
     assert publish_study.main([str(tmp_path / "nothing"), str(dest)]) == 2
+
+
+@pytest.mark.parametrize("record", ["metrics.jsonl", "summary.json", "study.json"])
+@pytest.mark.parametrize("kind", ["link", "fifo"])
+def test_publishing_a_sweep_with_a_linked_or_fifo_record_copies_nothing(tmp_path, record, kind):
+    """A sweep from elsewhere whose record is a link to a file outside it (`metrics.jsonl -> ~/.ssh/id_rsa`): the
+    publish copied the secret into the folder meant to be committed; a FIFO hung it. One line, exit 2, nothing
+    copied."""
+    import signal
+
+    sweep, dest = tmp_path / "sweep", tmp_path / "docs"
+    write_run(sweep / "a", "dit_xs", "adamw", 0, train_rows(0.01, 0.1, 0) + [{"step": 4, "val/loss": 0.5}])
+    (sweep / "study.json").write_text(json.dumps({"experiment": "fab", "command": "dit-study fab", "runs": []}))
+    secret = tmp_path / "id_rsa"
+    secret.write_text("-----BEGIN OPENSSH PRIVATE KEY-----")
+    file = sweep / ("a" if record != "study.json" else "") / record
+    file.unlink()
+    os.symlink(secret, file) if kind == "link" else os.mkfifo(file)
+
+    def hung(*_):
+        raise TimeoutError("the publish hung on the FIFO")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    try:
+        assert publish_study.main([str(sweep), str(dest)]) == 2
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert not dest.exists()
 
 
 def test_a_published_banner_heads_the_report_and_survives_republishing(tmp_path):

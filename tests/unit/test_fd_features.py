@@ -115,21 +115,63 @@ HUBCONF = textwrap.dedent('''
 ''')
 
 
-def test_dinov2_loads_a_torch_hub_checkout_and_checkpoint(tmp_path):
+def test_dinov2_loads_a_torch_hub_checkout_and_checkpoint_only_when_trusted(tmp_path):
+    """A torch.hub checkout is loaded by running its hubconf.py: refused in one line naming the file and the key
+    unless eval.trust_encoder_code is true (it ran by default), at load time and in the config check."""
+    from dit_train.config import ConfigError
+    from dit_train.config.paths import check_paths
+    from dit_train.evaluation.fd.features import UntrustedCodeError
+    from conftest import compose
+
     repo = tmp_path / "dinov2_repo"
     repo.mkdir()
-    (repo / "hubconf.py").write_text(HUBCONF)
+    marker = tmp_path / "hubconf_ran"
+    (repo / "hubconf.py").write_text(f"open({str(marker)!r}, 'w').close()\n" + HUBCONF)
     with pytest.raises(MissingWeightsError, match="hubconf.py present but no checkpoint"):
-        build_extractor("dinov2", repo)
+        build_extractor("dinov2", repo, trust_code=True)
     torch.manual_seed(0)
     mod = torch.hub.load(str(repo), "dinov2_vitl14", source="local", pretrained=False)
+    marker.unlink()
     torch.save(mod.state_dict(), repo / "dinov2_vitl14_pretrain.pth")
     for path in (repo, repo / "dinov2_vitl14_pretrain.pth"):
-        ex = build_extractor("dinov2", path)
-        assert ex.kind == "hub" and ex.feature_dim == 8
+        with pytest.raises(UntrustedCodeError, match=r"hubconf\.py' would run as Python .*eval\.trust_encoder_code="
+                                                     r"true") as e:
+            build_extractor("dinov2", path)
+        assert "\n" not in str(e.value)
+        cfg = compose(["eval.encoder=dinov2", f"eval.encoder_path={path}", "data=synthetic"])
+        with pytest.raises(ConfigError, match="hubconf.py' would run as Python"):
+            check_paths(cfg)
+        assert not marker.exists()
+        check_paths(compose(["eval.encoder=dinov2", f"eval.encoder_path={path}", "data=synthetic",
+                             "eval.trust_encoder_code=true"]))
+        ex = build_extractor("dinov2", path, trust_code=True)
+        assert ex.kind == "hub" and ex.feature_dim == 8 and marker.exists()  # trusted: it ran
+        marker.unlink()
         x = torch.rand(2, 1, 28, 28) * 2 - 1
         with torch.no_grad():
             assert torch.allclose(ex(x), mod(ex.preprocess(x)), atol=1e-6)
+
+
+def test_a_hugging_face_folder_naming_remote_code_runs_none_of_it(tmp_path):
+    """A DINOv2 folder from elsewhere whose config.json has `auto_map` pointing at a Python file beside it (what
+    transformers imports with trust_remote_code=True): loaded as DINOv2 from its weights, the file never runs,
+    with or without eval.trust_encoder_code (which allows torch.hub checkouts only)."""
+    import json
+
+    folder = tmp_path / "dino"
+    random_dinov2(seed=3).save_pretrained(folder)
+    marker = tmp_path / "remote_code_ran"
+    (folder / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
+                                    "from transformers import Dinov2Config, Dinov2Model\n"
+                                    "class EvilConfig(Dinov2Config): pass\nclass EvilModel(Dinov2Model): pass\n")
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "evil.EvilConfig", "AutoModel": "evil.EvilModel"}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "hubconf.py").write_text(f"open({str(marker)!r}, 'w').close()\n")  # a config.json decides: HF
+    for trust in (False, True):
+        ex = build_extractor("dinov2_vitb14", folder, trust_code=trust)
+        assert ex.kind == "hf" and type(ex.net).__name__ == "Dinov2Model"
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize("layout", ["missing", "empty_dir", "config_only"])

@@ -72,7 +72,8 @@ class FDEvaluator:
         self.rank = dist.get_rank() if dist else 0
         self.world = dist.get_world_size() if dist else 1
         self.log = log if self.rank == 0 else (lambda *_: None)
-        self.extractor = extractor or build_extractor(cfg["encoder"], cfg["encoder_path"], self.device)
+        self.extractor = extractor or build_extractor(cfg["encoder"], cfg["encoder_path"], self.device,
+                                                       trust_code=cfg["trust_encoder_code"])
         split = cfg["reference_split"]
         if dataset is None:
             from dit_train.data import build_dataset

@@ -213,13 +213,14 @@ def available_extractors() -> list[str]:
 
 
 def build_extractor(name: str, path: str | os.PathLike | None = None, device: torch.device | str = "cpu",
-                    bf16: bool = True) -> FeatureExtractor:
+                    bf16: bool = True, trust_code: bool = False) -> FeatureExtractor:
     """Build the extractor registered under ``name`` (see module docstring), frozen and in eval mode on ``device``.
-    ``path`` points at local weights (meaning depends on the encoder); None/"" uses the default locations."""
+    ``path`` points at local weights (meaning depends on the encoder); None/"" uses the default locations.
+    ``trust_code`` (eval.trust_encoder_code) allows a torch.hub checkout, whose hubconf.py runs."""
     if name not in _REGISTRY:
         raise ValueError(f"eval.encoder={name!r} is not a known encoder; choose one of {available_extractors()}")
     path = None if path in (None, "", "null") else Path(os.path.expanduser(str(path)))
-    return _REGISTRY[name](path=path, device=device, bf16=bf16)
+    return _REGISTRY[name](path=path, device=device, bf16=bf16, trust_code=trust_code)
 
 
 def _fingerprint(path: Path, nbytes: int = 1 << 20) -> str:
@@ -255,12 +256,45 @@ def _load_hf_dir(path: Path):
     return model, _fingerprint(wfile)
 
 
-def _load_hub(repo: Path, variant: str, ckpt: Path | None):
+class UntrustedCodeError(ValueError):
+    """An encoder that is code (a torch.hub checkout) without eval.trust_encoder_code=true."""
+
+
+def _check_trusted(repo: Path, trust_code: bool) -> None:
+    """A torch.hub checkout is loaded by importing its hubconf.py: Python that runs in this process with the user's
+    rights. Only with an explicit eval.trust_encoder_code=true; a Hugging Face folder is read as data."""
+    if not trust_code:
+        raise UntrustedCodeError(
+            f"{str(repo / 'hubconf.py')!r} would run as Python to load the encoder (a torch.hub checkout is code): "
+            f"refused; set eval.trust_encoder_code=true (dit-fd / dit-reference-stats: --trust-encoder-code) if you "
+            f"trust that checkout, or give eval.encoder_path a Hugging Face folder (config.json + "
+            f"model.safetensors), which is read as data")
+
+
+def check_encoder_trusted(name: str, path: str | os.PathLike, trust_code: bool) -> None:
+    """UntrustedCodeError (one line) when the DINOv2 encoder `name` would load `path` through a torch.hub
+    checkout (load_dinov2's order: a folder with hubconf.py and no config.json, or a .pth/.pt beside one or with
+    the torch.hub cache's) and trust_code is off: the config check calls this before the run folder is made."""
+    if name != "dinov2" and name not in DINOV2_VARIANTS:
+        return
+    path = Path(os.path.expanduser(str(path)))
+    if path.is_dir():
+        repo = path if (path / "hubconf.py").is_file() and not (path / "config.json").is_file() else None
+    elif path.suffix in (".pth", ".pt"):
+        repo = path.parent if (path.parent / "hubconf.py").is_file() else _hub_checkout_default()
+    else:
+        repo = None
+    if repo is not None:
+        _check_trusted(repo, trust_code)
+
+
+def _load_hub(repo: Path, variant: str, ckpt: Path | None, trust_code: bool):
     _, entry, hub_file = DINOV2_VARIANTS[variant]
     candidates = [ckpt] if ckpt is not None else [repo / hub_file, Path(torch.hub.get_dir()) / "checkpoints" / hub_file]
     ckpt = next((c for c in candidates if c is not None and c.is_file()), None)
     if ckpt is None:
         return None
+    _check_trusted(repo, trust_code)
     model = torch.hub.load(str(repo), entry, source="local", pretrained=False)
     state = torch.load(ckpt, map_location="cpu", weights_only=True)
     model.load_state_dict(state)
@@ -285,8 +319,9 @@ def _network_available(host: str = "huggingface.co", port: int = 443, timeout: f
         return False
 
 
-def load_dinov2(variant: str, path: Path | None):
-    """Returns (net, kind, weights_id). Tries path, the HF cache, a torch.hub cache, then the hub (if online)."""
+def load_dinov2(variant: str, path: Path | None, trust_code: bool = False):
+    """Returns (net, kind, weights_id). Tries path, the HF cache, a torch.hub cache, then the hub (if online); a
+    torch.hub checkout only with trust_code."""
     hf_repo, _, _ = DINOV2_VARIANTS[variant]
     if path is not None:
         if path.is_dir() and (path / "config.json").is_file():
@@ -295,7 +330,7 @@ def load_dinov2(variant: str, path: Path | None):
             model, fp = _load_hf_dir(path)
             return model, "hf", fp
         if path.is_dir() and (path / "hubconf.py").is_file():
-            got = _load_hub(path, variant, None)
+            got = _load_hub(path, variant, None, trust_code)
             if got is None:
                 raise _missing_dinov2(variant, path, "hubconf.py present but no checkpoint file")
             return got[0], "hub", got[1]
@@ -304,7 +339,7 @@ def load_dinov2(variant: str, path: Path | None):
             if repo is None:
                 raise _missing_dinov2(variant, path, "a checkpoint file needs a torch.hub checkout (hubconf.py) "
                                                      "beside it or in the torch.hub cache")
-            got = _load_hub(repo, variant, path)
+            got = _load_hub(repo, variant, path, trust_code)
             return got[0], "hub", got[1]
         raise _missing_dinov2(variant, path, "path is neither a Hugging Face directory, a hub checkout nor a .pth")
     # no explicit path: HF cache, then torch.hub cache, then network
@@ -317,7 +352,7 @@ def load_dinov2(variant: str, path: Path | None):
         pass
     repo = _hub_checkout_default()
     if repo is not None:
-        got = _load_hub(repo, variant, None)
+        got = _load_hub(repo, variant, None, trust_code)
         if got is not None:
             return got[0], "hub", got[1]
     if _network_available():
@@ -340,8 +375,8 @@ def dinov2_label(config) -> str:
 
 
 def _dinov2_builder(variant: str):
-    def build(path: Path | None, device, bf16: bool) -> FeatureExtractor:
-        net, kind, fp = load_dinov2(variant, path)
+    def build(path: Path | None, device, bf16: bool, trust_code: bool) -> FeatureExtractor:
+        net, kind, fp = load_dinov2(variant, path, trust_code)
         # a hub checkout builds `variant` itself (its checkpoint must fit); a Hugging Face folder is what it says
         name, dim = (dinov2_label(net.config), net.config.hidden_size) if kind == "hf" else (variant, net.embed_dim)
         return DinoV2Extractor(net, kind=kind, name=name, encoder_id=f"{name}[{fp}]", feature_dim=dim,
@@ -371,7 +406,7 @@ def random_dinov2(seed: int = DINOV2_RANDOM_SEED, **overrides) -> nn.Module:
 
 
 @register_extractor("dinov2_random")
-def _build_dinov2_random(path: Path | None, device, bf16: bool) -> FeatureExtractor:
+def _build_dinov2_random(path: Path | None, device, bf16: bool, trust_code: bool) -> FeatureExtractor:
     net = random_dinov2()
     c = DINOV2_RANDOM_CONFIG
     eid = (f"dinov2_random[h{c['hidden_size']}-l{c['num_hidden_layers']}-p{c['patch_size']}"
@@ -416,7 +451,7 @@ def _check_inception_sha1(file: Path) -> None:
 
 
 @register_extractor("inception")
-def _build_inception(path: Path | None, device, bf16: bool) -> FeatureExtractor:
+def _build_inception(path: Path | None, device, bf16: bool, trust_code: bool) -> FeatureExtractor:
     file = path if path is not None else inception_weights_path()
     if file is None or not file.is_file():
         raise _missing_inception(path)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from dit_train.runs import checkpoint as ckpt
 from dit_train.evaluation.fd.job_config import add_eval_args, eval_cfg_from_args
-from dit_train.runs.atomic_io import check_folder_can_be_made, describe_os_error
+from dit_train.runs.atomic_io import atomic_write_bytes, check_folder_can_be_made, describe_os_error
 from dit_train.runs.json_file import read_json
 from dit_train.parallel.fsdp import init_distributed, shutdown_process_group
 from dit_train.telemetry.progress import model_call_bar, write
@@ -100,21 +100,17 @@ def load_results(out: Path) -> list[dict]:
     return read_json(str(f), ("rows",), fix="delete it (and fd_results.csv) to score every checkpoint again")["rows"]
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def write_results(out: Path, rows: list[dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows = sorted(rows, key=lambda r: (str(r["run"]), int(r["step"]), str(r["encoder"])))
-    _atomic_write(out / "fd_results.json", json.dumps({"columns": COLUMNS + ["reference"], "rows": rows}, indent=1))
+    # through a temp name that is never followed if a link was planted there (a run folder from elsewhere)
+    atomic_write_bytes(json.dumps({"columns": COLUMNS + ["reference"], "rows": rows}, indent=1).encode(),
+                       str(out / "fd_results.json"))
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=COLUMNS + ["reference"], extrasaction="ignore")
     w.writeheader()
     w.writerows(rows)
-    _atomic_write(out / "fd_results.csv", buf.getvalue())
+    atomic_write_bytes(buf.getvalue().encode(), str(out / "fd_results.csv"))
 
 
 def main(argv=None) -> list[dict]:
@@ -156,7 +152,7 @@ def main(argv=None) -> list[dict]:
     if rank == 0:
         check_folder_can_be_made(str(out))  # an unusable --out is found now, not after the first checkpoint
     rows = load_results(out) if rank == 0 else []  # a damaged results file is refused before the encoder loads
-    extractor = build_extractor(cfg.encoder, cfg.encoder_path, device)
+    extractor = build_extractor(cfg.encoder, cfg.encoder_path, device, trust_code=cfg.trust_encoder_code)
     reference = f"{cfg.reference_split}:{cfg.reference_num}"
     settings = {"encoder": extractor.encoder_id, "num_gen": int(cfg.num_samples),
                 "sample_steps": int(cfg.sample_steps), "cfg_scale": float(cfg.cfg_scale), "seed": int(cfg.seed),

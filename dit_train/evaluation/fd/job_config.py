@@ -34,6 +34,8 @@ def add_eval_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--eval-preset", default="default", help="an eval option: default, ci, dinov2, dinov2_tracking")
     ap.add_argument("--encoder", help="dinov2 | dinov2_vitb14 | inception | dinov2_random ...")
     ap.add_argument("--encoder-path", help="local encoder weights (see dit_train/evaluation/fd/features.py)")
+    ap.add_argument("--trust-encoder-code", action="store_true", default=None,
+                    help="allow a torch.hub checkout as the encoder (its hubconf.py runs as Python)")
     ap.add_argument("--num-samples", type=int)
     ap.add_argument("--batch-size", type=int)
     ap.add_argument("--sample-steps", type=int)
@@ -54,7 +56,7 @@ def training_timeout_minutes() -> float:
 
 
 def eval_cfg_from_args(args) -> DictConfig:
-    keys = ["encoder", "encoder_path", "num_samples", "batch_size", "sample_steps", "cfg_scale", "reference_split",
+    keys = ["encoder", "encoder_path", "trust_encoder_code", "num_samples", "batch_size", "sample_steps", "cfg_scale", "reference_split",
             "reference_num", "cache_dir", "seed"]
     cfg = load_eval_cfg(args.eval_preset)
     for k in keys:

@@ -43,7 +43,7 @@ def main(argv=None) -> dict:
     cfg = eval_cfg_from_args(args)
     data_cfg = load_data_cfg(args.data, args.data_set)
     log = print if rank == 0 else (lambda *a, **k: None)
-    extractor = build_extractor(cfg.encoder, cfg.encoder_path, device)
+    extractor = build_extractor(cfg.encoder, cfg.encoder_path, device, trust_code=cfg.trust_encoder_code)
     dataset = build_dataset(data_cfg, cfg.reference_split)
     ref = load_or_compute_reference(extractor, dataset, cfg.reference_split, int(cfg.reference_num), cfg.cache_dir,
                                     data_cfg=data_cfg, batch_size=int(cfg.batch_size), num_workers=args.num_workers,
