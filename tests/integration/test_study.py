@@ -273,7 +273,7 @@ def test_the_common_lr_is_the_lowest_selected_of_each_model_and_axes_and_its_sha
     assert by_phase["common"] == {(s, True, 4e-3, seed) for s in ("frobenius", "spectral") for seed in (40, 41)}
     assert ("frobenius", False, 2e-3, 40) in by_phase["seeds"] and ("spectral", True, 8e-3, 41) in by_phase["seeds"]
     # frobenius's own lr is the common one: the same folders, run once
-    args = type("Args", (), {"records": None, "dry_run": True, "experiment": "x", "overrides": []})()
+    args = type("Args", (), {"records": None, "dry_run": True, "experiment": "x", "overrides": [], "config_dir": None})()
     run_study.run_groups([r for r in runs if r["phase"] != "scan"], None, str(tmp_path), lambda r: 200, args)
     commands = [l for l in capsys.readouterr().out.splitlines() if "--multirun" in l]
     assert len(commands) == 4  # frobenius at 4e-3 (own and common), spectral at 8e-3 and at 4e-3, frobenius off
