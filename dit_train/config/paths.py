@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from dit_train.config.errors import ConfigError, invalid
+from dit_train.extras import installed
 
 
 def check_paths(cfg) -> None:
@@ -18,6 +19,13 @@ def check_paths(cfg) -> None:
     vae = cfg.vae.get("path")
     if vae is not None and not os.path.isfile(os.path.join(str(vae), "config.json")):
         raise invalid("vae.path", vae, "expected a diffusers AutoencoderKL folder (config.json + weights)")
+    if vae is not None and installed("diffusers"):  # without it, the run is refused for the missing extra
+        from dit_train.diffusion.vae_shapes import check_vae_folder
+
+        try:
+            check_vae_folder(str(vae))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     encoder = cfg.eval.get("encoder_path")
     if encoder is not None and not os.path.exists(str(encoder)):
         raise invalid("eval.encoder_path", encoder, "no such file or folder (the FD encoder's local weights)")
