@@ -19,13 +19,6 @@ def check_paths(cfg) -> None:
     vae = cfg.vae.get("path")
     if vae is not None and not os.path.isfile(os.path.join(str(vae), "config.json")):
         raise invalid("vae.path", vae, "expected a diffusers AutoencoderKL folder (config.json + weights)")
-    if vae is not None and installed("diffusers"):  # without it, the run is refused for the missing extra
-        from dit_train.diffusion.vae_shapes import check_vae_folder
-
-        try:
-            check_vae_folder(str(vae))
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
     encoder = cfg.eval.get("encoder_path")
     if encoder is not None and not os.path.exists(str(encoder)):
         raise invalid("eval.encoder_path", encoder, "no such file or folder (the FD encoder's local weights)")
@@ -50,6 +43,13 @@ def check_paths(cfg) -> None:
 
         refuse_writes_outside(run_dir)
     check_data_files(cfg.data)
+    if vae is not None and installed("diffusers"):  # its weights after the data (without diffusers: refused later)
+        from dit_train.diffusion.vae_shapes import check_vae_folder
+
+        try:
+            check_vae_folder(str(vae))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def _explicit_run_dir(cfg) -> str | None:
