@@ -125,8 +125,14 @@ class DiTTrainPipeline(DiffusionPipeline):
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
         """diffusers' loader on a local export folder, without remote code: model_index.json is checked first, so
         the components come from this module and diffusers only (diffusers would import any module it names) and a
-        .py file in the folder is never imported."""
+        .py file in the folder is never imported. Its vae/ is checked against its weights' header first, as the
+        transformer is (diffusers builds both before reading any weight)."""
+        from dit_train.diffusion.vae_shapes import check_vae_folder
+
         check_pipeline_index(str(pretrained_model_name_or_path))
+        vae = os.path.join(str(pretrained_model_name_or_path), "vae")
+        if os.path.isdir(vae):
+            check_vae_folder(vae)
         kwargs.update(trust_remote_code=False, local_files_only=True, custom_pipeline=None)
         return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from dit_train.config.errors import ConfigError, invalid
+from dit_train.extras import installed
 
 
 def check_paths(cfg) -> None:
@@ -42,6 +43,13 @@ def check_paths(cfg) -> None:
 
         refuse_writes_outside(run_dir)
     check_data_files(cfg.data)
+    if vae is not None and installed("diffusers"):  # its weights after the data (without diffusers: refused later)
+        from dit_train.diffusion.vae_shapes import check_vae_folder
+
+        try:
+            check_vae_folder(str(vae))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def _explicit_run_dir(cfg) -> str | None:

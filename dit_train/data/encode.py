@@ -157,9 +157,14 @@ def main(argv=None) -> dict:
     if args.images and args.image_size is None:
         args.image_size = 256
     from dit_train.diffusion.vae import LatentCodec
+    from dit_train.diffusion.vae_shapes import check_vae_folder
 
     if not os.path.isfile(os.path.join(args.vae, "config.json")):
         raise ConfigError(f"--vae {args.vae} is not a diffusers AutoencoderKL folder (config.json + weights)")
+    try:
+        check_vae_folder(args.vae)  # before any data is read or latents_info.json written
+    except ValueError as e:
+        raise ConfigError(f"--vae: {e}") from None
     dist = init_distributed()
     source = source_config(args)
     datasets = {}

@@ -9,6 +9,7 @@ import os
 import torch
 
 from dit_train.config.latents import vae_scaling
+from dit_train.diffusion.vae_shapes import check_vae_folder
 
 
 def load_autoencoder(path: str, device):
@@ -21,10 +22,12 @@ def load_autoencoder(path: str, device):
         what = "has no config.json" if os.path.isdir(path) else "does not exist"
         raise FileNotFoundError(f"VAE folder {path!r} {what}: expected a local diffusers AutoencoderKL folder "
                                 f"(config.json and its weights), the one given to dit-encode-latents --vae")
+    check_vae_folder(path)  # a config.json declaring a huge model is refused before diffusers allocates it
     # a local folder only: a path that is not one must not become a Hub download. Without accelerate, diffusers'
     # default low_cpu_mem_usage=True falls back to False after a 5-line warning to `pip install accelerate`
-    return AutoencoderKL.from_pretrained(path, local_files_only=True, low_cpu_mem_usage=installed("accelerate")) \
-        .to(device).eval().requires_grad_(False)
+    return AutoencoderKL.from_pretrained(path, local_files_only=True, use_safetensors=True,
+                                         low_cpu_mem_usage=installed("accelerate")).to(device).eval() \
+        .requires_grad_(False)
 
 
 class LatentCodec:

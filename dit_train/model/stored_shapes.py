@@ -42,7 +42,7 @@ def check_stored_shapes(config, stored: Mapping[str, Sequence[int]], config_file
     for name in sorted(expected.keys() | stored.keys()):
         want, have = expected.get(name), tuple(stored[name]) if name in stored else None
         if want != have:
-            raise refuse(f"{name}: the config makes {_shape(want)}, the weights hold {_shape(have)}")
+            raise refuse(f"{name}: the config makes {describe_shape(want)}, the weights hold {describe_shape(have)}")
     params = count_parameters(model)
     tokens = model.grid ** 2
     limit = max(params, MIN_TABLE_VALUES)
@@ -53,7 +53,7 @@ def check_stored_shapes(config, stored: Mapping[str, Sequence[int]], config_file
                          f"{values:,} values, more than the model's {params:,} parameters")
 
 
-def _shape(shape) -> str:
+def describe_shape(shape) -> str:
     return "no such tensor" if shape is None else f"[{', '.join(map(str, shape))}] ({math.prod(shape):,} values)"
 
 

@@ -26,6 +26,18 @@ def fashion_files(tmp_path, splits=("train", "val")):
     return tmp_path / "fm"
 
 
+def crafted_vae(folder, **edits):
+    """A small AutoencoderKL whose config.json is then edited (`edits`), as tests/unit/test_vae_shapes.py does."""
+    import json
+
+    from diffusers import AutoencoderKL
+
+    AutoencoderKL(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+                  up_block_types=("UpDecoderBlock2D",) * 2, norm_num_groups=4).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **edits}))
+
+
 def truncated_shard(tmp_path):
     write_latent_split(tmp_path / "lat", "val")
     path = write_latent_split(tmp_path / "lat")
@@ -60,6 +72,12 @@ CASES = {
     "vae.path not a VAE": (
         lambda t: (os.makedirs(t / "vae"), [f"vae.path={t / 'vae'}"])[1],
         "error: vae.path='{t}/vae' is not valid: expected a diffusers AutoencoderKL folder (config.json + weights)"),
+    "vae.path whose config.json declares a wider VAE than its weights": (
+        lambda t: (crafted_vae(t / "vae", block_out_channels=[8, 32]), [f"vae.path={t / 'vae'}"])[1],
+        "error: VAE folder '{t}/vae': its config.json does not describe the weights in "
+        "diffusion_pytorch_model.safetensors (it declares in_channels=3, out_channels=3, latent_channels=4, "
+        "block_out_channels=[8, 32]; decoder.conv_in.bias: the config makes [32] (32 values), the weights hold [16] "
+        "(16 values)); refusing it before anything is allocated"),
     "eval.encoder_path missing": (
         lambda t: [f"eval.encoder_path={t / 'dinov2.pth'}"],
         "error: eval.encoder_path='{t}/dinov2.pth' is not valid: no such file or folder (the FD encoder's local "
