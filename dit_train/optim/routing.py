@@ -76,6 +76,8 @@ def _first_match(name: str, patterns: Iterable[str]) -> str | None:
 # reasons the summary table names parameters for, so that neither rule is silent
 BY_SHAPE = "2-D, not an nn.Linear weight: by shape"
 CONVOLUTION = "convolution weight: not flattened, the matrix update takes 2-D weights"
+# The table's last line, for Python callers; the trainer, whose user has a command line, names the dry run instead.
+PER_TENSOR_HINT = "per tensor: optimizer.routing.table()"
 
 
 @dataclass
@@ -179,5 +181,5 @@ def format_routing_table(routing: Routing) -> str:
     if convs:
         lines.append(f"note: convolution weights take AdamW, not flattened to [out, in*kh*kw] ({len(convs)}): "
                      f"{_some(convs)}")
-    lines.append("per tensor: optimizer.routing.table()")
+    lines.append(PER_TENSOR_HINT)
     return "\n".join(lines)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dit_train.data.shapes import SHAPES_FROM_FILES
 from dit_train.model.dit import build_model, count_parameters
 from dit_train.optim.registry import build_optimizer
+from dit_train.optim.routing import PER_TENSOR_HINT
 
 
 def dry_run(cfg) -> dict:
@@ -23,6 +24,6 @@ def dry_run(cfg) -> dict:
         print(f"shapes: the preset's ({m.in_channels}x{m.image_size}x{m.image_size}, {m.num_classes} classes); a dry "
               f"run reads no data: the run takes channels, image size and class count from data.root="
               f"{cfg.data.get('root')} (docs/data.md)")
-    print(f"optimizer {cfg.optimizer.name}:\n{optimizer.routing_table}\n{optimizer.routing.table()}")
+    print(f"optimizer {optimizer.routing_table.removesuffix(PER_TENSOR_HINT)}{optimizer.routing.table()}")
     print("dry run: nothing allocated, exiting")
     return {"params": n}

@@ -34,6 +34,7 @@ from dit_train.telemetry.metrics import Throughput, read_summary, write_summary
 from dit_train.model.dit import count_parameters
 from dit_train.optim.fused_rownorm import check_buildable
 from dit_train.optim.hooks import hooks_of
+from dit_train.optim.routing import PER_TENSOR_HINT
 from dit_train.parallel.fsdp import (DistInfo, all_reduce_sum_, autocast, barrier, clip_grads_, clip_scaled, collective_timeouts,
                        global_grad_norm, init_distributed, resolve_plan, shutdown_process_group, wants_fsdp, weights_finite)
 from dit_train.trainer.preemption import Preemption
@@ -250,7 +251,8 @@ class Trainer:
         if self.dist.is_main:
             print(f"model {self.cfg.model.name}: {count_parameters(self.model):,} parameters; "
                   f"data {self.train_set.dataset_id} ({len(self.train_set)} train / {len(self.val_set)} val)")
-            print(f"optimizer {self.cfg.optimizer.name}:\n{self.optimizer.routing_table}")
+            print(f"optimizer {self.optimizer.routing_table}".replace(
+                PER_TENSOR_HINT, "per tensor: the same command with train.dry_run=true"))
             print(f"parallel: {self.dist.world_size} process(es) on {self.dist.device.type}; {self.plan.describe()}")
             if self.plan.sharded and self.dist.world_size > 1:
                 print(describe_run(self.model, self.plan, self.dist.world_size, ranks_per_node(self.dist.world_size)))

@@ -24,6 +24,13 @@ def test_unknown_group_option_is_one_line_listing_choices():
     assert "adamw, mud, muon, periodic_rowwise, rownorm" in lines[0]
 
 
+def test_a_dry_run_prints_the_per_tensor_routing_without_pointing_at_a_python_call(tmp_path):
+    """A dry run printed the summary's 'per tensor: optimizer.routing.table()' above the per-tensor table itself."""
+    out = cli("model=dit_xs", "train.dry_run=true", cwd=str(tmp_path)).stdout
+    assert "optimizer adamw: AdamW on every parameter" in out and "| x_embedder.proj.weight | (128, 16) | adamw |" in out
+    assert "routing.table()" not in out
+
+
 def test_a_dry_run_of_an_image_folder_says_its_shapes_are_the_presets(tmp_path):
     """A dry run reads no data: with data=image_folder it printed dit_xs's 1x32x32 size and 64 tokens as if they were
     the run's, which takes 3 channels, the images' size and the class folders from data.root."""

@@ -57,6 +57,9 @@ def test_debug_experiment_is_small_and_an_explicit_run_dir_is_the_only_folder(tm
     assert (run / "dit_train.log").exists() and (run / "samples" / "step_00000020.png").exists()
     assert "end of run: checkpoint, validation loss (64 images x 2 t), sample grid (20 images, 10 steps), summary" \
         in out.stdout
+    # the routing table's pointer to per-tensor routing is a command-line one, not a Python call
+    assert "per tensor: the same command with train.dry_run=true" in out.stdout
+    assert "optimizer adamw: AdamW on every parameter" in out.stdout and "routing.table()" not in out.stdout
     resumed = run_console_script(["experiment=debug", "run_dir=run", "train.resume=auto", "train.steps=25",
                                   "train.progress=false"], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
