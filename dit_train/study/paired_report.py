@@ -293,6 +293,10 @@ def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN,
                      f"(1 = it never rose); diverged = a non-finite loss, or a final {stability.WINDOW}-step mean "
                      f"above {stability.DIVERGED_RATIO:g}x the lowest.")
 
+    absent = [r for r in references if not any(r in evaluated[stratum] for stratum in strata)]
+    if absent:  # a default reference the study has no arm of (Muon-only studies): say so, no empty table
+        lines.append(f"No paired differences against {', '.join(absent)}: the study has no such arm.")
+    references = [r for r in references if r not in absent]
     for reference in references:
         for stratum in strata:
             where = stratum_name(stratum, strata)

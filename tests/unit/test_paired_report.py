@@ -237,3 +237,19 @@ def test_a_study_with_axes_and_a_common_lr_pairs_by_seed_within_qk_norm_and_lr_k
     with pytest.raises(ConfigError, match=r"--reference 'muon' is not a variant with evaluation runs here; valid: "
                                           r"'periodic_rowwise K=3 \(frobenius\)', 'periodic_rowwise K=3 \(spectral\)'"):
         paired_report.build(str(sweep), None, references=["muon"])
+
+
+def test_a_study_without_an_adamw_arm_says_so_instead_of_an_empty_table(tmp_path):
+    """optimizer_confirmation_cpu compares periodic_rowwise with Muon only: the default references are Muon and
+    AdamW, and the report printed an AdamW heading over an empty table."""
+    sweep = tmp_path / "sweep"
+    two_phase_sweep(sweep)
+    study = json.loads((sweep / "study.json").read_text())
+    study["runs"] = [r for r in study["runs"] if r["optimizer"] != "adamw"]
+    del study["lr_selection"]["dit_s adamw"]
+    (sweep / "study.json").write_text(json.dumps(study))
+    text = paired_report.build(str(sweep), None)
+    assert "## Paired differences against adamw" not in text and "### Against adamw" not in text
+    assert "No paired differences against adamw: the study has no such arm." in text
+    assert "## Paired differences against muon" in text
+    assert "| periodic_rowwise K=3 (spectral) | val loss @600 | 3 | " in text
