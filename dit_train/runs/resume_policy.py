@@ -95,7 +95,8 @@ def describe_changes(changes: list[tuple[str, object, object]]) -> str:
 def check_resume(cfg, read_state=ckpt.read_saved_state) -> str | None:
     """The checkpoint this run will continue from (None: fresh), after checking it is the same experiment.
     `read_state`: how a checkpoint's train state is read (the check before Hydra passes one that reads each once)."""
-    for path in resume_candidates(cfg):
+    candidates = resume_candidates(cfg)
+    for i, path in enumerate(candidates):
         if not ckpt.is_complete(path):
             return path  # a read-only file of an earlier version: loading it says why it cannot resume
         try:
@@ -117,7 +118,7 @@ def check_resume(cfg, read_state=ckpt.read_saved_state) -> str | None:
                               f"this one with train.init_from={cfg.run_dir} (its weights, a fresh optimizer, step 0)")
         if recorded is not None:
             check_same_data(cfg, path, recorded, saved.get("data", {}).get("root"))
-        check_model_fits(cfg, path)
+        check_model_fits(cfg, path, candidates[i + 1:])
         return path
     if cfg.train.init_from:
         check_fork(cfg)
@@ -157,9 +158,18 @@ def check_fork(cfg) -> None:
     check_model_fits(cfg, source)
 
 
-def check_model_fits(cfg, path: str) -> None:
+def check_model_fits(cfg, path: str, fallbacks: list[str] = ()) -> None:
     """The model this run builds, against the shapes of the tensors `path` holds for it (its metadata only):
     a saved config from elsewhere declaring a huge model was allocated, and initialised, before the load found
-    that the checkpoint's tensors do not fit it."""
-    ckpt.check_saved_model(path, {"model": OmegaConf.to_container(cfg.model, resolve=True)},
-                           ckpt.stored_shapes(path, "model"), part="model")
+    that the checkpoint's tensors do not fit it. A damaged `path` under resume=auto is left to the load, which falls
+    back past it: the model is then checked against the first of `fallbacks` whose metadata reads."""
+    for candidate in (path, *fallbacks):
+        try:
+            stored = ckpt.stored_shapes(candidate, "model")
+        except ckpt.CheckpointError:
+            if cfg.train.resume != "auto":
+                raise
+            continue
+        ckpt.check_saved_model(candidate, {"model": OmegaConf.to_container(cfg.model, resolve=True)}, stored,
+                               part="model")
+        return
