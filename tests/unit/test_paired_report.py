@@ -253,3 +253,20 @@ def test_a_study_without_an_adamw_arm_says_so_instead_of_an_empty_table(tmp_path
     assert "No paired differences against adamw: the study has no such arm." in text
     assert "## Paired differences against muon" in text
     assert "| periodic_rowwise K=3 (spectral) | val loss @600 | 3 | " in text
+
+
+def test_the_published_confirmatory_report_is_rebuilt_exactly_from_its_records(tmp_path, monkeypatch):
+    """docs/results/optimizer_confirmation_cpu/report.md (issue 30's answer) is what dit-paired-report builds from
+    the committed run records, byte for byte: no number in it was edited by hand."""
+    import os
+    import shutil
+
+    from conftest import ROOT
+
+    study = "docs/results/optimizer_confirmation_cpu"
+    shutil.copytree(os.path.join(ROOT, study, "runs"), tmp_path / study / "runs")
+    monkeypatch.chdir(tmp_path)  # the report names its folders as the published one does
+    text = paired_report.build(f"{study}/runs", study)
+    with open(os.path.join(ROOT, study, "report.md")) as f:
+        assert text == f.read()
+    assert "| periodic_rowwise K=3 (spectral) | val loss @600 | 10 | +0.49% | [-0.08, +1.06] |" in text
