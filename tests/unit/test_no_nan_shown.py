@@ -6,7 +6,6 @@ import json
 import os
 import re
 
-import matplotlib
 import pytest
 import yaml
 
@@ -55,13 +54,13 @@ def test_report_marks_missing_values_n_a_with_the_reason(smoke_like):
 
 def test_single_points_are_markers_on_axes_without_offset(smoke_like, monkeypatch):
     figures = {}
-    save = matplotlib.figure.Figure.savefig
+    save = report.save_figure  # renders into memory, then replaces the file (never through a planted link)
 
     def keep(fig, path, *a, **kw):
         figures[os.path.basename(path)] = fig
         return save(fig, path, *a, **kw)
 
-    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    monkeypatch.setattr(report, "save_figure", keep)
     report.build_report(str(smoke_like))
     ax = figures["fd_vs_active_time.png"].axes[0]
     assert [(len(line.get_xdata()), line.get_marker()) for line in ax.get_lines()] == [(1, "o"), (1, "o")]
