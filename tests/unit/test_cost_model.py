@@ -194,6 +194,12 @@ def test_bad_arguments_are_one_line_errors(args, message, capsys):
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_the_usage_line_names_the_module_it_runs_as(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert capsys.readouterr().out.startswith("usage: python -m benchmarks.cost_model ")
+
+
 def test_gloo_profile_has_the_cost_of_a_collective_between_busy_processes():
     # tiny sizes: that every number is measured and sane, not its value (this host is loaded)
     g = measure_gloo(2, numel=1024, work_numel=1024, rounds=2)
