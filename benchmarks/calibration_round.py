@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """Rounds of the cost model's calibration on this host (docs/cost_model.md, "Calibration on this host"): each round
-measures the host profile (cost_model --measure-host, with the Python per op of the sharded step and the gloo
-latency between busy processes), then the two benchmarks the calibration reads, one after the other, and saves all
-three under OUT/round_<i>/; at the end, ONE table: every calibration line's predicted / measured per round, its
-range over the rounds, and per round the count within +-25%. Run it on an idle machine: the profile and the
-benchmarks must be measured together, and repeated, for a range (one pair of measurements is not a calibration).
+measures the host profile (python -m benchmarks.cost_model --measure-host, with the Python per op of the sharded
+step and the gloo latency between busy processes), then the two benchmarks the calibration reads, one after the
+other, and saves all three under OUT/round_<i>/; at the end, ONE table: every calibration line's predicted /
+measured per round, its range over the rounds, and per round the count within +-25%. Run it on an idle machine: the
+profile and the benchmarks must be measured together, and repeated, for a range (one pair of measurements is not a
+calibration).
 
     python -m benchmarks.calibration_round --rounds 3 --out docs/cost_model/rounds
 

@@ -128,7 +128,7 @@ def _grid(rows: tuple, op: str, layout: str, dtype: str, long: str) -> dict | No
     return grid if on_long else None  # a long-sided call is not priced from squares alone
 
 
-def _bracket(axis: list[float], q: float) -> list[tuple[float, float]]:
+def bracket(axis: list[float], q: float) -> list[tuple[float, float]]:
     """[(coordinate, weight)] of the measured values either side of q on one axis (clamped to its range)."""
     if q <= axis[0]:
         return [(axis[0], 1.0)]
@@ -152,9 +152,9 @@ def rate(rows: tuple, op: str, layout: str, dtype: str, dims: tuple, batch: int)
         return None
     axes = [sorted({key[i] for key in grid}) for i in range(3)]
     total = 0.0
-    for x, wx in _bracket(axes[0], math.log(r)):
-        for y, wy in _bracket(axes[1], math.log(a)):
-            for z, wz in _bracket(axes[2], math.log(batch)):
+    for x, wx in bracket(axes[0], math.log(r)):
+        for y, wy in bracket(axes[1], math.log(a)):
+            for z, wz in bracket(axes[2], math.log(batch)):
                 if (x, y, z) not in grid:  # not a full grid around the query (not measured as NS5 runs it)
                     return None
                 total += wx * wy * wz * grid[(x, y, z)]

@@ -18,7 +18,8 @@ picks the rate it runs at:
   adamw    torch's fused AdamW kernel: its bytes at the rate measured for it
   fused    a torch.compile'd function (see below): one kernel that reads every outside tensor once and writes
            every outside tensor once, intermediates free, at the rate measured for the RowNorm step's compiled
-           passes (optim/fused_rownorm.py)
+           passes (optim/fused_rownorm.py) on buckets of its own size (its first argument's elements: a bucket's
+           matrices), interpolated log-log between the sizes measured (measure_fused_rates)
 Views and allocations (dispatch_counter's no_kernel) are free and not recorded; collectives are recorded with
 their bytes and priced by the caller (benchmarks/cost_model/: gloo or NCCL).
 
@@ -64,6 +65,7 @@ class OpRecord:
     batch: int = 1  # a matmul's batch (bmm, baddbmm)
     dtype: str = ""  # a matmul's operand dtype ("bfloat16", "float32")
     layout: str = ""  # a matmul's factors, BLAS-style: "n" row-major, "t" a transposed view (A.mT); e.g. "nt"
+    elements: int = 0  # a fused region's bucket: the elements of its first argument (0: not known)
 
     @property
     def bytes(self) -> int:
@@ -186,16 +188,17 @@ class OpCounter(FakeDispatchCounter):
                 region["written"].setdefault(_view_key(t), t)
 
     @contextlib.contextmanager
-    def fused(self, name: str):
+    def fused(self, name: str, elements: int = 0):
         """One record for everything dispatched inside: the outside tensors it reads and those it writes, once
-        each (intermediates stay in registers in a fused kernel)."""
+        each (intermediates stay in registers in a fused kernel); `elements`: the size of the bucket it runs on,
+        which its rate depends on."""
         outer, self._region = self._region, {"read": {}, "written": {}, "born": set()}
         try:
             yield
         finally:
             region, self._region = self._region, outer
             self.records.append(OpRecord(self.current, name, "fused", sum(map(extent, region["read"].values())),
-                                         sum(map(extent, region["written"].values()))))
+                                         sum(map(extent, region["written"].values())), elements=elements))
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -232,8 +235,9 @@ def fake_parameters(model: torch.nn.Module) -> None:
 
 @contextlib.contextmanager
 def compiled_as_fused(counter: OpCounter):
-    """torch.compile, for the count, returns the function run eagerly inside counter.fused(its name); the
-    optimizer's cache of compiled kernels (optim/fused_rownorm.py) starts empty so that it compiles through it."""
+    """torch.compile, for the count, returns the function run eagerly inside counter.fused(its name, the elements
+    of its first argument: fused_rownorm's passes take the bucket's matrices first); the optimizer's cache of
+    compiled kernels (optim/fused_rownorm.py) starts empty so that it compiles through it."""
     from dit_train.optim import fused_rownorm
 
     real, cache = torch.compile, fused_rownorm._compiled
@@ -244,7 +248,7 @@ def compiled_as_fused(counter: OpCounter):
         name = getattr(fn, "__name__", "compiled")
 
         def run(*args, **kw):
-            with counter.fused(name):
+            with counter.fused(name, sum(t.numel() for t in _tensors(args[0])) if args else 0):
                 return fn(*args, **kw)
         return run
 
@@ -301,6 +305,7 @@ class OpRates:
     gemm: tuple = field(default=())  # ((short side, flop/s), ...) ascending: bf16 bmm's of 8 x r x 4r (NS5's mix)
     square: tuple = field(default=())  # the same for 8 x r x r x r (the Gram form's); () = as gemm
     ns5: tuple = field(default=())  # NS5's own matmuls measured: ((op, layout, dtype, m, k, n, batch, flop/s), ...)
+    fused_by_size: tuple = field(default=())  # ((bucket elements, bytes/s), ...) ascending; () = `fused` at any size
 
     def gemm_rate(self, rec: OpRecord) -> float:
         """flop/s of a counted matmul: interpolated between NS5's own matmuls measured at its op, layout, dtype
@@ -316,12 +321,23 @@ class OpRates:
         below = [rate for s, rate in table if s <= side]
         return below[-1] if below else table[0][1]
 
+    def fused_rate(self, elements: int) -> float:
+        """bytes/s of a fused region on a bucket of `elements`: log-log between the bucket sizes measured, clamped
+        at the smallest and the largest; `fused` where no sizes were measured (a GPU, a profile measured before
+        them) or the size is not known."""
+        if not self.fused_by_size or elements <= 0:
+            return self.fused
+        log_rate = {math.log(e): math.log(r) for e, r in self.fused_by_size}
+        around = ns5_gemm_rates.bracket(sorted(log_rate), math.log(elements))
+        return math.exp(sum(w * log_rate[x] for x, w in around))
+
     def shared(self, share: float) -> "OpRates":
         """The rates of a process that gets `share` of the cores it was measured on."""
         return OpRates(self.stream * share, self.convert * share, self.reduce * share, self.matvec * share,
                        self.op_s / share, self.adamw * share, self.fused * share,
                        tuple((s, r * share) for s, r in self.gemm), tuple((s, r * share) for s, r in self.square),
-                       tuple((*p, r * share) for *p, r in self.ns5))
+                       tuple((*p, r * share) for *p, r in self.ns5),
+                       tuple((e, r * share) for e, r in self.fused_by_size))
 
 
 def seconds(rec: OpRecord, rates: OpRates) -> float:
@@ -329,7 +345,10 @@ def seconds(rec: OpRecord, rates: OpRates) -> float:
     (its caller prices it on the link)."""
     if rec.category == "collective":
         return 0.0
-    rate = rates.stream if rec.category == "gemm" else getattr(rates, rec.category)
+    if rec.category == "fused":
+        rate = rates.fused_rate(rec.elements)
+    else:
+        rate = rates.stream if rec.category == "gemm" else getattr(rates, rec.category)
     t = rec.bytes / rate
     if rec.category == "gemm":
         t = max(t, rec.flops / rates.gemm_rate(rec))
@@ -408,33 +427,41 @@ def measure_op_rates(threads: int) -> dict:
     }
 
 
-def measure_fused_rate(threads: int) -> float | None:
-    """Bytes/s of the RowNorm step's compiled passes (fused_rownorm.momentum_pass and update_pass, U not stored:
-    8 + 20 B per element) on a wide and a tall bucket of 8M elements each; None without a C++ compiler. The
-    first call compiles (seconds; inductor caches the kernels on disk for the next)."""
+FUSED_BYTES = 28  # per fp32 element, the compiled passes without U stored: G, M in (8); W, G, M in, W, M out (20)
+
+
+def measure_fused_rates(threads: int, buckets) -> list[list] | None:
+    """[[B, m, n, bytes/s], ...]: the RowNorm step's compiled passes (fused_rownorm.momentum_pass and update_pass, U
+    not stored: FUSED_BYTES per element) on a bucket of B fp32 m x n matrices, for each (B, m, n) in `buckets`;
+    None without a C++ compiler. A bucket's first run compiles its two kernels (seconds; inductor caches them on
+    disk for the next)."""
     from dit_train.optim import fused_rownorm
 
     if fused_rownorm.cpp_compiler() is None:
         return None
     torch.set_num_threads(threads)
-    cases = []
-    for m, n in ((512, 2048), (2048, 512)):
-        W, G, M = (list(torch.randn(8, m, n).unbind(0)) for _ in range(3))
-        U = torch.zeros((), dtype=torch.float32).expand(8, m, n)
-        s = torch.ones(8, 1, n) if m > n else torch.ones(8, m, 1)
-        lr = torch.tensor(1e-3)  # a 0-d tensor, as the optimizer passes it (a float would recompile per value)
+    lr = torch.tensor(1e-3)  # a 0-d tensor, as the optimizer passes it (a float would recompile per value)
+    rows = []
+    for B, m, n in buckets:
+        W, G, M = (list(torch.randn(B, m, n).unbind(0)) for _ in range(3))
+        U = torch.zeros((), dtype=torch.float32).expand(B, m, n)
+        s = torch.ones(B, 1, n) if m > n else torch.ones(B, m, 1)
 
         def passes(W=W, G=G, M=M, U=U, s=s, tall=m > n):
             fused_rownorm.momentum_pass(G, M, U, 0.95, True, tall, False)
             fused_rownorm.update_pass(W, G, M, U, False, s, lr, 1.0, 1.0, 0.95, True, tall)
-        cases.append((28 * 8 * m * n, passes))
-    return _rate(cases)
+        rows.append([B, m, n, FUSED_BYTES * B * m * n / median_seconds(passes)])
+    return rows
 
 
 def host_op_rates(measured: dict, gemm: tuple, adamw: float, ns5: list = ()) -> OpRates:
-    """OpRates from measure_op_rates' dict, the GEMM rates by side, fused AdamW's rate and NS5's measured matmuls
-    (ns5_gemm_rates.measure_ns5_gemms; a profile measured before them has none: matmuls at the rates by side; the
-    compiled passes at the streaming rate where they were not measured)."""
+    """OpRates from measure_op_rates' dict (with the compiled passes' rates by bucket, "fused_buckets":
+    measure_fused_rates), the GEMM rates by side, fused AdamW's rate and NS5's measured matmuls
+    (ns5_gemm_rates.measure_ns5_gemms; a profile measured before them has none: matmuls at the rates by side). A
+    profile measured before the rates by bucket has one rate for the compiled passes at any size ("fused", on two
+    8M-element buckets); where neither was measured (no C++ compiler) they run at the streaming rate."""
+    by_size = {B * m * n: rate for B, m, n, rate in measured.get("fused_buckets") or ()}
     return OpRates(measured["stream"], measured["convert"], measured["reduce"], measured["matvec"],
                    measured["op_s"], adamw, measured.get("fused") or measured["stream"], tuple(tuple(x) for x in gemm),
-                   tuple(tuple(x) for x in measured["square"]), tuple(tuple(x) for x in ns5))
+                   tuple(tuple(x) for x in measured["square"]), tuple(tuple(x) for x in ns5),
+                   tuple(sorted(by_size.items())))

@@ -92,10 +92,10 @@ class ShardedCounter(OpCounter):
         self.events += [("op", rec) for rec in self.records[before:]]
 
     @contextlib.contextmanager
-    def fused(self, name: str):
+    def fused(self, name: str, elements: int = 0):
         """OpCounter.fused, its one record an event where the region ends (a compiled kernel runs there)."""
         before = len(self.records)
-        with super().fused(name):
+        with super().fused(name, elements):
             yield
         self.events += [("op", rec) for rec in self.records[before:]]
 

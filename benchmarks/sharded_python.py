@@ -1,7 +1,7 @@
 """The Python a sharded optimizer step spends per dispatched op on this host, with compute removed: a rate of the
-host profile (`cost_model --measure-host`, its "python" entry) that the distributed calibration lines price every
-counted op with, on top of op_cost's rates (whose fixed cost per op is a bare 8-element add: ~1 us, which does not
-see the owner exchange's per-matrix Python: plans, splits, views, handles, phase switches).
+host profile (`python -m benchmarks.cost_model --measure-host`, its "python" entry) that the distributed calibration
+lines price every counted op with, on top of op_cost's rates (whose fixed cost per op is a bare 8-element add:
+~1 us, which does not see the owner exchange's per-matrix Python: plans, splits, views, handles, phase switches).
 
 Method (host_overhead.py's shrunk step): bench_distributed's setup (apply_fsdp, build_optimizer with the
 contender's config) on rank 0 of a fake process group of W, on real tensors, the model shrunk to 4 channels per

@@ -15,7 +15,8 @@ from benchmarks.cost_model.paper import PAPER_GLOBAL_BATCH, PAPER_PRESETS, PAPER
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(prog="cost_model.py", description=cost_model.__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.cost_model",
+                                 description=cost_model.__doc__.split("\n\n")[0])
     what = ap.add_mutually_exclusive_group(required=True)
     what.add_argument("--paper", action="store_true", help="the paper's table: presets x 8/16/32 GPUs")
     what.add_argument("--measure-host", action="store_true", help="measure this host's profile (GEMM, memory, gloo)")

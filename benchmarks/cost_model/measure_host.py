@@ -4,20 +4,23 @@ sharded step; and the profile of one of P processes sharing its cores (host_prof
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
 
 from benchmarks.cost_model.floor import ADAMW_BYTES
 from benchmarks.cost_model.hardware import Hardware
+from benchmarks.cost_model.shapes import rownorm_buckets
 from benchmarks.ns5_gemm_rates import measure_ns5_gemms
-from benchmarks.op_cost import host_op_rates, measure_fused_rate, measure_op_rates, median_seconds
+from benchmarks.op_cost import host_op_rates, measure_fused_rates, measure_op_rates, median_seconds
 from benchmarks.sharded_python import measure_python
 
 
 # benchmarks/host_profile.json: beside the benchmarks, not inside this package
 HOST_PROFILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "host_profile.json")
 NS5_SIDES = (128, 256, 512, 1024)  # short sides at which the host's NS5 GEMM rate is measured
+FUSED_SIZES = 4  # bucket sizes at which the compiled RowNorm passes are measured (two kernels compiled each)
 
 
 def gemm_rates_by_side(threads: int) -> list[list]:
@@ -34,11 +37,41 @@ def gemm_rates_by_side(threads: int) -> list[list]:
     return rates
 
 
-def measure_compute(threads: int) -> dict:
+def calibration_buckets() -> list[tuple[int, int, int]]:
+    """The RowNorm step's buckets (B, m, n) on dit_m as shipped and as the calibration's bench_optimizer runs it
+    (calibration_round.BENCH_OPTIMIZER's preset, width and depth): shapes.rownorm_buckets, the optimizer's own
+    bucketing."""
+    from benchmarks.calibration_round import BENCH_OPTIMIZER
+    from dit_train.model.dit import load_preset
+
+    def arg(flag: str) -> str:
+        return BENCH_OPTIMIZER[BENCH_OPTIMIZER.index(flag) + 1]
+    bench = load_preset(arg("--preset"), int(arg("--hidden-size")), int(arg("--depth")))
+    return rownorm_buckets(load_preset("dit_m")) + rownorm_buckets(bench)
+
+
+def spanning_buckets(buckets, sizes: int = FUSED_SIZES) -> list[tuple[int, int, int]]:
+    """Up to `sizes` of the buckets (B, m, n), spanning their sizes (elements): for each of `sizes` sizes evenly
+    spaced in log from the smallest bucket's to the largest's, the bucket nearest it in log size (ties: the
+    smaller), each size once; ascending."""
+    def size(b):
+        return math.prod(b)
+    found = sorted(set(buckets), key=lambda b: (size(b), b))
+    lo, hi = math.log(size(found[0])), math.log(size(found[-1]))
+    chosen: dict[int, tuple] = {}
+    for i in range(sizes):
+        target = lo + (hi - lo) * i / max(sizes - 1, 1)
+        best = min(found, key=lambda b: (abs(math.log(size(b)) - target), size(b), b))
+        chosen.setdefault(size(best), best)
+    return sorted(chosen.values(), key=size)
+
+
+def measure_compute(threads: int, fused_buckets: list[tuple[int, int, int]]) -> dict:
     """bf16 GEMM rates by short side r (the plain NS5 iteration's three bmm's on 8 x r x 4r), the streaming
     rate of torch's fused AdamW (28 B per element over 32M fp32 elements, far beyond the caches) and each op
-    category's rate (op_cost.measure_op_rates, measure_fused_rate) and NS5's own matmuls (ns5_gemm_rates: every
-    bmm/baddbmm it dispatches on a grid of shapes and batches, ~5 s of CPU at 1 thread), `threads` threads."""
+    category's rate (op_cost.measure_op_rates), the compiled RowNorm passes' rate on each of `fused_buckets`
+    ((B, m, n); op_cost.measure_fused_rates) and NS5's own matmuls (ns5_gemm_rates: every bmm/baddbmm it
+    dispatches on a grid of shapes and batches, ~5 s of CPU at 1 thread), `threads` threads."""
     import torch
 
     _progress(f"{threads} thread(s): GEMM rates by side")
@@ -52,8 +85,9 @@ def measure_compute(threads: int) -> dict:
     del params, adamw
     _progress(f"{threads} thread(s): op categories (stream, convert, reduce, matvec, dispatch, square GEMMs)")
     ops = measure_op_rates(threads)
-    _progress(f"{threads} thread(s): the compiled RowNorm passes (compiles on the first run)")
-    ops["fused"] = measure_fused_rate(threads)
+    _progress(f"{threads} thread(s): the compiled RowNorm passes on buckets (B, m, n) {fused_buckets} (compiles on "
+              "the first run)")
+    ops["fused_buckets"] = measure_fused_rates(threads, fused_buckets)
     _progress(f"{threads} thread(s): NS5's own matmuls (op, layout, shape, batch)")
     return {"gemm_flops": max(rate for _, rate in rates), "ns5_rates": rates,
             "memory_bytes_s": ADAMW_BYTES * 32 * 2**20 / stream, "ops": ops, "ns5_gemms": measure_ns5_gemms(threads)}
@@ -165,7 +199,8 @@ def measure_gloo(world: int, numel: int = 4 << 20, work_numel: int = 1 << 18, ro
 def measure_host(worlds=(2, 4)) -> dict:
     cores = os.cpu_count() or 1
     threads = sorted({1, cores})
-    compute = {str(t): measure_compute(t) for t in threads}
+    fused = spanning_buckets(calibration_buckets())
+    compute = {str(t): measure_compute(t, fused) for t in threads}
     gloo, python = {}, {}
     for w in worlds:
         _progress(f"gloo between {w} processes")

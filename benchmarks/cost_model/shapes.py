@@ -47,6 +47,23 @@ def shapes_of(cfg) -> Shapes:
                   cfg)
 
 
+def rownorm_buckets(cfg) -> list[tuple[int, int, int]]:
+    """(B, m, n) of every bucket of B same-shape m x n matrices that the single-process RowNorm step runs its
+    passes on (one compiled kernel each with compile_rownorm), for the model a `model` node builds: build_optimizer's
+    matrix groups as the optimizer itself buckets them (matrix_optimizer._buckets), on the meta device."""
+    from dit_train.model.dit import build_model
+    from dit_train.optim.matrix_optimizer import _buckets
+    from dit_train.optim.registry import build_optimizer
+
+    optimizer = build_optimizer(build_model(cfg, device="meta"), {"name": "rownorm"})
+    out = []
+    for group in optimizer.param_groups:
+        if group["kind"] == "matrix":
+            shapes = [tuple(p.shape) for p in group["params"]]
+            out += [(len(idx), *key[0]) for key, idx in _buckets(group["params"], shapes).items()]
+    return out
+
+
 def rank_bytes(shapes: Shapes, step: str, scale: str, mode: str, world: int, rank: int) -> dict[str, int]:
     """Bytes `rank` of `world` sends per collective in one optimizer step of kind `step`, as ShardComm counts
     them: an all-reduce its tensor, an all-gather (W - 1) x its input, an all-to-all what goes to other ranks."""

@@ -9,13 +9,15 @@ from dataclasses import replace
 import pytest
 
 from benchmarks.cost_model.bench_logs import parse_bench_distributed, parse_bench_optimizer, parse_distributed_phases
-from benchmarks.cost_model.calibration import collective_cpu_rates, sharded_cycle, sharded_step, step_kinds
+from benchmarks.cost_model.calibration import (calibration_rows, collective_cpu_rates, sharded_cycle, sharded_step,
+                                               step_kinds)
 from benchmarks.cost_model.cli import main
 from benchmarks.cost_model.contender import Optim
 from benchmarks.cost_model.hardware import Hardware, PROFILES
-from benchmarks.cost_model.measure_host import host_profile, measure_gloo, other_threads_cpu_s
+from benchmarks.cost_model.measure_host import (calibration_buckets, host_profile, measure_gloo, other_threads_cpu_s,
+                                                spanning_buckets)
 from benchmarks.cost_model.predict import counted_records, forward_backward, optimizer_step, predict
-from benchmarks.cost_model.shapes import Shapes, model_shapes, rank_bytes
+from benchmarks.cost_model.shapes import Shapes, model_shapes, rank_bytes, rownorm_buckets
 from benchmarks.cost_model.sharded import collective_seconds, counted_ranks, gpu_replayed, sharded_optimizer
 from dit_train.optim.owner_exchange import plan_exchanges
 
@@ -190,6 +192,12 @@ def test_bad_arguments_are_one_line_errors(args, message, capsys):
     with pytest.raises(SystemExit) as e:
         main(args)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_usage_line_names_the_module_it_runs_as(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert capsys.readouterr().out.startswith("usage: python -m benchmarks.cost_model ")
 
 
 def test_gloo_profile_has_the_cost_of_a_collective_between_busy_processes():
@@ -412,3 +420,69 @@ def test_a_paper_cell_counts_the_refresh_step_once_per_counted_rank(monkeypatch)
     ranks = counted_ranks(shapes, contenders, 2, True)
     assert sorted(kind for rank, kind in asked if rank == 0) == ["refresh", "rownorm", "rownorm"]
     assert all(set(steps) == set(o.steps()) for o in contenders for steps in ranks[o].values())
+
+
+def test_the_rownorm_buckets_are_the_optimizers_own():
+    # dit_xs width 64 depth 2, per block: qkv 192x64, proj 64x64, fc1 256x64, fc2 64x256, adaLN 384x64; the
+    # timestep MLP's 64x256 and 64x64 join fc2's and proj's buckets, the final adaLN 128x64 is alone (patch
+    # embedding, final linear and class table are AdamW's)
+    from dit_train.model.dit import load_preset
+
+    assert sorted(rownorm_buckets(load_preset("dit_xs", 64, 2))) == [(1, 128, 64), (2, 192, 64), (2, 256, 64),
+                                                                     (2, 384, 64), (3, 64, 64), (3, 64, 256)]
+
+
+def test_the_compiled_passes_are_measured_on_buckets_spanning_the_sizes():
+    # sizes 100, 200, 10k (twice), 100k: four sizes evenly in log from 100 to 100k are 100, 1k, 10k, 100k; the
+    # bucket nearest 1k is the 200 one, of the two at 10k the smaller tuple
+    buckets = [(1, 10, 10), (1, 10, 10), (2, 10, 10), (4, 50, 50), (1, 100, 100), (1, 1000, 100)]
+    assert spanning_buckets(buckets, 4) == [(1, 10, 10), (2, 10, 10), (1, 100, 100), (1, 1000, 100)]
+    assert spanning_buckets(buckets, 3) == [(1, 10, 10), (1, 100, 100), (1, 1000, 100)]
+    # the measured sizes span the buckets of dit_m and of the calibration's bench_optimizer (width 512, depth 8)
+    sizes = sorted(b * m * n for b, m, n in calibration_buckets())
+    chosen = [b * m * n for b, m, n in spanning_buckets(calibration_buckets())]
+    assert (chosen[0], chosen[-1]) == (sizes[0], sizes[-1]) and len(chosen) == 4
+
+
+def _fused_only_profile(fused_buckets) -> dict:
+    """One process of one thread where everything but the compiled RowNorm passes is free."""
+    fast = 1e30
+    ops = {"stream": fast, "convert": fast, "reduce": fast, "matvec": fast, "op_s": 0.0, "square": [[1, fast]],
+           "fused_buckets": fused_buckets}
+    return {"cores": 1, "compute": {"1": {"gemm_flops": fast, "ns5_rates": [[1, fast]], "memory_bytes_s": fast,
+                                          "ops": ops}}, "gloo": {}}
+
+
+def test_a_compiled_bench_line_prices_each_bucket_at_its_own_sizes_rate():
+    # dit_xs width 64 depth 2: 6 buckets, 176,128 matrix elements (test above); the compiled frobenius passes move
+    # 28 B per element (and the factors). Flat: every bucket at 1e9 B/s. Steep: the rate proportional to the
+    # bucket's elements, 1e9 at 16,384, so every bucket's passes take 28 x 16,384 / 1e9 s whatever its size: the
+    # line changes by 6 x 16,384 / 176,128 (the factors' bytes: < 0.3%)
+    log = ("# optimizer step benchmark: dit_xs width 64 depth 2\n"
+           "| periodic_rowwise non-refresh step, rownorm_scale=frobenius, compile_rownorm | 1.0 |  |\n")
+
+    def line(fused_buckets) -> float:
+        (row,) = calibration_rows(_fused_only_profile(fused_buckets), log, None)
+        return row[3]
+    flat = line([[1, 1, 1, 1e9], [1, 1, 2**30, 1e9]])
+    steep = line([[1, 1, 1, 1e9 / 16384], [1, 1, 2**30, 1e9 * 2**30 / 16384]])
+    assert flat == pytest.approx(28 * 176128 / 1e9, rel=5e-3)
+    assert steep / flat == pytest.approx(6 * 16384 / 176128, rel=5e-3)
+
+
+def test_a_profile_measured_before_the_rates_by_bucket_prices_the_compiled_passes_as_before():
+    import json
+    import os
+
+    from benchmarks.op_cost import seconds
+    from conftest import ROOT
+
+    with open(os.path.join(ROOT, "docs", "cost_model", "rounds", "round_1", "host_profile.json")) as f:
+        measured = json.load(f)
+    ops = measured["compute"]["2"]["ops"]  # one process of the 2-core host: 2 threads
+    rates = host_profile(measured, 1).op_rates()
+    assert "fused_buckets" not in ops and rates.fused_by_size == () and rates.fused == ops["fused"]
+    fused = [r for r in counted_records(model_shapes("dit_xs", 64, 2), "rownorm", "frobenius", "compiled")
+             if r.category == "fused"]
+    assert len(fused) == 12 and all(r.elements for r in fused)
+    assert all(seconds(r, rates) == pytest.approx(r.bytes / ops["fused"] + ops["op_s"]) for r in fused)

@@ -51,6 +51,18 @@ def test_compiled_rownorm_step_is_two_fused_passes_by_hand():
     ]
 
 
+def test_a_fused_record_carries_the_size_of_its_bucket():
+    # two wide 4 x 8 matrices stack into one bucket (64 elements), the tall 8 x 4 into another (32): each compiled
+    # pass is one record with its own bucket's elements, which its rate depends on
+    def make():
+        params = [torch.nn.Parameter(torch.empty(*shape)) for shape in ((4, 8), (8, 4), (4, 8))]
+        for p in params:
+            p.grad = torch.empty_like(p)
+        return MatrixOptimizer(params, lr=0.1, weight_decay=0.1, direction=RowNorm("frobenius", True))
+    fused = [(r.op, r.elements) for r in oc.count_steps(make) if r.category == "fused"]
+    assert fused == [("_momentum", 64), ("_momentum", 32), ("_update", 64), ("_update", 32)]
+
+
 def test_fused_region_reads_and_writes_each_outside_tensor_once():
     counter = oc.OpCounter(allow_non_fake_inputs=True)
     with counter:
@@ -104,3 +116,29 @@ def test_pricing_by_hand():
     assert oc.seconds(oc.OpRecord("d", "all_reduce", "collective", 10**6, 10**6), rates) == 0.0
     half = rates.shared(0.5)
     assert (half.stream, half.op_s, half.square) == (5e8, 2e-6, ((128, 2.5e11),))
+
+
+def test_the_compiled_passes_rate_is_log_log_between_bucket_sizes_and_clamped_at_the_ends():
+    # measured: 1e9 B/s on buckets of 1000 elements, 4e9 on 16,000: rate = 1e9 sqrt(elements / 1000) between them
+    rates = oc.OpRates(stream=1e9, convert=1e9, reduce=1e9, matvec=1e9, op_s=1e-6, adamw=1e9, fused=7e9,
+                       fused_by_size=((1000, 1e9), (16000, 4e9)))
+    assert rates.fused_rate(4000) == pytest.approx(2e9)
+    assert rates.fused_rate(2000) == pytest.approx(2**0.5 * 1e9)
+    assert (rates.fused_rate(10), rates.fused_rate(10**6)) == (pytest.approx(1e9), pytest.approx(4e9))
+    assert rates.fused_rate(0) == 7e9  # a region of unknown size: the one rate
+    record = oc.OpRecord("update", "_update", "fused", 3000, 1000, elements=4000)
+    assert oc.seconds(record, rates) == pytest.approx(4000 / 2e9 + 1e-6)
+    assert rates.shared(0.5).fused_by_size == ((1000, 5e8), (16000, 2e9))
+    single = oc.OpRates(stream=1e9, convert=1e9, reduce=1e9, matvec=1e9, op_s=0.0, adamw=1e9, fused=7e9)
+    assert single.fused_rate(4000) == 7e9
+
+
+def test_host_rates_take_the_compiled_passes_by_bucket_or_an_older_profiles_one_rate():
+    old = {"stream": 1e9, "convert": 1e9, "reduce": 1e9, "matvec": 1e9, "op_s": 0.0, "square": [[1, 1e9]],
+           "fused": 3e9}
+    rates = oc.host_op_rates(old, [[1, 1e9]], 1e9)
+    assert rates.fused_by_size == () and rates.fused_rate(100) == 3e9
+    new = {k: v for k, v in old.items() if k != "fused"}
+    new["fused_buckets"] = [[8, 64, 32, 2e9], [1, 16, 8, 1e9]]  # [B, m, n, bytes/s]
+    assert oc.host_op_rates(new, [[1, 1e9]], 1e9).fused_by_size == ((128, 1e9), (16384, 2e9))
+    assert oc.host_op_rates({**new, "fused_buckets": None}, [[1, 1e9]], 1e9).fused_rate(100) == 1e9  # no compiler
