@@ -34,9 +34,9 @@ def dit_train(*args, cwd):
 def test_a_one_process_run_resumed_on_two_ranks_says_each_thing_once(tmp_path):
     """The ranks all compose the config and load the checkpoint, but the log says so once (it said it on every
     rank); a small model's FSDP2 traffic is shown in MB (it read 0.00 GB)."""
-    first = dit_train(*TINY, "train.steps=2", "run_dir=run", cwd=tmp_path)
+    first = dit_train(*TINY, "optimizer=muon", "train.steps=2", "run_dir=run", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
-    out = torchrun(*TINY, "train.steps=3", "run_dir=run", "train.resume=auto", cwd=tmp_path)
+    out = torchrun(*TINY, "optimizer=muon", "train.steps=3", "run_dir=run", "train.resume=auto", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     said = out.stdout + out.stderr
     assert said.count("continuing with the config saved in run/checkpoints/step_00000002.dcp") == 1, said[-3000:]
@@ -44,6 +44,9 @@ def test_a_one_process_run_resumed_on_two_ranks_says_each_thing_once(tmp_path):
     traffic = re.search(r"FSDP2 traffic per rank per step: ([0-9.]+) MB, 0.00 MB of it between nodes "
                         r"\(1 node\(s\) of 2 ranks\)", said)
     assert traffic and float(traffic.group(1)) > 0, said[-3000:]
+    # the owner exchange's size is the number of ranks, not the letter of the docs' formula
+    assert ("sharded: whole-matrix directions in owner mode, U sent in bf16, up to 2 matrices per exchange (one per "
+            "rank)") in said
 
 
 def test_an_integer_reshard_size_that_no_shard_group_of_two_takes_is_refused_in_words(tmp_path):
