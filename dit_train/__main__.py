@@ -88,7 +88,9 @@ def explicit_run_dir(argv: list[str]) -> str | None:
 
 def cli() -> None:
     """The `dit-train` console script and `python -m dit_train`."""
-    logging.getLogger("dit_train").setLevel(logging.INFO)
+    # every rank composes the config and resumes, but only the first says so: the others log warnings and errors
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))  # torchrun's, else srun's (no torchrun)
+    logging.getLogger("dit_train").setLevel(logging.INFO if rank == "0" else logging.WARNING)
     check_command_line(sys.argv[1:])  # before Hydra makes the run folder: a bad config leaves nothing behind
     run_dir = explicit_run_dir(sys.argv[1:])
     if run_dir is not None:

@@ -98,11 +98,15 @@ def _check_reshard_size(size, shard_ranks: int) -> None:
     if isinstance(size, bool):
         return
     sizes = [d for d in range(2, shard_ranks) if shard_ranks % d == 0]
-    if size not in sizes:
-        valid = ", ".join(map(str, sizes)) or f"no integer for a shard group of {shard_ranks}"
+    if size in sizes:
+        return
+    if not sizes:  # 1, 2 or a prime number of ranks: there is no range of divisors to name
         raise invalid("parallel.reshard_after_forward", size,
-                      f"choose true, false or a divisor of the shard group size {shard_ranks} between 2 and "
-                      f"{shard_ranks - 1} ({valid})")
+                      f"choose true or false: an integer must be a divisor of the shard group size {shard_ranks} "
+                      f"other than 1 and {shard_ranks}, and {shard_ranks} has none")
+    raise invalid("parallel.reshard_after_forward", size,
+                  f"choose true, false or a divisor of the shard group size {shard_ranks} between 2 and "
+                  f"{shard_ranks - 1} ({', '.join(map(str, sizes))})")
 
 
 def check_train(node, world_size: int = 1) -> dict:

@@ -111,6 +111,11 @@ def settings_conflict(old: dict, new: dict, out: str) -> str | None:
     return None
 
 
+def images_of_rank(n: int, shard_size: int, rank: int, world: int) -> int:
+    """The images of an n-image split that `rank` encodes: its shards, dealt round-robin as in encode_split."""
+    return sum(min(shard_size, n - s * shard_size) for s in range(rank, math.ceil(n / shard_size), world))
+
+
 @torch.no_grad()
 def encode_split(codec, ds, n: int, split: str, args, rank: int, world: int, progress) -> None:
     folder = os.path.join(args.out, split)
@@ -191,7 +196,10 @@ def main(argv=None) -> dict:
     if dist.is_main:
         from tqdm import tqdm
 
-        progress = tqdm(desc="encode", unit="img", dynamic_ncols=True)
+        # rank 0 counts only its own shards: the bar says so, and its total is their images
+        mine = sum(images_of_rank(n, args.shard_size, 0, dist.world_size) for _, n in datasets.values())
+        label = "encode" if dist.world_size == 1 else f"encode (rank 0's shards of {dist.world_size} ranks)"
+        progress = tqdm(desc=label, total=mine, unit="img", dynamic_ncols=True)
     for split, (ds, n) in datasets.items():
         encode_split(codec, ds, n, split, args, dist.rank, dist.world_size, progress)
     if progress is not None:

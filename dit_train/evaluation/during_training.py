@@ -77,6 +77,7 @@ class Evaluation:
         tc = cfg.train
         # the whole held-out batches stay on the host; each rank evaluates its slice of every batch
         self.val_batches = list(fixed_batches(val_set, tc.val_samples, tc.val_batch_size))
+        self.val_images = min(tc.val_samples, len(val_set))  # a val split smaller than train.val_samples: all of it
         self.t_grid = validation_t_grid(tc.val_t_points)
         # a latent run's samples are decoded by the VAE that made its latents (each rank decodes its own batches)
         self.codec = None
@@ -213,13 +214,14 @@ class Evaluation:
                 for name in self.metrics}
 
 
-def end_of_run_work(cfg) -> list[str]:
+def end_of_run_work(cfg, val_images: int) -> list[str]:
     """What runs after the last step, in words, in order: on a short run it can take longer than the training (the
-    validation and grid sizes are train.val_samples / sample_steps ...; val_every=0 or sample_every=0 skip them)."""
+    validation and grid sizes are train.val_samples / sample_steps ...; val_every=0 or sample_every=0 skip them).
+    `val_images`: the images the validation loss uses (train.val_samples, or fewer in a smaller split)."""
     tc, ev, last = cfg.train, cfg.eval, cfg.train.steps
     work = ["checkpoint"]  # first: a signal or a kill during the evaluations below loses no training
     if every_n_steps(last, tc.val_every, last):
-        work.append(f"validation loss ({tc.val_samples} images x {tc.val_t_points} t)")
+        work.append(f"validation loss ({val_images} images x {tc.val_t_points} t)")
     if every_n_steps(last, ev.every_n_steps, last):
         work.append(f"FD ({ev.num_samples} samples, {ev.sample_steps} steps)")
     for metric in METRICS:

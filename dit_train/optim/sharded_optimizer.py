@@ -158,7 +158,9 @@ class ShardedMatrixOptimizer(MatrixOptimizer):
     def describe_placement(self) -> str:
         behind = ", exchanged behind backward" if self._overlap is not None else ""
         owner = self.distributed_mode == "owner"
-        exchange = "W matrices per exchange" if owner else f"buckets of {self.bucket_mb:g} MB"
+        ranks = dist.get_world_size(self._group) if self._group is not None else 1  # W: the shard group's ranks
+        exchange = (f"up to {ranks} matrices per exchange (one per rank)" if owner
+                    else f"buckets of {self.bucket_mb:g} MB")
         return (f"sharded: whole-matrix directions in {self.distributed_mode} mode, U sent in {self.gather_dtype}, "
                 f"{exchange}{behind}")
 

@@ -60,6 +60,7 @@ def describe_run(model, plan, world_size: int, ranks_per_node: int) -> str:
     v = fsdp_volumes(params, units, shard, plan.replicate, reduce_bytes, plan.reshard_after_forward)
     nodes = max(1, world_size // max(1, ranks_per_node))
     crosses = crossing_nodes(v, plan.replicate, nodes)
-    return (f"FSDP2 traffic per rank per step: {v['fsdp_total'] / GB:.2f} GB, {crosses / GB:.2f} GB of it between "
-            f"nodes ({nodes} node(s) of {min(ranks_per_node, world_size)} ranks"
+    unit, size = ("GB", GB) if v["fsdp_total"] >= 0.01 * GB else ("MB", 1e6)  # a small model's is not 0.00 GB
+    return (f"FSDP2 traffic per rank per step: {v['fsdp_total'] / size:.2f} {unit}, {crosses / size:.2f} {unit} of it "
+            f"between nodes ({nodes} node(s) of {min(ranks_per_node, world_size)} ranks"
             f"{', HSDP' if plan.replicate > 1 else ''})")

@@ -229,8 +229,12 @@ def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN,
     out_dir = out_dir or sweep_dir
     study = read_study(os.path.join(sweep_dir, "study.json"))
     if "lr_selection" not in study:
-        raise ConfigError(f"{sweep_dir}/study.json has no lr_selection: not a two-phase study, or its lr scan "
-                         f"has not finished (run: dit-study {study.get('experiment', '?')})")
+        if "selection_seeds" in study or any("phase" in r for r in study.get("runs", [])):  # dit-study's lr_scan
+            raise ConfigError(f"{sweep_dir}/study.json has no lr_selection: its lr scan has not finished (run: "
+                              f"dit-study {study.get('experiment', '?')})")
+        raise ConfigError(f"{sweep_dir}/study.json has no lr_selection: {study.get('experiment', 'this')} is a "
+                          f"one-phase study (no study.lr_scan), whose runs dit-paired-report does not pair; its "
+                          f"report is `dit-report {sweep_dir}`")
     runs, scan = collect(sweep_dir, study)
     chosen_by = selection_seeds(study)
     evaluated = without(runs, chosen_by)

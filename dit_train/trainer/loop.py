@@ -276,7 +276,7 @@ class Trainer:
         if self.dist.is_main:
             print(f"run {self.cfg.run_dir} finished training at step {state.step}, but its end-of-run work did not "
                   f"complete (no summary.json): running it now", flush=True)
-            print(f"end of run: {', '.join(end_of_run_work(self.cfg))} ...", flush=True)
+            print(f"end of run: {', '.join(end_of_run_work(self.cfg, self.evaluation.val_images))} ...", flush=True)
         try:
             with self.preemption:
                 best = (state.best_fd, dict(state.metric_best))
@@ -381,7 +381,7 @@ class Trainer:
     def announce_end_of_run(self, progress) -> None:
         progress.close()
         if self.dist.is_main:
-            print(f"end of run: {', '.join(end_of_run_work(self.cfg))} ...", flush=True)
+            print(f"end of run: {', '.join(end_of_run_work(self.cfg, self.evaluation.val_images))} ...", flush=True)
 
     def progress_bar(self):
         """The steps' bar: on rank 0's terminal with train.progress (else a disabled bar with the same methods)."""

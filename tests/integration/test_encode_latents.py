@@ -82,6 +82,10 @@ def test_two_ranks_encode_the_same_shards_as_one(tmp_path):
         a, b = load_file(str(tmp_path / "one" / "val" / name)), load_file(str(tmp_path / "two" / "val" / name))
         assert torch.equal(a["latents"], b["latents"]) and torch.equal(a["labels"], b["labels"])
     assert (tmp_path / "two" / "latents_info.json").is_file()
+    # the bars count what they say: all 20 images in one process; rank 0's shards 0 and 2 (6 + 6) under torchrun
+    # (it showed 12 images with no total and no word that the other rank's 8 were not counted)
+    assert "encode: 100%" in one.stderr and "20/20" in one.stderr, one.stderr[-1000:]
+    assert "encode (rank 0's shards of 2 ranks): 100%" in two.stderr and "12/12" in two.stderr, two.stderr[-1000:]
 
 
 def load_encoder():

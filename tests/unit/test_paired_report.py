@@ -147,9 +147,25 @@ def test_the_margin_is_named_in_the_report_and_a_bad_one_is_refused(tmp_path, ca
 
 
 def test_a_study_without_a_finished_scan_is_refused(tmp_path):
-    (tmp_path / "study.json").write_text(json.dumps({"experiment": "optimizer_comparison_cpu", "runs": []}))
-    with pytest.raises(ConfigError, match="has no lr_selection"):
+    (tmp_path / "study.json").write_text(json.dumps({"experiment": "optimizer_comparison_cpu", "runs": [
+        {"name": "a", "model": "dit_s", "optimizer": "muon", "lr": 0.01, "seed": 0, "phase": "scan"}]}))
+    with pytest.raises(ConfigError, match=r"has no lr_selection: its lr scan has not finished \(run: dit-study "
+                                          r"optimizer_comparison_cpu\)$"):
         paired_report.build(str(tmp_path), None)
+
+
+def test_a_one_phase_study_is_sent_to_dit_report_not_told_to_rerun(tmp_path, capsys):
+    """`dit-study smoke` then `dit-paired-report sweeps/smoke`: smoke has no lr scan, so rerunning it (what the
+    refusal said) would change nothing; the refusal names the report that fits."""
+    from dit_train.study import run as run_study
+
+    study = run_study.load_experiment("smoke").study
+    runs = run_study.expand(study, [], [])  # what dit-study records in study.json
+    (tmp_path / "study.json").write_text(json.dumps({"experiment": "smoke", "runs": runs}))
+    assert paired_report.main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path}/study.json has no lr_selection: smoke is a one-phase study (no study.lr_scan), whose runs "
+        f"dit-paired-report does not pair; its report is `dit-report {tmp_path}`\n")
 
 
 def test_publishing_a_two_phase_study_writes_its_paired_report_rebuilt_exactly_from_the_records(tmp_path,
