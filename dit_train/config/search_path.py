@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from dit_train.config.errors import ConfigError
 from dit_train.config.files import CONF_DIR
+from dit_train.runs.json_file import DamagedJSONFile, check_plain_small_file
 
 KEY = "hydra.searchpath"
 CONFIG_NAME_FLAGS = ("--config-name", "-cn")
@@ -47,6 +48,11 @@ def searchpath_entries(overrides: list[str], config_dir: str | None, primary: st
     else:
         files = [os.path.join(d, f"{primary}.yaml") for d in (CONF_DIR, config_dir) if d]
         file = next((f for f in files if os.path.isfile(f)), None)
+        try:
+            if file:
+                check_plain_small_file(file)  # a user's primary config: bounded, as every config file read
+        except DamagedJSONFile as e:
+            raise ConfigError(str(e)) from None
         entries = OmegaConf.select(OmegaConf.load(file), KEY) if file else None
         if entries is None:
             return []

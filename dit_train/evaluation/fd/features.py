@@ -251,6 +251,9 @@ def _missing_dinov2(variant: str, path: Path | None, why: str = "") -> MissingWe
 def _load_hf_dir(path: Path):
     from transformers import Dinov2Model
 
+    from dit_train.runs.json_file import check_plain_small_file
+
+    check_plain_small_file(str(path / "config.json"))  # transformers reads it whole
     model = Dinov2Model.from_pretrained(str(path), local_files_only=True)
     wfile = next(path / f for f in _HF_WEIGHT_FILES if (path / f).is_file())
     return model, _fingerprint(wfile)
