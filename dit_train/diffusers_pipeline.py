@@ -87,12 +87,13 @@ LIBRARIES = {"transformer": {"dit_train.diffusers_pipeline"}, "scheduler": {"dif
 def check_pipeline_index(folder: str) -> None:
     """One line unless `folder` is a local export whose model_index.json names this pipeline and components from
     this module or diffusers only."""
-    from dit_train.model.pretrained import PIPELINE_FILE
+    from dit_train.runs.folder_kind import PIPELINE_FILE, run_folder_hint
 
     path = os.path.join(folder, PIPELINE_FILE)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{folder!r} has no {PIPELINE_FILE}: not a local folder written by python -m "
-                                f"dit_train.export (an interrupted export writes {PIPELINE_FILE} last)")
+                                f"dit_train.export (an interrupted export writes {PIPELINE_FILE} last)"
+                                f"{run_folder_hint(folder)}")
     index = read_json(path, fix="export the model again")
     if not isinstance(index, dict) or index.get("_class_name") != "DiTTrainPipeline":
         raise ValueError(f"{path!r} does not describe a DiTTrainPipeline (its _class_name is "

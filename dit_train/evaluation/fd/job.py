@@ -32,6 +32,7 @@ from pathlib import Path
 from dit_train.runs import checkpoint as ckpt
 from dit_train.evaluation.fd.job_config import add_eval_args, eval_cfg_from_args
 from dit_train.runs.atomic_io import atomic_write_bytes, check_folder_can_be_made, describe_os_error
+from dit_train.runs.folder_kind import no_checkpoints
 from dit_train.runs.json_file import read_json
 from dit_train.parallel.fsdp import init_distributed, shutdown_process_group
 from dit_train.telemetry.progress import model_call_bar, write
@@ -66,7 +67,7 @@ def find_checkpoints(path: str | os.PathLike) -> tuple[Path, list[tuple[str, Pat
             found += [(str(d.relative_to(p)), c) for c in ckpts(d)]
             dirnames.remove("checkpoints")
     if not found:
-        raise FileNotFoundError(f"no checkpoints (checkpoints/step_*.dcp) under {str(path)!r}")
+        raise no_checkpoints(str(path))
     return p, found
 
 
