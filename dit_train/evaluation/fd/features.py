@@ -269,8 +269,7 @@ def _check_trusted(repo: Path, trust_code: bool) -> None:
     if not trust_code:
         raise UntrustedCodeError(
             f"{str(repo / 'hubconf.py')!r} would run as Python to load the encoder (a torch.hub checkout is code): "
-            f"refused; set eval.trust_encoder_code=true (dit-fd / dit-reference-stats: --trust-encoder-code) if you "
-            f"trust that checkout, or give eval.encoder_path a Hugging Face folder (config.json + "
+            f"refused; set eval.trust_encoder_code=true if you trust that checkout, or give eval.encoder_path a Hugging Face folder (config.json + "
             f"model.safetensors), which is read as data")
 
 
