@@ -341,6 +341,7 @@ def test_the_runs_of_a_sweep_are_named_by_what_they_are(tmp_path, capsys):
               "--no-grid", "--no-progress"])
     said = capsys.readouterr().out
     assert "[fd] t muon lr=0.002 seed=1 (folder 0) step 2: FD=" in said, said
+    assert "[fd] --num-samples=8 < feature dim 32" in said and "[fd] --reference-num=16 < feature dim 32" in said
     assert "[fd] best t periodic_rowwise K=3 (spectral) lr=0.003 seed=0 (folder 1): FD=" in said, said
     with open(sweep / "fd_results.csv") as f:
         rows = list(csv.DictReader(f))
