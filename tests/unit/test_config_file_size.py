@@ -57,7 +57,8 @@ def scheduler_config(tmp_path):
 
     (tmp_path / "export").mkdir()
     (tmp_path / "export" / "model_index.json").write_text(json.dumps({
-        "_class_name": "DiTTrainPipeline", "transformer": ["dit_train.diffusers_pipeline", "DiTTrainTransformer2DModel"],
+        "_class_name": "DiTTrainPipeline",
+        "transformer": ["dit_train.diffusers_pipeline", "DiTTrainTransformer2DModel"],
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"], "vae": [None, None]}))
     huge(tmp_path / "export" / "scheduler" / "scheduler_config.json")
     return lambda: DiTTrainPipeline.from_pretrained(str(tmp_path / "export")), "export/scheduler/scheduler_config.json"

@@ -269,8 +269,8 @@ def _check_trusted(repo: Path, trust_code: bool) -> None:
     if not trust_code:
         raise UntrustedCodeError(
             f"{str(repo / 'hubconf.py')!r} would run as Python to load the encoder (a torch.hub checkout is code): "
-            f"refused; set eval.trust_encoder_code=true if you trust that checkout, or give eval.encoder_path a Hugging Face folder (config.json + "
-            f"model.safetensors), which is read as data")
+            f"refused; set eval.trust_encoder_code=true if you trust that checkout, or give eval.encoder_path a "
+            f"Hugging Face folder (config.json + model.safetensors), which is read as data")
 
 
 def check_encoder_trusted(name: str, path: str | os.PathLike, trust_code: bool) -> None:
