@@ -18,7 +18,6 @@ Loading reads local folders only and never runs code from them: the classes are 
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
@@ -35,6 +34,7 @@ from diffusers.pipelines.pipeline_utils import ImagePipelineOutput  # noqa: E402
 
 from dit_train.evaluation.grids import to_uint8  # noqa: E402
 from dit_train.model.dit import DiT, DiTConfig  # noqa: E402
+from dit_train.runs.json_file import check_plain_small_file, read_json  # noqa: E402
 
 
 class DiTTrainTransformer2DModel(ModelMixin, DiT, ConfigMixin):
@@ -87,17 +87,14 @@ LIBRARIES = {"transformer": {"dit_train.diffusers_pipeline"}, "scheduler": {"dif
 def check_pipeline_index(folder: str) -> None:
     """One line unless `folder` is a local export whose model_index.json names this pipeline and components from
     this module or diffusers only."""
-    from dit_train.model.pretrained import PIPELINE_FILE
+    from dit_train.runs.folder_kind import PIPELINE_FILE, run_folder_hint
 
     path = os.path.join(folder, PIPELINE_FILE)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{folder!r} has no {PIPELINE_FILE}: not a local folder written by python -m "
-                                f"dit_train.export (an interrupted export writes {PIPELINE_FILE} last)")
-    try:
-        with open(path, "rb") as f:
-            index = json.loads(f.read())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path!r} is damaged (not JSON: {e}); export the model again") from None
+                                f"dit_train.export (an interrupted export writes {PIPELINE_FILE} last)"
+                                f"{run_folder_hint(folder)}")
+    index = read_json(path, fix="export the model again")
     if not isinstance(index, dict) or index.get("_class_name") != "DiTTrainPipeline":
         raise ValueError(f"{path!r} does not describe a DiTTrainPipeline (its _class_name is "
                          f"{index.get('_class_name') if isinstance(index, dict) else index!r})")
@@ -130,6 +127,8 @@ class DiTTrainPipeline(DiffusionPipeline):
         from dit_train.diffusion.vae_shapes import check_vae_folder
 
         check_pipeline_index(str(pretrained_model_name_or_path))
+        check_plain_small_file(os.path.join(str(pretrained_model_name_or_path), "scheduler", "scheduler_config.json"),
+                               "export the model again")  # diffusers reads it whole
         vae = os.path.join(str(pretrained_model_name_or_path), "vae")
         if os.path.isdir(vae):
             check_vae_folder(vae)

@@ -17,8 +17,8 @@ from dit_train.config.data_shapes import apply_data_shapes
 from dit_train.config.errors import ConfigError
 from dit_train.config.paths import check_paths
 from dit_train.config.files import CONF_DIR, group_options, is_group
-from dit_train.config.search_path import (config_name, is_searchpath, searchpath_entries, searchpath_override,
-                                          user_folders)
+from dit_train.config.search_path import (config_name, is_searchpath, primary_folder, searchpath_entries,
+                                          searchpath_override, user_folders)
 from dit_train.config.validate import validate
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
@@ -43,9 +43,10 @@ def split_config_dir(argv: list[str]) -> tuple[str | None, list[str]]:
     return config_dir, rest
 
 
-def check_group_overrides(overrides: list[str], folders: list[str] = ()) -> None:
+def check_group_overrides(overrides: list[str], folders: list[str] = (), own_primary: bool = True) -> None:
     """`group=option` names against our config folder and the user's `folders`: Hydra's own message spans several
-    lines."""
+    lines. Top-level keys are checked against ours only under our primary config (a user's --config-path primary
+    may declare its own)."""
     for arg in overrides:
         if "=" not in arg:
             continue
@@ -54,7 +55,7 @@ def check_group_overrides(overrides: list[str], folders: list[str] = ()) -> None
         if "." in key or "/" in key:
             continue
         if not is_group(key):
-            if not any(os.path.isdir(os.path.join(d, key)) for d in folders):  # not a group of the user's
+            if own_primary and not any(os.path.isdir(os.path.join(d, key)) for d in folders):  # not the user's
                 check_top_level_key(key, value)
             continue
         valid = group_options(key, folders)
@@ -166,8 +167,9 @@ def check_command_line(argv: list[str], world_size: int | None = None) -> None:
         flags = [a for a in argv if a.startswith("-")]
         overrides = [a for i, a in enumerate(argv) if not a.startswith("-")
                      and not (i and argv[i - 1] in HYDRA_FLAGS_WITH_VALUE)]  # `-sc query=bash` is no override
-        entries = searchpath_entries(overrides, config_dir, config_name(argv))
-        check_group_overrides(overrides, user_folders(config_dir, entries))
+        primary_dir = primary_folder(argv)  # ours, or the user's --config-path
+        entries = searchpath_entries(overrides, config_dir, config_name(argv), primary_dir)
+        check_group_overrides(overrides, user_folders(config_dir, entries, primary_dir), primary_dir == CONF_DIR)
         if any(f not in MULTIRUN_FLAGS for f in flags):
             return
         from dit_train.extras import check_extras, check_launcher

@@ -4,7 +4,6 @@ that says exactly what to pass and how to make it."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 
@@ -38,11 +37,9 @@ def read_latents_info(root: str) -> dict:
     if not os.path.isfile(path):
         return {}
     try:
-        with open(path) as f:
-            info = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path} is torn or not JSON ({e}); encode the latents again into a new folder with "
-                          f"dit-encode-latents") from None
+        info = read_json(path, fix="encode the latents again into a new folder with dit-encode-latents")
+    except DamagedJSONFile as e:  # a ConfigError: the check before Hydra says it in one line
+        raise ConfigError(str(e)) from None
     if not isinstance(info, dict):
         raise ConfigError(f"{path} holds a JSON {type(info).__name__}, expected the object dit-encode-latents writes")
     return info

@@ -21,12 +21,11 @@ from dataclasses import asdict, fields
 import torch
 
 from dit_train.runs.atomic_io import atomic_save_tensors, atomic_write_bytes
+from dit_train.runs.folder_kind import PIPELINE_FILE, TRANSFORMER, run_folder_hint
 from dit_train.runs.json_file import read_json
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-PIPELINE_FILE = "model_index.json"
-TRANSFORMER = "transformer"  # the pipeline's subfolder of the DiT
 DIFFUSERS_WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"  # the name diffusers' ModelMixin loads
 DIFFUSERS_CLASS = "DiTTrainTransformer2DModel"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -93,7 +92,8 @@ def _local_folder(path: str) -> str:
             return os.path.join(path, TRANSFORMER)
         if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
             raise FileNotFoundError(f"{path!r} has no {PIPELINE_FILE} or {CONFIG_FILE}: not a folder written by "
-                                    f"dit-export (an interrupted export writes {PIPELINE_FILE} last)")
+                                    f"dit-export (an interrupted export writes {PIPELINE_FILE} last)"
+                                    f"{run_folder_hint(path)}")
         return path
     from dit_train.extras import installed
 

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from dit_train.runs import checkpoint_metadata
 from dit_train.runs.atomic_io import fsync_dir, naming, write_synced
+from dit_train.runs.folder_kind import no_checkpoints
 from dit_train.runs.json_file import read_json
 from dit_train.parallel.fsdp import barrier, rank
 
@@ -123,7 +124,7 @@ def resolve_checkpoint(path: str) -> str:
             list_checkpoints(os.path.dirname(path.rstrip("/")), remove_partial=False, legacy=True)
         if found:
             return found[-1]
-        raise FileNotFoundError(f"no checkpoints (checkpoints/step_*.dcp) under {path!r}")
+        raise no_checkpoints(path)
     if os.path.isfile(path):
         raise FileNotFoundError(f"{path!r} is not a checkpoint (expected a step_N.dcp folder or a run folder)")
     raise FileNotFoundError(f"checkpoint path {path!r} does not exist")

@@ -1,23 +1,38 @@
-"""Reading a JSON file that a user may have edited or a crash may have torn (train_state.json, summary.json,
-wandb_run.json, fd_results.json, ...): its value, or one line that names the file and says what is wrong with it,
-instead of a traceback from the JSON parser that names neither."""
+"""Reading a JSON or YAML file that a user may have edited, received or a crash may have torn (train_state.json,
+summary.json, fd_results.json, a VAE's or an export's config.json, a run's config.yaml, study records, ...): its
+value, or one line that names the file and says what is wrong with it, instead of a traceback from the parser that
+names neither. A file larger than any such file dit_train writes is refused before it is read (a config.json from
+elsewhere could be gigabytes that the parser would hold in memory whole)."""
 
 from __future__ import annotations
 
 import json
 import os
 
+MAX_BYTES = 16 << 20  # the largest records here (fd_results.json of a big sweep, study.json) are well under 1 MiB
+
 
 class DamagedJSONFile(ValueError):
     """A JSON file that cannot be read as expected; the message names it, says what is wrong and what to do."""
+
+
+def check_plain_small_file(path: str, fix: str = "") -> None:
+    """DamagedJSONFile unless `path` (if it exists) is a regular file of at most MAX_BYTES: a FIFO would hang the
+    reader forever, a huge file fill the memory. A missing file is left to the reader (FileNotFoundError)."""
+    after = f"; {fix}" if fix else ""
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise DamagedJSONFile(f"{path} is not a regular file (a FIFO, socket, device or folder){after}")
+    size = os.path.getsize(path) if os.path.isfile(path) else 0
+    if size > MAX_BYTES:
+        raise DamagedJSONFile(f"{path} is {size:,} bytes, more than the {MAX_BYTES:,}-byte limit of a config or "
+                              f"record file: not read{after}")
 
 
 def read_json(path: str, keys: tuple[str, ...] = (), fix: str = ""):
     """The value in `path`; with `keys`, a JSON object that must hold each of them. A missing file raises
     FileNotFoundError as open() does (callers decide what a missing file means); `fix` ends the message."""
     after = f"; {fix}" if fix else ""
-    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO hung the reader forever
-        raise DamagedJSONFile(f"{path} is not a regular file (a FIFO, socket, device or folder){after}")
+    check_plain_small_file(path, fix)
     try:
         with open(path, encoding="utf-8") as f:
             value = json.load(f)
@@ -35,3 +50,19 @@ def read_json(path: str, keys: tuple[str, ...] = (), fix: str = ""):
         raise DamagedJSONFile(f"{path} has no {', '.join(map(repr, missing))} (it should hold "
                               f"{', '.join(keys)}): the file is damaged or was not written by dit_train{after}")
     return value
+
+
+def read_yaml(path: str, fix: str = ""):
+    """The value in the YAML file `path` (a run's config.yaml), bounded and refused in one line as read_json."""
+    import yaml
+
+    check_plain_small_file(path, fix)
+    after = f"; {fix}" if fix else ""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise DamagedJSONFile(f"{path} is not valid YAML ({str(e).splitlines()[0]}): the file is damaged{after}") \
+            from None
+    except UnicodeDecodeError:
+        raise DamagedJSONFile(f"{path} is not valid YAML (it is not UTF-8 text): the file is damaged{after}") from None

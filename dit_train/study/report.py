@@ -35,7 +35,7 @@ import yaml
 
 from dit_train.config.errors import ConfigError
 from dit_train.runs.atomic_io import atomic_write_bytes
-from dit_train.runs.json_file import DamagedJSONFile
+from dit_train.runs.json_file import DamagedJSONFile, read_json, read_yaml
 from dit_train.study.record import read_study
 
 PHASES = ("data", "forward", "backward", "optimizer compute", "exposed communication")
@@ -133,8 +133,7 @@ def read_run(folder: str, name: str) -> Run:
 
 
 def _read_run(folder: str, name: str) -> Run:
-    with open(os.path.join(folder, "config.yaml")) as f:
-        cfg = yaml.safe_load(f)
+    cfg = read_yaml(os.path.join(folder, "config.yaml"))
     run = Run(name=name, model=cfg["model"]["name"], optimizer=optimizer_label(cfg["optimizer"]),
               seed=int(cfg.get("seed", 0)), lr=float(cfg["optimizer"].get("lr", math.nan)),
               warmup_steps=int(cfg.get("train", {}).get("warmup_steps", 0) or 0))
@@ -176,12 +175,10 @@ def _read_run(folder: str, name: str) -> Run:
                   "optimizer compute": run.optimizer_s - comm, "exposed communication": comm}
     info = os.path.join(folder, "run_info.json")
     if os.path.exists(info):
-        with open(info) as f:
-            run.git_commit = str(json.load(f).get("git_commit") or "")
+        run.git_commit = str(read_json(info).get("git_commit") or "")
     summary = os.path.join(folder, "summary.json")
     if os.path.exists(summary):
-        with open(summary) as f:
-            s = json.load(f)
+        s = read_json(summary)
         run.steps = s.get("steps", run.steps)
         run.metrics = s.get("metrics") if isinstance(s.get("metrics"), dict) else {}
         if isinstance(s.get("val_loss"), (int, float)):

@@ -249,7 +249,8 @@ def test_a_truncated_latent_shard_is_one_line_naming_the_file(tmp_path, keep):
 
 def test_a_torn_latents_info_is_one_line_naming_the_file(tmp_path):
     (tmp_path / "latents_info.json").write_text('{"vae": "/w/vae", "scaling_fac')
-    with pytest.raises(ConfigError, match=rf"^{tmp_path}/latents_info.json is torn or not JSON \(.*\); encode "):
+    with pytest.raises(ConfigError, match=rf"^{tmp_path}/latents_info.json is not valid JSON \(.*\): the file is "
+                                         rf"damaged .*; encode "):
         read_latents_info(str(tmp_path))
     (tmp_path / "latents_info.json").write_text("[1, 2]")
     with pytest.raises(ConfigError, match=r"latents_info.json holds a JSON list, expected the object"):
@@ -274,7 +275,7 @@ def test_the_training_command_refuses_bad_latents_in_one_line(tmp_path, fault):
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     expected = {"label": f"error: latent shard {tmp_path}/lat/train/shard_00000.safetensors has label 10: "
                          f"data.num_classes=10 allows labels 0..9",
-                "torn_info": f"error: {tmp_path}/lat/latents_info.json is torn or not JSON"}[fault]
+                "torn_info": f"error: {tmp_path}/lat/latents_info.json is not valid JSON"}[fault]
     assert r.stderr.startswith(expected)
     assert not (tmp_path / "run").exists()  # found before the run folder was made (#28 item 3)
 

@@ -152,7 +152,7 @@ def test_a_resumed_encoding_refuses_another_vae_and_continues_with_its_own(tmp_p
     ("added image", r" holds train latents of 5 images, now 6 images or other files"),
     ("renamed image", r" holds train latents of 5 images, now 5 images or other files"),
     ("no record", r" holds latent shards but no latents_info.json that says how they were made"),
-    ("torn record", r"/latents_info.json is torn or not JSON \(.*\); encode the latents again into a new folder"),
+    ("torn record", r"/latents_info.json is not valid JSON \(.*\): the file is damaged .*; encode the latents again"),
     ("old record", r"/latents_info.json does not record vae_files, shard_size, .*\(an older dit-encode-latents"),
 ])
 def test_a_resumed_encoding_refuses_other_settings_before_writing(tmp_path, change, message):

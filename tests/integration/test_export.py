@@ -130,3 +130,22 @@ def test_loading_for_inference_draws_no_init_and_holds_the_ema_weights(trained_r
     ema = ckpt.read_tensors(ckpt.resolve_checkpoint(str(trained_run)), "ema")
     assert all(torch.equal(v, ema[k]) for k, v in model.state_dict().items())
     assert torch.equal(model.pos_embed, sincos_pos_embed_2d(model.pos_embed.shape[-1], model.grid))
+
+
+@needs_fashion
+def test_a_folder_given_where_the_other_kind_is_needed_is_one_line_naming_the_right_one(trained_run, tmp_path):
+    """`dit-fd OUT_DIR` (and dit-sample, dit-export) on dit-export's folder said `no checkpoints under OUT_DIR`: it
+    names the checkpoint the export was written from. DiT.from_pretrained(RUN) says how to make a model folder."""
+    out = tmp_path / "exported"
+    assert export_main([str(trained_run), str(out)]) == 0
+    source = json.loads((out / "transformer" / "config.json").read_text())["dit_train"]["source"]
+    for command in (["dit_train.evaluation.fd.job", out, "--device", "cpu"], ["dit_train.sample", out],
+                    ["dit_train.export", out, tmp_path / "again"]):
+        r = subprocess.run([sys.executable, "-m", *map(str, command)], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "PYTHONPATH": ROOT})
+        assert r.returncode == 2 and r.stderr.splitlines() == [
+            f"error: {str(out)!r} is a model folder written by dit-export, not a run folder: give the run folder or "
+            f"the checkpoint it was exported from: {source}"], (command, r.stderr)
+    with pytest.raises(FileNotFoundError, match=rf"'{trained_run}' is a run folder: write its model folder with "
+                                                rf"`dit-export {trained_run} OUT_DIR` and load OUT_DIR"):
+        DiT.from_pretrained(str(trained_run))

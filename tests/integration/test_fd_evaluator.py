@@ -1,10 +1,13 @@
 """Reference-statistics cache, the in-training FDEvaluator end to end with a random-init DINOv2, and the
 evaluation jobs (dit-reference-stats, dit-fd) on tiny checkpoints."""
 
+import csv
 import importlib
 import json
 import math
 import os
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -151,15 +154,15 @@ def test_evaluator_builds_encoder_and_dataset_from_configs(tmp_path):
     assert math.isfinite(res["fd"]) and res["fd_num_gen"] == 20
 
 
-def _fake_run(run_dir, steps, hidden=16, legacy=False):
+def _fake_run(run_dir, steps, hidden=16, legacy=False, **saved):
     """Checkpoints in the trainer's format (dit_train.runs.checkpoint: EMA tensors, step, active_time_s, config), or
-    the read-only single files of earlier versions."""
+    the read-only single files of earlier versions; `saved`: more of the run's config (optimizer, seed)."""
     from dit_train.runs import checkpoint as ckpt
     from dit_train.model.dit import build_model
 
     mcfg = dict(name="t", image_size=32, in_channels=1, patch_size=8, hidden_size=hidden, depth=1, num_heads=2,
                 num_classes=10)
-    cfg = {"model": mcfg, "data": OmegaConf.to_container(load_data_cfg("fashion_mnist"))}
+    cfg = {"model": mcfg, "data": OmegaConf.to_container(load_data_cfg("fashion_mnist")), **saved}
     (run_dir / "checkpoints").mkdir(parents=True)
     for s in steps:
         torch.manual_seed(s)
@@ -190,15 +193,16 @@ def test_fd_dino_job_scores_a_sweep_and_skips_scored_checkpoints(tmp_path, capsy
     assert [(r["run"], r["step"]) for r in rows] == [("0", 3), ("0", 6), ("1", 6)]
     assert all(math.isfinite(r["fd"]) and r["num_gen"] == 16 and r["num_ref"] == 32 for r in rows)
     assert rows[1]["active_time_s"] == 9.0 and rows[0]["fd"] != rows[1]["fd"]
-    assert (sweep / "fd_results.csv").read_text().splitlines()[0].startswith("run,step,active_time_s,fd,encoder")
+    assert (sweep / "fd_results.csv").read_text().splitlines()[0].startswith("label,run,step,active_time_s,fd,")
     assert len(json.loads((sweep / "fd_results.json").read_text())["rows"]) == 3
     assert (sweep / "fd_grids" / "0" / "step_00000003.png").is_file()
     said = capsys.readouterr().out  # labelled [fd] whatever the encoder (was [fd_dino], for Inception too)
-    assert "[fd] 0 step 3: FD=" in said and "[fd] best 0: FD=" in said and "[fd_dino]" not in said, said
-    assert said.count("[fd] eval.num_samples=16 < feature dim 32") == 1, said
+    assert "[fd] t (folder 0) step 3: FD=" in said and "[fd] best t (folder 0): FD=" in said, said
+    assert "[fd_dino]" not in said, said
+    assert said.count("[fd] --num-samples=16 < feature dim 32") == 1, said  # the flag typed, not eval.num_samples
 
     again = job.main([str(sweep)] + args)  # nothing new to score
-    assert "skip 1 step_00000006.pt" in capsys.readouterr().out
+    assert "skip t (folder 1) step_00000006.pt" in capsys.readouterr().out
     assert [r["fd"] for r in again] == [r["fd"] for r in rows]
     more = job.main([str(sweep / "0" / "checkpoints" / "step_00000003.dcp"), "--out", str(sweep)] + args
                     + ["--seed", "1"])  # another seed is another setting: scored, kept beside the first
@@ -261,8 +265,6 @@ def test_eval_jobs_wait_for_peers_as_long_as_training(name, args, monkeypatch):
 def test_fd_dino_command_errors_are_one_line(tmp_path, case):
     """`dit-fd FOLDER` on a folder without checkpoints, or with an fd_results.json cut short by a
     crash: one line naming the folder / file, exit 2 (both were tracebacks), before any encoder is loaded."""
-    import subprocess
-    import sys
 
     run_dir = tmp_path / "run"
     if case == "no checkpoints":
@@ -321,3 +323,56 @@ def test_fd_results_are_never_written_through_a_link_planted_at_their_temp_name(
     write_results(tmp_path, [{"run": "r", "step": 1, "encoder": "inception", "fd": 1.0}])
     assert victim.read_text() == "export PATH=/usr/bin\n"
     assert "inception" in (tmp_path / name).read_text()
+
+
+@needs_fashion
+def test_the_runs_of_a_sweep_are_named_by_what_they_are(tmp_path, capsys):
+    """`dit-fd multirun/<date>/<time>` named its runs by their folders, Hydra's job numbers (`0`, `1`) or override
+    strings that leave out every default: each is labelled from its saved config (model, optimizer with K and
+    RowNorm scale, lr, seed) in the lines and the results, its folder kept beside the label."""
+    from dit_train.evaluation.fd import job
+
+    sweep = tmp_path / "sweep"
+    _fake_run(sweep / "0", [2], optimizer={"name": "muon", "lr": 0.002}, seed=1)
+    _fake_run(sweep / "1", [2], optimizer={"name": "periodic_rowwise", "K": 3, "rownorm_scale": "spectral",
+                                           "lr": 0.003}, seed=0)
+    job.main([str(sweep), "--eval-preset", "ci", "--cache-dir", str(tmp_path / "cache"), "--reference-split", "val",
+              "--num-samples", "8", "--batch-size", "8", "--reference-num", "16", "--sample-steps", "1",
+              "--no-grid", "--no-progress"])
+    said = capsys.readouterr().out
+    assert "[fd] t muon lr=0.002 seed=1 (folder 0) step 2: FD=" in said, said
+    assert "[fd] --num-samples=8 < feature dim 32" in said and "[fd] --reference-num=16 < feature dim 32" in said
+    assert "[fd] best t periodic_rowwise K=3 (spectral) lr=0.003 seed=0 (folder 1): FD=" in said, said
+    with open(sweep / "fd_results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["label"], r["run"]) for r in rows] == [("t muon lr=0.002 seed=1", "0"),
+                                                     ("t periodic_rowwise K=3 (spectral) lr=0.003 seed=0", "1")]
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--num-samples", "0"], "error: --num-samples=0 is not valid: "),
+    (["--encoder", "dinov3"], "error: --encoder='dinov3' is not valid: choose one of "),
+    (["--eval-preset", "dinov2", "--encoder-path", "{tmp}/none"], "error: DINOv2 weights for dinov2_vitl14 not "
+                                                                  "found (--encoder-path='{tmp}/none') "),
+])
+def test_dit_fd_names_the_flags_the_user_typed(tmp_path, flags, expected):
+    """`dit-fd RUN --num-samples 0` said `eval.num_samples=0 is not valid` (a training key the user never typed),
+    after loading the encoder and the checkpoint; now the flag, before either."""
+    _fake_run(tmp_path / "run", [3])
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    r = subprocess.run([sys.executable, "-m", "dit_train.evaluation.fd.job", str(tmp_path / "run"), "--device", "cpu",
+                        "--cache-dir", str(tmp_path / "cache"), *flags], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(expected.format(tmp=tmp_path)) and "eval." not in r.stderr, r.stderr
+
+
+def test_dit_fd_help_shows_paths_a_user_has():
+    """Its examples named runs/2025-01-01/12-00-00, a folder no run has (runs are runs/<date>/<time>-<suffix>),
+    and no dit-study sweep (sweeps/<study>)."""
+    r = subprocess.run([sys.executable, "-m", "dit_train.evaluation.fd.job", "--help"], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT, "COLUMNS": "120"})
+    assert r.returncode == 0
+    assert "dit-fd runs/<date>/<time>-<suffix>/checkpoints/step_00001000.dcp" in r.stdout
+    assert "dit-fd runs/<date>/<time>-<suffix> " in r.stdout and "dit-fd sweeps/<study> " in r.stdout
+    assert "2025-01-01" not in r.stdout and "multirun/..." not in r.stdout

@@ -102,3 +102,41 @@ def test_a_searchpath_that_is_not_a_list_is_one_line(capsys):
         check_command_line(["hydra.searchpath=/some/folder", "experiment=mine"])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.startswith("error: hydra.searchpath='/some/folder' is not valid: a list"), err
+
+
+def train_command(*argv, cwd=None):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    return subprocess.run([sys.executable, "-m", "dit_train", *map(str, argv)], capture_output=True, text=True,
+                          timeout=300, cwd=cwd, env={**os.environ, "PYTHONPATH": ROOT})
+
+
+def test_a_group_option_of_the_users_config_path_passes_the_check(tmp_path):
+    """`--config-path DIR --config-name mine optimizer=mine` (Hydra's flags: DIR holds the primary config, in place
+    of ours): the check looked for options in our folder and --config-dir only and refused optimizer=mine before
+    Hydra, which composes it, saw the command."""
+    (tmp_path / "optimizer").mkdir()
+    (tmp_path / "optimizer" / "mine.yaml").write_text("defaults:\n  - muon\n  - _self_\nlr: 0.0123\n")
+    (tmp_path / "mine.yaml").write_text("defaults:\n  - config\n  - _self_\nhydra:\n  searchpath:\n"
+                                        "    - pkg://dit_train.conf\n")
+    r = train_command("--config-path", tmp_path, "--config-name", "mine", "optimizer=mine", "--cfg", "job")
+    assert r.returncode == 0, r.stderr
+    assert "  name: muon\n" in r.stdout and "  lr: 0.0123\n" in r.stdout, r.stdout
+    r = train_command("--config-path", tmp_path, "--config-name", "mine", "optimizer=mien", "--cfg", "job")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr  # a typo is still found, naming DIR's option
+    assert r.stderr.startswith("error: optimizer='mien' is not a known optimizer; valid: ") and "mine" in r.stderr
+
+
+def test_a_relative_config_path_is_one_line_saying_where_hydra_looks(tmp_path):
+    """Hydra reads a relative --config-path from dit_train's package folder, not the working directory: its own
+    error named neither; the check says so and gives the absolute path to type."""
+    (tmp_path / "my_conf").mkdir()
+    (tmp_path / "my_conf" / "mine.yaml").write_text("defaults:\n  - config\n")
+    r = train_command("--config-path", "my_conf", "--config-name", "mine", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("error: --config-path my_conf: no such folder (") and \
+        f"give an absolute path (--config-path {tmp_path / 'my_conf'})" in r.stderr, r.stderr

@@ -83,7 +83,9 @@ class FDEvaluator:
             self.extractor, dataset, split, cfg["reference_num"], cfg["cache_dir"],
             data_cfg=data_cfg, batch_size=self.batch_size, log=self.log, progress=progress)
         self.labels = generation_labels(self.reference.labels, self.num_samples, self.seed)
-        for count, what in ((self.num_samples, "eval.num_samples"), (self.reference.count, "the reference count")):
+        # the key that set the count (a split smaller than eval.reference_num, or <= 0 for all of it: its size)
+        ref_key = "eval.reference_num" if self.reference.count == cfg["reference_num"] else "the reference count"
+        for count, what in ((self.num_samples, "eval.num_samples"), (self.reference.count, ref_key)):
             if count < self.extractor.feature_dim:
                 self.log(f"[fd] {what}={count} < feature dim {self.extractor.feature_dim} of "
                          f"{self.extractor.name}: covariance rank-deficient, FD biased (fine for tracking, compare "

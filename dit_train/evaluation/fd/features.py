@@ -251,6 +251,9 @@ def _missing_dinov2(variant: str, path: Path | None, why: str = "") -> MissingWe
 def _load_hf_dir(path: Path):
     from transformers import Dinov2Model
 
+    from dit_train.runs.json_file import check_plain_small_file
+
+    check_plain_small_file(str(path / "config.json"))  # transformers reads it whole
     model = Dinov2Model.from_pretrained(str(path), local_files_only=True)
     wfile = next(path / f for f in _HF_WEIGHT_FILES if (path / f).is_file())
     return model, _fingerprint(wfile)
@@ -266,9 +269,8 @@ def _check_trusted(repo: Path, trust_code: bool) -> None:
     if not trust_code:
         raise UntrustedCodeError(
             f"{str(repo / 'hubconf.py')!r} would run as Python to load the encoder (a torch.hub checkout is code): "
-            f"refused; set eval.trust_encoder_code=true (dit-fd / dit-reference-stats: --trust-encoder-code) if you "
-            f"trust that checkout, or give eval.encoder_path a Hugging Face folder (config.json + "
-            f"model.safetensors), which is read as data")
+            f"refused; set eval.trust_encoder_code=true if you trust that checkout, or give eval.encoder_path a "
+            f"Hugging Face folder (config.json + model.safetensors), which is read as data")
 
 
 def check_encoder_trusted(name: str, path: str | os.PathLike, trust_code: bool) -> None:

@@ -1,21 +1,22 @@
 """Score checkpoints with a Fréchet distance (the default preset scores with Inception, offline; `--eval-preset dinov2`
 for FD-DINO).
 
-    dit-fd runs/2025-01-01/12-00-00/checkpoints/step_00001200.dcp  # one checkpoint
-    dit-fd runs/2025-01-01/12-00-00                                # every checkpoint of a run
-    dit-fd multirun/2025-01-01/12-00-00 --eval-preset dinov2 \\
-        --encoder-path /weights/dinov2-large                                        # every run of a sweep
-    torchrun --nproc_per_node 8 --no-python dit-fd multirun/... --eval-preset dinov2    # sampling sharded over ranks
+    dit-fd runs/<date>/<time>-<suffix>/checkpoints/step_00001000.dcp   # one checkpoint
+    dit-fd runs/<date>/<time>-<suffix>                                 # every checkpoint of a run
+    dit-fd multirun/<date>/<time>-<suffix>                             # every run of a --multirun sweep
+    dit-fd sweeps/<study> --eval-preset dinov2 --encoder-path /weights/dinov2-large   # every run of a dit-study
+    torchrun --nproc_per_node 8 --no-python dit-fd sweeps/<study> --eval-preset dinov2   # sampling over ranks
 
-For every checkpoint found (a checkpoint; a run folder's checkpoints/step_*.dcp; or every run folder under a sweep
-folder)
-it loads the EMA model, samples `num_samples` images (Euler, `sample_steps`, CFG `cfg_scale`, fixed labels and
-noise from `seed`), encodes them and compares with the cached reference statistics of the run's own data config.
-Results go to <out>/fd_results.csv and .json (one row per checkpoint: run, step, active_time_s, fd, encoder,
-num_gen, num_ref, ref_id, settings) and are written after each checkpoint; a checkpoint already scored with the
-same settings is skipped (--force rescores). A sample grid per checkpoint goes to <out>/fd_grids/.
-Settings default to the eval option --eval-preset; flags override single keys. On a terminal, progress bars count
-the reference images' batches and each checkpoint's model calls (--no-progress: none).
+A folder written by dit-export is not a run: give the run folder it was exported from. For every checkpoint found
+(a checkpoint; a run folder's checkpoints/step_*.dcp; or every run folder under a sweep folder) it loads the EMA
+model, samples --num-samples images (Euler, --sample-steps, CFG --cfg-scale, fixed labels and noise from --seed),
+encodes them and compares with the cached reference statistics of the run's own data config. Results go to
+<out>/fd_results.csv and .json, one row per checkpoint: label (what the run is, from its saved config: model,
+optimizer with its K and RowNorm scale, lr, seed), run (its folder), step, active_time_s, fd, encoder, num_gen,
+num_ref, ref_id and the settings. They are written after each checkpoint; a checkpoint already scored with the same
+settings is skipped (--force rescores). A sample grid per checkpoint goes to <out>/fd_grids/. Settings default to
+the eval option --eval-preset; flags override single keys. On a terminal, progress bars count the reference
+images' batches and each checkpoint's model calls (--no-progress: none).
 """
 
 from __future__ import annotations
@@ -30,14 +31,15 @@ import time
 from pathlib import Path
 
 from dit_train.runs import checkpoint as ckpt
-from dit_train.evaluation.fd.job_config import add_eval_args, eval_cfg_from_args
+from dit_train.evaluation.fd.job_config import add_eval_args, eval_cfg_from_args, in_flag_terms
 from dit_train.runs.atomic_io import atomic_write_bytes, check_folder_can_be_made, describe_os_error
+from dit_train.runs.folder_kind import no_checkpoints
 from dit_train.runs.json_file import read_json
 from dit_train.parallel.fsdp import init_distributed, shutdown_process_group
 from dit_train.telemetry.progress import model_call_bar, write
 from dit_train.devices import check_device
 
-COLUMNS = ["run", "step", "active_time_s", "fd", "encoder", "num_gen", "num_ref", "ref_id", "sample_steps",
+COLUMNS = ["label", "run", "step", "active_time_s", "fd", "encoder", "num_gen", "num_ref", "ref_id", "sample_steps",
            "cfg_scale", "seed", "checkpoint", "eval_time_s", "scored_at"]
 SETTINGS = ["encoder", "num_gen", "sample_steps", "cfg_scale", "seed", "reference"]
 
@@ -66,8 +68,34 @@ def find_checkpoints(path: str | os.PathLike) -> tuple[Path, list[tuple[str, Pat
             found += [(str(d.relative_to(p)), c) for c in ckpts(d)]
             dirnames.remove("checkpoints")
     if not found:
-        raise FileNotFoundError(f"no checkpoints (checkpoints/step_*.dcp) under {str(path)!r}")
+        raise no_checkpoints(str(path))
     return p, found
+
+
+def run_label(run_cfg) -> str:
+    """What a run is, from its saved config: `dit_s periodic_rowwise K=3 (spectral) lr=0.002 seed=1` (a sweep's
+    folders are numbers or Hydra's override strings, which say neither what was left at its default nor all)."""
+    from omegaconf import OmegaConf
+
+    from dit_train.study.report import optimizer_label
+
+    cfg = OmegaConf.to_container(run_cfg) if OmegaConf.is_config(run_cfg) else dict(run_cfg)
+    opt, parts = cfg.get("optimizer") or {}, []
+    if (cfg.get("model") or {}).get("name"):
+        parts.append(str(cfg["model"]["name"]))
+    if opt.get("name"):
+        parts.append(optimizer_label(opt))
+    if isinstance(opt.get("lr"), (int, float)):
+        parts.append(f"lr={opt['lr']:g}")
+    if cfg.get("seed") is not None:
+        parts.append(f"seed={cfg['seed']}")
+    return " ".join(parts)
+
+
+def named(row: dict) -> str:
+    """A row's run as a log line names it: its label, and its folder (two runs may be alike)."""
+    label = row.get("label")
+    return f"{label} (folder {row['run']})" if label else str(row["run"])
 
 
 def latent_decoder(run_cfg, data_cfg, vae_path: str | None, device):
@@ -128,6 +156,7 @@ def main(argv=None) -> list[dict]:
     add_eval_args(ap)
     args = ap.parse_args(argv)
     check_device(args.device)  # before the process group, checkpoints and encoder
+    cfg = eval_cfg_from_args(args)
 
     import torch.distributed as dist
     from omegaconf import OmegaConf
@@ -140,9 +169,9 @@ def main(argv=None) -> list[dict]:
 
     dist_info = init_distributed(device=args.device, timeout_minutes=args.timeout_minutes)
     device, rank = dist_info.device, dist_info.rank
-    log = write if rank == 0 else (lambda *a, **k: None)  # above a progress bar, never on its line
+    # above a progress bar, never on its line; in the words of the flags the user typed, not of config keys
+    log = (lambda line: write(in_flag_terms(line))) if rank == 0 else (lambda *a, **k: None)
     progress = rank == 0 and not args.no_progress
-    cfg = eval_cfg_from_args(args)
     todo: list[tuple[str, Path]] = []
     out = None
     for p in args.paths:
@@ -158,14 +187,15 @@ def main(argv=None) -> list[dict]:
                 "sample_steps": int(cfg.sample_steps), "cfg_scale": float(cfg.cfg_scale), "seed": int(cfg.seed),
                 "reference": reference}
 
-    done = {row_key(r) for r in rows}
+    done = {row_key(r): r for r in rows}
     skip = [(run, c) for run, c in todo if not args.force and row_key({"run": run, "checkpoint": c, **settings}) in done]
     if dist.is_initialized():  # rank 0's view of the results decides, so every rank runs the same collectives
         obj = [skip]
         dist.broadcast_object_list(obj, src=0)
         skip = obj[0]
-    for run, c in skip:
-        log(f"[fd] skip {run} {c.name}: already scored with these settings")
+    for run, c in skip:  # rank 0 holds the rows
+        scored = done.get(row_key({"run": run, "checkpoint": c, **settings}), {"run": run})
+        log(f"[fd] skip {named(scored)} {c.name}: already scored with these settings")
     todo = [t for t in todo if t not in skip]
 
     evaluators: dict[str, FDEvaluator] = {}
@@ -184,10 +214,11 @@ def main(argv=None) -> list[dict]:
         precision = compute_precision(OmegaConf.select(run_cfg, "train.precision", default="auto"), device)
         sample = make_sampler(model, mcfg, device, int(cfg.sample_steps), float(cfg.cfg_scale), precision,
                               decode=latent_decoder(run_cfg, data_cfg, args.vae, device))
-        with model_call_bar(model, len(ev.my_batches()) * int(cfg.sample_steps), f"FD {run} step {meta['step']}",
-                            progress):
+        label = run_label(run_cfg)
+        with model_call_bar(model, len(ev.my_batches()) * int(cfg.sample_steps),
+                            f"FD {label or run} step {meta['step']}", progress):
             res = ev.evaluate(sample, int(meta["step"]))
-        row = {"run": run, "step": int(meta["step"]), "active_time_s": float(meta["active_time_s"]),
+        row = {"label": label, "run": run, "step": int(meta["step"]), "active_time_s": float(meta["active_time_s"]),
                "fd": res["fd"], "encoder": res["fd_encoder"], "num_gen": res["fd_num_gen"],
                "num_ref": res["fd_num_ref"], "ref_id": res["fd_ref_id"], "sample_steps": int(cfg.sample_steps),
                "cfg_scale": float(cfg.cfg_scale), "seed": int(cfg.seed), "checkpoint": str(path),
@@ -202,7 +233,7 @@ def main(argv=None) -> list[dict]:
                 grid = out / "fd_grids" / run.replace(os.sep, "__") / f"step_{row['step']:08d}.png"
                 grid.parent.mkdir(parents=True, exist_ok=True)
                 save_grid(res["images"], str(grid), nrow=8)
-            log(f"[fd] {run} step {row['step']}: FD={row['fd']:.4f} ({extractor.name}, n_gen={row['num_gen']}, "
+            log(f"[fd] {named(row)} step {row['step']}: FD={row['fd']:.4f} ({extractor.name}, n_gen={row['num_gen']}, "
                 f"n_ref={row['num_ref']}, {row['eval_time_s']} s)")
         del model
 
@@ -213,7 +244,7 @@ def main(argv=None) -> list[dict]:
             if same and (r["run"] not in best or r["fd"] < best[r["run"]]["fd"]):
                 best[r["run"]] = r
         for r in best.values():
-            log(f"[fd] best {r['run']}: FD={r['fd']:.4f} at step {r['step']} "
+            log(f"[fd] best {named(r)}: FD={r['fd']:.4f} at step {r['step']} "
                 f"(active time {r['active_time_s']:.1f} s)")
         log(f"[fd] results: {out / 'fd_results.csv'} and {out / 'fd_results.json'}")
     shutdown_process_group()
@@ -226,7 +257,7 @@ def cli() -> int:
         main()
     except (FileNotFoundError, ValueError) as e:  # a damaged JSON file or checkpoint is a ValueError
         shutdown_process_group()
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {in_flag_terms(str(e))}", file=sys.stderr)
         return 2
     except OSError as e:  # --out not a folder, not writable, a full disk: the path and the operation
         shutdown_process_group()

@@ -5,6 +5,7 @@ group is parallel.init_distributed, as for training."""
 from __future__ import annotations
 
 import argparse
+import re
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -55,12 +56,26 @@ def training_timeout_minutes() -> float:
     return float(ParallelConfig.timeout_minutes)
 
 
+# the eval keys that have a flag of their own (add_eval_args): --num-samples sets eval.num_samples
+FLAG_KEYS = ("encoder", "encoder_path", "trust_encoder_code", "num_samples", "batch_size", "sample_steps", "cfg_scale",
+             "reference_split", "reference_num", "cache_dir", "seed")
+
+
 def eval_cfg_from_args(args) -> DictConfig:
-    keys = ["encoder", "encoder_path", "trust_encoder_code", "num_samples", "batch_size", "sample_steps", "cfg_scale", "reference_split",
-            "reference_num", "cache_dir", "seed"]
+    """The eval config of the preset and flags, checked (one line naming the flag) before any heavy work."""
+    from dit_train.config import check_eval
+
     cfg = load_eval_cfg(args.eval_preset)
-    for k in keys:
+    for k in FLAG_KEYS:
         v = getattr(args, k, None)
         if v is not None:
             cfg[k] = v
+    check_eval(cfg)
     return cfg
+
+
+def in_flag_terms(text: str) -> str:
+    """A line of the eval code, which names config keys (training's words: `eval.num_samples=16`), in the words
+    the user of dit-fd / dit-reference-stats typed: `--num-samples=16`, `--trust-encoder-code`."""
+    text = text.replace("eval.trust_encoder_code=true", "--trust-encoder-code")
+    return re.sub(rf"\beval\.({'|'.join(FLAG_KEYS)})\b", lambda m: "--" + m.group(1).replace("_", "-"), text)

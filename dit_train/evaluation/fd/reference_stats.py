@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 
-from dit_train.evaluation.fd.job_config import add_eval_args, eval_cfg_from_args, load_data_cfg
+from dit_train.evaluation.fd.job_config import add_eval_args, eval_cfg_from_args, in_flag_terms, load_data_cfg
 from dit_train.parallel.fsdp import init_distributed, shutdown_process_group
 from dit_train.devices import check_device
 
@@ -33,6 +33,7 @@ def main(argv=None) -> dict:
     add_eval_args(ap)
     args = ap.parse_args(argv)
     check_device(args.device)  # before the process group, checkpoints and encoder
+    cfg = eval_cfg_from_args(args)
 
     from dit_train.data import build_dataset
     from dit_train.evaluation.fd.features import build_extractor
@@ -40,9 +41,8 @@ def main(argv=None) -> dict:
 
     dist = init_distributed(device=args.device, timeout_minutes=args.timeout_minutes)
     device, rank = dist.device, dist.rank
-    cfg = eval_cfg_from_args(args)
     data_cfg = load_data_cfg(args.data, args.data_set)
-    log = print if rank == 0 else (lambda *a, **k: None)
+    log = (lambda line: print(in_flag_terms(line))) if rank == 0 else (lambda *a, **k: None)  # the flags' words
     extractor = build_extractor(cfg.encoder, cfg.encoder_path, device, trust_code=cfg.trust_encoder_code)
     dataset = build_dataset(data_cfg, cfg.reference_split)
     ref = load_or_compute_reference(extractor, dataset, cfg.reference_split, int(cfg.reference_num), cfg.cache_dir,
@@ -64,7 +64,7 @@ def cli() -> int:
         main()
     except (FileNotFoundError, ValueError) as e:
         shutdown_process_group()
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {in_flag_terms(str(e))}", file=sys.stderr)
         return 2
     return 0
 
