@@ -5,7 +5,9 @@ on top. `dit-train run_dir=X train.resume=auto` then continues any run however i
 What the command line set: the keys it names, and every key its group choices (`optimizer=muon`,
 `experiment=...`) change: the saved run's own options (it names its data, model and optimizer) are composed
 with and without the command's overrides, and the keys that differ are the command's. The
-command's run_dir, train.resume and train.init_from always hold. A key the checkpoint's config lacks (added to
+command's run_dir, train.resume and train.init_from always hold, and so does eval.trust_encoder_code: a grant to run
+the code of a torch.hub checkout comes from the user, never from a checkpoint (a run folder from elsewhere named a
+checkout it shipped, and its hubconf.py ran on resume). A key the checkpoint's config lacks (added to
 dit_train later) takes its default, or the value that reproduces earlier runs (its schema's recorded_before); keys
 only the checkpoint has are dropped. resume_policy.check_resume then judges the result against the saved config,
 so a change outside the resume policy is refused in one line as before, now naming only what the user asked for.
@@ -18,7 +20,7 @@ import logging
 from omegaconf import OmegaConf
 
 log = logging.getLogger("dit_train")
-ALWAYS_FROM_COMMAND = ("run_dir", "train.resume", "train.init_from")
+ALWAYS_FROM_COMMAND = ("run_dir", "train.resume", "train.init_from", "eval.trust_encoder_code")
 SAVED_CHOICES = ("data", "model", "optimizer")  # groups whose option a saved config names (its `name` key)
 ABSENT = object()
 
