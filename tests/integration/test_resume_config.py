@@ -211,3 +211,31 @@ def test_a_saved_config_never_grants_trust_to_encoder_code(run, tmp_path, how):
     trusted = continue_saved_config(compose(command + ["eval.trust_encoder_code=true"]),
                                     command + ["eval.trust_encoder_code=true"])
     assert trusted.eval.trust_encoder_code is True
+
+
+def test_a_saved_option_name_that_is_a_path_is_never_composed(run, tmp_path):
+    """A run folder from elsewhere whose checkpoint's config names its model `../../../<elsewhere>/evil`: the resume
+    composed `model=<that>` to learn what the command line changed, so Hydra read evil.yaml from outside every config
+    folder, and a `# @package _global_` file there set any key the saved config lacks (here data.root; resolvers
+    such as ${oc.env:...} included). A saved option is composed only when it is a preset's plain name; the run
+    continues its saved values and the key takes its default."""
+    import yaml
+
+    from conftest import CONF_DIR, compose
+    from dit_train.runs.resume_config import continue_saved_config
+
+    copy = tmp_path / "copy"
+    shutil.copytree(run / "run", copy)
+    name = os.path.relpath(tmp_path / "evil", os.path.join(CONF_DIR, "model"))
+    for state_file in copy.glob("checkpoints/*.dcp/train_state.json"):
+        state = json.loads(state_file.read_text())
+        state["config"]["model"]["name"] = name
+        del state["config"]["data"]["root"]
+        state_file.write_text(json.dumps(state))
+        model = state["config"]["model"]
+    (tmp_path / "evil.yaml").write_text("# @package _global_\n" + yaml.safe_dump(
+        {"model": model, "data": {"root": str(tmp_path / "from_evil_yaml")}}))
+    overrides = [f"run_dir={copy}", "train.resume=auto", "train.steps=3"]
+    resumed = continue_saved_config(compose(overrides), overrides)
+    assert resumed.data.root == compose().data.root  # the default: nothing came from evil.yaml
+    assert resumed.model.name == name and resumed.model.hidden_size == 32 and resumed.train.steps == 3
