@@ -904,3 +904,17 @@ def test_a_study_of_the_users_config_dir_runs_from_there(tmp_path, capsys):
     assert err.startswith("error: experiment 'mien' does not exist; valid: ") and ", mine, " in err, err
     assert run_study.main(["mine", "--config-dir", str(tmp_path / "nope"), "--dry-run"]) == 2
     assert capsys.readouterr().err.startswith(f"error: --config-dir {tmp_path / 'nope'}: no such folder")
+
+
+def test_a_study_into_a_sweep_folder_with_a_link_where_hydra_writes_writes_nothing(tmp_path, capsys):
+    """dit-study continuing a sweep folder from elsewhere with `multirun.yaml -> ~/.bashrc` (Hydra writes it before
+    any run's check): one line, exit 2, before study.json is written or a run starts; the target is untouched."""
+    sweep, victim = tmp_path / "sweep", tmp_path / "victim"
+    sweep.mkdir()
+    victim.write_text("important")
+    os.symlink(victim, sweep / "multirun.yaml")
+    assert run_study.main(["smoke", "--sweep-dir", str(sweep)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--sweep-dir={str(sweep)!r} is not valid: {sweep / 'multirun.yaml'} is a " \
+                                   f"symbolic link" in err, err
+    assert sorted(os.listdir(sweep)) == ["multirun.yaml"] and victim.read_text() == "important"
