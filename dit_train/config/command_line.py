@@ -178,8 +178,9 @@ def check_command_line(argv: list[str], world_size: int | None = None) -> None:
         check_slurm_needs_multirun(flags, overrides)
         # the user's folders where Hydra puts them, after ours, as one override
         searchpath = searchpath_override(config_dir, entries)
-        for job in job_overrides([o for o in overrides if not is_searchpath(o)]):
-            job = searchpath + job
+        jobs = [searchpath + job for job in job_overrides([o for o in overrides if not is_searchpath(o)])]
+        check_hydra_folder(jobs[0], multirun=bool(flags))
+        for job in jobs:
             cfg = compose_checked(job)
             composed = cfg
             # the checkpoint's train state, read once for both the config it continues and the resume decision
@@ -198,6 +199,27 @@ def check_command_line(argv: list[str], world_size: int | None = None) -> None:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def check_hydra_folder(job: list[str], multirun: bool) -> None:
+    """The folder Hydra itself will write into (a sweep's hydra.sweep.dir, from the command line or a preset such as
+    an experiment's `sweeps/<name>`; a single run's hydra.run.dir), checked for links and FIFOs before Hydra writes
+    its files there (runs/in_place_files.py). One that does not resolve yet, or does not exist, is new."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from dit_train.runs.in_place_files import refuse_hydra_writes_outside
+
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            folder = OmegaConf.select(hydra_compose(config_name="config", overrides=list(job),
+                                                    return_hydra_config=True), key)
+    except Exception:  # noqa: BLE001 - a bad override (the job's own check says it) or ${now:...}: a new folder
+        return
+    if folder is not None and os.path.isdir(str(folder)):
+        refuse_hydra_writes_outside(str(folder), key)
 
 
 def read_saved_state(path: str) -> dict:

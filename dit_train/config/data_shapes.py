@@ -70,6 +70,36 @@ def apply_data_shapes(cfg, overrides: list[str], continued: bool = False):
                               f"it on the data it was trained on, or train on this data in a new run_dir")
         raise ConfigError(f"{where} the command line or the presets: {'; '.join(wrong)}; use instead: "
                           f"{' '.join(f'{k}={v}' for k, v in fixes.items())}")
+    check_room(cfg, found)
     if taken:
         log.info("from the data: %s", ", ".join(taken))
     return cfg
+
+
+def check_room(cfg, found: dict) -> None:
+    """A shape read from a data folder from elsewhere that makes a table of the model (position table, one sampled
+    image, class table) larger than its transformer blocks and than MIN_TABLE_VALUES, as model/stored_shapes.py
+    refuses for a saved config: a shard of no items declaring latents of side 2^16 (no file size bounds it), a class
+    count of 2^40 in latents_info.json or a label, image headers of 9000 px. The run built that model: a traceback
+    asking for 563 TB, or gigabytes allocated before a step on millions of tokens. One ConfigError line."""
+    from dit_train.model.stored_shapes import MIN_TABLE_VALUES
+
+    m = cfg.model
+    blocks = int(m.depth * (4 + 2 * m.mlp_ratio) * m.hidden_size ** 2)  # attention and MLP weights
+    limit = max(blocks, MIN_TABLE_VALUES)
+    tokens = (m.image_size // m.patch_size) ** 2
+    tables = {"image_size": ("a position table", tokens * m.hidden_size),
+              "channels": ("one sampled image", tokens * m.patch_size ** 2 * m.in_channels),
+              "num_classes": ("a class table", (m.num_classes + 1) * m.hidden_size)}
+    if tables["channels"][1] > tables["image_size"][1]:
+        tables["image_size"] = tables["channels"]
+    for key in ("image_size", "num_classes", "channels"):  # the side first: it makes the image large too
+        f = found.get(key)
+        if f is None:
+            continue
+        what, values = tables[key]
+        if values > limit:
+            raise ConfigError(f"data.{key}={f.value} ({f.source}) makes {what} of {values:,} values for "
+                              f"model={m.name} (hidden_size={m.hidden_size}, patch_size={m.patch_size}), more "
+                              f"than its {blocks:,} block weights and 2^24: data of this shape is not for this "
+                              f"model; check the data folder, or set model.* for it in a preset of your own")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import warnings
 
 import numpy as np
 import torch
@@ -44,14 +45,19 @@ def load_image(path: str, size: int) -> torch.Tensor:
 
 
 def open_image(path: str):
-    """PIL's image of a regular file: a FIFO in an image folder from elsewhere would hang the reader."""
+    """PIL's image of a regular file: a FIFO in an image folder from elsewhere would hang the reader. An image past
+    Image.MAX_IMAGE_PIXELS (89 M pixels) is a decompression bomb here: PIL raises only past twice that and below it
+    warns and decodes, so a 100 M-pixel PNG of a few hundred kB was decoded in full for every sample of it."""
     if not os.path.isfile(path):
         raise OSError(f"{path} is not a regular file (a FIFO, device or folder)")
-    return Image.open(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        return Image.open(path)
 
 
 WIDE_MODES = ("I;16", "I;16B", "I;16L", "I", "F")
-UNREADABLE = (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError)
+UNREADABLE = (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError,
+              Image.DecompressionBombWarning)
 
 
 def split_folder(root: str, split: str) -> str:

@@ -5,7 +5,12 @@ saves are removed; samples/; abandoned/; .hydra/; wandb/; nccl_traces/) and the 
 rewrites a checkpoint's train_state.json). In a run folder from elsewhere a symbolic link at one of these made a
 resume write or delete at the link's target (`.lock -> ~/.bashrc` emptied it; `checkpoints -> /shared/other_run/
 checkpoints` had the other run's checkpoints pruned), and a FIFO in place of a file hung it (Hydra's log opened for
-appending waits for a reader), so such a folder is refused before anything is written."""
+appending waits for a reader), so such a folder is refused before anything is written.
+
+Where Hydra names the folder itself (`hydra.run.dir=X`, a `--multirun` sweep's `hydra.sweep.dir`), Hydra writes
+there before any check of ours runs: the sweep's `multirun.yaml`, and in each job folder `.hydra/{config,hydra,
+overrides}.yaml` and its log. Such a folder from elsewhere is checked whole before Hydra starts
+(refuse_hydra_writes_outside)."""
 
 from __future__ import annotations
 
@@ -41,3 +46,28 @@ def refuse_writes_outside(run_dir: str) -> None:
 def _refuse(run_dir: str, why: str):
     raise invalid("run_dir", run_dir, f"{why}: remove it, or fork the run with train.init_from={run_dir} into a "
                                       f"new run_dir")
+
+
+# folders of a run whose insides are not Hydra's: checked when each job starts (refuse_writes_outside), or wandb's own
+# (its `latest-run` link)
+RUN_INSIDES = tuple(name for name in WRITTEN_FOLDERS if name != ".hydra")
+
+
+def refuse_hydra_writes_outside(folder: str, key: str) -> None:
+    """Raise ConfigError (one line, naming `key`=`folder`) if anything in the folder Hydra will write into, outside
+    its runs' RUN_INSIDES, is a symbolic link, or a file there is a FIFO, socket or device: Hydra's files were
+    written through a link (`multirun.yaml -> ~/.bashrc` overwrote it; a job folder linked elsewhere got Hydra's
+    record and the run) and a FIFO hung the command. A sweep or run folder holds no link of its own there. The
+    folder itself may be a link: the user named it."""
+    for parent, folders, files in os.walk(folder):
+        for name in sorted(folders + files):
+            path = os.path.join(parent, name)
+            if os.path.islink(path):
+                why = f"{path} is a symbolic link (to {os.readlink(path)})"
+            elif name in files and not os.path.isfile(path):
+                why = f"{path} is not a regular file (a FIFO, socket or device)"
+            else:
+                continue
+            raise invalid(key, folder, f"{why}; Hydra writes its record of the command and its log in this folder "
+                                       f"before a run starts, so it would write outside it or hang: remove it")
+        folders[:] = [name for name in folders if name not in RUN_INSIDES]

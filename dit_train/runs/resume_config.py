@@ -5,7 +5,9 @@ on top. `dit-train run_dir=X train.resume=auto` then continues any run however i
 What the command line set: the keys it names, and every key its group choices (`optimizer=muon`,
 `experiment=...`) change: the saved run's own options (it names its data, model and optimizer) are composed
 with and without the command's overrides, and the keys that differ are the command's. The
-command's run_dir, train.resume and train.init_from always hold. A key the checkpoint's config lacks (added to
+command's run_dir, train.resume and train.init_from always hold, and so does eval.trust_encoder_code: a grant to run
+the code of a torch.hub checkout comes from the user, never from a checkpoint (a run folder from elsewhere named a
+checkout it shipped, and its hubconf.py ran on resume). A key the checkpoint's config lacks (added to
 dit_train later) takes its default, or the value that reproduces earlier runs (its schema's recorded_before); keys
 only the checkpoint has are dropped. resume_policy.check_resume then judges the result against the saved config,
 so a change outside the resume policy is refused in one line as before, now naming only what the user asked for.
@@ -14,13 +16,16 @@ so a change outside the resume policy is refused in one line as before, now nami
 from __future__ import annotations
 
 import logging
+import re
 
 from omegaconf import OmegaConf
 
 log = logging.getLogger("dit_train")
-ALWAYS_FROM_COMMAND = ("run_dir", "train.resume", "train.init_from")
+ALWAYS_FROM_COMMAND = ("run_dir", "train.resume", "train.init_from", "eval.trust_encoder_code")
 SAVED_CHOICES = ("data", "model", "optimizer")  # groups whose option a saved config names (its `name` key)
 ABSENT = object()
+# a preset's file name in its group folder: nothing Hydra reads as a path (`../../x`) or an interpolation
+PRESET_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
 def continue_saved_config(cfg, overrides: list[str], read_state=None):
@@ -50,7 +55,7 @@ def continue_saved_config(cfg, overrides: list[str], read_state=None):
     searchpath = [o for o in overrides if o.startswith("hydra.searchpath=")]  # --config-dir, before Hydra runs
     chosen = {o.split("=", 1)[0].lstrip("+~") for o in own if "=" in o}
     options = {group: f"{group}={saved[group]['name']}" for group in SAVED_CHOICES
-               if isinstance(saved.get(group), dict) and saved[group].get("name")}
+               if isinstance(saved.get(group), dict) and _preset_name(saved[group].get("name"))}
     unchosen = [o for group, o in options.items() if group not in chosen]
     try:
         now = flatten(OmegaConf.to_container(_compose(searchpath + unchosen + own + [f"run_dir={run_dir}"]),
@@ -134,3 +139,10 @@ def _unflatten(flat: dict) -> dict:
             node = node.setdefault(part, {})
         node[leaf] = value
     return out
+
+
+def _preset_name(name) -> bool:
+    """Whether a saved group option may be composed: a checkpoint from elsewhere named its model
+    `../../../<elsewhere>/evil`, and Hydra read evil.yaml from outside every config folder, which could set any key
+    (resolvers included). Any other name is left out of the composition: the run continues its saved values."""
+    return isinstance(name, str) and PRESET_NAME.fullmatch(name) is not None

@@ -39,8 +39,11 @@ def publish(sweep_dir: str, dest: str, finished_only: bool = False) -> int:
         target = os.path.join(runs_dir, os.path.relpath(root, sweep_dir))
         copies += [(os.path.join(root, name), os.path.join(target, name)) for name in RECORDS if name in files]
     study = os.path.join(sweep_dir, "study.json")
-    for source, _ in copies + [(study, None)]:  # all of them before anything is copied
+    if not copies:  # nothing to publish: the caller says so, and nothing is written
+        return 0
+    for source, target in copies + [(study, os.path.join(runs_dir, "study.json"))]:  # before anything is copied
         refuse_unless_regular(source)
+        refuse_links_on_the_way(dest, target)
     for source, target in copies:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         shutil.copy2(source, target)
@@ -59,6 +62,21 @@ def refuse_unless_regular(path: str) -> None:
     if os.path.exists(path) and not os.path.isfile(path):
         raise ConfigError(f"{path} is not a regular file (a FIFO, socket, device or folder): a run record is "
                           f"published only as a regular file of the sweep; remove it")
+
+
+def refuse_links_on_the_way(dest: str, target: str) -> None:
+    """A destination from elsewhere (a clone of a repository of published records, published into again) is
+    written only inside itself: a link at a record's name (`runs/a/metrics.jsonl -> ~/.bashrc`) or at a folder on
+    its way (`runs/a -> ~/project`) had the copy overwrite the link's target, and a FIFO there hung it."""
+    path = dest
+    for part in os.path.relpath(target, dest).split(os.sep):
+        path = os.path.join(path, part)
+        if os.path.islink(path):
+            raise ConfigError(f"{path} is a symbolic link (to {os.readlink(path)}): publishing writes there, so it "
+                              f"would write outside {dest}; remove it")
+    if os.path.exists(target) and not os.path.isfile(target):
+        raise ConfigError(f"{target} is not a regular file (a FIFO, socket, device or folder): publishing replaces "
+                          f"it with a record; remove it")
 
 
 def merge_study_record(src: str, dst: str) -> None:

@@ -40,8 +40,10 @@ import time
 from omegaconf import OmegaConf
 
 from dit_train.config.files import CONF_DIR, group_options
+from dit_train.config.errors import ConfigError
 from dit_train.runs.atomic_io import atomic_write_bytes
 from dit_train.runs.checkpoint import newest_step
+from dit_train.runs.in_place_files import refuse_hydra_writes_outside
 from dit_train.runs.json_file import read_json
 from dit_train.study.record import read_study
 from dit_train.runs.provenance import CHECKOUT, git_commit
@@ -365,6 +367,11 @@ def run_study(argv=None) -> int:
         common_learning_rates(study, {})  # a bad study.common_lr is refused now, not after the scan
     except ValueError as e:
         print(f"error: {args.experiment}: {e}", file=sys.stderr)
+        return 2
+    try:  # a sweep folder from elsewhere, before study.json is written (each run's dit-train checks it again)
+        refuse_hydra_writes_outside(sweep_dir, "--sweep-dir")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     if not args.dry_run:  # a dry run prints the commands only
         os.makedirs(sweep_dir, exist_ok=True)

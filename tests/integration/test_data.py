@@ -177,6 +177,26 @@ def test_a_decompression_bomb_is_named_and_skipped(tmp_path, monkeypatch):
     assert x.shape == (3, 16, 16) and any(p.endswith("huge.png") for p in ds.skipped)
 
 
+def test_an_image_past_pils_bomb_warning_is_named_not_decoded(tmp_path, monkeypatch):
+    """PIL raises only past twice Image.MAX_IMAGE_PIXELS (179 M pixels); between once and twice it warns and
+    decodes: a 100 M-pixel PNG of a few hundred kB in a folder from elsewhere was decoded in full (RGB: 300 MB, and
+    as much again for its resize) for every sample of it, in each loader worker. Its warning is its refusal."""
+    import warnings
+
+    from PIL import Image
+
+    make_folder(tmp_path)
+    Image.new("RGB", (150, 100)).save(tmp_path / "cat" / "big.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 10_000)  # 15,000 pixels: past the warning, under the error
+    cfg = OmegaConf.create({"name": "image_folder", "root": str(tmp_path), "image_size": 16})
+    ds = build_dataset(cfg, "train")
+    big = [i for i, (p, _) in enumerate(ds.samples) if p.endswith("big.png")][0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the refusal must not depend on how warnings are shown
+        with pytest.raises(ValueError, match=r"corrupt image .*big\.png: .*could be decompression bomb DOS attack"):
+            ds[big]
+
+
 @pytest.mark.parametrize("classes", [11, 12])
 def test_more_classes_than_the_model_has_is_one_line_before_training(tmp_path, classes):
     from PIL import Image

@@ -121,3 +121,52 @@ def test_a_resume_on_data_of_another_shape_is_refused_naming_the_saved_values(tm
         f"continued: data.image_size=8 ({tmp_path / 'lat'}/train/shard_00000.safetensors: latents [N, 4, 4, 4]); "
         f"model.image_size=8 (the data has 4); continue it on the data it was trained on, or train on this data in a "
         f"new run_dir\n"), r.stderr
+
+
+def _png_header(path, side):
+    """A PNG declaring side x side grey pixels with no image data: PIL reads its size from the header alone."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xffffffff)
+
+    os.makedirs(path.parent, exist_ok=True)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 8, 0, 0, 0, 0))
+                     + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b""))
+
+
+@pytest.mark.parametrize("attack", ["empty shard of side 2^16", "class count 2^40", "label 2^40",
+                                    "images declaring 9000 px"])
+def test_data_declaring_shapes_no_model_of_its_size_can_take_is_refused_before_building(tmp_path, attack):
+    """A data folder from elsewhere decides the model's input shapes: a shard of no items declaring latents of side
+    2^16 (nothing for the file size to bound), latents_info.json's class count or a label of 2^40, images whose
+    headers say 9000 x 9000. The run built that model: a traceback asking for 563 TB, or gigabytes allocated
+    before a step on millions of tokens. Refused in one line naming the value and the file, exit 2, before the run
+    folder is made."""
+    import torch
+    from safetensors.torch import save_file
+
+    root = tmp_path / "data"
+    latents, labels, info = torch.zeros(2, 4, 8, 8), torch.tensor([0, 1]), None
+    if attack.startswith("empty"):
+        latents, labels = torch.zeros(0, 4, 65536, 65536), torch.zeros(0, dtype=torch.long)
+    elif attack == "class count 2^40":
+        info = {"source": {"name": "x", "num_classes": 2 ** 40}}
+    elif attack == "label 2^40":
+        labels = torch.tensor([0, 2 ** 40])
+    if attack.startswith("images"):
+        for name in ("cat", "dog"):
+            _png_header(root / name / "0.png", 9000)
+        data = ["data=image_folder"]
+    else:
+        for split in ("train", "val"):
+            os.makedirs(root / split)
+            save_file({"latents": latents, "labels": labels}, str(root / split / "shard_00000.safetensors"))
+        if info:
+            (root / "latents_info.json").write_text(json.dumps(info))
+        data = ["data=latents", "model.patch_size=2"]
+    r = dit_train(f"run_dir={tmp_path / 'run'}", *data, f"data.root={root}", "model=dit_xs", *TINY, cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert re.match(r"error: data\.(image_size|num_classes)=\d+ \(.*\) makes .* more than ", r.stderr), r.stderr
+    assert not (tmp_path / "run").exists()

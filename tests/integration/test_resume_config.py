@@ -167,3 +167,75 @@ def test_a_resume_says_each_warning_once_and_a_refused_fresh_run_only_its_line(t
                                              f"(step_00000002.dcp); pass train.resume=auto to continue it, or choose "
                                              f"a new run_dir\n"), out + err
     assert files_of(tmp_path / "run") == before
+
+
+def trusting_copy(run, tmp_path):
+    """A copy of the run as if handed over: its checkpoints' saved config trusts a torch.hub checkout the folder
+    ships (`hub/hubconf.py`, named relative to where the user types the command), with FD every step."""
+    copy = tmp_path / "copy"
+    shutil.copytree(run / "run", copy)
+    (copy / "hub").mkdir()
+    marker = tmp_path / "hubconf_ran"
+    (copy / "hub" / "hubconf.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
+                                              "def dinov2_vits14(**kw):\n    raise RuntimeError('a payload only')\n")
+    (copy / "hub" / "dinov2_vits14_pretrain.pth").write_bytes(b"")
+    for state_file in copy.glob("checkpoints/*.dcp/train_state.json"):
+        state = json.loads(state_file.read_text())
+        state["config"]["eval"].update(encoder="dinov2_vits14", encoder_path="copy/hub", trust_encoder_code=True,
+                                       every_n_steps=1)
+        state_file.write_text(json.dumps(state))
+    return copy, marker
+
+
+@pytest.mark.parametrize("how", ["resume", "fork"])
+def test_a_saved_config_never_grants_trust_to_encoder_code(run, tmp_path, how):
+    """A run folder from elsewhere whose checkpoint's config says eval.trust_encoder_code=true and names a torch.hub
+    checkout it ships as the FD encoder: resuming or forking it imported that hubconf.py (the saved value held, as
+    for any key the command line leaves alone). Trust comes from the command line only: the checkout is refused in
+    one line naming the key, exit 2, and nothing runs or is written."""
+    from conftest import compose
+    from dit_train.runs.resume_config import continue_saved_config
+
+    copy, marker = trusting_copy(run, tmp_path)
+    command = {"resume": [f"run_dir={copy}", "train.resume=auto"],
+               "fork": [f"run_dir={tmp_path / 'fork'}", f"train.init_from={copy}"]}[how]
+    continued = continue_saved_config(compose(command), command)
+    assert continued.eval.encoder_path == "copy/hub" and continued.eval.trust_encoder_code is False
+    before = files_of(copy)
+    rc, out, err = dit_train(*command, "train.steps=3", cwd=tmp_path)
+    assert rc == 2 and err.strip().count("\n") == 0, err
+    assert "hubconf.py' would run as Python" in err and "eval.trust_encoder_code=true" in err, err
+    assert not marker.exists()
+    assert files_of(copy) == before and not (tmp_path / "fork").exists()
+    # the user's own word still counts: the same command with eval.trust_encoder_code=true gets past the check
+    trusted = continue_saved_config(compose(command + ["eval.trust_encoder_code=true"]),
+                                    command + ["eval.trust_encoder_code=true"])
+    assert trusted.eval.trust_encoder_code is True
+
+
+def test_a_saved_option_name_that_is_a_path_is_never_composed(run, tmp_path):
+    """A run folder from elsewhere whose checkpoint's config names its model `../../../<elsewhere>/evil`: the resume
+    composed `model=<that>` to learn what the command line changed, so Hydra read evil.yaml from outside every config
+    folder, and a `# @package _global_` file there set any key the saved config lacks (here data.root; resolvers
+    such as ${oc.env:...} included). A saved option is composed only when it is a preset's plain name; the run
+    continues its saved values and the key takes its default."""
+    import yaml
+
+    from conftest import CONF_DIR, compose
+    from dit_train.runs.resume_config import continue_saved_config
+
+    copy = tmp_path / "copy"
+    shutil.copytree(run / "run", copy)
+    name = os.path.relpath(tmp_path / "evil", os.path.join(CONF_DIR, "model"))
+    for state_file in copy.glob("checkpoints/*.dcp/train_state.json"):
+        state = json.loads(state_file.read_text())
+        state["config"]["model"]["name"] = name
+        del state["config"]["data"]["root"]
+        state_file.write_text(json.dumps(state))
+        model = state["config"]["model"]
+    (tmp_path / "evil.yaml").write_text("# @package _global_\n" + yaml.safe_dump(
+        {"model": model, "data": {"root": str(tmp_path / "from_evil_yaml")}}))
+    overrides = [f"run_dir={copy}", "train.resume=auto", "train.steps=3"]
+    resumed = continue_saved_config(compose(overrides), overrides)
+    assert resumed.data.root == compose().data.root  # the default: nothing came from evil.yaml
+    assert resumed.model.name == name and resumed.model.hidden_size == 32 and resumed.train.steps == 3

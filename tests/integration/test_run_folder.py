@@ -4,6 +4,7 @@ one writer per folder; summaries that tell the truth; clean one-line failures; n
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -352,8 +353,8 @@ def test_a_failed_write_leaves_no_temp_file(tmp_path, monkeypatch):
     assert os.listdir(tmp_path / "run" / "checkpoints") == []  # the partial checkpoint folder is gone
 
 
-def cli(tmp_path, *args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "dit_train", *TINY, *args], cwd=str(tmp_path), capture_output=True,
+def cli(tmp_path, *args, timeout=120, flags=()):
+    return subprocess.run([sys.executable, "-m", "dit_train", *flags, *TINY, *args], cwd=str(tmp_path), capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": ROOT})
 
 
@@ -602,3 +603,53 @@ def test_a_fifo_in_place_of_a_record_is_one_line_not_a_hang(tmp_path):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("planted", ["multirun.yaml", "0/.hydra/config.yaml", "0/dit_train.log", "0", "0/.hydra",
+                                     "fifo:0/dit_train.log", "fifo:multirun.yaml"])
+def test_a_sweep_folder_with_links_where_hydra_writes_is_refused_before_hydra_writes(tmp_path, planted):
+    """A sweep folder from elsewhere continued with `--multirun hydra.sweep.dir=S train.resume=auto` (what dit-study
+    runs): Hydra writes S/multirun.yaml, each job's .hydra/{config,hydra,overrides}.yaml and its log before the run's
+    own checks start, so a link planted at one of them (or at a job folder, or its .hydra) had the link's target
+    overwritten or appended to, and a FIFO there hung the command. Refused in one line, exit 2, before Hydra writes
+    anything; the target is untouched."""
+    sweep, victim = tmp_path / "S", tmp_path / "victim"
+    kind, _, name = planted.rpartition(":")
+    (sweep / "0" / ".hydra").mkdir(parents=True)
+    target = sweep / name
+    if target.is_dir():
+        shutil.rmtree(target)
+        victim.mkdir()
+        (victim / "notes").write_text("important")
+    else:
+        victim.write_text("important")
+    if kind == "fifo":
+        os.mkfifo(target)
+    else:
+        os.symlink(victim, target)
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    r = cli(tmp_path, "train.resume=auto", "train.steps=1", f"hydra.sweep.dir={sweep}", flags=["--multirun"], timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    what = "is not a regular file" if kind == "fifo" else "is a symbolic link"
+    assert r.stderr.startswith(f"error: hydra.sweep.dir={str(sweep)!r} is not valid: {target} {what}"), r.stderr
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+    if kind != "fifo":
+        assert (victim / "notes" if victim.is_dir() else victim).read_text() == "important"
+
+
+def test_a_folder_hydra_names_from_a_preset_or_hydra_run_dir_is_checked_too(tmp_path):
+    """The same links where Hydra names the folder itself: an experiment's fixed hydra.sweep.dir (sweeps/smoke,
+    from its yaml) and a single run's hydra.run.dir=X."""
+    victim = tmp_path / "victim"
+    victim.write_text("important")
+    (tmp_path / "sweeps" / "smoke").mkdir(parents=True)
+    os.symlink(victim, tmp_path / "sweeps" / "smoke" / "multirun.yaml")
+    r = cli(tmp_path, "experiment=smoke", "train.steps=1", flags=["--multirun"], timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "hydra.sweep.dir='sweeps/smoke' is not valid: sweeps/smoke/multirun.yaml is a symbolic link" in r.stderr
+    (tmp_path / "X" / ".hydra").mkdir(parents=True)
+    os.symlink(victim, tmp_path / "X" / ".hydra" / "overrides.yaml")
+    r = cli(tmp_path, f"hydra.run.dir={tmp_path / 'X'}", "train.resume=auto", "train.steps=1", timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert f"X/.hydra/overrides.yaml is a symbolic link" in r.stderr
+    assert victim.read_text() == "important"

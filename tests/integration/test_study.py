@@ -904,3 +904,46 @@ def test_a_study_of_the_users_config_dir_runs_from_there(tmp_path, capsys):
     assert err.startswith("error: experiment 'mien' does not exist; valid: ") and ", mine, " in err, err
     assert run_study.main(["mine", "--config-dir", str(tmp_path / "nope"), "--dry-run"]) == 2
     assert capsys.readouterr().err.startswith(f"error: --config-dir {tmp_path / 'nope'}: no such folder")
+
+
+@pytest.mark.parametrize("planted", ["runs/a/metrics.jsonl", "runs/a", "runs", "fifo:runs/a/summary.json"])
+def test_publishing_into_a_destination_with_planted_links_writes_nothing_through_them(tmp_path, planted):
+    """A destination from elsewhere (a clone of a repository holding published records, published into again to add
+    a study's later pieces) with a link where a record is copied to (`runs/a/metrics.jsonl -> ~/.bashrc`) or at
+    a folder on the way (`runs/a -> ~/project`): the copy wrote into the link's target, overwriting it; a FIFO there
+    hung the copy. One line, exit 2, nothing copied, the target untouched."""
+    sweep, dest, victim = tmp_path / "sweep", tmp_path / "docs", tmp_path / "victim"
+    write_run(sweep / "a", "dit_xs", "adamw", 0, train_rows(0.01, 0.1, 0) + [{"step": 4, "val/loss": 0.5}])
+    kind, _, name = planted.rpartition(":")
+    target = dest / name
+    target.parent.mkdir(parents=True)
+    if kind == "fifo":
+        os.mkfifo(target)
+    elif name.endswith(".jsonl"):
+        victim.write_text("important")
+        os.symlink(victim, target)
+    else:  # a folder on the way: files of the same names in the folder it points at
+        (victim / "a").mkdir(parents=True)
+        for record in publish_study.RECORDS:
+            (victim / record).write_text("important")
+            (victim / "a" / record).write_text("important")
+        os.symlink(victim, target)
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert publish_study.main([str(sweep), str(dest)]) == 2
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+    if kind != "fifo":
+        assert all(p.read_text() == "important" for p in victim.rglob("*") if p.is_file())
+
+
+def test_a_study_into_a_sweep_folder_with_a_link_where_hydra_writes_writes_nothing(tmp_path, capsys):
+    """dit-study continuing a sweep folder from elsewhere with `multirun.yaml -> ~/.bashrc` (Hydra writes it before
+    any run's check): one line, exit 2, before study.json is written or a run starts; the target is untouched."""
+    sweep, victim = tmp_path / "sweep", tmp_path / "victim"
+    sweep.mkdir()
+    victim.write_text("important")
+    os.symlink(victim, sweep / "multirun.yaml")
+    assert run_study.main(["smoke", "--sweep-dir", str(sweep)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--sweep-dir={str(sweep)!r} is not valid: {sweep / 'multirun.yaml'} is a " \
+                                   f"symbolic link" in err, err
+    assert sorted(os.listdir(sweep)) == ["multirun.yaml"] and victim.read_text() == "important"
