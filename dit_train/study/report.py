@@ -129,6 +129,7 @@ def read_run(folder: str, name: str) -> Run:
         return _read_run(folder, name)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, yaml.YAMLError) as e:
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        why = why.replace(os.path.join(folder, ""), "")  # the row names the run: keep the 120 characters for the why
         return Run(name=name, model="?", optimizer="?", seed=-1, status=f"damaged: {type(e).__name__}: {why[:120]}")
 
 

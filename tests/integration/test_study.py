@@ -701,7 +701,7 @@ def test_report_survives_damaged_folders_and_reads_resumed_metrics(tmp_path):
     write_run(sweep / "bad_config", "dit_xs", "muon", 1, train_rows(0.04, 0.2, 0.0))
     (sweep / "bad_config" / "config.yaml").write_text("model: [unclosed\n")
     runs = {r.name: r for r in report.find_runs(str(sweep))}
-    assert runs["torn_summary"].status.startswith("damaged: ") and "not valid JSON" in runs["torn_summary"].status
+    assert runs["torn_summary"].status.startswith("damaged: ") and "damaged: DamagedJSONFile: summary.json is not valid JSON" in runs["torn_summary"].status
     assert runs["bad_config"].status.startswith("damaged: ")
     good = runs["good"]
     assert good.status == "finished" and math.isnan(good.val_loss)
