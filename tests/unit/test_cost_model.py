@@ -477,7 +477,7 @@ def test_a_profile_measured_before_the_rates_by_bucket_prices_the_compiled_passe
     from benchmarks.op_cost import seconds
     from conftest import ROOT
 
-    with open(os.path.join(ROOT, "docs", "cost_model", "rounds", "round_1", "host_profile.json")) as f:
+    with open(os.path.join(ROOT, "docs", "cost_model", "idle_host_profile.json")) as f:
         measured = json.load(f)
     ops = measured["compute"]["2"]["ops"]  # one process of the 2-core host: 2 threads
     rates = host_profile(measured, 1).op_rates()
