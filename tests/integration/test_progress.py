@@ -119,13 +119,13 @@ def test_sample_and_fd_jobs_show_a_bar_on_a_terminal_and_none_in_a_pipe(stopped_
                     str(tmp_path / "grid.png")], "sample:"
     else:
         cmd, desc = [sys.executable, "-m", "dit_train.evaluation.fd.job", str(run), "--out", str(tmp_path),
-                    "--cache-dir", str(tmp_path / "cache"), "--force", *FD], "FD run step 3:"
+                    "--cache-dir", str(tmp_path / "cache"), "--force", *FD], "FD dit_s adamw lr=0.002 seed=0 step 3:"  # the run labelled by its config
     code, out = on_terminal(cmd, str(tmp_path))
     assert code == 0, out[-3000:]
     assert "100%" in bar(out, desc)
     if job == "fd":
         assert "100%" in bar(out, "reference statistics (dinov2_random):")
-        assert line_with(out, "[fd] run step 3: FD=").startswith("[fd]")
+        assert line_with(out, "[fd] dit_s adamw lr=0.002 seed=0 (folder run) step 3: FD=").startswith("[fd]")
     piped = subprocess.run(cmd, cwd=str(tmp_path), env=ENV, capture_output=True, text=True, timeout=240)
     assert piped.returncode == 0, piped.stderr
     assert desc not in piped.stderr + piped.stdout and "%|" not in piped.stderr, piped.stderr
