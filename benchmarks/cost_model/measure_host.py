@@ -69,9 +69,10 @@ def spanning_buckets(buckets, sizes: int = FUSED_SIZES) -> list[tuple[int, int, 
 def measure_compute(threads: int, fused_buckets: list[tuple[int, int, int]]) -> dict:
     """bf16 GEMM rates by short side r (the plain NS5 iteration's three bmm's on 8 x r x 4r), the streaming
     rate of torch's fused AdamW (28 B per element over 32M fp32 elements, far beyond the caches) and each op
-    category's rate (op_cost.measure_op_rates), the compiled RowNorm passes' rate on each of `fused_buckets`
-    ((B, m, n); op_cost.measure_fused_rates) and NS5's own matmuls (ns5_gemm_rates: every bmm/baddbmm it
-    dispatches on a grid of shapes and batches, ~5 s of CPU at 1 thread), `threads` threads."""
+    category's rate (op_cost.measure_op_rates), each compiled RowNorm pass's rate on each of `fused_buckets`
+    ((B, m, n); op_cost.measure_fused_rates: the momentum and the update pass timed apart) and NS5's own
+    matmuls (ns5_gemm_rates: every bmm/baddbmm it dispatches on a grid of shapes and batches, ~5 s of CPU at 1
+    thread), `threads` threads."""
     import torch
 
     _progress(f"{threads} thread(s): GEMM rates by side")
@@ -85,9 +86,9 @@ def measure_compute(threads: int, fused_buckets: list[tuple[int, int, int]]) -> 
     del params, adamw
     _progress(f"{threads} thread(s): op categories (stream, convert, reduce, matvec, dispatch, square GEMMs)")
     ops = measure_op_rates(threads)
-    _progress(f"{threads} thread(s): the compiled RowNorm passes on buckets (B, m, n) {fused_buckets} (compiles on "
+    _progress(f"{threads} thread(s): each compiled RowNorm pass on buckets (B, m, n) {fused_buckets} (compiles on "
               "the first run)")
-    ops["fused_buckets"] = measure_fused_rates(threads, fused_buckets)
+    ops["fused_passes"] = measure_fused_rates(threads, fused_buckets)
     _progress(f"{threads} thread(s): NS5's own matmuls (op, layout, shape, batch)")
     return {"gemm_flops": max(rate for _, rate in rates), "ns5_rates": rates,
             "memory_bytes_s": ADAMW_BYTES * 32 * 2**20 / stream, "ops": ops, "ns5_gemms": measure_ns5_gemms(threads)}

@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 
 from benchmarks.cost_model.bench_logs import parse_bench_distributed, parse_bench_optimizer, parse_distributed_phases
-from benchmarks.cost_model.calibration import (calibration_rows, collective_cpu_rates, sharded_cycle, sharded_step,
-                                               step_kinds)
+from benchmarks.cost_model.calibration import (calibration_rows, collective_cpu_rates, phase_rows, sharded_cycle,
+                                               sharded_step, step_kinds)
 from benchmarks.cost_model.cli import main
 from benchmarks.cost_model.contender import Optim
 from benchmarks.cost_model.hardware import Hardware, PROFILES
@@ -444,11 +444,11 @@ def test_the_compiled_passes_are_measured_on_buckets_spanning_the_sizes():
     assert (chosen[0], chosen[-1]) == (sizes[0], sizes[-1]) and len(chosen) == 4
 
 
-def _fused_only_profile(fused_buckets) -> dict:
+def _fused_only_profile(fused_buckets=None, fused_passes=None) -> dict:
     """One process of one thread where everything but the compiled RowNorm passes is free."""
     fast = 1e30
     ops = {"stream": fast, "convert": fast, "reduce": fast, "matvec": fast, "op_s": 0.0, "square": [[1, fast]],
-           "fused_buckets": fused_buckets}
+           "fused_buckets": fused_buckets, "fused_passes": fused_passes}
     return {"cores": 1, "compute": {"1": {"gemm_flops": fast, "ns5_rates": [[1, fast]], "memory_bytes_s": fast,
                                           "ops": ops}}, "gloo": {}}
 
@@ -468,6 +468,23 @@ def test_a_compiled_bench_line_prices_each_bucket_at_its_own_sizes_rate():
     steep = line([[1, 1, 1, 1e9 / 16384], [1, 1, 2**30, 1e9 * 2**30 / 16384]])
     assert flat == pytest.approx(28 * 176128 / 1e9, rel=5e-3)
     assert steep / flat == pytest.approx(6 * 16384 / 176128, rel=5e-3)
+
+
+def test_a_momentum_pass_at_half_the_update_pass_rate_doubles_only_the_momentum_line():
+    # bench_optimizer's phases of the compiled frobenius step (dit_xs width 64 depth 2): each pass at 1e9 B/s at
+    # every size, then the momentum pass at 5e8: its line doubles, the update and direction lines stay
+    log = ("# optimizer step benchmark: dit_xs width 64 depth 2\n"
+           "phases (median ms): periodic_rowwise non-refresh compiled: adamw 1, direction 1, momentum 1, update 1\n")
+
+    def lines(momentum_rate: float) -> dict:
+        rows = [[1, 1, 1, momentum_rate], [1, 1, 2**30, momentum_rate]]
+        passes = {"_momentum": rows, "_update": [[1, 1, 1, 1e9], [1, 1, 2**30, 1e9]]}
+        return {phase: counted for _, phase, counted, _ in phase_rows(_fused_only_profile(fused_passes=passes), log)}
+    same, half = lines(1e9), lines(5e8)
+    assert same["momentum"] == pytest.approx(8 * 176128 / 1e9, rel=5e-3)  # G, M read: 8 B per element
+    assert half["momentum"] == pytest.approx(2 * same["momentum"])
+    assert (half["update"], half["direction"]) == (same["update"], same["direction"])
+    assert same["update"] > 0
 
 
 def test_a_profile_measured_before_the_rates_by_bucket_prices_the_compiled_passes_as_before():
