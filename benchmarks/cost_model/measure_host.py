@@ -219,12 +219,22 @@ def core_share(measured: dict, procs: int) -> float:
     return min(1.0, cores / (procs * max(1, cores // procs)))
 
 
-def host_profile(measured: dict, processes: int = 1) -> Hardware:
+def core_slots(measured: dict, procs: int) -> float | None:
+    """How many of `procs` processes (cores // procs threads each, at least one) run at full speed at once on this
+    host's cores: cores / threads where the processes' threads outnumber the cores (sharded_schedule.simulate
+    shares the cores among those computing), None where every thread has a core."""
+    cores = measured["cores"]
+    threads = max(1, cores // procs)
+    return cores / threads if procs * threads > cores else None
+
+
+def host_profile(measured: dict, processes: int = 1, share: float | None = None) -> Hardware:
     """This host as the profile of one of `processes` processes sharing its cores, each with the benchmarks'
-    cores // processes threads (at least one): rates of that thread count, times the share of the cores a
-    process gets when there are more threads than cores."""
+    cores // processes threads (at least one): rates of that thread count, times `share`: by default the share
+    of the cores a process gets when all compute at once and there are more threads than cores (core_share);
+    1 for a replay that shares the cores itself (core_slots)."""
     threads = max(1, measured["cores"] // processes)
-    share = core_share(measured, processes)
+    share = core_share(measured, processes) if share is None else share
     rates = measured["compute"][str(threads)]
     if "ops" not in rates:
         raise ValueError("the host profile has no op rates (measured before op_cost.py): run --measure-host again")

@@ -14,8 +14,8 @@ from benchmarks.cost_model.calibration import (calibration_rows, collective_cpu_
 from benchmarks.cost_model.cli import main
 from benchmarks.cost_model.contender import Optim
 from benchmarks.cost_model.hardware import Hardware, PROFILES
-from benchmarks.cost_model.measure_host import (calibration_buckets, host_profile, measure_gloo, other_threads_cpu_s,
-                                                spanning_buckets)
+from benchmarks.cost_model.measure_host import (calibration_buckets, core_slots, host_profile, measure_gloo,
+                                                other_threads_cpu_s, spanning_buckets)
 from benchmarks.cost_model.predict import counted_records, forward_backward, optimizer_step, predict
 from benchmarks.cost_model.shapes import Shapes, model_shapes, rank_bytes, rownorm_buckets
 from benchmarks.cost_model.sharded import collective_seconds, counted_ranks, gpu_replayed, sharded_optimizer
@@ -277,9 +277,26 @@ def test_owner_modes_all_to_alls_take_their_cpu_from_the_ns5_they_overlap():
     assert charged["collectives"] == 16 and free["collective_cpu_s"] == 0.0
     assert charged["collective_cpu_s"] == pytest.approx(14e-3)
     assert charged["direction_s"] - free["direction_s"] == pytest.approx(14e-3)
-    # 4 processes on 2 cores: each gets half a core, so the same CPU costs twice the time
+    # 4 processes on 2 cores: the CPU is a whole core's, the replay shares the cores (next test)
     measured["gloo"]["4"] = {"link_bytes_s": 1e12, "latency_s": 0.0, "cpu_s_per_call": 1e-3, "cpu_s_per_byte": 0.0}
-    assert collective_cpu_rates(measured, 4) == (2e-3, 0.0) and collective_cpu_rates(measured, 2) == (1e-3, 0)
+    assert collective_cpu_rates(measured, 4) == (1e-3, 0.0) and collective_cpu_rates(measured, 2) == (1e-3, 0)
+
+
+def test_more_single_thread_processes_than_cores_share_them_while_they_compute():
+    # adamw on dit_xs: 2 ops per rank and step, no collective; every op 1 s on a whole core. 2 processes on the 2
+    # cores: a core each, 2 s. 4 single-thread processes: 2 cores' worth of threads (core_slots), all 4 compute
+    # at once, half a core each: 4 s; the Python per op is CPU too and shared alike (0.5 s per op -> 6 s)
+    measured = fast_profile()
+    one = measured["compute"]["1"]
+    one["ops"].update(op_s=1.0, stream=1e30)
+    one["memory_bytes_s"] = 1e30  # fused AdamW's rate: its bytes free
+    measured["gloo"]["4"] = {"link_bytes_s": 1e12, "latency_s": 0.0}
+    shapes = model_shapes("dit_xs", 64, 2)
+    assert (core_slots(measured, 2), core_slots(measured, 4)) == (None, 2.0)
+    assert sharded_step(shapes, "adamw", measured, 2)["total_s"] == pytest.approx(2.0)
+    assert sharded_step(shapes, "adamw", measured, 4)["total_s"] == pytest.approx(4.0)
+    measured["python"] = {"4": {"adamw": {"direction": 0.0, "other": 0.5}}}
+    assert sharded_step(shapes, "adamw", measured, 4)["total_s"] == pytest.approx(6.0)
 
 
 def test_the_python_per_op_of_the_sharded_step_is_measured_per_class():
