@@ -74,11 +74,12 @@ def simulate(programs: list[list[tuple]], durations: list[float], slots: float |
                     break
                 if ev[0] == "issue":
                     issued[r][ev[1]] = now
-                elif end[ev[1]] is None or end[ev[1]] > now:
-                    blocked[r] = now if blocked[r] is None else blocked[r]
+                elif end[ev[1]] is None or end[ev[1]] > now:  # blocked until the collective ends
+                    if blocked[r] is None:
+                        blocked[r] = now
                     break
-                else:
-                    waited[r] += now - (now if blocked[r] is None else blocked[r])
+                elif blocked[r] is not None:
+                    waited[r] += now - blocked[r]
                     blocked[r] = None
                 pos[r] += 1
             if done_at[r] is None and pos[r] == len(prog):
@@ -91,7 +92,8 @@ def simulate(programs: list[list[tuple]], durations: list[float], slots: float |
         running = [r for r in range(w) if left[r] is not None]
         speed = 1.0 if slots is None or len(running) <= slots else slots / len(running)
         finish = {r: now + left[r] / speed for r in running}
-        ahead = list(finish.values()) + [t for t in end[:next_coll] if t > now]
+        ends = [end[programs[r][pos[r]][1]] for r in range(w) if blocked[r] is not None]  # what blocked ranks await
+        ahead = list(finish.values()) + [t for t in ends if t is not None and t > now]
         if not ahead:
             if next_coll > timed:  # a collective just timed may end now (no duration): its waits pass
                 continue
