@@ -17,9 +17,10 @@ picks the rate it runs at:
   stream   any other elementwise op, copy or foreach op: its bytes at the multi-array streaming rate
   adamw    torch's fused AdamW kernel: its bytes at the rate measured for it
   fused    a torch.compile'd function (see below): one kernel that reads every outside tensor once and writes
-           every outside tensor once, intermediates free, at the rate measured for the RowNorm step's compiled
-           passes (optim/fused_rownorm.py) on buckets of its own size (its first argument's elements: a bucket's
-           matrices), interpolated log-log between the sizes measured (measure_fused_rates)
+           every outside tensor once, intermediates free, at the rate measured for that compiled pass of the
+           RowNorm step (optim/fused_rownorm.py: the momentum pass and the update pass, each its own rate) on
+           buckets of its own size (its first argument's elements: a bucket's matrices), interpolated log-log
+           between the sizes measured (measure_fused_rates)
 Views and allocations (dispatch_counter's no_kernel) are free and not recorded; collectives are recorded with
 their bytes and priced by the caller (benchmarks/cost_model/: gloo or NCCL).
 
@@ -306,6 +307,9 @@ class OpRates:
     square: tuple = field(default=())  # the same for 8 x r x r x r (the Gram form's); () = as gemm
     ns5: tuple = field(default=())  # NS5's own matmuls measured: ((op, layout, dtype, m, k, n, batch, flop/s), ...)
     fused_by_size: tuple = field(default=())  # ((bucket elements, bytes/s), ...) ascending; () = `fused` at any size
+    # ((compiled function's name, ((bucket elements, bytes/s), ...) ascending), ...): each compiled RowNorm pass's
+    # own rates; a fused region of another name takes fused_by_size
+    fused_by_pass: tuple = field(default=())
 
     def gemm_rate(self, rec: OpRecord) -> float:
         """flop/s of a counted matmul: interpolated between NS5's own matmuls measured at its op, layout, dtype
@@ -321,13 +325,16 @@ class OpRates:
         below = [rate for s, rate in table if s <= side]
         return below[-1] if below else table[0][1]
 
-    def fused_rate(self, elements: int) -> float:
-        """bytes/s of a fused region on a bucket of `elements`: log-log between the bucket sizes measured, clamped
-        at the smallest and the largest; `fused` where no sizes were measured (a GPU, a profile measured before
-        them) or the size is not known."""
-        if not self.fused_by_size or elements <= 0:
+    def fused_rate(self, elements: int, name: str = "") -> float:
+        """bytes/s of a fused region (the compiled function `name`) on a bucket of `elements`: log-log between the
+        bucket sizes measured for that function where its own were measured (fused_by_pass), else for both
+        RowNorm passes together (fused_by_size, a profile measured before the rates per pass), clamped at the
+        smallest and the largest; `fused` where no sizes were measured (a GPU, a profile measured before them) or
+        the size is not known."""
+        by_size = dict(self.fused_by_pass).get(name) or self.fused_by_size
+        if not by_size or elements <= 0:
             return self.fused
-        log_rate = {math.log(e): math.log(r) for e, r in self.fused_by_size}
+        log_rate = {math.log(e): math.log(r) for e, r in by_size}
         around = ns5_gemm_rates.bracket(sorted(log_rate), math.log(elements))
         return math.exp(sum(w * log_rate[x] for x, w in around))
 
@@ -337,7 +344,8 @@ class OpRates:
                        self.op_s / share, self.adamw * share, self.fused * share,
                        tuple((s, r * share) for s, r in self.gemm), tuple((s, r * share) for s, r in self.square),
                        tuple((*p, r * share) for *p, r in self.ns5),
-                       tuple((e, r * share) for e, r in self.fused_by_size))
+                       tuple((e, r * share) for e, r in self.fused_by_size),
+                       tuple((name, tuple((e, r * share) for e, r in rates)) for name, rates in self.fused_by_pass))
 
 
 def seconds(rec: OpRecord, rates: OpRates) -> float:
@@ -346,7 +354,7 @@ def seconds(rec: OpRecord, rates: OpRates) -> float:
     if rec.category == "collective":
         return 0.0
     if rec.category == "fused":
-        rate = rates.fused_rate(rec.elements)
+        rate = rates.fused_rate(rec.elements, rec.op)
     else:
         rate = rates.stream if rec.category == "gemm" else getattr(rates, rec.category)
     t = rec.bytes / rate
@@ -427,41 +435,57 @@ def measure_op_rates(threads: int) -> dict:
     }
 
 
-FUSED_BYTES = 28  # per fp32 element, the compiled passes without U stored: G, M in (8); W, G, M in, W, M out (20)
+def fused_passes():
+    """{the compiled function's name (the op of its counted fused record): bytes it moves per fp32 element} of the
+    RowNorm step's two compiled passes without U stored (the frobenius scale): the momentum pass reads G and M
+    (8 B), the update pass reads W, G, M and writes W, M (20 B)."""
+    from dit_train.optim import fused_rownorm
+
+    return {fused_rownorm._momentum.__name__: 8, fused_rownorm._update.__name__: 20}
 
 
-def measure_fused_rates(threads: int, buckets) -> list[list] | None:
-    """[[B, m, n, bytes/s], ...]: the RowNorm step's compiled passes (fused_rownorm.momentum_pass and update_pass, U
-    not stored: FUSED_BYTES per element) on a bucket of B fp32 m x n matrices, for each (B, m, n) in `buckets`;
-    None without a C++ compiler. A bucket's first run compiles its two kernels (seconds; inductor caches them on
-    disk for the next)."""
+def measure_fused_rates(threads: int, buckets) -> dict[str, list[list]] | None:
+    """{pass: [[B, m, n, bytes/s], ...]} (pass: fused_passes' names): each of the RowNorm step's compiled passes
+    (fused_rownorm.momentum_pass and update_pass, U not stored, as the optimizer calls them) timed alone on a bucket
+    of B fp32 m x n matrices, for each (B, m, n) in `buckets`: the momentum pass streams at its own rate (a
+    reduction over the rows of O(U); a tall bucket's are its columns), not the update pass's. None without a C++
+    compiler. A bucket's first run compiles its two kernels (seconds; inductor caches them on disk for the next);
+    each pass runs as often as the two together did before (median_seconds' warm-up + 5), so timing them apart
+    costs no more."""
     from dit_train.optim import fused_rownorm
 
     if fused_rownorm.cpp_compiler() is None:
         return None
     torch.set_num_threads(threads)
     lr = torch.tensor(1e-3)  # a 0-d tensor, as the optimizer passes it (a float would recompile per value)
-    rows = []
+    per_element = fused_passes()
+    momentum, update = per_element  # the two names, in the order the optimizer calls them
+    rows = {name: [] for name in per_element}
     for B, m, n in buckets:
         W, G, M = (list(torch.randn(B, m, n).unbind(0)) for _ in range(3))
         U = torch.zeros((), dtype=torch.float32).expand(B, m, n)
         s = torch.ones(B, 1, n) if m > n else torch.ones(B, m, 1)
-
-        def passes(W=W, G=G, M=M, U=U, s=s, tall=m > n):
-            fused_rownorm.momentum_pass(G, M, U, 0.95, True, tall, False)
-            fused_rownorm.update_pass(W, G, M, U, False, s, lr, 1.0, 1.0, 0.95, True, tall)
-        rows.append([B, m, n, FUSED_BYTES * B * m * n / median_seconds(passes)])
+        tall = m > n
+        seconds = {
+            momentum: median_seconds(lambda: fused_rownorm.momentum_pass(G, M, U, 0.95, True, tall, False)),
+            update: median_seconds(lambda: fused_rownorm.update_pass(W, G, M, U, False, s, lr, 1.0, 1.0, 0.95, True,
+                                                                     tall))}
+        for name, sec in seconds.items():
+            rows[name].append([B, m, n, per_element[name] * B * m * n / sec])
     return rows
 
 
 def host_op_rates(measured: dict, gemm: tuple, adamw: float, ns5: list = ()) -> OpRates:
-    """OpRates from measure_op_rates' dict (with the compiled passes' rates by bucket, "fused_buckets":
+    """OpRates from measure_op_rates' dict (with each compiled RowNorm pass's rates by bucket, "fused_passes":
     measure_fused_rates), the GEMM rates by side, fused AdamW's rate and NS5's measured matmuls
-    (ns5_gemm_rates.measure_ns5_gemms; a profile measured before them has none: matmuls at the rates by side). A
-    profile measured before the rates by bucket has one rate for the compiled passes at any size ("fused", on two
-    8M-element buckets); where neither was measured (no C++ compiler) they run at the streaming rate."""
-    by_size = {B * m * n: rate for B, m, n, rate in measured.get("fused_buckets") or ()}
+    (ns5_gemm_rates.measure_ns5_gemms; a profile measured before them has none: matmuls at the rates by side).
+    Older profiles price as they did: one rate by bucket for both passes ("fused_buckets", [B, m, n, bytes/s] of
+    the two passes run together), or before that one rate at any size ("fused", on two 8M-element buckets); where
+    none was measured (no C++ compiler) the passes run at the streaming rate."""
+    def by_size(rows):
+        return tuple(sorted({B * m * n: rate for B, m, n, rate in rows or ()}.items()))
+    by_pass = tuple((name, by_size(rows)) for name, rows in sorted((measured.get("fused_passes") or {}).items()))
     return OpRates(measured["stream"], measured["convert"], measured["reduce"], measured["matvec"],
                    measured["op_s"], adamw, measured.get("fused") or measured["stream"], tuple(tuple(x) for x in gemm),
                    tuple(tuple(x) for x in measured["square"]), tuple(tuple(x) for x in ns5),
-                   tuple(sorted(by_size.items())))
+                   by_size(measured.get("fused_buckets")), by_pass)

@@ -9,7 +9,7 @@ from benchmarks.cost_model.bench_logs import (BENCH_DISTRIBUTED_ROWS, BENCH_OPTI
                                               parse_bench_distributed, parse_bench_optimizer,
                                               parse_distributed_phases, parse_phases)
 from benchmarks.cost_model.contender import Optim
-from benchmarks.cost_model.measure_host import core_share, host_profile
+from benchmarks.cost_model.measure_host import core_slots, host_profile
 from benchmarks.cost_model.predict import counted_records, predict
 from benchmarks.cost_model.shapes import Shapes, model_shapes
 
@@ -90,31 +90,28 @@ def step_kinds(opt: Optim, steps: int) -> list[str]:
 
 
 def python_rates(measured: dict, procs: int) -> dict | None:
-    """{step kind: {class: seconds of Python per op}} of a process of `procs` (measured on one thread, divided by
-    the share of a core it gets, as host_profile shares the op rates), or None where the profile has none."""
-    python = measured.get("python", {}).get(str(procs))
-    if python is None:
-        return None
-    share = core_share(measured, procs)
-    return {kind: {cls: v / share for cls, v in rates.items()} for kind, rates in python.items()}
+    """{step kind: {class: seconds of Python per op}} of a process of `procs` (measured on one thread: a whole
+    core's; the replay shares the cores, sharded_step), or None where the profile has none."""
+    return measured.get("python", {}).get(str(procs))
 
 
 def collective_cpu_rates(measured: dict, procs: int) -> tuple[float, float] | None:
-    """(seconds per collective, seconds per byte on the wire) that gloo's threads take from a process's share of
-    the cores (measure_gloo's CPU, divided by core_share), or None where the profile has not measured them."""
+    """(seconds per collective, seconds per byte on the wire) of CPU that gloo's threads take on a process
+    (measure_gloo's: a whole core's; the replay shares the cores, sharded_step), or None where the profile has not
+    measured them."""
     gloo = measured["gloo"][str(procs)]
     if "cpu_s_per_call" not in gloo:
         return None
-    share = core_share(measured, procs)
-    return gloo["cpu_s_per_call"] / share, gloo["cpu_s_per_byte"] / share
+    return gloo["cpu_s_per_call"], gloo["cpu_s_per_byte"]
 
 
 def sharded_step(shapes: Shapes, label: str, measured: dict, procs: int) -> dict:
     """bench_distributed's contender `label` on `procs` processes of this host: every rank's counted step replayed
-    with the overlap the code has (sharded_schedule), ops at a process's share of the cores plus the Python per
-    op where the profile has it, collectives at the gloo latency between busy processes where the profile has it
-    (else between idle ones) and its bandwidth, and their CPU (gloo's threads) taken from the compute they overlap
-    where the profile has it (collective_cpu_rates); the slowest rank's step, averaged over the cycle."""
+    with the overlap the code has (sharded_schedule), ops at a whole core's rates per thread plus the Python per
+    op where the profile has it, the cores shared among the ranks computing at each moment where the processes'
+    threads outnumber them (core_slots), collectives at the gloo latency between busy processes where the profile
+    has it (else between idle ones) and its bandwidth, and their CPU (gloo's threads) taken from the compute they
+    overlap where the profile has it (collective_cpu_rates); the slowest rank's step, averaged over the cycle."""
     from benchmarks.sharded_schedule import mean_scheduled
 
     cycle = sharded_cycle(shapes, label, procs)
@@ -122,8 +119,8 @@ def sharded_step(shapes: Shapes, label: str, measured: dict, procs: int) -> dict
     latency = gloo.get("busy_latency_s", gloo["latency_s"])
     python = python_rates(measured, procs)
     per_step = [python[k] for k in step_kinds(BENCH_DISTRIBUTED_ROWS[label], len(cycle))] if python else None
-    return mean_scheduled(cycle, host_profile(measured, procs).op_rates(), procs, gloo["link_bytes_s"], latency,
-                          per_step, collective_cpu_rates(measured, procs))
+    return mean_scheduled(cycle, host_profile(measured, procs, share=1.0).op_rates(), procs, gloo["link_bytes_s"],
+                          latency, per_step, collective_cpu_rates(measured, procs), core_slots(measured, procs))
 
 
 def calibration_table(rows: list[tuple]) -> str:

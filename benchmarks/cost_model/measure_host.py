@@ -69,9 +69,10 @@ def spanning_buckets(buckets, sizes: int = FUSED_SIZES) -> list[tuple[int, int, 
 def measure_compute(threads: int, fused_buckets: list[tuple[int, int, int]]) -> dict:
     """bf16 GEMM rates by short side r (the plain NS5 iteration's three bmm's on 8 x r x 4r), the streaming
     rate of torch's fused AdamW (28 B per element over 32M fp32 elements, far beyond the caches) and each op
-    category's rate (op_cost.measure_op_rates), the compiled RowNorm passes' rate on each of `fused_buckets`
-    ((B, m, n); op_cost.measure_fused_rates) and NS5's own matmuls (ns5_gemm_rates: every bmm/baddbmm it
-    dispatches on a grid of shapes and batches, ~5 s of CPU at 1 thread), `threads` threads."""
+    category's rate (op_cost.measure_op_rates), each compiled RowNorm pass's rate on each of `fused_buckets`
+    ((B, m, n); op_cost.measure_fused_rates: the momentum and the update pass timed apart) and NS5's own
+    matmuls (ns5_gemm_rates: every bmm/baddbmm it dispatches on a grid of shapes and batches, ~5 s of CPU at 1
+    thread), `threads` threads."""
     import torch
 
     _progress(f"{threads} thread(s): GEMM rates by side")
@@ -85,9 +86,9 @@ def measure_compute(threads: int, fused_buckets: list[tuple[int, int, int]]) -> 
     del params, adamw
     _progress(f"{threads} thread(s): op categories (stream, convert, reduce, matvec, dispatch, square GEMMs)")
     ops = measure_op_rates(threads)
-    _progress(f"{threads} thread(s): the compiled RowNorm passes on buckets (B, m, n) {fused_buckets} (compiles on "
+    _progress(f"{threads} thread(s): each compiled RowNorm pass on buckets (B, m, n) {fused_buckets} (compiles on "
               "the first run)")
-    ops["fused_buckets"] = measure_fused_rates(threads, fused_buckets)
+    ops["fused_passes"] = measure_fused_rates(threads, fused_buckets)
     _progress(f"{threads} thread(s): NS5's own matmuls (op, layout, shape, batch)")
     return {"gemm_flops": max(rate for _, rate in rates), "ns5_rates": rates,
             "memory_bytes_s": ADAMW_BYTES * 32 * 2**20 / stream, "ops": ops, "ns5_gemms": measure_ns5_gemms(threads)}
@@ -218,12 +219,22 @@ def core_share(measured: dict, procs: int) -> float:
     return min(1.0, cores / (procs * max(1, cores // procs)))
 
 
-def host_profile(measured: dict, processes: int = 1) -> Hardware:
+def core_slots(measured: dict, procs: int) -> float | None:
+    """How many of `procs` processes (cores // procs threads each, at least one) run at full speed at once on this
+    host's cores: cores / threads where the processes' threads outnumber the cores (sharded_schedule.simulate
+    shares the cores among those computing), None where every thread has a core."""
+    cores = measured["cores"]
+    threads = max(1, cores // procs)
+    return cores / threads if procs * threads > cores else None
+
+
+def host_profile(measured: dict, processes: int = 1, share: float | None = None) -> Hardware:
     """This host as the profile of one of `processes` processes sharing its cores, each with the benchmarks'
-    cores // processes threads (at least one): rates of that thread count, times the share of the cores a
-    process gets when there are more threads than cores."""
+    cores // processes threads (at least one): rates of that thread count, times `share`: by default the share
+    of the cores a process gets when all compute at once and there are more threads than cores (core_share);
+    1 for a replay that shares the cores itself (core_slots)."""
     threads = max(1, measured["cores"] // processes)
-    share = core_share(measured, processes)
+    share = core_share(measured, processes) if share is None else share
     rates = measured["compute"][str(threads)]
     if "ops" not in rates:
         raise ValueError("the host profile has no op rates (measured before op_cost.py): run --measure-host again")

@@ -9,13 +9,13 @@ from dataclasses import replace
 import pytest
 
 from benchmarks.cost_model.bench_logs import parse_bench_distributed, parse_bench_optimizer, parse_distributed_phases
-from benchmarks.cost_model.calibration import (calibration_rows, collective_cpu_rates, sharded_cycle, sharded_step,
-                                               step_kinds)
+from benchmarks.cost_model.calibration import (calibration_rows, collective_cpu_rates, phase_rows, sharded_cycle,
+                                               sharded_step, step_kinds)
 from benchmarks.cost_model.cli import main
 from benchmarks.cost_model.contender import Optim
 from benchmarks.cost_model.hardware import Hardware, PROFILES
-from benchmarks.cost_model.measure_host import (calibration_buckets, host_profile, measure_gloo, other_threads_cpu_s,
-                                                spanning_buckets)
+from benchmarks.cost_model.measure_host import (calibration_buckets, core_slots, host_profile, measure_gloo,
+                                                other_threads_cpu_s, spanning_buckets)
 from benchmarks.cost_model.predict import counted_records, forward_backward, optimizer_step, predict
 from benchmarks.cost_model.shapes import Shapes, model_shapes, rank_bytes, rownorm_buckets
 from benchmarks.cost_model.sharded import collective_seconds, counted_ranks, gpu_replayed, sharded_optimizer
@@ -277,9 +277,26 @@ def test_owner_modes_all_to_alls_take_their_cpu_from_the_ns5_they_overlap():
     assert charged["collectives"] == 16 and free["collective_cpu_s"] == 0.0
     assert charged["collective_cpu_s"] == pytest.approx(14e-3)
     assert charged["direction_s"] - free["direction_s"] == pytest.approx(14e-3)
-    # 4 processes on 2 cores: each gets half a core, so the same CPU costs twice the time
+    # 4 processes on 2 cores: the CPU is a whole core's, the replay shares the cores (next test)
     measured["gloo"]["4"] = {"link_bytes_s": 1e12, "latency_s": 0.0, "cpu_s_per_call": 1e-3, "cpu_s_per_byte": 0.0}
-    assert collective_cpu_rates(measured, 4) == (2e-3, 0.0) and collective_cpu_rates(measured, 2) == (1e-3, 0)
+    assert collective_cpu_rates(measured, 4) == (1e-3, 0.0) and collective_cpu_rates(measured, 2) == (1e-3, 0)
+
+
+def test_more_single_thread_processes_than_cores_share_them_while_they_compute():
+    # adamw on dit_xs: 2 ops per rank and step, no collective; every op 1 s on a whole core. 2 processes on the 2
+    # cores: a core each, 2 s. 4 single-thread processes: 2 cores' worth of threads (core_slots), all 4 compute
+    # at once, half a core each: 4 s; the Python per op is CPU too and shared alike (0.5 s per op -> 6 s)
+    measured = fast_profile()
+    one = measured["compute"]["1"]
+    one["ops"].update(op_s=1.0, stream=1e30)
+    one["memory_bytes_s"] = 1e30  # fused AdamW's rate: its bytes free
+    measured["gloo"]["4"] = {"link_bytes_s": 1e12, "latency_s": 0.0}
+    shapes = model_shapes("dit_xs", 64, 2)
+    assert (core_slots(measured, 2), core_slots(measured, 4)) == (None, 2.0)
+    assert sharded_step(shapes, "adamw", measured, 2)["total_s"] == pytest.approx(2.0)
+    assert sharded_step(shapes, "adamw", measured, 4)["total_s"] == pytest.approx(4.0)
+    measured["python"] = {"4": {"adamw": {"direction": 0.0, "other": 0.5}}}
+    assert sharded_step(shapes, "adamw", measured, 4)["total_s"] == pytest.approx(6.0)
 
 
 def test_the_python_per_op_of_the_sharded_step_is_measured_per_class():
@@ -444,11 +461,11 @@ def test_the_compiled_passes_are_measured_on_buckets_spanning_the_sizes():
     assert (chosen[0], chosen[-1]) == (sizes[0], sizes[-1]) and len(chosen) == 4
 
 
-def _fused_only_profile(fused_buckets) -> dict:
+def _fused_only_profile(fused_buckets=None, fused_passes=None) -> dict:
     """One process of one thread where everything but the compiled RowNorm passes is free."""
     fast = 1e30
     ops = {"stream": fast, "convert": fast, "reduce": fast, "matvec": fast, "op_s": 0.0, "square": [[1, fast]],
-           "fused_buckets": fused_buckets}
+           "fused_buckets": fused_buckets, "fused_passes": fused_passes}
     return {"cores": 1, "compute": {"1": {"gemm_flops": fast, "ns5_rates": [[1, fast]], "memory_bytes_s": fast,
                                           "ops": ops}}, "gloo": {}}
 
@@ -468,6 +485,23 @@ def test_a_compiled_bench_line_prices_each_bucket_at_its_own_sizes_rate():
     steep = line([[1, 1, 1, 1e9 / 16384], [1, 1, 2**30, 1e9 * 2**30 / 16384]])
     assert flat == pytest.approx(28 * 176128 / 1e9, rel=5e-3)
     assert steep / flat == pytest.approx(6 * 16384 / 176128, rel=5e-3)
+
+
+def test_a_momentum_pass_at_half_the_update_pass_rate_doubles_only_the_momentum_line():
+    # bench_optimizer's phases of the compiled frobenius step (dit_xs width 64 depth 2): each pass at 1e9 B/s at
+    # every size, then the momentum pass at 5e8: its line doubles, the update and direction lines stay
+    log = ("# optimizer step benchmark: dit_xs width 64 depth 2\n"
+           "phases (median ms): periodic_rowwise non-refresh compiled: adamw 1, direction 1, momentum 1, update 1\n")
+
+    def lines(momentum_rate: float) -> dict:
+        rows = [[1, 1, 1, momentum_rate], [1, 1, 2**30, momentum_rate]]
+        passes = {"_momentum": rows, "_update": [[1, 1, 1, 1e9], [1, 1, 2**30, 1e9]]}
+        return {phase: counted for _, phase, counted, _ in phase_rows(_fused_only_profile(fused_passes=passes), log)}
+    same, half = lines(1e9), lines(5e8)
+    assert same["momentum"] == pytest.approx(8 * 176128 / 1e9, rel=5e-3)  # G, M read: 8 B per element
+    assert half["momentum"] == pytest.approx(2 * same["momentum"])
+    assert (half["update"], half["direction"]) == (same["update"], same["direction"])
+    assert same["update"] > 0
 
 
 def test_a_profile_measured_before_the_rates_by_bucket_prices_the_compiled_passes_as_before():

@@ -133,6 +133,32 @@ def test_the_compiled_passes_rate_is_log_log_between_bucket_sizes_and_clamped_at
     assert single.fused_rate(4000) == 7e9
 
 
+def test_each_compiled_pass_is_priced_at_its_own_rates_and_other_regions_at_the_shared_ones():
+    # the momentum pass measured at half the update pass's rate at both sizes; a region of another name (not a
+    # RowNorm pass) takes the rates of both passes together (fused_by_size)
+    rates = oc.OpRates(stream=1e9, convert=1e9, reduce=1e9, matvec=1e9, op_s=0.0, adamw=1e9, fused=7e9,
+                       fused_by_size=((1000, 3e9),),
+                       fused_by_pass=(("_momentum", ((1000, 1e9), (16000, 2e9))), ("_update", ((1000, 2e9),
+                                                                                                 (16000, 4e9)))))
+    assert rates.fused_rate(4000, "_momentum") == pytest.approx(2**0.5 * 1e9)  # log-log: 1e9 (4000 / 1000)^(1/4)
+    assert rates.fused_rate(4000, "_update") == pytest.approx(2**1.5 * 1e9)
+    assert rates.fused_rate(4000, "other") == rates.fused_rate(4000) == pytest.approx(3e9)
+    momentum = oc.OpRecord("momentum", "_momentum", "fused", 8000, 0, elements=1000)
+    update = oc.OpRecord("update", "_update", "fused", 12000, 8000, elements=1000)
+    assert (oc.seconds(momentum, rates), oc.seconds(update, rates)) == (pytest.approx(8e-6), pytest.approx(1e-5))
+    assert rates.shared(0.5).fused_by_pass == (("_momentum", ((1000, 5e8), (16000, 1e9))),
+                                               ("_update", ((1000, 1e9), (16000, 2e9))))
+
+
+def test_host_rates_take_each_compiled_pass_by_bucket():
+    ops = {"stream": 1e9, "convert": 1e9, "reduce": 1e9, "matvec": 1e9, "op_s": 0.0, "square": [[1, 1e9]],
+           "fused_passes": {"_update": [[8, 64, 32, 4e9], [1, 16, 8, 2e9]], "_momentum": [[1, 16, 8, 1e9]]}}
+    rates = oc.host_op_rates(ops, [[1, 1e9]], 1e9)
+    assert rates.fused_by_pass == (("_momentum", ((128, 1e9),)), ("_update", ((128, 2e9), (16384, 4e9))))
+    assert rates.fused_by_size == () and rates.fused_rate(128, "_update") == pytest.approx(2e9)
+    assert set(oc.fused_passes()) == {"_momentum", "_update"}  # the names the counted fused records carry
+
+
 def test_host_rates_take_the_compiled_passes_by_bucket_or_an_older_profiles_one_rate():
     old = {"stream": 1e9, "convert": 1e9, "reduce": 1e9, "matvec": 1e9, "op_s": 0.0, "square": [[1, 1e9]],
            "fused": 3e9}

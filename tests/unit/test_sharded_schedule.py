@@ -31,6 +31,32 @@ def test_a_collective_starts_when_the_last_peer_issues_it_and_runs_after_the_pre
     # two collectives issued together run one after the other: the second ends at 1 + 2
     done = ss.simulate([[("issue", 0), ("issue", 1), ("wait", 1)]], [1.0, 2.0])
     assert done[0]["end"] == 3.0
+    # a collective of no duration (free links) ends when the last rank issues it: its waits pass at once
+    done = ss.simulate([[("issue", 0), ("wait", 0), ("op", 1.0, "other")], [("issue", 0), ("wait", 0)]], [0.0])
+    assert [d["end"] for d in done] == [1.0, 0.0] and [d["waited"] for d in done] == [0.0, 0.0]
+
+
+def test_ranks_outnumbering_the_cores_share_them_among_those_computing():
+    # 4 ranks, 2 cores' worth of threads (slots 2): 1 s of ops each at a whole core. All compute at once, so each
+    # gets half a core: done at 2 s (against 1 s on a core each, slots None)
+    each = [[("op", 1.0, "other")] for _ in range(4)]
+    assert [d["end"] for d in ss.simulate(each, [], slots=2)] == [2.0] * 4
+    assert [d["end"] for d in ss.simulate(each, [])] == [1.0] * 4
+    # ranks 0-1 have 1 s, ranks 2-3 have 3 s: half speed until 2 s (ranks 0-1 done, 1 s of the others' done), then
+    # 2 ranks on 2 cores finish their last 2 s at full speed: 4 s (a fixed half core would say 6); each phase is
+    # the time its op took
+    done = ss.simulate([[("op", 1.0, "other")]] * 2 + [[("op", 3.0, "other")]] * 2, [], slots=2)
+    assert [d["end"] for d in done] == pytest.approx([2.0, 2.0, 4.0, 4.0])
+    assert done[3]["phases"] == {"other": pytest.approx(4.0)}
+    # a rank blocked in a wait takes no CPU. One core (slots 1): rank 0 waits from the start for a 1 s collective
+    # that ranks 1-2 issue after 1 s of ops each. Ranks 1-2 share the core: both issue at 2 s, the collective ends
+    # at 3 s; then all three compute at a third of the core: ranks 1-2's 0.5 s end at 4.5 s, and rank 0, 0.5 s
+    # done by then, runs its last 0.5 s alone: 5 s
+    waiter = [("issue", 0), ("wait", 0), ("op", 1.0, "other")]
+    worker = [("op", 1.0, "other"), ("issue", 0), ("wait", 0), ("op", 0.5, "other")]
+    done = ss.simulate([waiter, worker, worker], [1.0], slots=1)
+    assert [d["end"] for d in done] == pytest.approx([5.0, 4.5, 4.5])
+    assert [d["waited"] for d in done] == pytest.approx([3.0, 1.0, 1.0])
 
 
 def test_programs_that_issue_different_collectives_are_refused():
@@ -69,7 +95,7 @@ def test_python_per_op_is_priced_on_every_op_of_its_class():
     p = ss.scheduled([_step(2), _step(2)], RATES, 2, 1e12, 0.0, python)
     assert p["total_s"] == pytest.approx(2 * (0.11 + 0.5)) and p["python_s"] == pytest.approx(1.0)
     other = ss.scheduled([_step(2, "update")], RATES, 1, 1e12, 0.0, python)
-    assert other["total_s"] == pytest.approx(2 * (0.11 + 0.25)) and other["other_s"] == other["total_s"]
+    assert other["total_s"] == pytest.approx(2 * (0.11 + 0.25)) and other["other_s"] == pytest.approx(other["total_s"])
 
 
 def test_mean_scheduled_averages_the_cycle_with_each_steps_python():
