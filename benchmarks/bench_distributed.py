@@ -270,9 +270,13 @@ def run_group(world: int, args) -> dict:
 
     import torch.multiprocessing as mp
 
+    # the ranks fork from one server that imported this script, torch and the optimizers once (for all groups);
+    # "spawn" re-imported them in every rank, seconds of CPU each that the ranks' 2-core host shares
+    mp.set_forkserver_preload(["__main__", "dit_train.optim.registry", "torch.distributed.fsdp"])
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.pt")
-        mp.start_processes(rank_main, args=(world, free_port(), args, out), nprocs=world, start_method="spawn")
+        mp.start_processes(rank_main, args=(world, free_port(), args, out), nprocs=world,
+                           start_method="forkserver")
         return torch.load(out, weights_only=True)
 
 

