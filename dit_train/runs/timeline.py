@@ -41,7 +41,7 @@ def _split_metrics(path: str, step: int) -> tuple[bytes, bytes, list[int]]:
     for line in lines:
         try:
             row_step = json.loads(line).get("step")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):  # torn; not an object; nested 10^5 deep
             row_step = None
         if isinstance(row_step, int) and row_step > step:
             later.append(line)
