@@ -18,7 +18,7 @@ from dit_train.runs.atomic_io import atomic_write_bytes, fsync_dir
 from dit_train.telemetry.metrics import read_summary
 
 ABANDONED = "abandoned"
-SAMPLE_RE = re.compile(r"^(?:fd_)?step_(\d{8})\.png$")
+SAMPLE_RE = re.compile(r"^(?:fd_)?step_([0-9]{8})\.png$")  # ASCII digits, as checkpoint.CKPT_RE
 NOTE = "ABANDONED.txt"
 
 

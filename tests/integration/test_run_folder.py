@@ -709,3 +709,24 @@ def test_a_folder_hydra_names_from_a_preset_or_hydra_run_dir_is_checked_too(tmp_
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert f"X/.hydra/overrides.yaml is a symbolic link" in r.stderr
     assert victim.read_text() == "important"
+
+
+def test_a_checkpoint_named_with_lookalike_digits_is_never_listed(tmp_path):
+    """A run folder from elsewhere with `step_００００００１０.dcp` (fullwidth digits, which `\\d` matched): it sorted
+    after every real checkpoint, so train.resume=auto resumed it instead of the run's own newest (moved aside as
+    abandoned), and keep_last pruned the run's own checkpoints but never it. Only ASCII step names are checkpoints."""
+    import shutil
+
+    import torch
+
+    from dit_train.runs import checkpoint as ckpt
+
+    for step in (10, 20):
+        ckpt.save(str(tmp_path), step, {"ema": {"w": torch.zeros(1)}}, {"step": step, "config": {}}, keep_last=0)
+    folder = tmp_path / "checkpoints"
+    shutil.copytree(folder / "step_00000010.dcp", folder / "step_００００００１０.dcp")
+    assert ckpt.list_checkpoints(str(tmp_path)) == [str(folder / "step_00000010.dcp"),
+                                                    str(folder / "step_00000020.dcp")]
+    assert ckpt.resolve_checkpoint(str(tmp_path)) == str(folder / "step_00000020.dcp")
+    ckpt.prune_checkpoints(str(tmp_path), keep_last=1)
+    assert (folder / "step_00000020.dcp").exists() and not (folder / "step_00000010.dcp").exists()
