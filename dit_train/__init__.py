@@ -2,7 +2,7 @@
 
 from omegaconf import OmegaConf
 
-from dit_train.runs.names import run_suffix
+from dit_train.runs.names import run_suffix, submission_id
 
 __version__ = "0.1.0"
 
@@ -13,9 +13,10 @@ def _documented_config(*, _root_) -> str:
     return documented_config(_root_)
 
 
-# used by hydra.run.dir / hydra.sweep.dir and hydra.help.template in conf/config.yaml; registered wherever the
-# package is imported
+# used by hydra.run.dir / hydra.sweep.dir and hydra.help.template in conf/config.yaml, and by conf/launcher/slurm.yaml;
+# registered wherever the package is imported
 OmegaConf.register_new_resolver("run_suffix", run_suffix, replace=True)
+OmegaConf.register_new_resolver("submission_id", submission_id, replace=True)
 OmegaConf.register_new_resolver("documented_config", _documented_config, replace=True)
 
 

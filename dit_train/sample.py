@@ -23,11 +23,13 @@ import os
 import sys
 
 import torch
+from omegaconf import OmegaConf
 
 from dit_train import seeds
 from dit_train.devices import check_device
 from dit_train.runs.atomic_io import check_folder_can_be_made, describe_os_error
-from dit_train.runs.checkpoint import load_for_inference
+from dit_train.runs.checkpoint import (is_complete, literal_config, load_for_inference, read_saved_state,
+                                       resolve_checkpoint)
 from dit_train.evaluation.grids import save_grid, save_image
 from dit_train.diffusion.sampler import as_latents, make_sampler, noise_shape
 from dit_train.evaluation.during_training import grid_classes
@@ -69,25 +71,20 @@ def sample(source: str, classes: list[int] | None = None, per_class: int | None 
     the EMA weights of `source`. Left as None, a setting is the run's own grids'; the noise of all N images is one
     draw, as in the run's grids, so the batch size does not change the images."""
     check_device(device)
-    model, cfg, meta = load_for_inference(source, device)
+    path = resolve_checkpoint(source)
+    early = OmegaConf.create(literal_config(read_saved_state(path)["config"])) if is_complete(path) else None
+    if early is not None:  # the saved settings judged before the weights are read (a legacy .pt holds both)
+        grid_settings(early, path, per_class, steps, cfg_scale, seed, batch_size)
+    model, cfg, meta = load_for_inference(path, device)
     if int(cfg.model.get("text_dim", 0) or 0):
         raise ValueError(f"model.text_dim={cfg.model.text_dim}: a text-conditioned model needs caption embeddings, "
                          f"which this command does not take")
-    run_per_class = int(cfg.train.get("samples_per_class", 8))
-    per_class = run_per_class if per_class is None else per_class
-    batch_size = grid_classes(cfg.model) * run_per_class if batch_size is None else batch_size  # the run's one call
-    if per_class < 1 or batch_size < 1:
-        raise ValueError(f"--per-class={per_class} / --batch-size={batch_size} is not valid: expected integers >= 1")
-    steps = cfg.train.sample_steps if steps is None else steps
-    cfg_scale = cfg.train.cfg_scale if cfg_scale is None else cfg_scale
-    seed = cfg.seed if seed is None else seed
-    if steps < 1 or not 0 <= cfg_scale < math.inf:  # a NaN scale would sample NaN images
-        raise ValueError(f"--steps={steps} / --cfg-scale={cfg_scale} is not valid: expected steps >= 1, a finite "
-                         f"scale >= 0")
+    per_class, steps, cfg_scale, seed, batch_size, precision = grid_settings(cfg, path, per_class, steps, cfg_scale,
+                                                                             seed, batch_size)
     labels = class_labels(cfg, classes, per_class)
     codec = latent_codec(cfg, vae, device)
     # latents are decoded after sampling, all together, as the run's grid decodes them
-    sampler = make_sampler(model, cfg.model, device, steps, cfg_scale, cfg.train.precision,
+    sampler = make_sampler(model, cfg.model, device, steps, cfg_scale, precision,
                            decode=None if codec is None else as_latents)
     generator = seeds.generator("grid_noise", seed, device=torch.device(device))  # the training grids' noise
     noise = torch.randn((len(labels), *noise_shape(cfg.model)), generator=generator, device=device)
@@ -97,6 +94,42 @@ def sample(source: str, classes: list[int] | None = None, per_class: int | None 
     if codec is not None:
         images = codec.decode(images).cpu()
     return images, labels, cfg, {**meta, "steps": steps, "cfg_scale": cfg_scale, "seed": seed, "per_class": per_class}
+
+
+def grid_settings(cfg, path: str, per_class, steps, cfg_scale, seed, batch_size) -> tuple:
+    """(per_class, steps, cfg_scale, seed, batch_size, precision): the flags' values, each one left out the run's
+    own, read from the checkpoint's saved config and checked against its schema first (a config from elsewhere
+    asked for 10^12 images per class: a traceback or an out-of-memory when the noise was drawn; a string or NaN
+    scale, or an unknown precision, was a traceback)."""
+    if per_class is None or batch_size is None:
+        run_per_class = saved_setting(cfg, "train.samples_per_class", path, "--per-class and --batch-size")
+        per_class = run_per_class if per_class is None else per_class
+        batch_size = grid_classes(cfg.model) * run_per_class if batch_size is None else batch_size  # the run's call
+    if per_class < 1 or batch_size < 1:
+        raise ValueError(f"--per-class={per_class} / --batch-size={batch_size} is not valid: expected integers >= 1")
+    steps = saved_setting(cfg, "train.sample_steps", path, "--steps") if steps is None else steps
+    cfg_scale = saved_setting(cfg, "train.cfg_scale", path, "--cfg-scale") if cfg_scale is None else cfg_scale
+    seed = saved_setting(cfg, "seed", path, "--seed") if seed is None else seed
+    if steps < 1 or not 0 <= cfg_scale < math.inf:  # a NaN scale would sample NaN images
+        raise ValueError(f"--steps={steps} / --cfg-scale={cfg_scale} is not valid: expected steps >= 1, a finite "
+                         f"scale >= 0")
+    return per_class, steps, cfg_scale, seed, batch_size, saved_setting(cfg, "train.precision", path)
+
+
+def saved_setting(cfg, key: str, path: str, flags: str | None = None):
+    """The run's own value of `key` (its schema's default when the saved config lacks it), valid by its schema;
+    `flags`: those that choose it instead."""
+    from dit_train.config.fields import MISSING, accepted, default_of, type_ok
+    from dit_train.config.schemas import every_key
+
+    f, tp = next((f, tp) for k, f, tp in every_key() if k == key)
+    value = OmegaConf.select(cfg, key, default=MISSING)
+    value = default_of(f) if value is MISSING else value
+    rule = f.metadata.get("rule")
+    if not type_ok(tp, value) or (rule is not None and not rule.ok(value)):
+        fix = f"pass {flags} to choose it" if flags else "this checkpoint cannot be sampled as saved"
+        raise ValueError(f"{path}: the run's saved {key}={value!r} is not valid ({accepted(f, tp)}); {fix}")
+    return value
 
 
 def write_folder(images: torch.Tensor, labels: torch.Tensor, folder: str) -> list[str]:

@@ -13,6 +13,8 @@ DTYPE_NAMES = ("bf16", "fp32", "fp64")  # the one spelling of a dtype in every c
 T_SAMPLINGS = ("logit_normal", "uniform")
 LR_SCHEDULES = ("cosine", "constant", "linear")
 WANDB_MODES = ("online", "offline", "disabled")
+MAX_GRID_ROW = 1024  # grid images per class, all sampled in one model call
+MAX_SAMPLE_STEPS = 10_000  # Euler steps: far past where more change nothing
 
 
 @dataclass(kw_only=True)  # keyword-only: a subclass may add keys without defaults
@@ -42,10 +44,14 @@ class TrainConfig:
     val_t_points: int = int_at_least(1, default=8, doc="t values per validation image (a fixed grid)")
     sample_every: int = int_at_least(0, default=500, resume=True,
                                      doc="sample grid (EMA weights, CFG); also at the end")
-    sample_steps: int = int_at_least(1, default=50, doc="Euler steps of the grid's sampler", resume=True)
+    # bounded: dit-sample takes these from a saved config, which may come from elsewhere (10^12 images asked for)
+    sample_steps: int = key(f"expected an integer in 1..{MAX_SAMPLE_STEPS}", lambda v: 1 <= v <= MAX_SAMPLE_STEPS,
+                            default=50, doc="Euler steps of the grid's sampler", resume=True)
     cfg_scale: float = number("expected >= 0 (1 means no guidance)", lambda v: v >= 0, default=2.5, resume=True,
                               doc="the grid's classifier-free guidance scale")
-    samples_per_class: int = int_at_least(1, default=8, doc="grid images per class", resume=True)
+    samples_per_class: int = key(f"expected an integer in 1..{MAX_GRID_ROW} (one grid row per class)",
+                                 lambda v: 1 <= v <= MAX_GRID_ROW, default=8, doc="grid images per class",
+                                 resume=True)
     ckpt_every: int = int_at_least(0, default=500, doc="steps per checkpoint (0: the final one only)", resume=True)
     keep_last: int = int_at_least(0, default=2, doc="checkpoints kept", resume=True)
     stop_grace_s: float = number(

@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-BLOCK = re.compile(r"^blocks\.(\d+)\.")
+BLOCK = re.compile(r"^blocks\.([0-9]+)\.")  # ASCII digits: the module names torch makes
 MIN_TABLE_VALUES = 2**24  # 64 MiB of fp32: never refused, whatever the model (a tiny model on large images)
 
 

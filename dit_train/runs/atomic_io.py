@@ -122,6 +122,27 @@ def check_folder_can_be_made(folder: str) -> None:
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), probe)
 
 
+def refuse_links_on_the_way(dest: str, target: str, writer: str, folder: bool = False) -> None:
+    """Raise ConfigError (one line) unless `target`, a file (`folder`: a folder) to be written inside `dest` (a
+    folder the user named, that may come from elsewhere), is reached without a symbolic link and is absent or a
+    regular file (a folder): a link at the file's name (`runs/a/metrics.jsonl -> ~/.bashrc`) or at a folder on its
+    way (`runs/a -> ~/project`) had the write land at the link's target, and a FIFO there hung it. `writer` names
+    who writes, for the message."""
+    from dit_train.config.errors import ConfigError
+
+    path = dest
+    for part in os.path.relpath(target, dest).split(os.sep):
+        path = os.path.join(path, part)
+        if os.path.islink(path):
+            raise ConfigError(f"{path} is a symbolic link (to {os.readlink(path)}): {writer} writes there, so it "
+                              f"would write outside {dest}; remove it")
+    if folder and os.path.lexists(target) and not os.path.isdir(target):
+        raise ConfigError(f"{target} is not a folder: {writer} writes files inside it; remove it")
+    if not folder and os.path.lexists(target) and not os.path.isfile(target):
+        raise ConfigError(f"{target} is not a regular file (a FIFO, socket, device or folder): {writer} replaces "
+                          f"it; remove it")
+
+
 def remove_stale_temp_files(folder: str) -> list[str]:
     """Leftovers of writers that died mid-write (`*.tmp-<pid>`) in `folder`; call only while holding the folder."""
     stale = [os.path.join(folder, f) for f in os.listdir(folder) if ".tmp-" in f] if os.path.isdir(folder) else []

@@ -43,8 +43,11 @@ from dit_train.runs.json_file import read_json
 from dit_train.parallel.fsdp import barrier, rank
 
 log = logging.getLogger("dit_train")
-CKPT_RE = re.compile(r"^step_(\d{8})\.dcp$")
-LEGACY_RE = re.compile(r"^step_(\d{8})\.pt$")
+# ASCII digits only: `\d` also matches fullwidth and other scripts' digits, and a lookalike name such as
+# step_００００００１０.dcp sorted after every real one, so it was always the newest: resumed instead of the run's
+# own newest checkpoint (which moved aside as abandoned) and never pruned while the run's own were
+CKPT_RE = re.compile(r"^step_([0-9]{8})\.dcp$")
+LEGACY_RE = re.compile(r"^step_([0-9]{8})\.pt$")
 MARKER = "COMPLETE"
 # a save without a process group says it assumes a single process; it does (an async save says so from its writer
 # thread, after a catch_warnings around the call has ended, hence a filter for the process)

@@ -14,7 +14,9 @@ overrides}.yaml` and its log. Such a folder from elsewhere is checked whole befo
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 
 from dit_train.config.errors import invalid
 from dit_train.runs.lock import LOCK_NAME
@@ -41,6 +43,26 @@ def refuse_writes_outside(run_dir: str) -> None:
         if os.path.exists(path) and not os.path.isfile(path):
             _refuse(run_dir, f"{path} is not a regular file (a FIFO, socket, device or folder); a run writes this "
                              f"file in place")
+
+
+def open_in_place(path: str, flags: int) -> int:
+    """A descriptor of the file at `path` (one of IN_PLACE, written in place), opened without following a symbolic
+    link and kept only if it is a regular file: refuse_writes_outside checked the folder before the run, and this
+    makes the check hold at the moment of use (on a shared file system a link or FIFO put there in between was
+    followed, or hung the run). ConfigError (one line) otherwise."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)  # O_NONBLOCK: a FIFO opens, never waits
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        _refuse(os.path.dirname(path), f"{path} became a symbolic link (to {os.readlink(path)}) after the run "
+                                       f"folder was checked; a run writes this file in place")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        _refuse(os.path.dirname(path), f"{path} became a FIFO, socket or device after the run folder was checked; "
+                                       f"a run writes this file in place")
+    os.set_blocking(fd, True)
+    return fd
 
 
 def _refuse(run_dir: str, why: str):

@@ -42,6 +42,9 @@ def read_json(path: str, keys: tuple[str, ...] = (), fix: str = ""):
     except UnicodeDecodeError:
         raise DamagedJSONFile(f"{path} is not valid JSON (it is not UTF-8 text): the file is damaged{after}") \
             from None
+    except (ValueError, RecursionError) as e:  # an integer of > 4300 digits; arrays nested 10^5 deep
+        raise DamagedJSONFile(f"{path} is not JSON dit_train reads ({beyond_parser(e)}): the file is damaged or "
+                              f"crafted{after}") from None
     if keys and not isinstance(value, dict):
         raise DamagedJSONFile(f"{path} holds a JSON {type(value).__name__}, not the object with "
                               f"{', '.join(keys)} it should hold: the file is damaged{after}")
@@ -66,3 +69,14 @@ def read_yaml(path: str, fix: str = ""):
             from None
     except UnicodeDecodeError:
         raise DamagedJSONFile(f"{path} is not valid YAML (it is not UTF-8 text): the file is damaged{after}") from None
+    except (ValueError, RecursionError) as e:
+        raise DamagedJSONFile(f"{path} is not YAML dit_train reads ({beyond_parser(e)}): the file is damaged or "
+                              f"crafted{after}") from None
+
+
+def beyond_parser(e: Exception) -> str:
+    """What a parser's limit says, in a few words: Python's integer-digit limit (a ValueError) or its recursion
+    limit (a RecursionError, which every `except ValueError` let through as a traceback)."""
+    if isinstance(e, RecursionError):
+        return "nested deeper than the parser's recursion limit"
+    return str(e).split(":")[0].split(";")[0]

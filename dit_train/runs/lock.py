@@ -22,7 +22,9 @@ class RunLock:
         self.fd: int | None = None
 
     def acquire(self) -> "RunLock":
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        from dit_train.runs.in_place_files import open_in_place  # it names LOCK_NAME
+
+        fd = open_in_place(self.path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

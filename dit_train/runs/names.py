@@ -15,3 +15,12 @@ def run_suffix() -> str:
     task = env.get("SLURM_ARRAY_TASK_ID")
     slurm = f"j{job}{'_' + task if task else ''}-" if job else ""
     return slurm + secrets.token_hex(3)
+
+
+@functools.lru_cache(maxsize=None)  # one value per submitting process: every job of the sweep under one folder
+def submission_id() -> str:
+    """The folder of one submission's submitit files (launcher=slurm: <sweep>/.submitit/<this>/%j): a name no
+    folder from elsewhere can already hold. submitit's submitting process unpickles <folder>/<job id>_<task>_
+    result.pkl with plain pickle as soon as that file exists, so in a sweep folder handed over, pickles planted
+    under `.submitit/<job id>/` for the cluster's next job ids ran as code in the user's process."""
+    return secrets.token_hex(8)

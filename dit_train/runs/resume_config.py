@@ -7,21 +7,29 @@ What the command line set: the keys it names, and every key its group choices (`
 with and without the command's overrides, and the keys that differ are the command's. The
 command's run_dir, train.resume and train.init_from always hold, and so does eval.trust_encoder_code: a grant to run
 the code of a torch.hub checkout comes from the user, never from a checkpoint (a run folder from elsewhere named a
-checkout it shipped, and its hubconf.py ran on resume). A key the checkpoint's config lacks (added to
-dit_train later) takes its default, or the value that reproduces earlier runs (its schema's recorded_before); keys
-only the checkpoint has are dropped. resume_policy.check_resume then judges the result against the saved config,
-so a change outside the resume policy is refused in one line as before, now naming only what the user asked for.
+checkout it shipped, and its hubconf.py ran on resume). So do the keys that say where data leaves the run folder,
+WHERE_DATA_GOES: logger.wandb.mode, .entity and .project (a received run saved with mode online uploaded the
+user's run to the entity it named) and eval.cache_dir (reference statistics were written, and read back, where the
+folder chose); a saved value they replace is named in one warning line, as the override that keeps it. A key the
+checkpoint's config lacks (added to dit_train later) takes its default, or the value that reproduces earlier runs
+(its schema's recorded_before); keys only the checkpoint has are dropped. resume_policy.check_resume then judges
+the result against the saved config, so a change outside the resume policy is refused in one line as before, now
+naming only what the user asked for.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import shlex
 
 from omegaconf import OmegaConf
 
 log = logging.getLogger("dit_train")
-ALWAYS_FROM_COMMAND = ("run_dir", "train.resume", "train.init_from", "eval.trust_encoder_code")
+# where data leaves the run folder: uploads (wandb) and files written and read outside it (the FD reference cache)
+WHERE_DATA_GOES = ("logger.wandb.mode", "logger.wandb.entity", "logger.wandb.project", "eval.cache_dir")
+# the user's word only, never a checkpoint's: where the run is, a grant to run code, where data goes
+ALWAYS_FROM_COMMAND = ("run_dir", "train.resume", "train.init_from", "eval.trust_encoder_code", *WHERE_DATA_GOES)
 SAVED_CHOICES = ("data", "model", "optimizer")  # groups whose option a saved config names (its `name` key)
 ABSENT = object()
 # a preset's file name in its group folder: nothing Hydra reads as a path (`../../x`) or an interpolation
@@ -68,20 +76,25 @@ def continue_saved_config(cfg, overrides: list[str], read_state=None):
         return cfg
     named = _named_keys(own)
     kept = flatten(literal_config(saved))  # a crafted `${oc.env:...}` stays a string: nothing resolves
-    merged, set_here = {}, []
+    merged, set_here, dropped = {}, [], []
     for key, value in now.items():
-        from_command = key in ALWAYS_FROM_COMMAND or any(key == n or key.startswith(n + ".") for n in named) \
-            or value != base.get(key, ABSENT)
+        typed = any(key == n or key.startswith(n + ".") for n in named) or value != base.get(key, ABSENT)
+        from_command = typed or key in ALWAYS_FROM_COMMAND
         if from_command or key not in kept:  # set here, or added to dit_train after the checkpoint
             merged[key] = earlier[key] if not from_command and key in earlier else value
             if from_command and kept.get(key, ABSENT) != value and key not in ALWAYS_FROM_COMMAND:
                 set_here.append(key)
+            elif key in WHERE_DATA_GOES and not typed and kept.get(key, value) != value:
+                dropped.append(f"{key}={kept[key]}")
         else:
             merged[key] = kept[key]
     out = OmegaConf.create(_unflatten(merged))
     OmegaConf.set_struct(out, True)
     log.info("continuing with the config saved in %s%s", path,
              f"; the command line changes {', '.join(set_here)}" if set_here else "")
+    if dropped:  # quoted: a saved value from elsewhere may hold spaces or a newline
+        log.warning("not continued from the saved config (where data leaves the run folder is the command line's "
+                    "word): %s; pass them to keep them", " ".join(map(shlex.quote, dropped)))
     return out
 
 

@@ -18,7 +18,7 @@ from dit_train.runs.atomic_io import atomic_write_bytes, fsync_dir
 from dit_train.telemetry.metrics import read_summary
 
 ABANDONED = "abandoned"
-SAMPLE_RE = re.compile(r"^(?:fd_)?step_(\d{8})\.png$")
+SAMPLE_RE = re.compile(r"^(?:fd_)?step_([0-9]{8})\.png$")  # ASCII digits, as checkpoint.CKPT_RE
 NOTE = "ABANDONED.txt"
 
 
@@ -41,7 +41,7 @@ def _split_metrics(path: str, step: int) -> tuple[bytes, bytes, list[int]]:
     for line in lines:
         try:
             row_step = json.loads(line).get("step")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):  # torn; not an object; nested 10^5 deep
             row_step = None
         if isinstance(row_step, int) and row_step > step:
             later.append(line)

@@ -19,7 +19,7 @@ import sys
 
 from dit_train.study import paired_report, report
 from dit_train.study import run as run_study
-from dit_train.runs.atomic_io import atomic_write_bytes
+from dit_train.runs.atomic_io import atomic_write_bytes, refuse_links_on_the_way
 from dit_train.config.errors import ConfigError
 from dit_train.runs.json_file import DamagedJSONFile
 from dit_train.study.record import read_study
@@ -43,7 +43,7 @@ def publish(sweep_dir: str, dest: str, finished_only: bool = False) -> int:
         return 0
     for source, target in copies + [(study, os.path.join(runs_dir, "study.json"))]:  # before anything is copied
         refuse_unless_regular(source)
-        refuse_links_on_the_way(dest, target)
+        refuse_links_on_the_way(dest, target, "publishing")
     for source, target in copies:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         shutil.copy2(source, target)
@@ -62,21 +62,6 @@ def refuse_unless_regular(path: str) -> None:
     if os.path.exists(path) and not os.path.isfile(path):
         raise ConfigError(f"{path} is not a regular file (a FIFO, socket, device or folder): a run record is "
                           f"published only as a regular file of the sweep; remove it")
-
-
-def refuse_links_on_the_way(dest: str, target: str) -> None:
-    """A destination from elsewhere (a clone of a repository of published records, published into again) is
-    written only inside itself: a link at a record's name (`runs/a/metrics.jsonl -> ~/.bashrc`) or at a folder on
-    its way (`runs/a -> ~/project`) had the copy overwrite the link's target, and a FIFO there hung it."""
-    path = dest
-    for part in os.path.relpath(target, dest).split(os.sep):
-        path = os.path.join(path, part)
-        if os.path.islink(path):
-            raise ConfigError(f"{path} is a symbolic link (to {os.readlink(path)}): publishing writes there, so it "
-                              f"would write outside {dest}; remove it")
-    if os.path.exists(target) and not os.path.isfile(target):
-        raise ConfigError(f"{target} is not a regular file (a FIFO, socket, device or folder): publishing replaces "
-                          f"it with a record; remove it")
 
 
 def merge_study_record(src: str, dst: str) -> None:

@@ -12,17 +12,36 @@ import os
 from dit_train.runs.atomic_io import naming
 
 METRICS_FILE = "metrics.jsonl"
+TAIL_CHUNK = 1 << 20  # bytes read at a time, from the end, looking for the last whole row
+
+
+def open_in_place(path: str, flags: int) -> int:
+    from dit_train.runs.in_place_files import open_in_place as checked_open  # it names METRICS_FILE
+
+    return checked_open(path, flags)
 
 
 def drop_torn_last_line(path: str) -> None:
-    """A run killed mid-write leaves a partial last row; appending to it would corrupt the first new row too."""
-    try:
-        with open(path, "rb+") as f:
-            data = f.read()
-            if data and not data.endswith(b"\n"):
-                f.truncate(data.rfind(b"\n") + 1)
-    except FileNotFoundError:
-        pass
+    """A run killed mid-write leaves a partial last row; appending to it would corrupt the first new row too. Read
+    from the end, a chunk at a time (the whole file was read: a sparse metrics.jsonl of a terabyte in a run folder
+    from elsewhere filled the memory)."""
+    if not os.path.lexists(path):
+        return
+    with os.fdopen(open_in_place(path, os.O_RDWR), "rb+") as f:
+        end = f.seek(0, os.SEEK_END)
+        position = end
+        while position > 0:
+            start = max(0, position - TAIL_CHUNK)
+            f.seek(start)
+            chunk = f.read(position - start)
+            if position == end and chunk.endswith(b"\n"):
+                return
+            newline = chunk.rfind(b"\n")
+            if newline >= 0:
+                f.truncate(start + newline + 1)
+                return
+            position = start
+        f.truncate(0)  # no row at all, only a torn one
 
 
 class MetricLogger:
@@ -34,11 +53,15 @@ class MetricLogger:
             return
         os.makedirs(run_dir, exist_ok=True)
         drop_torn_last_line(self.path)
-        self.file = open(self.path, "a", buffering=1)
+        self.file = self._open()
         if cfg.wandb.mode != "disabled":  # the mode was checked by dit_train.config before the run started
             from dit_train.telemetry import wandb_run
 
             self.wandb = wandb_run.start(run_dir, cfg.wandb, resolved_config or {})
+
+    def _open(self):
+        """For appending, never through a link or into a FIFO put there after the run folder was checked."""
+        return os.fdopen(open_in_place(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", buffering=1)
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -60,7 +83,7 @@ class MetricLogger:
             yield
         finally:
             if self.enabled:
-                self.file = open(self.path, "a", buffering=1)
+                self.file = self._open()
 
     def log_image(self, step: int, key: str, path: str) -> None:
         if self.enabled and self.wandb is not None:

@@ -325,6 +325,47 @@ def test_fd_results_are_never_written_through_a_link_planted_at_their_temp_name(
     assert "inception" in (tmp_path / name).read_text()
 
 
+@pytest.mark.parametrize("plant", ["fd_grids", "fd_grids/run", "fd_grids/run/step_00000002.png", "fifo"])
+def test_fd_grids_under_a_received_folder_with_a_link_or_fifo_are_refused_before_any_work(tmp_path, monkeypatch,
+                                                                                         capsys, plant):
+    """A run folder from elsewhere (dit-fd writes into it by default) with `fd_grids/<run> -> ~` (or `fd_grids`, or
+    the grid's own name, linked): the grid went into the link's target, replacing a file of that name, after the
+    checkpoint was sampled; a FIFO at its name was a traceback after the work. Refused in one line naming the link,
+    exit 2, before the encoder or a checkpoint loads; the link's target untouched."""
+    from dit_train.evaluation.fd import job
+
+    run = tmp_path / "run"
+    _fake_run(run, [2])
+    victim = tmp_path / "home"
+    victim.mkdir()
+    (victim / "step_00000002.png").write_bytes(b"the user's file")
+    (run / "fd_grids" / "run").mkdir(parents=True)
+    if plant == "fifo":
+        os.mkfifo(run / "fd_grids" / "run" / "step_00000002.png")
+    else:
+        os.rmdir(run / "fd_grids" / "run")
+        if plant == "fd_grids":
+            os.rmdir(run / "fd_grids")
+            os.symlink(victim, run / "fd_grids")
+            (victim / "run").mkdir()
+            (victim / "run" / "step_00000002.png").write_bytes(b"the user's file")
+        elif plant == "fd_grids/run":
+            os.symlink(victim, run / "fd_grids" / "run")
+        else:
+            (run / "fd_grids" / "run").mkdir()
+            os.symlink(victim / "step_00000002.png", run / plant)
+    from dit_train.evaluation.fd import features
+
+    monkeypatch.setattr(features, "build_extractor", lambda *a, **k: pytest.fail("the encoder loaded"))
+    monkeypatch.setattr(sys, "argv", ["dit-fd", str(run), "--eval-preset", "ci", "--no-progress"])
+    assert job.cli() == 2
+    err = capsys.readouterr().err
+    what = "is not a regular file" if plant == "fifo" else f"{run / plant} is a symbolic link"
+    assert err.count("\n") == 1 and what in err and "dit-fd's sample grid" in err, err
+    assert {p.read_bytes() for p in victim.rglob("*.png")} == {b"the user's file"}
+    assert not (run / "fd_results.json").exists()
+
+
 @needs_fashion
 def test_the_runs_of_a_sweep_are_named_by_what_they_are(tmp_path, capsys):
     """`dit-fd multirun/<date>/<time>` named its runs by their folders, Hydra's job numbers (`0`, `1`) or override

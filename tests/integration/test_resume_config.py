@@ -91,11 +91,11 @@ def test_a_crafted_saved_config_resolves_nothing_on_resume(run, tmp_path, monkey
     shutil.copytree(run / "run", copy)
     for state_file in copy.glob("checkpoints/*.dcp/train_state.json"):
         state = json.loads(state_file.read_text())
-        state["config"]["logger"]["wandb"]["project"] = "${oc.env:DIT_TRAIN_TEST_SECRET}"
+        state["config"]["logger"]["wandb"]["name"] = "${oc.env:DIT_TRAIN_TEST_SECRET}"
         state_file.write_text(json.dumps(state))
     overrides = [f"run_dir={copy}", "train.resume=auto"]
     resumed = continue_saved_config(compose(overrides), overrides)
-    assert resumed.logger.wandb.project == "${oc.env:DIT_TRAIN_TEST_SECRET}"
+    assert resumed.logger.wandb.name == "${oc.env:DIT_TRAIN_TEST_SECRET}"
     assert "s3cret" not in OmegaConf.to_yaml(resumed, resolve=True)
 
 
@@ -211,6 +211,45 @@ def test_a_saved_config_never_grants_trust_to_encoder_code(run, tmp_path, how):
     trusted = continue_saved_config(compose(command + ["eval.trust_encoder_code=true"]),
                                     command + ["eval.trust_encoder_code=true"])
     assert trusted.eval.trust_encoder_code is True
+
+
+@pytest.mark.parametrize("how", ["resume", "fork"])
+def test_a_saved_config_never_says_where_data_leaves_the_run_folder(run, tmp_path, caplog, how):
+    """A run folder from elsewhere whose checkpoint's config logs online to the sender's wandb entity and puts the
+    FD reference cache in a folder of its choosing: the resume (and a fork) kept both, so the user's run was
+    uploaded, and reference statistics written and read outside the run folder. They come from the command line
+    and the user's defaults; the dropped values are named in one warning line, as the overrides that keep them."""
+    import logging
+
+    from conftest import compose
+    from dit_train.runs.resume_config import continue_saved_config
+
+    copy = tmp_path / "copy"
+    shutil.copytree(run / "run", copy)
+    for state_file in copy.glob("checkpoints/*.dcp/train_state.json"):
+        state = json.loads(state_file.read_text())
+        state["config"]["logger"]["wandb"].update(mode="online", entity="sender", project="collect")
+        state["config"]["eval"]["cache_dir"] = str(tmp_path / "sender's cache")
+        state_file.write_text(json.dumps(state))
+    command = {"resume": [f"run_dir={copy}", "train.resume=auto"],
+               "fork": [f"run_dir={tmp_path / 'fork'}", f"train.init_from={copy}"]}[how]
+    defaults = compose()
+    with caplog.at_level(logging.WARNING, logger="dit_train"):
+        continued = continue_saved_config(compose(command), command)
+    assert continued.logger.wandb.mode == "disabled" and continued.logger.wandb.entity is None
+    assert continued.logger.wandb.project == defaults.logger.wandb.project
+    assert continued.eval.cache_dir == defaults.eval.cache_dir
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    for override in ("logger.wandb.mode=online", "logger.wandb.entity=sender", "logger.wandb.project=collect",
+                     f"'eval.cache_dir={tmp_path}/sender'\"'\"'s cache'"):  # shell-quoted, ready to pass
+        assert override in warnings[0], warnings
+    # the user's own word counts: the same command naming them continues with them, with no warning
+    mine = command + ["logger.wandb.mode=offline", f"eval.cache_dir={tmp_path / 'mine'}"]
+    caplog.clear()
+    continued = continue_saved_config(compose(mine), mine)
+    assert continued.logger.wandb.mode == "offline" and continued.eval.cache_dir == str(tmp_path / "mine")
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING and "cache_dir" in r.getMessage()]
 
 
 def test_a_saved_option_name_that_is_a_path_is_never_composed(run, tmp_path):

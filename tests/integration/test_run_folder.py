@@ -556,6 +556,59 @@ def test_a_torn_last_metrics_row_is_dropped_before_appending(tmp_path):
     assert [r["step"] for r in rows] == [1, 3]
 
 
+@pytest.mark.parametrize("name", ["metrics.jsonl", ".lock"])
+@pytest.mark.parametrize("plant", ["link", "fifo"])
+def test_a_link_or_fifo_put_in_place_after_the_check_is_never_written_through(tmp_path, name, plant):
+    """On a shared file system a link (or FIFO) can appear at `metrics.jsonl` or `.lock` after the run folder was
+    checked (refuse_writes_outside) and before the run opens the file: it was followed (`.lock -> ~/.bashrc`
+    emptied it; metrics were appended to the target) or hung the run. The opens themselves refuse it, one line."""
+    from omegaconf import OmegaConf
+
+    from dit_train.config.errors import ConfigError
+    from dit_train.runs.in_place_files import refuse_writes_outside
+    from dit_train.runs.lock import RunLock
+    from dit_train.telemetry.logger import MetricLogger
+
+    refuse_writes_outside(str(tmp_path))  # the folder is clean at the check
+    victim = tmp_path.parent / f"{tmp_path.name}-bashrc"
+    victim.write_text("export PATH=/usr/bin\n")
+    if plant == "link":
+        os.symlink(victim, tmp_path / name)
+    else:
+        os.mkfifo(tmp_path / name)
+    opens = {"metrics.jsonl": lambda: MetricLogger(str(tmp_path), OmegaConf.create({"wandb": {"mode": "disabled"}})),
+             ".lock": lambda: RunLock(str(tmp_path)).acquire()}[name]
+    with pytest.raises(ConfigError) as refused:
+        opens()
+    assert f"{tmp_path / name} became a" in str(refused.value) and "\n" not in str(refused.value)
+    assert victim.read_text() == "export PATH=/usr/bin\n"
+
+
+def test_the_torn_row_is_found_from_the_end_without_reading_the_whole_file(tmp_path, monkeypatch):
+    """The logger read the whole metrics.jsonl to find a torn last row: a sparse file of a terabyte in a run folder
+    from elsewhere filled the memory. It reads from the end, a chunk at a time; a row torn across chunks is cut at
+    its start."""
+    import resource
+
+    from dit_train.telemetry import logger as logger_module
+
+    monkeypatch.setattr(logger_module, "TAIL_CHUNK", 8)
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "train/loss": 0.123456789')
+    logger_module.drop_torn_last_line(str(path))
+    assert path.read_text() == '{"step": 1}\n'
+    monkeypatch.setattr(logger_module, "TAIL_CHUNK", 1 << 20)
+    with open(path, "ab") as f:  # 64 GiB of holes (no disk used), then a torn row
+        f.truncate(64 << 30)
+        f.seek(0, os.SEEK_END)
+        f.write(b'\n{"step": 3, "tr')
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    logger_module.drop_torn_last_line(str(path))
+    assert path.stat().st_size == (64 << 30) + 1
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10  # KiB: a chunk, not the file
+    path.unlink()
+
+
 def test_resuming_into_a_read_only_run_folder_is_one_line(tmp_path, small_tmpfs):
     """A run on a file system mounted read-only (an archive, a snapshot): before, Hydra's log-file handler failed
     in a 30-line traceback."""
@@ -656,3 +709,24 @@ def test_a_folder_hydra_names_from_a_preset_or_hydra_run_dir_is_checked_too(tmp_
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert f"X/.hydra/overrides.yaml is a symbolic link" in r.stderr
     assert victim.read_text() == "important"
+
+
+def test_a_checkpoint_named_with_lookalike_digits_is_never_listed(tmp_path):
+    """A run folder from elsewhere with `step_００００００１０.dcp` (fullwidth digits, which `\\d` matched): it sorted
+    after every real checkpoint, so train.resume=auto resumed it instead of the run's own newest (moved aside as
+    abandoned), and keep_last pruned the run's own checkpoints but never it. Only ASCII step names are checkpoints."""
+    import shutil
+
+    import torch
+
+    from dit_train.runs import checkpoint as ckpt
+
+    for step in (10, 20):
+        ckpt.save(str(tmp_path), step, {"ema": {"w": torch.zeros(1)}}, {"step": step, "config": {}}, keep_last=0)
+    folder = tmp_path / "checkpoints"
+    shutil.copytree(folder / "step_00000010.dcp", folder / "step_００００００１０.dcp")
+    assert ckpt.list_checkpoints(str(tmp_path)) == [str(folder / "step_00000010.dcp"),
+                                                    str(folder / "step_00000020.dcp")]
+    assert ckpt.resolve_checkpoint(str(tmp_path)) == str(folder / "step_00000020.dcp")
+    ckpt.prune_checkpoints(str(tmp_path), keep_last=1)
+    assert (folder / "step_00000020.dcp").exists() and not (folder / "step_00000010.dcp").exists()

@@ -66,6 +66,40 @@ def test_bad_arguments_are_one_line(trained_run, tmp_path, capsys, args, message
     assert err.count("\n") == 1 and message in err, err
 
 
+@needs_fashion
+@pytest.mark.parametrize("key, value, message", [
+    ("samples_per_class", 10**12, "train.samples_per_class=1000000000000 is not valid (expected an integer in "
+                                  "1..1024 (one grid row per class)); pass --per-class and --batch-size"),
+    ("sample_steps", 10**12, "train.sample_steps=1000000000000 is not valid (expected an integer in 1..10000); "
+                             "pass --steps"),
+    ("cfg_scale", "2.5", "train.cfg_scale='2.5' is not valid"),
+    ("precision", "fp8", "train.precision='fp8' is not valid (choose auto"),
+])
+def test_a_saved_config_asking_for_absurd_sampling_is_one_line_before_the_weights_load(
+        trained_run, tmp_path, capsys, monkeypatch, key, value, message):
+    """A run folder from elsewhere whose checkpoint's saved config asks for 10^12 images per class (or 10^12
+    Euler steps, a scale that is a string, a precision that does not exist): `dit-sample RUN` drew 10^12 noise
+    images (a traceback or an out-of-memory), ran for ever, or was a traceback. The run's own settings are checked
+    against their schema from the train state, before the weights are read: one line naming the value, what is
+    valid and the flag that chooses it, exit 2, nothing written."""
+    import json
+    import shutil
+
+    from dit_train import sample
+
+    copy = tmp_path / "copy"
+    shutil.copytree(trained_run, copy)
+    for state_file in copy.glob("checkpoints/*.dcp/train_state.json"):
+        state = json.loads(state_file.read_text())
+        state["config"]["train"][key] = value
+        state_file.write_text(json.dumps(state))
+    monkeypatch.setattr(sample, "load_for_inference", lambda *a, **k: pytest.fail("the weights were read"))
+    assert sample_main([str(copy), "--grid", str(tmp_path / "g.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "g.png").exists()
+
+
 def test_a_latent_run_without_a_vae_says_what_to_pass():
     with pytest.raises(ValueError, match="trained on latents .* pass --vae"):
         latent_codec(OmegaConf.create({"data": {"name": "latents"}, "model": {"name": "dit_1b3"},

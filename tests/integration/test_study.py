@@ -4,6 +4,7 @@ report's numbers on fabricated run folders."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -373,6 +374,9 @@ def test_slurm_launcher_job_description(model, nodes, tmp_path, monkeypatch):
                               f"hydra.sweep.dir={tmp_path}"])
     params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
     assert params["_target_"].endswith("SlurmLauncher")
+    # submitit's pickles under a folder of a random name: none planted in a sweep from elsewhere is unpickled
+    folder = os.path.relpath(params["submitit_folder"], tmp_path).split(os.sep)
+    assert folder[0] == ".submitit" and re.fullmatch("[0-9a-f]{16}", folder[1]) and folder[2:] == ["%j"], folder
     assert params["nodes"] == nodes and params["tasks_per_node"] == params["gpus_per_node"] == 8
     # the same mapping SlurmLauncher.launch applies before submitting
     params.pop("_target_")

@@ -32,7 +32,8 @@ from pathlib import Path
 
 from dit_train.runs import checkpoint as ckpt
 from dit_train.evaluation.fd.job_config import add_eval_args, eval_cfg_from_args, in_flag_terms
-from dit_train.runs.atomic_io import atomic_write_bytes, check_folder_can_be_made, describe_os_error
+from dit_train.runs.atomic_io import (atomic_write_bytes, check_folder_can_be_made, describe_os_error,
+                                     refuse_links_on_the_way)
 from dit_train.runs.folder_kind import no_checkpoints
 from dit_train.runs.json_file import read_json
 from dit_train.parallel.fsdp import init_distributed, shutdown_process_group
@@ -42,6 +43,8 @@ from dit_train.devices import check_device
 COLUMNS = ["label", "run", "step", "active_time_s", "fd", "encoder", "num_gen", "num_ref", "ref_id", "sample_steps",
            "cfg_scale", "seed", "checkpoint", "eval_time_s", "scored_at"]
 SETTINGS = ["encoder", "num_gen", "sample_steps", "cfg_scale", "seed", "reference"]
+GRIDS = "fd_grids"
+GRID_WRITER = "dit-fd's sample grid (--no-grid: none)"
 
 
 def find_checkpoints(path: str | os.PathLike) -> tuple[Path, list[tuple[str, Path]]]:
@@ -70,6 +73,22 @@ def find_checkpoints(path: str | os.PathLike) -> tuple[Path, list[tuple[str, Pat
     if not found:
         raise no_checkpoints(str(path))
     return p, found
+
+
+def grid_path(out: Path, run: str, step: int) -> Path:
+    return out / GRIDS / run.replace(os.sep, "__") / f"step_{step:08d}.png"
+
+
+def refuse_linked_grids(out: Path, todo: list[tuple[str, Path]]) -> None:
+    """Before any checkpoint or encoder is loaded: the grids' folders and files under an --out from elsewhere (a
+    sweep folder handed over) hold no symbolic link or FIFO (`fd_grids/<run> -> ~` put a grid in the home folder,
+    replacing a file of the same name, after minutes of sampling). Checked again at each write, for the step a
+    checkpoint's train state gives."""
+    for run, path in todo:
+        refuse_links_on_the_way(str(out), str(grid_path(out, run, 0).parent), GRID_WRITER, folder=True)
+        named_step = ckpt.CKPT_RE.match(path.name) or ckpt.LEGACY_RE.match(path.name)
+        if named_step:
+            refuse_links_on_the_way(str(out), str(grid_path(out, run, int(named_step.group(1)))), GRID_WRITER)
 
 
 def run_label(run_cfg) -> str:
@@ -181,6 +200,8 @@ def main(argv=None) -> list[dict]:
     if rank == 0:
         check_folder_can_be_made(str(out))  # an unusable --out is found now, not after the first checkpoint
     rows = load_results(out) if rank == 0 else []  # a damaged results file is refused before the encoder loads
+    if rank == 0 and not args.no_grid:
+        refuse_linked_grids(out, todo)
     extractor = build_extractor(cfg.encoder, cfg.encoder_path, device, trust_code=cfg.trust_encoder_code)
     reference = f"{cfg.reference_split}:{cfg.reference_num}"
     settings = {"encoder": extractor.encoder_id, "num_gen": int(cfg.num_samples),
@@ -230,7 +251,8 @@ def main(argv=None) -> list[dict]:
             if not args.no_grid and "images" in res:
                 from dit_train.evaluation.grids import save_grid
 
-                grid = out / "fd_grids" / run.replace(os.sep, "__") / f"step_{row['step']:08d}.png"
+                grid = grid_path(out, run, row["step"])
+                refuse_links_on_the_way(str(out), str(grid), GRID_WRITER)
                 grid.parent.mkdir(parents=True, exist_ok=True)
                 save_grid(res["images"], str(grid), nrow=8)
             log(f"[fd] {named(row)} step {row['step']}: FD={row['fd']:.4f} ({extractor.name}, n_gen={row['num_gen']}, "
