@@ -529,12 +529,12 @@ def test_report_of_an_lr_scan_compares_at_each_lr(tmp_path):
     assert "| dit_xs | muon lr=0.004 | 1 | finished | 70 (inception) | +22.2% |" in t1
     t2 = text.split("## Table 2")[1].split("## Table 3")[0]
     assert "| dit_xs | adamw lr=0.004 | 10.0 ms | 0.500 |" in t2  # against muon at 4e-3 (20 ms)
-    t4 = text.split("## Table 4")[1].split("## Plots")[0]
+    t4 = text.split("## Table 4 — learning-rate sensitivity")[1].split("## Plots")[0]
     assert "| dit_xs | adamw | 100 / 0.5 | 90 / 0.52 | 0.004 | 0.001 |" in t4
     assert "| dit_xs | muon | 95 / 0.55 | 70 / 0.45 | 0.004 | 0.004 |" in t4
     assert os.path.getsize(sweep / "lr_sensitivity.png") > 1000 and "![lr_sensitivity.png]" in text
     # a sweep at one lr has no Table 4 and no lr in its labels
-    assert "## Table 4" not in report.build_report(str(sweep / "adamw-0.001"))
+    assert "learning-rate sensitivity" not in report.build_report(str(sweep / "adamw-0.001"))
 
 
 def test_report_of_a_tuned_study_compares_each_optimizer_at_its_own_lr(tmp_path):
@@ -550,7 +550,7 @@ def test_report_of_a_tuned_study_compares_each_optimizer_at_its_own_lr(tmp_path)
     assert "| dit_xs | adamw | 0.008 | 2 | finished | 105 ± 7.1 (inception) | — |" in t1
     t2 = text.split("## Table 2")[1].split("## Table 3")[0]
     assert "| dit_xs | adamw | 10.0 ms | 0.250 |" in t2  # against muon at its own lr (40 ms)
-    assert "## Table 4" not in text and " lr=" not in t2
+    assert "learning-rate sensitivity" not in text and " lr=" not in t2
 
 
 def test_publish_copies_records_only_and_keeps_earlier_pieces(tmp_path):
@@ -795,7 +795,10 @@ def test_stability_table_finds_the_peak_after_warm_up_and_labels_the_rownorm_sca
                              "scale": "spectral", "lr": None, "seed": 2}]}, f)
     text = report.build_report(str(tmp_path))
     assert "| dit_m | periodic_rowwise K=3 (spectral) | 2 | finished, missing |" in text
-    t5 = text.split("## Table 5")[1].split("## Plots")[0]
+    # no lr scan here: stability is the fourth table shown, numbered 4 (it was "Table 5" after Table 3)
+    assert re.findall(r"^## Table (\d+) — (.+)$", text, re.M) == [
+        ("1", "quality"), ("2", "cost relative to Muon"), ("3", "equal active time"), ("4", "training stability")]
+    t5 = text.split("## Table 4 — training stability")[1].split("## Plots")[0]
     assert "| dit_m | periodic_rowwise K=3 (frobenius) | 1 | 2.3000 | 30 | 0.8000 | 1.3000 |" in t5
     assert "| dit_m | periodic_rowwise K=3 (spectral) | 1 | 0.7000 | 30 | 0.8000 | 0.5000 |" in t5
     assert "| dit_m | periodic_rowwise K=3 | 0 | 2.4000 | 10 | — | 0.7000 |" in t5  # no warm-up recorded: from step 1
