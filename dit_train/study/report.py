@@ -268,6 +268,15 @@ def optimizer_order(labels):
     return [l for l in base if l in labels] + sorted(l for l in labels if l not in base)
 
 
+def fd_counts_note(runs: list[Run]) -> str:
+    """Table 1's words on its FD column: the sample counts to compare, or that no run measured FD (a sweep without
+    eval.every_n_steps read 'compare only equal sample counts: )')."""
+    counts = sorted({r.fd_counts for r in runs if r.fd_counts})
+    if not counts:
+        return "no run measured FD: eval.every_n_steps=0, or score the runs afterwards with dit-fd"
+    return f"lower is better; encoder named; compare only equal sample counts: {', '.join(counts)}"
+
+
 def table1(runs: list[Run]) -> str:
     # optimizers at different lrs without a scan (a tuned study): each row says its lr
     show_lr = not scans_lr(runs) and len({r.lr for r in runs if not math.isnan(r.lr)}) > 1
@@ -380,6 +389,8 @@ def table3(runs: list[Run]) -> str:
             val = fmt(at[opt]) if not math.isnan(own) else f"n/a ({none})"
             lines.append(f"| {model} | {opt} | {budget:.3g} s | {cell(mean(steps), '{:.0f}', none)} | {val} | "
                          f"{gain} |")
+    if len(lines) == 2:  # a header over no rows said nothing
+        return "No finished run has a validation point (train.val_every=0, or none reached)."
     return "\n".join(lines)
 
 
@@ -617,10 +628,9 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
         provenance(study, runs),
         study.get("notes", ""),
         *numbered_tables([
-            ("quality", "Best FD over the run's evaluations (lower is better; encoder named; compare only equal sample "
-             "counts: " + ", ".join(sorted({r.fd_counts for r in runs if r.fd_counts})) + "), its gain over AdamW, "
-             "and the final validation velocity loss (fixed t grid, fixed noise, held-out split). Mean ± std over "
-             "seeds.", table1(runs), True),
+            ("quality", f"Best FD over the run's evaluations ({fd_counts_note(runs)}), its gain over AdamW, and the "
+             "final validation velocity loss (fixed t grid, fixed noise, held-out split). Mean ± std over seeds.",
+             table1(runs), True),
             ("cost relative to Muon", "Means per step after the first log rows. Communication is the logical "
              "optimizer bytes per step per rank (0 in single-process runs). Active time is wall time inside training "
              "steps (no evaluation/checkpoints). " + timing_note(runs), table2(runs), True),

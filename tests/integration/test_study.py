@@ -779,6 +779,18 @@ def test_report_weights_window_means_by_their_step_counts_and_reads_old_records(
     assert "1 run(s) were recorded before window means (no window/steps)" in t2
 
 
+def test_report_of_a_sweep_without_fd_or_validation_says_so(tmp_path):
+    """`dit-train --multirun ... train.val_every=0` (no FD, no validation) then dit-report: Table 1's note read
+    'compare only equal sample counts: )' and Table 3 was a header over no rows."""
+    for K in (1, 3):
+        write_run(tmp_path / f"k{K}", "dit_xs", "periodic_rowwise", 0, train_rows(0.01, 0.1, 0.0), K=K)
+    text = report.build_report(str(tmp_path))
+    t1 = text.split("## Table 1")[1].split("## Table 2")[0]
+    assert "counts: )" not in t1 and "no run measured FD: eval.every_n_steps=0, or score the runs afterwards" in t1
+    t3 = text.split("## Table 3")[1].split("## Table 4")[0]
+    assert "| model |" not in t3 and "No finished run has a validation point (train.val_every=0" in t3
+
+
 def test_stability_table_finds_the_peak_after_warm_up_and_labels_the_rownorm_scale(tmp_path):
     def curve(losses):  # train loss every 10 steps
         return [{"step": 10 * (i + 1), "train/loss": v} for i, v in enumerate(losses)] + [
