@@ -28,12 +28,24 @@ def exit_code(signal_name: str) -> int:
     return EXIT_INTERRUPTED if signal_name == "SIGINT" else EXIT_PREEMPTED
 
 
+def asks_for_help(argv: list[str]) -> bool:
+    """-h/--help before the training script: this command's help (after `-m dit_train` it is the trainer's)."""
+    for arg in argv:
+        if arg in ("-h", "--help"):
+            return True
+        if arg == "-m" or not arg.startswith("-"):
+            return False
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if asks_for_help(argv):  # torchrun's help alone never said what this command adds
+        print(f"{__doc__.strip()}\n\ntorchrun's options, taken as torchrun takes them:\n")
     if not any(a.startswith(("--signals-to-handle", "--signals_to_handle")) for a in argv):
         argv = [f"--signals-to-handle={PASSED_ON}", *argv]
     try:

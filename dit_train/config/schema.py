@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Union
 
 from dit_train.config.fields import choice, int_at_least, key, number
+from dit_train.dtypes import dtype_choices
 
-DTYPE_NAMES = ("bf16", "fp32", "fp64")  # the one spelling of a dtype in every config key
+COMPUTE_DTYPES = dtype_choices("bf16", "fp32")  # what weights compute in and gradients are reduced in
 T_SAMPLINGS = ("logit_normal", "uniform")
 LR_SCHEDULES = ("cosine", "constant", "linear")
 WANDB_MODES = ("online", "offline", "disabled")
@@ -33,7 +34,7 @@ class TrainConfig:
                               doc="0 disables clipping (the grad norm is still logged)")
     ema_decay: float = number("expected a value in [0, 1)", lambda v: 0 <= v < 1, default=0.999,
                               doc="decay of the EMA weights that sample and evaluate")
-    precision: str = choice("auto", "fp32", "bf16", valid="choose auto (bf16 on CUDA, fp32 on CPU), bf16 or fp32",
+    precision: str = choice("auto", *COMPUTE_DTYPES, valid="choose auto (bf16 on CUDA, fp32 on CPU), bf16 or fp32",
                             default="auto",
                             doc="auto: bf16 autocast and TF32 matmuls on CUDA, fp32 on CPU | bf16 | fp32")
     log_every: int = int_at_least(1, default=10, doc="steps per metrics.jsonl line", resume=True)
@@ -97,9 +98,9 @@ class ParallelConfig:
                        doc="auto: FSDP2 (fully_shard per unit of DiT blocks, then the root) when WORLD_SIZE > 1 "
                            "| true | false")
     mixed_precision: str = choice(
-        "auto", "bf16", "fp32", valid="choose auto (bf16 on CUDA, fp32 on CPU), bf16 or fp32", default="auto",
+        "auto", *COMPUTE_DTYPES, valid="choose auto (bf16 on CUDA, fp32 on CPU), bf16 or fp32", default="auto",
         doc="dtype of the gathered compute weights: auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32")
-    reduce_dtype: str = choice("fp32", "bf16", default="fp32",
+    reduce_dtype: str = choice(*COMPUTE_DTYPES, default="fp32",
                                doc="dtype of the gradient reduce-scatter: fp32 | bf16 (master weights stay fp32 "
                                    "shards)")
     # true | false | an int (reshard to groups of that size): the int is checked against the world in validate.py

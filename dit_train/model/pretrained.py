@@ -20,6 +20,7 @@ from dataclasses import asdict, fields
 
 import torch
 
+from dit_train.dtypes import torch_dtypes
 from dit_train.runs.atomic_io import atomic_save_tensors, atomic_write_bytes
 from dit_train.runs.folder_kind import PIPELINE_FILE, TRANSFORMER, run_folder_hint
 from dit_train.runs.json_file import read_json
@@ -28,7 +29,7 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 DIFFUSERS_WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"  # the name diffusers' ModelMixin loads
 DIFFUSERS_CLASS = "DiTTrainTransformer2DModel"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = torch_dtypes("bf16", "fp16", "fp32")  # what an exported file may hold
 # the Euler grid of flow.euler_sample: no shift (the pipeline passes sigmas = linspace(1, 0, steps + 1)[:-1])
 SCHEDULER_CONFIG = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 1.0,
                     "use_dynamic_shifting": False}

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from dit_train.config.fields import choice, int_at_least, key, number
+from dit_train.dtypes import dtype_choices
 
 _PATTERNS = "a list of dotted name patterns, e.g. ['final_layer.linear', 'blocks.*.attn.qkv']"
 
@@ -62,7 +63,7 @@ class MatrixConfig(AdamWConfig):
         "gather", "owner", default="owner", resume=True, placement=True,
         doc="owner: all-to-all to one owner per matrix, direction once, all-to-all back (W matrices per exchange) | "
             "gather: all-gather U, direction on every rank (the paper's baseline)")
-    gather_dtype: str = choice("bf16", "fp32", default="bf16", placement=True,
+    gather_dtype: str = choice(*dtype_choices("bf16", "fp32"), default="bf16", placement=True,
                                doc="bf16 | fp32: dtype U travels in (bf16 = NS5's input as a single process "
                                    "computes it)")
     bucket_mb: float = number("expected > 0", lambda v: v > 0, default=16, resume=True, placement=True,

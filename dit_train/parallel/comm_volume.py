@@ -12,6 +12,8 @@ dtype's bytes. The optimizer's own exchanges
 
 from __future__ import annotations
 
+from dit_train.telemetry.byte_size import byte_unit
+
 GB = 1e9
 
 
@@ -60,7 +62,7 @@ def describe_run(model, plan, world_size: int, ranks_per_node: int) -> str:
     v = fsdp_volumes(params, units, shard, plan.replicate, reduce_bytes, plan.reshard_after_forward)
     nodes = max(1, world_size // max(1, ranks_per_node))
     crosses = crossing_nodes(v, plan.replicate, nodes)
-    unit, size = ("GB", GB) if v["fsdp_total"] >= 0.01 * GB else ("MB", 1e6)  # a small model's is not 0.00 GB
+    unit, size = byte_unit(v["fsdp_total"])  # both figures in one unit, the total's
     return (f"FSDP2 traffic per rank per step: {v['fsdp_total'] / size:.2f} {unit}, {crosses / size:.2f} {unit} of it "
             f"between nodes ({nodes} node(s) of {min(ranks_per_node, world_size)} ranks"
             f"{', HSDP' if plan.replicate > 1 else ''})")

@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dit_train.config.schema import COMPUTE_DTYPES
+from dit_train.dtypes import torch_dtype
 from dit_train.parallel.comm_volume import GB, crossing_nodes, fsdp_volumes
 
 PRESETS = ("dit_1b3", "dit_4b", "dit_9b", "dit_15b")
@@ -51,7 +53,7 @@ def volumes(counts: dict, shard: int, replicas: int, reduce_bytes: int, reshard:
 
 
 def table(presets, nodes: int, gpus: int, reduce_dtype: str, reshard: bool) -> str:
-    reduce_bytes = {"fp32": 4, "bf16": 2}[reduce_dtype]
+    reduce_bytes = torch_dtype(reduce_dtype).itemsize
     world = nodes * gpus
     lines = [f"{nodes} nodes x {gpus} GPUs (W = {world}); GB (1e9 bytes) per rank per step; gradients reduced in "
              f"{reduce_dtype}; reshard_after_forward {str(reshard).lower()}",
@@ -76,7 +78,7 @@ def main(argv=None) -> int:
     ap.add_argument("--presets", nargs="+", default=list(PRESETS))
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--reduce-dtype", choices=COMPUTE_DTYPES, default="fp32")
     ap.add_argument("--no-reshard", action="store_true", help="parallel.reshard_after_forward=false")
     a = ap.parse_args(argv)
     if a.nodes < 1 or a.gpus_per_node < 1:

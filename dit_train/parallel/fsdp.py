@@ -31,12 +31,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dit_train.dtypes import torch_dtype
 from dit_train.parallel.backend_env import use_gloo_interface, use_nccl_environment
 from dit_train.parallel.matmul_precision import allow_tf32_globally
 
 log = logging.getLogger("dit_train")
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 @dataclass
@@ -220,8 +219,8 @@ def resolve_plan(pcfg, dist_info: DistInfo) -> ParallelPlan:
     mp = p["mixed_precision"]
     if mp == "auto":
         mp = "bf16" if dist_info.device.type == "cuda" else "fp32"
-    return ParallelPlan(sharded=wants_fsdp(p, dist_info.world_size), param_dtype=DTYPES[mp],
-                        reduce_dtype=DTYPES[p["reduce_dtype"]], reshard_after_forward=p["reshard_after_forward"],
+    return ParallelPlan(sharded=wants_fsdp(p, dist_info.world_size), param_dtype=torch_dtype(mp),
+                        reduce_dtype=torch_dtype(p["reduce_dtype"]), reshard_after_forward=p["reshard_after_forward"],
                         replicate=p["replicate"], blocks_per_unit=p["blocks_per_fsdp_unit"],
                         activation_checkpointing=p["activation_checkpointing"], compile=p["compile"])
 

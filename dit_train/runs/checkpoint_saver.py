@@ -34,6 +34,7 @@ from dit_train.runs import checkpoint as ckpt
 from dit_train.runs.atomic_io import atomic_write_bytes
 from dit_train.parallel.backend_env import use_gloo_interface
 from dit_train.parallel.fsdp import barrier, local, rank
+from dit_train.telemetry.byte_size import format_bytes
 
 log = logging.getLogger("dit_train")
 
@@ -141,7 +142,7 @@ class CheckpointSaver:
         if save_started is not None:  # a synchronous save: one row with the whole save's time
             metrics["ckpt/save_s"] = time.perf_counter() - save_started
         self.log_metrics(step, {**metrics, "ckpt/step": pending.step})
-        log.info("saved checkpoint %s (%.2f GB, written in %.1f s)", pending.final, metrics["ckpt/bytes"] / 1e9,
+        log.info("saved checkpoint %s (%s, written in %.1f s)", pending.final, format_bytes(metrics["ckpt/bytes"]),
                  metrics["ckpt/write_s"])
         self.last_write_s = metrics["ckpt/write_s"]
         warning = grace_warning(metrics["ckpt/write_s"], metrics["ckpt/bytes"], self.stop_grace_s)

@@ -12,6 +12,8 @@ Writes report.md and PNG plots next to it:
 - Table 2 (model): optimizer time, step time and logical optimizer communication of each periodic_rowwise K
   relative to muon; active training time to each run's best FD and its reduction against muon.
 - Table 3 (model x optimizer): validation loss at equal active training time.
+- Then, where the runs give them, learning-rate sensitivity (sweeps that scan lr) and training stability (the peak
+  train loss after warm-up), numbered on from 4 in the order shown.
 - Other metrics (when runs measured any): each registered metric's best (else last) value per run.
 - Runs: one row per folder (status, final val loss, best FD, git commit) — what every table number traces to.
 - Plots: validation loss vs step and vs active time per size; FD vs active time; stacked per-phase step time.
@@ -266,6 +268,15 @@ def optimizer_order(labels):
     return [l for l in base if l in labels] + sorted(l for l in labels if l not in base)
 
 
+def fd_counts_note(runs: list[Run]) -> str:
+    """Table 1's words on its FD column: the sample counts to compare, or that no run measured FD (a sweep without
+    eval.every_n_steps read 'compare only equal sample counts: )')."""
+    counts = sorted({r.fd_counts for r in runs if r.fd_counts})
+    if not counts:
+        return "no run measured FD: eval.every_n_steps=0, or score the runs afterwards with dit-fd"
+    return f"lower is better; encoder named; compare only equal sample counts: {', '.join(counts)}"
+
+
 def table1(runs: list[Run]) -> str:
     # optimizers at different lrs without a scan (a tuned study): each row says its lr
     show_lr = not scans_lr(runs) and len({r.lr for r in runs if not math.isnan(r.lr)}) > 1
@@ -378,6 +389,8 @@ def table3(runs: list[Run]) -> str:
             val = fmt(at[opt]) if not math.isnan(own) else f"n/a ({none})"
             lines.append(f"| {model} | {opt} | {budget:.3g} s | {cell(mean(steps), '{:.0f}', none)} | {val} | "
                          f"{gain} |")
+    if len(lines) == 2:  # a header over no rows said nothing
+        return "No finished run has a validation point (train.val_every=0, or none reached)."
     return "\n".join(lines)
 
 
@@ -614,29 +627,24 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
         f"from {len(runs)} runs ({n_done} finished).",
         provenance(study, runs),
         study.get("notes", ""),
-        "## Table 1 — quality",
-        "Best FD over the run's evaluations (lower is better; encoder named; compare only equal sample counts: "
-        + ", ".join(sorted({r.fd_counts for r in runs if r.fd_counts})) + "), its gain over AdamW, and the final "
-        "validation velocity loss (fixed t grid, fixed noise, held-out split). Mean ± std over seeds.",
-        table1(runs),
-        "## Table 2 — cost relative to Muon",
-        "Means per step after the first log rows. Communication is the logical optimizer bytes per step per rank "
-        "(0 in single-process runs). Active time is wall time inside training steps (no evaluation/checkpoints). "
-        + timing_note(runs),
-        table2(runs),
-        "## Table 3 — equal active time",
-        "Validation velocity loss when every run has had the same active training time: the budget is the "
-        "shortest finished run's last validation point for that size; values are linear between validation "
-        "points (the step reached is interpolated the same way). Mean ± std over seeds.",
-        table3(runs),
-        *(["## Table 4 — learning-rate sensitivity",
-           "Best FD / final validation loss at each learning rate (mean over seeds); the other tables compare "
-           "optimizers at the same lr.", t4] if (t4 := table4(runs)) else []),
-        *(["## Table 5 — training stability",
-           "The highest train loss logged after the learning-rate warm-up (each the logged step's own batch, "
-           "not a window mean: one batch's noise is in it), with the lowest "
-           "logged before it: a peak far above that low is a spike, and a final value near the peak a collapse "
-           "that did not recover.", t5] if (t5 := table5(runs)) else []),
+        *numbered_tables([
+            ("quality", f"Best FD over the run's evaluations ({fd_counts_note(runs)}), its gain over AdamW, and the "
+             "final validation velocity loss (fixed t grid, fixed noise, held-out split). Mean ± std over seeds.",
+             table1(runs), True),
+            ("cost relative to Muon", "Means per step after the first log rows. Communication is the logical "
+             "optimizer bytes per step per rank (0 in single-process runs). Active time is wall time inside training "
+             "steps (no evaluation/checkpoints). " + timing_note(runs), table2(runs), True),
+            ("equal active time", "Validation velocity loss when every run has had the same active training time: "
+             "the budget is the shortest finished run's last validation point for that size; values are linear "
+             "between validation points (the step reached is interpolated the same way). Mean ± std over seeds.",
+             table3(runs), True),
+            ("learning-rate sensitivity", "Best FD / final validation loss at each learning rate (mean over seeds); "
+             "the other tables compare optimizers at the same lr.", table4(runs), False),
+            ("training stability", "The highest train loss logged after the learning-rate warm-up (each the logged "
+             "step's own batch, not a window mean: one batch's noise is in it), with the lowest logged before it: a "
+             "peak far above that low is a spike, and a final value near the peak a collapse that did not recover.",
+             table5(runs), False),
+        ]),
         *(["## Other metrics",
            "Registered metrics (dit_train/evaluation/metric.py) as each run's summary.json records them: the best value by the "
            "metric's own order, else the last.", t6] if (t6 := metrics_table(runs)) else []),
@@ -648,6 +656,13 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
     text = "\n\n".join(p for p in parts if p) + "\n"
     atomic_write_bytes(text.encode(), os.path.join(out_dir, "report.md"))
     return text
+
+
+def numbered_tables(tables: list[tuple[str, str, str, bool]]) -> list[str]:
+    """Headings, notes and tables of (title, note, table, always shown): a table with nothing to show is left out
+    (no lr scan, no warm-up recorded) and the ones shown are numbered 1, 2, 3, ... as they appear."""
+    shown = [(title, note, table) for title, note, table, always in tables if always or table]
+    return [part for n, (title, note, table) in enumerate(shown, 1) for part in (f"## Table {n} — {title}", note, table)]
 
 
 def save_figure(fig, path: str) -> None:

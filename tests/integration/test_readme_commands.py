@@ -111,7 +111,10 @@ RUNNERS = {
     # docs/optimizers.md: the benchmark on one tiny block (64 wide: the command's 512 made it the test's longest)
     "python -m benchmarks.bench_optimizer": appended("--preset dit_s --hidden-size 64 --depth 1 --repeats 1 "
                                                      "--warmup 0"),
-    # docs/extending.md: the user's my_train.py with the metric of the page (the scratch folder holds both files)
+    # docs/extending.md: the user's my_sign_train.py with the direction of the page, and my_train.py with its
+    # metric (the scratch folder holds the files the page has a user write)
+    "python my_sign_train.py optimizer=sign experiment=debug":
+        appended("run_dir=runs/sign train.steps=2 train.val_every=0 train.sample_every=0"),
     "python my_train.py experiment=debug eval.mean_pixel.every_n_steps":
         appended("run_dir=runs/metric train.steps=2 train.val_every=0 train.sample_every=0 "
                  "eval.mean_pixel.every_n_steps=1"),
@@ -175,6 +178,8 @@ def test_every_documented_command_has_a_runner():
     assert not missing, f"documented commands without a row in RUNNERS (tests/integration/test_readme_commands.py): {missing}"
     assert len([c for page, c in COMMANDS if page == "README.md"]) >= 15  # the extraction found the blocks
     assert {"docs/scaling_out.md", "docs/studies.md", "docs/extending.md"} <= {page for page, _ in COMMANDS}
+    # both worked examples of docs/extending.md end in a command that runs (the direction's was a comment)
+    assert {c.split()[1] for page, c in COMMANDS if page == "docs/extending.md"} >= {"my_sign_train.py", "my_train.py"}
     assert all(os.path.exists(os.path.join(ROOT, page)) for page in PENDING)
 
 
@@ -195,6 +200,8 @@ def scratch(tmp_path_factory):
     with open(os.path.join(ROOT, "docs", "extending.md")) as f:  # the files the page has a user write
         blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
     (folder / "mean_pixel.py").write_text(next(b for b in blocks if "class MeanPixel" in b))
+    (folder / "sign.py").write_text(next(b for b in blocks if "class Sign(Direction)" in b))
+    (folder / "my_sign_train.py").write_text(next(b for b in blocks if 'OPTIMIZERS["sign"]' in b))
     (folder / "my_train.py").write_text(next(b for b in blocks if "import mean_pixel" in b))
     return folder
 

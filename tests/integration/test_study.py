@@ -529,12 +529,12 @@ def test_report_of_an_lr_scan_compares_at_each_lr(tmp_path):
     assert "| dit_xs | muon lr=0.004 | 1 | finished | 70 (inception) | +22.2% |" in t1
     t2 = text.split("## Table 2")[1].split("## Table 3")[0]
     assert "| dit_xs | adamw lr=0.004 | 10.0 ms | 0.500 |" in t2  # against muon at 4e-3 (20 ms)
-    t4 = text.split("## Table 4")[1].split("## Plots")[0]
+    t4 = text.split("## Table 4 — learning-rate sensitivity")[1].split("## Plots")[0]
     assert "| dit_xs | adamw | 100 / 0.5 | 90 / 0.52 | 0.004 | 0.001 |" in t4
     assert "| dit_xs | muon | 95 / 0.55 | 70 / 0.45 | 0.004 | 0.004 |" in t4
     assert os.path.getsize(sweep / "lr_sensitivity.png") > 1000 and "![lr_sensitivity.png]" in text
     # a sweep at one lr has no Table 4 and no lr in its labels
-    assert "## Table 4" not in report.build_report(str(sweep / "adamw-0.001"))
+    assert "learning-rate sensitivity" not in report.build_report(str(sweep / "adamw-0.001"))
 
 
 def test_report_of_a_tuned_study_compares_each_optimizer_at_its_own_lr(tmp_path):
@@ -550,7 +550,7 @@ def test_report_of_a_tuned_study_compares_each_optimizer_at_its_own_lr(tmp_path)
     assert "| dit_xs | adamw | 0.008 | 2 | finished | 105 ± 7.1 (inception) | — |" in t1
     t2 = text.split("## Table 2")[1].split("## Table 3")[0]
     assert "| dit_xs | adamw | 10.0 ms | 0.250 |" in t2  # against muon at its own lr (40 ms)
-    assert "## Table 4" not in text and " lr=" not in t2
+    assert "learning-rate sensitivity" not in text and " lr=" not in t2
 
 
 def test_publish_copies_records_only_and_keeps_earlier_pieces(tmp_path):
@@ -779,6 +779,18 @@ def test_report_weights_window_means_by_their_step_counts_and_reads_old_records(
     assert "1 run(s) were recorded before window means (no window/steps)" in t2
 
 
+def test_report_of_a_sweep_without_fd_or_validation_says_so(tmp_path):
+    """`dit-train --multirun ... train.val_every=0` (no FD, no validation) then dit-report: Table 1's note read
+    'compare only equal sample counts: )' and Table 3 was a header over no rows."""
+    for K in (1, 3):
+        write_run(tmp_path / f"k{K}", "dit_xs", "periodic_rowwise", 0, train_rows(0.01, 0.1, 0.0), K=K)
+    text = report.build_report(str(tmp_path))
+    t1 = text.split("## Table 1")[1].split("## Table 2")[0]
+    assert "counts: )" not in t1 and "no run measured FD: eval.every_n_steps=0, or score the runs afterwards" in t1
+    t3 = text.split("## Table 3")[1].split("## Table 4")[0]
+    assert "| model |" not in t3 and "No finished run has a validation point (train.val_every=0" in t3
+
+
 def test_stability_table_finds_the_peak_after_warm_up_and_labels_the_rownorm_scale(tmp_path):
     def curve(losses):  # train loss every 10 steps
         return [{"step": 10 * (i + 1), "train/loss": v} for i, v in enumerate(losses)] + [
@@ -795,7 +807,10 @@ def test_stability_table_finds_the_peak_after_warm_up_and_labels_the_rownorm_sca
                              "scale": "spectral", "lr": None, "seed": 2}]}, f)
     text = report.build_report(str(tmp_path))
     assert "| dit_m | periodic_rowwise K=3 (spectral) | 2 | finished, missing |" in text
-    t5 = text.split("## Table 5")[1].split("## Plots")[0]
+    # no lr scan here: stability is the fourth table shown, numbered 4 (it was "Table 5" after Table 3)
+    assert re.findall(r"^## Table (\d+) — (.+)$", text, re.M) == [
+        ("1", "quality"), ("2", "cost relative to Muon"), ("3", "equal active time"), ("4", "training stability")]
+    t5 = text.split("## Table 4 — training stability")[1].split("## Plots")[0]
     assert "| dit_m | periodic_rowwise K=3 (frobenius) | 1 | 2.3000 | 30 | 0.8000 | 1.3000 |" in t5
     assert "| dit_m | periodic_rowwise K=3 (spectral) | 1 | 0.7000 | 30 | 0.8000 | 0.5000 |" in t5
     assert "| dit_m | periodic_rowwise K=3 | 0 | 2.4000 | 10 | — | 0.7000 |" in t5  # no warm-up recorded: from step 1

@@ -33,7 +33,7 @@ def dit_train(*args, cwd):
 @needs_fashion
 def test_a_one_process_run_resumed_on_two_ranks_says_each_thing_once(tmp_path):
     """The ranks all compose the config and load the checkpoint, but the log says so once (it said it on every
-    rank); a small model's FSDP2 traffic is shown in MB (it read 0.00 GB)."""
+    rank); a small model's FSDP2 traffic is shown in KB, the unit that shows it (it read 0.00 GB, then 0.32 MB)."""
     first = dit_train(*TINY, "optimizer=muon", "train.steps=2", "run_dir=run", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     out = torchrun(*TINY, "optimizer=muon", "train.steps=3", "run_dir=run", "train.resume=auto", cwd=tmp_path)
@@ -41,7 +41,7 @@ def test_a_one_process_run_resumed_on_two_ranks_says_each_thing_once(tmp_path):
     said = out.stdout + out.stderr
     assert said.count("continuing with the config saved in run/checkpoints/step_00000002.dcp") == 1, said[-3000:]
     assert said.count("resumed from run/checkpoints/step_00000002.dcp at step 2") == 1, said[-3000:]
-    traffic = re.search(r"FSDP2 traffic per rank per step: ([0-9.]+) MB, 0.00 MB of it between nodes "
+    traffic = re.search(r"FSDP2 traffic per rank per step: ([0-9.]+) KB, 0.00 KB of it between nodes "
                         r"\(1 node\(s\) of 2 ranks\)", said)
     assert traffic and float(traffic.group(1)) > 0, said[-3000:]
     # the owner exchange's size is the number of ranks, not the letter of the docs' formula

@@ -9,7 +9,8 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import CONF_DIR, compose
-from dit_train.config import ConfigError, DTYPE_NAMES, group_options, load_option, validate
+from dit_train import dtypes
+from dit_train.config import ConfigError, group_options, load_option, validate
 
 GROUPS = ["model", "optimizer", "data", "eval", "logger", "experiment"]
 MATRIX_OPTIMIZERS = ["muon", "periodic_rowwise", "rownorm", "mud"]
@@ -116,7 +117,7 @@ def test_library_entry_points_use_the_validator():
     from dit_train.model.dit import DiT, DiTConfig
     from dit_train.parallel.fsdp import DistInfo, resolve_plan
 
-    with pytest.raises(ConfigError, match=r"^parallel.reduce_dtype='float32' is not valid: choose one of fp32, bf16$"):
+    with pytest.raises(ConfigError, match=r"^parallel.reduce_dtype='float32' is not valid: choose one of bf16, fp32$"):
         resolve_plan({"reduce_dtype": "float32"}, DistInfo())
     with pytest.raises(ConfigError, match=r"^data.num_samples=0 is not valid: expected an integer >= 1$"):
         build_dataset({"name": "synthetic", "num_samples": 0}, "train")
@@ -146,6 +147,26 @@ def test_schemas_are_omegaconf_structured_configs():
         assert set(node) == set(schema.__dataclass_fields__)
 
 
+def test_every_dtype_key_takes_the_declared_names_only_and_lists_them_in_one_order():
+    """Each *dtype / precision key accepts a subset of dit_train.dtypes' names (or auto) and refuses torch's
+    spellings in one line that lists its names in the declared order (reduce_dtype listed 'fp32, bf16' and
+    gather_dtype 'bf16, fp32': the names were declared in four places)."""
+    from dit_train.config.fields import accepted
+    from dit_train.config.schemas import every_key
+    from dit_train.dtypes import DTYPE_NAMES
+
+    keys = [(path, f, tp) for path, f, tp in every_key() if path.endswith(("dtype", "precision"))]
+    assert {p for p, _, _ in keys} >= {"train.precision", "parallel.mixed_precision", "parallel.reduce_dtype",
+                                       "optimizer.gather_dtype", "optimizer.ns_dtype"}
+    for path, f, tp in keys:
+        rule = f.metadata["rule"]
+        names = [n for n in DTYPE_NAMES if rule.ok(n)]
+        assert names and all(not rule.ok(v) for v in ("bfloat16", "torch.bfloat16", "BF16", "float32", "half")), path
+        said = accepted(f, tp)
+        assert [n for n in DTYPE_NAMES if n in said] == names, (path, said)
+        assert sorted(names, key=said.index) == names, (path, said)  # the declared order
+
+
 def test_one_spelling_of_dtypes_in_every_option():
     """Every *dtype / precision key of every option (schemas and preset yamls) says bf16, fp32 or fp64 (or auto)."""
     found = 0
@@ -162,7 +183,7 @@ def test_one_spelling_of_dtypes_in_every_option():
                 walk(v, f"{where}.{k}")
             elif str(k).endswith(("dtype", "precision")):
                 found += 1
-                assert v in (*DTYPE_NAMES, "auto"), f"{where}.{k}={v!r}"
+                assert v in (*dtypes.DTYPE_NAMES, "auto"), f"{where}.{k}={v!r}"
 
     for where, node in options:
         walk(node, where)

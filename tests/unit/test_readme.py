@@ -53,6 +53,7 @@ def test_every_relative_link_in_readme_and_docs_resolves():
 # Python files the docs name that are not in the checkout, each for its reason
 NOT_IN_THE_CHECKOUT = {
     "dit_train/optim/directions/sign.py": "docs/extending.md: the file it tells a user to write",
+    "sign.py": "docs/extending.md: the same file saved beside a command of the user's own",
     "scripts/gpu_check_stages.py": "docs/layout.md: the layout before the restructure, beside the one after",
     "torch/storage.py": "docs/host_overhead.md: a file of torch's",
     "hubconf.py": "docs/fd_evaluation.md, docs/reliability.md: the entry file of a torch.hub checkout",

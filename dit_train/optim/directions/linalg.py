@@ -25,9 +25,10 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from dit_train.dtypes import torch_dtypes
+
 Reduce = Callable[[Tensor], Tensor] | None
-# the config spelling of dtypes (dit_train.config.DTYPE_NAMES)
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+DTYPES = torch_dtypes("bf16", "fp32", "fp64")  # what the directions compute in, by their config names
 _SUMSQ_CHUNK_ROWS = 256  # column sums of squares accumulate over row blocks of this size (few calls, small buffer)
 
 
