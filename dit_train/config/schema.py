@@ -15,7 +15,7 @@ T_SAMPLINGS = ("logit_normal", "uniform")
 LR_SCHEDULES = ("cosine", "constant", "linear")
 WANDB_MODES = ("online", "offline", "disabled")
 MAX_GRID_ROW = 1024  # grid images per class, all sampled in one model call
-MAX_SAMPLE_STEPS = 10_000  # Euler steps: far past where more change nothing
+MAX_SAMPLE_STEPS = 1_000_000  # Euler steps: far past where more change nothing; bounds a received config's request
 
 
 @dataclass(kw_only=True)  # keyword-only: a subclass may add keys without defaults

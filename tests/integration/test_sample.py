@@ -70,7 +70,7 @@ def test_bad_arguments_are_one_line(trained_run, tmp_path, capsys, args, message
 @pytest.mark.parametrize("key, value, message", [
     ("samples_per_class", 10**12, "train.samples_per_class=1000000000000 is not valid (expected an integer in "
                                   "1..1024 (one grid row per class)); pass --per-class and --batch-size"),
-    ("sample_steps", 10**12, "train.sample_steps=1000000000000 is not valid (expected an integer in 1..10000); "
+    ("sample_steps", 10**12, "train.sample_steps=1000000000000 is not valid (expected an integer in 1..1000000); "
                              "pass --steps"),
     ("cfg_scale", "2.5", "train.cfg_scale='2.5' is not valid"),
     ("precision", "fp8", "train.precision='fp8' is not valid (choose auto"),
