@@ -19,10 +19,6 @@ FASHION_ROOT = "/usr/share/datasets/fashion-mnist"
 
 # Two intra-op threads for the one process on two cores; one each when pytest-xdist runs two workers side by side.
 torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
-# The processes the tests start (`python -m dit_train ...`) read the same share from the environment: two workers'
-# children at two threads each would oversubscribe the two cores.
-if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Processes the tests start in Python (ranks, checkpoint writers) fork from one server process that imported torch
 # and the trainer once (start method "forkserver"); "spawn" re-imported them in every process, ~5 s of CPU each on
