@@ -23,7 +23,8 @@ Each run's folder is <sweep_dir>/<sorted overrides> (Hydra's override_dirname), 
 (a checkpoint at the run's train.steps; a summary alone proves nothing) and skips them, and continues interrupted
 ones from their last checkpoint (the experiments set train.resume=auto): a study can be completed in pieces. One
 `python -m dit_train --multirun` per (model, optimizer[, K, scale, lr]) with the pending seeds, so a Slurm job's shape
-follows its model.
+follows its model. A trainer stopped by a signal (scancel, Ctrl-C, `kill` of this runner: passed on) checkpoints
+and the study stops with its exit code (75, 130) instead of starting the next group; rerun to continue.
 Then: dit-report <sweep_dir>.
 """
 
@@ -33,6 +34,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -48,6 +50,15 @@ from dit_train.runs.json_file import read_json
 from dit_train.study.record import read_study
 from dit_train.runs.provenance import CHECKOUT, git_commit
 from dit_train.study.report import read_metrics
+from dit_train.trainer.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, SIGNALS
+
+
+class StudyStopped(Exception):
+    """A group's trainer stopped on a signal (it checkpointed): the study stops too, with the trainer's code."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 
@@ -324,6 +335,9 @@ def main(argv=None) -> int:
     """The command: a damaged file of the sweep (a torn train_state.json, study.json) is one line, exit status 2."""
     try:
         return run_study(argv)
+    except StudyStopped as e:  # a scancel or Ctrl-C must not move on to the next group's runs
+        print(f"[study] stopped: {e}", file=sys.stderr)
+        return e.exit_code
     except (FileNotFoundError, ValueError) as e:  # DamagedJSONFile and CheckpointError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -464,8 +478,28 @@ def run_groups(runs: list[dict], only, sweep_dir: str, steps_of, args) -> int:
                "seed=" + ",".join(str(r["seed"]) for r in pending), f"hydra.sweep.dir={sweep_dir}", *args.overrides]
         print("[study]", " ".join(cmd[1:]), flush=True)
         if not args.dry_run:
-            failures += subprocess.run(cmd, cwd=CHECKOUT).returncode != 0
+            code = run_trainer(cmd)
+            if code in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
+                raise StudyStopped(f"{label}: the trainer stopped on a signal and checkpointed (exit {code}); "
+                                   f"rerun the same command to resume it", code)
+            if code < 0:  # SIGKILL (the OOM killer, kill -9): no checkpoint of the last steps, but no reason to go on
+                raise StudyStopped(f"{label}: the trainer was killed by {signal.Signals(-code).name}; its last "
+                                   f"checkpoint is kept: rerun the same command to resume from it", 128 - code)
+            failures += code != 0
     return failures
+
+
+def run_trainer(cmd: list[str]) -> int:
+    """The group's trainer process, with any stop signal sent to this runner alone (`kill PID`, a wrapper) passed
+    on, so the trainer checkpoints instead of running on as an orphan; a second copy of a signal that reached both
+    (Ctrl-C in the terminal) is only recorded by the trainer."""
+    child = subprocess.Popen(cmd, cwd=CHECKOUT)
+    previous = {s: signal.signal(s, lambda signum, _frame: child.send_signal(signum)) for s in SIGNALS}
+    try:
+        return child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,75 @@
+"""dit-study stops when a group's trainer stops on a signal, instead of starting the next group's runs."""
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+from dit_train.study import run as study_run
+from dit_train.trainer.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED
+
+GROUPS = [dict(name=f"optimizer={o},seed=0", model="dit_xs", optimizer=o, K=None, scale=None, lr=None, seed=0,
+               overrides=[f"optimizer={o}", "seed=0"]) for o in ("adamw", "muon")]
+
+
+class Args:
+    config_dir = None
+    experiment = "mine"
+    overrides: list = []
+    records = None
+    dry_run = False
+
+
+def start_groups(monkeypatch, tmp_path, code: int):
+    """run_groups over two groups whose trainer exits `code`: (the groups started, failures or the StudyStopped)."""
+    started = []
+
+    def fake_trainer(cmd):
+        started.append(next(a for a in cmd if a.startswith("optimizer=")))
+        return code
+
+    monkeypatch.setattr(study_run, "run_trainer", fake_trainer)
+    monkeypatch.setattr(study_run, "done", lambda *a: False)
+    try:
+        return started, study_run.run_groups(GROUPS, None, str(tmp_path), lambda r: 10, Args())
+    except study_run.StudyStopped as stopped:
+        return started, stopped
+
+
+@pytest.mark.parametrize("code,exit_code", [(EXIT_PREEMPTED, 75), (EXIT_INTERRUPTED, 130), (-signal.SIGKILL, 137)])
+def test_a_trainer_stopped_by_a_signal_stops_the_study_before_the_next_group(monkeypatch, tmp_path, code,
+                                                                              exit_code):
+    started, stopped = start_groups(monkeypatch, tmp_path, code)
+    assert started == ["optimizer=adamw"]
+    assert isinstance(stopped, study_run.StudyStopped) and stopped.exit_code == exit_code
+    assert "rerun the same command" in str(stopped)
+
+
+def test_a_failed_group_does_not_stop_the_study(monkeypatch, tmp_path):
+    started, failures = start_groups(monkeypatch, tmp_path, 1)
+    assert started == ["optimizer=adamw", "optimizer=muon"] and failures == 2
+
+
+def test_a_stop_signal_to_the_runner_alone_reaches_the_trainer(tmp_path):
+    """`kill RUNNER_PID`: the trainer gets the signal (and exits 75 after its checkpoint) instead of running on."""
+    ready = tmp_path / "ready"
+    child = ("import signal, sys, time, pathlib\n"
+             "signal.signal(signal.SIGTERM, lambda *a: sys.exit(75))\n"
+             f"pathlib.Path({str(ready)!r}).touch()\n"
+             "time.sleep(60)\nsys.exit(0)\n")
+
+    def signal_the_runner():
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=signal_the_runner, daemon=True).start()
+    previous = signal.getsignal(signal.SIGTERM)
+    started = time.monotonic()
+    assert study_run.run_trainer([sys.executable, "-c", child]) == EXIT_PREEMPTED
+    assert time.monotonic() - started < 30
+    assert signal.getsignal(signal.SIGTERM) is previous  # the runner's own handlers are back
