@@ -249,9 +249,12 @@ def cell(x: float, template: str, why: str) -> str:
     return f"n/a ({why})" if math.isnan(x) else template.format(x)
 
 
-def ratio(a: float, b: float) -> str:
-    if math.isnan(a) or math.isnan(b) or b == 0:
-        return "n/a"
+def ratio(a: float, b: float, reference: str) -> str:
+    """a / b, or "n/a (why)": no finished run of the reference optimizer, or one of the two not measured."""
+    if math.isnan(b) or b == 0:
+        return f"n/a (no {reference} value)"
+    if math.isnan(a):
+        return "n/a (not timed)"
     return f"{a / b:.3f}"
 
 
@@ -320,10 +323,13 @@ def table2(runs: list[Run]) -> str:
             g = by[(model, opt)]
             o, s = mean([r.optimizer_s for r in g]), mean([r.step_s for r in g])
             c, a = mean([r.comm_bytes for r in g]), mean([r.best_fd_active_s for r in g])
-            red = "n/a" if math.isnan(a) or math.isnan(ref_act) or not ref_act else f"{(1 - a / ref_act) * 100:+.1f}%"
-            lines.append(f"| {model} | {opt} | {cell(o * 1000, '{:.1f} ms', 'not timed')} | {ratio(o, ref_opt)} | "
-                         f"{cell(s * 1000, '{:.1f} ms', 'not timed')} | {ratio(s, ref_step)} | "
-                         f"{cell(c, '{:.0f}', 'not timed')} | {ratio(c, ref_comm)} | "
+            reference = peer(opt, "muon")
+            red = (f"n/a (no {reference} value)" if math.isnan(ref_act) or not ref_act else "n/a (no FD)"
+                   if math.isnan(a) else f"{(1 - a / ref_act) * 100:+.1f}%")
+            lines.append(f"| {model} | {opt} | {cell(o * 1000, '{:.1f} ms', 'not timed')} | "
+                         f"{ratio(o, ref_opt, reference)} | "
+                         f"{cell(s * 1000, '{:.1f} ms', 'not timed')} | {ratio(s, ref_step, reference)} | "
+                         f"{cell(c, '{:.0f}', 'not timed')} | {ratio(c, ref_comm, reference)} | "
                          f"{cell(a, '{:.0f} s', 'no FD')} | {red} |")
     return "\n".join(lines)
 

@@ -48,7 +48,9 @@ def test_report_marks_missing_values_n_a_with_the_reason(smoke_like):
     none = "n/a (no validation by the budget)"
     assert f"| dit_s | periodic_rowwise K=2 | 1 s | {none} | {none} | {none} |" in text
     assert "| dit_s | adamw | 1 s | 4 | 1.65 | — |" in text
-    assert "| dit_s | adamw | n/a (not timed) | n/a | n/a (not timed) | n/a | 0 | n/a | 1 s | n/a |" in text
+    no_muon = "n/a (no muon value)"  # each n/a says why: this sweep has no muon run to compare with
+    assert (f"| dit_s | adamw | n/a (not timed) | {no_muon} | n/a (not timed) | {no_muon} | 0 | {no_muon} | 1 s | "
+            f"{no_muon} |") in text
     assert "step_time_phases.png" not in os.listdir(smoke_like)  # no bar chart of nothing
 
 
@@ -81,3 +83,11 @@ def test_done_line_without_validation_says_n_a(tiny_cfg, capsys):
     run(tiny_cfg)
     done = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("done:")]
     assert len(done) == 1 and " val_loss=n/a " in done[0] and re.search(r" train_loss=\d+\.\d{4} ", done[0])
+
+
+def test_a_ratio_to_muon_says_which_side_is_missing():
+    nan = float("nan")
+    assert report.ratio(1.0, 4.0, "muon") == "0.250"
+    assert report.ratio(1.0, nan, "muon lr=0.004") == "n/a (no muon lr=0.004 value)"
+    assert report.ratio(nan, 4.0, "muon") == "n/a (not timed)"
+    assert report.ratio(1.0, 0.0, "muon") == "n/a (no muon value)"
