@@ -16,6 +16,7 @@ import time
 from dit_train.runs import checkpoint as ckpt
 from dit_train.runs.atomic_io import atomic_write_bytes, fsync_dir
 from dit_train.telemetry.metrics import read_summary
+from dit_train.telemetry.metrics_lines import metrics_lines
 
 ABANDONED = "abandoned"
 SAMPLE_RE = re.compile(r"^(?:fd_)?step_([0-9]{8})\.png$")  # ASCII digits, as checkpoint.CKPT_RE
@@ -33,8 +34,7 @@ def _split_metrics(path: str, step: int) -> tuple[bytes, bytes, list[int]]:
     """(rows to keep, rows after `step`, their steps). A line that is not a JSON row (a torn last line) is kept:
     the logger drops it before appending."""
     try:
-        with open(path, "rb") as f:
-            lines = f.read().splitlines(keepends=True)
+        lines = list(metrics_lines(path))  # bounded: a sparse huge file from elsewhere is refused in one line
     except FileNotFoundError:
         return b"", b"", []
     keep, later, steps = [], [], []

@@ -39,6 +39,7 @@ from dit_train.config.errors import ConfigError
 from dit_train.runs.atomic_io import atomic_write_bytes
 from dit_train.runs.json_file import DamagedJSONFile, read_json, read_yaml
 from dit_train.study.record import read_study
+from dit_train.telemetry.metrics_lines import metrics_lines
 
 PHASES = ("data", "forward", "backward", "optimizer compute", "exposed communication")
 WARMUP_ROWS = 2  # the first logged rows include one-off costs (allocation, first NS5); left out of time means
@@ -105,19 +106,16 @@ def read_metrics(path: str) -> list[dict]:
     rows: dict[tuple, dict] = {}
     if not os.path.exists(path):
         return []
-    if not os.path.isfile(path):  # a FIFO hung the reader forever
-        raise ValueError(f"{path} is not a regular file (a FIFO, socket, device or folder)")
-    with open(path) as f:
-        for line in f:
-            try:
-                r = json.loads(line)
-            except (ValueError, RecursionError):  # torn, or beyond the parser (10^4 digits, nested 10^5 deep)
-                continue
-            if not isinstance(r, dict) or type(r.get("step", 0)) is not int:  # a hand-edited line: not a row
-                continue
-            r = {k: float(v) if isinstance(v, str) and v.lower() in NON_FINITE else v for k, v in r.items()}
-            kind = next((k for k in ("train/loss", "val/loss", "fd") if k in r), "other")
-            rows[(r.get("step", 0), kind)] = r
+    for line in metrics_lines(path):  # a FIFO, or a sparse huge file from elsewhere: one line, nothing held
+        try:
+            r = json.loads(line)
+        except (ValueError, RecursionError):  # torn, or beyond the parser (10^4 digits, nested 10^5 deep)
+            continue
+        if not isinstance(r, dict) or type(r.get("step", 0)) is not int:  # a hand-edited line: not a row
+            continue
+        r = {k: float(v) if isinstance(v, str) and v.lower() in NON_FINITE else v for k, v in r.items()}
+        kind = next((k for k in ("train/loss", "val/loss", "fd") if k in r), "other")
+        rows[(r.get("step", 0), kind)] = r
     return [rows[k] for k in sorted(rows, key=lambda k: (k[0], KINDS.index(k[1])))]
 
 
