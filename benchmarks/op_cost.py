@@ -310,6 +310,20 @@ class OpRates:
     # ((compiled function's name, ((bucket elements, bytes/s), ...) ascending), ...): each compiled RowNorm pass's
     # own rates; a fused region of another name takes fused_by_size
     fused_by_pass: tuple = field(default=())
+    # ((layout, ((matrix elements, bytes/s), ...) ascending), ...): the power iteration's vector-matrix products by
+    # the matrix's layout ("nn": x U, "nt": y U^T) on the RowNorm step's buckets; () = `matvec` for every one
+    matvec_by_layout: tuple = field(default=())
+
+    def matvec_rate(self, rec: OpRecord) -> float:
+        """bytes/s of a counted vector-matrix product: log-log between the bucket sizes measured for its layout
+        (on CPU a product with a transposed matrix ran at ~0.4-0.7x the rate of one with the matrix as stored, so
+        one rate for both priced the spectral scale's power iteration at half its time); `matvec` where that
+        layout was not measured (a GPU, an older profile)."""
+        by_size = dict(self.matvec_by_layout).get(rec.layout)
+        if not by_size:
+            return self.matvec
+        m, k, n = rec.dims
+        return _log_log(by_size, rec.batch * k * max(m, n))
 
     def gemm_rate(self, rec: OpRecord) -> float:
         """flop/s of a counted matmul: interpolated between NS5's own matmuls measured at its op, layout, dtype
@@ -334,9 +348,7 @@ class OpRates:
         by_size = dict(self.fused_by_pass).get(name) or self.fused_by_size
         if not by_size or elements <= 0:
             return self.fused
-        log_rate = {math.log(e): math.log(r) for e, r in by_size}
-        around = ns5_gemm_rates.bracket(sorted(log_rate), math.log(elements))
-        return math.exp(sum(w * log_rate[x] for x, w in around))
+        return _log_log(by_size, elements)
 
     def shared(self, share: float) -> "OpRates":
         """The rates of a process that gets `share` of the cores it was measured on."""
@@ -345,7 +357,15 @@ class OpRates:
                        tuple((s, r * share) for s, r in self.gemm), tuple((s, r * share) for s, r in self.square),
                        tuple((*p, r * share) for *p, r in self.ns5),
                        tuple((e, r * share) for e, r in self.fused_by_size),
-                       tuple((name, tuple((e, r * share) for e, r in rates)) for name, rates in self.fused_by_pass))
+                       tuple((name, tuple((e, r * share) for e, r in rates)) for name, rates in self.fused_by_pass),
+                       tuple((name, tuple((e, r * share) for e, r in rates)) for name, rates in self.matvec_by_layout))
+
+
+def _log_log(by_size, elements: int) -> float:
+    """The rate at `elements`, log-log between the ((elements, rate), ...) measured, clamped at both ends."""
+    log_rate = {math.log(e): math.log(r) for e, r in by_size}
+    around = ns5_gemm_rates.bracket(sorted(log_rate), math.log(elements))
+    return math.exp(sum(w * log_rate[x] for x, w in around))
 
 
 def seconds(rec: OpRecord, rates: OpRates) -> float:
@@ -355,6 +375,8 @@ def seconds(rec: OpRecord, rates: OpRates) -> float:
         return 0.0
     if rec.category == "fused":
         rate = rates.fused_rate(rec.elements, rec.op)
+    elif rec.category == "matvec":
+        rate = rates.matvec_rate(rec)
     else:
         rate = rates.stream if rec.category == "gemm" else getattr(rates, rec.category)
     t = rec.bytes / rate
@@ -475,17 +497,35 @@ def measure_fused_rates(threads: int, buckets) -> dict[str, list[list]] | None:
     return rows
 
 
+def measure_matvec_rates(threads: int, buckets) -> dict[str, list[list]]:
+    """{layout: [[B, m, n, bytes/s], ...]}: the power iteration's two vector-matrix products (spectral_cap's
+    _Products) on a bucket of B fp32 m x n matrices U, for each (B, m, n) in `buckets`: "nn" x U (x: [B, 1, m])
+    and "nt" y U^T (y: [B, 1, n]), each reading U once (4 B per element). The rate differs by layout and by size
+    on CPU (BLAS's gemv paths); op_cost.measure_op_rates' one `matvec` rate averaged the two at one size."""
+    torch.set_num_threads(threads)
+    rows = {"nn": [], "nt": []}
+    for B, m, n in buckets:
+        U = torch.randn(B, m, n)
+        x, y = torch.randn(B, 1, m), torch.randn(B, 1, n)
+        rows["nn"].append([B, m, n, 4 * U.numel() / median_seconds(lambda: torch.bmm(x, U))])
+        rows["nt"].append([B, m, n, 4 * U.numel() / median_seconds(lambda: torch.bmm(y, U.mT))])
+    return rows
+
+
 def host_op_rates(measured: dict, gemm: tuple, adamw: float, ns5: list = ()) -> OpRates:
     """OpRates from measure_op_rates' dict (with each compiled RowNorm pass's rates by bucket, "fused_passes":
     measure_fused_rates), the GEMM rates by side, fused AdamW's rate and NS5's measured matmuls
     (ns5_gemm_rates.measure_ns5_gemms; a profile measured before them has none: matmuls at the rates by side).
     Older profiles price as they did: one rate by bucket for both passes ("fused_buckets", [B, m, n, bytes/s] of
     the two passes run together), or before that one rate at any size ("fused", on two 8M-element buckets); where
-    none was measured (no C++ compiler) the passes run at the streaming rate."""
+    none was measured (no C++ compiler) the passes run at the streaming rate. The power iteration's products take
+    their layout's rates by bucket ("matvec_by_layout": measure_matvec_rates) where measured, else one `matvec`.
+    """
     def by_size(rows):
         return tuple(sorted({B * m * n: rate for B, m, n, rate in rows or ()}.items()))
     by_pass = tuple((name, by_size(rows)) for name, rows in sorted((measured.get("fused_passes") or {}).items()))
+    by_layout = tuple((lay, by_size(rows)) for lay, rows in sorted((measured.get("matvec_by_layout") or {}).items()))
     return OpRates(measured["stream"], measured["convert"], measured["reduce"], measured["matvec"],
                    measured["op_s"], adamw, measured.get("fused") or measured["stream"], tuple(tuple(x) for x in gemm),
                    tuple(tuple(x) for x in measured["square"]), tuple(tuple(x) for x in ns5),
-                   by_size(measured.get("fused_buckets")), by_pass)
+                   by_size(measured.get("fused_buckets")), by_pass, by_layout)

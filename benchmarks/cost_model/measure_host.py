@@ -13,7 +13,8 @@ from benchmarks.cost_model.floor import ADAMW_BYTES
 from benchmarks.cost_model.hardware import Hardware
 from benchmarks.cost_model.shapes import rownorm_buckets
 from benchmarks.ns5_gemm_rates import measure_ns5_gemms
-from benchmarks.op_cost import host_op_rates, measure_fused_rates, measure_op_rates, median_seconds
+from benchmarks.op_cost import (host_op_rates, measure_fused_rates, measure_matvec_rates, measure_op_rates,
+                                median_seconds)
 from benchmarks.sharded_python import measure_python
 
 
@@ -70,7 +71,8 @@ def measure_compute(threads: int, fused_buckets: list[tuple[int, int, int]]) -> 
     """bf16 GEMM rates by short side r (the plain NS5 iteration's three bmm's on 8 x r x 4r), the streaming
     rate of torch's fused AdamW (28 B per element over 32M fp32 elements, far beyond the caches) and each op
     category's rate (op_cost.measure_op_rates), each compiled RowNorm pass's rate on each of `fused_buckets`
-    ((B, m, n); op_cost.measure_fused_rates: the momentum and the update pass timed apart) and NS5's own
+    ((B, m, n); op_cost.measure_fused_rates: the momentum and the update pass timed apart), the power iteration's
+    vector-matrix products by layout on the same buckets (op_cost.measure_matvec_rates) and NS5's own
     matmuls (ns5_gemm_rates: every bmm/baddbmm it dispatches on a grid of shapes and batches, ~5 s of CPU at 1
     thread), `threads` threads."""
     import torch
@@ -89,6 +91,8 @@ def measure_compute(threads: int, fused_buckets: list[tuple[int, int, int]]) -> 
     _progress(f"{threads} thread(s): each compiled RowNorm pass on buckets (B, m, n) {fused_buckets} (compiles on "
               "the first run)")
     ops["fused_passes"] = measure_fused_rates(threads, fused_buckets)
+    _progress(f"{threads} thread(s): the power iteration's vector-matrix products by layout on the same buckets")
+    ops["matvec_by_layout"] = measure_matvec_rates(threads, fused_buckets)
     _progress(f"{threads} thread(s): NS5's own matmuls (op, layout, shape, batch)")
     return {"gemm_flops": max(rate for _, rate in rates), "ns5_rates": rates,
             "memory_bytes_s": ADAMW_BYTES * 32 * 2**20 / stream, "ops": ops, "ns5_gemms": measure_ns5_gemms(threads)}

@@ -168,3 +168,43 @@ def test_host_rates_take_the_compiled_passes_by_bucket_or_an_older_profiles_one_
     new["fused_buckets"] = [[8, 64, 32, 2e9], [1, 16, 8, 1e9]]  # [B, m, n, bytes/s]
     assert oc.host_op_rates(new, [[1, 1e9]], 1e9).fused_by_size == ((128, 1e9), (16384, 2e9))
     assert oc.host_op_rates({**new, "fused_buckets": None}, [[1, 1e9]], 1e9).fused_rate(100) == 1e9  # no compiler
+
+
+def test_the_power_iterations_products_are_counted_by_the_layout_of_their_matrix():
+    # spectral scale, one wide 4 x 8 matrix: R^T x (x U), then (R y: y U^T, R^T of it: x U) twice (spectral_cap)
+    def make():
+        p = torch.nn.Parameter(torch.empty(4, 8))
+        p.grad = torch.empty_like(p)
+        return MatrixOptimizer([p], lr=0.1, weight_decay=0.0, direction=RowNorm("spectral", False))
+
+    products = [(r.layout, r.dims, r.batch) for r in oc.count_steps(make) if r.category == "matvec"]
+    assert products == [("nn", (1, 4, 8), 1), ("nt", (1, 8, 4), 1), ("nn", (1, 4, 8), 1), ("nt", (1, 8, 4), 1),
+                        ("nn", (1, 4, 8), 1)]
+
+
+def test_each_product_is_priced_at_its_layouts_rate_by_bucket_and_an_older_profile_at_one_rate():
+    rates = oc.OpRates(stream=1e9, convert=1e9, reduce=1e9, matvec=5e9, op_s=0.0, adamw=1e9, fused=1e9,
+                       matvec_by_layout=(("nn", ((1000, 4e9), (16000, 8e9))), ("nt", ((1000, 1e9),))))
+    x_u = oc.OpRecord("direction", "bmm", "matvec", 16000, 0, dims=(1, 100, 40), batch=1, layout="nn")
+    y_ut = oc.OpRecord("direction", "bmm", "matvec", 16000, 0, dims=(1, 40, 100), batch=1, layout="nt")
+    assert rates.matvec_rate(x_u) == pytest.approx(4e9 * 2**0.5)  # 4000 elements: log-log 4e9 (4000/1000)^(1/4)
+    assert rates.matvec_rate(y_ut) == pytest.approx(1e9)  # one size measured: that rate at every size
+    assert oc.seconds(y_ut, rates) == pytest.approx(16000 / 1e9)
+    other = oc.OpRecord("direction", "bmm", "matvec", 16000, 0, dims=(1, 40, 100), batch=1, layout="tn")
+    assert rates.matvec_rate(other) == 5e9  # a layout not measured: the one rate
+    older = oc.OpRates(stream=1e9, convert=1e9, reduce=1e9, matvec=5e9, op_s=0.0, adamw=1e9, fused=1e9)
+    assert older.matvec_rate(x_u) == older.matvec_rate(y_ut) == 5e9
+    assert rates.shared(0.5).matvec_by_layout == (("nn", ((1000, 2e9), (16000, 4e9))), ("nt", ((1000, 5e8),)))
+
+
+def test_host_rates_take_the_products_by_layout_and_measuring_them_gives_both():
+    ops = {"stream": 1e9, "convert": 1e9, "reduce": 1e9, "matvec": 1e9, "op_s": 0.0, "square": [[1, 1e9]],
+           "matvec_by_layout": {"nt": [[2, 8, 4, 1e9]], "nn": [[2, 8, 4, 3e9], [1, 4, 4, 2e9]]}}
+    rates = oc.host_op_rates(ops, [[1, 1e9]], 1e9)
+    assert rates.matvec_by_layout == (("nn", ((16, 2e9), (64, 3e9))), ("nt", ((64, 1e9),)))
+    assert oc.host_op_rates({k: v for k, v in ops.items() if k != "matvec_by_layout"}, [[1, 1e9]],
+                            1e9).matvec_by_layout == ()
+    measured = oc.measure_matvec_rates(1, [(2, 8, 16), (1, 32, 8)])
+    assert sorted(measured) == ["nn", "nt"]
+    assert all([B, m, n] == b and rate > 0 for rows in measured.values()
+               for (B, m, n, rate), b in zip(rows, ([2, 8, 16], [1, 32, 8])))
