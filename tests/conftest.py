@@ -24,7 +24,10 @@ torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // int(os.environ.g
 # and the trainer once (start method "forkserver"); "spawn" re-imported them in every process, ~5 s of CPU each on
 # a 2-core host, a fifth of the suite's time. A forked process sees the environment of the server, i.e. of the
 # first test that started one: tests that change os.environ must not rely on it reaching their processes.
-multiprocessing.set_forkserver_preload(["torch", "torch.distributed.fsdp", "dit_train.trainer.loop"])
+# torch._dynamo too: every training rank imports it (meta-device model building goes through torch._compile),
+# and inductor's compile_fx: the compiled RowNorm ranks of test_sharded_optim (~1.5 s of CPU per rank).
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed.fsdp", "dit_train.trainer.loop", "torch._dynamo",
+                                       "torch._inductor.compile_fx"])
 
 
 def pytest_collection_modifyitems(items):

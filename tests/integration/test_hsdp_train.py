@@ -20,6 +20,7 @@ from dit_train.parallel.fsdp import DistInfo, resolve_plan
 # 16 images per step: 4 per rank; hidden 32 splits into 8 rows per rank (FSDP over 4) or 16 (a shard group of 2)
 FOUR = [o for o in TINY if not o.startswith("train.batch_size=")] + ["train.batch_size=16", "train.sample_every=0"]
 PERIODIC = [o for o in FOUR if not o.startswith("optimizer=")] + ["optimizer=periodic_rowwise"]
+FINAL_CKPT = "train.ckpt_every=4"  # runs nothing resumes from: no step-2 checkpoint (a DCP save on 4 ranks each)
 
 
 @pytest.fixture(scope="module")
@@ -27,16 +28,16 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hsdp_train")
     from dit_train.trainer.loop import run
 
-    run(compose(FOUR + [f"run_dir={root / 'single'}"]))
-    run(compose(PERIODIC + [f"run_dir={root / 'single_periodic'}"]))
+    run(compose(FOUR + [f"run_dir={root / 'single'}", FINAL_CKPT]))
+    run(compose(PERIODIC + [f"run_dir={root / 'single_periodic'}", FINAL_CKPT]))
     ck2 = root / "hsdp" / "checkpoints" / "step_00000002.dcp"
     spawn(train_jobs, 4, [
-        FOUR + [f"run_dir={root / 'fsdp'}"],
-        FOUR + [f"run_dir={root / 'reshard_2'}", "parallel.reshard_after_forward=2"],
-        FOUR + [f"run_dir={root / 'reduce_bf16'}", "parallel.reduce_dtype=bf16"],
+        FOUR + [f"run_dir={root / 'fsdp'}", FINAL_CKPT],
+        FOUR + [f"run_dir={root / 'reshard_2'}", "parallel.reshard_after_forward=2", FINAL_CKPT],
+        FOUR + [f"run_dir={root / 'reduce_bf16'}", "parallel.reduce_dtype=bf16", FINAL_CKPT],
         PERIODIC + [f"run_dir={root / 'hsdp'}", "parallel.replicate=2"],
         PERIODIC + [f"run_dir={root / 'hsdp_resumed'}", "parallel.replicate=2", f"train.resume={ck2}"],
-        PERIODIC + [f"run_dir={root / 'hsdp_micro'}", "parallel.replicate=2", "train.micro_batch_size=2",
+        PERIODIC + [f"run_dir={root / 'hsdp_micro'}", "parallel.replicate=2", "train.micro_batch_size=2", FINAL_CKPT,
                     "optimizer.overlap_exchange=true"],
     ], timeout=600)
     return {k: root / k for k in ("single", "single_periodic", "fsdp", "reshard_2", "reduce_bf16", "hsdp",
