@@ -248,11 +248,14 @@ def cell(x: float, template: str, why: str) -> str:
 
 
 def ratio(a: float, b: float, reference: str) -> str:
-    """a / b, or "n/a (why)": no finished run of the reference optimizer, or one of the two not measured."""
-    if math.isnan(b) or b == 0:
+    """a / b, or "n/a (why)": no finished run of the reference optimizer, this one not measured, or the reference's
+    value 0 (a single process communicates 0 bytes)."""
+    if math.isnan(b):
         return f"n/a (no {reference} value)"
     if math.isnan(a):
         return "n/a (not timed)"
+    if b == 0:
+        return f"n/a ({reference}: 0)"
     return f"{a / b:.3f}"
 
 

@@ -90,4 +90,4 @@ def test_a_ratio_to_muon_says_which_side_is_missing():
     assert report.ratio(1.0, 4.0, "muon") == "0.250"
     assert report.ratio(1.0, nan, "muon lr=0.004") == "n/a (no muon lr=0.004 value)"
     assert report.ratio(nan, 4.0, "muon") == "n/a (not timed)"
-    assert report.ratio(1.0, 0.0, "muon") == "n/a (no muon value)"
+    assert report.ratio(0.0, 0.0, "muon") == "n/a (muon: 0)"  # one process: no bytes sent by either
