@@ -49,7 +49,7 @@ def rank_main(rank, world, port, args, out_path):
     from dit_train.diffusion.flow import velocity_loss
     from dit_train.model.dit import build_model
     from dit_train.optim.registry import build_optimizer
-    from dit_train.parallel.fsdp import ParallelPlan, apply_fsdp
+    from dit_train.parallel.fsdp import ParallelPlan, apply_fsdp, shutdown_process_group
     from dit_train.telemetry.clocks import PhaseTimer
 
     device = join_process_group(rank, world, port, args.threads)
@@ -101,11 +101,11 @@ def rank_main(rank, world, port, args, out_path):
         dist.all_gather_object(everyone, records)
         if rank == 0:
             torch.save({"records": everyone, "params": sum(p.numel() for p in model.parameters())}, out_path)
-        store = dist.distributed_c10d._get_default_store()
-        store.set(f"bench_done/{rank}", "1")
-        store.wait([f"bench_done/{q}" for q in range(world)])
+        # every rank past its last collective, and rank 0 (the store's host) the last to leave
+        shutdown_process_group()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # an exception before the shutdown: leave without waiting for the others
+            dist.destroy_process_group()
 
 
 def report(result, args) -> str:

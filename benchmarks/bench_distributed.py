@@ -112,6 +112,7 @@ def rank_main(rank, world, port, args, out_path):
     import torch.distributed as dist
 
     from dit_train.optim.registry import build_optimizer
+    from dit_train.parallel.fsdp import shutdown_process_group
     from dit_train.telemetry.clocks import PhaseTimer
 
     device = join_process_group(rank, world, port, args.threads)
@@ -160,13 +161,11 @@ def rank_main(rank, world, port, args, out_path):
                     "backend": dist.get_backend(), "width": cfg.hidden_size, "depth": cfg.depth,
                     "routing": opts[BASELINE].routing_table if BASELINE in opts else ""}
             torch.save({"info": info, "records": everyone}, out_path)
-        # every rank is past its last collective before any rank tears the group down (gloo can abort a peer
-        # still finishing the last collective otherwise)
-        store = dist.distributed_c10d._get_default_store()
-        store.set(f"bench_done/{rank}", "1")
-        store.wait([f"bench_done/{r}" for r in range(world)])
+        # every rank past its last collective, and rank 0 (the store's host) the last to leave
+        shutdown_process_group()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # an exception before the shutdown: leave without waiting for the others
+            dist.destroy_process_group()
 
 
 # ---- the table ------------------------------------------------------------------------------------------------

@@ -32,6 +32,12 @@ done
 if ! [[ "$SCALE" =~ ^[0-9]*\.?[0-9]+$ ]] || [ "$(awk "BEGIN{print ($SCALE > 0)}")" != 1 ]; then
   echo "gpu_check.sh: --timeout-scale '$SCALE' is not valid: a positive number" >&2; exit 2
 fi
+# a results folder holding a results.jsonl (one given, or $OUT's; a new temporary folder, made below, holds none):
+# refused before the trainer's import (seconds)
+if [ -z "$RESULTS" ] && [ -n "${OUT:-}" ] && [ -d "$OUT" ] && [ -w "$OUT" ]; then RESULTS="$OUT/gpu_check"; fi
+if [ -n "$RESULTS" ] && [ -e "$RESULTS/results.jsonl" ]; then
+  echo "gpu_check.sh: $RESULTS already holds a results.jsonl; give an empty folder to --results" >&2; exit 2
+fi
 # what every stage imports, with this checkout first on the path: a missing package is one line, before anything runs
 if ! err=$("$PY" -c "import torch, hydra, dit_train.trainer.loop" 2>&1); then
   echo "gpu_check.sh: $PY cannot import the trainer: $(printf '%s\n' "$err" | tail -n 1); install what it names first (scripts/setup.sh keeps an installed torch)" >&2
@@ -45,13 +51,9 @@ PLAN=$("$PY" -m benchmarks.gpu_check --plan $SMOKE ${ONLY:+--only "$ONLY"}) || e
 read -r BUDGET ESTIMATE_TIMEOUT KILL_GRACE < <("$PY" -m benchmarks.gpu_check --budget $SMOKE)
 BUDGET=$(awk "BEGIN{printf \"%d\", $BUDGET * $SCALE}")
 start=$(date +%s)
-# default: under $OUT when it is a folder (what a lent GPU machine copies back), else a new temporary folder
-if [ -z "$RESULTS" ] && [ -n "${OUT:-}" ] && [ -d "$OUT" ] && [ -w "$OUT" ]; then RESULTS="$OUT/gpu_check"; fi
+# default: under $OUT when it is a folder (what a lent GPU machine copies back, set above), else a new temporary folder
 RESULTS=${RESULTS:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")}
 mkdir -p "$RESULTS"
-if [ -e "$RESULTS/results.jsonl" ]; then
-  echo "gpu_check.sh: $RESULTS already holds a results.jsonl; give an empty folder to --results" >&2; exit 2
-fi
 if [ -z "$OUT_MD" ]; then
   if [ -n "$SMOKE" ]; then OUT_MD="$RESULTS/gpu_check.md"; else OUT_MD=docs/gpu_check.md; fi
 fi

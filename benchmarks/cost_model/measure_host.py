@@ -108,6 +108,8 @@ def _gloo_rank(rank: int, world: int, port: int, queue, numel: int, work_numel: 
     import torch
     import torch.distributed as dist
 
+    from dit_train.parallel.fsdp import shutdown_process_group
+
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
@@ -124,8 +126,11 @@ def _gloo_rank(rank: int, world: int, port: int, queue, numel: int, work_numel: 
         if rank == 0:
             queue.put({"link_bytes_s": sent / max(gather - barrier - latency, 1e-9), "latency_s": max(latency, 0.0),
                        "busy_latency_s": busy, **cpu})
+        # every rank past its last collective, and rank 0 (the store's host) the last to leave
+        shutdown_process_group()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # an exception before the shutdown: leave without waiting for the others
+            dist.destroy_process_group()
 
 
 def _busy_latency_s(tiny, work_numel: int, rounds: int) -> float:

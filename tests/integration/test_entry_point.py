@@ -1,6 +1,6 @@
 """The `dit-train` console script: it exists in pyproject, Hydra's tab completion lists the config groups through
-it, the banner and log file say dit_train, an explicit run_dir leaves no stray Hydra folder, and
-`experiment=debug` is a run of seconds."""
+it, the banner (checked with every command's --help) and log file say dit_train, an explicit run_dir leaves no
+stray Hydra folder, and `experiment=debug` is a run of seconds."""
 
 import os
 import subprocess
@@ -25,21 +25,46 @@ def run_console_script(args, cwd, env=ENV, timeout=120):
                           timeout=timeout)
 
 
+COMPLETIONS = r"""
+import contextlib, io, json, os, sys
+from importlib import import_module
+
+module, function = sys.argv[1].split(":")
+result = []
+for comp_line, args in json.loads(sys.argv[2]):
+    if comp_line is None:
+        os.environ.pop("COMP_LINE", None)
+    else:
+        os.environ["COMP_LINE"] = comp_line  # what bash sets when it asks for completions
+    sys.argv = ["dit-train", *args]  # the installed wrapper's argv[0]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            code = getattr(import_module(module), function)() or 0
+        except SystemExit as e:
+            code = e.code or 0
+    result.append([code, out.getvalue()])
+print(json.dumps(result))
+"""
+
+
 def test_tab_completion_lists_the_config_groups(tmp_path):
-    out = run_console_script(["-sc", "query=bash"], tmp_path, env={**ENV, "COMP_LINE": "dit-train "})
-    assert out.returncode == 0, out.stderr
-    assert {"model=", "optimizer=", "data=", "eval=", "logger=", "experiment="} <= set(out.stdout.split())
-    options = run_console_script(["-sc", "query=bash"], tmp_path, env={**ENV, "COMP_LINE": "dit-train optimizer="})
-    assert {"optimizer=muon", "optimizer=periodic_rowwise"} <= set(options.stdout.split())
-    install = run_console_script(["-sc", "install=bash"], tmp_path)
-    assert install.stdout.rstrip().endswith("hydra_bash_completion dit-train")
+    """The three completion calls bash makes through the console script, one after another in one process (each
+    as the wrapper calls it, with its own COMP_LINE), not one interpreter and torch import each."""
+    import json
+
+    calls = [("dit-train ", ["-sc", "query=bash"]), ("dit-train optimizer=", ["-sc", "query=bash"]),
+             (None, ["-sc", "install=bash"])]
+    r = subprocess.run([sys.executable, "-c", COMPLETIONS, console_script(), json.dumps(calls)], cwd=tmp_path,
+                       env={k: v for k, v in ENV.items() if k != "COMP_LINE"}, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (code, groups), (options_code, options), (install_code, install) = json.loads(r.stdout.splitlines()[-1])
+    assert code == options_code == install_code == 0, r.stdout[-3000:]
+    assert {"model=", "optimizer=", "data=", "eval=", "logger=", "experiment="} <= set(groups.split())
+    assert {"optimizer=muon", "optimizer=periodic_rowwise"} <= set(options.split())
+    assert install.rstrip().endswith("hydra_bash_completion dit-train")
     assert not os.listdir(tmp_path)  # completion makes no run folder
-
-
-def test_help_banner_names_dit_train(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "dit_train", "--help"], cwd=tmp_path, env=ENV, capture_output=True,
-                         text=True, timeout=120)
-    assert out.stdout.startswith("dit_train is powered by Hydra"), out.stdout[:80]
 
 
 @needs_fashion
@@ -101,7 +126,8 @@ print(json.dumps(result))
 def test_every_console_script_and_its_python_m_form_answer_help_as_that_command(tmp_path):
     """Each [project.scripts] entry, called as the installed wrapper calls it, exits 0 on --help with a usage line
     naming the command; `python -m <its module> --help` is the same command (one form per command in the docs, the
-    other kept working). dit-train's help is Hydra's and dit-torchrun's is torchrun's: those only exit 0."""
+    other kept working). dit-train's help is Hydra's, with a banner naming dit_train; dit-torchrun's is torchrun's
+    and only exits 0."""
     import json
 
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
@@ -112,5 +138,8 @@ def test_every_console_script_and_its_python_m_form_answer_help_as_that_command(
     assert r.returncode == 0, r.stderr[-3000:]
     for name, ((code, text), (module_code, module_text)) in json.loads(r.stdout.splitlines()[-1]).items():
         assert code == 0 and module_code == 0, (name, text[-500:], module_text[-500:])
+        if name == "dit-train":  # `python -m dit_train --help` as well as the console script
+            assert text.startswith("dit_train is powered by Hydra") and module_text.startswith(
+                "dit_train is powered by Hydra"), (text[:80], module_text[:80])
         if name not in ("dit-train", "dit-torchrun"):
             assert text.startswith(f"usage: {name} ") and module_text == text, (name, text[:200], module_text[:200])
