@@ -29,6 +29,7 @@ CONFIGS = [
     ("adamw", ("parallel.blocks_per_fsdp_unit=1",), shrunk(4)), ("adamw", ("parallel.blocks_per_fsdp_unit=2",), shrunk(5)),
     *[("adamw", (*ac, f"parallel.blocks_per_fsdp_unit={u}"), shrunk(8))
       for u in (2, 4) for ac in ((), ("--activation-checkpointing",))],
+    ("adamw", ("cuda-visible",), SHRINK),  # not a flag: the child makes torch.cuda.is_available() True first
 ]
 # runs each argv through the command's main() in a child forked for it: one JSON line per configuration, its
 # printed result or the error that stopped it (a failing configuration fails the tests that read it, not all)
@@ -42,6 +43,9 @@ for argv in json.loads(sys.argv[1]):
     pid = os.fork()
     if pid == 0:
         os.close(r)
+        if "cuda-visible" in argv:
+            argv.remove("cuda-visible")
+            torch.cuda.is_available = lambda: True
         out = io.StringIO()
         try:
             with contextlib.redirect_stdout(out):
@@ -227,13 +231,7 @@ def test_the_estimate_runs_where_cuda_is_visible(estimate):
     """On a GPU node torch.cuda.is_available() is True, and parallelize's default mesh would be a cuda mesh that the
     estimate's fake CPU shards cannot use (every gpu_check training row failed for the estimator's sake). With
     CUDA made visible on this CPU build the estimate runs and says what it says without."""
-    script = (f"import sys, runpy, torch; torch.cuda.is_available = lambda: True; "
-              f"sys.argv = sys.argv[1:]; runpy.run_module('dit_train.parallel.memory_estimate_cli', run_name='__main__')")
-    cmd = [sys.executable, "-c", script, "dit-estimate-memory", "--preset", "dit_1b3",
-           "--world-size", str(WORLD), "--optimizer", "adamw", "--micro-batch", "2", "--json", *SHRINK]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    seen = estimate("adamw", "cuda-visible")
     assert {k: seen[k] for k in ("persistent", "peak")} == {k: v for k, v in estimate("adamw").items()
                                                              if k in ("persistent", "peak")}
 
