@@ -26,7 +26,8 @@ CONFIGS = [
     ("adamw", (), SHRINK), ("muon", (), SHRINK), ("periodic_rowwise", (), SHRINK),
     ("adamw", ("--real-tensors",), SHRINK), ("periodic_rowwise", ("--real-tensors",), SHRINK),
     ("adamw", ("--micro-batches", "2"), SHRINK), ("adamw", ("--micro-batches", "2", "--real-tensors"), SHRINK),
-    ("adamw", ("parallel.blocks_per_fsdp_unit=1",), shrunk(4)), ("adamw", ("parallel.blocks_per_fsdp_unit=2",), shrunk(5)),
+    ("adamw", ("parallel.blocks_per_fsdp_unit=1",), shrunk(4)),
+    ("adamw", ("parallel.blocks_per_fsdp_unit=2",), shrunk(5)),
     *[("adamw", (*ac, f"parallel.blocks_per_fsdp_unit={u}"), shrunk(8))
       for u in (2, 4) for ac in ((), ("--activation-checkpointing",))],
     ("adamw", ("cuda-visible",), SHRINK),  # not a flag: the child makes torch.cuda.is_available() True first

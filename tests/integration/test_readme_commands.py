@@ -89,6 +89,15 @@ def all_at_once(program: str, extra: str):
     return run
 
 
+def overrides_and_flags(overrides: str, flags: str):
+    """appended(), with Hydra overrides as well: argparse takes the positional overrides as one run of words, so
+    they go beside the command's own trailing ones, before the flags."""
+    def run(command: str) -> str:
+        return (f"{command} {overrides} {flags}" if "=" in command.split()[-1] else
+                f"{command} {flags} {overrides}")
+    return run
+
+
 def syntax_only(command: str) -> str:
     """Needs Slurm (scontrol, srun): bash parses it."""
     return f"bash -n -c {shlex.quote(command)}"
@@ -152,7 +161,8 @@ RUNNERS = {
     "head=$(scontrol show hostnames": syntax_only,
     "export OMP_NUM_THREADS=": as_written,
     "srun --kill-on-bad-exit=1 dit-torchrun": lambda command: f"dit-torchrun --help && {trainer_config(command)}",
-    "dit-estimate-memory --preset": appended("--preset dit_xs --world-size 2 --micro-batch 2"),
+    "dit-estimate-memory --preset": overrides_and_flags("model.depth=2",
+                                                        "--preset dit_xs --world-size 2 --micro-batch 2"),
     "dit-estimate-memory --table": appended("--presets dit_xs --optimizers adamw --world-sizes 2"),
 }
 
