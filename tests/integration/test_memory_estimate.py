@@ -14,26 +14,106 @@ WORLD = 8
 SHRINK = ["model.depth=2", "model.hidden_size=256", "model.num_heads=2"]
 
 
-def estimate(optimizer: str, *flags: str, shrink=SHRINK) -> dict:
-    cmd = [sys.executable, "-m", "dit_train.parallel.memory_estimate_cli", "--preset", "dit_1b3",
-           "--world-size", str(WORLD), "--optimizer", optimizer, "--micro-batch", "2", "--json", *flags, *shrink]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def shrunk(depth: int) -> list[str]:
+    return [o for o in SHRINK if not o.startswith("model.depth=")] + [f"model.depth={depth}"]
 
 
-@pytest.mark.parametrize("depth, per_unit, last, before_last", [(4, 1, 1, 1), (4, 2, 2, 2), (5, 2, 1, 2)])
-def test_the_gathered_weights_at_peak_are_the_last_unit_and_the_prefetched_one(depth, per_unit, last, before_last):
+# Every configuration the tests below read: (optimizer, flags, shrink). Each is estimated once (several tests read
+# the same one), in a process forked for it from one that imported torch and the estimator once: a fresh process
+# each paid that import again (~3 s of ~7 s of CPU each), and one process running them all in turn carries state
+# from one estimate to the next (periodic_rowwise's persistent bytes then differ by 52 between fake and real).
+CONFIGS = [
+    ("adamw", (), SHRINK), ("muon", (), SHRINK), ("periodic_rowwise", (), SHRINK),
+    ("adamw", ("--real-tensors",), SHRINK), ("periodic_rowwise", ("--real-tensors",), SHRINK),
+    ("adamw", ("--micro-batches", "2"), SHRINK), ("adamw", ("--micro-batches", "2", "--real-tensors"), SHRINK),
+    ("adamw", ("parallel.blocks_per_fsdp_unit=1",), shrunk(4)),
+    ("adamw", ("parallel.blocks_per_fsdp_unit=2",), shrunk(5)),
+    *[("adamw", (*ac, f"parallel.blocks_per_fsdp_unit={u}"), shrunk(8))
+      for u in (2, 4) for ac in ((), ("--activation-checkpointing",))],
+    ("adamw", ("cuda-visible",), SHRINK),  # not a flag: the child makes torch.cuda.is_available() True first
+]
+# runs each argv through the command's main() in a child forked for it: one JSON line per configuration, its
+# printed result or the error that stopped it (a failing configuration fails the tests that read it, not all)
+DRIVER = """
+import contextlib, io, json, os, sys, traceback
+import torch, torch.distributed.fsdp, torch._subclasses.fake_tensor, torch.distributed._tools.fsdp2_mem_tracker
+import dit_train.parallel.memory_estimate, dit_train.trainer.loop, dit_train.optim.registry
+from dit_train.parallel.memory_estimate_cli import main
+for argv in json.loads(sys.argv[1]):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        if "cuda-visible" in argv:
+            argv.remove("cuda-visible")
+            torch.cuda.is_available = lambda: True
+        out = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out):
+                result = {"rc": main(argv), "out": out.getvalue()}
+        except BaseException:
+            result = {"rc": "raised", "out": traceback.format_exc()}
+        with os.fdopen(w, "w") as f:
+            f.write(json.dumps(result))
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        line = f.read()
+    os.waitpid(pid, 0)
+    print(line or json.dumps({"rc": "died", "out": ""}), flush=True)
+"""
+
+
+def argv_of(optimizer: str, flags=(), shrink=SHRINK) -> list[str]:
+    return ["--preset", "dit_1b3", "--world-size", str(WORLD), "--optimizer", optimizer, "--micro-batch", "2",
+            "--json", *flags, *shrink]
+
+
+@pytest.fixture(scope="module")
+def estimates() -> dict:
+    """{(optimizer, flags, shrink) of CONFIGS: the dit-estimate-memory --json result or (exit status, output)}."""
+    argvs = [argv_of(o, f, s) for o, f, s in CONFIGS]
+    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argvs)], capture_output=True, text=True,
+                          timeout=900, env={**os.environ, "PYTHONPATH": ROOT})
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"rc"')]
+    out = {}
+    for (o, f, s), r in zip(CONFIGS, lines + [None] * len(CONFIGS)):
+        key = (o, tuple(f), tuple(s))
+        if r is None:
+            out[key] = ("did not run", proc.stderr[-3000:])
+        elif r["rc"] != 0:
+            out[key] = (r["rc"], r["out"][-3000:])
+        else:
+            out[key] = json.loads(r["out"].strip().splitlines()[-1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def estimate(estimates):
+    """estimate(optimizer, *flags, shrink=SHRINK): the result of that configuration of CONFIGS."""
+    def get(optimizer: str, *flags: str, shrink=SHRINK) -> dict:
+        key = (optimizer, tuple(flags), tuple(shrink))
+        assert key in estimates, f"{key} is not in CONFIGS: add it there"
+        r = estimates[key]
+        assert isinstance(r, dict), f"dit-estimate-memory {' '.join(argv_of(optimizer, flags, shrink))}: {r}"
+        return r
+    return get
+
+
+@pytest.mark.parametrize("depth, per_unit, last, before_last", [(4, 1, 1, 1), (8, 2, 2, 2), (5, 2, 1, 2)])
+def test_the_gathered_weights_at_peak_are_the_last_unit_and_the_prefetched_one(estimate, depth, per_unit, last,
+                                                                               before_last):
     """parallel.blocks_per_fsdp_unit: the peak is at the start of backward (every activation alive), where FSDP2
     holds the last unit's bf16 weights (kept gathered from forward), the all-gather output of the unit before it
     (backward's prefetch) and the root's (embedders, final layer): 2 bytes x (last + before-last units' parameters
     + the root's), each parameter's rows padded to a multiple of W as FSDP2 pads its shards. Depth 5 by 2 ends in
-    a unit of one block: the last unit kept is one block, the prefetched one two."""
+    a unit of one block: the last unit kept is one block, the prefetched one two; depth 8 by 2 leaves two of its four
+    units ungathered (the estimate the formula test below reads too)."""
     from omegaconf import OmegaConf
 
     from dit_train.model.dit import build_model, load_preset
 
-    shrink = [o for o in SHRINK if not o.startswith("model.depth=")] + [f"model.depth={depth}"]
+    shrink = shrunk(depth)
     r = estimate("adamw", f"parallel.blocks_per_fsdp_unit={per_unit}", shrink=shrink)
     model = build_model(OmegaConf.merge(load_preset("dit_1b3"), OmegaConf.from_dotlist(shrink).model), device="meta")
     padded = lambda params: sum(-(-p.shape[0] // WORLD) * WORLD * (p.numel() // p.shape[0]) for p in params)
@@ -44,7 +124,7 @@ def test_the_gathered_weights_at_peak_are_the_last_unit_and_the_prefetched_one(d
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["no AC", "AC"])
 @pytest.mark.parametrize("per_unit", [2, 4])
-def test_the_formula_gathers_what_the_estimator_finds_at_its_peak(per_unit, checkpointing):
+def test_the_formula_gathers_what_the_estimator_finds_at_its_peak(estimate, per_unit, checkpointing):
     """dit-memory-formula with parallel.blocks_per_fsdp_unit against the estimator, which runs the real plan (depth
     8: units of 2 and 4 blocks). Without activation checkpointing the peak is at the start of backward, and the
     formula's gathered weights, 2 bytes x (the largest two consecutive units' blocks + the root's), are exactly the
@@ -58,7 +138,7 @@ def test_the_formula_gathers_what_the_estimator_finds_at_its_peak(per_unit, chec
     from dit_train.parallel.memory_formula import gathered_bytes, memory
 
     depth = 8
-    shrink = [o for o in SHRINK if not o.startswith("model.depth=")] + [f"model.depth={depth}"]
+    shrink = shrunk(depth)
     flags = ["--activation-checkpointing"] if checkpointing else []
     r = estimate("adamw", *flags, f"parallel.blocks_per_fsdp_unit={per_unit}", shrink=shrink)
     model = build_model(OmegaConf.merge(load_preset("dit_1b3"), OmegaConf.from_dotlist(shrink).model), device="meta")
@@ -92,7 +172,7 @@ def rank0_elements():
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_persistent_bytes_are_the_rank0_shards(optimizer):
+def test_persistent_bytes_are_the_rank0_shards(estimate, optimizer):
     r = estimate(optimizer)
     every, matrix = rank0_elements()
     n_params, rest_params = len(every), len(every) - len(matrix)
@@ -111,7 +191,7 @@ def test_persistent_bytes_are_the_rank0_shards(optimizer):
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "periodic_rowwise"])
-def test_fake_tensors_count_what_real_tensors_use(optimizer):
+def test_fake_tensors_count_what_real_tensors_use(estimate, optimizer):
     """The same step on real tensors (the fake process group's collectives leave their outputs unfilled, which
     changes no size): the fake run sees the same persistent bytes and, within the attention kernel's saved
     statistics, the same peak. Without StepTracker ignoring propagation the fake peak counted whole copies of the
@@ -148,22 +228,16 @@ def test_the_study_config_fits_an_80_gb_gpu_by_the_committed_estimate():
             assert row[-1]["peak"]["total"] < 74.5 * 2**30, (model, opt, row[-1]["peak"]["total"] / 2**30)
 
 
-def test_the_estimate_runs_where_cuda_is_visible():
+def test_the_estimate_runs_where_cuda_is_visible(estimate):
     """On a GPU node torch.cuda.is_available() is True, and parallelize's default mesh would be a cuda mesh that the
     estimate's fake CPU shards cannot use (every gpu_check training row failed for the estimator's sake). With
     CUDA made visible on this CPU build the estimate runs and says what it says without."""
-    script = (f"import sys, runpy, torch; torch.cuda.is_available = lambda: True; "
-              f"sys.argv = sys.argv[1:]; runpy.run_module('dit_train.parallel.memory_estimate_cli', run_name='__main__')")
-    cmd = [sys.executable, "-c", script, "dit-estimate-memory", "--preset", "dit_1b3",
-           "--world-size", str(WORLD), "--optimizer", "adamw", "--micro-batch", "2", "--json", *SHRINK]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    seen = estimate("adamw", "cuda-visible")
     assert {k: seen[k] for k in ("persistent", "peak")} == {k: v for k, v in estimate("adamw").items()
                                                              if k in ("persistent", "peak")}
 
 
-def test_gradient_accumulation_keeps_only_gradient_shards():
+def test_gradient_accumulation_keeps_only_gradient_shards(estimate):
     """train.micro_batch_size: FSDP2's no-sync mode would hold the whole unsharded fp32 gradient on every rank
     until the last micro-batch (4 bytes x parameters: +56 GiB at dit_15b); the trainer's micro_batch_sync
     reduce-scatters after every micro-batch, so a second micro-batch adds at most this rank's gradient shards
