@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from conftest import FASHION_ROOT, ROOT, compose, needs_fashion, stop_signal_during_step
+from conftest import FASHION_ROOT, ROOT, compose, needs_fashion, run_cli_in_process, stop_signal_during_step
 from dit_train.runs import checkpoint as ckpt
 from dit_train.config import ConfigError
 from dit_train.parallel.fsdp import DistInfo
@@ -248,9 +248,7 @@ def test_a_requeued_fork_continues_from_its_own_checkpoints(tmp_path):
 
 def test_a_fork_into_another_model_size_is_one_line_and_leaves_no_folder(tmp_path):
     run(tiny(tmp_path / "source"))
-    r = subprocess.run([sys.executable, "-m", "dit_train", *TINY, f"run_dir={tmp_path / 'fork'}",
-                        f"train.init_from={tmp_path / 'source'}", "model.hidden_size=64"], cwd=str(tmp_path),
-                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    r = cli(tmp_path, f"run_dir={tmp_path / 'fork'}", f"train.init_from={tmp_path / 'source'}", "model.hidden_size=64")
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert "holds a model of another architecture (hidden_size: 32 -> 64)" in lines[0]
@@ -300,10 +298,12 @@ def test_a_refused_command_leaves_the_run_folders_hydra_record_untouched(tmp_pat
 
 
 def test_default_run_folders_differ_for_jobs_started_in_the_same_second():
-    code = "from dit_train.runs.names import run_suffix; print(run_suffix())"
+    # names.py alone, loaded by its path (importing the package imports torch: ~3 s a process), in two processes
+    code = ("import importlib.util as u; s = u.spec_from_file_location('names', 'dit_train/runs/names.py'); "
+            "m = u.module_from_spec(s); s.loader.exec_module(m); print(m.run_suffix())")
     env = {**os.environ, "PYTHONPATH": ROOT, "SLURM_ARRAY_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": "3"}
-    names = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout.strip()
-             for _ in range(2)]
+    names = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
+                            check=True).stdout.strip() for _ in range(2)]
     assert names[0] != names[1] and all(n.startswith("j77_3-") for n in names)
 
 
@@ -357,8 +357,9 @@ def test_a_failed_write_leaves_no_temp_file(tmp_path, monkeypatch):
 
 
 def cli(tmp_path, *args, timeout=120, flags=()):
-    return subprocess.run([sys.executable, "-m", "dit_train", *flags, *TINY, *args], cwd=str(tmp_path), capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": ROOT})
+    """`python -m dit_train` by tmp_path, in this process (conftest.run_cli_in_process): these tests are about what
+    the command checks and writes; the exit codes of signals are tested on real processes (start() below)."""
+    return run_cli_in_process(*flags, *TINY, *args, cwd=str(tmp_path), timeout=timeout)
 
 
 def test_an_unwritable_run_dir_is_one_line(tmp_path):
@@ -615,9 +616,7 @@ def test_resuming_into_a_read_only_run_folder_is_one_line(tmp_path, small_tmpfs)
     disk = small_tmpfs("4m")
     run(tiny(disk / "run"))
     subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
-    r = subprocess.run([sys.executable, "-m", "dit_train", *TINY, f"run_dir={disk / 'run'}", "train.resume=auto",
-                        "train.steps=6"], cwd=str(tmp_path), capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    r = cli(tmp_path, f"run_dir={disk / 'run'}", "train.resume=auto", "train.steps=6")
     assert r.returncode == 1 and r.stderr.splitlines() == [
         f"error: run folder {disk / 'run'} is not writable (Read-only file system, EROFS): a run writes its "
         f"checkpoints and metrics there; copy it to a writable place, or fork it with "
