@@ -237,7 +237,9 @@ def run_cli_in_process(*args, cwd, timeout: int = 300) -> CliResult:
             for action, category in (("ignore", DeprecationWarning), ("ignore", PendingDeprecationWarning),
                                      ("ignore", ImportWarning), ("ignore", ResourceWarning)):
                 warnings.simplefilter(action, category)
-            warnings.showwarning = warnings._showwarning_orig
+            # (not warnings._showwarning_orig: under pytest's recording that one hands the warning to the recorder)
+            warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: sys.stderr.write(
+                warnings.formatwarning(message, category, filename, lineno, line))
             try:
                 entry.cli()
             except SystemExit as e:
