@@ -174,3 +174,105 @@ def fill_disk(folder) -> None:
                 f.write(b"\0" * 4096)
         except OSError:
             pass
+
+
+class CliResult:
+    """What subprocess.run(capture_output=True, text=True) returns, for run_cli_in_process."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def run_cli_in_process(*args, cwd, timeout: int = 300) -> CliResult:
+    """`python -m dit_train *args` run by `cwd`, in this process: its exit code, stdout and stderr, as
+    subprocess.run would give them, without the ~3 s of a new Python importing torch. For the tests of what the
+    command does (its refusals, dry runs, folders); tests of what only a process shows (a signal's exit code,
+    Python warnings printed by a fresh interpreter, the console script) still start one.
+
+    The entry mutates process state that a new process would start without, restored here so the next test sees
+    none of it: sys.argv (cli() appends to it), the working directory, Hydra's GlobalHydra and HydraConfig
+    singletons (a later library run() would take the last command's folder for its Hydra folder), the logging
+    Hydra configures (root handlers writing into the run folder, levels), signal handlers (a preempted command
+    ignores SIGTERM from then on), os.environ, torch's global settings, and the per-process caches and flags of
+    dit_train (the run-folder suffix, the deferred-.hydra flag). A command still running after `timeout` seconds
+    (e.g. blocked opening a FIFO) raises TimeoutError, as subprocess.run's timeout would."""
+    import io
+    import logging
+    import signal as signal_module
+    import sys
+
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    from dit_train import __main__ as entry
+    from dit_train.runs import hydra_files, names
+
+    saved_argv, saved_cwd, saved_env = list(sys.argv), os.getcwd(), dict(os.environ)
+    root = logging.getLogger()
+    saved_root = (list(root.handlers), root.level)
+    saved_levels = {name: logger.level for name, logger in logging.Logger.manager.loggerDict.items()
+                    if isinstance(logger, logging.Logger)}
+    signals = [signal_module.SIGINT, signal_module.SIGTERM, signal_module.SIGUSR1, signal_module.SIGALRM]
+    saved_signals = {s: signal_module.getsignal(s) for s in signals}
+    saved_torch = (torch.get_num_threads(), torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
+                   torch.is_grad_enabled(), torch.get_float32_matmul_precision())
+    saved_deferred = hydra_files._deferred
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    try:
+        sys.argv = [os.path.join(ROOT, "dit_train", "__main__.py"), *map(str, args)]
+        os.chdir(cwd)
+        names.run_suffix.cache_clear()
+        # logging as a new process has it until Hydra configures it: no root handlers (pytest's would take the
+        # warnings logged before Hydra, which Python's last-resort handler prints to stderr), level WARNING
+        root.handlers[:] = []
+        root.setLevel(logging.WARNING)
+
+        def too_long(*_):
+            raise TimeoutError(f"python -m dit_train {' '.join(map(str, args))} ran more than {timeout} s")
+
+        signal_module.signal(signal_module.SIGALRM, too_long)
+        signal_module.alarm(timeout)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            # warnings printed to stderr as a fresh interpreter prints them (pytest records them instead): a test
+            # that the command says one line sees a warning as a second line, as it would from a subprocess
+            warnings.resetwarnings()
+            for action, category in (("ignore", DeprecationWarning), ("ignore", PendingDeprecationWarning),
+                                     ("ignore", ImportWarning), ("ignore", ResourceWarning)):
+                warnings.simplefilter(action, category)
+            # (not warnings._showwarning_orig: under pytest's recording that one hands the warning to the recorder)
+            warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: sys.stderr.write(
+                warnings.formatwarning(message, category, filename, lineno, line))
+            try:
+                entry.cli()
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                if not isinstance(e.code, (int, type(None))):
+                    print(e.code, file=sys.stderr)  # sys.exit("message"): Python prints it
+    finally:
+        signal_module.alarm(0)
+        for handler in root.handlers:
+            if handler not in saved_root[0]:
+                handler.close()  # Hydra's dit_train.log in the run folder
+        root.handlers[:], _ = saved_root[0], root.setLevel(saved_root[1])
+        for name, level in saved_levels.items():
+            logging.getLogger(name).setLevel(level)
+        for name, logger in logging.Logger.manager.loggerDict.items():
+            if isinstance(logger, logging.Logger) and name not in saved_levels:
+                logger.setLevel(logging.NOTSET)
+        for s, handler in saved_signals.items():
+            signal_module.signal(s, handler)
+        torch.set_num_threads(saved_torch[0])
+        torch.set_default_dtype(saved_torch[1])
+        torch.use_deterministic_algorithms(saved_torch[2])
+        torch.set_grad_enabled(saved_torch[3])
+        torch.set_float32_matmul_precision(saved_torch[4])
+        hydra_files._deferred = saved_deferred
+        names.run_suffix.cache_clear()
+        GlobalHydra.instance().clear()
+        HydraConfig.instance().cfg = None
+        os.environ.clear()
+        os.environ.update(saved_env)
+        os.chdir(saved_cwd)
+        sys.argv = saved_argv
+    return CliResult(code, out.getvalue(), err.getvalue())

@@ -1,4 +1,4 @@
-"""The command line as a user meets it: one-line errors, dry runs, multirun sweeps (subprocesses)."""
+"""The command line as a user meets it: one-line errors, dry runs, multirun sweeps (most in the test's process)."""
 
 import os
 import subprocess
@@ -7,11 +7,18 @@ import time
 
 import pytest
 
-from conftest import ROOT, compose, needs_fashion
+from conftest import ROOT, compose, needs_fashion, run_cli_in_process
 from dit_train.config import ConfigError, validate
 
 
 def cli(*args, cwd="/tmp", timeout=300):
+    """`python -m dit_train *args` in this process (conftest.run_cli_in_process): a new Python importing torch is
+    ~3 s a command. The real process is tested by test_bad_value_on_command_line_is_one_line (a refusal: exit code
+    and stderr), test_dry_run_every_preset_from_any_directory (a dry run) and test_multirun_sweep_over_lr."""
+    return run_cli_in_process(*args, cwd=cwd, timeout=timeout)
+
+
+def cli_process(*args, cwd="/tmp", timeout=300):
     return subprocess.run([sys.executable, "-m", "dit_train", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "PYTHONPATH": ROOT})
 
@@ -42,7 +49,7 @@ def test_a_dry_run_of_an_image_folder_says_its_shapes_are_the_presets(tmp_path):
 
 
 def test_dry_run_every_preset_from_any_directory(tmp_path):
-    r = cli("model=dit_15b", "train.dry_run=true", cwd=str(tmp_path))
+    r = cli_process("model=dit_15b", "train.dry_run=true", cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr
     assert "15,158,211,088 parameters" in r.stdout and "dry run" in r.stdout
     # nothing written, not even Hydra's runs/<date>/<time>/ folder (its empty root may stay)
@@ -108,7 +115,7 @@ def test_batch_not_divisible_by_world_size():
 
 
 def test_bad_value_on_command_line_is_one_line():
-    r = cli("train.steps=0")
+    r = cli_process("train.steps=0")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "error: train.steps=0 is not valid: expected an integer >= 1"]
 
@@ -179,7 +186,7 @@ def test_stray_hydra_folder_is_removed_only_when_it_holds_only_hydra_files(tmp_p
 
 @needs_fashion
 def test_multirun_sweep_over_lr(tmp_path):
-    r = cli("--multirun", "optimizer.lr=1e-3,3e-3", f"hydra.sweep.dir={tmp_path}/sweep",
+    r = cli_process("--multirun", "optimizer.lr=1e-3,3e-3", f"hydra.sweep.dir={tmp_path}/sweep",
             "model.hidden_size=32", "model.depth=1", "model.num_heads=1", "model.patch_size=8",
             "train.steps=2", "train.batch_size=4", "train.val_samples=4", "train.val_batch_size=4",
             "train.val_t_points=1", "train.sample_every=0", "train.samples_per_class=1", "train.sample_steps=1",
@@ -191,15 +198,15 @@ def test_multirun_sweep_over_lr(tmp_path):
 
 
 @needs_fashion
-def test_compile_rownorm_true_without_a_cxx_compiler_is_one_line_before_the_run_folder(tmp_path):
+def test_compile_rownorm_true_without_a_cxx_compiler_is_one_line_before_the_run_folder(tmp_path, monkeypatch):
     """No compiler on PATH (a fresh machine): before, the first step died in torch.compile's InvalidCxxCompiler
     traceback, the run folder written."""
-    env = {k: v for k, v in os.environ.items() if k not in ("CC", "CXX")}
-    env.update(PATH=str(tmp_path / "empty"), PYTHONPATH=ROOT)
-    r = subprocess.run([os.path.realpath(sys.executable), "-m", "dit_train", f"run_dir={tmp_path / 'run'}",
-                        "model.hidden_size=32", "model.depth=1", "model.num_heads=1", "model.patch_size=8",
-                        "train.batch_size=4", "train.steps=2", "optimizer=rownorm", "optimizer.compile_rownorm=true"],
-                       cwd=str(tmp_path), capture_output=True, text=True, timeout=300, env=env)
+    for name in ("CC", "CXX"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    r = cli(f"run_dir={tmp_path / 'run'}", "model.hidden_size=32", "model.depth=1", "model.num_heads=1",
+            "model.patch_size=8", "train.batch_size=4", "train.steps=2", "optimizer=rownorm",
+            "optimizer.compile_rownorm=true", cwd=str(tmp_path))
     assert r.returncode == 2 and r.stderr.splitlines() == [
         "error: optimizer.compile_rownorm=true on CPU needs a C++ compiler for torch.compile's kernels, and none is on "
         "PATH ($CXX, g++, c++ or clang++): install one, or use optimizer.compile_rownorm=auto (eager on CPU)"]
@@ -209,14 +216,8 @@ def test_compile_rownorm_true_without_a_cxx_compiler_is_one_line_before_the_run_
 def test_a_missing_image_folder_is_refused_before_any_run_folder_exists(tmp_path):
     """The image folder was found missing only by the dataset, after Hydra had made runs/<date>/<time>/ (#28 item 3);
     now the pre-Hydra check refuses it, and nothing is left where the user ran the command."""
-    import subprocess
-    import sys
-
-    from conftest import ROOT
-
-    r = subprocess.run([sys.executable, "-m", "dit_train", "data=image_folder", f"data.root={tmp_path / 'missing'}",
-                        "model.in_channels=3", "model.image_size=64", "train.steps=1"], cwd=str(tmp_path),
-                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    r = cli("data=image_folder", f"data.root={tmp_path / 'missing'}", "model.in_channels=3", "model.image_size=64",
+            "train.steps=1", cwd=str(tmp_path), timeout=120)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"error: data.root='{tmp_path / 'missing'}' is not valid: not a folder; image_folder needs "
         f"root/<class>/<images>"], r.stderr

@@ -34,14 +34,13 @@ def test_encode_image_folder_with_tiny_random_vae_then_train_reads_it(tmp_path):
             os.makedirs(tmp_path / "img" / split / c)
             for i in range(n):
                 Image.new("RGB", (20, 18), (i * 60, 100, 0)).save(tmp_path / "img" / split / c / f"{i}.png")
-    cmd = [sys.executable, "-m", "dit_train.data.encode", "--vae", str(tmp_path / "vae"),
-           "--images", str(tmp_path / "img"), "--out", str(tmp_path / "lat"), "--image-size", "16",
-           "--shard-size", "4", "--batch-size", "3"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
+    # in this process (the command line is test_the_refusal_is_one_line_on_the_command_line's): ~3 s less a run
+    args = ["--vae", str(tmp_path / "vae"), "--images", str(tmp_path / "img"), "--out", str(tmp_path / "lat"),
+            "--image-size", "16", "--shard-size", "4", "--batch-size", "3"]
+    assert load_encoder()(args)["complete"]
     assert sorted(os.listdir(tmp_path / "lat" / "train")) == ["shard_00000.safetensors", "shard_00001.safetensors"]
     umask = os.umask(0o022)
-    os.umask(umask)  # the subprocess's: readable like any other output, not safetensors' 0600
+    os.umask(umask)  # the process's: readable like any other output, not safetensors' 0600
     assert stat.S_IMODE(os.stat(tmp_path / "lat" / "train" / "shard_00000.safetensors").st_mode) == 0o666 & ~umask
     cfg = OmegaConf.create({"name": "latents", "root": str(tmp_path / "lat"), "image_size": 8, "channels": 4})
     ds = build_dataset(cfg, "train")
@@ -55,12 +54,13 @@ def test_encode_image_folder_with_tiny_random_vae_then_train_reads_it(tmp_path):
     assert torch.allclose(ds[0][0], z[0].half().float(), atol=1e-3)
     # rerunning skips complete shards
     mtime = os.path.getmtime(tmp_path / "lat" / "train" / "shard_00000.safetensors")
-    assert subprocess.run(cmd, capture_output=True, timeout=120).returncode == 0
+    assert load_encoder()(args)["complete"]
     assert os.path.getmtime(tmp_path / "lat" / "train" / "shard_00000.safetensors") == mtime
 
 
-def test_two_ranks_encode_the_same_shards_as_one(tmp_path):
-    """Under torchrun the shards are dealt over the ranks; the result equals the single-process encoding."""
+def test_two_ranks_encode_the_same_shards_as_one(tmp_path, capfd, one_intra_op_thread):
+    """Under torchrun the shards are dealt over the ranks; the result equals the single-process encoding (run in
+    the test's process, one thread as the ranks have: torchrun's ranks are the processes under test)."""
     from safetensors.torch import load_file
 
     from conftest import free_port
@@ -69,9 +69,9 @@ def test_two_ranks_encode_the_same_shards_as_one(tmp_path):
     args = ["--vae", str(tmp_path / "vae"), "--data", "fashion_mnist", "--limit", "20", "--shard-size", "6",
             "--batch-size", "4", "--splits", "val"]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    one = subprocess.run([sys.executable, "-m", "dit_train.data.encode", *args, "--out", str(tmp_path / "one")], capture_output=True,
-                         text=True, timeout=300, env=env)
-    assert one.returncode == 0, one.stderr
+    capfd.readouterr()
+    assert load_encoder()([*args, "--out", str(tmp_path / "one")])["complete"]
+    one_stderr = capfd.readouterr().err
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                           str(free_port()), "-m", "dit_train.data.encode", *args, "--out", str(tmp_path / "two")], capture_output=True,
                          text=True, timeout=300, env=env)
@@ -84,7 +84,7 @@ def test_two_ranks_encode_the_same_shards_as_one(tmp_path):
     assert (tmp_path / "two" / "latents_info.json").is_file()
     # the bars count what they say: all 20 images in one process; rank 0's shards 0 and 2 (6 + 6) under torchrun
     # (it showed 12 images with no total and no word that the other rank's 8 were not counted)
-    assert "encode: 100%" in one.stderr and "20/20" in one.stderr, one.stderr[-1000:]
+    assert "encode: 100%" in one_stderr and "20/20" in one_stderr, one_stderr[-1000:]
     assert "encode (rank 0's shards of 2 ranks): 100%" in two.stderr and "12/12" in two.stderr, two.stderr[-1000:]
 
 
@@ -192,7 +192,7 @@ def test_the_refusal_is_one_line_on_the_command_line(tmp_path):
            "--images", str(tmp_path / "img"), "--out", str(tmp_path / "lat"), "--image-size", "16",
            "--shard-size", "2", "--splits", "train"]
     env = {**os.environ, "PYTHONPATH": ROOT}
-    assert subprocess.run(cmd, capture_output=True, timeout=120, env=env).returncode == 0
+    assert load_encoder()(cmd[3:])["complete"]  # the first run in this process; the refused one is the command
     r = subprocess.run(cmd[:-4] + ["--shard-size", "4", "--splits", "train"], capture_output=True, text=True,
                        timeout=120, env=env)
     assert r.returncode == 2 and "Traceback" not in r.stderr  # argparse's status for bad input (was 1)

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, needs_fashion
+from conftest import ROOT, needs_fashion, run_cli_in_process
 from dit_train.runs import checkpoint as ckpt
 from dit_train.trainer.preemption import EXIT_PREEMPTED
 
@@ -53,9 +53,9 @@ def test_preemption_signal_checkpoints_exits_requeueable_and_resumes(tmp_path, s
     assert len(saved) == 1
     step = ckpt.read_train_state(saved[0])["step"]
     assert 2 <= step < 400
-    resumed = subprocess.run([sys.executable, "-m", "dit_train", f"run_dir={run_dir}", *TINY, "train.steps=400",
-                              "train.resume=auto", f"train.steps={step + 3}"], cwd=str(tmp_path),
-                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
+    # the resume in this process (conftest.run_cli_in_process): the signal is what needs a process of its own
+    resumed = run_cli_in_process(f"run_dir={run_dir}", *TINY, "train.steps=400", "train.resume=auto",
+                                 f"train.steps={step + 3}", cwd=str(tmp_path), timeout=120)
     assert resumed.returncode == 0, resumed.stderr
     assert json.load(open(run_dir / "summary.json"))["steps"] == step + 3
 
@@ -91,9 +91,8 @@ def test_sigterm_during_the_end_of_run_grid_finds_the_final_checkpoint_written_a
     assert [ckpt.read_train_state(p)["step"] for p in saved] == [3]
     assert not (run_dir / "samples").exists() and not (run_dir / "summary.json").exists()
     # a requeue (here with a shorter grid): nothing is trained again, the skipped end-of-run work is done
-    again = subprocess.run([sys.executable, "-m", "dit_train", f"run_dir={run_dir}", *TINY, *end_of_run[:-1],
-                            "train.sample_steps=1", "train.resume=auto"], cwd=str(tmp_path), capture_output=True,
-                           text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
+    again = run_cli_in_process(f"run_dir={run_dir}", *TINY, *end_of_run[:-1], "train.sample_steps=1",
+                               "train.resume=auto", cwd=str(tmp_path), timeout=120)
     assert again.returncode == 0, again.stderr
     assert "finished training at step 3, but its end-of-run work did not complete (no summary.json): running it " \
            "now" in again.stdout
@@ -110,9 +109,9 @@ def test_a_requeue_after_a_kill_in_the_end_of_run_work_gives_the_uninterrupted_r
     from dit_train.study import run as study_run
 
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "dit_train", f"run_dir={run_dir}", *TINY, "train.steps=3", "train.val_every=3"]
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    first = subprocess.run(cmd, cwd=str(tmp_path), capture_output=True, text=True, env=env, timeout=120)
+    # the commands in this process (conftest.run_cli_in_process): a kill is what they simulate, not what they do
+    cmd = [f"run_dir={run_dir}", *TINY, "train.steps=3", "train.val_every=3"]
+    first = run_cli_in_process(*cmd, cwd=str(tmp_path), timeout=120)
     assert first.returncode == 0, first.stderr
     summary = json.load(open(run_dir / "summary.json"))
     assert summary["steps"] == 3 and summary["val_loss"] == summary["val_loss"]  # a number, not NaN
@@ -120,16 +119,14 @@ def test_a_requeue_after_a_kill_in_the_end_of_run_work_gives_the_uninterrupted_r
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if "val/loss" not in r))
     assert not study_run.finished(str(run_dir), 3)  # a checkpoint at the last step is not enough
-    again = subprocess.run(cmd + ["train.resume=auto"], cwd=str(tmp_path), capture_output=True, text=True, env=env,
-                           timeout=120)
+    again = run_cli_in_process(*cmd, "train.resume=auto", cwd=str(tmp_path), timeout=120)
     assert again.returncode == 0, again.stderr
     assert "running it now" in again.stdout
     redone = json.load(open(run_dir / "summary.json"))
     assert redone["val_loss"] == summary["val_loss"] and redone["steps"] == 3
     assert study_run.finished(str(run_dir), 3)
     # and a second requeue leaves the finished run as it is
-    third = subprocess.run(cmd + ["train.resume=auto"], cwd=str(tmp_path), capture_output=True, text=True, env=env,
-                           timeout=120)
+    third = run_cli_in_process(*cmd, "train.resume=auto", cwd=str(tmp_path), timeout=120)
     assert third.returncode == 0 and "already finished at step 3 (train.steps=3); summary.json left unchanged" \
         in third.stdout
 
@@ -210,13 +207,15 @@ def test_edge_case_gradients_give_finite_updates(name, kind):
 def test_a_full_disk_during_a_save_is_one_line_naming_the_path_and_keeps_the_previous_checkpoint(
         tmp_path, small_tmpfs, asynchronous):
     """A real 1.2 MB file system: the first checkpoint (~0.8 MB) fits, the second does not (before: a DCP
-    traceback, the synchronous one not saying ENOSPC)."""
+    traceback, the synchronous one not saying ENOSPC). The command runs in this process (a full disk seen by a
+    process of its own: test_a_full_disk_while_logging_metrics_is_one_line_naming_metrics_jsonl)."""
     run_dir = small_tmpfs("1200k") / "run"
-    proc = start(run_dir, "train.steps=3", "train.ckpt_every=1", "train.keep_last=1",
-                 f"train.async_checkpoint={str(asynchronous).lower()}")
-    out, err = proc.communicate(timeout=240)
+    r = run_cli_in_process(f"run_dir={run_dir}", *TINY, "train.steps=3", "train.ckpt_every=1", "train.keep_last=1",
+                           f"train.async_checkpoint={str(asynchronous).lower()}", cwd=str(run_dir.parent),
+                           timeout=240)
+    err = r.stderr
     lines = err.strip().splitlines()
-    assert proc.returncode == 1 and "Traceback" not in err, err
+    assert r.returncode == 1 and "Traceback" not in err, err
     assert lines[-1] == f"error: No space left on device (ENOSPC): '{run_dir}/checkpoints/step_00000002.dcp.tmp' " \
                         "(in create_stream)", err
     saved = ckpt.list_checkpoints(str(run_dir))

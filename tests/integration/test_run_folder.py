@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from conftest import FASHION_ROOT, ROOT, compose, needs_fashion, stop_signal_during_step
+from conftest import FASHION_ROOT, ROOT, compose, needs_fashion, run_cli_in_process, stop_signal_during_step
 from dit_train.runs import checkpoint as ckpt
 from dit_train.config import ConfigError
 from dit_train.parallel.fsdp import DistInfo
@@ -40,6 +40,22 @@ def read(path):
         return f.read()
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """`run(tiny(...))` trained once for the module (4 steps, checkpoints at 2 and 4): the tests that start from
+    such a finished run take a copy of it (trained_copy), as each trained its own before."""
+    folder = tmp_path_factory.mktemp("trained") / "run"
+    run(tiny(folder))
+    return folder
+
+
+def trained_copy(trained, dest):
+    """A copy of the module's trained run at `dest` (a test may change or continue it: the next test's copy is
+    untouched)."""
+    shutil.copytree(trained, dest, symlinks=True)
+    return dest
+
+
 # ---- resume compatibility ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("change, named", [
     (["optimizer.K=5"], "optimizer.K: 3 -> 5"),
@@ -51,8 +67,8 @@ def read(path):
     (["parallel.mixed_precision=bf16"], 'parallel.mixed_precision: "auto" -> "bf16"'),
     (["parallel.reduce_dtype=bf16"], 'parallel.reduce_dtype: "fp32" -> "bf16"'),
 ])
-def test_resume_with_a_changed_experiment_is_refused_before_anything_is_written(tmp_path, change, named):
-    run(tiny(tmp_path / "run"))
+def test_resume_with_a_changed_experiment_is_refused_before_anything_is_written(trained, tmp_path, change, named):
+    trained_copy(trained, tmp_path / "run")
     before = {f: read(tmp_path / "run" / f) for f in ("config.yaml", "run_info.json", "summary.json")}
     with pytest.raises(ConfigError, match="cannot change on resume") as e:
         run(tiny(tmp_path / "run", "train.resume=auto", "train.steps=6", *change))
@@ -60,10 +76,10 @@ def test_resume_with_a_changed_experiment_is_refused_before_anything_is_written(
     assert {f: read(tmp_path / "run" / f) for f in before} == before  # provenance untouched
 
 
-def test_a_swapped_optimizer_is_named_first_and_stands_for_the_keys_that_follow_from_it(tmp_path):
+def test_a_swapped_optimizer_is_named_first_and_stands_for_the_keys_that_follow_from_it(trained, tmp_path):
     """periodic_rowwise -> adamw changes a dozen optimizer keys (K, momentum, ... absent); the line names the swap
     first and counts those, so that it still shows at once what changed (and any other change beside it)."""
-    run(tiny(tmp_path / "run"))
+    trained_copy(trained, tmp_path / "run")
     with pytest.raises(ConfigError, match="cannot change on resume") as e:
         run(tiny(tmp_path / "run", "train.resume=auto", "optimizer=adamw", "train.batch_size=8"))
     changes = str(e.value).split("another config (", 1)[1].split("); these keys", 1)[0]
@@ -115,15 +131,15 @@ def test_resume_follows_the_data_not_its_path(tmp_path, caplog):
         assert {f: read(tmp_path / "run" / f) for f in before} == before
 
 
-def test_resume_may_change_length_cadence_and_paths(tmp_path):
-    run(tiny(tmp_path / "run"))
+def test_resume_may_change_length_cadence_and_paths(trained, tmp_path):
+    trained_copy(trained, tmp_path / "run")
     out = run(tiny(tmp_path / "run", "train.resume=auto", "train.steps=6", "train.log_every=2",
                    "train.ckpt_every=3", "train.keep_last=1"))
     assert out["steps"] == 6
 
 
-def test_fork_starts_from_the_weights_with_a_fresh_optimizer(tmp_path):
-    run(tiny(tmp_path / "source"))
+def test_fork_starts_from_the_weights_with_a_fresh_optimizer(trained, tmp_path):
+    trained_copy(trained, tmp_path / "source")
     fork = Trainer(tiny(tmp_path / "fork", f"train.init_from={tmp_path / 'source'}", "optimizer.K=5"), DistInfo())
     fork.resume()
     source = ckpt.read_tensors(ckpt.resolve_checkpoint(str(tmp_path / "source")), "model")
@@ -180,12 +196,12 @@ def test_a_resume_from_an_earlier_checkpoint_owns_the_run_and_sets_the_abandoned
     assert os.listdir(run_dir / "abandoned") == [aside.name]  # nothing after 12 to set aside this time
 
 
-def test_a_resume_that_falls_back_past_a_damaged_checkpoint_sets_that_timeline_aside(tmp_path, caplog):
+def test_a_resume_that_falls_back_past_a_damaged_checkpoint_sets_that_timeline_aside(trained, tmp_path, caplog):
     """resume=auto skips a checkpoint whose tensors cannot be read and continues from the one before: a branch too.
     The damaged checkpoint is kept (moved aside, not overwritten by the branch's save of the same step) and
     metrics.jsonl reads each step once."""
     run_dir = tmp_path / "run"
-    run(tiny(run_dir))
+    trained_copy(trained, run_dir)
     newest = ckpt.checkpoint_path(str(run_dir), 4)
     for name in os.listdir(newest):
         if name.endswith(".distcp"):
@@ -229,10 +245,10 @@ def test_setting_aside_keeps_torn_rows_and_moves_what_it_cannot_read(tmp_path):
     assert set_aside_after(str(run_dir), 12, "somewhere/step_00000012.dcp") is None  # nothing left after 12
 
 
-def test_a_requeued_fork_continues_from_its_own_checkpoints(tmp_path):
+def test_a_requeued_fork_continues_from_its_own_checkpoints(trained, tmp_path):
     """train.init_from + train.resume=auto: the first start forks; a requeue (the same command) continues the
     fork's own newest checkpoint, not the source again."""
-    run(tiny(tmp_path / "source"))
+    trained_copy(trained, tmp_path / "source")
     command = [f"train.init_from={tmp_path / 'source'}", "train.resume=auto", "optimizer.K=5"]
     first = Trainer(tiny(tmp_path / "fork", *command), DistInfo())
     stop_signal_during_step(first, 3)
@@ -246,11 +262,9 @@ def test_a_requeued_fork_continues_from_its_own_checkpoints(tmp_path):
     assert run(tiny(tmp_path / "fork", *command))["steps"] == 4
 
 
-def test_a_fork_into_another_model_size_is_one_line_and_leaves_no_folder(tmp_path):
-    run(tiny(tmp_path / "source"))
-    r = subprocess.run([sys.executable, "-m", "dit_train", *TINY, f"run_dir={tmp_path / 'fork'}",
-                        f"train.init_from={tmp_path / 'source'}", "model.hidden_size=64"], cwd=str(tmp_path),
-                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+def test_a_fork_into_another_model_size_is_one_line_and_leaves_no_folder(trained, tmp_path):
+    trained_copy(trained, tmp_path / "source")
+    r = cli(tmp_path, f"run_dir={tmp_path / 'fork'}", f"train.init_from={tmp_path / 'source'}", "model.hidden_size=64")
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert "holds a model of another architecture (hidden_size: 32 -> 64)" in lines[0]
@@ -300,24 +314,26 @@ def test_a_refused_command_leaves_the_run_folders_hydra_record_untouched(tmp_pat
 
 
 def test_default_run_folders_differ_for_jobs_started_in_the_same_second():
-    code = "from dit_train.runs.names import run_suffix; print(run_suffix())"
+    # names.py alone, loaded by its path (importing the package imports torch: ~3 s a process), in two processes
+    code = ("import importlib.util as u; s = u.spec_from_file_location('names', 'dit_train/runs/names.py'); "
+            "m = u.module_from_spec(s); s.loader.exec_module(m); print(m.run_suffix())")
     env = {**os.environ, "PYTHONPATH": ROOT, "SLURM_ARRAY_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": "3"}
-    names = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout.strip()
-             for _ in range(2)]
+    names = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
+                            check=True).stdout.strip() for _ in range(2)]
     assert names[0] != names[1] and all(n.startswith("j77_3-") for n in names)
 
 
 # ---- summaries --------------------------------------------------------------------------------------------------
-def test_rerunning_a_finished_run_leaves_its_summary(tmp_path, capsys):
-    run(tiny(tmp_path / "run"))
+def test_rerunning_a_finished_run_leaves_its_summary(trained, tmp_path, capsys):
+    trained_copy(trained, tmp_path / "run")
     summary = read(tmp_path / "run" / "summary.json")
     again = run(tiny(tmp_path / "run", "train.resume=auto"))
     assert read(tmp_path / "run" / "summary.json") == summary and again["steps"] == 4
     assert "already finished at step 4" in capsys.readouterr().out
 
 
-def test_an_extended_run_that_is_preempted_has_no_summary(tmp_path):
-    run(tiny(tmp_path / "run"))
+def test_an_extended_run_that_is_preempted_has_no_summary(trained, tmp_path):
+    trained_copy(trained, tmp_path / "run")
     trainer = Trainer(tiny(tmp_path / "run", "train.resume=auto", "train.steps=8"), DistInfo())
     stop_signal_during_step(trainer, 6)
     with pytest.raises(Preempted, match="step 6"):
@@ -357,8 +373,9 @@ def test_a_failed_write_leaves_no_temp_file(tmp_path, monkeypatch):
 
 
 def cli(tmp_path, *args, timeout=120, flags=()):
-    return subprocess.run([sys.executable, "-m", "dit_train", *flags, *TINY, *args], cwd=str(tmp_path), capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": ROOT})
+    """`python -m dit_train` by tmp_path, in this process (conftest.run_cli_in_process): these tests are about what
+    the command checks and writes; the exit codes of signals are tested on real processes (start() below)."""
+    return run_cli_in_process(*flags, *TINY, *args, cwd=str(tmp_path), timeout=timeout)
 
 
 def test_an_unwritable_run_dir_is_one_line(tmp_path):
@@ -388,12 +405,12 @@ def test_a_link_in_the_run_folder_is_refused_before_anything_outside_it_is_writt
     assert victim.read_bytes() == b"important\nno newline at the end"
 
 
-def test_a_linked_checkpoints_folder_is_refused_before_another_runs_checkpoints_are_pruned(tmp_path):
+def test_a_linked_checkpoints_folder_is_refused_before_another_runs_checkpoints_are_pruned(trained, tmp_path):
     """A copy of a run folder whose `checkpoints` links to the original run's: resuming it trained on, saved into
     the original's folder and pruned (train.keep_last) its checkpoints, and removed its `*.tmp` folders as leftovers
     of saves. Refused in one line before anything is written; the original is untouched."""
     original = tmp_path / "original"
-    run(tiny(original))
+    trained_copy(trained, original)
     (original / "checkpoints" / "notes.tmp").mkdir()  # not a save's leftover: a folder of the original's owner
     before = sorted(os.listdir(original / "checkpoints"))
     os.makedirs(tmp_path / "copy")
@@ -615,9 +632,7 @@ def test_resuming_into_a_read_only_run_folder_is_one_line(tmp_path, small_tmpfs)
     disk = small_tmpfs("4m")
     run(tiny(disk / "run"))
     subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
-    r = subprocess.run([sys.executable, "-m", "dit_train", *TINY, f"run_dir={disk / 'run'}", "train.resume=auto",
-                        "train.steps=6"], cwd=str(tmp_path), capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    r = cli(tmp_path, f"run_dir={disk / 'run'}", "train.resume=auto", "train.steps=6")
     assert r.returncode == 1 and r.stderr.splitlines() == [
         f"error: run folder {disk / 'run'} is not writable (Read-only file system, EROFS): a run writes its "
         f"checkpoints and metrics there; copy it to a writable place, or fork it with "
