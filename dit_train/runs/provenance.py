@@ -53,11 +53,29 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
+def processor() -> dict[str, str]:
+    """The CPU's model and the kernels torch picks on it (e.g. AVX512 vs AVX2): the same commit and seed give other
+    bf16 results on another kind of CPU (AMX kernels against AVX2 emulation), so a bit-exact rerun needs the same
+    kind; the GPU's name where one is visible."""
+    import torch
+
+    model = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    out = {"cpu": model, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name()
+    return out
+
+
 def write_run_info(cfg, run_dir: str) -> None:
     from dit_train.runs.atomic_io import atomic_write_bytes
 
     modified = modified_files(CHECKOUT)
     info = {"git_commit": git_commit(CHECKOUT, modified), "git_modified": modified, "packages": package_versions(),
-            "python": sys.version.split()[0], "platform": platform.platform(), "argv": sys.argv}
+            "python": sys.version.split()[0], "platform": platform.platform(), **processor(), "argv": sys.argv}
     atomic_write_bytes(json.dumps(info, indent=2).encode(), os.path.join(run_dir, "run_info.json"))
     atomic_write_bytes(OmegaConf.to_yaml(cfg, resolve=True).encode(), os.path.join(run_dir, "config.yaml"))

@@ -36,6 +36,8 @@ def test_run_leaves_metrics_checkpoints_samples_summary(tiny_cfg):
     assert json.load(open(os.path.join(d, "summary.json")))["steps"] == 6
     info = json.load(open(os.path.join(d, "run_info.json")))
     assert "torch" in info["packages"] and "git_commit" in info
+    # the kind of CPU: bf16 results of the same commit and seed differ between AMX and AVX2 kernels
+    assert info["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and info["cpu"]
     assert os.path.exists(os.path.join(d, "config.yaml"))
 
 
