@@ -316,9 +316,9 @@ class OpRates:
 
     def matvec_rate(self, rec: OpRecord) -> float:
         """bytes/s of a counted vector-matrix product: log-log between the bucket sizes measured for its layout
-        (on CPU a product with a transposed matrix ran at ~0.4-0.7x the rate of one with the matrix as stored, so
-        one rate for both priced the spectral scale's power iteration at half its time); `matvec` where that
-        layout was not measured (a GPU, an older profile)."""
+        (one rate, measured at one 64 MB size for both layouts, priced the spectral scale's power iteration at
+        about half its time; whether the layout or the size is what it missed is not yet measured on an idle host,
+        docs/cost_model.md); `matvec` where that layout was not measured (a GPU, an older profile)."""
         by_size = dict(self.matvec_by_layout).get(rec.layout)
         if not by_size:
             return self.matvec
