@@ -1,10 +1,6 @@
 """dit-study stops when a group's trainer stops on a signal, instead of starting the next group's runs."""
 
-import os
 import signal
-import sys
-import threading
-import time
 
 import pytest
 
@@ -51,25 +47,3 @@ def test_a_trainer_stopped_by_a_signal_stops_the_study_before_the_next_group(mon
 def test_a_failed_group_does_not_stop_the_study(monkeypatch, tmp_path):
     started, failures = start_groups(monkeypatch, tmp_path, 1)
     assert started == ["optimizer=adamw", "optimizer=muon"] and failures == 2
-
-
-def test_a_stop_signal_to_the_runner_alone_reaches_the_trainer(tmp_path):
-    """`kill RUNNER_PID`: the trainer gets the signal (and exits 75 after its checkpoint) instead of running on."""
-    ready = tmp_path / "ready"
-    child = ("import signal, sys, time, pathlib\n"
-             "signal.signal(signal.SIGTERM, lambda *a: sys.exit(75))\n"
-             f"pathlib.Path({str(ready)!r}).touch()\n"
-             "time.sleep(60)\nsys.exit(0)\n")
-
-    def signal_the_runner():
-        deadline = time.monotonic() + 30
-        while not ready.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=signal_the_runner, daemon=True).start()
-    previous = signal.getsignal(signal.SIGTERM)
-    started = time.monotonic()
-    assert study_run.run_trainer([sys.executable, "-c", child]) == EXIT_PREEMPTED
-    assert time.monotonic() - started < 30
-    assert signal.getsignal(signal.SIGTERM) is previous  # the runner's own handlers are back
