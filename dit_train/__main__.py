@@ -11,6 +11,7 @@ import hydra
 from dit_train.runs.atomic_io import describe_os_error
 from dit_train.config import CONF_DIR, ConfigError, check_command_line, remove_stray_hydra_dir
 from dit_train.config.command_line import split_config_dir
+from dit_train.config.override_text import override, parsed_value, shell_override
 from dit_train.runs.hydra_files import defer_hydra_files
 from dit_train.trainer.preemption import Preempted, Preemption
 
@@ -71,8 +72,8 @@ def check_writable(run_dir: str) -> None:
     except OSError as e:
         code = errno.errorcode.get(e.errno, "?") if e.errno else "?"
         print(f"error: run folder {run_dir} is not writable ({e.strerror}, {code}): a run writes its checkpoints and "
-              f"metrics there; copy it to a writable place, or fork it with train.init_from={run_dir} into a new "
-              f"run_dir", file=sys.stderr)
+              f"metrics there; copy it to a writable place, or fork it with "
+              f"{shell_override('train.init_from', run_dir)} into a new run_dir", file=sys.stderr)
         sys.exit(1)
 
 
@@ -82,8 +83,8 @@ def explicit_run_dir(argv: list[str]) -> str | None:
     _, argv = split_config_dir(argv)
     if any(a.startswith("-") or a.startswith("hydra.run.dir=") for a in argv):
         return None
-    run_dirs = [a.split("=", 1)[1] for a in argv if a.startswith("run_dir=")]
-    return run_dirs[-1] if run_dirs else None
+    run_dirs = [a for a in argv if a.startswith("run_dir=")]
+    return str(parsed_value(run_dirs[-1])) if run_dirs else None
 
 
 def cli() -> None:
@@ -97,12 +98,12 @@ def cli() -> None:
         # Hydra's own files (.hydra/, dit_train.log) go into the run folder too: otherwise every such run, and every
         # resume, leaves a runs/<date>/<time>/ folder holding only them. Made here: Hydra's error would be a traceback
         try:
-            os.makedirs(run_dir.strip("'\""), exist_ok=True)
+            os.makedirs(run_dir, exist_ok=True)
         except OSError as e:
             print(f"error: {describe_os_error(e)}", file=sys.stderr)
             sys.exit(1)
-        check_writable(run_dir.strip("'\""))
-        sys.argv.append(f"hydra.run.dir={run_dir}")
+        check_writable(run_dir)
+        sys.argv.append(override("hydra.run.dir", run_dir))
         if not any(a.startswith("hydra.output_subdir=") for a in sys.argv[1:]):
             # ... but `.hydra/` only once the run is accepted: a refused resume or second writer would overwrite the
             # run's record of its command (run_folder.py writes them after its checks)

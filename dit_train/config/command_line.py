@@ -17,6 +17,7 @@ from dit_train.config.data_shapes import apply_data_shapes
 from dit_train.config.errors import ConfigError
 from dit_train.config.paths import check_paths
 from dit_train.config.files import CONF_DIR, group_options, is_group
+from dit_train.config.override_text import shell_override
 from dit_train.config.search_path import (config_name, is_searchpath, primary_folder, searchpath_entries,
                                           searchpath_override, user_folders)
 from dit_train.config.validate import validate
@@ -87,15 +88,30 @@ def check_top_level_key(key: str, value: str) -> None:
                           f"(dit_train/conf/experiment/), e.g. study.seeds=[0,1] under experiment=smoke")
 
 
+def parse_overrides(overrides: list[str]) -> list:
+    """Hydra's parse of each override; a syntax error in one line naming the argument, and where a value holding
+    Hydra's own characters (`=`, `,`, `[`, a quote) was meant as one string, how to write it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    parsed = []
+    for text in overrides:
+        try:
+            parsed.append(parser.parse_override(text))
+        except Exception as e:  # noqa: BLE001 - a syntax error: Hydra's first line, and the argument it is in
+            key, sep, value = text.partition("=")
+            try:
+                hint = f"; a value meant as one string is written {shell_override(key, value)}"
+            except ValueError:
+                hint = ""
+            raise ConfigError(f"{text}: {_one_line(e)}{hint if sep else ''}") from None
+    return parsed
+
+
 def job_overrides(overrides: list[str]) -> list[list[str]]:
     """The override list of every job, sweeps expanded as Hydra's basic sweeper expands them (the product of the
     sweeps in command-line order; a key given twice keeps its place and its last value)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except Exception as e:  # noqa: BLE001 - a syntax error: Hydra's first line
-        raise ConfigError(_one_line(e)) from None
+    parsed = parse_overrides(overrides)
     if not any(o.is_sweep_override() for o in parsed):
         return [overrides]
     choices: dict[str, list[str]] = {}
@@ -149,6 +165,18 @@ def check_slurm_needs_multirun(flags: list[str], overrides: list[str]) -> None:
                           + " ".join(o for o in overrides if o != "launcher=slurm"))
 
 
+def check_sweep_needs_multirun(flags: list[str], overrides: list[str]) -> None:
+    """A list of values (`a,b`) is a sweep, which Hydra runs only under --multirun; without it Hydra stops in a
+    traceback, after this command line's run folder was made."""
+    if flags or any(o.startswith("hydra.mode=") for o in overrides):
+        return
+    for text, o in zip(overrides, parse_overrides(overrides)):
+        if o.is_sweep_override():
+            key, value = text.split("=", 1)
+            raise ConfigError(f"{text} is a sweep (several values): add --multirun to run one job per value, or "
+                              f"quote it to mean one string: {shell_override(key, value)}")
+
+
 # Hydra's flags whose next word is their value (`-sc query=bash`, `--cfg job`), not an override
 HYDRA_FLAGS_WITH_VALUE = ("-sc", "--shell-completion", "-c", "--cfg", "-p", "--package", "-i", "--info", "-cp",
                           "--config-path", "-cn", "--config-name")
@@ -176,6 +204,7 @@ def check_command_line(argv: list[str], world_size: int | None = None) -> None:
 
         check_launcher(overrides)  # a missing plugin first: it is needed with --multirun too
         check_slurm_needs_multirun(flags, overrides)
+        check_sweep_needs_multirun(flags, overrides)
         # the user's folders where Hydra puts them, after ours, as one override
         searchpath = searchpath_override(config_dir, entries)
         jobs = [searchpath + job for job in job_overrides([o for o in overrides if not is_searchpath(o)])]

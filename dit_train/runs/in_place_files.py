@@ -19,6 +19,7 @@ import os
 import stat
 
 from dit_train.config.errors import invalid
+from dit_train.config.override_text import shell_override
 from dit_train.runs.lock import LOCK_NAME
 from dit_train.telemetry.logger import METRICS_FILE
 
@@ -66,7 +67,7 @@ def open_in_place(path: str, flags: int) -> int:
 
 
 def _refuse(run_dir: str, why: str):
-    raise invalid("run_dir", run_dir, f"{why}: remove it, or fork the run with train.init_from={run_dir} into a "
+    raise invalid("run_dir", run_dir, f"{why}: remove it, or fork the run with {shell_override('train.init_from', run_dir)} into a "
                                       f"new run_dir")
 
 

@@ -54,6 +54,7 @@ def continue_saved_config(cfg, overrides: list[str], read_state=None):
     from dit_train.config.schemas import recorded_before
     from dit_train.runs.resume_policy import flatten
     from dit_train.runs.checkpoint import literal_config
+    from dit_train.config.override_text import override
 
     earlier = recorded_before()
 
@@ -66,9 +67,9 @@ def continue_saved_config(cfg, overrides: list[str], read_state=None):
                if isinstance(saved.get(group), dict) and _preset_name(saved[group].get("name"))}
     unchosen = [o for group, o in options.items() if group not in chosen]
     try:
-        now = flatten(OmegaConf.to_container(_compose(searchpath + unchosen + own + [f"run_dir={run_dir}"]),
+        now = flatten(OmegaConf.to_container(_compose(searchpath + unchosen + own + [override("run_dir", run_dir)]),
                                              resolve=True))
-        base = flatten(OmegaConf.to_container(_compose([*searchpath, *options.values(), f"run_dir={run_dir}"]),
+        base = flatten(OmegaConf.to_container(_compose([*searchpath, *options.values(), override("run_dir", run_dir)]),
                                               resolve=True))
     except Exception as e:  # noqa: BLE001 - e.g. a preset the saved run names no longer exists: judged as typed
         log.warning("cannot compose the saved run's own options (%s); the resume is judged as typed",

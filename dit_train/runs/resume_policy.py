@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 
 from dit_train.runs import checkpoint as ckpt
 from dit_train.config import ConfigError
+from dit_train.config.override_text import shell_override
 from dit_train.config.schemas import may_change_on_resume, recorded_before
 from dit_train.data import data_fingerprint, describe_fingerprint
 
@@ -115,7 +116,7 @@ def check_resume(cfg, read_state=ckpt.read_saved_state) -> str | None:
             listed = describe_changes(changes)
             raise ConfigError(f"train.resume={cfg.train.resume}: {path} was trained with another config ({listed}); "
                               f"these keys cannot change on resume: start a fresh run in a new run_dir, or fork "
-                              f"this one with train.init_from={cfg.run_dir} (its weights, a fresh optimizer, step 0)")
+                              f"this one with {shell_override('train.init_from', cfg.run_dir)} (its weights, a fresh optimizer, step 0)")
         if recorded is not None:
             check_same_data(cfg, path, recorded, saved.get("data", {}).get("root"))
         check_model_fits(cfg, path, candidates[i + 1:])
@@ -134,7 +135,7 @@ def check_same_data(cfg, path: str, recorded: dict, saved_root) -> None:
         raise ConfigError(f"train.resume={cfg.train.resume}: data.root={root} holds other data than {path} was "
                           f"trained on{moved}: {describe_fingerprint(now)}, but the checkpoint recorded "
                           f"{describe_fingerprint(recorded)}; resume with that data, or fork with "
-                          f"train.init_from={cfg.run_dir} in a new run_dir to train on this data")
+                          f"{shell_override('train.init_from', cfg.run_dir)} in a new run_dir to train on this data")
     if saved_root != root:
         log.info("data.root moved from %s to %s: the same data (%s)", saved_root, root, describe_fingerprint(now))
 

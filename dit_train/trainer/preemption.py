@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import signal
 
+from dit_train.config.override_text import shell_override
+
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later"; schedulers/wrappers treat it as requeue-able
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells expect after Ctrl-C
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
@@ -76,10 +78,10 @@ class Preemption:
         if last_step:
             message = (f"{received}, the last, during the end-of-run work: its checkpoint was written first; "
                        f"skipped {', '.join(skipped)} and summary.json; rerun with train.resume=auto "
-                       f"run_dir={run_dir} to do only them")
+                       f"{shell_override('run_dir', run_dir)} to do only them")
         else:
             during = f" during the evaluation (skipped {', '.join(skipped)})" if skipped else ""
-            message = (f"{received}{during}; checkpoint written, rerun with train.resume=auto run_dir={run_dir} "
+            message = (f"{received}{during}; checkpoint written, rerun with train.resume=auto {shell_override('run_dir', run_dir)} "
                        f"to continue")
         return Preempted(message, self.signal_name)
 

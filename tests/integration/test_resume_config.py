@@ -76,6 +76,24 @@ def test_a_fork_starts_from_its_sources_config_with_the_command_lines_changes(ru
     assert config["model"]["hidden_size"] == 32 and config["train"]["batch_size"] == 8
 
 
+def test_a_run_in_a_folder_named_by_a_sweeps_overrides_resumes_with_its_saved_config(run, tmp_path):
+    """A study's run folders are named by their overrides (`optimizer.lr=0.003,seed=0`): written into the compose
+    of the saved run unescaped, such a run_dir was a Hydra syntax error, and the resume was judged as typed (a
+    warning, then "trained with another config" for every key the command did not repeat)."""
+    from dit_train.config.override_text import override
+
+    folder = tmp_path / "sweep" / "optimizer.lr=0.003,optimizer=muon,seed=0"
+    shutil.copytree(run / "run", folder)
+    step = max(steps_logged(folder))
+    rc, out, err = dit_train("train.resume=auto", override("run_dir", str(folder)), f"train.steps={step + 1}",
+                             cwd=tmp_path)
+    assert rc == 0, err
+    log = out + err
+    assert "continuing with the config saved in" in log and "judged as typed" not in log
+    assert steps_logged(folder)[-1] == step + 1
+    assert sorted(os.listdir(tmp_path)) == ["sweep"] and os.listdir(tmp_path / "sweep") == [folder.name]
+
+
 def test_a_crafted_saved_config_resolves_nothing_on_resume(run, tmp_path, monkeypatch):
     """A run folder from elsewhere whose checkpoint's config holds `${oc.env:...}`: the resumed config kept it as
     an interpolation, so the reader's environment went into config.yaml, the logs and wandb's config. It is taken

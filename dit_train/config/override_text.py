@@ -1,0 +1,62 @@
+"""Writing a value into a Hydra override, and reading one back: a path Hydra itself made can hold `=` and `,`
+(a sweep's folder named by its overrides: `lr=0.004,seed=43`), a user's can hold spaces, quotes or `[`. Written
+unquoted into `run_dir=...`, such a value is a syntax error or a sweep to Hydra's parser; every override the
+program composes, and every command it prints for a user to rerun, goes through here."""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+_DOUBLE_QUOTE_SAFE = re.compile(r'[^"$`\\!\n]*')  # what a shell leaves alone between double quotes
+_SPECIAL = re.compile(r"([\\()\[\]{}:=, \t])")  # what Hydra's grammar lets a backslash escape in an unquoted value
+
+
+def override_value(value: str) -> str:
+    """The text that Hydra's override parser reads back as the string `value`: as it is where that already holds,
+    else with Hydra's backslash escapes, else single-quoted. ValueError if none does (none is known)."""
+    for text in (value, _SPECIAL.sub(r"\\\1", value), _quoted(value)):
+        if _reads_back(text, value):
+            return text
+    raise ValueError(f"{value!r} cannot be written as a Hydra override value")
+
+
+def override(key: str, value: str) -> str:
+    """`key=value` as one override that Hydra reads back with exactly `value`."""
+    return f"{key}={override_value(str(value))}"
+
+
+def shell_override(key: str, value: str) -> str:
+    """`key=value` as a user types it into a shell: the override, shell-quoted where it must be (in double quotes
+    where that needs no escape: `"run_dir='/a/it\\'s'"` reads better than shlex's `'"'"'`)."""
+    text = override(key, value)
+    if text == shlex.quote(text) or not _DOUBLE_QUOTE_SAFE.fullmatch(text):
+        return shlex.quote(text)
+    return f'"{text}"'
+
+
+def parsed_value(arg: str):
+    """The value Hydra reads from one `key=value` argument (quotes and escapes removed); the text after `=` where
+    the parser refuses it (Hydra then says why, in its own words)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        return OverridesParser.create().parse_override(arg).value()
+    except Exception:  # noqa: BLE001 - a syntax error is Hydra's to report, with its own message
+        return arg.split("=", 1)[1]
+
+
+def _quoted(value: str) -> str:
+    # in a quoted value a backslash is literal, except a run of them before a quote (or the closing one): doubled
+    body = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, value)
+    return "'" + body.replace("'", "\\'") + "'"
+
+
+def _reads_back(text: str, value: str) -> bool:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_override(f"k={text}")
+    except Exception:  # noqa: BLE001 - not this form
+        return False
+    return not parsed.is_sweep_override() and parsed.value() == value and isinstance(parsed.value(), str)
