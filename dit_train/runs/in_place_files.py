@@ -67,8 +67,8 @@ def open_in_place(path: str, flags: int) -> int:
 
 
 def _refuse(run_dir: str, why: str):
-    raise invalid("run_dir", run_dir, f"{why}: remove it, or fork the run with {shell_override('train.init_from', run_dir)} into a "
-                                      f"new run_dir")
+    fork = shell_override("train.init_from", run_dir)
+    raise invalid("run_dir", run_dir, f"{why}: remove it, or fork the run with {fork} into a new run_dir")
 
 
 # folders of a run whose insides are not Hydra's: checked when each job starts (refuse_writes_outside), or wandb's own

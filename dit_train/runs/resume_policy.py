@@ -116,7 +116,8 @@ def check_resume(cfg, read_state=ckpt.read_saved_state) -> str | None:
             listed = describe_changes(changes)
             raise ConfigError(f"train.resume={cfg.train.resume}: {path} was trained with another config ({listed}); "
                               f"these keys cannot change on resume: start a fresh run in a new run_dir, or fork "
-                              f"this one with {shell_override('train.init_from', cfg.run_dir)} (its weights, a fresh optimizer, step 0)")
+                              f"this one with {shell_override('train.init_from', cfg.run_dir)} (its weights, a fresh "
+                              f"optimizer, step 0)")
         if recorded is not None:
             check_same_data(cfg, path, recorded, saved.get("data", {}).get("root"))
         check_model_fits(cfg, path, candidates[i + 1:])

@@ -81,8 +81,8 @@ class Preemption:
                        f"{shell_override('run_dir', run_dir)} to do only them")
         else:
             during = f" during the evaluation (skipped {', '.join(skipped)})" if skipped else ""
-            message = (f"{received}{during}; checkpoint written, rerun with train.resume=auto {shell_override('run_dir', run_dir)} "
-                       f"to continue")
+            message = (f"{received}{during}; checkpoint written, rerun with train.resume=auto "
+                       f"{shell_override('run_dir', run_dir)} to continue")
         return Preempted(message, self.signal_name)
 
 

@@ -17,8 +17,8 @@ from dit_train.trainer.preemption import Preemption
 
 HOSTILE = ["/runs/plain", "/sweep/optimizer.lr=0.004,seed=43", "/a b/c", "/it's", '/say "x"', "/back\\slash",
            "/trailing\\", "/ü/日本", "/[1]", "/{a}", "/(b)", "/c:d", "/$HOME", "/a!b", "x'", "'", '"', "null", "true",
-           "1e3", "/~user", "/#tag", "", " lead", "trail ", "tab\tin", "new\nline", "it's \"both\"", "a\\'b", "1,2",
-           "-dash", "/a/*?", "/%p", "/a@b"]
+           "1e3", "/~user", "/#tag", "", " lead", "trail ", "tab\tin", "new\nline", "it's \"both\"", "a\\'b",
+           "1,2", "-dash", "/a/*?", "/%p", "/a@b"]
 
 
 def hydra_reads(text: str):
