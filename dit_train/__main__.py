@@ -97,12 +97,13 @@ def cli() -> None:
     if run_dir is not None:
         # Hydra's own files (.hydra/, dit_train.log) go into the run folder too: otherwise every such run, and every
         # resume, leaves a runs/<date>/<time>/ folder holding only them. Made here: Hydra's error would be a traceback
-        try:
-            os.makedirs(run_dir, exist_ok=True)
-        except OSError as e:
-            print(f"error: {describe_os_error(e)}", file=sys.stderr)
-            sys.exit(1)
-        check_writable(run_dir)
+        if "${" not in run_dir:  # an interpolation (`runs/${now:%H-%M}`) is Hydra's to resolve, not a folder name
+            try:
+                os.makedirs(run_dir, exist_ok=True)
+            except OSError as e:
+                print(f"error: {describe_os_error(e)}", file=sys.stderr)
+                sys.exit(1)
+            check_writable(run_dir)
         sys.argv.append(override("hydra.run.dir", run_dir))
         if not any(a.startswith("hydra.output_subdir=") for a in sys.argv[1:]):
             # ... but `.hydra/` only once the run is accepted: a refused resume or second writer would overwrite the

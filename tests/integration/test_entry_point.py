@@ -91,6 +91,17 @@ def test_debug_experiment_is_small_and_an_explicit_run_dir_is_the_only_folder(tm
     assert os.listdir(tmp_path) == ["run"]  # nor does a resume
 
 
+def test_a_run_dir_holding_an_interpolation_makes_only_the_folder_hydra_resolves(tmp_path):
+    """`run_dir=runs/${now:%Y}`: Hydra resolves it (runs/2026); the entry made a folder under the literal name
+    `${now:%Y}` first, left empty beside the run."""
+    from conftest import run_cli_in_process
+
+    out = run_cli_in_process("experiment=debug", "data=synthetic", "run_dir=runs/${now:%Y}", "train.dry_run=true",
+                             cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "runs" / "${now:%Y}")
+
+
 CHECK_EVERY_COMMAND = r"""
 import contextlib, io, json, runpy, sys, warnings
 from importlib import import_module
