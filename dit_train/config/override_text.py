@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 import shlex
 
-_DOUBLE_QUOTE_SAFE = re.compile(r'[^"$`\\!\n]*')  # what a shell leaves alone between double quotes
+_DOUBLE_QUOTE_SAFE = re.compile(r'[^$`!\n]*')  # between double quotes a shell leaves all else alone (\\ and \" escaped)
 _SPECIAL = re.compile(r"([\\()\[\]{}:=, \t])")  # what Hydra's grammar lets a backslash escape in an unquoted value
 
 
@@ -27,12 +27,13 @@ def override(key: str, value: str) -> str:
 
 
 def shell_override(key: str, value: str) -> str:
-    """`key=value` as a user types it into a shell: the override, shell-quoted where it must be (in double quotes
-    where that needs no escape: `"run_dir='/a/it\\'s'"` reads better than shlex's `'"'"'`)."""
+    """`key=value` as a user types it into a shell: the override, shell-quoted where it must be (one holding a
+    quote in double quotes where no `$`, backquote or `!` is: `"run_dir='/a/it\\\\'s'"` reads better than shlex's
+    `'"'"'`)."""
     text = override(key, value)
-    if text == shlex.quote(text) or not _DOUBLE_QUOTE_SAFE.fullmatch(text):
+    if "'" not in text or not _DOUBLE_QUOTE_SAFE.fullmatch(text):  # shlex: as it is, or in plain single quotes
         return shlex.quote(text)
-    return f'"{text}"'
+    return '"' + re.sub(r'(["\\])', r"\\\1", text) + '"'
 
 
 def parsed_value(arg: str):

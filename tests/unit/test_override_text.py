@@ -48,6 +48,8 @@ def test_a_plain_value_is_written_as_it_is():
     assert override("run_dir", "runs/my_run") == "run_dir=runs/my_run"
     assert shell_override("run_dir", "runs/my_run") == "run_dir=runs/my_run"
     assert override_value("/sweep/lr=0.004,seed=43") == "/sweep/lr\\=0.004\\,seed\\=43"
+    assert shell_override("run_dir", "/sweep/lr=0.004") == "'run_dir=/sweep/lr\\=0.004'"
+    assert shell_override("run_dir", "/data/bob's runs") == '"run_dir=\'/data/bob\\\\\'s runs\'"'  # not '"'"'
 
 
 @pytest.mark.parametrize("value", ["/sweep/optimizer.lr=0.004,seed=43", "/it's", "/a b"])
