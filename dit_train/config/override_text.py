@@ -30,10 +30,21 @@ def shell_override(key: str, value: str) -> str:
     """`key=value` as a user types it into a shell: the override, shell-quoted where it must be (one holding a
     quote in double quotes where no `$`, backquote or `!` is: `"run_dir='/a/it\\\\'s'"` reads better than shlex's
     `'"'"'`)."""
-    text = override(key, value)
+    return shell_word(override(key, value))
+
+
+def shell_word(text: str) -> str:
+    """`text` as one word of a shell command, by shell_override's rule: as it is, or in plain single quotes, or (one
+    holding a quote, with no `$`, backquote or `!`) in double quotes."""
     if "'" not in text or not _DOUBLE_QUOTE_SAFE.fullmatch(text):  # shlex: as it is, or in plain single quotes
         return shlex.quote(text)
     return '"' + re.sub(r'(["\\])', r"\\\1", text) + '"'
+
+
+def shell_command(words) -> str:
+    """A command (program, flags, paths, overrides already written by override()) as a user pastes it: the shell
+    hands the program exactly `words`, whatever a path holds (spaces, quotes, `=`, `,`, non-ASCII)."""
+    return " ".join(shell_word(str(w)) for w in words)
 
 
 def parsed_value(arg: str):
