@@ -4,6 +4,7 @@ equivalence verdict (both against scipy), and the interpolated time to a target 
 
 import json
 import math
+import shlex
 
 import pytest
 import scipy.stats
@@ -144,6 +145,25 @@ def test_the_margin_is_named_in_the_report_and_a_bad_one_is_refused(tmp_path, ca
     for bad in ("0", "-1", "nan"):  # exit status 2, as in every dit-* command (was 1)
         assert paired_report.main([str(sweep), "--margin", bad]) == 2
         assert capsys.readouterr().err.startswith(f"error: --margin {bad} must be a positive number of percent")
+
+
+def test_the_built_by_command_and_the_dit_report_hint_paste_as_the_same_words(tmp_path, capsys):
+    """A sweep folder named like a sweep's overrides (`a=1,b 2`), with a quote and non-ASCII: the "Built by"
+    command (and the one-phase refusal's `dit-report` command) were written unquoted, so pasting them named other
+    folders ('Built by `dit-paired-report /x/a=1,b 2 it's ü`' is an unclosed quote to a shell)."""
+    sweep, out = tmp_path / "a=1,b 2 it's ü", tmp_path / "out $HOME"
+    two_phase_sweep(sweep)
+    assert paired_report.main([str(sweep), "--out", str(out), "--margin", "2.5", "--reference", "muon"]) == 0
+    built_by = (out / "report.md").read_text().split("Built by `", 1)[1].split("`", 1)[0]
+    assert shlex.split(built_by) == ["dit-paired-report", str(sweep), "--out", str(out), "--margin", "2.5",
+                                     "--reference", "muon"]
+    one_phase = tmp_path / "b=2,c 3 it's ü"
+    one_phase.mkdir()
+    (one_phase / "study.json").write_text(json.dumps({"experiment": "smoke", "runs": []}))
+    capsys.readouterr()
+    assert paired_report.main([str(one_phase)]) == 2
+    assert shlex.split(capsys.readouterr().err.split("its report is `", 1)[1].split("`")[0]) == [
+        "dit-report", str(one_phase)]
 
 
 def test_a_study_without_a_finished_scan_is_refused(tmp_path):
