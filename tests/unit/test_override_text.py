@@ -12,8 +12,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from dit_train.__main__ import explicit_run_dir
 from dit_train.config import ConfigError
 from dit_train.config.command_line import check_sweep_needs_multirun, parse_overrides
-from dit_train.config.override_text import (override, override_value, parsed_value, shell_command, shell_override,
-                                            shell_word)
+from dit_train.config.override_text import (override, override_list, override_value, parsed_value, shell_command,
+                                            shell_override, shell_word)
 from dit_train.trainer.preemption import Preemption
 
 HOSTILE = ["/runs/plain", "/sweep/optimizer.lr=0.004,seed=43", "/a b/c", "/it's", '/say "x"', "/back\\slash",
@@ -124,3 +124,18 @@ def test_the_refused_resumes_data_root_hint_pastes_as_the_root_it_was_trained_fr
         resume_policy.check_same_data(cfg, "/runs/r/checkpoints/step_4.dcp", {"then": 1}, saved)
     hint = str(e.value).split("(it was trained from ", 1)[1].split("):", 1)[0]
     assert [parsed_value(w) for w in shlex.split(hint)] == [saved]
+
+
+def test_a_list_of_any_strings_reads_back_exactly():
+    """hydra.searchpath=[...] of a user's folders: a trailing backslash, fine at the top level, escapes the `,` or
+    `]` after it in a list, so each item is checked where it stands."""
+    rng = random.Random(1)
+    alphabet = "ab/._-=,:[]{}()'\"\\ \t$!`#~*?%@ü\n0"
+    lists = [[v] for v in HOSTILE] + [HOSTILE, ["/trailing\\", "pkg://x"]]
+    lists += [["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12))) for _ in range(rng.randint(1, 3))]
+              for _ in range(200)]
+    for values in lists:
+        parsed = OverridesParser.create().parse_override(override_list("hydra.searchpath", values))
+        assert parsed.value() == values and not parsed.is_sweep_override(), values
+    plain = override_list("hydra.searchpath", ["file:///a/b", "pkg://c.conf"])
+    assert plain == "hydra.searchpath=[file:///a/b,pkg://c.conf]"
