@@ -988,7 +988,7 @@ def test_a_study_into_a_sweep_folder_of_hydras_and_the_shells_characters_runs_th
     """--sweep-dir named like a sweep's overrides (`a=1,b 2`), with a quote and non-ASCII: written unescaped into
     `hydra.sweep.dir=...` it was a Hydra syntax error (every group failed, nothing ran), and the printed trainer
     command, report command and study.json's command split into other words when pasted."""
-    from dit_train.config.override_text import parsed_value
+    from hydra.core.override_parser.overrides_parser import OverridesParser
 
     (tmp_path / "conf" / "experiment").mkdir(parents=True)
     (tmp_path / "conf" / "experiment" / "mine.yaml").write_text(MY_STUDY)
@@ -1001,7 +1001,8 @@ def test_a_study_into_a_sweep_folder_of_hydras_and_the_shells_characters_runs_th
     assert code == 0, out[-3000:] + err[-3000:]
     assert os.listdir(sweep / "model=dit_xs,optimizer=adamw,seed=0" / "checkpoints") == ["step_00000002.dcp"]
     (cmd,) = launched
-    assert [parsed_value(w) for w in cmd if w.startswith("hydra.sweep.dir=")] == [str(sweep)]
+    assert [o.value() for o in OverridesParser.create().parse_overrides(cmd[6:])
+            if o.key_or_group == "hydra.sweep.dir"] == [str(sweep)]
     printed = [line.split(" ", 1)[1] for line in out.splitlines() if line.startswith("[study] ")]
     assert shlex.split(printed[0]) == cmd[1:]  # pasted after `python`, the same words
     assert shlex.split(printed[-1]) == ["report:", "dit-report", str(sweep)]

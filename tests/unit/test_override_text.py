@@ -74,7 +74,7 @@ def test_a_sweep_without_multirun_is_refused_in_one_line_with_both_ways_out():
         check_sweep_needs_multirun([], ["experiment=debug", "run_dir=a,b"])
     said = str(e.value)
     assert said.startswith("run_dir=a,b is a sweep") and "--multirun" in said and "\n" not in said
-    assert parsed_value(shlex.split(said.rsplit(": ", 1)[1])[0]) == "a,b"
+    assert hydra_reads(shlex.split(said.rsplit(": ", 1)[1])[0].split("=", 1)[1]) == "a,b"  # strict: no fallback
     check_sweep_needs_multirun(["--multirun"], ["run_dir=a,b"])
     check_sweep_needs_multirun([], ["hydra.mode=MULTIRUN", "run_dir=a,b"])
     check_sweep_needs_multirun([], ["run_dir=a\\,b", "optimizer.lr=1e-3"])
@@ -85,7 +85,7 @@ def test_a_syntax_error_names_its_argument_and_how_to_write_the_value():
         parse_overrides(["experiment=debug", "run_dir=/sweep/lr=0.004"])
     said = str(e.value)
     assert said.startswith("run_dir=/sweep/lr=0.004: ") and "\n" not in said
-    assert parsed_value(shlex.split(said.rsplit("written ", 1)[1])[0]) == "/sweep/lr=0.004"
+    assert hydra_reads(shlex.split(said.rsplit("written ", 1)[1])[0].split("=", 1)[1]) == "/sweep/lr=0.004"
 
 
 def test_a_printed_command_hands_the_program_exactly_its_words():
@@ -123,7 +123,7 @@ def test_the_refused_resumes_data_root_hint_pastes_as_the_root_it_was_trained_fr
     with pytest.raises(ConfigError) as e:
         resume_policy.check_same_data(cfg, "/runs/r/checkpoints/step_4.dcp", {"then": 1}, saved)
     hint = str(e.value).split("(it was trained from ", 1)[1].split("):", 1)[0]
-    assert [parsed_value(w) for w in shlex.split(hint)] == [saved]
+    assert [OverridesParser.create().parse_override(w).value() for w in shlex.split(hint)] == [saved]
 
 
 def test_a_list_of_any_strings_reads_back_exactly():
