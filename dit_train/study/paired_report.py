@@ -231,8 +231,9 @@ def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN,
     study = read_study(os.path.join(sweep_dir, "study.json"))
     if "lr_selection" not in study:
         if "selection_seeds" in study or any("phase" in r for r in study.get("runs", [])):  # dit-study's lr_scan
+            rerun = study.get("command") or f"dit-study {study.get('experiment', '?')}"  # its --sweep-dir too
             raise ConfigError(f"{sweep_dir}/study.json has no lr_selection: its lr scan has not finished (run: "
-                              f"dit-study {study.get('experiment', '?')})")
+                              f"{rerun})")
         raise ConfigError(f"{sweep_dir}/study.json has no lr_selection: {study.get('experiment', 'this')} is a "
                           f"one-phase study (no study.lr_scan), whose runs dit-paired-report does not pair; its "
                           f"report is `{shell_command(['dit-report', sweep_dir])}`")

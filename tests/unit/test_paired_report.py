@@ -10,6 +10,7 @@ import pytest
 import scipy.stats
 
 from dit_train.config import ConfigError
+from dit_train.config.override_text import shell_command
 from dit_train.study import paired_report
 from test_study import write_run
 
@@ -172,6 +173,15 @@ def test_a_study_without_a_finished_scan_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"has no lr_selection: its lr scan has not finished \(run: dit-study "
                                           r"optimizer_comparison_cpu\)$"):
         paired_report.build(str(tmp_path), None)
+    # the command that made the study (dit-study records it), which names its own --sweep-dir: the sweep continued
+    sweep = tmp_path / "sweep a=1,b it's ü"
+    command = shell_command(["dit-study", "optimizer_comparison_cpu", "--sweep-dir", str(sweep)])
+    record = json.loads((tmp_path / "study.json").read_text())
+    (tmp_path / "study.json").write_text(json.dumps({**record, "command": command}))
+    with pytest.raises(ConfigError) as e:
+        paired_report.build(str(tmp_path), None)
+    assert shlex.split(str(e.value).split("(run: ", 1)[1][:-1]) == ["dit-study", "optimizer_comparison_cpu",
+                                                                     "--sweep-dir", str(sweep)]
 
 
 def test_a_one_phase_study_is_sent_to_dit_report_not_told_to_rerun(tmp_path, capsys):
