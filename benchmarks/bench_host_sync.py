@@ -24,6 +24,7 @@ import torch
 
 
 from dit_train.config.files import CONF_DIR
+from dit_train.config.override_text import override
 from dit_train.parallel.fsdp import DistInfo
 from dit_train.trainer.loop import Trainer
 
@@ -50,7 +51,8 @@ def main() -> None:
         torch.cuda.set_device(device)
 
     with tempfile.TemporaryDirectory() as run_dir:
-        cfg = compose([f"run_dir={run_dir}", "data=synthetic", f"model={args.model}", f"optimizer={args.optimizer}",
+        cfg = compose([override("run_dir", run_dir), "data=synthetic", f"model={args.model}",  # TMPDIR: any path
+                       f"optimizer={args.optimizer}",
                        f"train.batch_size={args.batch_size}", "train.progress=false", "eval.every_n_steps=0",
                        "model.num_classes=1000", "model.in_channels=4",
                        "train.precision=bf16" if device.type == "cuda" else "train.precision=fp32"])

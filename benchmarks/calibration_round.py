@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+from dit_train.config.override_text import shell_command
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_DISTRIBUTED = ["--nproc", "2", "4", "--preset", "dit_m", "--hidden-size", "256", "--depth", "4", "--repeats",
                      "5", "--only", "adamw", "muon-gather", "muon-owner", "periodic_rowwise K=3 gather",
@@ -82,7 +84,7 @@ def run_round(args, i: int) -> str:
             shutil.copy(args.profile_from, os.path.join(folder, FILES[stage]))
             say(f"round {i}: {stage}: copied {args.profile_from} (--tiny)")
             continue
-        say(f"round {i}: {stage} (~{EXPECTED_MIN[stage]} min idle): {' '.join(cmd[1:])}")
+        say(f"round {i}: {stage} (~{EXPECTED_MIN[stage]} min idle): {shell_command(cmd[1:])}")
         start = time.time()
         log = os.path.join(folder, FILES[stage] if stage != "measure-host" else "measure_host.log")
         with open(log, "w") as f:  # its own progress (stderr) shows as it runs

@@ -24,6 +24,8 @@ import subprocess
 import sys
 import tempfile
 
+from dit_train.config.override_text import override, shell_command
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEPT = ("train/loss", "train/grad_norm", "train/skipped", "lr", "val/")
 
@@ -66,7 +68,7 @@ def main(argv=None) -> int:
             }
             for label, cmd in trainings.items():
                 run_dir = os.path.join(tmp, label)
-                run([*cmd, f"run_dir={run_dir}"], label)
+                run([*cmd, override("run_dir", run_dir)], label)  # a TMPDIR with `,` or a space
                 digest, last = numbers(run_dir)
                 print(f"{label:12s} {digest} {last}", flush=True)
         results = os.path.join(ROOT, "docs", "results")
@@ -82,7 +84,7 @@ def main(argv=None) -> int:
             with open(os.path.join(out, "report.md")) as f:
                 # its "Built by" command names this checkout's runs folder and the temporary folder (the records'
                 # own command lines may name a checkout too, and are data)
-                text = f.read().replace(f"{runs} --out {out}", "RUNS --out OUT")
+                text = f.read().replace(shell_command([runs, "--out", out]), "RUNS --out OUT")
             print(f"report/{study} {hashlib.sha256(text.encode()).hexdigest()[:16]}", flush=True)
     return 0
 

@@ -17,6 +17,7 @@ import torch
 from benchmarks.cost_model.predict import describe_prediction
 from benchmarks.gpu_check import (OPTIMIZER, ROOT, SHARD_OVERRIDES, SHARD_RUNS, SMOKE_MODEL, SMOKE_SHARD_BATCH, SMOKE_TRAINER,
                        TRAINER_BATCH)
+from dit_train.config.override_text import override
 
 GIB = 1024**3
 # first-step loss of compile + activation checkpointing against the eager stage: same weights, batch and noise
@@ -499,7 +500,7 @@ def trainer_config(ctx, name: str, checkpointing: bool = False, compiled: bool =
         return hcompose(config_name="config", overrides=[
             "model=dit_1b3", *(SMOKE_TRAINER if ctx.smoke else []), f"optimizer={OPTIMIZER}", "optimizer.K=3",
             "data=synthetic", "data.image_size=${model.image_size}", "data.channels=${model.in_channels}",
-            "data.num_classes=${model.num_classes}", f"data.num_samples={B * 16}", f"run_dir={work}",
+            "data.num_classes=${model.num_classes}", f"data.num_samples={B * 16}", override("run_dir", work),
             f"train.batch_size={B}", "train.steps=1000", "train.warmup_steps=10", f"train.precision={p}",
             "train.progress=false", f"train.val_samples={B}", f"train.val_batch_size={B}", "eval.every_n_steps=0",
             "parallel.fsdp=true", f"parallel.mixed_precision={p}",
@@ -670,7 +671,7 @@ def stage_checkpoint(ctx, before: int = 2, after: int = 2) -> dict:
             expected = run_steps(trainer, after)
             reference = trainer_state(trainer)
         del trainer
-        resumed = trainer_config(ctx, "checkpoint", extra=[*extra, f"train.resume={path}"])
+        resumed = trainer_config(ctx, "checkpoint", extra=[*extra, override("train.resume", path)])
         with built_trainer(resumed, dist) as trainer:
             t0 = time.perf_counter()
             trainer.resume()

@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 
+from dit_train.config.override_text import override
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["model=dit_m", "model.depth=6"]
 BATCH, LR = 128, 2e-3
@@ -35,7 +37,7 @@ def trainer_rate(steps: int, window: int, qk_norm: bool) -> float:
         cmd = [sys.executable, "-m", "dit_train", *MODEL, f"model.qk_norm={str(qk_norm).lower()}", "optimizer=adamw",
                f"optimizer.lr={LR}", f"train.batch_size={BATCH}", f"train.steps={steps}", f"train.log_every={window}",
                "train.val_every=0", "train.sample_every=0", "train.ckpt_every=0", "train.progress=false",
-               f"run_dir={tmp}/run"]
+               override("run_dir", f"{tmp}/run")]  # a TMPDIR with `,` or a space is one value
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"error: the trainer failed: {proc.stderr.strip()[-2000:]}")

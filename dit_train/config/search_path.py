@@ -7,13 +7,13 @@ lists group options in the same folders and composes with them, so that it accep
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 
 from omegaconf import OmegaConf
 
 from dit_train.config.errors import ConfigError
 from dit_train.config.files import CONF_DIR
+from dit_train.config.override_text import override_list
 from dit_train.runs.json_file import DamagedJSONFile, check_plain_small_file
 
 KEY = "hydra.searchpath"
@@ -114,4 +114,4 @@ def searchpath_override(config_dir: str | None, entries: list[str]) -> list[str]
     """The one hydra.searchpath override that composes like Hydra's app: --config-dir first, then the entries (an
     override also stands for the primary config's, which it replaces, and survives into a resume's compositions)."""
     paths = (["file://" + os.path.abspath(config_dir)] if config_dir else []) + entries
-    return [f"{KEY}=[{','.join(json.dumps(p, ensure_ascii=False) for p in paths)}]"] if paths else []
+    return [override_list(KEY, paths)] if paths else []  # a folder of any name (json.dumps doubled a backslash)

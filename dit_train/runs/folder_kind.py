@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+from dit_train.config.override_text import shell_command
 from dit_train.runs.json_file import read_json
 
 PIPELINE_FILE = "model_index.json"  # dit_train.model.pretrained writes it last: a folder with one is an export
@@ -38,4 +39,5 @@ def run_folder_hint(path: str) -> str:
     make one from it."""
     if not os.path.isdir(os.path.join(path, "checkpoints")):
         return ""
-    return f"; {path!r} is a run folder: write its model folder with `dit-export {path} OUT_DIR` and load OUT_DIR"
+    command = shell_command(["dit-export", path, "OUT_DIR"])
+    return f"; {path!r} is a run folder: write its model folder with `{command}` and load OUT_DIR"

@@ -54,7 +54,7 @@ def continue_saved_config(cfg, overrides: list[str], read_state=None):
     from dit_train.config.schemas import recorded_before
     from dit_train.runs.resume_policy import flatten
     from dit_train.runs.checkpoint import literal_config
-    from dit_train.config.override_text import override
+    from dit_train.config.override_text import override, shell_override
 
     earlier = recorded_before()
 
@@ -86,16 +86,17 @@ def continue_saved_config(cfg, overrides: list[str], read_state=None):
             if from_command and kept.get(key, ABSENT) != value and key not in ALWAYS_FROM_COMMAND:
                 set_here.append(key)
             elif key in WHERE_DATA_GOES and not typed and kept.get(key, value) != value:
-                dropped.append(f"{key}={kept[key]}")
+                dropped.append(shell_override(key, kept[key]) if isinstance(kept[key], str)
+                               else shlex.quote(f"{key}={kept[key]}"))
         else:
             merged[key] = kept[key]
     out = OmegaConf.create(_unflatten(merged))
     OmegaConf.set_struct(out, True)
     log.info("continuing with the config saved in %s%s", path,
              f"; the command line changes {', '.join(set_here)}" if set_here else "")
-    if dropped:  # quoted: a saved value from elsewhere may hold spaces or a newline
+    if dropped:  # for the shell and for Hydra: a saved value from elsewhere may hold spaces, a quote, `,` or `=`
         log.warning("not continued from the saved config (where data leaves the run folder is the command line's "
-                    "word): %s; pass them to keep them", " ".join(map(shlex.quote, dropped)))
+                    "word): %s; pass them to keep them", " ".join(dropped))
     return out
 
 

@@ -132,7 +132,8 @@ def check_same_data(cfg, path: str, recorded: dict, saved_root) -> None:
     now = data_fingerprint(cfg.data)
     root = cfg.data.get("root")
     if now != recorded:
-        moved = f" (it was trained from data.root={saved_root})" if saved_root != root else ""
+        was = shell_override("data.root", saved_root) if isinstance(saved_root, str) else f"data.root={saved_root}"
+        moved = f" (it was trained from {was})" if saved_root != root else ""  # pasted to resume with that data
         raise ConfigError(f"train.resume={cfg.train.resume}: data.root={root} holds other data than {path} was "
                           f"trained on{moved}: {describe_fingerprint(now)}, but the checkpoint recorded "
                           f"{describe_fingerprint(recorded)}; resume with that data, or fork with "

@@ -37,6 +37,7 @@ from collections import defaultdict
 import scipy.stats
 
 from dit_train.config.errors import ConfigError
+from dit_train.config.override_text import shell_command
 from dit_train.runs.atomic_io import atomic_write_bytes
 from dit_train.runs.json_file import DamagedJSONFile
 from dit_train.study.record import read_study
@@ -230,11 +231,12 @@ def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN,
     study = read_study(os.path.join(sweep_dir, "study.json"))
     if "lr_selection" not in study:
         if "selection_seeds" in study or any("phase" in r for r in study.get("runs", [])):  # dit-study's lr_scan
+            rerun = study.get("command") or f"dit-study {study.get('experiment', '?')}"  # its --sweep-dir too
             raise ConfigError(f"{sweep_dir}/study.json has no lr_selection: its lr scan has not finished (run: "
-                              f"dit-study {study.get('experiment', '?')})")
+                              f"{rerun})")
         raise ConfigError(f"{sweep_dir}/study.json has no lr_selection: {study.get('experiment', 'this')} is a "
                           f"one-phase study (no study.lr_scan), whose runs dit-paired-report does not pair; its "
-                          f"report is `dit-report {sweep_dir}`")
+                          f"report is `{shell_command(['dit-report', sweep_dir])}`")
     runs, scan = collect(sweep_dir, study)
     chosen_by = selection_seeds(study)
     evaluated = without(runs, chosen_by)
@@ -248,12 +250,13 @@ def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN,
     at_steps = val_steps(eval_runs)
     per_step = any(stability.logs_every_step(r.train_curve) for r in eval_runs)
     seeds = sorted({r.seed for r in eval_runs})
-    out_arg = "" if out_dir == sweep_dir else f" --out {out_dir}"
-    margin_arg = "" if margin == DEFAULT_MARGIN else f" --margin {margin:g}"
-    ref_arg = "".join(f" --reference '{r}'" for r in references) if references != list(DEFAULT_REFERENCES) else ""
+    command = shell_command(["dit-paired-report", sweep_dir, *([] if out_dir == sweep_dir else ["--out", out_dir]),
+                             *([] if margin == DEFAULT_MARGIN else ["--margin", f"{margin:g}"]),
+                             *([w for r in references for w in ("--reference", r)]
+                               if references != list(DEFAULT_REFERENCES) else [])])
 
     lines = [f"# Paired optimizer comparison: {study.get('experiment', '?')}", banner(study),
-             f"Built by `dit-paired-report {sweep_dir}{out_arg}{margin_arg}{ref_arg}` from {len(eval_runs)} "
+             f"Built by `{command}` from {len(eval_runs)} "
              f"finished runs at the selected learning rates{' and the common ones' if study.get('common_lr') else ''} "
              f"(evaluation seeds {_seeds(seeds)}). Selection "
              f"seed{'s' if len(chosen_by) > 1 else ''} {_seeds(chosen_by)} chose the learning rates and "

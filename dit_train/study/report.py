@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from dit_train.config.errors import ConfigError
+from dit_train.config.override_text import shell_command
 from dit_train.runs.atomic_io import atomic_write_bytes
 from dit_train.runs.json_file import DamagedJSONFile, read_json, read_yaml
 from dit_train.study.record import read_study
@@ -627,10 +628,11 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
         study = read_study(os.path.join(sweep_dir, "study.json"))
     images = plots(runs, out_dir)
     n_done = sum(r.status == "finished" for r in runs)
+    command = shell_command(["dit-report", sweep_dir, *([] if out_dir == sweep_dir else ["--out", out_dir])])
     parts = [
         f"# Study report: {study.get('experiment', os.path.basename(os.path.abspath(sweep_dir)))}",
         banner(study),
-        f"Built by `dit-report {sweep_dir}{'' if out_dir == sweep_dir else f' --out {out_dir}'}` "
+        f"Built by `{command}` "
         f"from {len(runs)} runs ({n_done} finished).",
         provenance(study, runs),
         study.get("notes", ""),

@@ -41,6 +41,7 @@ import time
 
 from omegaconf import OmegaConf
 
+from dit_train.config import override_text
 from dit_train.config.files import CONF_DIR, group_options
 from dit_train.config.errors import ConfigError
 from dit_train.runs.atomic_io import atomic_write_bytes
@@ -112,8 +113,9 @@ def axis_combinations(study) -> list[dict]:
 
 def override_value(v) -> str:
     """A value as Hydra's override_dirname writes it, so the run folder is found again: a yaml true is `True` there
-    (Hydra reads `True` back as a boolean)."""
-    return str(v)
+    (Hydra reads `True` back as a boolean); a string as override_text writes it, so that one holding `,`, `=`, a
+    space or a quote (a path) is one value to Hydra, not a sweep or a syntax error."""
+    return override_text.override_value(v) if isinstance(v, str) else str(v)
 
 
 def variants(study) -> list[dict]:
@@ -389,7 +391,7 @@ def run_study(argv=None) -> int:
         return 2
     if not args.dry_run:  # a dry run prints the commands only
         os.makedirs(sweep_dir, exist_ok=True)
-    call = {"command": " ".join(["dit-study", *(sys.argv[1:] if argv is None else argv)]),
+    call = {"command": override_text.shell_command(["dit-study", *(sys.argv[1:] if argv is None else argv)]),
             "git_commit": git_commit(CHECKOUT), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     invocations = previous_invocations(sweep_dir) + [call]
     steps_cache: dict[tuple, int] = {}
@@ -451,7 +453,7 @@ def run_study(argv=None) -> int:
     if failures:
         print(f"[study] {failures} group(s) failed; rerun the same command to retry them (finished runs are kept)")
     report = "dit-paired-report" if study.get("lr_scan") is not None else "dit-report"
-    print(f"[study] report: {report} {sweep_dir}")
+    print(f"[study] report: {override_text.shell_command([report, sweep_dir])}")
     return 1 if failures else 0
 
 
@@ -475,8 +477,9 @@ def run_groups(runs: list[dict], only, sweep_dir: str, steps_of, args) -> int:
         fixed = [o for o in members[0]["overrides"] if not o.startswith("seed=")]
         config_dir = ["--config-dir", args.config_dir] if args.config_dir else []
         cmd = [sys.executable, "-m", "dit_train", *config_dir, "--multirun", f"experiment={args.experiment}", *fixed,
-               "seed=" + ",".join(str(r["seed"]) for r in pending), f"hydra.sweep.dir={sweep_dir}", *args.overrides]
-        print("[study]", " ".join(cmd[1:]), flush=True)
+               "seed=" + ",".join(str(r["seed"]) for r in pending),
+               override_text.override("hydra.sweep.dir", sweep_dir), *args.overrides]  # `a=1,b 2`: one folder
+        print("[study]", override_text.shell_command(cmd[1:]), flush=True)
         if not args.dry_run:
             code = run_trainer(cmd)
             if code in (EXIT_PREEMPTED, EXIT_INTERRUPTED):

@@ -5,6 +5,7 @@ every round's three files saved in its folder, one table with a column per round
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 
@@ -56,7 +57,6 @@ def test_an_existing_out_folder_is_refused(tmp_path):
 
 
 def test_a_full_rounds_commands_are_the_docs_and_their_programs_accept_them(monkeypatch):
-    import shlex
     from types import SimpleNamespace
 
     from benchmarks import bench_distributed, bench_optimizer, calibration_round
@@ -71,3 +71,20 @@ def test_a_full_rounds_commands_are_the_docs_and_their_programs_accept_them(monk
     documented = [shlex.split(line.strip()) for line in text.splitlines() if line.startswith("    python -m ")]
     for stage in ("bench_distributed", "bench_optimizer"):
         assert ["python", *stages[stage][1:]] in documented, stage
+
+
+def test_each_stage_is_announced_as_the_command_it_runs(tmp_path, monkeypatch, capsys):
+    """The announced command names --out's folder (any name: a space, `=`, a quote) and the contender names with
+    spaces ("periodic_rowwise K=3 gather"): pasted after `python`, it is the stage's own argv."""
+    from types import SimpleNamespace
+
+    from benchmarks import calibration_round
+
+    ran = []
+    monkeypatch.setattr(calibration_round.subprocess, "run",
+                        lambda cmd, **kw: ran.append(cmd) or SimpleNamespace(returncode=0))
+    args = SimpleNamespace(tiny=False, out=str(tmp_path / "rounds a=1,b it's ü"))
+    os.makedirs(args.out)
+    calibration_round.run_round(args, 1)
+    announced = [line.split("): ", 1)[1] for line in capsys.readouterr().err.splitlines() if " min idle): " in line]
+    assert [shlex.split(a) for a in announced] == [cmd[1:] for cmd in ran] and len(ran) == 3

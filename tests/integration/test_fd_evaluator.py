@@ -16,6 +16,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import ROOT, needs_fashion
+from dit_train.config import ConfigError
 from dit_train.evaluation.fd import reference as refmod
 from dit_train.evaluation.fd.job_config import load_data_cfg, load_eval_cfg
 from dit_train.evaluation.during_training import update_best_fd
@@ -207,6 +208,9 @@ def test_fd_dino_job_scores_a_sweep_and_skips_scored_checkpoints(tmp_path, capsy
     more = job.main([str(sweep / "0" / "checkpoints" / "step_00000003.dcp"), "--out", str(sweep)] + args
                     + ["--seed", "1"])  # another seed is another setting: scored, kept beside the first
     assert len(more) == 4
+    # --data-set reaches the data config through job_config.dotlist: a folder YAML would read as another is refused
+    with pytest.raises(ConfigError, match=r"^--data-set root=/data/run #2: YAML reads root='/data/run'"):
+        job.main([str(sweep), "--force", "--data-set", "root=/data/run #2"] + args)
 
 
 @needs_fashion

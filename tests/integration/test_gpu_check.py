@@ -196,6 +196,20 @@ def test_without_a_gpu_the_check_says_so_in_one_line_before_anything_runs(tmp_pa
     assert not (tmp_path / "r").exists()
 
 
+def test_the_trainer_stages_run_in_a_work_folder_of_any_name(tmp_path):
+    """--work-dir is made under $TMPDIR, a path of the user's: written unescaped into run_dir=... (and the
+    checkpoint stage's train.resume=...), a folder with `=`, `,` or a quote was a Hydra syntax error."""
+    from types import SimpleNamespace
+
+    from benchmarks import gpu_check_stages
+
+    work = str(tmp_path / "t a=1,b it's ü")
+    checkpoint = os.path.join(work, "checkpoint", "checkpoints", "step_00000002.dcp")
+    cfg = gpu_check_stages.trainer_config(SimpleNamespace(smoke=True, work_dir=work), "checkpoint",
+                                          extra=[gpu_check_stages.override("train.resume", checkpoint)])
+    assert cfg.run_dir == os.path.join(work, "checkpoint") and cfg.train.resume == checkpoint
+
+
 @pytest.mark.parametrize("smoke", [False, True])
 @pytest.mark.parametrize("stage", ["dit1b3_eager", "dit1b3_compile_ac"])
 def test_the_trainer_stages_are_compared_with_the_estimate_of_their_own_configuration(stage, smoke, tmp_path):

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+import shlex
 import sys
 
 import pytest
@@ -289,6 +290,29 @@ def test_study_axes_make_each_combination_a_variant_with_its_own_scan():
         study.axes = bad
         with pytest.raises(ValueError, match=why):
             run_study.expand(study, [], [])
+
+
+def test_a_string_value_of_study_axes_is_one_value_and_names_the_folder_hydra_makes():
+    """study.axes over paths or other strings: written as str(v), `/d/a=1,b 2` was a Hydra syntax error (and
+    `a,b` a sweep, '1e3' a number); each is now the one string the yaml says, and the study's run name is the folder
+    Hydra's sweeper makes of the group's command (checked with Hydra's own sweeper and override_dirname)."""
+    from hydra._internal.config_loader_impl import get_overrides_dirname
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    values = ["/d/a=1,b 2", "/d/it's ü", "a,b", "1e3", "plain", True]
+    study = OmegaConf.create({"models": ["dit_xs"], "optimizers": ["adamw"], "seeds": [0, 1],
+                              "axes": {"data.root": values}})
+    runs = run_study.expand(study, ["eval.cache_dir=/c"], ["eval.cache_dir"])
+    parser = OverridesParser.create()
+    for value in values:
+        members = [r for r in runs if r["axes"]["data.root"] == value]
+        fixed = [o for o in members[0]["overrides"] if not o.startswith("seed=")]
+        (jobs,) = BasicSweeper.split_arguments(parser.parse_overrides([*fixed, "seed=0,1", "eval.cache_dir=/c"]),
+                                               None)
+        folders = [get_overrides_dirname(parser.parse_overrides(job), ["eval.cache_dir"], ",", "=") for job in jobs]
+        assert folders == [r["name"] for r in members], value
+        assert {o.key_or_group: o.value() for o in parser.parse_overrides(jobs[0])}["data.root"] == value
 
 
 def test_the_common_lr_is_the_lowest_selected_of_each_model_and_axes_and_its_shared_runs_run_once(tmp_path, capsys):
@@ -956,6 +980,37 @@ def test_a_study_of_the_users_config_dir_runs_from_there(tmp_path, capfd, monkey
     assert err.startswith("error: experiment 'mien' does not exist; valid: ") and ", mine, " in err, err
     assert run_study.main(["mine", "--config-dir", str(tmp_path / "nope"), "--dry-run"]) == 2
     assert capfd.readouterr().err.startswith(f"error: --config-dir {tmp_path / 'nope'}: no such folder")
+
+
+@needs_fashion
+def test_a_study_into_a_sweep_folder_of_hydras_and_the_shells_characters_runs_there(tmp_path, capfd, monkeypatch,
+                                                                                      runs_in_this_process):
+    """--sweep-dir named like a sweep's overrides (`a=1,b 2`), with a quote and non-ASCII: written unescaped into
+    `hydra.sweep.dir=...` it was a Hydra syntax error (every group failed, nothing ran), and the printed trainer
+    command, report command and study.json's command split into other words when pasted."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "mine.yaml").write_text(MY_STUDY)
+    sweep = tmp_path / "x" / "a=1,b 2 it's ü"
+    launched, launch = [], run_study.run_trainer
+    monkeypatch.setattr(run_study, "run_trainer", lambda cmd: launched.append(cmd) or launch(cmd))
+    argv = ["mine", "--config-dir", str(tmp_path / "conf"), "--sweep-dir", str(sweep)]
+    code = run_study.main(argv)
+    out, err = capfd.readouterr()
+    assert code == 0, out[-3000:] + err[-3000:]
+    assert os.listdir(sweep / "model=dit_xs,optimizer=adamw,seed=0" / "checkpoints") == ["step_00000002.dcp"]
+    (cmd,) = launched
+    assert [o.value() for o in OverridesParser.create().parse_overrides(cmd[6:])
+            if o.key_or_group == "hydra.sweep.dir"] == [str(sweep)]
+    printed = [line.split(" ", 1)[1] for line in out.splitlines() if line.startswith("[study] ")]
+    assert shlex.split(printed[0]) == cmd[1:]  # pasted after `python`, the same words
+    assert shlex.split(printed[-1]) == ["report:", "dit-report", str(sweep)]
+    assert shlex.split(json.loads((sweep / "study.json").read_text())["command"]) == ["dit-study", *argv]
+    assert run_study.main(argv) == 0 and "all seeds finished, skipping" in capfd.readouterr().out
+    assert report.main([str(sweep)]) == 0
+    built_by = (sweep / "report.md").read_text().split("Built by `", 1)[1].split("`", 1)[0]
+    assert shlex.split(built_by) == ["dit-report", str(sweep)]
 
 
 @pytest.mark.parametrize("planted", ["runs/a/metrics.jsonl", "runs/a", "runs", "fifo:runs/a/summary.json"])

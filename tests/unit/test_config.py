@@ -78,6 +78,23 @@ def test_every_key_of_every_schema_has_a_one_line_doc():
     assert all("\n" not in d for d in docs)
 
 
+def test_a_data_set_value_yaml_reads_as_another_folder_is_refused_with_the_quoted_form():
+    """dit-fd / dit-reference-stats / dit-encode-latents --data-set KEY=VALUE: YAML values, so `root=/data/run #2`
+    read /data/run (the rest a comment: silently another folder) and `root=/data/a: b` a mapping. Refused in one line
+    naming the form that reads back; a folder YAML reads as typed (`=`, `,`, a quote, non-ASCII) is taken as it is."""
+    from dit_train.evaluation.fd.job_config import load_data_cfg
+
+    for typed in ("/data/run #2", "/data/a: b", "/data/ü #x: y"):
+        with pytest.raises(ConfigError) as e:
+            load_data_cfg("fashion_mnist", [f"root={typed}"])
+        said = str(e.value)
+        assert said.startswith(f"--data-set root={typed}: YAML reads root=") and "\n" not in said
+        assert load_data_cfg("fashion_mnist", [said.split("in YAML quotes: ", 1)[1]]).root == typed
+    for typed in ("/data/a=1,b 2", "/data/it's ü", "/data/back\\slash", "/data/x#1"):
+        assert load_data_cfg("fashion_mnist", [f"root={typed}"]).root == typed
+    assert load_data_cfg("fashion_mnist", ["image_size=16"]).image_size == 16  # YAML still types the value
+
+
 def test_fd_evaluator_defaults_are_the_schemas(monkeypatch):
     """No second copy of the eval defaults: the evaluator built from eval=default, or from a config that leaves
     keys out, uses EvalConfig's values (cfg_scale 1.5, reference_num 2000)."""

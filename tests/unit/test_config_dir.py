@@ -36,6 +36,20 @@ def test_an_experiment_of_the_users_folder_passes_the_check(config_dir, capsys, 
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.parametrize("name", ["conf a=1,b it's ü", "back\\slash", "trailing\\"])
+def test_a_config_folder_of_any_name_composes_from_that_folder(tmp_path, capsys, name):
+    """The check (and dit-study's compose) reach the folder through one hydra.searchpath override: its items were
+    json.dumps'ed, which Hydra reads back with every backslash doubled, a folder that does not exist (experiment=mine
+    refused, its value unchecked); now written by override_text.override_list."""
+    folder = tmp_path / name
+    (folder / "experiment").mkdir(parents=True)
+    (folder / "experiment" / "broken.yaml").write_text(MINE.format(steps=0))
+    with pytest.raises(SystemExit):
+        check_command_line(["--config-dir", str(folder), "experiment=broken", "run_dir=/tmp/unused"])
+    err = capsys.readouterr().err
+    assert err.startswith("error: train.steps=0 is not valid") and err.count("\n") == 1, err
+
+
 def test_the_users_experiment_is_validated_like_ours(config_dir, capsys):
     """Composed and checked, not waved through: its bad value is the usual one line."""
     with pytest.raises(SystemExit) as stop:

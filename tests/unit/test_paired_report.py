@@ -4,11 +4,13 @@ equivalence verdict (both against scipy), and the interpolated time to a target 
 
 import json
 import math
+import shlex
 
 import pytest
 import scipy.stats
 
 from dit_train.config import ConfigError
+from dit_train.config.override_text import shell_command
 from dit_train.study import paired_report
 from test_study import write_run
 
@@ -146,12 +148,40 @@ def test_the_margin_is_named_in_the_report_and_a_bad_one_is_refused(tmp_path, ca
         assert capsys.readouterr().err.startswith(f"error: --margin {bad} must be a positive number of percent")
 
 
+def test_the_built_by_command_and_the_dit_report_hint_paste_as_the_same_words(tmp_path, capsys):
+    """A sweep folder named like a sweep's overrides (`a=1,b 2`), with a quote and non-ASCII: the "Built by"
+    command (and the one-phase refusal's `dit-report` command) were written unquoted, so pasting them named other
+    folders ('Built by `dit-paired-report /x/a=1,b 2 it's ü`' is an unclosed quote to a shell)."""
+    sweep, out = tmp_path / "a=1,b 2 it's ü", tmp_path / "out $HOME"
+    two_phase_sweep(sweep)
+    assert paired_report.main([str(sweep), "--out", str(out), "--margin", "2.5", "--reference", "muon"]) == 0
+    built_by = (out / "report.md").read_text().split("Built by `", 1)[1].split("`", 1)[0]
+    assert shlex.split(built_by) == ["dit-paired-report", str(sweep), "--out", str(out), "--margin", "2.5",
+                                     "--reference", "muon"]
+    one_phase = tmp_path / "b=2,c 3 it's ü"
+    one_phase.mkdir()
+    (one_phase / "study.json").write_text(json.dumps({"experiment": "smoke", "runs": []}))
+    capsys.readouterr()
+    assert paired_report.main([str(one_phase)]) == 2
+    assert shlex.split(capsys.readouterr().err.split("its report is `", 1)[1].split("`")[0]) == [
+        "dit-report", str(one_phase)]
+
+
 def test_a_study_without_a_finished_scan_is_refused(tmp_path):
     (tmp_path / "study.json").write_text(json.dumps({"experiment": "optimizer_comparison_cpu", "runs": [
         {"name": "a", "model": "dit_s", "optimizer": "muon", "lr": 0.01, "seed": 0, "phase": "scan"}]}))
     with pytest.raises(ConfigError, match=r"has no lr_selection: its lr scan has not finished \(run: dit-study "
                                           r"optimizer_comparison_cpu\)$"):
         paired_report.build(str(tmp_path), None)
+    # the command that made the study (dit-study records it), which names its own --sweep-dir: the sweep continued
+    sweep = tmp_path / "sweep a=1,b it's ü"
+    command = shell_command(["dit-study", "optimizer_comparison_cpu", "--sweep-dir", str(sweep)])
+    record = json.loads((tmp_path / "study.json").read_text())
+    (tmp_path / "study.json").write_text(json.dumps({**record, "command": command}))
+    with pytest.raises(ConfigError) as e:
+        paired_report.build(str(tmp_path), None)
+    assert shlex.split(str(e.value).split("(run: ", 1)[1][:-1]) == ["dit-study", "optimizer_comparison_cpu",
+                                                                     "--sweep-dir", str(sweep)]
 
 
 def test_a_one_phase_study_is_sent_to_dit_report_not_told_to_rerun(tmp_path, capsys):

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from dit_train.runs import checkpoint as ckpt
-from dit_train.evaluation.fd.job_config import add_eval_args, eval_cfg_from_args, in_flag_terms
+from dit_train.evaluation.fd.job_config import add_eval_args, dotlist, eval_cfg_from_args, in_flag_terms
 from dit_train.runs.atomic_io import (atomic_write_bytes, check_folder_can_be_made, describe_os_error,
                                      refuse_links_on_the_way)
 from dit_train.runs.folder_kind import no_checkpoints
@@ -223,7 +223,7 @@ def main(argv=None) -> list[dict]:
     for run, path in todo:
         t0 = time.perf_counter()
         model, run_cfg, meta = ckpt.load_for_inference(str(path), device)
-        data_cfg = OmegaConf.merge(run_cfg.data, OmegaConf.from_dotlist(list(args.data_set)))
+        data_cfg = OmegaConf.merge(run_cfg.data, dotlist(args.data_set))
         mcfg = run_cfg.model
         if int(mcfg.get("text_dim", 0) or 0) > 0:
             raise ValueError(f"{path}: FD of text-conditioned models needs prompts; not supported by this job")

@@ -16,7 +16,31 @@ from dit_train.config.schema import ParallelConfig
 def _load(group: str, option: str, overrides: list[str] | None, what: str) -> DictConfig:
     if option not in group_options(group):
         raise FileNotFoundError(f"{what} {option!r} not found; choose one of {group_options(group)}")
-    return OmegaConf.merge(load_option(group, option), OmegaConf.from_dotlist(list(overrides or [])))
+    return OmegaConf.merge(load_option(group, option), dotlist(overrides))
+
+
+def dotlist(items: list[str] | None, flag: str = "--data-set") -> DictConfig:
+    """KEY=VALUE items as OmegaConf reads them (each value YAML: 16 an int, true a bool), refused in one line where
+    YAML reads a folder otherwise than it was typed: after ` #` it drops the rest as a comment
+    (`root=/data/run #2` read /data/run, silently another folder), and `a: b` is a mapping. Quoted, it is one
+    string: root='/data/run #2'."""
+    import json
+
+    import yaml
+    from omegaconf._utils import get_yaml_loader
+
+    from dit_train.config.errors import ConfigError
+
+    for item in items or []:
+        key, sep, text = item.partition("=")
+        if not sep:
+            continue
+        read = yaml.load(text, Loader=get_yaml_loader())
+        typed = text.strip()
+        if isinstance(read, dict) or isinstance(read, str) and read != typed and not typed.startswith(("'", '"')):
+            raise ConfigError(f"{flag} {item}: YAML reads {key}={read!r}, not the text typed; a value meant as one "
+                              f"string is written in YAML quotes: {key}={json.dumps(typed, ensure_ascii=False)}")
+    return OmegaConf.from_dotlist(list(items or []))
 
 
 def load_eval_cfg(preset: str = "default", overrides: list[str] | None = None) -> DictConfig:
