@@ -92,3 +92,13 @@ def image_folder_shapes(root) -> dict[str, Found]:
         side = next(iter(sizes))[0]
         found["image_size"] = Found(side, f"{folder}: {side}x{side} images", suggested=True)
     return found  # mixed or non-square sizes: resized to the preset's data.image_size
+
+
+def with_data_shapes(data: dict, given) -> tuple[dict, list[str]]:
+    """`data` with the shapes its files decide, as the trainer takes them (config/data_shapes.py), for the tools
+    that read a dataset outside a run (dit-reference-stats, dit-encode-latents --data): the keys in `given` (the
+    user's KEY=VALUE overrides) are kept. Returns the new dict and 'data.key=value (where)' for each key taken. An
+    image folder of 32 px images was read at the preset's 64 px: reference statistics no run of it compares with."""
+    found = read_data_shapes(data)
+    taken = [f"data.{k}={f.value} ({f.source})" for k, f in found.items() if k not in given and data.get(k) != f.value]
+    return {**data, **{k: f.value for k, f in found.items() if k not in given}}, taken

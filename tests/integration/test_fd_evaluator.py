@@ -244,6 +244,33 @@ def test_reference_stats_job(tmp_path):
     assert job.main(args)["path"] == out["path"]
 
 
+def test_reference_stats_of_an_image_folder_are_those_its_runs_compare_with(tmp_path, capsys):
+    """`dit-reference-stats --data image_folder --data-set root=DIR` of 16 px images read them at the preset's 64
+    px: a cache file no run uses (a run takes the size from the folder, config/data_shapes.py), found following
+    docs/fd_evaluation.md with a folder of one's own. A size given with --data-set is kept."""
+    from PIL import Image
+
+    from conftest import compose
+    from dit_train.config.data_shapes import apply_data_shapes
+    from dit_train.data import build_dataset
+    from dit_train.evaluation.fd import reference_stats as job
+
+    for c in ("a", "b"):
+        os.makedirs(tmp_path / "img" / c)
+        for i in range(4):
+            Image.new("RGB", (16, 16), (60 * i, 100 if c == "a" else 200, 0)).save(tmp_path / "img" / c / f"{i}.png")
+    root = str(tmp_path / "img")
+    run = apply_data_shapes(compose(["data=image_folder", f"data.root={root}", f"run_dir={tmp_path / 'run'}"]),
+                            ["data=image_folder", f"data.root={root}"])
+    args = ["--data", "image_folder", "--encoder", "dinov2_random", "--reference-num", "4", "--batch-size", "4",
+            "--cache-dir", str(tmp_path / "cache"), "--data-set", f"root={root}"]
+    out = job.main(args)
+    assert out["dataset_id"] == build_dataset(run.data, "train").dataset_id and out["dataset_id"].endswith(":16px")
+    assert f"[fd] from the data: data.num_classes=2 ({root}: 2 class folders), data.image_size=16 ({root}: 16x16 " \
+           f"images)" in capsys.readouterr().out
+    assert job.main([*args, "image_size=24"])["dataset_id"].endswith(":24px")
+
+
 @pytest.mark.parametrize("name,args", [("job", ["some_run"]), ("reference_stats", [])])
 def test_eval_jobs_wait_for_peers_as_long_as_training(name, args, monkeypatch):
     """Their process group gets parallel.timeout_minutes (training's default, or --timeout-minutes)."""
