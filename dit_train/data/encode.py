@@ -6,7 +6,9 @@
     dit-encode-latents --vae /w/vae --data fashion_mnist --out /tmp/fm_latents --limit 512
 
 Images come from an image folder (--images: root/<class>/<images>, or root/train + root/val; without val/ the
-trainer's held-out part is the val split) or any dataset config of the trainer (--data NAME, --data-set KEY=VALUE). The VAE is diffusers' AutoencoderKL from a local folder; a
+trainer's held-out part is the val split) or any dataset config of the trainer (--data NAME, --data-set KEY=VALUE),
+resized to --image-size: by default their own size when they share one square size (as a run on them takes it),
+else 256 for --images; the first line says which. The VAE is diffusers' AutoencoderKL from a local folder; a
 latent is (mean of the posterior - shift_factor) * scaling_factor (dit_train/diffusion/vae.py), stored as fp16 with int64
 labels in out/<split>/shard_NNNNN.safetensors (the factors in each shard's metadata too). --flip stores every image
 and its horizontal mirror, as DiT's feature extraction does. out/latents_info.json, written before the first shard,
@@ -38,15 +40,45 @@ from dit_train.evaluation.fd.job_config import load_data_cfg
 from dit_train.parallel.fsdp import barrier, init_distributed, shutdown_process_group
 
 
-def source_config(args) -> dict:
-    """The dataset config of the images (what FD of a latent run compares with)."""
+DEFAULT_IMAGE_SIZE = 256  # --images of mixed sizes: DiT's ImageNet resolution
+
+
+def source_config(args) -> tuple[dict, str]:
+    """The dataset config of the images (what FD of a latent run compares with) and where its size came from.
+    Without --image-size, the size the images' files decide, as a run on them takes it (an image folder of one
+    square size: that size; else 256 for --images, the data option's for --data): 32 px images were encoded at
+    256 px unasked."""
     from omegaconf import OmegaConf
 
+    from dit_train.data.shapes import image_folder_shapes, with_data_shapes
+
     if args.images:
-        return {"name": "image_folder", "root": os.path.abspath(args.images), "image_size": args.image_size,
-                "channels": 3, "num_classes": None, "skip_corrupt": False}
-    cfg = OmegaConf.to_container(load_data_cfg(args.data, args.data_set), resolve=True)
-    return {**cfg, "image_size": args.image_size or cfg["image_size"]}
+        found = None if args.image_size else image_folder_shapes(args.images).get("image_size")
+        size = args.image_size or (found.value if found else DEFAULT_IMAGE_SIZE)
+        source = {"name": "image_folder", "root": os.path.abspath(args.images), "image_size": size,
+                  "channels": 3, "num_classes": None, "skip_corrupt": False}
+    else:
+        cfg = OmegaConf.to_container(load_data_cfg(args.data, args.data_set), resolve=True)
+        before = cfg["image_size"]
+        cfg, _ = with_data_shapes(cfg, {kv.split("=", 1)[0] for kv in args.data_set})
+        found = cfg["image_size"] != before
+        source = {**cfg, "image_size": args.image_size or cfg["image_size"]}
+    why = ("--image-size" if args.image_size else "the images' size" if found else
+           "the default for images of mixed sizes" if args.images else f"data={args.data}'s")
+    return source, why
+
+
+def check_flags(args) -> None:
+    """The flags' values, before the VAE, the images or --out are read: one line naming the flag (--shard-size 0
+    and --splits train,test were tracebacks; --batch-size 0 one after latents_info.json was written; --limit -1
+    recorded splits of -1 images)."""
+    for flag, value, least in (("--image-size", args.image_size, 1), ("--shard-size", args.shard_size, 1),
+                               ("--batch-size", args.batch_size, 1), ("--limit", args.limit, 0)):
+        if value is not None and value < least:
+            raise ConfigError(f"{flag}={value} is not valid: expected an integer >= {least}")
+    splits = args.splits.split(",")
+    if not splits or any(s not in ("train", "val") for s in splits) or len(set(splits)) < len(splits):
+        raise ConfigError(f"--splits={args.splits} is not valid: expected train, val or train,val")
 
 
 def vae_files(path: str) -> dict:
@@ -152,15 +184,16 @@ def main(argv=None) -> dict:
     src.add_argument("--data", help="a dataset option of the trainer (data=<name>: fashion_mnist, image_folder, ...)")
     p.add_argument("--data-set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides of --data's config")
     p.add_argument("--out", required=True)
-    p.add_argument("--image-size", type=int, default=None, help="pixels (default 256 for --images, else the data's)")
+    p.add_argument("--image-size", type=int, default=None,
+                   help="pixels (default: the images' size when they share one square size, else 256 for --images "
+                        "and the data option's for --data)")
     p.add_argument("--flip", action="store_true", help="also store each image's horizontal mirror")
     p.add_argument("--limit", type=int, default=0, help="encode only the first N images of each split (0: all)")
     p.add_argument("--shard-size", type=int, default=4096, help="images per shard")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--splits", default="train,val")
     args = p.parse_args(argv)
-    if args.images and args.image_size is None:
-        args.image_size = 256
+    check_flags(args)
     from dit_train.diffusion.vae import LatentCodec
     from dit_train.diffusion.vae_shapes import check_vae_folder
 
@@ -171,7 +204,7 @@ def main(argv=None) -> dict:
     except ValueError as e:
         raise ConfigError(f"--vae: {e}") from None
     dist = init_distributed()
-    source = source_config(args)
+    source, size_from = source_config(args)
     datasets = {}
     for split in args.splits.split(","):
         ds = build_dataset(source, split)
@@ -195,6 +228,10 @@ def main(argv=None) -> dict:
     progress = None
     if dist.is_main:
         from tqdm import tqdm
+
+        size, counts = source["image_size"], ", ".join(f"{split} {n}" for split, (_, n) in datasets.items())
+        print(f"encoding {counts} images at {size}x{size} px ({size_from}) with --vae {args.vae} into {args.out}",
+              flush=True)
 
         # rank 0 counts only its own shards: the bar says so, and its total is their images
         mine = sum(images_of_rank(n, args.shard_size, 0, dist.world_size) for _, n in datasets.values())

@@ -208,3 +208,55 @@ def test_a_vae_path_that_is_not_a_vae_folder_is_one_line_before_anything_is_writ
         load_encoder()(["--vae", str(tmp_path / "nope"), "--images", str(tmp_path / "img"), "--out",
                         str(tmp_path / "lat"), "--image-size", "16"])
     assert not (tmp_path / "lat").exists()
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--shard-size", "0", "--shard-size=0 is not valid: expected an integer >= 1"),  # was ZeroDivisionError
+    ("--batch-size", "0", "--batch-size=0 is not valid: expected an integer >= 1"),  # after latents_info.json
+    ("--limit", "-1", "--limit=-1 is not valid: expected an integer >= 0"),  # recorded splits of -1 images
+    ("--image-size", "0", "--image-size=0 is not valid: expected an integer >= 1"),  # named data.image_size
+    ("--splits", "train,test", "--splits=train,test is not valid: expected train, val or train,val"),  # traceback
+    ("--splits", "train,train", "--splits=train,train is not valid: expected train, val or train,val"),
+])
+def test_a_bad_flag_is_one_line_naming_it_before_anything_is_written(tmp_path, flag, value, message):
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img")
+    with pytest.raises(ConfigError) as e:
+        load_encoder()(["--vae", str(tmp_path / "vae"), "--images", str(tmp_path / "img"), "--out",
+                        str(tmp_path / "lat"), flag, value])
+    assert str(e.value) == message
+    assert not (tmp_path / "lat").exists()
+
+
+def test_without_image_size_the_images_are_encoded_at_their_own_size(tmp_path, capsys):
+    """A folder of 16 px images was encoded at 256 px unasked (128x128 latents of an f2 VAE, 256 times the pixels);
+    the size is now the one a run on the folder takes (data/shapes.py), and the first line says where it came from.
+    A folder of mixed or non-square sizes keeps 256, --image-size wins, and --data image_folder reads the same."""
+    from types import SimpleNamespace
+
+    from dit_train.data.encode import source_config
+
+    save_tiny_vae(tmp_path / "vae")
+    for c in ("a", "b"):
+        os.makedirs(tmp_path / "img" / c)
+        for i in range(3):
+            Image.new("RGB", (16, 16), (i * 60, 100, 0)).save(tmp_path / "img" / c / f"{i}.png")
+    info = load_encoder()(["--vae", str(tmp_path / "vae"), "--images", str(tmp_path / "img"), "--out",
+                           str(tmp_path / "lat"), "--splits", "train"])
+    assert info["source"]["image_size"] == 16
+    assert f"encoding train 5 images at 16x16 px (the images' size) with --vae {tmp_path / 'vae'} into " \
+           f"{tmp_path / 'lat'}\n" in capsys.readouterr().out
+    ds = build_dataset(OmegaConf.create({"name": "latents", "root": str(tmp_path / "lat"), "image_size": 8,
+                                         "channels": 4}), "train")
+    assert ds[0][0].shape == (4, 8, 8)  # the VAE halves each side
+    image_folder(tmp_path / "mixed")  # 20x18 images
+
+    def args(**kw):
+        return SimpleNamespace(**{"images": None, "data": None, "data_set": [], "image_size": None, **kw})
+
+    assert source_config(args(images=str(tmp_path / "mixed")))[0]["image_size"] == 256
+    assert source_config(args(images=str(tmp_path / "img"), image_size=24))[0]["image_size"] == 24
+    by_data = source_config(args(data="image_folder", data_set=[f"root={tmp_path / 'img'}"]))
+    assert by_data[0]["image_size"] == 16 and by_data[1] == "the images' size"
+    by_data = source_config(args(data="image_folder", data_set=[f"root={tmp_path / 'img'}", "image_size=24"]))
+    assert by_data[0]["image_size"] == 24
