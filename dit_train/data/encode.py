@@ -13,7 +13,8 @@ latent is (mean of the posterior - shift_factor) * scaling_factor (dit_train/dif
 labels in out/<split>/shard_NNNNN.safetensors (the factors in each shard's metadata too). --flip stores every image
 and its horizontal mirror, as DiT's feature extraction does. out/latents_info.json, written before the first shard,
 records the VAE (its files' fingerprints), its factors, the source images and the settings that decide what each
-shard holds; the trainer checks it against vae.path and uses the source as the FD reference of latent runs.
+shard holds; the trainer (vae.path), dit-sample and dit-export (--vae) check the VAE they decode with
+against it, and the source is the FD reference of latent runs.
 Shards are written atomically and an existing one is skipped, so an interrupted run continues where it stopped:
 only with the VAE, images, --flip and --shard-size recorded (else one line, and nothing is written).
 """
@@ -27,15 +28,13 @@ import json
 import math
 import os
 import sys
-from pathlib import Path
 
 import torch
 
 from dit_train.runs.atomic_io import atomic_save_tensors, atomic_write_bytes
 from dit_train.config.errors import ConfigError
-from dit_train.config.latents import LATENTS_INFO, read_latents_info, vae_scaling
+from dit_train.config.latents import LATENTS_INFO, read_latents_info, vae_files, vae_scaling
 from dit_train.data import build_dataset
-from dit_train.evaluation.fd.features import _fingerprint
 from dit_train.evaluation.fd.job_config import load_data_cfg
 from dit_train.parallel.fsdp import barrier, init_distributed, shutdown_process_group
 
@@ -79,12 +78,6 @@ def check_flags(args) -> None:
     splits = args.splits.split(",")
     if not splits or any(s not in ("train", "val") for s in splits) or len(set(splits)) < len(splits):
         raise ConfigError(f"--splits={args.splits} is not valid: expected train, val or train,val")
-
-
-def vae_files(path: str) -> dict:
-    """Fingerprints of the VAE folder's config and weights: the same VAE wherever its folder lies."""
-    names = sorted(f for f in os.listdir(path) if f == "config.json" or f.endswith((".safetensors", ".bin")))
-    return {f: _fingerprint(Path(path, f)) for f in names}
 
 
 def image_list(ds, n: int) -> str:

@@ -260,3 +260,38 @@ def test_without_image_size_the_images_are_encoded_at_their_own_size(tmp_path, c
     assert by_data[0]["image_size"] == 16 and by_data[1] == "the images' size"
     by_data = source_config(args(data="image_folder", data_set=[f"root={tmp_path / 'img'}", "image_size=24"]))
     assert by_data[0]["image_size"] == 24
+
+
+def test_a_vae_other_than_the_one_that_made_the_latents_is_refused_by_train_sample_and_export(tmp_path):
+    """latents_info.json records the VAE's fingerprints and the encoder's --help says the trainer checks vae.path
+    against it, but only the factors were compared: a VAE of the same factors trained, sampled and exported, and
+    dit-sample / dit-export --vae compared nothing (a VAE of other factors decoded dit-sample's images)."""
+    from dit_train.config.latents import check_decoding_vae
+    from dit_train.export import latent_vae
+    from dit_train.sample import latent_codec
+
+    save_tiny_vae(tmp_path / "vae", seed=0)
+    save_tiny_vae(tmp_path / "same_factors", seed=1)
+    save_tiny_vae(tmp_path / "shifted", seed=0)  # the same weights, another shift_factor
+    config = json.loads((tmp_path / "shifted" / "config.json").read_text())
+    (tmp_path / "shifted" / "config.json").write_text(json.dumps({**config, "shift_factor": 0.1}))
+    image_folder(tmp_path / "img")
+    lat = tmp_path / "lat"
+    load_encoder()(["--vae", str(tmp_path / "vae"), "--images", str(tmp_path / "img"), "--out", str(lat),
+                    "--image-size", "16", "--splits", "train"])
+    weights = (rf"its diffusion_pytorch_model.safetensors is not the one the latents in {lat} were made with "
+               rf"\({tmp_path}/vae; size-sha1 \d+-[0-9a-f]{{12}}, recorded \d+-[0-9a-f]{{12}}\): pass that VAE folder$")
+    factors = rf"its scaling/shift factors \(0.18215, 0.1\) differ from those the latents in {lat} were made with"
+    with pytest.raises(ConfigError, match=rf"^vae.path='{tmp_path}/same_factors' is not valid: {weights}"):
+        check_latent_run({"name": "dit_s"}, {"root": str(lat)}, {"path": str(tmp_path / "same_factors")}, True)
+    run = OmegaConf.create({"model": {"name": "dit_s"}, "data": {"name": "latents", "root": str(lat)},
+                            "vae": {"path": str(tmp_path / "vae")}})
+    for other, message in (("same_factors", weights), ("shifted", factors)):
+        with pytest.raises(ConfigError, match=rf"^--vae='{tmp_path}/{other}' is not valid: {message}"):
+            latent_codec(run, str(tmp_path / other), "cpu")
+        with pytest.raises(ConfigError, match=rf"^--vae='{tmp_path}/{other}' is not valid: {message}"):
+            latent_vae(OmegaConf.to_container(run), str(tmp_path / other))
+    # the VAE that made them passes everywhere; a run whose latents are not here (another machine) is not checked
+    check_latent_run({"name": "dit_s"}, {"root": str(lat)}, {"path": str(tmp_path / "vae")}, True)
+    assert latent_vae(OmegaConf.to_container(run), None) == str(tmp_path / "vae")
+    check_decoding_vae(str(tmp_path / "same_factors"), str(tmp_path / "elsewhere"), "--vae")
