@@ -266,8 +266,8 @@ def test_reference_stats_of_an_image_folder_are_those_its_runs_compare_with(tmp_
             "--cache-dir", str(tmp_path / "cache"), "--data-set", f"root={root}"]
     out = job.main(args)
     assert out["dataset_id"] == build_dataset(run.data, "train").dataset_id and out["dataset_id"].endswith(":16px")
-    assert f"[fd] from the data: data.num_classes=2 ({root}: 2 class folders), data.image_size=16 ({root}: 16x16 " \
-           f"images)" in capsys.readouterr().out
+    assert f"[fd] from the data: data.num_classes=2 ({root}: 2 class folders, labels 0=a 1=b), data.image_size=16 " \
+           f"({root}: 16x16 images)" in capsys.readouterr().out
     assert job.main([*args, "image_size=24"])["dataset_id"].endswith(":24px")
 
 
