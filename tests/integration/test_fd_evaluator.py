@@ -222,11 +222,13 @@ def test_fd_of_a_local_dinov2_folder_is_labelled_by_what_it_holds(tmp_path, caps
 
     random_dinov2().save_pretrained(tmp_path / "dino")  # hidden 32, 2 layers, patch 14
     _fake_run(tmp_path / "run", [3])
+    capsys.readouterr()
     job.main([str(tmp_path / "run"), "--eval-preset", "dinov2", "--encoder-path", str(tmp_path / "dino"),
               "--cache-dir", str(tmp_path / "cache"), "--reference-split", "val", "--num-samples", "8",
               "--batch-size", "8", "--reference-num", "16", "--sample-steps", "1", "--no-progress"])
-    said = capsys.readouterr().out
+    said, bars = capsys.readouterr()
     assert "(dinov2_h32_l2_p14, n_gen=8" in said and "vitl14" not in said, said
+    assert "Loading weights" not in bars, bars  # transformers' bar over the folder's 43 tensors, at every load
     row = json.loads((tmp_path / "run" / "fd_results.json").read_text())["rows"][0]
     assert row["encoder"].startswith("dinov2_h32_l2_p14["), row
     assert ["_dinov2_h32_l2_p14_" in p.name for p in (tmp_path / "cache").glob("*.npz")] == [True]
