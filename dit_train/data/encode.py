@@ -67,6 +67,18 @@ def source_config(args) -> tuple[dict, str]:
     return source, why
 
 
+def check_out_beside_images(out: str, source: dict) -> None:
+    """--out inside the image folder (or the folder itself) made its train/ and val/ part of the images: the folder
+    then read as root/train/<class> with no class folders, and the latents' own FD reference with it."""
+    if source.get("name") != "image_folder" or not source.get("root"):
+        return
+    root, target = os.path.realpath(source["root"]), os.path.realpath(out)
+    if os.path.commonpath([root, target]) == root:
+        raise ConfigError(f"--out {out} is inside the image folder {source['root']}: its train/ and val/ would join "
+                          f"the images (which then no longer read as root/<class>/<images>); choose a folder "
+                          f"outside it")
+
+
 def check_flags(args) -> None:
     """The flags' values, before the VAE, the images or --out are read: one line naming the flag (--shard-size 0
     and --splits train,test were tracebacks; --batch-size 0 one after latents_info.json was written; --limit -1
@@ -198,6 +210,7 @@ def main(argv=None) -> dict:
         raise ConfigError(f"--vae: {e}") from None
     dist = init_distributed()
     source, size_from = source_config(args)
+    check_out_beside_images(args.out, source)
     datasets = {}
     for split in args.splits.split(","):
         ds = build_dataset(source, split)

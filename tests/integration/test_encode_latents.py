@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -295,3 +296,20 @@ def test_a_vae_other_than_the_one_that_made_the_latents_is_refused_by_train_samp
     check_latent_run({"name": "dit_s"}, {"root": str(lat)}, {"path": str(tmp_path / "vae")}, True)
     assert latent_vae(OmegaConf.to_container(run), None) == str(tmp_path / "vae")
     check_decoding_vae(str(tmp_path / "same_factors"), str(tmp_path / "elsewhere"), "--vae")
+
+
+@pytest.mark.parametrize("out", [".", "lat"])
+def test_out_inside_the_image_folder_is_refused_before_writing(tmp_path, out):
+    """--out equal to --images wrote train/ and val/ into it: the folder then read as root/train/<class> with no
+    class folders ('has no class sub-folders'), for the trainer, a rerun and the latents' own FD reference."""
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img")
+    before = folder_state(tmp_path / "img")
+    target = os.path.normpath(tmp_path / "img" / out)
+    with pytest.raises(ConfigError, match=rf"^--out {re.escape(target)} is inside the image folder "
+                                          rf"{re.escape(str(tmp_path / 'img'))}: its train/ and val/ would join"):
+        load_encoder()(["--vae", str(tmp_path / "vae"), "--images", str(tmp_path / "img"), "--out", target,
+                        "--image-size", "16"])
+    assert folder_state(tmp_path / "img") == before
+    build_dataset(OmegaConf.create({"name": "image_folder", "root": str(tmp_path / "img"), "image_size": 16}),
+                  "train")  # still an image folder
