@@ -263,11 +263,13 @@ def test_without_image_size_the_images_are_encoded_at_their_own_size(tmp_path, c
     assert by_data[0]["image_size"] == 24
 
 
-def test_a_vae_other_than_the_one_that_made_the_latents_is_refused_by_train_sample_and_export(tmp_path):
+def test_a_vae_other_than_the_one_that_made_the_latents_is_refused_by_train_sample_export_and_fd(tmp_path):
     """latents_info.json records the VAE's fingerprints and the encoder's --help says the trainer checks vae.path
-    against it, but only the factors were compared: a VAE of the same factors trained, sampled and exported, and
-    dit-sample / dit-export --vae compared nothing (a VAE of other factors decoded dit-sample's images)."""
+    against it, but only the factors were compared: a VAE of the same factors trained, sampled, exported and was
+    scored, and dit-sample / dit-export / dit-fd --vae compared nothing (a VAE of other factors decoded
+    dit-sample's images)."""
     from dit_train.config.latents import check_decoding_vae
+    from dit_train.evaluation.fd.job import latent_decoder
     from dit_train.export import latent_vae
     from dit_train.sample import latent_codec
 
@@ -292,6 +294,8 @@ def test_a_vae_other_than_the_one_that_made_the_latents_is_refused_by_train_samp
             latent_codec(run, str(tmp_path / other), "cpu")
         with pytest.raises(ConfigError, match=rf"^--vae='{tmp_path}/{other}' is not valid: {message}"):
             latent_vae(OmegaConf.to_container(run), str(tmp_path / other))
+        with pytest.raises(ConfigError, match=rf"^--vae='{tmp_path}/{other}' is not valid: {message}"):
+            latent_decoder(run, run.data, str(tmp_path / other), "cpu")  # dit-fd
     # the VAE that made them passes everywhere; a run whose latents are not here (another machine) is not checked
     check_latent_run({"name": "dit_s"}, {"root": str(lat)}, {"path": str(tmp_path / "vae")}, True)
     assert latent_vae(OmegaConf.to_container(run), None) == str(tmp_path / "vae")
