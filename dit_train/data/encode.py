@@ -49,7 +49,7 @@ def source_config(args) -> tuple[dict, str]:
     256 px unasked."""
     from omegaconf import OmegaConf
 
-    from dit_train.data.shapes import image_folder_shapes, with_data_shapes
+    from dit_train.data.shapes import image_folder_shapes, read_data_shapes, with_data_shapes
 
     if args.images:
         found = None if args.image_size else image_folder_shapes(args.images).get("image_size")
@@ -58,9 +58,9 @@ def source_config(args) -> tuple[dict, str]:
                   "channels": 3, "num_classes": None, "skip_corrupt": False}
     else:
         cfg = OmegaConf.to_container(load_data_cfg(args.data, args.data_set), resolve=True)
-        before = cfg["image_size"]
-        cfg, _ = with_data_shapes(cfg, {kv.split("=", 1)[0] for kv in args.data_set})
-        found = cfg["image_size"] != before
+        given = {kv.split("=", 1)[0] for kv in args.data_set}
+        cfg, _ = with_data_shapes(cfg, given)
+        found = "image_size" not in given and "image_size" in read_data_shapes(cfg)  # even if equal to the preset's
         source = {**cfg, "image_size": args.image_size or cfg["image_size"]}
     why = ("--image-size" if args.image_size else "the images' size" if found else
            "the default for images of mixed sizes" if args.images else f"data={args.data}'s")

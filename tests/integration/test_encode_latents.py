@@ -260,7 +260,9 @@ def test_without_image_size_the_images_are_encoded_at_their_own_size(tmp_path, c
     by_data = source_config(args(data="image_folder", data_set=[f"root={tmp_path / 'img'}"]))
     assert by_data[0]["image_size"] == 16 and by_data[1] == "the images' size"
     by_data = source_config(args(data="image_folder", data_set=[f"root={tmp_path / 'img'}", "image_size=24"]))
-    assert by_data[0]["image_size"] == 24
+    assert by_data[0]["image_size"] == 24 and by_data[1] == "data=image_folder's"
+    assert source_config(args(data="image_folder", data_set=[f"root={tmp_path / 'mixed'}"])) == (
+        {**by_data[0], "root": str(tmp_path / "mixed"), "image_size": 64}, "data=image_folder's")  # the preset's
 
 
 def test_a_vae_other_than_the_one_that_made_the_latents_is_refused_by_train_sample_export_and_fd(tmp_path):
