@@ -273,6 +273,29 @@ def test_reference_stats_of_an_image_folder_are_those_its_runs_compare_with(tmp_
     assert job.main([*args, "image_size=24"])["dataset_id"].endswith(":24px")
 
 
+def test_reference_stats_of_latents_are_of_the_images_they_were_made_from(tmp_path, capsys):
+    """`dit-reference-stats --data latents --data-set root=LATENTS`, to cache a latent run's FD reference, fed the
+    4-channel latents to the encoder ('FD needs an image dataset'); it now reads the images latents_info.json
+    records, the dataset a latent run's FD compares with (reference_data_config), at the size they were encoded."""
+    from test_encode_latents import image_folder, save_tiny_vae
+
+    from dit_train.data.encode import main as encode
+    from dit_train.evaluation.fd import reference_stats as job
+
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img")  # 20x18 images: encoded at --image-size 16
+    encode(["--vae", str(tmp_path / "vae"), "--images", str(tmp_path / "img"), "--out", str(tmp_path / "lat"),
+            "--image-size", "16"])
+    capsys.readouterr()
+    out = job.main(["--data", "latents", "--data-set", f"root={tmp_path / 'lat'}", "--encoder", "dinov2_random",
+                    "--reference-num", "4", "--batch-size", "4", "--cache-dir", str(tmp_path / "cache")])
+    assert out["dataset_id"] == f"image_folder:{tmp_path / 'img'}:5:16px", out  # 6 images, 1 held out as val
+    assert f"[fd] from the data: the images the latents were made from ({tmp_path / 'lat'}/latents_info.json: " \
+           f"image_folder {tmp_path / 'img'} at 16 px)" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"^data.root='.*/img' is not valid: the reference of latents is the images"):
+        job.main(["--data", "latents", "--data-set", f"root={tmp_path / 'img'}", "--encoder", "dinov2_random"])
+
+
 @pytest.mark.parametrize("name,args", [("job", ["some_run"]), ("reference_stats", [])])
 def test_eval_jobs_wait_for_peers_as_long_as_training(name, args, monkeypatch):
     """Their process group gets parallel.timeout_minutes (training's default, or --timeout-minutes)."""
