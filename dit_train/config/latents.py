@@ -112,9 +112,9 @@ def vae_mismatch(path: str, root: str, info: dict) -> str | None:
 
 
 def check_decoding_vae(path: str, root, what: str) -> None:
-    """dit-sample / dit-export of a latent run: `path` (named `what`: --vae, or the run's vae.path) is the VAE that
-    made the run's latents, when its data.root still holds their latents_info.json (a run from another machine:
-    nothing to compare with). The trainer checks vae.path the same way (check_latent_run)."""
+    """dit-sample / dit-export / dit-fd of a latent run: `path` (named `what`: --vae, or the run's vae.path) is
+    the VAE that made the run's latents, when its data.root still holds their latents_info.json (a run from
+    another machine: nothing to compare with). The trainer checks vae.path the same way (check_latent_run)."""
     if not root or not os.path.isfile(os.path.join(str(root), LATENTS_INFO)) or \
             not os.path.isfile(os.path.join(path, "config.json")):  # not a VAE folder: LatentCodec says so
         return

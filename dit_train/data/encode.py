@@ -13,7 +13,7 @@ latent is (mean of the posterior - shift_factor) * scaling_factor (dit_train/dif
 labels in out/<split>/shard_NNNNN.safetensors (the factors in each shard's metadata too). --flip stores every image
 and its horizontal mirror, as DiT's feature extraction does. out/latents_info.json, written before the first shard,
 records the VAE (its files' fingerprints), its factors, the source images and the settings that decide what each
-shard holds; the trainer (vae.path), dit-sample and dit-export (--vae) check the VAE they decode with
+shard holds; the trainer (vae.path), dit-sample, dit-export and dit-fd (--vae) check the VAE they decode with
 against it, and the source is the FD reference of latent runs.
 Shards are written atomically and an existing one is skipped, so an interrupted run continues where it stopped:
 only with the VAE, images, --flip and --shard-size recorded (else one line, and nothing is written).
