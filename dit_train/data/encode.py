@@ -7,8 +7,9 @@
 
 Images come from an image folder (--images: root/<class>/<images>, or root/train + root/val; without val/ the
 trainer's held-out part is the val split) or any dataset config of the trainer (--data NAME, --data-set KEY=VALUE),
-resized to --image-size: by default their own size when they share one square size (as a run on them takes it),
-else 256 for --images; the first line says which. The VAE is diffusers' AutoencoderKL from a local folder; a
+resized to --image-size: by default their own size when they share one square size up to 256 (as a run on them
+takes it), else 256 for --images (DiT's size: larger images are downscaled, as the large presets expect 32x32
+latents); the first line says which. The VAE is diffusers' AutoencoderKL from a local folder; a
 latent is (mean of the posterior - shift_factor) * scaling_factor (dit_train/diffusion/vae.py), stored as fp16 with int64
 labels in out/<split>/shard_NNNNN.safetensors (the factors in each shard's metadata too). --flip stores every image
 and its horizontal mirror, as DiT's feature extraction does. out/latents_info.json, written before the first shard,
@@ -53,6 +54,8 @@ def source_config(args) -> tuple[dict, str]:
 
     if args.images:
         found = None if args.image_size else image_folder_shapes(args.images).get("image_size")
+        if found is not None and found.value > DEFAULT_IMAGE_SIZE:  # downscaled to DiT's 256 px, as before: the
+            found = None  # large presets take 32x32 latents; 1024 px images would make 16x the tokens unasked
         size = args.image_size or (found.value if found else DEFAULT_IMAGE_SIZE)
         source = {"name": "image_folder", "root": os.path.abspath(args.images), "image_size": size,
                   "channels": 3, "num_classes": None, "skip_corrupt": False}
@@ -63,7 +66,7 @@ def source_config(args) -> tuple[dict, str]:
         found = "image_size" not in given and "image_size" in read_data_shapes(cfg)  # even if equal to the preset's
         source = {**cfg, "image_size": args.image_size or cfg["image_size"]}
     why = ("--image-size" if args.image_size else "the images' size" if found else
-           "the default for images of mixed sizes" if args.images else f"data={args.data}'s")
+           "the default for images of mixed or larger sizes" if args.images else f"data={args.data}'s")
     return source, why
 
 
@@ -190,8 +193,8 @@ def main(argv=None) -> dict:
     p.add_argument("--data-set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides of --data's config")
     p.add_argument("--out", required=True)
     p.add_argument("--image-size", type=int, default=None,
-                   help="pixels (default: the images' size when they share one square size, else 256 for --images "
-                        "and the data option's for --data)")
+                   help="pixels (default: the images' size when they share one square size up to 256, else 256 "
+                        "for --images; the data option's for --data)")
     p.add_argument("--flip", action="store_true", help="also store each image's horizontal mirror")
     p.add_argument("--limit", type=int, default=0, help="encode only the first N images of each split (0: all)")
     p.add_argument("--shard-size", type=int, default=4096, help="images per shard")

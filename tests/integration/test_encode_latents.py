@@ -256,6 +256,12 @@ def test_without_image_size_the_images_are_encoded_at_their_own_size(tmp_path, c
         return SimpleNamespace(**{"images": None, "data": None, "data_set": [], "image_size": None, **kw})
 
     assert source_config(args(images=str(tmp_path / "mixed")))[0]["image_size"] == 256
+    for c in ("a", "b"):  # one square size above 256: downscaled to DiT's 256 as before, not encoded at 320
+        os.makedirs(tmp_path / "large" / c)
+        Image.new("RGB", (320, 320)).save(tmp_path / "large" / c / "0.png")
+    assert source_config(args(images=str(tmp_path / "large"))) == (
+        {**source_config(args(images=str(tmp_path / "mixed")))[0], "root": str(tmp_path / "large")},
+        "the default for images of mixed or larger sizes")
     assert source_config(args(images=str(tmp_path / "img"), image_size=24))[0]["image_size"] == 24
     by_data = source_config(args(data="image_folder", data_set=[f"root={tmp_path / 'img'}"]))
     assert by_data[0]["image_size"] == 16 and by_data[1] == "the images' size"
