@@ -56,8 +56,10 @@ def latent_vae(config: dict, vae: str | None) -> str | None:
     if not path or not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"--vae={path!r} is not valid: a latent run's export includes the VAE that made its latents;"
                          f" pass --vae /path/to/vae (the AutoencoderKL folder given to dit-encode-latents --vae)")
+    from dit_train.config.latents import check_decoding_vae
     from dit_train.extras import require
 
+    check_decoding_vae(path, config["data"].get("root"), "--vae" if vae else "vae.path")
     require("diffusers", "latents", "exporting a latent run's VAE")
     return path
 

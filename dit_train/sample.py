@@ -46,8 +46,10 @@ def latent_codec(cfg, vae_path: str | None, device):
     if not path:
         raise ValueError(f"{cfg.model.get('name')} was trained on latents (data=latents) and its run names no VAE: "
                          f"pass --vae /path/to/vae (the folder given to dit-encode-latents --vae)")
+    from dit_train.config.latents import check_decoding_vae
     from dit_train.diffusion.vae import LatentCodec
 
+    check_decoding_vae(path, cfg.data.get("root"), "--vae" if vae_path else "vae.path")
     return LatentCodec(path, device, vae_cfg.get("decode_batch_size", 16))
 
 

@@ -4,6 +4,7 @@ that says exactly what to pass and how to make it."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 
@@ -67,12 +68,58 @@ def check_latent_run(model: dict, data: dict, vae: dict, needs_decoding: bool) -
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise invalid("vae.path", path, "expected a diffusers AutoencoderKL folder (config.json + weights)")
     if "scaling_factor" in info:
-        try:
-            now = vae_scaling(path)
-            then = (float(info["scaling_factor"]), float(info.get("shift_factor") or 0.0))
-        except (TypeError, ValueError) as e:  # a damaged config.json, or latents_info.json edited by hand
-            raise invalid("vae.path", path, str(e) if isinstance(e, DamagedJSONFile) else
-                          f"{os.path.join(root, LATENTS_INFO)} holds factors that are not numbers ({e})") from None
-        if not all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(now, then)):
-            raise invalid("vae.path", path, f"its scaling/shift factors {now} differ from those the latents in "
-                                            f"{root} were made with {then} ({info.get('vae', '?')})")
+        differs = vae_mismatch(path, root, info)
+        if differs:
+            raise invalid("vae.path", path, differs)
+
+
+def vae_files(path: str) -> dict:
+    """Fingerprints of a VAE folder's config and weights (dit-encode-latents records them in latents_info.json):
+    the same VAE wherever its folder lies. Each is evaluation/fd/features._fingerprint's size + sha1 of the first
+    MiB, computed here without importing torch (the config check runs before it)."""
+    out = {}
+    for name in sorted(os.listdir(path)):
+        file = os.path.join(path, name)
+        if (name == "config.json" or name.endswith((".safetensors", ".bin"))) and os.path.isfile(file):
+            with open(file, "rb") as f:
+                head = f.read(1 << 20)
+            out[name] = f"{os.path.getsize(file)}-{hashlib.sha1(head).hexdigest()[:12]}"
+    return out
+
+
+def vae_mismatch(path: str, root: str, info: dict) -> str | None:
+    """Why the VAE folder `path` is not the one that made the latents in `root` (`info`: their latents_info.json,
+    which records factors), or None: its scaling/shift factors, then the fingerprints of the weight files both
+    hold. A VAE of the same factors (two SD VAEs, a fine-tune) decoded a run's grids, FD and dit-sample images
+    unasked, although latents_info.json recorded which one made them."""
+    try:
+        now = vae_scaling(path)
+        then = (float(info["scaling_factor"]), float(info.get("shift_factor") or 0.0))
+    except (TypeError, ValueError) as e:  # a damaged config.json, or latents_info.json edited by hand
+        return str(e) if isinstance(e, DamagedJSONFile) else \
+            f"{os.path.join(root, LATENTS_INFO)} holds factors that are not numbers ({e})"
+    if not all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(now, then)):
+        return (f"its scaling/shift factors {now} differ from those the latents in {root} were made with {then} "
+                f"({info.get('vae', '?')})")
+    recorded = info.get("vae_files")
+    if isinstance(recorded, dict):  # older records have none; a file of another name (converted weights) passes
+        files = vae_files(path)
+        for name in sorted((set(recorded) & set(files)) - {"config.json"}):
+            if recorded[name] != files[name]:
+                return (f"its {name} is not the one the latents in {root} were made with ({info.get('vae', '?')}; "
+                        f"size-sha1 {files[name]}, recorded {recorded[name]}): pass that VAE folder")
+    return None
+
+
+def check_decoding_vae(path: str, root, what: str) -> None:
+    """dit-sample / dit-export / dit-fd of a latent run: `path` (named `what`: --vae, or the run's vae.path) is
+    the VAE that made the run's latents, when its data.root still holds their latents_info.json (a run from
+    another machine: nothing to compare with). The trainer checks vae.path the same way (check_latent_run)."""
+    if not root or not os.path.isfile(os.path.join(str(root), LATENTS_INFO)) or \
+            not os.path.isfile(os.path.join(path, "config.json")):  # not a VAE folder: LatentCodec says so
+        return
+    info = read_latents_info(str(root))
+    if "scaling_factor" in info:
+        differs = vae_mismatch(path, str(root), info)
+        if differs:
+            raise invalid(what, path, differs)

@@ -6,12 +6,16 @@
     dit-encode-latents --vae /w/vae --data fashion_mnist --out /tmp/fm_latents --limit 512
 
 Images come from an image folder (--images: root/<class>/<images>, or root/train + root/val; without val/ the
-trainer's held-out part is the val split) or any dataset config of the trainer (--data NAME, --data-set KEY=VALUE). The VAE is diffusers' AutoencoderKL from a local folder; a
+trainer's held-out part is the val split) or any dataset config of the trainer (--data NAME, --data-set KEY=VALUE),
+resized to --image-size: by default their own size when they share one square size up to 256 (as a run on them
+takes it), else 256 for --images (DiT's size: larger images are downscaled, as the large presets expect 32x32
+latents); the first line says which. The VAE is diffusers' AutoencoderKL from a local folder; a
 latent is (mean of the posterior - shift_factor) * scaling_factor (dit_train/diffusion/vae.py), stored as fp16 with int64
 labels in out/<split>/shard_NNNNN.safetensors (the factors in each shard's metadata too). --flip stores every image
 and its horizontal mirror, as DiT's feature extraction does. out/latents_info.json, written before the first shard,
 records the VAE (its files' fingerprints), its factors, the source images and the settings that decide what each
-shard holds; the trainer checks it against vae.path and uses the source as the FD reference of latent runs.
+shard holds; the trainer (vae.path), dit-sample, dit-export and dit-fd (--vae) check the VAE they decode with
+against it, and the source is the FD reference of latent runs.
 Shards are written atomically and an existing one is skipped, so an interrupted run continues where it stopped:
 only with the VAE, images, --flip and --shard-size recorded (else one line, and nothing is written).
 """
@@ -25,34 +29,70 @@ import json
 import math
 import os
 import sys
-from pathlib import Path
 
 import torch
 
 from dit_train.runs.atomic_io import atomic_save_tensors, atomic_write_bytes
 from dit_train.config.errors import ConfigError
-from dit_train.config.latents import LATENTS_INFO, read_latents_info, vae_scaling
+from dit_train.config.latents import LATENTS_INFO, read_latents_info, vae_files, vae_scaling
 from dit_train.data import build_dataset
-from dit_train.evaluation.fd.features import _fingerprint
 from dit_train.evaluation.fd.job_config import load_data_cfg
 from dit_train.parallel.fsdp import barrier, init_distributed, shutdown_process_group
 
 
-def source_config(args) -> dict:
-    """The dataset config of the images (what FD of a latent run compares with)."""
+DEFAULT_IMAGE_SIZE = 256  # --images of mixed sizes: DiT's ImageNet resolution
+
+
+def source_config(args) -> tuple[dict, str]:
+    """The dataset config of the images (what FD of a latent run compares with) and where its size came from.
+    Without --image-size, the size the images' files decide, as a run on them takes it (an image folder of one
+    square size: that size; else 256 for --images, the data option's for --data): 32 px images were encoded at
+    256 px unasked."""
     from omegaconf import OmegaConf
 
+    from dit_train.data.shapes import image_folder_shapes, read_data_shapes, with_data_shapes
+
     if args.images:
-        return {"name": "image_folder", "root": os.path.abspath(args.images), "image_size": args.image_size,
-                "channels": 3, "num_classes": None, "skip_corrupt": False}
-    cfg = OmegaConf.to_container(load_data_cfg(args.data, args.data_set), resolve=True)
-    return {**cfg, "image_size": args.image_size or cfg["image_size"]}
+        found = None if args.image_size else image_folder_shapes(args.images).get("image_size")
+        if found is not None and found.value > DEFAULT_IMAGE_SIZE:  # downscaled to DiT's 256 px, as before: the
+            found = None  # large presets take 32x32 latents; 1024 px images would make 16x the tokens unasked
+        size = args.image_size or (found.value if found else DEFAULT_IMAGE_SIZE)
+        source = {"name": "image_folder", "root": os.path.abspath(args.images), "image_size": size,
+                  "channels": 3, "num_classes": None, "skip_corrupt": False}
+    else:
+        cfg = OmegaConf.to_container(load_data_cfg(args.data, args.data_set), resolve=True)
+        given = {kv.split("=", 1)[0] for kv in args.data_set}
+        cfg, _ = with_data_shapes(cfg, given)
+        found = "image_size" not in given and "image_size" in read_data_shapes(cfg)  # even if equal to the preset's
+        source = {**cfg, "image_size": args.image_size or cfg["image_size"]}
+    why = ("--image-size" if args.image_size else "the images' size" if found else
+           "the default for images of mixed or larger sizes" if args.images else f"data={args.data}'s")
+    return source, why
 
 
-def vae_files(path: str) -> dict:
-    """Fingerprints of the VAE folder's config and weights: the same VAE wherever its folder lies."""
-    names = sorted(f for f in os.listdir(path) if f == "config.json" or f.endswith((".safetensors", ".bin")))
-    return {f: _fingerprint(Path(path, f)) for f in names}
+def check_out_beside_images(out: str, source: dict) -> None:
+    """--out inside the image folder (or the folder itself) made its train/ and val/ part of the images: the folder
+    then read as root/train/<class> with no class folders, and the latents' own FD reference with it."""
+    if source.get("name") != "image_folder" or not source.get("root"):
+        return
+    root, target = os.path.realpath(source["root"]), os.path.realpath(out)
+    if os.path.commonpath([root, target]) == root:
+        raise ConfigError(f"--out {out} is inside the image folder {source['root']}: its train/ and val/ would join "
+                          f"the images (which then no longer read as root/<class>/<images>); choose a folder "
+                          f"outside it")
+
+
+def check_flags(args) -> None:
+    """The flags' values, before the VAE, the images or --out are read: one line naming the flag (--shard-size 0
+    and --splits train,test were tracebacks; --batch-size 0 one after latents_info.json was written; --limit -1
+    recorded splits of -1 images)."""
+    for flag, value, least in (("--image-size", args.image_size, 1), ("--shard-size", args.shard_size, 1),
+                               ("--batch-size", args.batch_size, 1), ("--limit", args.limit, 0)):
+        if value is not None and value < least:
+            raise ConfigError(f"{flag}={value} is not valid: expected an integer >= {least}")
+    splits = args.splits.split(",")
+    if not splits or any(s not in ("train", "val") for s in splits) or len(set(splits)) < len(splits):
+        raise ConfigError(f"--splits={args.splits} is not valid: expected train, val or train,val")
 
 
 def image_list(ds, n: int) -> str:
@@ -152,15 +192,16 @@ def main(argv=None) -> dict:
     src.add_argument("--data", help="a dataset option of the trainer (data=<name>: fashion_mnist, image_folder, ...)")
     p.add_argument("--data-set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides of --data's config")
     p.add_argument("--out", required=True)
-    p.add_argument("--image-size", type=int, default=None, help="pixels (default 256 for --images, else the data's)")
+    p.add_argument("--image-size", type=int, default=None,
+                   help="pixels (default: the images' size when they share one square size up to 256, else 256 "
+                        "for --images; the data option's for --data)")
     p.add_argument("--flip", action="store_true", help="also store each image's horizontal mirror")
     p.add_argument("--limit", type=int, default=0, help="encode only the first N images of each split (0: all)")
     p.add_argument("--shard-size", type=int, default=4096, help="images per shard")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--splits", default="train,val")
     args = p.parse_args(argv)
-    if args.images and args.image_size is None:
-        args.image_size = 256
+    check_flags(args)
     from dit_train.diffusion.vae import LatentCodec
     from dit_train.diffusion.vae_shapes import check_vae_folder
 
@@ -171,7 +212,8 @@ def main(argv=None) -> dict:
     except ValueError as e:
         raise ConfigError(f"--vae: {e}") from None
     dist = init_distributed()
-    source = source_config(args)
+    source, size_from = source_config(args)
+    check_out_beside_images(args.out, source)
     datasets = {}
     for split in args.splits.split(","):
         ds = build_dataset(source, split)
@@ -195,6 +237,10 @@ def main(argv=None) -> dict:
     progress = None
     if dist.is_main:
         from tqdm import tqdm
+
+        size, counts = source["image_size"], ", ".join(f"{split} {n}" for split, (_, n) in datasets.items())
+        print(f"encoding {counts} images at {size}x{size} px ({size_from}) with --vae {args.vae} into {args.out}",
+              flush=True)
 
         # rank 0 counts only its own shards: the bar says so, and its total is their images
         mine = sum(images_of_rank(n, args.shard_size, 0, dist.world_size) for _, n in datasets.values())

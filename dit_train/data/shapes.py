@@ -76,6 +76,13 @@ def latent_class_count(root: str) -> Found:
     return Found(top + 1, f"{root}: largest label {top} in the shards", suggested=True)
 
 
+def label_names(classes: list[str], shown: int = 8) -> str:
+    """'labels 0=cat 1=dog 2=fox': which folder each label is (dit-sample --classes takes labels), which no output
+    said; of many classes the first few and the last."""
+    pairs = [f"{i}={name}" for i, name in enumerate(classes)]
+    return "labels " + " ".join(pairs if len(pairs) <= shown else [*pairs[:shown - 2], "...", pairs[-1]])
+
+
 def image_folder_shapes(root) -> dict[str, Found]:
     from dit_train.data.image_folder import class_folders, first_image_sizes, split_folder
 
@@ -86,9 +93,19 @@ def image_folder_shapes(root) -> dict[str, Found]:
     if not classes:
         return {}
     found = {"channels": Found(3, f"{root}: images are read as RGB"),
-             "num_classes": Found(len(classes), f"{folder}: {len(classes)} class folders")}
+             "num_classes": Found(len(classes), f"{folder}: {len(classes)} class folders, {label_names(classes)}")}
     sizes = set(first_image_sizes(folder, classes))
     if len(sizes) == 1 and len({*next(iter(sizes))}) == 1:  # one square size: a set prepared at its resolution
         side = next(iter(sizes))[0]
         found["image_size"] = Found(side, f"{folder}: {side}x{side} images", suggested=True)
     return found  # mixed or non-square sizes: resized to the preset's data.image_size
+
+
+def with_data_shapes(data: dict, given) -> tuple[dict, list[str]]:
+    """`data` with the shapes its files decide, as the trainer takes them (config/data_shapes.py), for the tools
+    that read a dataset outside a run (dit-reference-stats, dit-encode-latents --data): the keys in `given` (the
+    user's KEY=VALUE overrides) are kept. Returns the new dict and 'data.key=value (where)' for each key taken. An
+    image folder of 32 px images was read at the preset's 64 px: reference statistics no run of it compares with."""
+    found = read_data_shapes(data)
+    taken = [f"data.{k}={f.value} ({f.source})" for k, f in found.items() if k not in given and data.get(k) != f.value]
+    return {**data, **{k: f.value for k, f in found.items() if k not in given}}, taken

@@ -3,14 +3,16 @@ sample grids and FD (evaluation.py; FD predates this interface).
 
 A metric is one class: a `Config` dataclass whose keys live under `eval.<name>` (default, type, rule, doc and resume
 rule declared there, like every key: config/fields.py) and `measure`, which returns numbers. Registering it
-(`register_metric(cls)`, or one entry in METRICS for a metric of the package) is all the rest needs: the evaluation
-loop runs it every `eval.<name>.every_n_steps` steps (and at the last), metrics.jsonl gets `<name>/<key>`, the
-checkpoint and summary.json its best value (by `better`), summary.json its last values, the study report a column,
-`--help` and tab completion its keys, and the resume policy its rules. docs/extending.md, "A new metric".
+(`register_metric(cls)`; for a metric of the package, its module's name in PACKAGE_METRICS) is all the rest needs:
+the evaluation loop runs it every `eval.<name>.every_n_steps` steps (and at the last), metrics.jsonl gets
+`<name>/<key>`, the checkpoint and summary.json its best value (by `better`), summary.json its last values, the study
+report a column, `--help` and tab completion its keys, and the resume policy its rules. docs/extending.md, "A new
+metric".
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -88,3 +90,11 @@ def unregister_metric(cls: type[Metric]) -> None:
 def active_metrics(eval_cfg: dict) -> list[Metric]:
     """The registered metrics the checked eval config turns on."""
     return [m(eval_cfg[m.name]) for m in METRICS if eval_cfg[m.name]["every_n_steps"]]
+
+
+# The package's own metrics: a new one is its file (docs/extending.md's example as it is, @register_metric
+# included) and its module's name here. Imported last, once register_metric exists: an import placed above
+# METRICS, as an entry of that list needed, stopped the page's file in a circular ImportError.
+PACKAGE_METRICS: tuple[str, ...] = ()
+for _module in PACKAGE_METRICS:
+    importlib.import_module(_module)

@@ -93,6 +93,8 @@ def test_an_image_folder_run_reads_its_classes_channels_and_size(tmp_path):
     assert r.returncode == 0, r.stderr
     log = (tmp_path / "run" / "dit_train.log").read_text()
     assert "data.image_size=24" in log and "model.in_channels=3" in log and "model.num_classes=2" in log
+    # which folder each label is (dit-sample --classes takes labels): no output said
+    assert f"data.num_classes=2 ({tmp_path / 'img'}: 2 class folders, labels 0=a 1=b)" in log
     held = re.search(r"(\d+) of its 16 images are held out as validation", log)
     counts = re.search(r"\((\d+) train / (\d+) val\)", r.stdout)
     assert held and counts and int(counts[2]) == int(held[1]) >= 1 and int(counts[1]) + int(counts[2]) == 16

@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -208,3 +209,119 @@ def test_a_vae_path_that_is_not_a_vae_folder_is_one_line_before_anything_is_writ
         load_encoder()(["--vae", str(tmp_path / "nope"), "--images", str(tmp_path / "img"), "--out",
                         str(tmp_path / "lat"), "--image-size", "16"])
     assert not (tmp_path / "lat").exists()
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--shard-size", "0", "--shard-size=0 is not valid: expected an integer >= 1"),  # was ZeroDivisionError
+    ("--batch-size", "0", "--batch-size=0 is not valid: expected an integer >= 1"),  # after latents_info.json
+    ("--limit", "-1", "--limit=-1 is not valid: expected an integer >= 0"),  # recorded splits of -1 images
+    ("--image-size", "0", "--image-size=0 is not valid: expected an integer >= 1"),  # named data.image_size
+    ("--splits", "train,test", "--splits=train,test is not valid: expected train, val or train,val"),  # traceback
+    ("--splits", "train,train", "--splits=train,train is not valid: expected train, val or train,val"),
+])
+def test_a_bad_flag_is_one_line_naming_it_before_anything_is_written(tmp_path, flag, value, message):
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img")
+    with pytest.raises(ConfigError) as e:
+        load_encoder()(["--vae", str(tmp_path / "vae"), "--images", str(tmp_path / "img"), "--out",
+                        str(tmp_path / "lat"), flag, value])
+    assert str(e.value) == message
+    assert not (tmp_path / "lat").exists()
+
+
+def test_without_image_size_the_images_are_encoded_at_their_own_size(tmp_path, capsys):
+    """A folder of 16 px images was encoded at 256 px unasked (128x128 latents of an f2 VAE, 256 times the pixels);
+    the size is now the one a run on the folder takes (data/shapes.py), and the first line says where it came from.
+    A folder of mixed or non-square sizes keeps 256, --image-size wins, and --data image_folder reads the same."""
+    from types import SimpleNamespace
+
+    from dit_train.data.encode import source_config
+
+    save_tiny_vae(tmp_path / "vae")
+    for c in ("a", "b"):
+        os.makedirs(tmp_path / "img" / c)
+        for i in range(3):
+            Image.new("RGB", (16, 16), (i * 60, 100, 0)).save(tmp_path / "img" / c / f"{i}.png")
+    info = load_encoder()(["--vae", str(tmp_path / "vae"), "--images", str(tmp_path / "img"), "--out",
+                           str(tmp_path / "lat"), "--splits", "train"])
+    assert info["source"]["image_size"] == 16
+    assert f"encoding train 5 images at 16x16 px (the images' size) with --vae {tmp_path / 'vae'} into " \
+           f"{tmp_path / 'lat'}\n" in capsys.readouterr().out
+    ds = build_dataset(OmegaConf.create({"name": "latents", "root": str(tmp_path / "lat"), "image_size": 8,
+                                         "channels": 4}), "train")
+    assert ds[0][0].shape == (4, 8, 8)  # the VAE halves each side
+    image_folder(tmp_path / "mixed")  # 20x18 images
+
+    def args(**kw):
+        return SimpleNamespace(**{"images": None, "data": None, "data_set": [], "image_size": None, **kw})
+
+    assert source_config(args(images=str(tmp_path / "mixed")))[0]["image_size"] == 256
+    for c in ("a", "b"):  # one square size above 256: downscaled to DiT's 256 as before, not encoded at 320
+        os.makedirs(tmp_path / "large" / c)
+        Image.new("RGB", (320, 320)).save(tmp_path / "large" / c / "0.png")
+    assert source_config(args(images=str(tmp_path / "large"))) == (
+        {**source_config(args(images=str(tmp_path / "mixed")))[0], "root": str(tmp_path / "large")},
+        "the default for images of mixed or larger sizes")
+    assert source_config(args(images=str(tmp_path / "img"), image_size=24))[0]["image_size"] == 24
+    by_data = source_config(args(data="image_folder", data_set=[f"root={tmp_path / 'img'}"]))
+    assert by_data[0]["image_size"] == 16 and by_data[1] == "the images' size"
+    by_data = source_config(args(data="image_folder", data_set=[f"root={tmp_path / 'img'}", "image_size=24"]))
+    assert by_data[0]["image_size"] == 24 and by_data[1] == "data=image_folder's"
+    assert source_config(args(data="image_folder", data_set=[f"root={tmp_path / 'mixed'}"])) == (
+        {**by_data[0], "root": str(tmp_path / "mixed"), "image_size": 64}, "data=image_folder's")  # the preset's
+
+
+def test_a_vae_other_than_the_one_that_made_the_latents_is_refused_by_train_sample_export_and_fd(tmp_path):
+    """latents_info.json records the VAE's fingerprints and the encoder's --help says the trainer checks vae.path
+    against it, but only the factors were compared: a VAE of the same factors trained, sampled, exported and was
+    scored, and dit-sample / dit-export / dit-fd --vae compared nothing (a VAE of other factors decoded
+    dit-sample's images)."""
+    from dit_train.config.latents import check_decoding_vae
+    from dit_train.evaluation.fd.job import latent_decoder
+    from dit_train.export import latent_vae
+    from dit_train.sample import latent_codec
+
+    save_tiny_vae(tmp_path / "vae", seed=0)
+    save_tiny_vae(tmp_path / "same_factors", seed=1)
+    save_tiny_vae(tmp_path / "shifted", seed=0)  # the same weights, another shift_factor
+    config = json.loads((tmp_path / "shifted" / "config.json").read_text())
+    (tmp_path / "shifted" / "config.json").write_text(json.dumps({**config, "shift_factor": 0.1}))
+    image_folder(tmp_path / "img")
+    lat = tmp_path / "lat"
+    load_encoder()(["--vae", str(tmp_path / "vae"), "--images", str(tmp_path / "img"), "--out", str(lat),
+                    "--image-size", "16", "--splits", "train"])
+    weights = (rf"its diffusion_pytorch_model.safetensors is not the one the latents in {lat} were made with "
+               rf"\({tmp_path}/vae; size-sha1 \d+-[0-9a-f]{{12}}, recorded \d+-[0-9a-f]{{12}}\): pass that VAE folder$")
+    factors = rf"its scaling/shift factors \(0.18215, 0.1\) differ from those the latents in {lat} were made with"
+    with pytest.raises(ConfigError, match=rf"^vae.path='{tmp_path}/same_factors' is not valid: {weights}"):
+        check_latent_run({"name": "dit_s"}, {"root": str(lat)}, {"path": str(tmp_path / "same_factors")}, True)
+    run = OmegaConf.create({"model": {"name": "dit_s"}, "data": {"name": "latents", "root": str(lat)},
+                            "vae": {"path": str(tmp_path / "vae")}})
+    for other, message in (("same_factors", weights), ("shifted", factors)):
+        with pytest.raises(ConfigError, match=rf"^--vae='{tmp_path}/{other}' is not valid: {message}"):
+            latent_codec(run, str(tmp_path / other), "cpu")
+        with pytest.raises(ConfigError, match=rf"^--vae='{tmp_path}/{other}' is not valid: {message}"):
+            latent_vae(OmegaConf.to_container(run), str(tmp_path / other))
+        with pytest.raises(ConfigError, match=rf"^--vae='{tmp_path}/{other}' is not valid: {message}"):
+            latent_decoder(run, run.data, str(tmp_path / other), "cpu")  # dit-fd
+    # the VAE that made them passes everywhere; a run whose latents are not here (another machine) is not checked
+    check_latent_run({"name": "dit_s"}, {"root": str(lat)}, {"path": str(tmp_path / "vae")}, True)
+    assert latent_vae(OmegaConf.to_container(run), None) == str(tmp_path / "vae")
+    check_decoding_vae(str(tmp_path / "same_factors"), str(tmp_path / "elsewhere"), "--vae")
+
+
+@pytest.mark.parametrize("out", [".", "lat"])
+def test_out_inside_the_image_folder_is_refused_before_writing(tmp_path, out):
+    """--out equal to --images wrote train/ and val/ into it: the folder then read as root/train/<class> with no
+    class folders ('has no class sub-folders'), for the trainer, a rerun and the latents' own FD reference."""
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img")
+    before = folder_state(tmp_path / "img")
+    target = os.path.normpath(tmp_path / "img" / out)
+    with pytest.raises(ConfigError, match=rf"^--out {re.escape(target)} is inside the image folder "
+                                          rf"{re.escape(str(tmp_path / 'img'))}: its train/ and val/ would join"):
+        load_encoder()(["--vae", str(tmp_path / "vae"), "--images", str(tmp_path / "img"), "--out", target,
+                        "--image-size", "16"])
+    assert folder_state(tmp_path / "img") == before
+    build_dataset(OmegaConf.create({"name": "image_folder", "root": str(tmp_path / "img"), "image_size": 16}),
+                  "train")  # still an image folder

@@ -222,11 +222,13 @@ def test_fd_of_a_local_dinov2_folder_is_labelled_by_what_it_holds(tmp_path, caps
 
     random_dinov2().save_pretrained(tmp_path / "dino")  # hidden 32, 2 layers, patch 14
     _fake_run(tmp_path / "run", [3])
+    capsys.readouterr()
     job.main([str(tmp_path / "run"), "--eval-preset", "dinov2", "--encoder-path", str(tmp_path / "dino"),
               "--cache-dir", str(tmp_path / "cache"), "--reference-split", "val", "--num-samples", "8",
               "--batch-size", "8", "--reference-num", "16", "--sample-steps", "1", "--no-progress"])
-    said = capsys.readouterr().out
+    said, bars = capsys.readouterr()
     assert "(dinov2_h32_l2_p14, n_gen=8" in said and "vitl14" not in said, said
+    assert "Loading weights" not in bars, bars  # transformers' bar over the folder's 43 tensors, at every load
     row = json.loads((tmp_path / "run" / "fd_results.json").read_text())["rows"][0]
     assert row["encoder"].startswith("dinov2_h32_l2_p14["), row
     assert ["_dinov2_h32_l2_p14_" in p.name for p in (tmp_path / "cache").glob("*.npz")] == [True]
@@ -242,6 +244,56 @@ def test_reference_stats_job(tmp_path):
     assert out["count"] == 24 and out["dataset_id"] == "fashion_mnist:val:32px" and os.path.isfile(out["path"])
     assert sum(out["class_counts"].values()) == 24
     assert job.main(args)["path"] == out["path"]
+
+
+def test_reference_stats_of_an_image_folder_are_those_its_runs_compare_with(tmp_path, capsys):
+    """`dit-reference-stats --data image_folder --data-set root=DIR` of 16 px images read them at the preset's 64
+    px: a cache file no run uses (a run takes the size from the folder, config/data_shapes.py), found following
+    docs/fd_evaluation.md with a folder of one's own. A size given with --data-set is kept."""
+    from PIL import Image
+
+    from conftest import compose
+    from dit_train.config.data_shapes import apply_data_shapes
+    from dit_train.data import build_dataset
+    from dit_train.evaluation.fd import reference_stats as job
+
+    for c in ("a", "b"):
+        os.makedirs(tmp_path / "img" / c)
+        for i in range(4):
+            Image.new("RGB", (16, 16), (60 * i, 100 if c == "a" else 200, 0)).save(tmp_path / "img" / c / f"{i}.png")
+    root = str(tmp_path / "img")
+    run = apply_data_shapes(compose(["data=image_folder", f"data.root={root}", f"run_dir={tmp_path / 'run'}"]),
+                            ["data=image_folder", f"data.root={root}"])
+    args = ["--data", "image_folder", "--encoder", "dinov2_random", "--reference-num", "4", "--batch-size", "4",
+            "--cache-dir", str(tmp_path / "cache"), "--data-set", f"root={root}"]
+    out = job.main(args)
+    assert out["dataset_id"] == build_dataset(run.data, "train").dataset_id and out["dataset_id"].endswith(":16px")
+    assert f"[fd] from the data: data.num_classes=2 ({root}: 2 class folders, labels 0=a 1=b), data.image_size=16 " \
+           f"({root}: 16x16 images)" in capsys.readouterr().out
+    assert job.main([*args, "image_size=24"])["dataset_id"].endswith(":24px")
+
+
+def test_reference_stats_of_latents_are_of_the_images_they_were_made_from(tmp_path, capsys):
+    """`dit-reference-stats --data latents --data-set root=LATENTS`, to cache a latent run's FD reference, fed the
+    4-channel latents to the encoder ('FD needs an image dataset'); it now reads the images latents_info.json
+    records, the dataset a latent run's FD compares with (reference_data_config), at the size they were encoded."""
+    from test_encode_latents import image_folder, save_tiny_vae
+
+    from dit_train.data.encode import main as encode
+    from dit_train.evaluation.fd import reference_stats as job
+
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img")  # 20x18 images: encoded at --image-size 16
+    encode(["--vae", str(tmp_path / "vae"), "--images", str(tmp_path / "img"), "--out", str(tmp_path / "lat"),
+            "--image-size", "16"])
+    capsys.readouterr()
+    out = job.main(["--data", "latents", "--data-set", f"root={tmp_path / 'lat'}", "--encoder", "dinov2_random",
+                    "--reference-num", "4", "--batch-size", "4", "--cache-dir", str(tmp_path / "cache")])
+    assert out["dataset_id"] == f"image_folder:{tmp_path / 'img'}:5:16px", out  # 6 images, 1 held out as val
+    assert f"[fd] from the data: the images the latents were made from ({tmp_path / 'lat'}/latents_info.json: " \
+           f"image_folder {tmp_path / 'img'} at 16 px)" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"^data.root='.*/img' is not valid: the reference of latents is the images"):
+        job.main(["--data", "latents", "--data-set", f"root={tmp_path / 'img'}", "--encoder", "dinov2_random"])
 
 
 @pytest.mark.parametrize("name,args", [("job", ["some_run"]), ("reference_stats", [])])

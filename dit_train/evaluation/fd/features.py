@@ -248,13 +248,29 @@ def _missing_dinov2(variant: str, path: Path | None, why: str = "") -> MissingWe
     )
 
 
+@contextlib.contextmanager
+def _no_loading_bar():
+    """transformers 5 draws a 'Loading weights' bar over a local folder's tensors (a millisecond's work here) at
+    every dit-fd, dit-reference-stats and first FD of a run, in the middle of training's lines: off while loading."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def _load_hf_dir(path: Path):
     from transformers import Dinov2Model
 
     from dit_train.runs.json_file import check_plain_small_file
 
     check_plain_small_file(str(path / "config.json"))  # transformers reads it whole
-    model = Dinov2Model.from_pretrained(str(path), local_files_only=True)
+    with _no_loading_bar():
+        model = Dinov2Model.from_pretrained(str(path), local_files_only=True)
     wfile = next(path / f for f in _HF_WEIGHT_FILES if (path / f).is_file())
     return model, _fingerprint(wfile)
 
@@ -348,7 +364,8 @@ def load_dinov2(variant: str, path: Path | None, trust_code: bool = False):
     try:
         from transformers import Dinov2Model
 
-        model = Dinov2Model.from_pretrained(hf_repo, local_files_only=True)
+        with _no_loading_bar():
+            model = Dinov2Model.from_pretrained(hf_repo, local_files_only=True)
         return model, "hf", f"hfcache:{hf_repo}"
     except OSError:
         pass

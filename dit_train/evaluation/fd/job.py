@@ -126,6 +126,9 @@ def latent_decoder(run_cfg, data_cfg, vae_path: str | None, device):
     path = vae_path or OmegaConf.select(run_cfg, "vae.path")
     if not path:
         raise ValueError("a latent run's samples are decoded by its VAE: pass --vae /path/to/vae")
+    from dit_train.config.latents import check_decoding_vae
+
+    check_decoding_vae(path, data_cfg.get("root"), "--vae" if vae_path else "vae.path")  # the VAE of its latents
     if path not in _CODECS:
         from dit_train.diffusion.vae import LatentCodec
 

@@ -8,12 +8,16 @@
 Writes <cache_dir>/ref_<dataset>_<split>_<encoder>_<key>.npz (mean, cov, count, labels, encoder id, dataset id,
 preprocessing); the key hashes all of those, so it is recomputed only when one changes (or with --recompute).
 Defaults come from the eval option --eval-preset; every flag overrides one key. Prints the file and its summary.
+The shapes the data's files decide (an image folder's classes and common square size) are taken as a run on
+that data takes them, so the file is the one its FD reads; a --data-set KEY=VALUE keeps its value. --data latents
+reads the images the latents were made from (latents_info.json), as a latent run's FD does.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import numpy as np
@@ -21,6 +25,31 @@ import numpy as np
 from dit_train.evaluation.fd.job_config import add_eval_args, eval_cfg_from_args, in_flag_terms, load_data_cfg
 from dit_train.parallel.fsdp import init_distributed, shutdown_process_group
 from dit_train.devices import check_device
+
+
+def data_cfg_from_args(args):
+    """--data with --data-set, and the shapes its files decide where --data-set does not set them, as a run on that
+    data takes them: the statistics are those a run's FD compares with (its dataset id names the size). For
+    latents, the images latents_info.json records, which a latent run's FD reads (the latents themselves were
+    refused: 'FD needs an image dataset')."""
+    from omegaconf import OmegaConf
+
+    from dit_train.data.shapes import with_data_shapes
+
+    cfg = load_data_cfg(args.data, args.data_set)
+    if cfg.name == "latents":  # a latent run's FD compares with the images its latents were made from
+        from dit_train.config.latents import LATENTS_INFO
+        from dit_train.evaluation.during_training import reference_data_config
+
+        if not cfg.root or not os.path.isfile(os.path.join(str(cfg.root), LATENTS_INFO)):
+            raise ValueError(f"data.root={cfg.root!r} is not valid: the reference of latents is the images they were "
+                             f"made from, named by the {LATENTS_INFO} dit-encode-latents writes beside them")
+        source = reference_data_config(cfg)
+        return source, [f"the images the latents were made from ({cfg.root}/{LATENTS_INFO}: {source.name} "
+                        f"{source.get('root', '')} at {source.image_size} px)"]
+    cfg, taken = with_data_shapes(OmegaConf.to_container(cfg, resolve=True),
+                                  {kv.split("=", 1)[0] for kv in args.data_set})
+    return OmegaConf.create(cfg), taken
 
 
 def main(argv=None) -> dict:
@@ -41,8 +70,10 @@ def main(argv=None) -> dict:
 
     dist = init_distributed(device=args.device, timeout_minutes=args.timeout_minutes)
     device, rank = dist.device, dist.rank
-    data_cfg = load_data_cfg(args.data, args.data_set)
+    data_cfg, taken = data_cfg_from_args(args)
     log = (lambda line: print(in_flag_terms(line))) if rank == 0 else (lambda *a, **k: None)  # the flags' words
+    if taken:
+        log(f"[fd] from the data: {', '.join(taken)}")
     extractor = build_extractor(cfg.encoder, cfg.encoder_path, device, trust_code=cfg.trust_encoder_code)
     dataset = build_dataset(data_cfg, cfg.reference_split)
     ref = load_or_compute_reference(extractor, dataset, cfg.reference_split, int(cfg.reference_num), cfg.cache_dir,
