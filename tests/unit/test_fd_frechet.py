@@ -112,3 +112,19 @@ def test_errors_name_the_problem():
     b = GaussianStats(np.zeros(4), np.eye(4), 10)
     with pytest.raises(ValueError, match="feature dims differ: 3 vs 4"):
         fd_from_stats(a, b)
+
+
+def test_as_many_samples_as_feature_dims_is_still_rank_deficient():
+    """n samples give a covariance of rank at most n - 1 (numpy's matrix_rank says so): n = d is singular too and
+    warns; n = d + 1 is the first count of full rank and does not."""
+    import warnings
+
+    rng = np.random.default_rng(5)
+    d = 16
+    at_dim, above = stats_from_features(rng.normal(size=(d, d))), stats_from_features(rng.normal(size=(d + 1, d)))
+    assert np.linalg.matrix_rank(at_dim.cov) == d - 1 and np.linalg.matrix_rank(above.cov) == d
+    with pytest.warns(RankDeficientWarning, match=f"{d} samples .* feature dim {d}.* more than {d} samples"):
+        fd_from_stats(at_dim, above)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fd_from_stats(above, above)
