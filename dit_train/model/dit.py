@@ -57,7 +57,9 @@ def adaln_chunks(modulation: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
 
 
 def sincos_pos_embed_2d(dim: int, grid: int) -> torch.Tensor:
-    """Fixed 2-D sin-cos position table [grid*grid, dim] (half the channels per axis), as in MAE/DiT."""
+    """Fixed 2-D sin-cos position table [grid*grid, dim] (half the channels per axis), MAE's/DiT's formula with
+    the row's half first and the column's second (theirs, and diffusers' get_2d_sincos_pos_embed, put the column
+    first). Kept so: the table is not in checkpoints, and reordering it would move every trained model's positions."""
     assert dim % 4 == 0, "hidden size must be divisible by 4 for 2-D sin-cos positions"
     omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim / 4))
     coords = torch.arange(grid, dtype=torch.float64)

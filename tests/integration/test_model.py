@@ -70,6 +70,33 @@ def test_class_dropout_uses_null_class_and_changes_output():
     assert not torch.allclose(dropped, m(x, t, y))
 
 
+
+def test_the_blocks_see_patch_embeddings_plus_positions_and_an_unconditional_call_is_the_null_class():
+    m = small()
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    x, t = torch.randn(2, 3, 16, 16), torch.rand(2)
+    seen = []
+    m.blocks[0].register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    with torch.no_grad():
+        out = m(x, t)  # no labels: the null class, index num_classes
+        torch.testing.assert_close(seen[0], m.x_embedder.proj(m.patchify(x)) + sincos_pos_embed_2d(32, 4))
+        assert torch.equal(out, m(x, t, torch.full((2,), 5)))
+        assert not torch.allclose(out, m(x, t, torch.zeros(2, dtype=torch.long)))
+
+
+def test_a_dropped_text_condition_is_the_same_whatever_the_text():
+    """drop_mask on a text model: the embedded context is zeroed (the text 'null'), so what the text was no longer
+    matters; not dropped, it does."""
+    m = small(text_dim=24, num_classes=0)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    x, t, a, b = torch.randn(2, 3, 16, 16), torch.rand(2), torch.randn(2, 7, 24), torch.randn(2, 7, 24)
+    drop = torch.tensor([True, True])
+    with torch.no_grad():
+        torch.testing.assert_close(m(x, t, context=a, drop_mask=drop), m(x, t, context=b, drop_mask=drop))
+        assert not torch.allclose(m(x, t, context=a), m(x, t, context=b))
+
 def test_cross_attention_with_random_text_embeddings():
     m = small(text_dim=24, num_classes=0)
     for p in m.parameters():
@@ -95,6 +122,41 @@ def test_sincos_positions_distinct_and_bounded():
     assert pe.shape == (16, 32)
     assert pe.abs().max() <= 1.0
     assert torch.cdist(pe, pe).add(torch.eye(16)).min() > 0.1  # all positions distinct
+
+
+def test_sincos_positions_by_hand_and_against_mae_dits_table():
+    """Token k is the patch at row k // grid, column k % grid (patchify's order); its row's sin-cos features fill the
+    first half, its column's the second, each [sin(pos omega), cos(pos omega)] with omega_i = 10000^(-i / (dim/4)).
+    MAE's and DiT's table (diffusers' get_2d_sincos_pos_embed) holds the same two halves the other way round,
+    column first. The table is not saved in checkpoints (recomputed on load), so its convention is pinned here: a
+    change would silently move every trained model's positions."""
+    omega = torch.tensor([1.0, 0.01], dtype=torch.float64)  # dim 8: 10000^(-0/2), 10000^(-1/2)
+    row, col = 1.0, 2.0  # token 5 of a 3 x 3 grid
+    by_hand = torch.cat([(row * omega).sin(), (row * omega).cos(), (col * omega).sin(), (col * omega).cos()])
+    torch.testing.assert_close(sincos_pos_embed_2d(8, 3)[5], by_hand.float(), rtol=0, atol=1e-7)
+    embeddings = pytest.importorskip("diffusers.models.embeddings")
+    for dim, grid in ((32, 4), (64, 6)):
+        # base_size = grid: integer coordinates, as in MAE and DiT
+        ref = embeddings.get_2d_sincos_pos_embed(dim, grid, base_size=grid, output_type="pt").float()
+        torch.testing.assert_close(sincos_pos_embed_2d(dim, grid), torch.cat([ref[:, dim // 2:], ref[:, :dim // 2]], 1),
+                                   rtol=0, atol=1e-6)
+
+
+def test_timestep_features_are_dits_sinusoids_of_1000_t():
+    """The features TimestepEmbedder feeds its MLP, by hand in float64: [cos(1000 t f_i), sin(1000 t f_i)] with
+    f_i = 10000^(-i/128), i < 128 (DiT's timestep_embedding; diffusers' get_timestep_embedding with
+    flip_sin_to_cos=True, downscale_freq_shift=0). The MLP's first layer is replaced by the identity to read them."""
+    from dit_train.model.dit import TimestepEmbedder
+
+    embedder = TimestepEmbedder(16)
+    embedder.mlp = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False))
+    with torch.no_grad():
+        embedder.mlp[0].weight.copy_(torch.eye(256))
+        t = torch.tensor([0.0, 0.013, 0.5, 1.0])
+        args = (t.double() * 1000)[:, None] * 10000.0 ** (-torch.arange(128, dtype=torch.float64) / 128)[None]
+        ref = torch.cat([args.cos(), args.sin()], dim=1)
+        # float32 arguments up to 1000 radians: ~1e-4 of rounding
+        torch.testing.assert_close(embedder(t).double(), ref, rtol=0, atol=5e-4)
 
 
 def test_bad_model_config_is_one_line():

@@ -64,6 +64,17 @@ def test_closed_form_for_diagonal_gaussians():
     assert frechet_distance(mu1, np.diag(b), mu2, np.diag(b)) == pytest.approx(((mu1 - mu2) ** 2).sum(), rel=1e-10)
 
 
+
+def test_negative_eigenvalues_count_as_zero_in_both_square_roots():
+    """Rounding can leave a singular covariance with slightly negative eigenvalues; both square roots (of S1, and of
+    A S2 A) clamp them at 0 (not |lambda|). By hand, with diagonal covariances: S1 = diag(1, -1/4), S2 = diag(1, 1/4)
+    gives A = diag(1, 0), Tr (A S2 A)^(1/2) = 1 and FD = 3/4 + 5/4 - 2 = 0; swapped, A S2 A = diag(1, -1/4) and
+    Tr (.)^(1/2) = 1 again."""
+    mu = np.zeros(2)
+    a, b = np.diag([1.0, -0.25]), np.diag([1.0, 0.25])
+    assert frechet_distance(mu, a, mu, b) == pytest.approx(0.0, abs=1e-12)
+    assert frechet_distance(mu, b, mu, a) == pytest.approx(0.0, abs=1e-12)
+
 def test_streaming_equals_one_shot_and_merge_equals_concatenation():
     rng = np.random.default_rng(2)
     x = random_gaussian_samples(rng, 257, 16, shift=3.0).astype(np.float32)
@@ -75,10 +86,14 @@ def test_streaming_equals_one_shot_and_merge_equals_concatenation():
     assert s.count == 257
     np.testing.assert_allclose(s.mean, one.mean, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(s.cov, one.cov, rtol=1e-9, atol=1e-11)
-    left = StreamingStats(16).update(torch.from_numpy(x[:50]))
-    right = StreamingStats(16).update(torch.from_numpy(x[50:]))
+    # two batches each: sums about each side's own shift are not zero, so re-centring them is exercised in full
+    left = StreamingStats(16).update(torch.from_numpy(x[:20])).update(torch.from_numpy(x[20:50]))
+    right = StreamingStats(16).update(torch.from_numpy(x[50:90])).update(torch.from_numpy(x[90:]))
     m = left.merge(right).finalize()
+    assert m.count == 257
+    np.testing.assert_allclose(m.mean, one.mean, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(m.cov, one.cov, rtol=1e-9, atol=1e-11)
+    assert np.array_equal(s.cov, s.cov.T) and np.array_equal(m.cov, m.cov.T)  # exactly symmetric, as stored
     assert fd_from_stats(s, one) == pytest.approx(0.0, abs=1e-9)
 
 
@@ -112,3 +127,19 @@ def test_errors_name_the_problem():
     b = GaussianStats(np.zeros(4), np.eye(4), 10)
     with pytest.raises(ValueError, match="feature dims differ: 3 vs 4"):
         fd_from_stats(a, b)
+
+
+def test_as_many_samples_as_feature_dims_is_still_rank_deficient():
+    """n samples give a covariance of rank at most n - 1 (numpy's matrix_rank says so): n = d is singular too and
+    warns; n = d + 1 is the first count of full rank and does not."""
+    import warnings
+
+    rng = np.random.default_rng(5)
+    d = 16
+    at_dim, above = stats_from_features(rng.normal(size=(d, d))), stats_from_features(rng.normal(size=(d + 1, d)))
+    assert np.linalg.matrix_rank(at_dim.cov) == d - 1 and np.linalg.matrix_rank(above.cov) == d
+    with pytest.warns(RankDeficientWarning, match=f"{d} samples .* feature dim {d}.* more than {d} samples"):
+        fd_from_stats(at_dim, above)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fd_from_stats(above, above)

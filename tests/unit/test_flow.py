@@ -80,6 +80,23 @@ def test_cfg_combines_conditional_and_unconditional():
     assert torch.allclose(out, torch.full_like(out, -3.0))
 
 
+
+@pytest.mark.parametrize("cfg_scale", [0.0, 0.5, 3.0])
+@pytest.mark.parametrize("condition", ["labels", "text"])
+def test_cfg_at_any_scale_for_labels_or_text_alone(cfg_scale, condition):
+    """v = v_u + s (v_c - v_u) for every s != 1, also below 1 (0: the unconditional model alone), and for a model
+    conditioned on text only (no labels): the null branch is the one with drop_mask set."""
+    class Model(torch.nn.Module):
+        def forward(self, x, t, y=None, drop_mask=None, context=None, **kw):
+            assert (y is None) == (condition == "text") and (context is None) == (condition == "labels")
+            v = torch.ones_like(x)
+            return torch.where(drop_mask.view(-1, 1, 1, 1), torch.zeros_like(v), v) if drop_mask is not None else v
+
+    kw = {"y": torch.tensor([0, 1])} if condition == "labels" else {"context": torch.randn(2, 3, 4)}
+    # one step from t=1 to t=0: x = 0 + (0 - 1) * (0 + s * (1 - 0))
+    out = euler_sample(Model(), torch.zeros(2, 1, 2, 2), steps=1, cfg_scale=cfg_scale, **kw)
+    assert torch.equal(out, torch.full_like(out, -cfg_scale))
+
 def test_logit_normal_and_uniform_t():
     g = torch.Generator().manual_seed(0)
     t = sample_t(20000, "logit_normal", generator=g)
@@ -169,3 +186,45 @@ def test_validation_loss_over_more_ranks_than_rows_equals_one_process():
         out = validation_loss(Scaled(), batches, grid, seed=3, rank=rank, world_size=world,
                               reduce=lambda t: t.copy_(summed))
         assert out == pytest.approx(single, rel=1e-6)
+
+
+class ConstantVelocity(torch.nn.Module):
+    """v = -1.5 everywhere (so the Euler sampler ends at noise + 1.5); records each call's batch size and labels."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def forward(self, x, t, y=None, **kw):
+        self.calls.append((x.shape[0], y))
+        return torch.full_like(x, -1.5)
+
+
+def test_sampler_clamps_pixels_to_the_image_range_but_never_latents():
+    from omegaconf import OmegaConf
+
+    from dit_train.diffusion.sampler import as_latents, make_sampler
+
+    cfg = OmegaConf.create({"in_channels": 1, "image_size": 4, "num_classes": 3})
+    noise = torch.randn(2, 1, 4, 4, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([0, 2])
+    end = noise + 1.5  # x(0) = x(1) - integral of v over [0, 1]
+    assert end.max() > 1 and end.min() < 1  # some values beyond the pixel range, some inside it
+    pixels = make_sampler(ConstantVelocity(), cfg, "cpu", 4, 2.5)(labels, None, noise=noise)
+    torch.testing.assert_close(pixels, end.clamp(-1, 1), rtol=0, atol=1e-6)
+    latents = make_sampler(ConstantVelocity(), cfg, "cpu", 4, 2.5, decode=as_latents)(labels, None, noise=noise)
+    torch.testing.assert_close(latents, end, rtol=0, atol=1e-6)
+
+
+def test_sampler_gives_an_unconditional_model_no_labels_and_no_guidance_batch():
+    """model.num_classes = 0: the labels are not passed, and with cfg_scale != 1 there is nothing to guide, so
+    each step is one call on the batch itself (not a doubled conditional/unconditional batch)."""
+    from omegaconf import OmegaConf
+
+    from dit_train.diffusion.sampler import make_sampler
+
+    model = ConstantVelocity()
+    cfg = OmegaConf.create({"in_channels": 1, "image_size": 4, "num_classes": 0})
+    out = make_sampler(model, cfg, "cpu", 3, 2.5)(torch.tensor([0, 1]), torch.Generator().manual_seed(0))
+    assert out.shape == (2, 1, 4, 4)
+    assert model.calls == [(2, None)] * 3

@@ -65,7 +65,7 @@ def test_compiled_passes_match_eager_ops_in_fp64():
     nothing and the update pass updates M."""
     g = torch.Generator().manual_seed(1)
     mu, lr, wd, scale = 0.95, 0.1, 0.5, 2.0
-    for shape, tall in (((6, 20), False), ((20, 6), True)):
+    for shape, tall in (((6, 20), False), ((20, 6), True), ((48, 6), True)):  # 48: column sums in blocks of 16
         G, M, W = (torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(3))
         M_ref = M + (1 - mu) * (G - M)  # the state holds (1 - mu) M: lerp toward G
         X = G + mu / (1 - mu) * M_ref
@@ -87,6 +87,22 @@ def test_compiled_passes_match_eager_ops_in_fp64():
             if store:
                 torch.testing.assert_close(U[0], X)
 
+
+
+@needs_cxx
+@pytest.mark.parametrize("tall", [False, True])
+def test_bf16_matrices_sum_their_squares_in_fp32(tall):
+    """bf16 parameters: U is stored in bf16, but its sums of squares are fp32 (a bf16 sum over 64 elements keeps
+    3 significant digits)."""
+    g = torch.Generator().manual_seed(3)
+    shape = (64, 8) if tall else (8, 64)
+    G, M = (torch.randn(shape, generator=g).bfloat16() for _ in range(2))
+    U = torch.zeros(1, *shape, dtype=torch.bfloat16)
+    sums = fused_rownorm.momentum_pass([G], [M], U, 0.9, True, tall, True)
+    X = U[0].float()
+    assert sums.dtype == torch.float32
+    # the kernel may square U before its rounding to bf16 (inductor keeps the fp32 value): bf16's 2^-8 apart
+    torch.testing.assert_close(sums.reshape(-1), (X * X).sum(dim=0 if tall else 1), rtol=8e-3, atol=0)
 
 @needs_cxx
 @pytest.mark.parametrize("rownorm_scale", ["frobenius", "spectral"])

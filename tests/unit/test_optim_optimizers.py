@@ -12,7 +12,8 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from dit_train.model.dit import DiT, DiTConfig
-from dit_train.optim.directions import RowNorm
+from dit_train.optim import fused_rownorm
+from dit_train.optim.directions import NS5, RowNorm
 from dit_train.optim.matrix_optimizer import MatrixOptimizer, update_scale
 from dit_train.optim.hooks import hooks_of
 from dit_train.optim.registry import OPTIMIZERS, build_optimizer
@@ -229,6 +230,40 @@ def test_momentum_nesterov_scale_and_weight_decay_exact(nesterov, scale):
     assert update_scale("moonlight", 512, 2048) == pytest.approx(0.2 * math.sqrt(2048))
     assert update_scale("keller", 2048, 512) == 2.0 and update_scale("keller", 512, 2048) == 1.0
 
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_without_nesterov_the_direction_input_is_the_momentum_itself(compiled):
+    """U = M without Nesterov, formed from the stored (1 - mu) M as buffer / (1 - mu). The directions ignore U's
+    scale except at their eps floor, so the check sits there: after one step M = G, and rows of norm 5e-7 (above
+    RowNorm's eps 1e-7) come out unit rows; the buffer (1 - mu) G, of norm 5e-8, would be floored at eps."""
+    if compiled and fused_rownorm.cpp_compiler() is None:
+        pytest.skip("no C++ compiler on PATH: inductor cannot build the CPU kernels")
+    lr = 0.01
+    G = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    G = 5e-7 * G / G.norm(dim=1, keepdim=True)
+    p = nn.Parameter(torch.zeros(4, 16))
+    opt = MatrixOptimizer([p], lr=lr, momentum=0.9, nesterov=False, scale="none",
+                          direction=RowNorm("frobenius", compiled))
+    p.grad = G.clone()
+    opt.step()
+    torch.testing.assert_close(p.detach(), -lr * G / G.norm(dim=1, keepdim=True))
+
+
+def test_a_group_added_later_joins_at_the_current_step():
+    """add_param_group after two steps: the new group's counter starts at 2, so its periodic schedule stays the
+    others' (K = 3: the next step is a between step for both, not a refresh for the new one)."""
+    a, b = nn.Parameter(torch.randn(8, 8)), nn.Parameter(torch.randn(8, 8))
+    opt = MatrixOptimizer([{"params": [a], "kind": "matrix"}], lr=1e-3, direction=NS5(),
+                          between=RowNorm("frobenius"), refresh_every=3)
+    for _ in range(2):
+        a.grad = torch.randn(8, 8)
+        opt.step()
+    opt.add_param_group({"params": [b], "kind": "matrix"})
+    assert [g["step"] for g in opt.param_groups] == [2, 2]
+    a.grad, b.grad = torch.randn(8, 8), torch.randn(8, 8)
+    opt.step()
+    assert opt.step_info() == {"opt/refresh": 0.0} and [g["step"] for g in opt.param_groups] == [3, 3]
 
 @pytest.mark.parametrize("scale,adjust_lr_fn", [("keller", "original"), ("moonlight", "match_rms_adamw")])
 @pytest.mark.parametrize("nesterov", [True, False])

@@ -95,6 +95,7 @@ class Plain(nn.Module):
         self.stem = nn.Conv2d(3, 8, 3)
         self.emb = nn.Embedding(10, 8)
         self.table = nn.Parameter(torch.zeros(4, 8))  # free 2-D parameter
+        self.experts = nn.Parameter(torch.zeros(2, 4, 8))  # free 3-D parameter: AdamW, no matrix update
         self.hidden = nn.Linear(8, 16)
         self.head = nn.Linear(16, 4)
         self.norm = nn.LayerNorm(16)
@@ -107,7 +108,7 @@ def test_generic_module_rule_and_overrides():
     r = route_parameters(m)
     assert names(r.matrix) == {"hidden.weight", "head.weight", "table"}  # a free 2-D parameter: by shape
     assert "frozen.weight" not in names(r.adamw) | names(r.matrix)
-    assert {"emb.weight", "stem.weight"} <= names(r.adamw)
+    assert {"emb.weight", "stem.weight", "experts"} <= names(r.adamw)
     r = route_parameters(m, matrix_patterns=["table"], adamw_patterns=["head"])
     assert names(r.matrix) == {"hidden.weight", "table"}
     assert "head.weight" in names(r.adamw)
@@ -119,6 +120,8 @@ def test_generic_module_rule_and_overrides():
         route_parameters(m, adamw_patterns=[3])
     r = route_parameters(m, matrix_update=False)
     assert not r.matrix and len(r.adamw) == sum(p.requires_grad for p in m.parameters())
+    # the AdamW baseline: matrix_patterns (a config's, shared with the matrix optimizers) do not apply
+    assert not route_parameters(m, matrix_patterns=["table", "hidden"], matrix_update=False).matrix
 
 
 def test_config_patterns_reach_routing():
@@ -172,6 +175,7 @@ def test_per_tensor_table_from_the_optimizer():
     assert "| table | (4, 8) | matrix | 2-D, not an nn.Linear weight: by shape |" in rows
     assert "| hidden.weight | (16, 8) | matrix | 2-D nn.Linear weight |" in rows
     assert "| emb.weight | (10, 8) | adamw | embedding table |" in rows
+    assert "| experts | (2, 4, 8) | adamw | 3-D |" in rows
     assert ("| stem.weight | (8, 3, 3, 3) | adamw | 4-D convolution weight: not flattened, the matrix update takes "
             "2-D weights |") in rows
     assert ("note: convolution weights take AdamW, not flattened to [out, in*kh*kw] (1): stem.weight"

@@ -116,6 +116,36 @@ def test_intervals_use_the_exact_t_quantile():
     ref90 = scipy.stats.ttest_1samp(diffs, 0.0).confidence_interval(0.90)
     assert (lo90, hi90) == (pytest.approx(ref90.low, rel=1e-12), pytest.approx(ref90.high, rel=1e-12))
 
+    # one value: its mean, and no interval
+    mean, lo, hi = paired_report.interval([2.5])
+    assert mean == 2.5 and math.isnan(lo) and math.isnan(hi)
+
+
+def test_validation_columns_and_a_target_reached_at_the_first_validation():
+    """The columns are the logged steps nearest a third, two thirds and all of the last one, the later of two as
+    near; a target the first validation point already meets is reached there (no earlier value to interpolate)."""
+    from types import SimpleNamespace
+
+    curve = lambda steps: SimpleNamespace(val_curve=[(s, 0.5 * s, 1.0) for s in steps])  # noqa: E731
+    assert paired_report.val_steps([curve([400, 800, 1200]), curve([300, 1200])]) == [400, 800, 1200]
+    # 450 / 3 = 150 lies halfway between 100 and 200: the later one
+    assert paired_report.val_steps([curve([100, 200, 300, 450])]) == [200, 300, 450]
+    run = SimpleNamespace(val_curve=[(100, 50.0, 0.3), (200, 100.0, 0.2)])
+    assert paired_report.crossing(run, 0.35) == (100.0, 50.0)
+
+
+def test_a_tie_is_not_counted_as_a_seed_lower(tmp_path, monkeypatch):
+    """'seeds lower' counts the seeds whose difference is below 0: seed 1 of the variant equals Muon's (0.33), so
+    of the three evaluation seeds none is lower."""
+    monkeypatch.setitem(FINAL, "pr", [0.29, 0.33, 0.33, 0.325])
+    two_phase_sweep(tmp_path / "sweep")
+    evaluation = paired_report.build(str(tmp_path / "sweep"), None).split("## Including selection seed 0")[0]
+    diffs = pr_vs_muon([1, 2, 3])
+    assert diffs[0] == 0.0
+    ref = scipy.stats.ttest_1samp(diffs, 0.0).confidence_interval(0.95)
+    row = (f"| periodic_rowwise K=3 (spectral) | val loss @600 | 3 | {sum(diffs) / 3:+.2f}% | "
+           f"[{ref.low:+.2f}, {ref.high:+.2f}] | 0/3 |")
+    assert row in evaluation, evaluation
 
 @pytest.mark.parametrize("diffs, margin, verdict", [
     ([0.2, -0.1, 0.3, 0.0, 0.1, -0.2, 0.25, 0.05], 1.0, "equivalent"),

@@ -42,3 +42,17 @@ def test_loading_the_vae_says_nothing(tmp_path, capfd):
     LatentCodec(str(tmp_path / "vae"), "cpu")
     out, err = capfd.readouterr()
     assert out + err == ""
+
+
+def test_grey_images_are_encoded_as_three_equal_channels(tmp_path):
+    """Fashion-MNIST is grey: a 1-channel batch given to a 3-channel VAE is its image repeated on every channel."""
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8,),
+                        down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",),
+                        layers_per_block=1, norm_num_groups=4, scaling_factor=SCALE, shift_factor=SHIFT).eval()
+    vae.save_pretrained(tmp_path / "vae")
+    grey = torch.rand(2, 1, 8, 8, generator=torch.Generator().manual_seed(2)) * 2 - 1
+    with torch.no_grad():
+        z = vae.encode(torch.cat([grey, grey, grey], dim=1)).latent_dist.mean
+        torch.testing.assert_close(LatentCodec(str(tmp_path / "vae"), "cpu").encode(grey), (z - SHIFT) * SCALE)

@@ -30,7 +30,8 @@ import torch
 
 
 class RankDeficientWarning(UserWarning):
-    """Fewer samples than feature dimensions: the covariance is singular and FD is biased upwards."""
+    """No more samples than feature dimensions: n samples give a covariance of rank at most n - 1, singular for
+    n <= dim, and FD is biased upwards."""
 
 
 @dataclass
@@ -192,14 +193,15 @@ def frechet_distance(mu1, sigma1, mu2, sigma2) -> float:
 
 
 def fd_from_stats(a: GaussianStats, b: GaussianStats, warn: bool = True) -> float:
-    """FD between two sets of statistics; warns (``RankDeficientWarning``) when a count is below the feature dim."""
+    """FD between two sets of statistics; warns (``RankDeficientWarning``) when a count is at most the feature dim
+    (rank <= count - 1: singular)."""
     if a.dim != b.dim:
         raise ValueError(f"feature dims differ: {a.dim} vs {b.dim} (different encoders?)")
     if warn:
         for label, s in (("first", a), ("second", b)):
-            if s.count < s.dim:
+            if s.count <= s.dim:
                 warnings.warn(
                     f"FD from {s.count} samples ({label} set) with feature dim {s.dim}: the covariance is "
-                    f"rank-deficient and FD is biased; use >= {s.dim} samples and compare only equal counts",
+                    f"rank-deficient and FD is biased; use more than {s.dim} samples and compare only equal counts",
                     RankDeficientWarning, stacklevel=2)
     return frechet_distance(a.mean, a.cov, b.mean, b.cov)
