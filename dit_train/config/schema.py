@@ -77,7 +77,8 @@ class TrainConfig:
                            lambda v: v == "auto" or (type(v) is int and v >= 0), default="auto", resume=True,
                            doc="loader worker processes; auto: 4 for file-reading data (image_folder, latents) on "
                                "CUDA, else 0 (in-memory data gains nothing)")
-    progress: bool = key(default=True, doc="a progress bar", resume=True)
+    progress: bool = key(default=True, resume=True, doc="a progress bar on a terminal; elsewhere (a log file) a line "
+                                                        "a minute and each evaluation's result")
     timing: bool = key(default=True, doc="per-phase step timings (time/* in metrics.jsonl)", resume=True)
 
 

@@ -49,6 +49,7 @@ class MetricLogger:
         self.enabled = enabled
         self.path = os.path.join(run_dir, METRICS_FILE)
         self.wandb = None
+        self.echo = None  # a callable(step, metrics) that also shows each row (progress_lines.ProgressLines)
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -73,6 +74,8 @@ class MetricLogger:
             raise naming(e, self.path) from None
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in metrics.items()}, step=step)
+        if self.echo is not None:
+            self.echo(step, metrics)
 
     @contextlib.contextmanager
     def paused(self):

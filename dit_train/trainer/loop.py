@@ -44,6 +44,7 @@ from dit_train.telemetry.step_window import StepWindow
 from dit_train.runs.timeline import set_aside_after
 from dit_train.telemetry.clocks import PhaseTimer
 from dit_train.telemetry.progress import logging_beside_bars, progress_bar
+from dit_train.telemetry.progress_lines import ProgressLines
 from dit_train.trainer.state import TrainState
 
 log = logging.getLogger("dit_train")
@@ -322,6 +323,8 @@ class Trainer:
 
     def loop(self) -> None:
         progress = self.progress_bar()
+        if self.dist.is_main and self.tc.progress and progress.disable:  # asked for, but stderr is no terminal
+            self.logger.echo = ProgressLines(self.tc.steps, self.state.step)
         # the bar is closed however the loop ends, so that 'preempted: ...' or an error starts on its own line
         with progress, logging_beside_bars(not progress.disable):
             self.run_steps(progress)

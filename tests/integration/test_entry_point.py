@@ -85,9 +85,13 @@ def test_debug_experiment_is_small_and_an_explicit_run_dir_is_the_only_folder(tm
     # the routing table's pointer to per-tensor routing is a command-line one, not a Python call
     assert "per tensor: the same command with train.dry_run=true" in out.stdout
     assert "optimizer adamw: AdamW on every parameter" in out.stdout and "routing.table()" not in out.stdout
-    resumed = run_console_script(["experiment=debug", "run_dir=run", "train.resume=auto", "train.steps=25",
-                                  "train.progress=false"], tmp_path)
+    assert not any(line.startswith("step ") for line in out.stdout.splitlines())  # train.progress=false
+    resumed = run_console_script(["experiment=debug", "run_dir=run", "train.resume=auto", "train.steps=25"],
+                                 tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+    # train.progress (the default) into a pipe: no bar, but lines (progress_lines.py), the last step's always
+    assert any(line.startswith("step 25/25 (100.0%), loss ") for line in resumed.stdout.splitlines()), resumed.stdout
+    assert "%|" not in resumed.stderr
     assert os.listdir(tmp_path) == ["run"]  # nor does a resume
 
 
