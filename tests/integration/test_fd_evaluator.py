@@ -201,6 +201,7 @@ def test_fd_dino_job_scores_a_sweep_and_skips_scored_checkpoints(tmp_path, capsy
     assert "[fd] t (folder 0) step 3: FD=" in said and "[fd] best t (folder 0): FD=" in said, said
     assert "[fd_dino]" not in said, said
     assert said.count("[fd] --num-samples=16 < feature dim 32") == 1, said  # the flag typed, not eval.num_samples
+    assert said.count("[fd] --reference-num=32 = feature dim 32") == 1, said  # rank 31 of 32: singular too
 
     again = job.main([str(sweep)] + args)  # nothing new to score
     assert "skip t (folder 1) step_00000006.pt" in capsys.readouterr().out

@@ -86,8 +86,9 @@ class FDEvaluator:
         # the key that set the count (a split smaller than eval.reference_num, or <= 0 for all of it: its size)
         ref_key = "eval.reference_num" if self.reference.count == cfg["reference_num"] else "the reference count"
         for count, what in ((self.num_samples, "eval.num_samples"), (self.reference.count, ref_key)):
-            if count < self.extractor.feature_dim:
-                self.log(f"[fd] {what}={count} < feature dim {self.extractor.feature_dim} of "
+            if count <= self.extractor.feature_dim:  # n samples: covariance of rank n - 1, singular for n <= d
+                relation = "<" if count < self.extractor.feature_dim else "="
+                self.log(f"[fd] {what}={count} {relation} feature dim {self.extractor.feature_dim} of "
                          f"{self.extractor.name}: covariance rank-deficient, FD biased (fine for tracking, compare "
                          f"only equal counts)")
 
