@@ -86,8 +86,8 @@ def test_debug_experiment_is_small_and_an_explicit_run_dir_is_the_only_folder(tm
     assert "per tensor: the same command with train.dry_run=true" in out.stdout
     assert "optimizer adamw: AdamW on every parameter" in out.stdout and "routing.table()" not in out.stdout
     assert not any(line.startswith("step ") for line in out.stdout.splitlines())  # train.progress=false
-    resumed = run_console_script(["experiment=debug", "run_dir=run", "train.resume=auto", "train.steps=25"],
-                                 tmp_path)
+    resumed = run_console_script(["experiment=debug", "run_dir=run", "train.resume=auto", "train.steps=25",
+                                  "train.progress=true"], tmp_path)  # else the saved run's false is continued
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     # train.progress (the default) into a pipe: no bar, but lines (progress_lines.py), the last step's always
     assert any(line.startswith("step 25/25 (100.0%), loss ") for line in resumed.stdout.splitlines()), resumed.stdout
