@@ -4,12 +4,12 @@ that says exactly what to pass and how to make it."""
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 
 from dit_train.config.errors import ConfigError, invalid
 from dit_train.runs.json_file import DamagedJSONFile, read_json
+from dit_train.runs.file_fingerprint import file_fingerprint
 
 LATENTS_INFO = "latents_info.json"  # written by dit-encode-latents at the root of the shards
 
@@ -75,15 +75,12 @@ def check_latent_run(model: dict, data: dict, vae: dict, needs_decoding: bool) -
 
 def vae_files(path: str) -> dict:
     """Fingerprints of a VAE folder's config and weights (dit-encode-latents records them in latents_info.json):
-    the same VAE wherever its folder lies. Each is evaluation/fd/features._fingerprint's size + sha1 of the first
-    MiB, computed here without importing torch (the config check runs before it)."""
+    the same VAE wherever its folder lies."""
     out = {}
     for name in sorted(os.listdir(path)):
         file = os.path.join(path, name)
         if (name == "config.json" or name.endswith((".safetensors", ".bin"))) and os.path.isfile(file):
-            with open(file, "rb") as f:
-                head = f.read(1 << 20)
-            out[name] = f"{os.path.getsize(file)}-{hashlib.sha1(head).hexdigest()[:12]}"
+            out[name] = file_fingerprint(file)
     return out
 
 

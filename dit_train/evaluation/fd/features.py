@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dit_train.runs.file_fingerprint import file_fingerprint
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -223,14 +225,6 @@ def build_extractor(name: str, path: str | os.PathLike | None = None, device: to
     return _REGISTRY[name](path=path, device=device, bf16=bf16, trust_code=trust_code)
 
 
-def _fingerprint(path: Path, nbytes: int = 1 << 20) -> str:
-    """Cheap identity of a weights file: size + sha1 of its first MiB (hashing GBs on every start is not worth it)."""
-    h = hashlib.sha1()
-    with open(path, "rb") as f:
-        h.update(f.read(nbytes))
-    return f"{path.stat().st_size}-{h.hexdigest()[:12]}"
-
-
 # ---- DINOv2 --------------------------------------------------------------------------------------------------
 
 _HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -272,7 +266,7 @@ def _load_hf_dir(path: Path):
     with _no_loading_bar():
         model = Dinov2Model.from_pretrained(str(path), local_files_only=True)
     wfile = next(path / f for f in _HF_WEIGHT_FILES if (path / f).is_file())
-    return model, _fingerprint(wfile)
+    return model, file_fingerprint(wfile)
 
 
 class UntrustedCodeError(ValueError):
@@ -316,7 +310,7 @@ def _load_hub(repo: Path, variant: str, ckpt: Path | None, trust_code: bool):
     model = torch.hub.load(str(repo), entry, source="local", pretrained=False)
     state = torch.load(ckpt, map_location="cpu", weights_only=True)
     model.load_state_dict(state)
-    return model, _fingerprint(ckpt)
+    return model, file_fingerprint(ckpt)
 
 
 def _hub_checkout_default() -> Path | None:
@@ -481,5 +475,5 @@ def _build_inception(path: Path | None, device, bf16: bool, trust_code: bool) ->
         warnings.simplefilter("ignore", DeprecationWarning)
         net = torch.jit.load(str(file), map_location="cpu")
     # bf16 is not applied: the TorchScript graph is fp32 and FID features are sensitive; ~6 GFLOP/image is cheap on GPU
-    return InceptionExtractor(net, name="inception", encoder_id=f"inception_fidhelper[{_fingerprint(file)}]",
+    return InceptionExtractor(net, name="inception", encoder_id=f"inception_fidhelper[{file_fingerprint(file)}]",
                               device=device, bf16=False)
