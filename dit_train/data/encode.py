@@ -109,9 +109,15 @@ def encoding_record(args, source: dict, datasets: dict) -> dict:
                "shards": math.ceil(n / args.shard_size), "image_list": image_list(ds, n)}
               for split, (ds, n) in datasets.items()]
     scale, shift = vae_scaling(args.vae)
+    # which folder each label is, for the trainer's start-up line (an image folder's; the image lists cover them)
+    classes = next((list(ds.classes) for ds, _ in datasets.values() if getattr(ds, "classes", None)), None)
     return {"vae": os.path.abspath(args.vae), "vae_files": vae_files(args.vae), "scaling_factor": scale,
             "shift_factor": shift, "flip": bool(args.flip), "shard_size": args.shard_size, "source": source,
-            "splits": splits, "complete": False}
+            "splits": splits, "class_names": classes, "complete": False}
+
+
+# recorded for the reader, not a setting the shards depend on: a record without it (an older encoder's) continues
+INFORMATIONAL = ("class_names",)
 
 
 def resume_conflict(old: dict, new: dict, out: str) -> str | None:
@@ -121,7 +127,7 @@ def resume_conflict(old: dict, new: dict, out: str) -> str | None:
         if glob.glob(os.path.join(out, "*", "shard_*.safetensors")):
             return f"{out} holds latent shards but no {LATENTS_INFO} that says how they were made; choose another --out"
         return None
-    missing = [k for k in new if k not in old]
+    missing = [k for k in new if k not in old and k not in INFORMATIONAL]
     if missing:
         return (f"{out}/{LATENTS_INFO} does not record {', '.join(missing)} (an older dit-encode-latents wrote it); "
                 f"choose another --out")
@@ -191,15 +197,19 @@ def main(argv=None) -> dict:
     src.add_argument("--images", help="image folder (class sub-folders, optionally train/ and val/)")
     src.add_argument("--data", help="a dataset option of the trainer (data=<name>: fashion_mnist, image_folder, ...)")
     p.add_argument("--data-set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides of --data's config")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True,
+                   help="folder for the shards (<split>/shard_*.safetensors) and latents_info.json; a rerun with the "
+                        "same settings continues an interrupted encoding there")
     p.add_argument("--image-size", type=int, default=None,
                    help="pixels (default: the images' size when they share one square size up to 256, else 256 "
                         "for --images; the data option's for --data)")
     p.add_argument("--flip", action="store_true", help="also store each image's horizontal mirror")
     p.add_argument("--limit", type=int, default=0, help="encode only the first N images of each split (0: all)")
     p.add_argument("--shard-size", type=int, default=4096, help="images per shard")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--splits", default="train,val")
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="images per VAE forward pass (memory only: the shards do not depend on it)")
+    p.add_argument("--splits", default="train,val",
+                   help="comma-separated splits to encode, of train and val (default: both)")
     args = p.parse_args(argv)
     check_flags(args)
     from dit_train.diffusion.vae import LatentCodec

@@ -60,7 +60,11 @@ def latent_shapes(root) -> dict[str, Found]:
 def latent_class_count(root: str) -> Found:
     """The source's class count recorded by encode_latents.py (latents_info.json), else the largest label in the
     shards plus one."""
-    source = read_latents_info(root).get("source") or {}
+    info = read_latents_info(root)
+    source, names = info.get("source") or {}, info.get("class_names")  # names: an image folder's, since 2026-12-03
+    if isinstance(names, list) and names and all(isinstance(n, str) for n in names):
+        return Found(len(names), f"{os.path.join(root, 'latents_info.json')}: {len(names)} class folders, "
+                                 f"{label_names(names)}")
     if isinstance(source.get("num_classes"), int) and source["num_classes"] > 0:
         return Found(source["num_classes"], f"{os.path.join(root, 'latents_info.json')}: source "
                                             f"{source.get('name', '?')} with {source['num_classes']} classes")

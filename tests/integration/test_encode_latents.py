@@ -325,3 +325,29 @@ def test_out_inside_the_image_folder_is_refused_before_writing(tmp_path, out):
     assert folder_state(tmp_path / "img") == before
     build_dataset(OmegaConf.create({"name": "image_folder", "root": str(tmp_path / "img"), "image_size": 16}),
                   "train")  # still an image folder
+
+
+def test_the_class_folders_are_recorded_and_a_latent_run_names_its_labels(tmp_path):
+    """A latent run's start-up line said `3 classes` and nothing said which folder label 1 is (dit-sample --classes
+    takes labels); the encoder records the image folder's classes, and a record of an older encoder, which has
+    none, still continues (the image lists, not the names, say what the shards hold)."""
+    from dit_train.data.shapes import latent_class_count
+
+    encode = load_encoder()
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img")
+    args = ["--vae", str(tmp_path / "vae"), "--images", str(tmp_path / "img"), "--out", str(tmp_path / "lat"),
+            "--image-size", "16", "--shard-size", "2", "--splits", "train"]
+    assert encode(args)["class_names"] == ["a", "b"]
+    found = latent_class_count(str(tmp_path / "lat"))
+    assert (found.value, found.source, found.suggested) == (
+        2, f"{tmp_path / 'lat' / 'latents_info.json'}: 2 class folders, labels 0=a 1=b", False)
+    info_path = tmp_path / "lat" / "latents_info.json"
+    older = json.loads(info_path.read_text())
+    del older["class_names"]
+    older["complete"] = False
+    info_path.write_text(json.dumps(older))
+    os.remove(tmp_path / "lat" / "train" / "shard_00002.safetensors")  # interrupted before its last shard
+    assert latent_class_count(str(tmp_path / "lat")).source.endswith(": largest label 1 in the shards")
+    assert encode(args)["complete"] and json.loads(info_path.read_text())["class_names"] == ["a", "b"]
+    assert os.path.exists(tmp_path / "lat" / "train" / "shard_00002.safetensors")
