@@ -1,7 +1,7 @@
 """A cost model of one training step (docs/cost_model.md): forward + backward, FSDP2's collectives and the
 optimizer's step, per preset x optimizer (K, RowNorm scale, distributed mode) x world size x hardware profile.
 Every input comes from the real code: parameter shapes and FLOPs from the model built on the meta device
-(model_flops), FSDP2 bytes from comm_volume.fsdp_volumes, and the optimizer step counted op by op on fake tensors
+(model/flops.py), FSDP2 bytes from comm_volume.fsdp_volumes, and the optimizer step counted op by op on fake tensors
 (one process: benchmarks/op_cost.py; W ranks: the real sharded step on a fake process group of W,
 benchmarks/sharded_count.py, with the collectives and bytes the optimizer itself issues, in its own order of issues
 and waits, replayed by benchmarks/sharded_schedule.py). The first-principles floor (`floor=True`: bytes and FLOPs

@@ -17,7 +17,7 @@ class Shapes:
     rest: int  # elements on AdamW
     params: int
     blocks: tuple  # elements per block (FSDP2 units: parallel.blocks_per_fsdp_unit of them)
-    flops_per_image: int  # forward + backward (model_flops)
+    flops_per_image: int  # forward + backward (model/flops.py's training_flops_per_image)
     model: object = field(default=None, compare=False)  # the model config, for counting the optimizer's ops
 
 

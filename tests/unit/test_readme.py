@@ -86,3 +86,13 @@ def test_ci_runs_the_readmes_test_command():
         ci = f.read().strip().splitlines()
     assert "bash scripts/setup.sh --dev" in ci
     assert re.sub(r" --durations=\d+", "", ci[-1]) == readme, (ci[-1], readme)
+
+
+def test_setup_installs_the_cpu_torch_wheel_where_no_torch_is_installed():
+    """The README's demo line says setup.sh installs CPU torch where none is installed: PyPI's Linux wheel of
+    torch is the CUDA build (with its nvidia-* CUDA packages), so the install must name PyTorch's CPU index."""
+    with open(os.path.join(ROOT, "scripts", "setup.sh")) as f:
+        installs = [line for line in f if re.match(r"\s*pip install\b.*\btorch\b", line)]
+    with open(os.path.join(ROOT, "README.md")) as f:
+        assert "CPU torch" in f.read()
+    assert len(installs) == 1 and "--index-url https://download.pytorch.org/whl/cpu" in installs[0], installs
