@@ -14,10 +14,12 @@ if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then
   $SUDO apt-get install -y -qq dataset-fashion-mnist
 fi
 
-# 2. torch: keep any build that is already there (CUDA on clusters); otherwise the CPU wheel (PyPI's Linux wheel
-#    is the CUDA build, with its nvidia-* CUDA packages).
+# 2. torch: keep any build that is already there (CUDA on clusters); otherwise the CPU wheel from PyTorch's index
+#    (PyPI's Linux wheel is the CUDA build, with ~3 GB of nvidia-* packages); where that index cannot be reached
+#    (a machine that sees only its own package registry), the configured index's torch.
 if ! python -c "import torch" 2>/dev/null; then
-  pip install -q "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+  pip install -q "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu --timeout 20 --retries 1 ||
+    pip install -q "torch==2.13.0"
 fi
 
 # 3. The package (editable, so configs and code are used from this checkout).
