@@ -38,16 +38,31 @@ if [ -z "$RESULTS" ] && [ -n "${OUT:-}" ] && [ -d "$OUT" ] && [ -w "$OUT" ]; the
 if [ -n "$RESULTS" ] && [ -e "$RESULTS/results.jsonl" ]; then
   echo "gpu_check.sh: $RESULTS already holds a results.jsonl; give an empty folder to --results" >&2; exit 2
 fi
-# what every stage imports, with this checkout first on the path: a missing package is one line, before anything runs
-if ! err=$("$PY" -c "import torch, hydra, dit_train.trainer.loop" 2>&1); then
-  echo "gpu_check.sh: $PY cannot import the trainer: $(printf '%s\n' "$err" | tail -n 1); install what it names first (scripts/setup.sh keeps an installed torch)" >&2
+# what every stage imports, with this checkout first on the path, and (without --cpu-smoke) a visible CUDA device:
+# one interpreter for both (each start imports torch, seconds); a missing package or no GPU is one line, before
+# anything runs
+check_python() {
+  local err rc needs_cuda=1
+  [ -z "$SMOKE" ] || needs_cuda=0
+  err=$(GPU_CHECK_NEEDS_CUDA=$needs_cuda "$PY" -c 'import os, sys, torch, hydra, dit_train.trainer.loop
+sys.exit(3 if os.environ["GPU_CHECK_NEEDS_CUDA"] == "1" and not torch.cuda.is_available() else 0)' 2>&1)
+  rc=$?
+  if [ "$rc" -eq 3 ]; then
+    echo "gpu_check.sh: no CUDA device is visible to $PY (torch.cuda.is_available() is False); run it on a GPU machine, or --cpu-smoke to check the check on CPU" >&2
+    exit 2
+  elif [ "$rc" -ne 0 ]; then
+    echo "gpu_check.sh: $PY cannot import the trainer: $(printf '%s\n' "$err" | tail -n 1); install what it names first (scripts/setup.sh keeps an installed torch)" >&2
+    exit 2
+  fi
+}
+# the stages asked for first (benchmarks.gpu_check imports no torch: an unknown --only is its one line within a
+# second); any other failure is the interpreter's, which check_python names
+if ! PLAN=$("$PY" -m benchmarks.gpu_check --plan $SMOKE ${ONLY:+--only "$ONLY"} 2>&1); then
+  [[ "$PLAN" == "gpu_check: --only "* ]] || check_python
+  printf '%s\n' "$PLAN" | tail -n 1 >&2
   exit 2
 fi
-if [ -z "$SMOKE" ] && ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
-  echo "gpu_check.sh: no CUDA device is visible to $PY (torch.cuda.is_available() is False); run it on a GPU machine, or --cpu-smoke to check the check on CPU" >&2
-  exit 2
-fi
-PLAN=$("$PY" -m benchmarks.gpu_check --plan $SMOKE ${ONLY:+--only "$ONLY"}) || exit 2
+check_python
 read -r BUDGET ESTIMATE_TIMEOUT KILL_GRACE < <("$PY" -m benchmarks.gpu_check --budget $SMOKE)
 BUDGET=$(awk "BEGIN{printf \"%d\", $BUDGET * $SCALE}")
 start=$(date +%s)

@@ -34,7 +34,10 @@ def estimates(U: torch.Tensor, eps: float, rounds: tuple[int, ...] = (ROUNDS,)) 
     """(exact, the estimate with each round count, cap) for one matrix's direction input U (fp64)."""
     tall = U.shape[0] > U.shape[1]
     s = row_inv_norms(U[None], eps, tall=tall)
-    exact = torch.linalg.matrix_norm(U[None] * s, ord=2).item()
+    R = U * s[0]
+    # ||R||_2 = sqrt of the largest eigenvalue of the Gram of the short side (fp64: 1e-15 of the SVD's value), 2-3x
+    # faster than the SVD of R at every matrix of every RowNorm step
+    exact = torch.linalg.eigvalsh(R @ R.mT if R.shape[0] <= R.shape[1] else R.mT @ R)[-1].sqrt().item()
     problem = (*whole_matrix_problem(U[None], s, tall)[:-1], PROBE)
     return exact, [PROBE / cap_factors([problem], rounds=r)[0].item() for r in rounds], spectral_cap(*sorted(U.shape))
 
