@@ -725,8 +725,12 @@ def test_the_stability_study_runs_end_to_end_in_its_smoke_version(tmp_path, capf
     common lr), the primary and stability rows against frobenius, and the selection seed in no evaluation row."""
     from dit_train.study import paired_report
 
+    from test_fsdp_train import uncompressed_fashion_mnist
+
     sweep = tmp_path / "sweep"
-    code = run_study.main(["rownorm_scale_stability_smoke", "--sweep-dir", str(sweep)])
+    # its 12 runs read the same Fashion-MNIST without gunzip each time (data.root is no part of a run's name)
+    data = f"data.root={uncompressed_fashion_mnist(tmp_path / 'fashion_mnist')}"
+    code = run_study.main(["rownorm_scale_stability_smoke", "--sweep-dir", str(sweep), data])
     out, err = capfd.readouterr()
     assert code == 0, out[-3000:] + err[-3000:]
     study = json.loads((sweep / "study.json").read_text())
