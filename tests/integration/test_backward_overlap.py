@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import needs_fashion
-from test_fsdp_train import TINY, metrics
+from test_fsdp_train import TINY, metrics, uncompressed_fashion_mnist
 from test_sharded_optim import spawn
 from test_sharded_train import train_jobs
 
@@ -43,10 +43,11 @@ REFRESHES = {"muon": 4, "muon/micro": 4, "muon/clipped": 0, "periodic_rowwise/mi
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("overlap")
+    data = f"data.root={uncompressed_fashion_mnist(root / 'fashion_mnist')}"
     jobs = []
     for name, overrides in CASES.items():
         for on in ("true", "false"):
-            jobs.append(BASE + overrides + [f"run_dir={root / name / on}", f"optimizer.overlap_exchange={on}"])
+            jobs.append(BASE + overrides + [data, f"run_dir={root / name / on}", f"optimizer.overlap_exchange={on}"])
     spawn(train_jobs, 2, jobs, timeout=900.0)
     return root
 

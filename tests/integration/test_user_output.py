@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import ROOT, needs_fashion
+from conftest import ROOT, needs_fashion, run_cli_in_process
 
 ENV = {**os.environ, "PYTHONPATH": ROOT}
 TINY = ["model.hidden_size=32", "model.depth=2", "model.num_heads=1", "model.patch_size=8", "train.batch_size=4",
@@ -25,16 +25,12 @@ def torchrun(*args, cwd):
     return subprocess.run(command, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=300)
 
 
-def dit_train(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "dit_train", *args], cwd=cwd, env=ENV, capture_output=True,
-                          text=True, timeout=300)
-
-
 @needs_fashion
 def test_a_one_process_run_resumed_on_two_ranks_says_each_thing_once(tmp_path):
     """The ranks all compose the config and load the checkpoint, but the log says so once (it said it on every
     rank); a small model's FSDP2 traffic is shown in KB, the unit that shows it (it read 0.00 GB, then 0.32 MB)."""
-    first = dit_train(*TINY, "optimizer=muon", "train.steps=2", "run_dir=run", cwd=tmp_path)
+    # the one-process run only makes the checkpoint: in this process (a torchrun launch is ~3 interpreters already)
+    first = run_cli_in_process(*TINY, "optimizer=muon", "train.steps=2", "run_dir=run", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     out = torchrun(*TINY, "optimizer=muon", "train.steps=3", "run_dir=run", "train.resume=auto", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -68,6 +64,7 @@ def test_the_end_of_run_line_counts_the_validation_images_there_are(tmp_path):
         for i in range(count):
             Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(
                 tmp_path / "images" / split / "ab"[i % 2] / f"{i}.png")
-    out = dit_train("data=image_folder", "data.root=images", *TINY, "train.steps=2", "run_dir=run", cwd=tmp_path)
+    out = run_cli_in_process("data=image_folder", "data.root=images", *TINY, "train.steps=2", "run_dir=run",
+                             cwd=tmp_path)  # what the command prints, without a new interpreter's start-up
     assert out.returncode == 0, out.stderr[-2000:]
     assert "end of run: checkpoint, validation loss (3 images x 1 t), summary ..." in out.stdout, out.stdout[-2000:]
