@@ -276,3 +276,51 @@ def run_cli_in_process(*args, cwd, timeout: int = 300) -> CliResult:
         os.chdir(saved_cwd)
         sys.argv = saved_argv
     return CliResult(code, out.getvalue(), err.getvalue())
+
+
+def run_entry_in_process(entry, *args, prog: str = "dit-command") -> CliResult:
+    """A dit-* console command other than dit-train (its `main` or `cli`, e.g. dit_train.export.main) run with
+    `args` in this process: its exit code, stdout and stderr as subprocess.run would give them, without the ~3-4 s
+    of a new interpreter importing torch. sys.argv is set too (cli() entries read it); an argparse refusal
+    (SystemExit) is an exit code. As in run_cli_in_process, warnings are printed to stderr as a fresh interpreter
+    prints them, and what a command may change for the process (argv, cwd, environment, signal handlers, torch's
+    global settings) is restored afterwards. For tests of what the command says and writes; a test of what only a
+    process shows (the console script itself, a signal's exit code, torchrun) still starts one."""
+    import io
+    import signal as signal_module
+    import sys
+
+    saved_argv, saved_cwd, saved_env = list(sys.argv), os.getcwd(), dict(os.environ)
+    signals = [signal_module.SIGINT, signal_module.SIGTERM, signal_module.SIGUSR1]
+    saved_signals = {s: signal_module.getsignal(s) for s in signals}
+    saved_torch = (torch.get_num_threads(), torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
+                   torch.is_grad_enabled(), torch.get_float32_matmul_precision())
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        sys.argv = [prog, *map(str, args)]
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            warnings.resetwarnings()
+            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.simplefilter("ignore", category)
+            warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: sys.stderr.write(
+                warnings.formatwarning(message, category, filename, lineno, line))
+            try:
+                code = entry(list(sys.argv[1:])) if entry.__name__ == "main" else entry()
+                code = 0 if code is None or not isinstance(code, int) else code
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                if not isinstance(e.code, (int, type(None))):
+                    print(e.code, file=sys.stderr)
+    finally:
+        for s, handler in saved_signals.items():
+            signal_module.signal(s, handler)
+        torch.set_num_threads(saved_torch[0])
+        torch.set_default_dtype(saved_torch[1])
+        torch.use_deterministic_algorithms(saved_torch[2])
+        torch.set_grad_enabled(saved_torch[3])
+        torch.set_float32_matmul_precision(saved_torch[4])
+        os.environ.clear()
+        os.environ.update(saved_env)
+        os.chdir(saved_cwd)
+        sys.argv = saved_argv
+    return CliResult(code, out.getvalue(), err.getvalue())

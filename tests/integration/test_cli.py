@@ -19,8 +19,9 @@ def cli(*args, cwd="/tmp", timeout=300):
 
 
 def cli_process(*args, cwd="/tmp", timeout=300):
+    # one intra-op thread, as conftest gives each of CI's two workers: a second only adds contention on 2 cores
     return subprocess.run([sys.executable, "-m", "dit_train", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": ROOT})
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
 
 
 def test_unknown_group_option_is_one_line_listing_choices():

@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 from PIL import Image
 
-from conftest import ROOT
+from conftest import ROOT, run_entry_in_process
 from dit_train.config import ConfigError
 from dit_train.config.latents import check_latent_run
 from dit_train.data import build_dataset
@@ -189,13 +189,13 @@ def test_a_resumed_encoding_refuses_other_settings_before_writing(tmp_path, chan
 def test_the_refusal_is_one_line_on_the_command_line(tmp_path):
     save_tiny_vae(tmp_path / "vae")
     image_folder(tmp_path / "img")
-    cmd = [sys.executable, "-m", "dit_train.data.encode", "--vae", str(tmp_path / "vae"),
-           "--images", str(tmp_path / "img"), "--out", str(tmp_path / "lat"), "--image-size", "16",
-           "--shard-size", "2", "--splits", "train"]
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    assert load_encoder()(cmd[3:])["complete"]  # the first run in this process; the refused one is the command
-    r = subprocess.run(cmd[:-4] + ["--shard-size", "4", "--splits", "train"], capture_output=True, text=True,
-                       timeout=120, env=env)
+    from dit_train.data.encode import cli
+
+    cmd = ["--vae", str(tmp_path / "vae"), "--images", str(tmp_path / "img"), "--out", str(tmp_path / "lat"),
+           "--image-size", "16", "--shard-size", "2", "--splits", "train"]
+    assert load_encoder()(cmd)["complete"]
+    # the refused one is the command's cli (dit-encode-latents' entry), in this process: its status and stderr
+    r = run_entry_in_process(cli, *cmd[:-4], "--shard-size", "4", "--splits", "train", prog="dit-encode-latents")
     assert r.returncode == 2 and "Traceback" not in r.stderr  # argparse's status for bad input (was 1)
     assert r.stderr.splitlines()[-1] == (f"error: {tmp_path}/lat holds latents made with --shard-size 2, not 4; rerun "
                                          f"with the settings in {tmp_path}/lat/latents_info.json, or choose another "

@@ -5,13 +5,12 @@ without diffusers or huggingface_hub (the diffusers path: tests/unit/test_diffus
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, compose, needs_fashion
+from conftest import compose, needs_fashion, run_entry_in_process
 from dit_train.runs.checkpoint import load_for_inference
 from dit_train.export import main as export_main
 from dit_train.model.dit import DiT, DiTConfig
@@ -62,8 +61,8 @@ def test_bf16_export_is_close_and_a_file_name_is_refused(trained_run, tmp_path, 
 
 
 def export_command(*args):
-    return subprocess.run([sys.executable, "-m", "dit_train.export", *map(str, args)], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    """`dit-export *args`, in this process (what it says and writes is the subject, not the interpreter)."""
+    return run_entry_in_process(export_main, *args, prog="dit-export")
 
 
 @needs_fashion
@@ -139,10 +138,13 @@ def test_a_folder_given_where_the_other_kind_is_needed_is_one_line_naming_the_ri
     out = tmp_path / "exported"
     assert export_main([str(trained_run), str(out)]) == 0
     source = json.loads((out / "transformer" / "config.json").read_text())["dit_train"]["source"]
-    for command in (["dit_train.evaluation.fd.job", out, "--device", "cpu"], ["dit_train.sample", out],
-                    ["dit_train.export", out, tmp_path / "again"]):
-        r = subprocess.run([sys.executable, "-m", *map(str, command)], capture_output=True, text=True, timeout=300,
-                           env={**os.environ, "PYTHONPATH": ROOT})
+    from dit_train import sample
+    from dit_train.evaluation.fd import job
+
+    for entry, args in ((job.cli, [out, "--device", "cpu"]), (sample.main, [out]),
+                        (export_main, [out, tmp_path / "again"])):
+        r = run_entry_in_process(entry, *args)  # the commands' checks, in this process
+        command = (entry.__module__, args)
         assert r.returncode == 2 and r.stderr.splitlines() == [
             f"error: {str(out)!r} is a model folder written by dit-export, not a run folder: give the run folder or "
             f"the checkpoint it was exported from: {source}"], (command, r.stderr)

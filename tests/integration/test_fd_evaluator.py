@@ -6,7 +6,6 @@ import importlib
 import json
 import math
 import os
-import subprocess
 import sys
 import warnings
 
@@ -15,11 +14,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import ROOT, needs_fashion
+from conftest import needs_fashion, run_entry_in_process
 from dit_train.config import ConfigError
 from dit_train.evaluation.fd import reference as refmod
 from dit_train.evaluation.fd.job_config import load_data_cfg, load_eval_cfg
 from dit_train.evaluation.during_training import update_best_fd
+from dit_train.evaluation.fd import job
 from dit_train.evaluation.fd.evaluator import FDEvaluator, generation_labels
 from dit_train.evaluation.fd.features import build_extractor
 from dit_train.evaluation.fd.frechet import RankDeficientWarning
@@ -333,8 +333,7 @@ def test_fd_dino_command_errors_are_one_line(tmp_path, case):
         expected = (f"error: {run_dir / 'fd_results.json'} is not valid JSON (Unterminated string starting at: "
                     f"line 1 column 39): the file is damaged (cut short by a crash or edited); delete it (and "
                     f"fd_results.csv) to score every checkpoint again")
-    r = subprocess.run([sys.executable, "-m", "dit_train.evaluation.fd.job", str(run_dir), "--device", "cpu"],
-                       capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    r = run_entry_in_process(job.cli, str(run_dir), "--device", "cpu", prog="dit-fd")
     assert r.returncode == 2 and r.stderr.splitlines() == [expected], r.stderr
 
 
@@ -458,18 +457,17 @@ def test_dit_fd_names_the_flags_the_user_typed(tmp_path, flags, expected):
     after loading the encoder and the checkpoint; now the flag, before either."""
     _fake_run(tmp_path / "run", [3])
     flags = [f.format(tmp=tmp_path) for f in flags]
-    r = subprocess.run([sys.executable, "-m", "dit_train.evaluation.fd.job", str(tmp_path / "run"), "--device", "cpu",
-                        "--cache-dir", str(tmp_path / "cache"), *flags], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": ROOT})
+    r = run_entry_in_process(job.cli, str(tmp_path / "run"), "--device", "cpu", "--cache-dir", str(tmp_path / "cache"),
+                             *flags, prog="dit-fd")
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
     assert r.stderr.startswith(expected.format(tmp=tmp_path)) and "eval." not in r.stderr, r.stderr
 
 
-def test_dit_fd_help_shows_paths_a_user_has():
+def test_dit_fd_help_shows_paths_a_user_has(monkeypatch):
     """Its examples named runs/2025-01-01/12-00-00, a folder no run has (runs are runs/<date>/<time>-<suffix>),
     and no dit-study sweep (sweeps/<study>)."""
-    r = subprocess.run([sys.executable, "-m", "dit_train.evaluation.fd.job", "--help"], capture_output=True,
-                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT, "COLUMNS": "120"})
+    monkeypatch.setenv("COLUMNS", "120")
+    r = run_entry_in_process(job.cli, "--help", prog="dit-fd")
     assert r.returncode == 0
     assert "dit-fd runs/<date>/<time>-<suffix>/checkpoints/step_00001000.dcp" in r.stdout
     assert "dit-fd runs/<date>/<time>-<suffix> " in r.stdout and "dit-fd sweeps/<study> " in r.stdout

@@ -135,16 +135,17 @@ def test_euler_sampler_equals_diffusers_flow_match_euler_scheduler(cfg_scale):
 
 
 @pytest.mark.parametrize("vae,what", [("/nonexistent", "does not exist"), ("empty", "has no config.json")])
-def test_a_vae_that_is_not_a_local_folder_is_one_line_and_never_a_hub_download(tmp_path, vae, what):
+def test_a_vae_that_is_not_a_local_folder_is_one_line_and_never_a_hub_download(tmp_path, monkeypatch, vae, what):
     """`dit-sample RUN --vae /nonexistent` on a latent run: before, diffusers took the path for a
-    Hub repo id (51 lines, a network attempt). The Hub endpoint here is a closed port: any attempt would fail."""
+    Hub repo id (51 lines, a network attempt). The command runs in this process with every socket connection
+    refused and recorded: any attempt fails the test."""
     import os
-    import subprocess
-    import sys
+    import socket
 
-    from conftest import ROOT
+    from conftest import run_entry_in_process
     from dit_train.runs import checkpoint as ckpt
     from dit_train.model.dit import build_model
+    from dit_train.sample import main as sample_main
 
     mcfg = dict(name="t", image_size=8, in_channels=4, patch_size=2, hidden_size=16, depth=1, num_heads=2,
                 num_classes=10)
@@ -155,10 +156,18 @@ def test_a_vae_that_is_not_a_local_folder_is_one_line_and_never_a_hub_download(t
     if vae == "empty":
         vae = str(tmp_path / "empty")
         os.makedirs(vae)
-    env = {**os.environ, "PYTHONPATH": ROOT, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_ETAG_TIMEOUT": "1"}
-    r = subprocess.run([sys.executable, "-m", "dit_train.sample", str(tmp_path / "run"), "--vae", vae, "--device",
-                        "cpu", "--grid", str(tmp_path / "grid.png")], capture_output=True, text=True, env=env,
-                       timeout=300)
+    attempts = []
+
+    def no_network(self, address, *a, **kw):
+        attempts.append(address)
+        raise ConnectionRefusedError(f"no network in this test: {address}")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket.socket, "connect_ex", no_network)
+    monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "1")
+    r = run_entry_in_process(sample_main, str(tmp_path / "run"), "--vae", vae, "--device", "cpu", "--grid",
+                             str(tmp_path / "grid.png"), prog="dit-sample")
+    assert attempts == []
     assert r.returncode == 2 and r.stderr.splitlines() == [
         f"error: VAE folder {vae!r} {what}: expected a local diffusers AutoencoderKL folder (config.json and its "
         f"weights), the one given to dit-encode-latents --vae"], r.stderr
