@@ -469,7 +469,7 @@ def test_stale_temp_files_of_a_dead_writer_are_removed_first(tmp_path):
 def start(tmp_path, run_dir):
     return subprocess.Popen([sys.executable, "-m", "dit_train", f"run_dir={run_dir}", *TINY, "train.steps=100000",
                              "train.ckpt_every=0"], cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": ROOT})
+                            text=True, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
 
 
 def wait_for_training(run_dir, proc, timeout=120):
