@@ -6,8 +6,6 @@ import io
 import os
 import pickle
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -41,6 +39,15 @@ def saved_run(tmp_path, model: dict | None = None):
     config = {"model": {**TINY, **(model or {})}, "data": {"name": "synthetic"}}
     path = ckpt.save(run_dir, 1, tensors, {"step": 1, "active_time_s": 0.0, "config": config}, keep_last=0)
     return run_dir, path
+
+
+def main_in_process(module: str, argv: list, cwd, monkeypatch, capfd) -> tuple[int, str]:
+    """`python -m module *argv` by `cwd` as its main(argv) in this process: (exit code, stderr). These tests are
+    about what the command answers, not about a process; a new Python importing torch is ~3 s here."""
+    monkeypatch.chdir(cwd)
+    capfd.readouterr()
+    code = importlib.import_module(module).main(argv)
+    return code, capfd.readouterr().err
 
 
 def test_a_clean_checkpoint_reads_back(tmp_path):
@@ -282,7 +289,7 @@ def test_a_damaged_checkpoint_is_reported_as_damaged(tmp_path, damage):
     assert "\n" not in str(e.value) and "could run code" not in str(e.value)
 
 
-def test_sample_command_refuses_a_crafted_checkpoint_in_one_line(tmp_path):
+def test_sample_command_refuses_a_crafted_checkpoint_in_one_line(tmp_path, monkeypatch, capfd):
     """The user's side: `dit-sample RUN` on a run folder from elsewhere whose metadata would run a
     shell command: one line on stderr, a non-zero exit, and the command never ran."""
     run_dir, path = saved_run(tmp_path)
@@ -290,11 +297,11 @@ def test_sample_command_refuses_a_crafted_checkpoint_in_one_line(tmp_path):
     with open(os.path.join(path, ".metadata"), "wb") as f:
         f.write(stack_global(*DOTTED_PAYLOADS["Popen"], (["sh", "-c", f"touch {marker}"],)))
     for module in ("dit_train.sample", "dit_train.export"):
-        args = [sys.executable, "-m", module, run_dir] + ([str(tmp_path / "out")] if "export" in module else [])
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
-        assert proc.returncode != 0 and not marker.exists()
-        lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "Warning" not in ln]
-        assert len(lines) == 1 and "refusing to load" in lines[0], proc.stderr
+        args = [run_dir] + ([str(tmp_path / "out")] if "export" in module else [])
+        code, err = main_in_process(module, args, tmp_path, monkeypatch, capfd)
+        assert code != 0 and not marker.exists()
+        lines = [ln for ln in err.splitlines() if ln.strip() and "Warning" not in ln]
+        assert len(lines) == 1 and "refusing to load" in lines[0], err
 
 
 # ---- the JSON beside the tensors ------------------------------------------------------------------------------
@@ -420,16 +427,17 @@ def test_an_exported_config_that_disagrees_with_its_weights_is_refused_before_an
         assert "config.json" in str(e.value) and ".safetensors" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_sample_and_export_refuse_a_huge_declared_model_in_one_line(tmp_path):
+def test_sample_and_export_refuse_a_huge_declared_model_in_one_line(tmp_path, monkeypatch, capfd):
     """The user's side: `dit-sample RUN` / `dit-export RUN OUT` on a run folder whose saved config declares a huge
     image_size: one line, exit 2, nothing written."""
     run_dir, _ = saved_run(tmp_path, {"image_size": 2**20})
     for module in ("dit_train.sample", "dit_train.export"):
-        args = [sys.executable, "-m", module, run_dir] + ([str(tmp_path / "out")] if "export" in module else [])
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
-        lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "Warning" not in ln]
-        assert proc.returncode == 2 and len(lines) == 1 and "makes a position table" in lines[0], proc.stderr
-    assert not (tmp_path / "out").exists() and not (tmp_path / "run" / "samples.png").exists()
+        args = [run_dir] + ([str(tmp_path / "out")] if "export" in module else [])
+        code, err = main_in_process(module, args, tmp_path, monkeypatch, capfd)
+        lines = [ln for ln in err.splitlines() if ln.strip() and "Warning" not in ln]
+        assert code == 2 and len(lines) == 1 and "makes a position table" in lines[0], err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "run" / "samples.png").exists() \
+        and not (tmp_path / "samples.png").exists()  # dit-sample's default grid, by the working directory
 
 
 @pytest.mark.parametrize("size", [[10**12], [-1], ["3"]])

@@ -25,7 +25,8 @@ TINY = ["model.hidden_size=32", "model.depth=1", "model.num_heads=1", "model.pat
         "train.warmup_steps=0", "train.log_every=1", "train.ckpt_every=0", "train.progress=true"]
 FD = ["--eval-preset", "ci", "--encoder", "dinov2_random", "--reference-split", "val", "--reference-num", "16",
       "--num-samples", "8", "--batch-size", "8", "--sample-steps", "2", "--no-grid"]
-ENV = {**os.environ, "PYTHONPATH": ROOT}
+# one intra-op thread, as conftest gives each CI worker: a second one on 2 shared cores only adds contention
+ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
 
 
 def on_terminal(cmd, cwd, signal_when: bytes | None = None, timeout: float = 240) -> tuple[int, str]:
@@ -56,6 +57,32 @@ def on_terminal(cmd, cwd, signal_when: bytes | None = None, timeout: float = 240
         if proc.poll() is None:
             proc.kill()
         os.close(master)
+
+
+def main_on_terminal(main, argv) -> tuple[int, str]:
+    """main(argv) in this process with sys.stdout and sys.stderr on a 120-column pseudo-terminal: (its return value,
+    everything it wrote). For a flag's effect on what a terminal gets; a new Python importing torch is ~3 s here."""
+    import contextlib
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    out, chunks = b"", []
+    try:
+        with open(slave, "w", closefd=True) as tty:
+            with contextlib.redirect_stdout(tty), contextlib.redirect_stderr(tty):
+                code = main(argv)  # a few hundred bytes: well inside the terminal's buffer, read below
+        while select.select([master], [], [], 0.2)[0]:
+            try:
+                chunk = os.read(master, 1 << 16)
+            except OSError:  # EIO: the writer has closed the terminal
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        out = b"".join(chunks)
+    finally:
+        os.close(master)
+    return code, out.decode(errors="replace")
 
 
 def visible_lines(text: str) -> list[str]:
@@ -141,6 +168,8 @@ def test_sample_and_fd_jobs_show_a_bar_on_a_terminal_and_none_in_a_pipe(stopped_
         assert fd_main(args)
     piped = capfd.readouterr()
     assert desc not in piped.err + piped.out and "%|" not in piped.err, piped.err
-    if job == "sample":  # the flag is the same for both
-        code, out = on_terminal([*cmd, "--no-progress"], str(tmp_path))
-        assert code == 0 and desc not in out and "%|" not in out, out[-3000:]
+    if job == "sample":  # the flag is the same for both; on a terminal, as this process's stdout and stderr
+        for flags in ([], ["--no-progress"]):  # without the flag the same terminal gets the bar: it is a terminal
+            code, out = main_on_terminal(sample_main, [*args, *flags])
+            assert code == 0 and (desc in out and "100%" in bar(out, desc)) == (not flags), out[-3000:]
+            assert flags or "%|" in out, out[-3000:]

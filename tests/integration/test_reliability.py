@@ -25,7 +25,7 @@ TINY = ["model.hidden_size=32", "model.depth=1", "model.num_heads=1", "model.pat
 def start(run_dir, *extra):
     return subprocess.Popen([sys.executable, "-m", "dit_train", f"run_dir={run_dir}", *TINY, *extra],
                             cwd=str(run_dir.parent), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": ROOT})
+                            env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})  # 2 shared cores
 
 
 def wait_for_step(run_dir, step, proc, timeout=120):

@@ -154,46 +154,46 @@ def train_row_steps(run_dir):
 
 
 def test_a_resume_from_an_earlier_checkpoint_owns_the_run_and_sets_the_abandoned_steps_aside(tmp_path, caplog):
-    """30 steps (keep_last=3), an explicit resume from step 10, preempted at 12: the abandoned steps 11-30
-    (checkpoints, metrics rows, summary) are moved aside, not deleted; step_10 is not pruned; resume=auto then
-    continues the branch from 12 to 30 and writes its summary, and metrics.jsonl reads 1..30 once."""
+    """15 steps (keep_last=3), an explicit resume from step 5, preempted at 7: the abandoned steps 6-15
+    (checkpoints, metrics rows, summary) are moved aside, not deleted; step_5 is not pruned; resume=auto then
+    continues the branch from 7 to 15 and writes its summary, and metrics.jsonl reads 1..15 once."""
     run_dir = tmp_path / "run"
-    long = ["train.steps=30", "train.ckpt_every=10", "train.keep_last=3"]
+    long = ["train.steps=15", "train.ckpt_every=5", "train.keep_last=3"]
     run(tiny(run_dir, *long))
     rows = (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
     summary = read(run_dir / "summary.json")
-    step_10 = ckpt.checkpoint_path(str(run_dir), 10)
+    step_5 = ckpt.checkpoint_path(str(run_dir), 5)
 
-    cfg = tiny(run_dir, *long, f"train.resume={step_10}")
+    cfg = tiny(run_dir, *long, f"train.resume={step_5}")
     with caplog.at_level("WARNING", logger="dit_train"):
         lock = prepare_run_folder(cfg, DistInfo())
     try:
         trainer = Trainer(cfg, DistInfo())
-        stop_signal_during_step(trainer, 12)
-        with pytest.raises(Preempted, match="step 12"):
+        stop_signal_during_step(trainer, 7)
+        with pytest.raises(Preempted, match="step 7"):
             trainer.fit()
     finally:
         lock.release()
     assert [os.path.basename(p) for p in ckpt.list_checkpoints(str(run_dir))] == \
-        ["step_00000010.dcp", "step_00000012.dcp"]
+        ["step_00000005.dcp", "step_00000007.dcp"]
     [aside] = [run_dir / "abandoned" / d for d in os.listdir(run_dir / "abandoned")]
-    assert aside.name.endswith("-after-step-10") and (aside / "ABANDONED.txt").exists()
-    assert sorted(os.listdir(aside / "checkpoints")) == ["step_00000020.dcp", "step_00000030.dcp"]
-    assert ckpt.read_train_state(str(aside / "checkpoints" / "step_00000030.dcp"))["step"] == 30
+    assert aside.name.endswith("-after-step-5") and (aside / "ABANDONED.txt").exists()
+    assert sorted(os.listdir(aside / "checkpoints")) == ["step_00000010.dcp", "step_00000015.dcp"]
+    assert ckpt.read_train_state(str(aside / "checkpoints" / "step_00000015.dcp"))["step"] == 15
     assert read(aside / "summary.json") == summary
     assert (aside / "metrics.jsonl").read_text().splitlines(keepends=True) == \
-        [r for r in rows if json.loads(r)["step"] > 10]
-    assert train_row_steps(run_dir) == list(range(1, 13))
+        [r for r in rows if json.loads(r)["step"] > 5]
+    assert train_row_steps(run_dir) == list(range(1, 8))
     told = [r.getMessage() for r in caplog.records if "moved aside" in r.getMessage()]
-    assert len(told) == 1 and str(aside) in told[0] and "step_00000020.dcp, step_00000030.dcp" in told[0]
-    assert "metrics.jsonl rows of steps 11-30" in told[0] and "summary.json (steps 30)" in told[0]
+    assert len(told) == 1 and str(aside) in told[0] and "step_00000010.dcp, step_00000015.dcp" in told[0]
+    assert "metrics.jsonl rows of steps 6-15" in told[0] and "summary.json (steps 15)" in told[0]
 
-    out = run(tiny(run_dir, *long, "train.resume=auto"))  # the branch, not the abandoned step 30
-    assert out["steps"] == 30 and json.load(open(run_dir / "summary.json"))["steps"] == 30
-    assert train_row_steps(run_dir) == list(range(1, 31))
+    out = run(tiny(run_dir, *long, "train.resume=auto"))  # the branch, not the abandoned step 15
+    assert out["steps"] == 15 and json.load(open(run_dir / "summary.json"))["steps"] == 15
+    assert train_row_steps(run_dir) == list(range(1, 16))
     assert [os.path.basename(p) for p in ckpt.list_checkpoints(str(run_dir))] == \
-        ["step_00000012.dcp", "step_00000020.dcp", "step_00000030.dcp"]
-    assert os.listdir(run_dir / "abandoned") == [aside.name]  # nothing after 12 to set aside this time
+        ["step_00000007.dcp", "step_00000010.dcp", "step_00000015.dcp"]
+    assert os.listdir(run_dir / "abandoned") == [aside.name]  # nothing after 7 to set aside this time
 
 
 def test_a_resume_that_falls_back_past_a_damaged_checkpoint_sets_that_timeline_aside(trained, tmp_path, caplog):
@@ -469,7 +469,7 @@ def test_stale_temp_files_of_a_dead_writer_are_removed_first(tmp_path):
 def start(tmp_path, run_dir):
     return subprocess.Popen([sys.executable, "-m", "dit_train", f"run_dir={run_dir}", *TINY, "train.steps=100000",
                              "train.ckpt_every=0"], cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": ROOT})
+                            text=True, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
 
 
 def wait_for_training(run_dir, proc, timeout=120):

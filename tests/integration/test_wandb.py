@@ -10,7 +10,7 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import needs_fashion, stop_signal_during_step
+from conftest import needs_fashion, run_cli_in_process, stop_signal_during_step
 from dit_train.parallel.fsdp import DistInfo
 from dit_train.trainer.preemption import Preempted
 from dit_train.trainer.loop import Trainer
@@ -70,21 +70,18 @@ def test_tags_name_model_optimizer_k_and_lr():
     ('{"id": "team/abc", "name": "x"}', "id 'team/abc' is not a valid wandb run id"),
     ('{"id": "ab', "is not valid JSON"),
 ])
-def test_a_damaged_wandb_record_is_one_line_naming_it_before_anything_is_written(tmp_path, record, expected):
+def test_a_damaged_wandb_record_is_one_line_naming_it_before_anything_is_written(tmp_path, record, expected,
+                                                                                  monkeypatch):
     """wandb_run.json `{}` was a KeyError traceback, an id with '/' wandb's own error after the run folder was
-    written; now both are refused by the command in one line naming the file, exit 2."""
-    import subprocess
-    import sys
-
-    from conftest import ROOT
-
+    written; now both are refused by the command in one line naming the file, exit 2. The command runs in this
+    process (conftest.run_cli_in_process): the refusal is what it says, not what only a new process shows."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / RECORD).write_text(record)
-    r = subprocess.run([sys.executable, "-m", "dit_train", f"run_dir={run_dir}", "logger.wandb.mode=offline",
-                        "model.hidden_size=32", "model.depth=1", "model.num_heads=1", "model.patch_size=8",
-                        "train.steps=2", "train.batch_size=4"], cwd=str(tmp_path), capture_output=True, text=True,
-                       timeout=300, env={**os.environ, "PYTHONPATH": ROOT, "WANDB_MODE": "offline"})
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    r = run_cli_in_process(f"run_dir={run_dir}", "logger.wandb.mode=offline", "model.hidden_size=32",
+                           "model.depth=1", "model.num_heads=1", "model.patch_size=8", "train.steps=2",
+                           "train.batch_size=4", cwd=str(tmp_path))
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert lines[0].startswith(f"error: {run_dir / RECORD}") and expected in lines[0], lines[0]
