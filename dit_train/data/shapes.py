@@ -58,7 +58,8 @@ def latent_shapes(root) -> dict[str, Found]:
 
 
 def latent_class_count(root: str) -> Found:
-    """The source's class count recorded by encode_latents.py (latents_info.json), else the largest label in the
+    """The class count recorded by dit-encode-latents (latents_info.json: an image folder's class folders, named in
+    the start-up line as an image-folder run names them, or the source's count), else the largest label in the
     shards plus one."""
     info = read_latents_info(root)
     source, names = info.get("source") or {}, info.get("class_names")  # names: an image folder's, since 2026-12-03
