@@ -183,6 +183,55 @@ class CliResult:
         self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
 
 
+@contextlib.contextmanager
+def _process_state_kept(signals):
+    """What a command run in this process may change and a new process would start without, as it was afterwards:
+    sys.argv, the working directory, os.environ, the handlers of `signals` and torch's global settings."""
+    import signal as signal_module
+    import sys
+
+    saved_argv, saved_cwd, saved_env = list(sys.argv), os.getcwd(), dict(os.environ)
+    saved_signals = {s: signal_module.getsignal(s) for s in signals}
+    saved_torch = (torch.get_num_threads(), torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
+                   torch.is_grad_enabled(), torch.get_float32_matmul_precision())
+    try:
+        yield
+    finally:
+        for s, handler in saved_signals.items():
+            signal_module.signal(s, handler)
+        torch.set_num_threads(saved_torch[0])
+        torch.set_default_dtype(saved_torch[1])
+        torch.use_deterministic_algorithms(saved_torch[2])
+        torch.set_grad_enabled(saved_torch[3])
+        torch.set_float32_matmul_precision(saved_torch[4])
+        os.environ.clear()
+        os.environ.update(saved_env)
+        os.chdir(saved_cwd)
+        sys.argv = saved_argv
+
+
+def _exit_code_as_a_process(command, out, err) -> int:
+    """Run `command()` with stdout and stderr into `out` and `err` as a new interpreter would write them: its exit
+    code (a SystemExit's; 0 when it returns), warnings printed to stderr (pytest records them instead: a test that
+    the command says one line sees a warning as a second line, as it would from a subprocess)."""
+    import sys
+
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+        warnings.resetwarnings()
+        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.simplefilter("ignore", category)
+        # (not warnings._showwarning_orig: under pytest's recording that one hands the warning to the recorder)
+        warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: sys.stderr.write(
+            warnings.formatwarning(message, category, filename, lineno, line))
+        try:
+            code = command()
+            return code if isinstance(code, int) else 0
+        except SystemExit as e:
+            if not isinstance(e.code, (int, type(None))):
+                print(e.code, file=sys.stderr)  # sys.exit("message"): Python prints it
+            return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+
+
 def run_cli_in_process(*args, cwd, timeout: int = 300) -> CliResult:
     """`python -m dit_train *args` run by `cwd`, in this process: its exit code, stdout and stderr, as
     subprocess.run would give them, without the ~3 s of a new Python importing torch. For the tests of what the
@@ -207,74 +256,44 @@ def run_cli_in_process(*args, cwd, timeout: int = 300) -> CliResult:
     from dit_train import __main__ as entry
     from dit_train.runs import hydra_files, names
 
-    saved_argv, saved_cwd, saved_env = list(sys.argv), os.getcwd(), dict(os.environ)
     root = logging.getLogger()
     saved_root = (list(root.handlers), root.level)
     saved_levels = {name: logger.level for name, logger in logging.Logger.manager.loggerDict.items()
                     if isinstance(logger, logging.Logger)}
     signals = [signal_module.SIGINT, signal_module.SIGTERM, signal_module.SIGUSR1, signal_module.SIGALRM]
-    saved_signals = {s: signal_module.getsignal(s) for s in signals}
-    saved_torch = (torch.get_num_threads(), torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
-                   torch.is_grad_enabled(), torch.get_float32_matmul_precision())
     saved_deferred = hydra_files._deferred
     out, err = io.StringIO(), io.StringIO()
-    code = 0
-    try:
-        sys.argv = [os.path.join(ROOT, "dit_train", "__main__.py"), *map(str, args)]
-        os.chdir(cwd)
-        names.run_suffix.cache_clear()
-        # logging as a new process has it until Hydra configures it: no root handlers (pytest's would take the
-        # warnings logged before Hydra, which Python's last-resort handler prints to stderr), level WARNING
-        root.handlers[:] = []
-        root.setLevel(logging.WARNING)
+    with _process_state_kept(signals):
+        try:
+            sys.argv = [os.path.join(ROOT, "dit_train", "__main__.py"), *map(str, args)]
+            os.chdir(cwd)
+            names.run_suffix.cache_clear()
+            # logging as a new process has it until Hydra configures it: no root handlers (pytest's would take the
+            # warnings logged before Hydra, which Python's last-resort handler prints to stderr), level WARNING
+            root.handlers[:] = []
+            root.setLevel(logging.WARNING)
 
-        def too_long(*_):
-            raise TimeoutError(f"python -m dit_train {' '.join(map(str, args))} ran more than {timeout} s")
+            def too_long(*_):
+                raise TimeoutError(f"python -m dit_train {' '.join(map(str, args))} ran more than {timeout} s")
 
-        signal_module.signal(signal_module.SIGALRM, too_long)
-        signal_module.alarm(timeout)
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
-            # warnings printed to stderr as a fresh interpreter prints them (pytest records them instead): a test
-            # that the command says one line sees a warning as a second line, as it would from a subprocess
-            warnings.resetwarnings()
-            for action, category in (("ignore", DeprecationWarning), ("ignore", PendingDeprecationWarning),
-                                     ("ignore", ImportWarning), ("ignore", ResourceWarning)):
-                warnings.simplefilter(action, category)
-            # (not warnings._showwarning_orig: under pytest's recording that one hands the warning to the recorder)
-            warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: sys.stderr.write(
-                warnings.formatwarning(message, category, filename, lineno, line))
-            try:
-                entry.cli()
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-                if not isinstance(e.code, (int, type(None))):
-                    print(e.code, file=sys.stderr)  # sys.exit("message"): Python prints it
-    finally:
-        signal_module.alarm(0)
-        for handler in root.handlers:
-            if handler not in saved_root[0]:
-                handler.close()  # Hydra's dit_train.log in the run folder
-        root.handlers[:], _ = saved_root[0], root.setLevel(saved_root[1])
-        for name, level in saved_levels.items():
-            logging.getLogger(name).setLevel(level)
-        for name, logger in logging.Logger.manager.loggerDict.items():
-            if isinstance(logger, logging.Logger) and name not in saved_levels:
-                logger.setLevel(logging.NOTSET)
-        for s, handler in saved_signals.items():
-            signal_module.signal(s, handler)
-        torch.set_num_threads(saved_torch[0])
-        torch.set_default_dtype(saved_torch[1])
-        torch.use_deterministic_algorithms(saved_torch[2])
-        torch.set_grad_enabled(saved_torch[3])
-        torch.set_float32_matmul_precision(saved_torch[4])
-        hydra_files._deferred = saved_deferred
-        names.run_suffix.cache_clear()
-        GlobalHydra.instance().clear()
-        HydraConfig.instance().cfg = None
-        os.environ.clear()
-        os.environ.update(saved_env)
-        os.chdir(saved_cwd)
-        sys.argv = saved_argv
+            signal_module.signal(signal_module.SIGALRM, too_long)
+            signal_module.alarm(timeout)
+            code = _exit_code_as_a_process(entry.cli, out, err)
+        finally:
+            signal_module.alarm(0)
+            for handler in root.handlers:
+                if handler not in saved_root[0]:
+                    handler.close()  # Hydra's dit_train.log in the run folder
+            root.handlers[:], _ = saved_root[0], root.setLevel(saved_root[1])
+            for name, level in saved_levels.items():
+                logging.getLogger(name).setLevel(level)
+            for name, logger in logging.Logger.manager.loggerDict.items():
+                if isinstance(logger, logging.Logger) and name not in saved_levels:
+                    logger.setLevel(logging.NOTSET)
+            hydra_files._deferred = saved_deferred
+            names.run_suffix.cache_clear()
+            GlobalHydra.instance().clear()
+            HydraConfig.instance().cfg = None
     return CliResult(code, out.getvalue(), err.getvalue())
 
 
@@ -290,37 +309,9 @@ def run_entry_in_process(entry, *args, prog: str = "dit-command") -> CliResult:
     import signal as signal_module
     import sys
 
-    saved_argv, saved_cwd, saved_env = list(sys.argv), os.getcwd(), dict(os.environ)
-    signals = [signal_module.SIGINT, signal_module.SIGTERM, signal_module.SIGUSR1]
-    saved_signals = {s: signal_module.getsignal(s) for s in signals}
-    saved_torch = (torch.get_num_threads(), torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
-                   torch.is_grad_enabled(), torch.get_float32_matmul_precision())
     out, err = io.StringIO(), io.StringIO()
-    try:
+    with _process_state_kept([signal_module.SIGINT, signal_module.SIGTERM, signal_module.SIGUSR1]):
         sys.argv = [prog, *map(str, args)]
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
-            warnings.resetwarnings()
-            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
-                warnings.simplefilter("ignore", category)
-            warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: sys.stderr.write(
-                warnings.formatwarning(message, category, filename, lineno, line))
-            try:
-                code = entry(list(sys.argv[1:])) if entry.__name__ == "main" else entry()
-                code = 0 if code is None or not isinstance(code, int) else code
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-                if not isinstance(e.code, (int, type(None))):
-                    print(e.code, file=sys.stderr)
-    finally:
-        for s, handler in saved_signals.items():
-            signal_module.signal(s, handler)
-        torch.set_num_threads(saved_torch[0])
-        torch.set_default_dtype(saved_torch[1])
-        torch.use_deterministic_algorithms(saved_torch[2])
-        torch.set_grad_enabled(saved_torch[3])
-        torch.set_float32_matmul_precision(saved_torch[4])
-        os.environ.clear()
-        os.environ.update(saved_env)
-        os.chdir(saved_cwd)
-        sys.argv = saved_argv
+        code = _exit_code_as_a_process(
+            lambda: entry(list(sys.argv[1:])) if entry.__name__ == "main" else entry(), out, err)
     return CliResult(code, out.getvalue(), err.getvalue())
