@@ -30,6 +30,16 @@ def test_the_spike_is_the_largest_rise_of_the_10_step_mean_above_its_running_min
     assert got >= 1.0
 
 
+def test_a_rise_inside_the_warm_up_is_not_a_spike():
+    """The pre-registered spike is measured after the warm-up only: a rise that ends before it (the lr ramp's) is
+    not counted, one just after it is (the reference's `steps > warmup`)."""
+    losses = np.r_[np.full(10, 1.0), np.full(8, 0.5), np.full(12, 2.0), np.linspace(0.5, 0.2, 70)]
+    assert reference_spike(losses, 40) == pytest.approx(1.0)  # the first window past step 40 is already falling
+    assert stability.loss_spike(curve(losses), warmup_steps=40) == pytest.approx(1.0)
+    assert stability.loss_spike(curve(losses), warmup_steps=20) == pytest.approx(reference_spike(losses, 20))
+    assert reference_spike(losses, 20) > 2
+
+
 def test_a_run_that_only_falls_has_spike_one_and_did_not_diverge():
     losses = np.linspace(1.0, 0.2, 100)
     assert stability.loss_spike(curve(losses), 20) == pytest.approx(1.0)
