@@ -137,8 +137,8 @@ def test_euler_sampler_equals_diffusers_flow_match_euler_scheduler(cfg_scale):
 @pytest.mark.parametrize("vae,what", [("/nonexistent", "does not exist"), ("empty", "has no config.json")])
 def test_a_vae_that_is_not_a_local_folder_is_one_line_and_never_a_hub_download(tmp_path, monkeypatch, vae, what):
     """`dit-sample RUN --vae /nonexistent` on a latent run: before, diffusers took the path for a
-    Hub repo id (51 lines, a network attempt). The command runs in this process with every socket connection
-    refused and recorded: any attempt fails the test."""
+    Hub repo id (51 lines, a network attempt). The command runs in this process with every name lookup and socket
+    connection refused and recorded: any attempt fails the test (checked: huggingface_hub's download is recorded)."""
     import os
     import socket
 
@@ -162,8 +162,13 @@ def test_a_vae_that_is_not_a_local_folder_is_one_line_and_never_a_hub_download(t
         attempts.append(address)
         raise ConnectionRefusedError(f"no network in this test: {address}")
 
+    def no_name_lookup(host, *a, **kw):  # before any connection: where DNS fails, connect is never reached
+        attempts.append(host)
+        raise socket.gaierror(f"no network in this test: {host}")
+
     monkeypatch.setattr(socket.socket, "connect", no_network)
     monkeypatch.setattr(socket.socket, "connect_ex", no_network)
+    monkeypatch.setattr(socket, "getaddrinfo", no_name_lookup)
     monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "1")
     r = run_entry_in_process(sample_main, str(tmp_path / "run"), "--vae", vae, "--device", "cpu", "--grid",
                              str(tmp_path / "grid.png"), prog="dit-sample")
