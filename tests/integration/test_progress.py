@@ -29,27 +29,39 @@ FD = ["--eval-preset", "ci", "--encoder", "dinov2_random", "--reference-split", 
 ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
 
 
+def pseudo_terminal() -> tuple[int, int]:
+    """(master, slave) of a new 120-column pseudo-terminal."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    return master, slave
+
+
+def read_terminal(master: int) -> bytes | None:
+    """What the terminal received within 0.2 s (b"" if nothing yet); None once every writer has closed it."""
+    if not select.select([master], [], [], 0.2)[0]:
+        return b""
+    try:
+        return os.read(master, 1 << 16) or None
+    except OSError:  # EIO: every writer has closed the terminal
+        return None
+
+
 def on_terminal(cmd, cwd, signal_when: bytes | None = None, timeout: float = 240) -> tuple[int, str]:
     """Run `cmd` with stdin, stdout and stderr on a 120-column pseudo-terminal; SIGTERM it once its output contains
     `signal_when`. Returns (exit status, everything it wrote, as the terminal received it)."""
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    master, slave = pseudo_terminal()
     proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, cwd=cwd, env=ENV, close_fds=True)
     os.close(slave)
     out, t0 = b"", time.time()
     try:
         while time.time() - t0 < timeout:
-            if select.select([master], [], [], 0.2)[0]:
-                try:
-                    chunk = os.read(master, 1 << 16)
-                except OSError:  # EIO: every writer has closed the terminal
-                    break
-                if not chunk:
-                    break
-                out += chunk
-                if signal_when is not None and signal_when in out:
-                    proc.send_signal(signal.SIGTERM)
-                    signal_when = None
+            chunk = read_terminal(master)
+            if chunk is None:
+                break
+            out += chunk
+            if signal_when is not None and signal_when in out:
+                proc.send_signal(signal.SIGTERM)
+                signal_when = None
         else:
             raise TimeoutError(out.decode(errors="replace")[-2000:])
         return proc.wait(timeout=60), out.decode(errors="replace")
@@ -64,22 +76,14 @@ def main_on_terminal(main, argv) -> tuple[int, str]:
     everything it wrote). For a flag's effect on what a terminal gets; a new Python importing torch is ~3 s here."""
     import contextlib
 
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-    out, chunks = b"", []
+    master, slave = pseudo_terminal()
+    out = b""
     try:
         with open(slave, "w", closefd=True) as tty:
             with contextlib.redirect_stdout(tty), contextlib.redirect_stderr(tty):
                 code = main(argv)  # a few hundred bytes: well inside the terminal's buffer, read below
-        while select.select([master], [], [], 0.2)[0]:
-            try:
-                chunk = os.read(master, 1 << 16)
-            except OSError:  # EIO: the writer has closed the terminal
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
-        out = b"".join(chunks)
+        while chunk := read_terminal(master):  # until nothing more comes, or the terminal is closed
+            out += chunk
     finally:
         os.close(master)
     return code, out.decode(errors="replace")
