@@ -270,8 +270,9 @@ def run_group(world: int, args) -> dict:
     import torch.multiprocessing as mp
 
     # the ranks fork from one server that imported this script, torch and the optimizers once (for all groups);
-    # "spawn" re-imported them in every rank, seconds of CPU each that the ranks' 2-core host shares
-    mp.set_forkserver_preload(["__main__", "dit_train.optim.registry", "torch.distributed.fsdp"])
+    # "spawn" re-imported them in every rank, seconds of CPU each that the ranks' 2-core host shares. torch._dynamo
+    # too: every rank imported it anyway (its first meta-device op and its optimizer step do), ~0.8 s each
+    mp.set_forkserver_preload(["__main__", "dit_train.optim.registry", "torch.distributed.fsdp", "torch._dynamo"])
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.pt")
         mp.start_processes(rank_main, args=(world, free_port(), args, out), nprocs=world,
