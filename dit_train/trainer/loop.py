@@ -186,8 +186,9 @@ class Trainer:
         else:
             self.skip_update(loss, grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]  # the lr this step used: scheduler.step() sets the next step's
         self.scheduler.step()
-        out = {"train/loss": loss, "train/grad_norm": grad_norm, "train/skipped": float(not finite)}
+        out = {"train/loss": loss, "train/grad_norm": grad_norm, "train/skipped": float(not finite), "lr": lr}
         if finite:
             out.update(self.hooks.step_info())
         return out
@@ -393,8 +394,7 @@ class Trainer:
 
     def log_train_row(self, metrics: dict, window: dict, progress) -> None:
         """The logged step's own values (loss, grad norm, opt/refresh) with the window's timing means (step_window)."""
-        metrics = {**metrics, **window, "lr": self.scheduler.get_last_lr()[0],
-                   "imgs_per_s": self.throughput.take_rate(),
+        metrics = {**metrics, **window, "imgs_per_s": self.throughput.take_rate(),
                    "active_time_s": self.state.active_time_s, "skipped_steps": self.state.skipped_steps}
         skipped_data = len(getattr(self.train_set, "skipped", ()))
         if skipped_data:

@@ -1,6 +1,7 @@
 """End-to-end behaviour of the training loop on real Fashion-MNIST with a very small DiT (seconds per test)."""
 
 import json
+import math
 import os
 
 import pytest
@@ -28,7 +29,13 @@ def test_run_leaves_metrics_checkpoints_samples_summary(tiny_cfg):
     rows = read_metrics(d)
     train_rows = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in train_rows] == [2, 4, 6]
-    assert all("time/forward" in r and "imgs_per_s" in r and "lr" in r for r in train_rows)
+    assert all("time/forward" in r and "imgs_per_s" in r for r in train_rows)
+    # each row's lr is the one its step trained with: step s (1-based) at the schedule's index s - 1 (warm-up 2 of
+    # 6 steps, then cosine to min_lr_ratio), by hand
+    tc, lr = tiny_cfg.train, tiny_cfg.optimizer.lr
+    assert tc.lr_schedule == "cosine" and tc.warmup_steps == 2
+    cosine = lambda progress: lr * (tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    assert [r["lr"] for r in train_rows] == pytest.approx([lr * 2 / 2, cosine(1 / 4), cosine(3 / 4)], rel=1e-12)
     val_rows = [r for r in rows if "val/loss" in r]
     assert [r["step"] for r in val_rows] == [3, 6] and "val/loss_t0.250" in val_rows[0]
     assert [os.path.basename(p) for p in ckpt.list_checkpoints(d)] == ["step_00000003.dcp", "step_00000006.dcp"]
