@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from dit_train.data.shapes import FASHION_MNIST
+
 DEFAULT_ROOT = "/usr/share/datasets/fashion-mnist"
 FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
@@ -69,7 +71,7 @@ def read_idx(path: str) -> np.ndarray:
 
 
 class FashionMNIST(Dataset):
-    num_classes = 10
+    num_classes = FASHION_MNIST["num_classes"]
 
     def __init__(self, cfg, split: str):
         root = cfg.get("root") or DEFAULT_ROOT

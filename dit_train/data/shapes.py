@@ -2,7 +2,8 @@
 model is built so that a latent or image-folder run needs no hand-written shape overrides (#28 item 2).
 
 read_data_shapes(data) returns, per data key, the value the files hold and where it was read; a key the files do
-not decide (Fashion-MNIST's fixed shapes, synthetic data, an image folder of mixed sizes) is absent. Missing or
+not decide (synthetic data, an image folder of mixed sizes) is absent. Fashion-MNIST's are fixed: 1 channel and 10
+classes (its side is padded to data.image_size, a choice). Missing or
 unreadable files are left to the checks that name them (dit_train.config.validate, the datasets themselves):
 here they only mean that nothing can be read."""
 
@@ -25,6 +26,7 @@ class Found:
 
 
 SHAPES_FROM_FILES = ("latents", "image_folder")  # the data whose files decide shapes (read_data_shapes)
+FASHION_MNIST = {"channels": 1, "num_classes": 10}  # grayscale, ten classes of clothing
 
 
 def read_data_shapes(data: dict) -> dict[str, Found]:
@@ -33,6 +35,9 @@ def read_data_shapes(data: dict) -> dict[str, Found]:
         return latent_shapes(data.get("root"))
     if data.get("name") == "image_folder":
         return image_folder_shapes(data.get("root"))
+    if data.get("name") == "fashion_mnist":
+        return {"channels": Found(FASHION_MNIST["channels"], "Fashion-MNIST images are grayscale"),
+                "num_classes": Found(FASHION_MNIST["num_classes"], "Fashion-MNIST has 10 classes")}
     return {}
 
 

@@ -85,6 +85,22 @@ def test_command_line_values_that_disagree_with_the_data_are_one_line_with_the_f
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.skipif(not os.path.exists("/usr/share/datasets/fashion-mnist"), reason="dataset-fashion-mnist")
+def test_fashion_mnist_s_channel_and_classes_are_fixed(tmp_path):
+    """data.channels=3 passed the check and crashed in the first step's matmul, after the run folder was made;
+    data.num_classes=5 was refused by the label check inside the run, naming model.num_classes. More classes in the
+    model than in the data is a choice (unused rows of the class table), as is an unconditional model."""
+    r = dit_train("data.channels=3", "data.num_classes=5", f"run_dir={tmp_path / 'run'}", *TINY, cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr == (
+        "error: the data in /usr/share/datasets/fashion-mnist (fashion_mnist) disagrees with the command line or the "
+        "presets: data.channels=3 (Fashion-MNIST images are grayscale); data.num_classes=5 (Fashion-MNIST has 10 "
+        "classes); use instead: data.channels=1 data.num_classes=10\n"), r.stderr
+    assert not (tmp_path / "run").exists()
+    for choice in ("data.num_classes=12", "model.num_classes=0"):
+        r = dit_train(choice, f"run_dir={tmp_path / choice.split('=')[0]}", *TINY, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+
+
 def test_an_image_folder_run_reads_its_classes_channels_and_size(tmp_path):
     """data=image_folder needed model.in_channels=3 model.image_size=64 and the class count by hand."""
     image_folder(tmp_path / "img", classes=("a", "b"), size=(24, 24))
