@@ -13,7 +13,9 @@ from dit_train.config import CONF_DIR, ConfigError, check_command_line, remove_s
 from dit_train.config.command_line import split_config_dir
 from dit_train.config.override_text import override, parsed_value, shell_override
 from dit_train.runs.hydra_files import defer_hydra_files
-from dit_train.trainer.preemption import Preempted, Preemption
+from dit_train.trainer.preemption import EXIT_INTERRUPTED, Preempted, Preemption
+
+INTERRUPTED = "interrupted before training started; nothing to checkpoint"
 
 
 # an absolute path: imported by the console script, a relative one would be looked up as the module dit_train.conf
@@ -56,8 +58,8 @@ def main(cfg) -> None:
         print(f"error: {describe_os_error(e)}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C before training started (once it has, it checkpoints: Preempted above)
-        print("interrupted before training started; nothing to checkpoint", file=sys.stderr)
-        sys.exit(130)
+        print(INTERRUPTED, file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
 
 
 def check_writable(run_dir: str) -> None:
@@ -88,7 +90,16 @@ def explicit_run_dir(argv: list[str]) -> str | None:
 
 
 def cli() -> None:
-    """The `dit-train` console script and `python -m dit_train`."""
+    """The `dit-train` console script and `python -m dit_train`: Ctrl-C before training starts is one line and exit
+    130 (once training has started, the run checkpoints and says so: trainer/preemption.py)."""
+    try:
+        start()
+    except KeyboardInterrupt:  # the command line's check (composing every job, reading checkpoints) takes seconds
+        print(INTERRUPTED, file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
+
+
+def start() -> None:
     # every rank composes the config and resumes, but only the first says so: the others log warnings and errors
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))  # torchrun's, else srun's (no torchrun)
     logging.getLogger("dit_train").setLevel(logging.INFO if rank == "0" else logging.WARNING)
