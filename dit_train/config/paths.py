@@ -11,6 +11,23 @@ from dit_train.config.errors import ConfigError, invalid
 from dit_train.extras import installed
 
 
+# the paths a run reads that its saved config keeps (a resume continues the checkpoint's config)
+READ_PATHS = ("data.root", "vae.path", "eval.encoder_path", "train.init_from")
+
+
+def absolute_paths(cfg):
+    """`cfg` with the paths it reads made absolute against the folder the run started in (and ~ expanded), in
+    place: the checkpoint's config then finds them when the run is resumed from any other folder (a relative
+    data.root was refused there as not a folder)."""
+    from omegaconf import OmegaConf
+
+    for key in READ_PATHS:
+        value = OmegaConf.select(cfg, key)
+        if isinstance(value, str) and value not in ("", "???"):
+            OmegaConf.update(cfg, key, os.path.abspath(os.path.expanduser(value)))
+    return cfg
+
+
 def check_paths(cfg) -> None:
     """Raise ConfigError (one line) for the first path of `cfg` that cannot be read, or a run folder with a link
     where the run writes in place (runs/in_place_files.py). A dry run reads and writes nothing."""

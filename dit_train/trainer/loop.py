@@ -22,6 +22,7 @@ from dit_train.trainer.cadence import every_n_steps
 from dit_train.runs.checkpoint_saver import CheckpointSaver, grace_warning, resolve_async
 from dit_train.parallel.comm_volume import describe_run, ranks_per_node
 from dit_train.config import validate
+from dit_train.config.paths import absolute_paths
 from dit_train.data import build_dataset, check_classes_fit, fingerprint, loader_workers
 from dit_train.data.order import train_batches
 from dit_train.trainer.deferred_steps import DeferredSteps, PendingStep, StepNumbers
@@ -417,6 +418,7 @@ def run(cfg) -> dict:
         validate(cfg, dist.world_size)
         if cfg.train.dry_run:
             return dry_run(cfg)
+        cfg = absolute_paths(cfg)
         check_buildable(cfg.optimizer.get("compile_rownorm"), dist.device)
         with collective_timeouts(cfg.parallel.timeout_minutes):
             lock = prepare_run_folder(cfg, dist)

@@ -116,6 +116,19 @@ def test_an_image_folder_run_reads_its_classes_channels_and_size(tmp_path):
     assert held and counts and int(counts[2]) == int(held[1]) >= 1 and int(counts[1]) + int(counts[2]) == 16
 
 
+def test_a_run_started_on_a_relative_data_root_resumes_from_any_folder(tmp_path):
+    """The run keeps the paths it reads as absolute ones in its checkpoint's config: resumed from another working
+    directory, `data.root=img` was refused as not a folder."""
+    (tmp_path / "start").mkdir(), (tmp_path / "elsewhere").mkdir()
+    image_folder(tmp_path / "start" / "img", classes=("a", "b"))
+    run = tmp_path / "run"
+    r = dit_train("data=image_folder", "data.root=img", f"run_dir={run}", *TINY, cwd=tmp_path / "start")
+    assert r.returncode == 0, r.stderr
+    assert f"root: {tmp_path / 'start' / 'img'}\n" in (run / "config.yaml").read_text()
+    r = dit_train(f"run_dir={run}", "train.resume=auto", "train.steps=2", cwd=tmp_path / "elsewhere")
+    assert r.returncode == 0 and "steps=2" in r.stdout, r.stderr
+
+
 def test_a_resume_on_data_of_another_shape_is_refused_naming_the_saved_values(tmp_path):
     """The saved config holds the shapes inferred at the start; data that changed under the run is not silently
     re-inferred on resume (the checkpoint's weights have the saved shapes)."""
