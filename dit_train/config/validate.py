@@ -54,7 +54,9 @@ def check_architecture(values: Mapping) -> None:
     code)."""
     check_fields("model", Architecture, values)
     if values["image_size"] % values["patch_size"]:
-        raise invalid("model.patch_size", values["patch_size"], f"must divide model.image_size={values['image_size']}")
+        size = values["image_size"]
+        raise invalid("model.patch_size", values["patch_size"], f"must divide model.image_size={size} (valid: "
+                      f"{', '.join(str(d) for d in range(1, size + 1) if size % d == 0)})")
     if values["hidden_size"] % values["num_heads"]:
         raise invalid("model.num_heads", values["num_heads"], f"must divide model.hidden_size={values['hidden_size']}")
     if values["hidden_size"] % 4:
