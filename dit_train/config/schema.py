@@ -54,7 +54,7 @@ class TrainConfig:
                                  lambda v: 1 <= v <= MAX_GRID_ROW, default=8, doc="grid images per class",
                                  resume=True)
     ckpt_every: int = int_at_least(0, default=500, doc="steps per checkpoint (0: the final one only)", resume=True)
-    keep_last: int = int_at_least(0, default=2, doc="checkpoints kept", resume=True)
+    keep_last: int = int_at_least(0, default=2, doc="newest checkpoints kept (0: all)", resume=True)
     stop_grace_s: float = number(
         "expected > 0 (seconds)", lambda v: v > 0, default=30, resume=True,
         doc="seconds from a stop signal to the kill (torchrun --shutdown-timeout, default 30; Slurm "
