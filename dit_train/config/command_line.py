@@ -209,7 +209,8 @@ def check_command_line(argv: list[str], world_size: int | None = None) -> None:
         searchpath = searchpath_override(config_dir, entries)
         jobs = [searchpath + job for job in job_overrides([o for o in overrides if not is_searchpath(o)])]
         check_hydra_folder(jobs[0], multirun=bool(flags))
-        check_folder_names(jobs, multirun=bool(flags))
+        if flags:  # a sweep's jobs: a single run's folder is made (and a too-long name refused) by the command
+            check_folder_names(jobs, multirun=True)
         for job in jobs:
             cfg = compose_checked(job)
             composed = cfg
