@@ -22,7 +22,7 @@ def apply_data_shapes(cfg, overrides: list[str], continued: bool = False):
         return cfg
     from dit_train.config.fields import check_fields
     from dit_train.config.schema import ModelConfig
-    from dit_train.config.validate import check_data, plain
+    from dit_train.config.validate import check_data, patch_choices, plain
     from dit_train.data.shapes import read_data_shapes
     from dit_train.runs.resume_config import _named_keys
 
@@ -58,7 +58,7 @@ def apply_data_shapes(cfg, overrides: list[str], continued: bool = False):
     size = fixes.get("model.image_size", cfg.model.image_size)
     patch = cfg.model.patch_size
     if found and size % patch:  # a size the data decided (else check_architecture says it)
-        choices = [d for d in range(1, size + 1) if size % d == 0 and d <= max(patch, 8)]
+        choices = patch_choices(size, patch)
         wrong.append(f"model.patch_size={patch} does not divide the image size {size} (valid: "
                      f"{', '.join(map(str, choices))})")
         fixes["model.patch_size"] = max(d for d in choices if d <= patch)

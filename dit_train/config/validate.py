@@ -49,14 +49,20 @@ def check_data(node) -> dict:
     return check_fields("data", DATA_SCHEMAS[name], values, what=f"data {name!r}")
 
 
+def patch_choices(size: int, patch: int) -> list[int]:
+    """The patch sizes that divide an image side of `size`, up to 8 or the one asked for (a larger patch leaves a
+    few tokens: never what was meant)."""
+    return [d for d in range(1, size + 1) if size % d == 0 and d <= max(patch, 8)]
+
+
 def check_architecture(values: Mapping) -> None:
     """The DiT's keys, and what it needs of its shape (dit_train.model.dit.DiT calls this for a DiTConfig built in
     code)."""
     check_fields("model", Architecture, values)
     if values["image_size"] % values["patch_size"]:
-        size = values["image_size"]
-        raise invalid("model.patch_size", values["patch_size"], f"must divide model.image_size={size} (valid: "
-                      f"{', '.join(str(d) for d in range(1, size + 1) if size % d == 0)})")
+        size, patch = values["image_size"], values["patch_size"]
+        raise invalid("model.patch_size", patch, f"must divide model.image_size={size} (valid: "
+                      f"{', '.join(map(str, patch_choices(size, patch)))})")
     if values["hidden_size"] % values["num_heads"]:
         raise invalid("model.num_heads", values["num_heads"], f"must divide model.hidden_size={values['hidden_size']}")
     if values["hidden_size"] % 4:

@@ -37,7 +37,8 @@ def read_data_shapes(data: dict) -> dict[str, Found]:
         return image_folder_shapes(data.get("root"))
     if data.get("name") == "fashion_mnist":
         return {"channels": Found(FASHION_MNIST["channels"], "Fashion-MNIST images are grayscale"),
-                "num_classes": Found(FASHION_MNIST["num_classes"], "Fashion-MNIST has 10 classes")}
+                "num_classes": Found(FASHION_MNIST["num_classes"],
+                                     f"Fashion-MNIST has {FASHION_MNIST['num_classes']} classes")}
     return {}
 
 

@@ -160,7 +160,7 @@ def test_timestep_features_are_dits_sinusoids_of_1000_t():
 
 
 def test_bad_model_config_is_one_line():
-    with pytest.raises(ValueError, match=r"model.patch_size=3 is not valid: must divide model.image_size=16 \(valid: 1, 2, 4, 8, 16\)$"):
+    with pytest.raises(ValueError, match=r"model.patch_size=3 is not valid: must divide model.image_size=16 \(valid: 1, 2, 4, 8\)$"):
         small(patch_size=3)
 
 
