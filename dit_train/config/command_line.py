@@ -210,7 +210,7 @@ def check_command_line(argv: list[str], world_size: int | None = None) -> None:
         jobs = [searchpath + job for job in job_overrides([o for o in overrides if not is_searchpath(o)])]
         check_hydra_folder(jobs[0], multirun=bool(flags))
         if flags:  # a sweep's jobs: a single run's folder is made (and a too-long name refused) by the command
-            check_folder_names(jobs, multirun=True)
+            check_folder_names(jobs)
         for job in jobs:
             cfg = compose_checked(job)
             composed = cfg
@@ -253,8 +253,8 @@ def check_hydra_folder(job: list[str], multirun: bool) -> None:
         refuse_hydra_writes_outside(str(folder), key)
 
 
-def check_folder_names(jobs: list[list[str]], multirun: bool) -> None:
-    """Each job's folder name within the file system's limit (255 bytes on most). The experiments name a sweep's
+def check_folder_names(jobs: list[list[str]]) -> None:
+    """Each sweep job's folder name within the file system's limit (255 bytes on most). The experiments name a sweep's
     sub-folders by their overrides (hydra.sweep.subdir=${hydra.job.override_dirname}), which a dozen overrides
     exceed: Hydra's OSError would come after the sweep began, as a traceback. The folder is composed as Hydra
     composes it: once per choice of config groups (they set the excluded keys), each job's overrides and number."""
@@ -262,9 +262,8 @@ def check_folder_names(jobs: list[list[str]], multirun: bool) -> None:
     from hydra import initialize_config_dir
     from hydra._internal.config_loader_impl import get_overrides_dirname
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf import OmegaConf, open_dict
+    from omegaconf import open_dict
 
-    key = ("hydra.sweep.dir", "hydra.sweep.subdir") if multirun else ("hydra.run.dir",)
     parser, composed = OverridesParser.create(), {}
     for num, job in enumerate(jobs):
         groups = tuple(o for o in job if "=" in o and "." not in o.split("=", 1)[0])
@@ -280,17 +279,16 @@ def check_folder_names(jobs: list[list[str]], multirun: bool) -> None:
                 cfg.hydra.job.override_dirname = get_overrides_dirname(
                     [o for o in parser.parse_overrides(list(job)) if not o.is_hydra_override()],
                     exclude_keys=list(naming.exclude_keys), item_sep=naming.item_sep, kv_sep=naming.kv_sep)
-            folder = os.path.join(*(str(OmegaConf.select(cfg, k)) for k in key))
+            folder = os.path.join(str(cfg.hydra.sweep.dir), str(cfg.hydra.sweep.subdir))
         except Exception:  # noqa: BLE001 - a bad override (the job's own check says it) or ${now:...}: Hydra's
             return
         limit = _name_limit(folder)
         long = next((part for part in folder.split(os.sep) if len(part.encode()) > limit), None)
         if long is not None:
-            how = ("or name the jobs' folders by number: hydra.sweep.subdir='${hydra.job.num}'" if multirun
-                   else "or choose a shorter one")
             raise ConfigError(f"folder name of {len(long.encode())} bytes, more than this file system's {limit}: "
                               f"{os.path.join(os.path.dirname(folder), long[:50])}...; pass fewer overrides per job "
-                              f"(shared ones can go in an experiment file), {how}")
+                              f"(shared ones can go in an experiment file), or name the jobs' folders by number: "
+                              f"hydra.sweep.subdir='${{hydra.job.num}}'")
 
 
 def _name_limit(path: str) -> int:

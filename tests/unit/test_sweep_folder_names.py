@@ -40,9 +40,8 @@ def test_each_job_is_named_with_its_own_overrides_up_to_the_limit(tmp_path, monk
     monkeypatch.chdir(tmp_path)
     limit = _name_limit(str(tmp_path))
     fits, over = "seed=" + "1" * (limit - 5), "seed=" + "1" * (limit - 4)
-    check_folder_names([["experiment=smoke", "seed=1"], ["experiment=smoke", fits]], multirun=True)
+    check_folder_names([["experiment=smoke", "seed=1"], ["experiment=smoke", fits]])
     with pytest.raises(ConfigError, match=f"folder name of {limit + 1} bytes"):
-        check_folder_names([["experiment=smoke", "seed=1"], ["experiment=smoke", over]], multirun=True)
-    # numbered folders: the same job fits; a single run is named by hydra.run.dir, not by its overrides
-    check_folder_names([["experiment=smoke", over, "hydra.sweep.subdir=${hydra.job.num}"]], multirun=True)
-    check_folder_names([["experiment=smoke", over]], multirun=False)
+        check_folder_names([["experiment=smoke", "seed=1"], ["experiment=smoke", over]])
+    # numbered folders: the same job fits
+    check_folder_names([["experiment=smoke", over, "hydra.sweep.subdir=${hydra.job.num}"]])
