@@ -86,8 +86,7 @@ def _has_checkpoints(cfg) -> bool:
 
 def check_data_files(data) -> None:
     """The files of both splits, as the dataset opens them (indexes and headers; no image is decoded)."""
-    from dit_train.data import build_dataset
-    from dit_train.data.fashion_mnist import FILES, _find
+    from dit_train.data.fashion_mnist_files import FILES, find_file
 
     try:
         if data.name == "fashion_mnist":
@@ -97,8 +96,10 @@ def check_data_files(data) -> None:
                                                  "`sudo apt-get install dataset-fashion-mnist` or point data.root at them")
             for stems in FILES.values():
                 for stem in stems:
-                    _find(root, stem)
+                    find_file(root, stem)
         elif data.name in ("image_folder", "latents"):
+            from dit_train.data.datasets import build_dataset  # torch: only for the data that needs its reader
+
             for split in ("train", "val"):
                 build_dataset(data, split)
     except ConfigError:

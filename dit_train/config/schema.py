@@ -177,7 +177,7 @@ class EvalConfig:
     sample_steps: int = int_at_least(1, default=50, doc="Euler steps of the sampler")
     cfg_scale: float = number("expected >= 0 (1 means no guidance)", lambda v: v >= 0, default=1.5,
                               doc="classifier-free guidance scale (1 = off)")
-    # checked against the encoder registry (dit_train/evaluation/fd/features.py) in validate.py
+    # checked against the encoder names (dit_train/evaluation/fd/encoders.py) in validate.py
     encoder: str = key(default="inception",
                        doc="dinov2 (ViT-L/14) | dinov2_vitb14 | inception | dinov2_random (tests only)")
     encoder_path: Optional[str] = key(default=None, resume=True, doc="local weights (DINOv2: HF dir or torch.hub "

@@ -78,10 +78,10 @@ def check_model(node) -> dict:
 def check_eval(node) -> dict:
     """eval.*, the registered metrics' nodes included; missing keys take the schemas' defaults."""
     values = check_fields("eval", eval_schema(), plain(node))
-    from dit_train.evaluation.fd.features import available_extractors
+    from dit_train.evaluation.fd.encoders import ENCODERS
 
-    if values["encoder"] not in available_extractors():
-        raise invalid("eval.encoder", values["encoder"], f"choose one of {', '.join(available_extractors())}")
+    if values["encoder"] not in ENCODERS:
+        raise invalid("eval.encoder", values["encoder"], f"choose one of {', '.join(sorted(ENCODERS))}")
     return values
 
 

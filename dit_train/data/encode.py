@@ -35,7 +35,7 @@ import torch
 from dit_train.runs.atomic_io import atomic_save_tensors, atomic_write_bytes
 from dit_train.config.errors import ConfigError
 from dit_train.config.latents import LATENTS_INFO, read_latents_info, vae_files, vae_scaling
-from dit_train.data import build_dataset
+from dit_train.data.datasets import build_dataset
 from dit_train.evaluation.fd.job_config import load_data_cfg
 from dit_train.parallel.fsdp import barrier, init_distributed, shutdown_process_group
 

@@ -14,26 +14,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from dit_train.data.fashion_mnist_files import DEFAULT_ROOT, FILES, find_file
 from dit_train.data.shapes import FASHION_MNIST
-
-DEFAULT_ROOT = "/usr/share/datasets/fashion-mnist"
-FILES = {
-    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
-    "val": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
-}
-
-
-def _find(root: str, stem: str) -> str:
-    for name in (stem + ".gz", stem):
-        path = os.path.join(root, name)
-        if os.path.exists(path):
-            return path
-    expected = ", ".join(f"{a}.gz" for pair in FILES.values() for a in pair)
-    raise FileNotFoundError(
-        f"data.root={root!r} has no {stem}(.gz); expected the four Fashion-MNIST idx files ({expected}). "
-        f"Install them with `sudo apt-get install dataset-fashion-mnist` (to {DEFAULT_ROOT}) or set data.root="
-    )
-
 
 MAX_GZIP_RATIO = 1032  # deflate's limit: no .gz holds more bytes than this per byte stored
 
@@ -81,8 +63,8 @@ class FashionMNIST(Dataset):
                 f"`sudo apt-get install dataset-fashion-mnist` or point data.root at a folder with the idx files"
             )
         img_stem, lbl_stem = FILES[split]
-        images = read_idx(_find(root, img_stem))
-        labels = read_idx(_find(root, lbl_stem))
+        images = read_idx(find_file(root, img_stem))
+        labels = read_idx(find_file(root, lbl_stem))
         if len(images) != len(labels):
             raise ValueError(f"{root}: {len(images)} images but {len(labels)} labels in the {split} split")
         size = cfg.image_size
@@ -97,7 +79,7 @@ class FashionMNIST(Dataset):
         return len(self.labels)
 
     def content_index(self):
-        """What identifies this split's data wherever it lives (data/__init__.py: data_fingerprint): every pixel and
+        """What identifies this split's data wherever it lives (data/datasets.py: data_fingerprint): every pixel and
         label (71 MB for both splits, hashed in ~0.1 s; Fashion-MNIST and MNIST have files of the same names and
         sizes)."""
         return self.images.numpy(), self.labels.numpy()

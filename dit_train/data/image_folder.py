@@ -143,7 +143,7 @@ class ImageFolder(Dataset):
         return len(self.samples)
 
     def content_index(self):
-        """What identifies this split's data wherever it lives (data/__init__.py: data_fingerprint): the file list
+        """What identifies this split's data wherever it lives (data/datasets.py: data_fingerprint): the file list
         (paths relative to the split's folder) with the labels; no file is opened or stat-ed, so a file rewritten
         under the same name is not noticed."""
         return ["".join(f"{os.path.relpath(p, self.root)}\t{label}\n" for p, label in self.samples).encode()]

@@ -93,7 +93,7 @@ class LatentShards(Dataset):
         return self.total
 
     def content_index(self):
-        """What identifies this split's data wherever it lives (data/__init__.py: data_fingerprint): each shard's
+        """What identifies this split's data wherever it lives (data/datasets.py: data_fingerprint): each shard's
         name, item count and size in bytes (the shards themselves are not read)."""
         counts = [b - a for a, b in zip(self.offsets, self.offsets[1:] + [self.total])]
         return ["".join(f"{os.path.basename(p)}\t{n}\t{os.path.getsize(p)}\n"

@@ -20,7 +20,7 @@ class Synthetic(Dataset):
         return self.size
 
     def content_index(self):
-        """What identifies this split's data (data/__init__.py: data_fingerprint): it is made from these values."""
+        """What identifies this split's data (data/datasets.py: data_fingerprint): it is made from these values."""
         return [f"{self.seed}:{self.shape}:{self.size}:{self.num_classes}".encode()]
 
     def __getitem__(self, i):

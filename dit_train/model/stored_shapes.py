@@ -18,8 +18,6 @@ import math
 import re
 from typing import Mapping, Sequence
 
-import torch
-
 BLOCK = re.compile(r"^blocks\.([0-9]+)\.")  # ASCII digits: the module names torch makes
 MIN_TABLE_VALUES = 2**24  # 64 MiB of fp32: never refused, whatever the model (a tiny model on large images)
 
@@ -27,6 +25,8 @@ MIN_TABLE_VALUES = 2**24  # 64 MiB of fp32: never refused, whatever the model (a
 def check_stored_shapes(config, stored: Mapping[str, Sequence[int]], config_file: str, weights_file: str) -> None:
     """ValueError (one line naming both files) unless the DiTConfig `config` describes exactly the tensors
     `stored` (name -> shape) and a position table of a size those tensors make plausible."""
+    import torch  # here, not at the top: the command-line check reads MIN_TABLE_VALUES before torch loads
+
     from dit_train.model.dit import DiT, count_parameters
 
     def refuse(detail: str) -> ValueError:

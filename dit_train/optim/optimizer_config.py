@@ -1,16 +1,18 @@
-"""The config keys every optimizer has (AdamWConfig), those of every matrix optimizer (MatrixConfig) and of a
-periodic schedule (PeriodicConfig), each declared once: default, type, rule, one-line doc and whether a resume may
-change it. A matrix optimizer's Config adds its directions' Configs (directions/); optim/registry.py composes them,
-one line per optimizer, and dit_train.config reads them through registry.config_class."""
+"""Every optimizer config key, each declared once: default, type, rule, one-line doc and whether a resume may
+change it. The keys every optimizer has (AdamWConfig), those of every matrix optimizer (MatrixConfig), of a periodic
+schedule (PeriodicConfig) and of each direction (NS5Config, RowNormConfig, MudConfig: the direction's class in
+directions/ names its Config). optim/catalog.py composes them, one line per optimizer, and dit_train.config reads
+them there. No torch here or in the catalog: the command line is checked before torch is imported."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from dit_train.config.fields import choice, int_at_least, key, number
 from dit_train.dtypes import dtype_choices
 
+DIRECTION_DTYPES = dtype_choices("bf16", "fp32", "fp64")  # what the directions compute in
 _PATTERNS = "a list of dotted name patterns, e.g. ['final_layer.linear', 'blocks.*.attn.qkv']"
 
 
@@ -81,3 +83,34 @@ class PeriodicConfig:
     K: int = int_at_least(1, default=3, doc="refresh period: the first direction when step % K == 0 (step 0-based, "
                                             "kept in the optimizer state), the second otherwise; K = 1 is the first "
                                             "alone")
+
+
+# The directions' keys (directions/ns5.py, rownorm.py, mud.py)
+@dataclass(kw_only=True)
+class NS5Config:
+    ns_steps: int = int_at_least(1, default=5, doc="Newton-Schulz iterations")
+    ns_dtype: str = choice(*DIRECTION_DTYPES, default="bf16", doc="NS5 compute dtype")
+    ns_gram: Optional[bool] = key("null (automatic), true or false", default=None,
+                                  doc="null: Gram form where max(m,n) >= 2 min(m,n) (same map, fewer flops); "
+                                      "true/false forces it")
+
+
+@dataclass(kw_only=True)
+class RowNormConfig:
+    rownorm_scale: str = choice("frobenius", "spectral", default="spectral", recorded_before="frobenius",
+                                doc="frobenius: the paper's rule; spectral: scaled toward a cap on ||Phi||_2 by a "
+                                    "3-round power-iteration estimate (docs/algorithms.md §4)")
+    compile_rownorm: Any = choice("auto", True, False, valid="choose auto (compiled on CUDA, eager on CPU), true or "
+                                  "false", default="auto", resume=True,
+                                  doc="RowNorm's elementwise passes torch.compile'd: auto compiles on CUDA and runs "
+                                      "eagerly on CPU; true (needs a C++ compiler on CPU) / false")
+
+
+@dataclass(kw_only=True)
+class MudConfig:
+    mud_passes: int = int_at_least(1, default=1, doc="whitening passes")
+    mud_solve: str = choice("triangular", "inverse", default="triangular",
+                            doc="triangular: solve T Y = Q (faster on CPU here) | inverse: T^-1 against I, then one "
+                                "GEMM")
+    # MatrixConfig's key with MUD's value: MUD computes in fp32, so U travels in fp32
+    gather_dtype: str = choice(*dtype_choices("bf16", "fp32"), default="fp32", doc="MUD computes in fp32, so U travels in fp32")

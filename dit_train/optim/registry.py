@@ -1,13 +1,13 @@
-"""The optimizer registry: `optimizer=<name>` on the command line -> that optimizer's Config (registered with Hydra by
-dit_train/config/store.py) -> build_optimizer.
-One line per optimizer in OPTIMIZERS: its Config dataclass (the keys it takes) and its builder.
+"""Building the optimizer a config names: `optimizer=<name>` on the command line -> its entry in OPTIMIZERS
+(optim/catalog.py, one line per optimizer: its Config and builder; torch-free, so the command line is checked
+before torch loads) -> build_optimizer, with the builders and the shipped directions' classes here.
 
     build_optimizer(model, cfg) -> optimizer with `.routing_table: str` (the summary printed at start) and
     `.routing` (a Routing: `.routing.table()` lists every parameter, its shape, its group and why)
     config_class(name) -> that optimizer's Config dataclass (keys, defaults, types, rules, docs)
 
-Adding a matrix optimizer with a new direction: a file in directions/ (a Direction subclass with its Config) and
-`"<name>": matrix(<Direction>)` here (docs/extending.md); the command line knows it from that line.
+Adding a matrix optimizer with a new direction: a Direction subclass with its Config (docs/extending.md) and
+`OPTIMIZERS["<name>"] = matrix("<name>", <Direction>)`; the command line knows it from that line.
 Any torch.optim.Optimizer can be registered with Entry(<Config>, <builder(model, values)>). Nothing in the
 training loop changes.
 
@@ -18,28 +18,22 @@ keys take the Config's defaults. Builders receive that checked plain dict.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, make_dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
 from dit_train.config import check_optimizer
-from dit_train.config.fields import key
+# the catalog's names, here too: a command of your own adds its entry to OPTIMIZERS (docs/extending.md)
+from dit_train.optim.catalog import OPTIMIZERS, Entry, config_class, matrix, placement_keys  # noqa: F401
 from dit_train.optim.directions import MUD, NS5, Direction, RowNorm
 from dit_train.optim.matrix_optimizer import MatrixOptimizer
-from dit_train.optim.optimizer_config import AdamWConfig, MatrixConfig, PeriodicConfig
 from dit_train.optim.routing import Routing, format_routing_table, route_parameters
 from dit_train.optim.sharded_optimizer import ShardedMatrixOptimizer
 
-Builder = Callable[[nn.Module, dict], torch.optim.Optimizer]
 
-
-@dataclass(frozen=True)
-class Entry:
-    """A registered optimizer: the dataclass of its config keys and its builder."""
-    config: type
-    build: Builder
+# the shipped directions by their names, as optim/catalog.py names them
+DIRECTIONS: dict[str, type[Direction]] = {d.name: d for d in (NS5, RowNorm, MUD)}
 
 
 # ---- builders ---------------------------------------------------------------------------------------------------
@@ -100,39 +94,9 @@ def build_matrix(model: nn.Module, c: dict, *, name: str, direction: Direction,
     return opt
 
 
-def matrix(name: str, direction: type[Direction], between: type[Direction] | None = None) -> Entry:
-    """The registry entry of a matrix optimizer: `direction` every step, or with `between` a periodic schedule
-    (key K). Its Config is MatrixConfig plus the directions' Configs (and PeriodicConfig)."""
-    parts = [direction.Config] + ([between.Config, PeriodicConfig] if between else [])
-    bases = tuple(dict.fromkeys(reversed(parts))) + (MatrixConfig,)  # a direction used twice adds its keys once
-    config = make_dataclass(f"{name.title().replace('_', '')}Config",
-                            [("name", str, key(default=name, doc="the optimizer"))], bases=bases, kw_only=True)
-
-    def build(model: nn.Module, c: dict) -> MatrixOptimizer:
-        return build_matrix(model, c, name=name, direction=direction.from_config(c),
-                            between=None if between is None else between.from_config(c))
-
-    return Entry(config, build)
-
-
-OPTIMIZERS: dict[str, Entry] = {
-    "adamw": Entry(AdamWConfig, build_adamw),
-    "muon": matrix("muon", NS5),
-    "periodic_rowwise": matrix("periodic_rowwise", NS5, between=RowNorm),
-    "rownorm": matrix("rownorm", RowNorm),
-    "mud": matrix("mud", MUD),
-}
-
-
-def placement_keys(config: type) -> tuple[str, ...]:
-    """The keys of an optimizer Config declared with placement=True: the sharded implementation's keywords (a
-    single process ignores them)."""
-    return tuple(f.name for f in fields(config) if f.metadata.get("placement"))
-
-
-def config_class(name: str) -> type:
-    """The Config dataclass of the registered optimizer `name` (KeyError for an unknown one)."""
-    return OPTIMIZERS[name].config
+def direction_class(direction: str | type[Direction]) -> type[Direction]:
+    """A shipped direction's class by its name (catalog lines name them), or a Direction class as given."""
+    return DIRECTIONS[direction] if isinstance(direction, str) else direction
 
 
 def build_optimizer(model: nn.Module, cfg: Mapping | Any) -> torch.optim.Optimizer:

@@ -12,7 +12,7 @@ a fork (`train.init_from=RUN`: the weights, a fresh optimizer and step 0, in a n
 has none. A fork keeps the model's architecture (its weights must fit), which is checked before the folder is used.
 The parallel keys that change the numbers (the dtypes of FSDP's gathered weights and gradient reductions) may not
 change, like train.precision. `data.root` is a path, but what matters is the data behind it: checkpoints record a
-fingerprint of the data (data/__init__.py), and a resume whose data has another fingerprint is refused, wherever
+fingerprint of the data (data/datasets.py), and a resume whose data has another fingerprint is refused, wherever
 the folder now lives; a checkpoint without one (written by an earlier version) keeps its data.root.
 """
 
@@ -30,7 +30,7 @@ from dit_train.runs import checkpoint as ckpt
 from dit_train.config import ConfigError
 from dit_train.config.override_text import shell_override
 from dit_train.config.schemas import may_change_on_resume, recorded_before
-from dit_train.data import data_fingerprint, describe_fingerprint
+from dit_train.data.datasets import data_fingerprint, describe_fingerprint
 
 log = logging.getLogger("dit_train")
 

@@ -23,7 +23,7 @@ from dit_train.runs.checkpoint_saver import CheckpointSaver, grace_warning, reso
 from dit_train.parallel.comm_volume import describe_run, ranks_per_node
 from dit_train.config import validate
 from dit_train.config.paths import absolute_paths
-from dit_train.data import build_dataset, check_classes_fit, fingerprint, loader_workers
+from dit_train.data.datasets import build_dataset, check_classes_fit, fingerprint, loader_workers
 from dit_train.data.order import train_batches
 from dit_train.trainer.deferred_steps import DeferredSteps, PendingStep, StepNumbers
 from dit_train.trainer.dry_run import dry_run

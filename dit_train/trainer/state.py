@@ -32,7 +32,7 @@ class TrainState:
     best_fd: dict | None = None  # {"fd", "step", "active_time_s"} of the lowest FD so far
     metric_best: dict = field(default_factory=dict)  # registered metric name -> {"value", "step"} (metric.py)
     config: dict = field(default_factory=dict)  # the resolved run config, for export/sampling/FD jobs
-    data_fingerprint: dict | None = None  # data/__init__.py: what data the run trains on, checked on resume
+    data_fingerprint: dict | None = None  # data/datasets.py: what data the run trains on, checked on resume
     ckpt_write_s: float | None = None  # the write time of the run's last finished checkpoint (rank 0's measure)
 
     def state_dict(self) -> dict:

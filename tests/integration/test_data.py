@@ -16,7 +16,7 @@ from conftest import FASHION_ROOT, ROOT, compose, needs_fashion
 from dit_train.config import ConfigError
 from dit_train.config.latents import read_latents_info
 from dit_train.data.order import StepBatchSampler
-from dit_train.data import build_dataset
+from dit_train.data.datasets import build_dataset
 
 
 @needs_fashion
@@ -333,7 +333,7 @@ def test_loader_workers_auto_reads_files_in_workers_on_cuda_only():
     """train.num_workers=auto: file-reading data (latent shards: three safetensors slices per item; decoded
     images) is assembled in 4 loader workers on CUDA, so the step never waits on reads in the main process;
     in-memory data and CPU runs (whose cores the step uses) stay in the main process; an integer is taken as is."""
-    from dit_train.data import loader_workers
+    from dit_train.data.datasets import loader_workers
 
     assert loader_workers("auto", "latents", "cuda:3") == 4
     assert loader_workers("auto", "image_folder", torch.device("cuda")) == 4
@@ -355,7 +355,7 @@ def test_num_workers_takes_auto_or_a_count(value):
 def test_the_data_fingerprint_follows_the_data_not_its_folder(tmp_path, kind):
     """What a resume checks data.root against (resume_policy.py): a moved folder keeps its fingerprint; one more
     item, a renamed class or shard, or another split changes it."""
-    from dit_train.data import data_fingerprint
+    from dit_train.data.datasets import data_fingerprint
 
     def cfg(folder):
         extra = {"image_size": 16} if kind == "image_folder" else {"image_size": 8, "channels": 4}

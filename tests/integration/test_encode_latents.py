@@ -13,7 +13,7 @@ from PIL import Image
 from conftest import ROOT, run_entry_in_process
 from dit_train.config import ConfigError
 from dit_train.config.latents import check_latent_run
-from dit_train.data import build_dataset
+from dit_train.data.datasets import build_dataset
 
 
 def save_tiny_vae(folder, sample_size=16, seed=0):

@@ -255,7 +255,7 @@ def test_reference_stats_of_an_image_folder_are_those_its_runs_compare_with(tmp_
 
     from conftest import compose
     from dit_train.config.data_shapes import apply_data_shapes
-    from dit_train.data import build_dataset
+    from dit_train.data.datasets import build_dataset
     from dit_train.evaluation.fd import reference_stats as job
 
     for c in ("a", "b"):

@@ -58,7 +58,7 @@ def runs(latents):
 def test_encoder_writes_flipped_pairs_and_records_the_source(latents):
     import json
 
-    from dit_train.data import build_dataset
+    from dit_train.data.datasets import build_dataset
 
     info = json.loads((latents / "lat" / "latents_info.json").read_text())
     assert info["source"]["name"] == "fashion_mnist" and info["flip"] is True

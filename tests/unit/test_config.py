@@ -130,7 +130,7 @@ def test_optimizer_defaults_are_the_schemas():
 
 
 def test_library_entry_points_use_the_validator():
-    from dit_train.data import build_dataset
+    from dit_train.data.datasets import build_dataset
     from dit_train.model.dit import DiT, DiTConfig
     from dit_train.parallel.fsdp import DistInfo, resolve_plan
 
@@ -144,13 +144,28 @@ def test_library_entry_points_use_the_validator():
 
 def test_registries_and_schemas_name_the_same_things():
     from dit_train.config.schema import DATA_SCHEMAS, LR_SCHEDULES
-    from dit_train.data import DATASETS
+    from dit_train.data.datasets import DATASETS
     from dit_train.optim.registry import OPTIMIZERS
     from dit_train.optim.schedule import DECAYS
 
     assert set(OPTIMIZERS) == set(group_options("optimizer"))
     assert set(DATASETS) == set(DATA_SCHEMAS) == set(group_options("data"))
     assert set(DECAYS) == set(LR_SCHEDULES)
+
+
+def test_every_encoder_name_has_a_builder_and_every_builder_a_name():
+    from dit_train.evaluation.fd.encoders import ENCODERS
+    from dit_train.evaluation.fd.features import available_extractors
+
+    assert sorted(ENCODERS) == available_extractors()
+
+
+def test_shipped_directions_name_the_configs_the_catalog_composes():
+    from dit_train.optim.catalog import DIRECTION_CONFIGS
+    from dit_train.optim.registry import DIRECTIONS
+
+    assert set(DIRECTIONS) == set(DIRECTION_CONFIGS)
+    assert all(DIRECTIONS[n].Config is DIRECTION_CONFIGS[n] for n in DIRECTIONS)
 
 
 def test_schemas_are_omegaconf_structured_configs():

@@ -212,7 +212,7 @@ def test_missing_inception_and_unknown_encoder(tmp_path):
 
 def _fashion_images(n):
     from dit_train.evaluation.fd.job_config import load_data_cfg
-    from dit_train.data import build_dataset
+    from dit_train.data.datasets import build_dataset
 
     ds = build_dataset(load_data_cfg("fashion_mnist"), "val")
     xs, ys = zip(*(ds[i] for i in range(n)))

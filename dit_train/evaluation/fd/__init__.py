@@ -1,17 +1,3 @@
-"""Fréchet distances (FD-DINO, FID) for dit_train: feature extractors, exact FD from streaming float64 statistics,
-cached reference statistics and the in-training evaluator. See docs/algorithms.md §9."""
-
-from dit_train.evaluation.fd.evaluator import FDEvaluator, generation_labels
-from dit_train.evaluation.fd.features import (FeatureExtractor, MissingWeightsError, available_extractors, build_extractor,
-                       inception_weights_path)
-from dit_train.evaluation.fd.frechet import (GaussianStats, RankDeficientWarning, StreamingStats, fd_from_stats, frechet_distance,
-                      stats_from_features, trace_sqrt_product)
-from dit_train.evaluation.fd.reference import ReferenceStats, load_or_compute_reference, load_reference, save_reference
-
-__all__ = [
-    "FDEvaluator", "generation_labels",
-    "FeatureExtractor", "MissingWeightsError", "available_extractors", "build_extractor", "inception_weights_path",
-    "GaussianStats", "RankDeficientWarning", "StreamingStats", "fd_from_stats", "frechet_distance",
-    "stats_from_features", "trace_sqrt_product",
-    "ReferenceStats", "load_or_compute_reference", "load_reference", "save_reference",
-]
+"""Fréchet distances (FD-DINO, FID) for dit_train: feature extractors (features.py, named in encoders.py), exact FD
+from streaming float64 statistics (frechet.py), cached reference statistics (reference.py, reference_stats.py) and
+the in-training evaluator (evaluator.py); the evaluation job (job.py). See docs/algorithms.md §9."""

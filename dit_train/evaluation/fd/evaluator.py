@@ -76,7 +76,7 @@ class FDEvaluator:
                                                        trust_code=cfg["trust_encoder_code"])
         split = cfg["reference_split"]
         if dataset is None:
-            from dit_train.data import build_dataset
+            from dit_train.data.datasets import build_dataset
 
             dataset = build_dataset(data_cfg, split)
         self.reference: ReferenceStats = load_or_compute_reference(

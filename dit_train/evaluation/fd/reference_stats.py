@@ -64,7 +64,7 @@ def main(argv=None) -> dict:
     check_device(args.device)  # before the process group, checkpoints and encoder
     cfg = eval_cfg_from_args(args)
 
-    from dit_train.data import build_dataset
+    from dit_train.data.datasets import build_dataset
     from dit_train.evaluation.fd.features import build_extractor
     from dit_train.evaluation.fd.reference import load_or_compute_reference
 

@@ -26,9 +26,10 @@ import torch
 from torch import Tensor
 
 from dit_train.dtypes import torch_dtypes
+from dit_train.optim.optimizer_config import DIRECTION_DTYPES
 
 Reduce = Callable[[Tensor], Tensor] | None
-DTYPES = torch_dtypes("bf16", "fp32", "fp64")  # what the directions compute in, by their config names
+DTYPES = torch_dtypes(*DIRECTION_DTYPES)  # what the directions compute in, by their config names
 _SUMSQ_CHUNK_ROWS = 256  # column sums of squares accumulate over row blocks of this size (few calls, small buffer)
 
 

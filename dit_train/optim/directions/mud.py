@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from dit_train.config.fields import choice, int_at_least
-from dit_train.dtypes import dtype_choices
+from dit_train.optim.optimizer_config import MudConfig
 from dit_train.parallel.matmul_precision import ieee_fp32_matmuls
 from dit_train.optim.directions.base import REDUCE, WHOLE, Direction
 from dit_train.optim.directions.linalg import Reduce, batched, buffer, check_matrix, gram, is_tall, left, reduced, row_sumsq_of
-
-
-@dataclass(kw_only=True)
-class MudConfig:
-    mud_passes: int = int_at_least(1, default=1, doc="whitening passes")
-    mud_solve: str = choice("triangular", "inverse", default="triangular",
-                            doc="triangular: solve T Y = Q (faster on CPU here) | inverse: T^-1 against I, then one "
-                                "GEMM")
-    # MatrixConfig's key with MUD's value: MUD computes in fp32, so U travels in fp32
-    gather_dtype: str = choice(*dtype_choices("bf16", "fp32"), default="fp32", doc="MUD computes in fp32, so U travels in fp32")
 
 
 class MUD(Direction):

@@ -3,15 +3,13 @@ Its fp32 matmuls are full fp32 on CUDA too, where the model's may use TF32 (matm
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch import Tensor
 
-from dit_train.config.fields import choice, int_at_least, key
 from dit_train.parallel.matmul_precision import ieee_fp32_matmuls
 from dit_train.optim.directions.base import Direction
+from dit_train.optim.optimizer_config import NS5Config
 from dit_train.optim.directions.linalg import DTYPES, Reduce, batched, buffer, check_matrix, gram, is_tall, left, left_plus, reduced
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -51,15 +49,6 @@ def ns5_executed_flops(m: int, n: int) -> float:
 def uses_gram(m: int, n: int) -> bool:
     """Whether the automatic choice runs the Gram form for an m x n matrix."""
     return max(m, n) >= GRAM_MIN_ASPECT * min(m, n)
-
-
-@dataclass(kw_only=True)
-class NS5Config:
-    ns_steps: int = int_at_least(1, default=5, doc="Newton-Schulz iterations")
-    ns_dtype: str = choice(*DTYPES, default="bf16", doc="NS5 compute dtype")
-    ns_gram: Optional[bool] = key("null (automatic), true or false", default=None,
-                                  doc="null: Gram form where max(m,n) >= 2 min(m,n) (same map, fewer flops); "
-                                      "true/false forces it")
 
 
 _LEGACY_NAMES = {"bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}  # optimizer states saved before

@@ -4,13 +4,11 @@ choice of running its elementwise passes as torch.compile'd kernels (compile_row
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from dit_train.config.fields import choice
+from dit_train.optim.optimizer_config import RowNormConfig
 from dit_train.optim.directions.base import LOCAL, REDUCE, Direction
 from dit_train.optim.directions.linalg import Reduce, check_matrix, is_tall, row_sumsq_of
 
@@ -21,17 +19,6 @@ ROW_SUMSQ = "row_sumsq"
 
 def take_row_sumsq(ws: dict) -> Tensor | None:
     return ws.pop(ROW_SUMSQ, None)
-
-
-@dataclass(kw_only=True)
-class RowNormConfig:
-    rownorm_scale: str = choice("frobenius", "spectral", default="spectral", recorded_before="frobenius",
-                                doc="frobenius: the paper's rule; spectral: scaled toward a cap on ||Phi||_2 by a "
-                                    "3-round power-iteration estimate (docs/algorithms.md §4)")
-    compile_rownorm: Any = choice("auto", True, False, valid="choose auto (compiled on CUDA, eager on CPU), true or "
-                                  "false", default="auto", resume=True,
-                                  doc="RowNorm's elementwise passes torch.compile'd: auto compiles on CUDA and runs "
-                                      "eagerly on CPU; true (needs a C++ compiler on CPU) / false")
 
 
 class RowNorm(Direction):
