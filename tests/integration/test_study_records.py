@@ -107,10 +107,10 @@ def test_a_publish_that_fails_mid_copy_leaves_the_published_records_whole(tmp_pa
     limit = 64 << 10  # every other file fits; the new metrics.jsonl does not
     done = subprocess.run([sys.executable, "-c", PUBLISH_WITH_FILE_LIMIT, str(sweep), str(dest), str(limit)],
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True)
+    after = {n: (dest / "runs" / "a" / n).read_bytes() for n in os.listdir(dest / "runs" / "a")}
+    assert after == before  # shutil.copy2 straight onto metrics.jsonl had cut it at 64 KiB (and left a traceback)
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1 and "File too large" in done.stderr
-    after = {n: (dest / "runs" / "a" / n).read_bytes() for n in os.listdir(dest / "runs" / "a")}
-    assert after == before  # shutil.copy2 straight onto metrics.jsonl had cut it at 64 KiB
 
 
 def test_publishing_a_sweep_onto_itself_is_one_line(tmp_path, capsys):
