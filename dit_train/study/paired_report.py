@@ -39,7 +39,7 @@ import scipy.stats
 from dit_train.config.errors import ConfigError
 from dit_train.config.override_text import shell_command
 from dit_train.runs.atomic_io import atomic_write_bytes, describe_os_error, remove_dead_temp_files
-from dit_train.runs.json_file import DamagedJSONFile
+from dit_train.runs.json_file import DamagedJSONFile, refuse_unless_regular
 from dit_train.study.record import md, read_study
 from dit_train.study import stability
 from dit_train.study.report import Run, banner, fmt, provenance, read_run
@@ -269,6 +269,7 @@ def paired_section(runs: dict, reference: str, margin: float, heading: str, at_s
 def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN,
           references: list[str] | None = None) -> str:
     out_dir = out_dir or sweep_dir
+    refuse_unless_regular(os.path.join(sweep_dir, "study.json"), "read")
     study = read_study(os.path.join(sweep_dir, "study.json"))
     if "lr_selection" not in study:
         if "selection_seeds" in study or any("phase" in r for r in study.get("runs", [])):  # dit-study's lr_scan

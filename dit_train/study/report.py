@@ -229,6 +229,7 @@ def find_runs(sweep_dir: str) -> list[Run]:
             seen.add(name)
     refuse_duplicates(runs)
     study = os.path.join(sweep_dir, "study.json")
+    refuse_unless_regular(study, "read")
     if os.path.exists(study):
         for r in read_study(study, ("runs",))["runs"]:
             if r["name"] not in seen:
@@ -532,8 +533,9 @@ def plots(runs: list[Run], out_dir: str) -> list[str]:
 
 
 def finite_points(pts: list, xi: int) -> list:
-    """The (step, active time, value) points with a finite x (column xi) and value: what a plot can draw."""
-    return [p for p in pts if not (math.isnan(p[xi]) or math.isnan(p[2]))]
+    """The (step, active time, value) points with a finite x (column xi) and value: what a plot can draw (an inf
+    from a crafted record made matplotlib's ticker overflow)."""
+    return [p for p in pts if math.isfinite(p[xi]) and math.isfinite(p[2])]  # inf: no axis can hold it
 
 
 def _plots(runs: list[Run], out_dir: str) -> list[str]:

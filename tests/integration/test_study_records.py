@@ -71,16 +71,18 @@ def test_a_run_name_outside_the_sweep_or_a_linked_run_folder_is_refused(tmp_path
 
 
 # 2: dit-report reads only regular files of the sweep
-@pytest.mark.parametrize("record", ["metrics.jsonl", "summary.json", "config.yaml", "run_info.json"])
+@pytest.mark.parametrize("record", ["metrics.jsonl", "summary.json", "config.yaml", "run_info.json", "study.json"])
 @pytest.mark.parametrize("kind", ["link", "fifo"])
 def test_dit_report_refuses_a_linked_or_fifo_record(tmp_path, capsys, record, kind):
     sweep = tmp_path / "sweep"
     finished_run(sweep / "a")
     (sweep / "a" / "run_info.json").write_text(json.dumps({"git_commit": "abc"}))
+    (sweep / "study.json").write_text(json.dumps({"experiment": "e", "runs": []}))
     secret = tmp_path / "secret"
-    secret.write_text(json.dumps({"steps": 4, "val_loss": 0.123456, "git_commit": "SECRET"}))
-    (sweep / "a" / record).unlink()
-    os.symlink(secret, sweep / "a" / record) if kind == "link" else os.mkfifo(sweep / "a" / record)
+    secret.write_text(json.dumps({"steps": 4, "val_loss": 0.123456, "git_commit": "SECRET", "experiment": "S"}))
+    path = sweep / record if record == "study.json" else sweep / "a" / record
+    path.unlink()
+    os.symlink(secret, path) if kind == "link" else os.mkfifo(path)
     assert report.main([str(sweep)]) == 2
     one_line_error(capsys, record, "symbolic link" if kind == "link" else "not a regular file")
     assert not (sweep / "report.md").exists()
