@@ -194,6 +194,19 @@ def refuse_unequal_lengths(runs: dict) -> None:
                           f"differences compare runs of one length; report each length from its own folder")
 
 
+def checked_runs(sweep_dir: str, study: dict) -> tuple[dict, dict]:
+    """collect's runs, refused in one line where study.json and the run folders disagree (dit-publish-study calls it
+    on the sweep before it copies anything)."""
+    no_lr = [r["name"] for r in study["runs"] if "lr" not in r]
+    if no_lr:
+        raise ConfigError(f"{sweep_dir}/study.json: run {no_lr[0]!r} has no 'lr': a two-phase study pairs runs at "
+                          f"their selected lr, so every run of it names one (a number, or null for the experiment's); "
+                          f"restore it from a copy (dit-study writes it)")
+    runs, scan = collect(sweep_dir, study)
+    refuse_unequal_lengths(runs)
+    return runs, scan
+
+
 def without(runs: dict, seeds: list[int]) -> dict:
     return {stratum: {variant: {s: r for s, r in group.items() if s not in seeds} for variant, group in by.items()}
             for stratum, by in runs.items()}
@@ -279,13 +292,7 @@ def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN,
         raise ConfigError(f"{sweep_dir}/study.json has no lr_selection: {study.get('experiment', 'this')} is a "
                           f"one-phase study (no study.lr_scan), whose runs dit-paired-report does not pair; its "
                           f"report is `{shell_command(['dit-report', sweep_dir])}`")
-    no_lr = [r["name"] for r in study["runs"] if "lr" not in r]
-    if no_lr:
-        raise ConfigError(f"{sweep_dir}/study.json: run {no_lr[0]!r} has no 'lr': a two-phase study pairs runs at "
-                          f"their selected lr, so every run of it names one (a number, or null for the experiment's); "
-                          f"restore it from a copy (dit-study writes it)")
-    runs, scan = collect(sweep_dir, study)
-    refuse_unequal_lengths(runs)
+    runs, scan = checked_runs(sweep_dir, study)
     chosen_by = selection_seeds(study)
     evaluated = without(runs, chosen_by)
     eval_runs = [r for by in evaluated.values() for group in by.values() for r in group.values()]

@@ -58,6 +58,7 @@ def publish(sweep_dir: str, dest: str, finished_only: bool = False) -> int:
         print(f"kept {target}: it is finished there and the sweep's copy is not (no summary.json at its train.steps)")
     if not copies:  # nothing to publish: the caller says so, and nothing is written
         return 0
+    check_sweep(sweep_dir, study)
     for source, target in copies + [(study, os.path.join(runs_dir, "study.json"))]:  # before anything is copied
         refuse_unless_regular(source)
         refuse_links_on_the_way(dest, target, "publishing")
@@ -75,6 +76,16 @@ def publish(sweep_dir: str, dest: str, finished_only: bool = False) -> int:
         os.remove(path)
     merge_study_record(study, os.path.join(runs_dir, "study.json"))
     return len({os.path.dirname(target) for _, target in copies})
+
+
+def check_sweep(sweep_dir: str, study: str) -> None:
+    """What the report would refuse in the sweep's own records (a run folder copied twice, a run labelled in
+    study.json as another optimizer, paired runs of different lengths), refused before anything is copied rather
+    than after."""
+    report.find_runs(sweep_dir)
+    record = read_study(study) if os.path.exists(study) else {}
+    if record.get("lr_selection"):
+        paired_report.checked_runs(sweep_dir, record)
 
 
 def run_finished(folder: str, published: str | None = None) -> bool:
@@ -153,7 +164,8 @@ def main(argv=None) -> int:
     try:
         n = publish(args.sweep_dir, args.dest, args.finished_only)
         if n == 0:
-            print(f"error: no run folders (config.yaml + metrics.jsonl) under {args.sweep_dir!r}", file=sys.stderr)
+            print(f"error: no run folders (config.yaml + metrics.jsonl) to publish under {args.sweep_dir!r}",
+                  file=sys.stderr)
             return 2
         runs = os.path.join(args.dest, "runs")
         if "lr_selection" in read_study_record(runs):  # a two-phase study: paired differences at the selected lrs

@@ -179,6 +179,9 @@ def test_a_run_whose_config_disagrees_with_its_study_label_is_refused(tmp_path, 
     assert paired_report.main([str(sweep)]) == 2
     one_line_error(capsys, "pr_lr0.008_s1", "config.yaml")
     assert not (sweep / "report.md").exists()
+    assert publish_study.main([str(sweep), str(tmp_path / "dest")]) == 2  # refused before anything is copied
+    one_line_error(capsys, "pr_lr0.008_s1", "config.yaml")
+    assert not (tmp_path / "dest").exists()
 
 
 # 8: finished = summary.json at train.steps, in the reports as in dit-study
@@ -228,6 +231,9 @@ def test_duplicate_run_folders_are_refused_naming_both(tmp_path, capsys):
     assert report.main([str(sweep)]) == 2
     one_line_error(capsys, "'a'", "'a_copy'")
     assert not (sweep / "report.md").exists()
+    assert publish_study.main([str(sweep), str(tmp_path / "dest")]) == 2  # refused before anything is copied
+    one_line_error(capsys, "'a'", "'a_copy'")
+    assert not (tmp_path / "dest").exists()
 
 
 # 11: study.json's keys have their types
