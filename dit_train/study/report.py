@@ -4,7 +4,10 @@
 
 A run folder is any folder under SWEEP_DIR with a config.yaml written by the trainer; its metrics.jsonl and
 summary.json are read. Runs listed in SWEEP_DIR/study.json (written by dit-study) but absent on disk
-appear as `missing`; folders without summary.json as `incomplete (step N)`. Nothing is silently dropped.
+appear as `missing`; folders without summary.json as `incomplete (step N)`, and with one short of their train.steps
+(dit-study's rule) as `incomplete (summary at step N of M)`. Nothing is silently dropped. Records from elsewhere are
+checked (dit_train/study/record.py): a linked or non-regular record, or one run in two folders, is refused in one
+line; names and study.json text go into report.md escaped as Markdown text.
 
 Writes report.md and PNG plots next to it:
 - Table 1 (model x optimizer): best FD (encoder named) and its gain over AdamW, final validation velocity loss,
