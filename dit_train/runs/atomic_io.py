@@ -150,3 +150,65 @@ def remove_stale_temp_files(folder: str) -> list[str]:
         with contextlib.suppress(OSError):
             os.remove(path)
     return stale
+
+
+def atomic_copy(source: str, path: str, max_bytes: int) -> None:
+    """Copy `source` (a regular file, never a link) to `path` as atomic_write_bytes writes: a temp name in the same
+    folder, fsynced, renamed over `path`, with the source's mode and times (as shutil.copy2). A kill, a full disk or
+    a file-size limit mid-copy leaves the old `path` whole and no temp file (shutil.copy2 straight onto `path` left it
+    torn). ValueError when the source grows past `max_bytes` while it is copied."""
+    import shutil
+    import stat
+
+    tmp = temp_name(path)
+    try:
+        src_fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(src_fd, "rb") as src:
+            if not stat.S_ISREG(os.fstat(src_fd).st_mode):
+                raise ValueError(f"{source} is not a regular file: not copied")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+            with os.fdopen(fd, "wb") as out:
+                copied = 0
+                while chunk := src.read(1 << 20):
+                    copied += len(chunk)
+                    if copied > max_bytes:
+                        raise ValueError(f"{source} grew past {max_bytes:,} bytes while it was copied: not copied")
+                    out.write(chunk)
+                out.flush()
+                os.fsync(out.fileno())
+        shutil.copystat(source, tmp, follow_symlinks=False)
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if isinstance(e, OSError):
+            raise naming(e, path) from None
+        raise
+    fsync_dir(os.path.dirname(path))
+
+
+def remove_dead_temp_files(folder: str, names) -> list[str]:
+    """Temp files `<name>.tmp-<pid>` of `names` in `folder` left by a writer that was killed (its pid is no longer
+    running): a report.md.tmp-PID of a report killed at its fsync stayed next to report.md for good. A live writer's
+    temp file is left alone, so two reports into one folder do not remove each other's."""
+    removed = []
+    if not os.path.isdir(folder):
+        return removed
+    for entry in os.listdir(folder):
+        m = re.fullmatch(r"(.+)\.tmp-(\d+)", entry)
+        if not m or m.group(1) not in names or int(m.group(2)) == os.getpid() or pid_alive(int(m.group(2))):
+            continue
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(folder, entry))
+            removed.append(os.path.join(folder, entry))
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's process (alive); a pid no kernel gives (never ours)
+        return True
+    return True

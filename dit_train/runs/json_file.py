@@ -28,6 +28,22 @@ def check_plain_small_file(path: str, fix: str = "") -> None:
                               f"record file: not read{after}")
 
 
+def refuse_unless_regular(path: str, reader: str = "published") -> None:
+    """ConfigError (one line) when a run record at `path` is a symbolic link or not a regular file: a sweep from
+    elsewhere is read and published only from regular files of its own. A link copied or read the file it points at
+    (`metrics.jsonl -> ~/.ssh/id_rsa`) into the published folder or the report, and a FIFO hung the reader. A
+    missing file is left to the caller. `reader` says what is done with the record ("published", "read")."""
+    from dit_train.config.errors import ConfigError
+
+    if os.path.islink(path):
+        raise ConfigError(f"{path} is a symbolic link (to {os.readlink(path)}): a run record is {reader} only as a "
+                          f"regular file of the sweep (a link would bring in a file from elsewhere); replace it by "
+                          f"the file itself or remove it")
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise ConfigError(f"{path} is not a regular file (a FIFO, socket, device or folder): a run record is "
+                          f"{reader} only as a regular file of the sweep; remove it")
+
+
 def read_json(path: str, keys: tuple[str, ...] = (), fix: str = ""):
     """The value in `path`; with `keys`, a JSON object that must hold each of them. A missing file raises
     FileNotFoundError as open() does (callers decide what a missing file means); `fix` ends the message."""
@@ -63,7 +79,11 @@ def read_yaml(path: str, fix: str = ""):
     after = f"; {fix}" if fix else ""
     try:
         with open(path, encoding="utf-8") as f:
-            return yaml.safe_load(f)
+            return yaml.load(f, Loader=no_alias_loader())
+    except AliasInRecord:
+        raise DamagedJSONFile(f"{path} uses a YAML anchor or alias (& or *), which no config or record dit_train "
+                              f"writes has (an alias bomb of 3 KB expands to gigabytes): not read; write the values "
+                              f"out in full{after}") from None
     except yaml.YAMLError as e:
         raise DamagedJSONFile(f"{path} is not valid YAML ({str(e).splitlines()[0]}): the file is damaged{after}") \
             from None
@@ -72,6 +92,32 @@ def read_yaml(path: str, fix: str = ""):
     except (ValueError, RecursionError) as e:
         raise DamagedJSONFile(f"{path} is not YAML dit_train reads ({beyond_parser(e)}): the file is damaged or "
                               f"crafted{after}") from None
+
+
+class AliasInRecord(Exception):
+    """A YAML anchor or alias in a record: refused before any node is built from it."""
+
+
+_NO_ALIAS_LOADER = None
+
+
+def no_alias_loader():
+    """yaml.SafeLoader refusing anchors and aliases: safe_load expands `*a` by reference, so nine nested lists of
+    nine aliases (2.8 KB) build 9^9 nodes once anything walks them. dit_train writes configs with yaml.safe_dump of
+    plain dicts, which has none."""
+    global _NO_ALIAS_LOADER
+    if _NO_ALIAS_LOADER is None:
+        import yaml
+
+        class NoAliasLoader(yaml.SafeLoader):
+            def compose_node(self, parent, index):
+                event = self.peek_event()
+                if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+                    raise AliasInRecord()
+                return super().compose_node(parent, index)
+
+        _NO_ALIAS_LOADER = NoAliasLoader
+    return _NO_ALIAS_LOADER
 
 
 def beyond_parser(e: Exception) -> str:

@@ -38,9 +38,9 @@ import scipy.stats
 
 from dit_train.config.errors import ConfigError
 from dit_train.config.override_text import shell_command
-from dit_train.runs.atomic_io import atomic_write_bytes
-from dit_train.runs.json_file import DamagedJSONFile
-from dit_train.study.record import read_study
+from dit_train.runs.atomic_io import atomic_write_bytes, describe_os_error, remove_dead_temp_files
+from dit_train.runs.json_file import DamagedJSONFile, refuse_unless_regular
+from dit_train.study.record import md, read_study
 from dit_train.study import stability
 from dit_train.study.report import Run, banner, fmt, provenance, read_run
 from dit_train.study.run import axes_label, variant_label  # variant_label: the key of study.json's lr_selection
@@ -143,16 +143,68 @@ def collect(sweep_dir: str, study: dict) -> tuple[dict, dict]:
     runs, scan = defaultdict(lambda: defaultdict(dict)), defaultdict(dict)
     for r in study["runs"]:
         key = variant_label(r)
-        folder = os.path.join(sweep_dir, r["name"])
+        folder = os.path.join(sweep_dir, r["name"])  # r["name"] is one folder name (record.check_run_entry)
+        if os.path.islink(folder):
+            raise ConfigError(f"{folder} is a symbolic link (to {os.readlink(folder)}): a run is read only from a "
+                              f"folder of the sweep itself (a link brings in records from elsewhere); replace it by "
+                              f"the folder or remove it")
         run = read_run(folder, r["name"]) if os.path.isdir(folder) else None
+        if run is not None and run.config_key:
+            check_labelled_as_configured(folder, r, run)
         finished = run is not None and run.status == "finished"
         selected = key in chosen_lr and r["lr"] == chosen_lr[key] and r.get("phase") != "common"
         if r.get("phase") == "scan":
             final = run.val_loss if finished else math.nan
-            scan[" ".join(filter(None, [label(r), axes_label(r)]))].setdefault(r["lr"], ([], selected))[0].append(final)
+            scan[md(" ".join(filter(None, [label(r), axes_label(r)])))].setdefault(r["lr"], ([], selected))[0].append(
+                final)
         if finished and (selected or r.get("phase") == "common"):
-            runs[(axes_label(r), COMMON if r.get("phase") == "common" else OWN)][label(r)][r["seed"]] = run
+            runs[(md(axes_label(r)), COMMON if r.get("phase") == "common" else OWN)][md(label(r))][r["seed"]] = run
     return {k: dict(v) for k, v in sorted(runs.items())}, scan
+
+
+def check_labelled_as_configured(folder: str, r: dict, run: Run) -> None:
+    """The tables label a run by its study.json entry: its config.yaml must say the same optimizer, lr, seed (and K
+    and RowNorm scale where the entry names them), or a run of one optimizer was counted as another's."""
+    opt = run.opt_cfg
+    checks = [("model", md(r["model"]), run.model), ("optimizer", r["optimizer"], opt.get("name")),
+              ("seed", r["seed"], run.seed),
+              *([("K", r["K"], opt.get("K"))] if r.get("K") is not None else []),
+              *([("scale", r["scale"], opt.get("rownorm_scale"))] if r.get("scale") is not None else [])]
+    for key, listed, configured in checks:
+        if listed != configured:
+            raise ConfigError(f"{folder}/config.yaml has {key} {configured!r} but study.json lists run {r['name']!r} "
+                              f"with {key} {listed!r}: the record was edited or mixed up; restore the run folder or "
+                              f"study.json")
+    if r["lr"] is not None and not (math.isfinite(run.lr) and math.isclose(run.lr, r["lr"], rel_tol=1e-9)):
+        raise ConfigError(f"{folder}/config.yaml has lr {run.lr!r} but study.json lists run {r['name']!r} with lr "
+                          f"{r['lr']!r}: the record was edited or mixed up; restore the run folder or study.json")
+
+
+def refuse_unequal_lengths(runs: dict) -> None:
+    """Paired differences compare runs of one length: FD at step 400 against FD at step 600 is no comparison (and
+    the validation columns of the one length are NaN for the other)."""
+    lengths: dict[int, Run] = {}
+    for by in runs.values():
+        for group in by.values():
+            for run in group.values():
+                lengths.setdefault(run.planned_steps if run.planned_steps is not None else run.steps, run)
+    if len(lengths) > 1:
+        (a, ra), (b, rb) = sorted(lengths.items())[:2]
+        raise ConfigError(f"runs {ra.name!r} ({a} steps) and {rb.name!r} ({b} steps) differ in train.steps: paired "
+                          f"differences compare runs of one length; report each length from its own folder")
+
+
+def checked_runs(sweep_dir: str, study: dict) -> tuple[dict, dict]:
+    """collect's runs, refused in one line where study.json and the run folders disagree (dit-publish-study calls it
+    on the sweep before it copies anything)."""
+    no_lr = [r["name"] for r in study["runs"] if "lr" not in r]
+    if no_lr:
+        raise ConfigError(f"{sweep_dir}/study.json: run {no_lr[0]!r} has no 'lr': a two-phase study pairs runs at "
+                          f"their selected lr, so every run of it names one (a number, or null for the experiment's); "
+                          f"restore it from a copy (dit-study writes it)")
+    runs, scan = collect(sweep_dir, study)
+    refuse_unequal_lengths(runs)
+    return runs, scan
 
 
 def without(runs: dict, seeds: list[int]) -> dict:
@@ -198,6 +250,8 @@ def paired_rows(runs: dict, reference: str, target: float, margin: float, at_ste
             m, lo, hi = interval(diffs)
             lo90, hi90, equivalent = equivalence(diffs, margin)
             finite = [d for d in diffs if math.isfinite(d)]
+            if not finite:  # no pair has both values (a metric one arm never measured): no row of nan
+                continue
             better = sum(d < 0 for d in finite)
             verdict = ("lower" if hi < 0 else "higher" if lo > 0 else "no difference resolved") if not math.isnan(lo) \
                 else "—"
@@ -228,6 +282,7 @@ def paired_section(runs: dict, reference: str, margin: float, heading: str, at_s
 def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN,
           references: list[str] | None = None) -> str:
     out_dir = out_dir or sweep_dir
+    refuse_unless_regular(os.path.join(sweep_dir, "study.json"), "read")
     study = read_study(os.path.join(sweep_dir, "study.json"))
     if "lr_selection" not in study:
         if "selection_seeds" in study or any("phase" in r for r in study.get("runs", [])):  # dit-study's lr_scan
@@ -237,7 +292,7 @@ def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN,
         raise ConfigError(f"{sweep_dir}/study.json has no lr_selection: {study.get('experiment', 'this')} is a "
                           f"one-phase study (no study.lr_scan), whose runs dit-paired-report does not pair; its "
                           f"report is `{shell_command(['dit-report', sweep_dir])}`")
-    runs, scan = collect(sweep_dir, study)
+    runs, scan = checked_runs(sweep_dir, study)
     chosen_by = selection_seeds(study)
     evaluated = without(runs, chosen_by)
     eval_runs = [r for by in evaluated.values() for group in by.values() for r in group.values()]
@@ -255,13 +310,13 @@ def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN,
                              *([w for r in references for w in ("--reference", r)]
                                if references != list(DEFAULT_REFERENCES) else [])])
 
-    lines = [f"# Paired optimizer comparison: {study.get('experiment', '?')}", banner(study),
+    lines = [f"# Paired optimizer comparison: {md(study.get('experiment', '?'))}", banner(study),
              f"Built by `{command}` from {len(eval_runs)} "
              f"finished runs at the selected learning rates{' and the common ones' if study.get('common_lr') else ''} "
              f"(evaluation seeds {_seeds(seeds)}). Selection "
              f"seed{'s' if len(chosen_by) > 1 else ''} {_seeds(chosen_by)} chose the learning rates and "
              f"{'are' if len(chosen_by) > 1 else 'is'} excluded from every evaluation row.",
-             provenance(study, eval_runs), study.get("notes", ""),
+             provenance(study, eval_runs), md(study.get("notes", "")),
              f"## Learning-rate scan (selection seed{'s' if len(chosen_by) > 1 else ''} {_seeds(chosen_by)}, final EMA "
              f"validation loss"
              f"{', mean over the seeds' if len(chosen_by) > 1 else ''}; * = selected, the lowest)",
@@ -274,7 +329,7 @@ def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN,
     if study.get("common_lr"):
         lines.append("Common learning rates (the evaluation seeds of every variant at one lr shared by the variants of "
                      "its model and axes, study.common_lr): " + "; ".join(
-                         f"{k}: {v:g}" for k, v in sorted(study["common_lr"].items())) + ".")
+                         f"{md(k)}: {v:g}" for k, v in sorted(study["common_lr"].items())) + ".")
 
     stab_head = " | max loss spike | diverged" if per_step else ""
     lines += [f"## Quality and cost at the selected learning rate (mean ± sd over evaluation seeds {_seeds(seeds)})",
@@ -331,6 +386,7 @@ def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN,
               "cost to quote. Active times to target inherit the load's noise."]
     text = "\n\n".join(l for l in _paragraphs(lines) if l) + "\n"
     os.makedirs(out_dir, exist_ok=True)
+    remove_dead_temp_files(out_dir, ("report.md",))
     atomic_write_bytes(text.encode(), os.path.join(out_dir, "report.md"))  # a link there is replaced, not followed
     return text
 
@@ -370,6 +426,9 @@ def main(argv=None) -> int:
         build(args.sweep_dir, args.out, args.margin, args.reference)
     except (ConfigError, DamagedJSONFile) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a read-only output folder, a full disk: one line (report.md is whole or absent)
+        print(f"error: {describe_os_error(e)}", file=sys.stderr)
         return 2
     print(f"wrote {os.path.join(args.out or args.sweep_dir, 'report.md')}")
     return 0

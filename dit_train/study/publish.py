@@ -6,7 +6,9 @@ the report there — so a published report sits next to the exact files its numb
 Writes DEST/runs/<run>/{config.yaml, metrics.jsonl, summary.json, run_info.json} and DEST/runs/study.json,
 then DEST/report.md: dit-paired-report's for a two-phase study (study.json with an lr_selection), else
 dit-report's with its plots (`--out DEST` from DEST/runs either way). Runs already in DEST/runs that
-the sweep folder lacks are kept, so a study run in pieces on different machines can be published in pieces.
+the sweep folder lacks are kept, so a study run in pieces on different machines can be published in pieces; a
+published run that is finished (summary.json at its train.steps) is kept, with a printed line, when the sweep's copy
+of it is not. A destination holds one study: a sweep of another experiment is refused.
 """
 
 from __future__ import annotations
@@ -14,22 +16,30 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 
 from dit_train.study import paired_report, report
 from dit_train.study import run as run_study
-from dit_train.runs.atomic_io import atomic_write_bytes, refuse_links_on_the_way
+from dit_train.runs.atomic_io import (atomic_copy, atomic_write_bytes, describe_os_error, refuse_links_on_the_way,
+                                     remove_dead_temp_files)
 from dit_train.config.errors import ConfigError
-from dit_train.runs.json_file import DamagedJSONFile
-from dit_train.study.record import read_study
+from dit_train.runs.json_file import DamagedJSONFile, read_json, read_yaml, refuse_unless_regular
+from dit_train.study.record import (RECORD_MAX_BYTES, finished_by_summary, planned_steps, read_study,
+                                    summary_step_count)
 
 RECORDS = ("config.yaml", "metrics.jsonl", "summary.json", "run_info.json")
 
 
 def publish(sweep_dir: str, dest: str, finished_only: bool = False) -> int:
+    """Copy the sweep's run records into DEST/runs; the number of run folders copied. Everything is checked before
+    anything is written: a failure then leaves every published file whole, old or new (each is copied through a temp
+    name and a rename), study.json and report.md written last."""
     runs_dir = os.path.join(dest, "runs")
-    copies = []
+    refuse_overlap(sweep_dir, runs_dir)
+    study = os.path.join(sweep_dir, "study.json")
+    refuse_unless_regular(study)
+    refuse_another_study(study, runs_dir)
+    copies, stale, kept = [], [], []
     for root, dirs, files in os.walk(sweep_dir):
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in ("checkpoints", "samples"))
         if "config.yaml" not in files or "metrics.jsonl" not in files:
@@ -37,31 +47,80 @@ def publish(sweep_dir: str, dest: str, finished_only: bool = False) -> int:
         if finished_only and "summary.json" not in files:  # a run still going (or stopped before its end)
             continue
         target = os.path.join(runs_dir, os.path.relpath(root, sweep_dir))
+        if not run_finished(root) and run_finished(target, published=dest):
+            kept.append(target)  # an unfinished copy never replaces a finished published run
+            continue
         copies += [(os.path.join(root, name), os.path.join(target, name)) for name in RECORDS if name in files]
-    study = os.path.join(sweep_dir, "study.json")
+        # a summary.json of an earlier, unfinished copy would make the new records read finished
+        stale += [os.path.join(target, name) for name in RECORDS if name not in files
+                  and os.path.lexists(os.path.join(target, name))]
+    for target in kept:
+        print(f"kept {target}: it is finished there and the sweep's copy is not (no summary.json at its train.steps)")
     if not copies:  # nothing to publish: the caller says so, and nothing is written
         return 0
+    check_sweep(sweep_dir, study)
     for source, target in copies + [(study, os.path.join(runs_dir, "study.json"))]:  # before anything is copied
         refuse_unless_regular(source)
         refuse_links_on_the_way(dest, target, "publishing")
+        if os.path.exists(source) and os.path.getsize(source) > RECORD_MAX_BYTES:
+            raise ConfigError(f"{source} is {os.path.getsize(source):,} bytes, more than any run record "
+                              f"({RECORD_MAX_BYTES:,} bytes: 400,000 steps logged every step): not published; move it "
+                              f"out of the sweep")
+    for path in stale:
+        refuse_links_on_the_way(dest, path, "publishing")
     for source, target in copies:
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        shutil.copy2(source, target)
+        remove_dead_temp_files(os.path.dirname(target), RECORDS)
+        atomic_copy(source, target, RECORD_MAX_BYTES)
+    for path in stale:
+        os.remove(path)
     merge_study_record(study, os.path.join(runs_dir, "study.json"))
     return len({os.path.dirname(target) for _, target in copies})
 
 
-def refuse_unless_regular(path: str) -> None:
-    """A sweep from elsewhere is published only from regular files of its own: a record that is a symbolic link
-    copied the file it points at (`metrics.jsonl -> ~/.ssh/id_rsa`) into the folder meant to be committed, and a
-    FIFO hung the copy. A missing file is skipped by the caller."""
-    if os.path.islink(path):
-        raise ConfigError(f"{path} is a symbolic link (to {os.readlink(path)}): a run record is published only as a "
-                          f"regular file of the sweep (a link would copy a file from elsewhere); replace it by the "
-                          f"file itself or remove it")
-    if os.path.exists(path) and not os.path.isfile(path):
-        raise ConfigError(f"{path} is not a regular file (a FIFO, socket, device or folder): a run record is "
-                          f"published only as a regular file of the sweep; remove it")
+def check_sweep(sweep_dir: str, study: str) -> None:
+    """What the report would refuse in the sweep's own records (a run folder copied twice, a run labelled in
+    study.json as another optimizer, paired runs of different lengths), refused before anything is copied rather
+    than after."""
+    report.find_runs(sweep_dir)
+    record = read_study(study) if os.path.exists(study) else {}
+    if record.get("lr_selection"):
+        paired_report.checked_runs(sweep_dir, record)
+
+
+def run_finished(folder: str, published: str | None = None) -> bool:
+    """dit-study's rule (record.finished_by_summary): a summary.json at config.yaml's train.steps. A published run
+    folder (`published`: the destination) is read only through regular files."""
+    summary, config = os.path.join(folder, "summary.json"), os.path.join(folder, "config.yaml")
+    for path in (summary, config):
+        refuse_unless_regular(path) if published is None else refuse_links_on_the_way(published, path, "publishing")
+    if not os.path.isfile(summary):
+        return False
+    cfg = read_yaml(config) if os.path.isfile(config) else None
+    return finished_by_summary(summary_step_count(read_json(summary)), planned_steps(cfg))
+
+
+def refuse_overlap(sweep_dir: str, runs_dir: str) -> None:
+    """The sweep folder is not DEST/runs, nor inside it or around it (`dit-publish-study X/runs X` copied each file
+    onto itself: shutil.SameFileError)."""
+    a, b = os.path.realpath(sweep_dir), os.path.realpath(runs_dir)
+    if a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep):
+        raise ConfigError(f"the sweep folder {sweep_dir!r} is {runs_dir!r} (or holds it, or lies inside it): "
+                          f"dit-publish-study copies a sweep into DEST/runs; give a DEST whose runs folder is "
+                          f"elsewhere")
+
+
+def refuse_another_study(study: str, runs_dir: str) -> None:
+    """A destination holds one study: another experiment published into it replaced its study.json and mixed the
+    two studies' runs in one report."""
+    if not os.path.exists(study):
+        return
+    published = read_study_record(runs_dir).get("experiment")
+    new = read_study(study).get("experiment")
+    if published is not None and new is not None and published != new:
+        raise ConfigError(f"{runs_dir}/study.json is the record of {published!r} and {study} of {new!r}: one "
+                          f"destination holds one study; publish {new!r} into its own folder (valid here: a sweep "
+                          f"of {published!r})")
 
 
 def merge_study_record(src: str, dst: str) -> None:
@@ -79,6 +138,7 @@ def merge_study_record(src: str, dst: str) -> None:
         if c not in unique:
             unique.append(c)
     record["invocations"] = unique
+    remove_dead_temp_files(os.path.dirname(dst), ("study.json",))
     atomic_write_bytes(json.dumps(record, indent=2).encode(), dst)
 
 
@@ -104,7 +164,8 @@ def main(argv=None) -> int:
     try:
         n = publish(args.sweep_dir, args.dest, args.finished_only)
         if n == 0:
-            print(f"error: no run folders (config.yaml + metrics.jsonl) under {args.sweep_dir!r}", file=sys.stderr)
+            print(f"error: no run folders (config.yaml + metrics.jsonl) to publish under {args.sweep_dir!r}",
+                  file=sys.stderr)
             return 2
         runs = os.path.join(args.dest, "runs")
         if "lr_selection" in read_study_record(runs):  # a two-phase study: paired differences at the selected lrs
@@ -113,6 +174,9 @@ def main(argv=None) -> int:
             report.build_report(runs, args.dest)
     except (ConfigError, DamagedJSONFile) as e:  # a damaged record, a two-phase study whose scan is unfinished
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a read-only destination, a full disk: one line; each published file is whole
+        print(f"error: {describe_os_error(e)}", file=sys.stderr)
         return 2
     print(f"copied {n} run records to {os.path.join(args.dest, 'runs')}; wrote {os.path.join(args.dest, 'report.md')}")
     return 0

@@ -4,7 +4,10 @@
 
 A run folder is any folder under SWEEP_DIR with a config.yaml written by the trainer; its metrics.jsonl and
 summary.json are read. Runs listed in SWEEP_DIR/study.json (written by dit-study) but absent on disk
-appear as `missing`; folders without summary.json as `incomplete (step N)`. Nothing is silently dropped.
+appear as `missing`; folders without summary.json as `incomplete (step N)`, and with one short of their train.steps
+(dit-study's rule) as `incomplete (summary at step N of M)`. Nothing is silently dropped. Records from elsewhere are
+checked (dit_train/study/record.py): a linked or non-regular record, or one run in two folders, is refused in one
+line; names and study.json text go into report.md escaped as Markdown text.
 
 Writes report.md and PNG plots next to it:
 - Table 1 (model x optimizer): best FD (encoder named) and its gain over AdamW, final validation velocity loss,
@@ -37,9 +40,10 @@ import yaml
 
 from dit_train.config.errors import ConfigError
 from dit_train.config.override_text import shell_command
-from dit_train.runs.atomic_io import atomic_write_bytes
-from dit_train.runs.json_file import DamagedJSONFile, read_json, read_yaml
-from dit_train.study.record import read_study
+from dit_train.runs.atomic_io import atomic_write_bytes, describe_os_error, remove_dead_temp_files
+from dit_train.runs.json_file import DamagedJSONFile, read_json, read_yaml, refuse_unless_regular
+from dit_train.study.record import (RECORD_MAX_BYTES, finished_by_summary, is_number, md, md_code, planned_steps,
+                                    read_study, summary_step_count)
 from dit_train.telemetry.metrics_lines import metrics_lines
 
 PHASES = ("data", "forward", "backward", "optimizer compute", "exposed communication")
@@ -74,6 +78,9 @@ class Run:
     fd_curve: list = field(default_factory=list)  # (step, active_s, fd)
     train_curve: list = field(default_factory=list)  # (step, train loss: the logged step's own batch, not a mean)
     warmup_steps: int = 0
+    planned_steps: int | None = None  # config.yaml's train.steps
+    opt_cfg: dict = field(default_factory=dict)  # config.yaml's optimizer section: checked against study.json
+    config_key: str = ""  # config.yaml but for run_dir: two folders with one key are one run counted twice
 
     @property
     def base(self) -> str:
@@ -115,31 +122,53 @@ def read_metrics(path: str) -> list[dict]:
         if not isinstance(r, dict) or type(r.get("step", 0)) is not int:  # a hand-edited line: not a row
             continue
         r = {k: float(v) if isinstance(v, str) and v.lower() in NON_FINITE else v for k, v in r.items()}
+        # a value the tables compute with that is not a number a float holds ("train/loss": "x", 10**400) is
+        # left out of the row, as a key the logger did not write (it raised TypeError / OverflowError)
+        r = {k: v for k, v in r.items() if k in TEXT_KEYS or is_number(v)}
+        if "step" not in r:
+            continue
         kind = next((k for k in ("train/loss", "val/loss", "fd") if k in r), "other")
         rows[(r.get("step", 0), kind)] = r
     return [rows[k] for k in sorted(rows, key=lambda k: (k[0], KINDS.index(k[1])))]
 
 
 NON_FINITE = ("nan", "inf", "-inf", "infinity", "-infinity")
+TEXT_KEYS = ("fd_encoder",)  # the one row value the report shows as text
 KINDS = ("train/loss", "val/loss", "fd", "other")
 
 
+RECORDS = ("config.yaml", "metrics.jsonl", "summary.json", "run_info.json")
+
+
 def read_run(folder: str, name: str) -> Run:
-    """One run folder; a folder whose records cannot be read is a run with status 'damaged: <why>'."""
+    """One run folder; a folder whose records cannot be read is a run with status 'damaged: <why>'. A record that
+    is a link or not a regular file is refused (ConfigError): its content comes from elsewhere."""
+    for record in RECORDS:
+        refuse_unless_regular(os.path.join(folder, record), "read")
     try:
         return _read_run(folder, name)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, yaml.YAMLError) as e:
+    except ConfigError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError, yaml.YAMLError) as e:
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         why = why.replace(os.path.join(folder, ""), "")  # the row names the run: keep the 120 characters for the why
-        return Run(name=name, model="?", optimizer="?", seed=-1, status=f"damaged: {type(e).__name__}: {why[:120]}")
+        return Run(name=md(name), model="?", optimizer="?", seed=-1,
+                   status=md(f"damaged: {type(e).__name__}: {why[:120]}"))
 
 
 def _read_run(folder: str, name: str) -> Run:
     cfg = read_yaml(os.path.join(folder, "config.yaml"))
-    run = Run(name=name, model=cfg["model"]["name"], optimizer=optimizer_label(cfg["optimizer"]),
+    # names from a record go into report.md as Markdown text (md): no HTML, no forged row or heading
+    run = Run(name=md(name), model=md(cfg["model"]["name"]), optimizer=md(optimizer_label(cfg["optimizer"])),
               seed=int(cfg.get("seed", 0)), lr=float(cfg["optimizer"].get("lr", math.nan)),
-              warmup_steps=int(cfg.get("train", {}).get("warmup_steps", 0) or 0))
-    rows = read_metrics(os.path.join(folder, "metrics.jsonl"))
+              warmup_steps=int(cfg.get("train", {}).get("warmup_steps", 0) or 0), planned_steps=planned_steps(cfg),
+              opt_cfg=dict(cfg["optimizer"]),
+              config_key=json.dumps({k: v for k, v in cfg.items() if k != "run_dir"}, sort_keys=True, default=str))
+    metrics = os.path.join(folder, "metrics.jsonl")
+    if os.path.isfile(metrics) and os.path.getsize(metrics) > RECORD_MAX_BYTES:
+        raise ValueError(f"metrics.jsonl is {os.path.getsize(metrics):,} bytes, more than any run record "
+                         f"({RECORD_MAX_BYTES:,}): not read")
+    rows = read_metrics(metrics)
     train = [r for r in rows if "train/loss" in r]
     run.train_curve = [(r["step"], r["train/loss"]) for r in train]
     active_at = {r["step"]: r["active_time_s"] for r in train if "active_time_s" in r}
@@ -150,8 +179,8 @@ def _read_run(folder: str, name: str) -> Run:
         if isinstance(r.get("fd"), (int, float)):
             act = r.get("fd_active_time_s", r.get("active_time_s", active_at.get(r["step"], math.nan)))
             run.fd_curve.append((r["step"], act, r["fd"]))
-            run.fd_encoder = r.get("fd_encoder", run.fd_encoder)
-            run.fd_counts = f"{r.get('fd_num_gen', '?')} gen / {r.get('fd_num_ref', '?')} ref"
+            run.fd_encoder = md(r.get("fd_encoder", run.fd_encoder))
+            run.fd_counts = md(f"{r.get('fd_num_gen', '?')} gen / {r.get('fd_num_ref', '?')} ref")
     if run.val_curve:
         run.val_loss = run.val_curve[-1][2]
     if run.fd_curve:
@@ -177,14 +206,17 @@ def _read_run(folder: str, name: str) -> Run:
                   "optimizer compute": run.optimizer_s - comm, "exposed communication": comm}
     info = os.path.join(folder, "run_info.json")
     if os.path.exists(info):
-        run.git_commit = str(read_json(info).get("git_commit") or "")
+        run.git_commit = md(str(read_json(info).get("git_commit") or ""))
     summary = os.path.join(folder, "summary.json")
     if os.path.exists(summary):
         s = read_json(summary)
-        run.steps = s.get("steps", run.steps)
+        done = summary_step_count(s)
+        run.steps = done if done >= 0 else run.steps
         run.metrics = s.get("metrics") if isinstance(s.get("metrics"), dict) else {}
-        if isinstance(s.get("val_loss"), (int, float)):
-            run.val_loss = s["val_loss"]
+        if is_number(s.get("val_loss")):
+            run.val_loss = float(s["val_loss"])
+        if not finished_by_summary(done, run.planned_steps):  # dit-study's rule: summary.json at train.steps
+            run.status = f"incomplete (summary at step {done} of {run.planned_steps})"
     else:
         run.status = f"incomplete (step {run.steps})"
     return run
@@ -198,16 +230,32 @@ def find_runs(sweep_dir: str) -> list[Run]:
             name = os.path.relpath(root, sweep_dir)
             runs.append(read_run(root, name))
             seen.add(name)
+    refuse_duplicates(runs)
     study = os.path.join(sweep_dir, "study.json")
+    refuse_unless_regular(study, "read")
     if os.path.exists(study):
         for r in read_study(study, ("runs",))["runs"]:
             if r["name"] not in seen:
                 label = optimizer_label({"name": r["optimizer"], **({"K": r["K"]} if r.get("K") is not None else {}),
                                          "rownorm_scale": r.get("scale")})
-                runs.append(Run(name=r["name"], model=r["model"], optimizer=label, seed=r["seed"],
+                runs.append(Run(name=md(r["name"]), model=md(r["model"]), optimizer=md(label), seed=r["seed"],
                                 status="missing", lr=math.nan if r.get("lr") is None else float(r["lr"])))
     tag_learning_rates(runs)
     return runs
+
+
+def refuse_duplicates(runs: list[Run]) -> None:
+    """Two folders with one config (but for run_dir) are one run copied twice: counted as two seeds they narrowed
+    every mean ± std of the tables."""
+    first: dict[str, Run] = {}
+    for r in runs:
+        if not r.config_key:  # a damaged folder
+            continue
+        if r.config_key in first:
+            raise ConfigError(f"run folders {first[r.config_key].name!r} and {r.name!r} hold the same run (config.yaml "
+                              f"equal but for run_dir: {r.model} {r.optimizer} seed {r.seed}): counted twice it "
+                              f"would be an extra seed; remove one of them")
+        first[r.config_key] = r
 
 
 def scans_lr(runs: list[Run]) -> bool:
@@ -468,11 +516,11 @@ def metrics_table(runs: list[Run]) -> str:
     def value(r: Run, name: str) -> str:
         m = r.metrics.get(name) or {}
         for kind in ("best", "last"):
-            if isinstance(m.get(kind), dict) and isinstance(m[kind].get("value"), (int, float)):
-                return f"{m[kind]['value']:.4g} ({kind}, step {m[kind].get('step', '?')})"
+            if isinstance(m.get(kind), dict) and is_number(m[kind].get("value")):
+                return f"{float(m[kind]['value']):.4g} ({kind}, step {md(m[kind].get('step', '?'))})"
         return "n/a (not measured)"
 
-    lines = [f"| run | {' | '.join(names)} |", f"| --- |{' ---: |' * len(names)}"]
+    lines = [f"| run | {' | '.join(md(n) for n in names)} |", f"| --- |{' ---: |' * len(names)}"]
     lines += [f"| {r.name} | {' | '.join(value(r, n) for n in names)} |" for r in sorted(runs, key=lambda r: r.name)]
     return "\n".join(lines)
 
@@ -481,14 +529,16 @@ def plots(runs: list[Run], out_dir: str) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
-    # no '+4.354e2' above an axis: values close together (one FD point per run) read as written
-    with matplotlib.rc_context({"axes.formatter.useoffset": False}):
+    # no '+4.354e2' above an axis: values close together (one FD point per run) read as written; names from the
+    # records drawn as written, never parsed as mathtext (a model named '$\\notacommand{x}$' raised ValueError)
+    with matplotlib.rc_context({"axes.formatter.useoffset": False, "text.parse_math": False}):
         return _plots(runs, out_dir)
 
 
 def finite_points(pts: list, xi: int) -> list:
-    """The (step, active time, value) points with a finite x (column xi) and value: what a plot can draw."""
-    return [p for p in pts if not (math.isnan(p[xi]) or math.isnan(p[2]))]
+    """The (step, active time, value) points with a finite x (column xi) and value: what a plot can draw (an inf
+    from a crafted record made matplotlib's ticker overflow)."""
+    return [p for p in pts if math.isfinite(p[xi]) and math.isfinite(p[2])]  # inf: no axis can hold it
 
 
 def _plots(runs: list[Run], out_dir: str) -> list[str]:
@@ -576,14 +626,14 @@ def _plots(runs: list[Run], out_dir: str) -> list[str]:
 def banner(study: dict) -> str:
     """study.json's `banner`: what a reader must know first about a published study (that a later one supersedes
     it, or what it cannot show), added to the record after it ran."""
-    return f"> **Read first.** {study['banner']}" if study.get("banner") else ""
+    return f"> **Read first.** {md(study['banner'])}" if study.get("banner") else ""
 
 
 def provenance(study: dict, runs: list[Run]) -> str:
     """The sweep commands (study.json keeps every invocation) and the commits that produced the run folders."""
     calls = study.get("invocations") or ([study] if "command" in study else [])
-    lines = [f"- `{c['command']}` at git commit `{c.get('git_commit')}`"
-             + (f" ({c['started']})" if c.get("started") else "") for c in calls]
+    lines = [f"- `{md_code(c.get('command'))}` at git commit `{md_code(c.get('git_commit'))}`"
+             + (f" ({md(c['started'])})" if c.get("started") else "") for c in calls]
     commits = defaultdict(int)
     for r in runs:
         if r.git_commit:
@@ -621,6 +671,7 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
     out_dir = out_dir or sweep_dir
     os.makedirs(out_dir, exist_ok=True)
     runs = find_runs(sweep_dir)
+    remove_dead_temp_files(out_dir, OUTPUTS)
     if not runs:
         raise ConfigError(f"no run folders (config.yaml + metrics.jsonl) under {sweep_dir!r}")
     study = {}
@@ -630,12 +681,12 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
     n_done = sum(r.status == "finished" for r in runs)
     command = shell_command(["dit-report", sweep_dir, *([] if out_dir == sweep_dir else ["--out", out_dir])])
     parts = [
-        f"# Study report: {study.get('experiment', os.path.basename(os.path.abspath(sweep_dir)))}",
+        f"# Study report: {md(study.get('experiment', os.path.basename(os.path.abspath(sweep_dir))))}",
         banner(study),
         f"Built by `{command}` "
         f"from {len(runs)} runs ({n_done} finished).",
         provenance(study, runs),
-        study.get("notes", ""),
+        md(study.get("notes", "")),
         *numbered_tables([
             ("quality", f"Best FD over the run's evaluations ({fd_counts_note(runs)}), its gain over AdamW, and the "
              "final validation velocity loss (fixed t grid, fixed noise, held-out split). Mean ± std over seeds.",
@@ -667,6 +718,10 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
     return text
 
 
+OUTPUTS = ("report.md", "val_loss_vs_step.png", "val_loss_vs_active_time.png", "fd_vs_active_time.png",
+           "lr_sensitivity.png", "step_time_phases.png")  # what a report writes; their dead writers' temp files go
+
+
 def numbered_tables(tables: list[tuple[str, str, str, bool]]) -> list[str]:
     """Headings, notes and tables of (title, note, table, always shown): a table with nothing to show is left out
     (no lr scan, no warm-up recorded) and the ones shown are numbered 1, 2, 3, ... as they appear."""
@@ -696,6 +751,9 @@ def main(argv=None) -> int:
         build_report(args.sweep_dir, args.out)
     except (ConfigError, DamagedJSONFile) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a read-only output folder, a full disk: one line (report.md is whole or absent)
+        print(f"error: {describe_os_error(e)}", file=sys.stderr)
         return 2
     print(f"wrote {os.path.join(args.out or args.sweep_dir, 'report.md')}")
     return 0

@@ -48,7 +48,7 @@ from dit_train.runs.atomic_io import atomic_write_bytes
 from dit_train.runs.checkpoint import newest_step
 from dit_train.runs.in_place_files import refuse_hydra_writes_outside
 from dit_train.runs.json_file import read_json
-from dit_train.study.record import read_study
+from dit_train.study.record import read_study, summary_step_count
 from dit_train.runs.provenance import CHECKOUT, git_commit
 from dit_train.study.report import read_metrics
 from dit_train.trainer.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, SIGNALS
@@ -296,8 +296,7 @@ def summary_steps(run_dir: str, fix: str) -> int:
     path = os.path.join(run_dir, "summary.json")
     if not os.path.isfile(path):
         return -1
-    summary = read_json(path, fix=fix)
-    return summary["steps"] if isinstance(summary, dict) and isinstance(summary.get("steps"), int) else -1
+    return summary_step_count(read_json(path, fix=fix))
 
 
 def published(record_dir: str, steps: int) -> bool:

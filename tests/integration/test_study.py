@@ -932,7 +932,7 @@ def test_a_dry_run_prints_the_commands_and_writes_nothing(tmp_path, capsys, exis
     sweep = tmp_path / "sweep"
     if existing:
         os.makedirs(sweep)
-        (sweep / "study.json").write_text('{"experiment": "smoke", "invocations": [], "lr_selection": {"a": 1}}')
+        (sweep / "study.json").write_text('{"experiment": "smoke", "invocations": [], "lr_selection": {"a": {"lr": 0.01}}}')
     assert run_study.main(["smoke", "--sweep-dir", str(sweep), "--dry-run"]) == 0
     assert "-m dit_train --multirun experiment=smoke" in capsys.readouterr().out
     if existing:

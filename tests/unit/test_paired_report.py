@@ -40,12 +40,13 @@ def two_phase_sweep(sweep, study_extra: dict | None = None) -> None:
             name = f"{key}_lr{lr}_s{seed}"
             v = FINAL[key][seed]
             write_run(sweep / name, "dit_s", opt, seed, rows({200: 2 * v, 400: 1.5 * v, 600: v}, fd[key][seed],
-                                                             {"adamw": 0.01, "muon": 0.1, "pr": 0.04}[key]), K=K, lr=lr)
+                                                             {"adamw": 0.01, "muon": 0.1, "pr": 0.04}[key]), K=K, lr=lr,
+                      scale=scale)
             study_runs.append({"name": name, "model": "dit_s", "optimizer": opt, "K": K, "scale": scale, "lr": lr,
                                "seed": seed, "phase": "scan" if seed == 0 else "seeds"})
         # a scan value that lost (and is left out of every comparison)
         loser = f"{key}_loser"
-        write_run(sweep / loser, "dit_s", opt, 0, rows({600: 0.9}, 300.0, 0.01), K=K, lr=lr * 2)
+        write_run(sweep / loser, "dit_s", opt, 0, rows({600: 0.9}, 300.0, 0.01), K=K, lr=lr * 2, scale=scale)
         study_runs.append({"name": loser, "model": "dit_s", "optimizer": opt, "K": K, "scale": scale, "lr": lr * 2,
                            "seed": 0, "phase": "scan"})
     selection = {"dit_s adamw": {"lr": 8e-3}, "dit_s muon": {"lr": 1.6e-2},
