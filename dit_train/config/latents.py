@@ -134,22 +134,23 @@ def vae_mismatch(path: str, root: str, info: dict, where: str | None = None) -> 
     or the record a checkpoint kept of it, named `where`), or None: its scaling/shift factors, then the
     fingerprints of the weight files both hold. A VAE of the same factors (two SD VAEs, a fine-tune) decoded a
     run's grids, FD and dit-sample images unasked, although latents_info.json recorded which one made them."""
-    where = where or os.path.join(root, LATENTS_INFO)
+    said = f" as {where} recorded" if where else ""  # the latents' own latents_info.json needs no naming
     try:
         now = vae_scaling(path)
         then = (float(info["scaling_factor"]), float(info.get("shift_factor") or 0.0))
     except (TypeError, ValueError) as e:  # a damaged config.json, or latents_info.json edited by hand
-        return str(e) if isinstance(e, DamagedJSONFile) else f"{where} holds factors that are not numbers ({e})"
+        return str(e) if isinstance(e, DamagedJSONFile) else \
+            f"{where or os.path.join(root, LATENTS_INFO)} holds factors that are not numbers ({e})"
     if not all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(now, then)):
         return (f"its scaling/shift factors {now} differ from those the latents in {root} were made with {then} "
-                f"({info.get('vae', '?')}; recorded in {where})")
+                f"({info.get('vae', '?')}{said})")
     recorded = info.get("vae_files")
     if isinstance(recorded, dict):  # older records have none; a file of another name (converted weights) passes
         files = vae_files(path)
         for name in sorted((set(recorded) & set(files)) - {"config.json"}):
             if recorded[name] != files[name]:
                 return (f"its {name} is not the one the latents in {root} were made with ({info.get('vae', '?')}; "
-                        f"size-sha1 {files[name]}, {where} recorded {recorded[name]}): pass that VAE folder")
+                        f"size-sha1 {files[name]}, recorded {recorded[name]}{said}): pass that VAE folder")
     return None
 
 
