@@ -168,8 +168,8 @@ def not_vaes(moved, tmp_path):
     assert export_main([str(moved["run"]), str(tmp_path / "pipe"), "--vae", moved["vae"]]) == 0
     return {"dinov2": (str(dino), "its config.json describes a transformers Dinov2Model model, not a diffusers "
                                   "AutoencoderKL"),
-            "transformer": (str(tmp_path / "pipe" / "transformer"), "its config.json describes a DiTTrainTransformer2DModel "
-                                                                  "(_class_name), not a diffusers AutoencoderKL"),
+            "transformer": (str(tmp_path / "pipe" / "transformer"), "its config.json describes a "
+                            "DiTTrainTransformer2DModel (_class_name), not a diffusers AutoencoderKL"),
             "pipeline": (str(tmp_path / "pipe"), f"it is a diffusers pipeline folder, not its VAE: pass "
                                                  f"{tmp_path / 'pipe' / 'vae'}")}
 
