@@ -27,7 +27,7 @@ from dit_train.model.pretrained import DTYPES
 
 def export_ema(source: str, out_dir: str, dtype: str = "fp32", vae: str | None = None) -> dict:
     """Write the EMA model of `source` to the folder `out_dir`; returns the provenance written to config.json."""
-    from dit_train.runs.checkpoint import load_ema_weights
+    from dit_train.runs.checkpoint import is_complete, load_ema_weights, read_saved_state, resolve_checkpoint
     from dit_train.model.dit import DiTConfig
     from dit_train.model.pretrained import save_export
 
@@ -36,17 +36,25 @@ def export_ema(source: str, out_dir: str, dtype: str = "fp32", vae: str | None =
                          f"a folder path")
     if dtype not in DTYPES:
         raise ValueError(f"--dtype={dtype!r} is not valid: choose one of {', '.join(DTYPES)}")
-    weights, config, meta = load_ema_weights(source)
+    path = resolve_checkpoint(source)
+    vae_path = None
+    if is_complete(path):  # the VAE judged before the weights are read (a legacy .pt holds both: judged after)
+        state = read_saved_state(path)
+        vae_path = latent_vae(state["config"], vae, {"latents_vae": state.get("latents_vae"), "path": path})
+    weights, config, meta = load_ema_weights(path)
+    if not is_complete(path):
+        vae_path = latent_vae(config, vae, meta)
     architecture = DiTConfig.from_cfg(config["model"])
     architecture.validate()
     provenance = {"step": meta["step"], "source": os.path.abspath(meta["path"]), "format": meta["format"],
                   "run_config": config}
-    save_export(weights, architecture, out_dir, dtype, provenance, latent_vae(config, vae))
+    save_export(weights, architecture, out_dir, dtype, provenance, vae_path)
     return provenance
 
 
-def latent_vae(config: dict, vae: str | None) -> str | None:
-    """The VAE folder a latent run's export includes (checked before anything is written); None for image runs."""
+def latent_vae(config: dict, vae: str | None, meta: dict | None = None) -> str | None:
+    """The VAE folder a latent run's export includes (checked before anything is written, against the latents'
+    latents_info.json, else the record in the checkpoint `meta` came from); None for image runs."""
     if config["data"].get("name") != "latents":
         if vae is not None:
             raise ValueError(f"--vae={vae!r} is not valid here: this run trained on images (data="
@@ -59,7 +67,9 @@ def latent_vae(config: dict, vae: str | None) -> str | None:
     from dit_train.config.latents import check_decoding_vae
     from dit_train.extras import require
 
-    check_decoding_vae(path, config["data"].get("root"), "--vae" if vae else "vae.path")
+    meta = meta or {}
+    check_decoding_vae(path, config["data"].get("root"), "--vae" if vae else "vae.path", meta.get("latents_vae"),
+                       meta.get("path", ""))
     require("diffusers", "latents", "exporting a latent run's VAE")
     return path
 

@@ -36,21 +36,31 @@ from dit_train.evaluation.during_training import grid_classes
 from dit_train.telemetry.progress import model_call_bar
 
 
-def latent_codec(cfg, vae_path: str | None, device):
-    """A latent run's samples are VAE latents: decoded by the run's VAE (vae.path, or --vae) in batches of its
-    vae.decode_batch_size, as its grids were; None for image runs."""
+def decoding_vae(cfg, vae_path: str | None, recorded: dict | None = None, checkpoint: str = "") -> str | None:
+    """A latent run's VAE folder (vae.path, or --vae), checked to be the one that made its latents (their
+    latents_info.json, else the checkpoint's record `recorded`) before any weights are read; None for image runs."""
     if cfg.data.get("name") != "latents":
         return None
-    vae_cfg = cfg.get("vae") or {}
-    path = vae_path or vae_cfg.get("path")
+    path = vae_path or (cfg.get("vae") or {}).get("path")
     if not path:
         raise ValueError(f"{cfg.model.get('name')} was trained on latents (data=latents) and its run names no VAE: "
                          f"pass --vae /path/to/vae (the folder given to dit-encode-latents --vae)")
     from dit_train.config.latents import check_decoding_vae
+
+    check_decoding_vae(path, cfg.data.get("root"), "--vae" if vae_path else "vae.path", recorded, checkpoint)
+    return path
+
+
+def latent_codec(cfg, vae_path: str | None, device, recorded: dict | None = None, checkpoint: str = "",
+                 checked: bool = False):
+    """A latent run's samples are VAE latents: decoded by the run's VAE (vae.path, or --vae) in batches of its
+    vae.decode_batch_size, as its grids were; None for image runs. `checked`: decoding_vae has judged it."""
+    if cfg.data.get("name") != "latents":
+        return None
+    path = (vae_path or cfg.vae.path) if checked else decoding_vae(cfg, vae_path, recorded, checkpoint)
     from dit_train.diffusion.vae import LatentCodec
 
-    check_decoding_vae(path, cfg.data.get("root"), "--vae" if vae_path else "vae.path")
-    return LatentCodec(path, device, vae_cfg.get("decode_batch_size", 16))
+    return LatentCodec(path, device, (cfg.get("vae") or {}).get("decode_batch_size", 16))
 
 
 def class_labels(cfg, classes: list[int] | None, per_class: int) -> torch.Tensor:
@@ -74,9 +84,11 @@ def sample(source: str, classes: list[int] | None = None, per_class: int | None 
     draw, as in the run's grids, so the batch size does not change the images."""
     check_device(device)
     path = resolve_checkpoint(source)
-    early = OmegaConf.create(literal_config(read_saved_state(path)["config"])) if is_complete(path) else None
-    if early is not None:  # the saved settings judged before the weights are read (a legacy .pt holds both)
+    state = read_saved_state(path) if is_complete(path) else None
+    if state is not None:  # the saved settings and the VAE judged before the weights are read (a legacy .pt holds both)
+        early = OmegaConf.create(literal_config(state["config"]))
         grid_settings(early, path, per_class, steps, cfg_scale, seed, batch_size)
+        decoding_vae(early, vae, state.get("latents_vae"), path)
     model, cfg, meta = load_for_inference(path, device)
     if int(cfg.model.get("text_dim", 0) or 0):
         raise ValueError(f"model.text_dim={cfg.model.text_dim}: a text-conditioned model needs caption embeddings, "
@@ -84,7 +96,7 @@ def sample(source: str, classes: list[int] | None = None, per_class: int | None 
     per_class, steps, cfg_scale, seed, batch_size, precision = grid_settings(cfg, path, per_class, steps, cfg_scale,
                                                                              seed, batch_size)
     labels = class_labels(cfg, classes, per_class)
-    codec = latent_codec(cfg, vae, device)
+    codec = latent_codec(cfg, vae, device, meta["latents_vae"], path, checked=state is not None)
     # latents are decoded after sampling, all together, as the run's grid decodes them
     sampler = make_sampler(model, cfg.model, device, steps, cfg_scale, precision,
                            decode=None if codec is None else as_latents)

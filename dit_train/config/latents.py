@@ -4,6 +4,7 @@ that says exactly what to pass and how to make it."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
@@ -12,6 +13,9 @@ from dit_train.runs.json_file import DamagedJSONFile, read_json
 from dit_train.runs.file_fingerprint import file_fingerprint
 
 LATENTS_INFO = "latents_info.json"  # written by dit-encode-latents at the root of the shards
+VAE_RECORD = ("vae", "vae_files", "scaling_factor", "shift_factor")  # what latents_info.json says of the VAE
+
+log = logging.getLogger(__name__)
 
 
 def encode_hint(model: dict) -> str:
@@ -65,6 +69,9 @@ def check_latent_run(model: dict, data: dict, vae: dict, needs_decoding: bool) -
                               "(the folder given to dit-encode-latents --vae), or set train.sample_every=0 "
                               "eval.every_n_steps=0")
         return
+    problem = not_a_vae(path)
+    if problem:
+        raise invalid("vae.path", path, problem)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise invalid("vae.path", path, "expected a diffusers AutoencoderKL folder (config.json + weights)")
     if "scaling_factor" in info:
@@ -84,39 +91,90 @@ def vae_files(path: str) -> dict:
     return out
 
 
-def vae_mismatch(path: str, root: str, info: dict) -> str | None:
+def not_a_vae(path: str) -> str | None:
+    """What the folder `path` is when it is not a diffusers AutoencoderKL, from its config.json's `_class_name` (a
+    transformers model's `architectures`), or None: a DINOv2 folder was refused for its scaling factors, a DiT
+    transformer/ for its block counts, a pipeline root for its missing config.json, with no word of what they are.
+    Every place that opens a VAE folder asks this first. None also where the folder or its config.json is missing
+    or unreadable: the callers' own messages say so."""
+    pipeline_vae = os.path.join(path, "vae")
+    if os.path.isfile(os.path.join(pipeline_vae, "config.json")):  # a pipeline root (dit-export's, diffusers')
+        return f"it is a diffusers pipeline folder, not its VAE: pass {pipeline_vae}"
+    try:
+        config = read_json(os.path.join(path, "config.json"), fix="")
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    name = config.get("_class_name")
+    if name is None and (config.get("architectures") or config.get("model_type")):
+        model = (config.get("architectures") or [config.get("model_type")])[0]
+        return f"its config.json describes a transformers {model} model, not a diffusers AutoencoderKL"
+    if name is not None and name != "AutoencoderKL":
+        return f"its config.json describes a {name} (_class_name), not a diffusers AutoencoderKL"
+    return None
+
+
+def vae_record(info: dict) -> dict | None:
+    """What latents_info.json says of the VAE that made the latents (its folder, its files' fingerprints, its
+    factors), or None where it records none: a run keeps this in its checkpoints (TrainState.latents_vae) to check
+    the VAE it is decoded with once the latents folder has moved."""
+    return {k: info[k] for k in VAE_RECORD if k in info} if "scaling_factor" in info else None
+
+
+def latents_vae(data_cfg) -> dict | None:
+    """A latent run's VAE record from its data.root (None for image runs, or without latents_info.json)."""
+    if data_cfg.get("name") != "latents" or not data_cfg.get("root"):
+        return None
+    return vae_record(read_latents_info(str(data_cfg["root"])))
+
+
+def vae_mismatch(path: str, root: str, info: dict, where: str | None = None) -> str | None:
     """Why the VAE folder `path` is not the one that made the latents in `root` (`info`: their latents_info.json,
-    which records factors), or None: its scaling/shift factors, then the fingerprints of the weight files both
-    hold. A VAE of the same factors (two SD VAEs, a fine-tune) decoded a run's grids, FD and dit-sample images
-    unasked, although latents_info.json recorded which one made them."""
+    or the record a checkpoint kept of it, named `where`), or None: its scaling/shift factors, then the
+    fingerprints of the weight files both hold. A VAE of the same factors (two SD VAEs, a fine-tune) decoded a
+    run's grids, FD and dit-sample images unasked, although latents_info.json recorded which one made them."""
+    said = f" as {where} recorded" if where else ""  # the latents' own latents_info.json needs no naming
     try:
         now = vae_scaling(path)
         then = (float(info["scaling_factor"]), float(info.get("shift_factor") or 0.0))
     except (TypeError, ValueError) as e:  # a damaged config.json, or latents_info.json edited by hand
         return str(e) if isinstance(e, DamagedJSONFile) else \
-            f"{os.path.join(root, LATENTS_INFO)} holds factors that are not numbers ({e})"
+            f"{where or os.path.join(root, LATENTS_INFO)} holds factors that are not numbers ({e})"
     if not all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(now, then)):
         return (f"its scaling/shift factors {now} differ from those the latents in {root} were made with {then} "
-                f"({info.get('vae', '?')})")
+                f"({info.get('vae', '?')}{said})")
     recorded = info.get("vae_files")
     if isinstance(recorded, dict):  # older records have none; a file of another name (converted weights) passes
         files = vae_files(path)
         for name in sorted((set(recorded) & set(files)) - {"config.json"}):
             if recorded[name] != files[name]:
                 return (f"its {name} is not the one the latents in {root} were made with ({info.get('vae', '?')}; "
-                        f"size-sha1 {files[name]}, recorded {recorded[name]}): pass that VAE folder")
+                        f"size-sha1 {files[name]}, recorded {recorded[name]}{said}): pass that VAE folder")
     return None
 
 
-def check_decoding_vae(path: str, root, what: str) -> None:
-    """dit-sample / dit-export / dit-fd of a latent run: `path` (named `what`: --vae, or the run's vae.path) is
-    the VAE that made the run's latents, when its data.root still holds their latents_info.json (a run from
-    another machine: nothing to compare with). The trainer checks vae.path the same way (check_latent_run)."""
-    if not root or not os.path.isfile(os.path.join(str(root), LATENTS_INFO)) or \
-            not os.path.isfile(os.path.join(path, "config.json")):  # not a VAE folder: LatentCodec says so
+def check_decoding_vae(path: str, root, what: str, recorded: dict | None = None, checkpoint: str = "") -> None:
+    """dit-sample / dit-export / dit-fd of a latent run, before any weights are read: `path` (named `what`: --vae,
+    or the run's vae.path) is an AutoencoderKL folder and the VAE that made the run's latents, as their
+    latents_info.json in data.root records it, else as the `checkpoint`'s train state `recorded` it (the latents
+    folder moved, a run copied to another machine: the wrong VAE was accepted silently). A checkpoint written
+    before it recorded the VAE, with no latents_info.json beside it: one warning line. The trainer checks vae.path
+    the same way (check_latent_run)."""
+    problem = not_a_vae(path)
+    if problem:
+        raise invalid(what, path, problem)
+    if not os.path.isfile(os.path.join(path, "config.json")):  # missing: LatentCodec says so in one line
         return
-    info = read_latents_info(str(root))
+    info = read_latents_info(str(root)) if root and os.path.isfile(os.path.join(str(root), LATENTS_INFO)) else {}
     if "scaling_factor" in info:
         differs = vae_mismatch(path, str(root), info)
-        if differs:
-            raise invalid(what, path, differs)
+    elif isinstance(recorded, dict) and "scaling_factor" in recorded:
+        differs = vae_mismatch(path, str(root), recorded, where=f"checkpoint {checkpoint}")
+    else:
+        log.warning(f"warning: {what} {path} cannot be checked against the VAE that made the latents: "
+                    f"{os.path.join(str(root), LATENTS_INFO)} is absent and checkpoint {checkpoint or '?'} records "
+                    f"no VAE (written before checkpoints did); make sure it is that VAE")
+        return
+    if differs:
+        raise invalid(what, path, differs)

@@ -34,7 +34,7 @@ import torch
 
 from dit_train.runs.atomic_io import atomic_save_tensors, atomic_write_bytes
 from dit_train.config.errors import ConfigError
-from dit_train.config.latents import LATENTS_INFO, read_latents_info, vae_files, vae_scaling
+from dit_train.config.latents import LATENTS_INFO, not_a_vae, read_latents_info, vae_files, vae_scaling
 from dit_train.data.datasets import build_dataset
 from dit_train.evaluation.fd.job_config import load_data_cfg
 from dit_train.parallel.fsdp import barrier, init_distributed, shutdown_process_group
@@ -215,6 +215,9 @@ def main(argv=None) -> dict:
     from dit_train.diffusion.vae import LatentCodec
     from dit_train.diffusion.vae_shapes import check_vae_folder
 
+    problem = not_a_vae(args.vae)  # a DINOv2 folder was told to save with safe_serialization
+    if problem:
+        raise ConfigError(f"--vae={args.vae!r} is not valid: {problem}")
     if not os.path.isfile(os.path.join(args.vae, "config.json")):
         raise ConfigError(f"--vae {args.vae} is not a diffusers AutoencoderKL folder (config.json + weights)")
     try:

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from dit_train.config.latents import vae_scaling
+from dit_train.config.latents import not_a_vae, vae_scaling
 from dit_train.diffusion.vae_shapes import check_vae_folder
 
 
@@ -18,6 +18,9 @@ def load_autoencoder(path: str, device):
     require("diffusers", "latents", "the VAE of latent runs")
     from diffusers import AutoencoderKL
 
+    problem = not_a_vae(path)  # a DINOv2 or DiT folder, a pipeline root: named, before anything is read as a VAE
+    if problem:
+        raise ValueError(f"VAE folder {path!r}: {problem}")
     if not os.path.isfile(os.path.join(path, "config.json")):
         what = "has no config.json" if os.path.isdir(path) else "does not exist"
         raise FileNotFoundError(f"VAE folder {path!r} {what}: expected a local diffusers AutoencoderKL folder "

@@ -24,9 +24,13 @@ DEPRECATED_ATTENTION = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_a
 def check_vae_folder(folder: str) -> None:
     """ValueError (one line naming the folder) unless `folder`'s config.json describes exactly the AutoencoderKL
     whose tensors its safetensors file stores."""
+    from dit_train.config.latents import not_a_vae
     from dit_train.model.stored_shapes import safetensors_shapes
     from dit_train.runs.json_file import read_json
 
+    problem = not_a_vae(folder)  # what the folder is, before its weights are judged as a VAE's
+    if problem:
+        raise ValueError(f"VAE folder {folder!r}: {problem}")
     weights = os.path.join(folder, WEIGHTS_FILE)
     if not os.path.isfile(weights):
         found = sorted(f for f in os.listdir(folder) if f.endswith((".bin", ".safetensors")))

@@ -113,6 +113,16 @@ def newest_step(run_dir: str) -> int:
     return read_train_state(found[-1])["step"] if found else 0
 
 
+def run_checkpoints(path: str) -> tuple[str, list[str]]:
+    """(run folder, its complete checkpoints oldest first, read-only .pt files too) for a run folder or its
+    checkpoints/ folder; ([path], []) when neither holds any. dit-sample, dit-export and dit-fd accept the same."""
+    for run_dir in (path, os.path.dirname(path.rstrip("/"))):
+        found = list_checkpoints(run_dir, remove_partial=False, legacy=True)
+        if found:
+            return run_dir, found
+    return path, []
+
+
 def resolve_checkpoint(path: str) -> str:
     """A checkpoint folder (or a read-only step_N.pt file), or a run folder / its checkpoints folder (its newest
     complete checkpoint)."""
@@ -123,8 +133,7 @@ def resolve_checkpoint(path: str) -> str:
         if CKPT_RE.match(os.path.basename(path.rstrip("/"))):
             raise FileNotFoundError(f"checkpoint {path!r} is incomplete (no {MARKER} marker): its save was "
                                     f"interrupted; use an earlier checkpoint")
-        found = list_checkpoints(path, remove_partial=False, legacy=True) or \
-            list_checkpoints(os.path.dirname(path.rstrip("/")), remove_partial=False, legacy=True)
+        _, found = run_checkpoints(path)
         if found:
             return found[-1]
         raise no_checkpoints(path)
@@ -467,7 +476,8 @@ def load_ema_weights(path: str) -> tuple[dict[str, torch.Tensor], dict, dict]:
             raise CheckpointError(f"checkpoint {path!r} holds no run config: it was not written by dit_train")
         weights, fmt = state["ema"]["model"], "pt"
         check_saved_model(path, state["config"], {k: tuple(v.shape) for k, v in weights.items()})
-    meta = {"step": state["step"], "active_time_s": state.get("active_time_s", 0.0), "path": path, "format": fmt}
+    meta = {"step": state["step"], "active_time_s": state.get("active_time_s", 0.0), "path": path, "format": fmt,
+            "latents_vae": state.get("latents_vae")}  # the VAE a latent run was trained with (older ones: None)
     return weights, saved_config(path, state), meta
 
 

@@ -22,6 +22,7 @@ from dit_train.trainer.cadence import every_n_steps
 from dit_train.runs.checkpoint_saver import CheckpointSaver, grace_warning, resolve_async
 from dit_train.parallel.comm_volume import describe_run, ranks_per_node
 from dit_train.config import validate
+from dit_train.config.latents import latents_vae
 from dit_train.config.paths import absolute_paths
 from dit_train.data.datasets import build_dataset, check_classes_fit, fingerprint, loader_workers
 from dit_train.data.order import train_batches
@@ -83,7 +84,8 @@ class Trainer:
         self.model, self.ema, self.optimizer, self.scheduler, generator = \
             build_training(cfg, self.plan, dist.device, initialise=not weights_from_checkpoint)
         self.state = TrainState(self.scheduler, generator, self.ema, config=OmegaConf.to_container(cfg, resolve=True),
-                                data_fingerprint=fingerprint(self.train_set, self.val_set) if dist.is_main else None)
+                                data_fingerprint=fingerprint(self.train_set, self.val_set) if dist.is_main else None,
+                                latents_vae=latents_vae(cfg.data) if dist.is_main else None)
         self.timer = PhaseTimer(enabled=self.tc.timing, device=dist.device)
         self.hooks = hooks_of(self.optimizer)  # what the loop tells the optimizer (optim/hooks.py)
         self.hooks.use_timer(self.timer)

@@ -34,6 +34,9 @@ class TrainState:
     config: dict = field(default_factory=dict)  # the resolved run config, for export/sampling/FD jobs
     data_fingerprint: dict | None = None  # data/datasets.py: what data the run trains on, checked on resume
     ckpt_write_s: float | None = None  # the write time of the run's last finished checkpoint (rank 0's measure)
+    # a latent run's VAE as data.root/latents_info.json records it (config/latents.py: vae_record): dit-sample,
+    # dit-export and dit-fd check --vae against it once the latents folder has moved. Absent in older checkpoints
+    latents_vae: dict | None = None
 
     def state_dict(self) -> dict:
         return {"step": self.step, "active_time_s": self.active_time_s, "skipped_steps": self.skipped_steps,
@@ -42,6 +45,7 @@ class TrainState:
                 "generator_device": self.generator.device.type,
                 "ema_num_updates": self.ema.num_updates, "config": self.config,
                 "data_fingerprint": self.data_fingerprint, "ckpt_write_s": self.ckpt_write_s,
+                **({"latents_vae": self.latents_vae} if self.latents_vae else {}),
                 **({"metric_best": self.metric_best} if self.metric_best else {})}
 
     def load_state_dict(self, state: dict) -> None:
@@ -77,3 +81,5 @@ class TrainState:
         self.best_fd = state.get("best_fd")
         self.metric_best = dict(state["metric_best"]) if isinstance(state.get("metric_best"), dict) else {}
         self.ckpt_write_s = state.get("ckpt_write_s") if isinstance(state.get("ckpt_write_s"), (int, float)) else None
+        if self.latents_vae is None and isinstance(state.get("latents_vae"), dict):  # resumed from a moved data.root
+            self.latents_vae = state["latents_vae"]

@@ -45,3 +45,20 @@ def test_a_cuda_runs_state_is_refused_on_the_cpu_in_one_line(recorded):
     with pytest.raises(CheckpointError, match="written by a cuda run and this run trains on cpu.*train.init_from") as e:
         ts.load_state_dict(state)
     assert "\n" not in str(e.value) and ts.step == 0
+
+
+def test_the_latents_vae_record_survives_a_resume_whose_latents_moved_and_older_states_load_without_it():
+    """A resume from a moved data.root (no latents_info.json to read the record from) keeps the checkpoint's record,
+    so its later checkpoints can still check dit-sample/dit-export/dit-fd --vae; a state written before the record
+    existed loads with none (the commands then warn that the VAE cannot be checked)."""
+    record = {"vae": "/w/vae", "vae_files": {"config.json": "1-ab"}, "scaling_factor": 0.5, "shift_factor": 0.25}
+    ts = cpu_train_state()
+    ts.latents_vae = record
+    state = ts.state_dict()
+    resumed = cpu_train_state()  # built where data.root/latents_info.json is absent: no record of its own
+    resumed.load_state_dict(state)
+    assert resumed.latents_vae == record and resumed.state_dict()["latents_vae"] == record
+    del state["latents_vae"]
+    older = cpu_train_state()
+    older.load_state_dict(state)
+    assert older.latents_vae is None and "latents_vae" not in older.state_dict()

@@ -61,8 +61,9 @@ def find_checkpoints(path: str | os.PathLike) -> tuple[Path, list[tuple[str, Pat
     def ckpts(run_dir: Path) -> list[Path]:
         return [Path(c) for c in ckpt.list_checkpoints(str(run_dir), remove_partial=False, legacy=True)]
 
-    if ckpts(p):
-        return p, [(p.name, c) for c in ckpts(p)]
+    run_dir, listed = ckpt.run_checkpoints(str(p))  # a run folder or its checkpoints/, as dit-sample/dit-export
+    if listed:
+        return Path(run_dir), [(Path(run_dir).name, Path(c)) for c in listed]
     found = []
     for dirpath, dirnames, _ in os.walk(p):
         dirnames.sort()
@@ -117,18 +118,55 @@ def named(row: dict) -> str:
     return f"{label} (folder {row['run']})" if label else str(row["run"])
 
 
-def latent_decoder(run_cfg, data_cfg, vae_path: str | None, device):
-    """The decoder of a latent run's samples (None for image runs); the VAE is loaded once per folder."""
+def decoding_vae(run_cfg, data_cfg, vae_path: str | None, recorded: dict | None, checkpoint: str) -> str | None:
+    """A latent run's VAE folder (--vae, or its vae.path), checked against the VAE that made its latents
+    (config/latents.py: check_decoding_vae); None for image runs."""
     from omegaconf import OmegaConf
 
-    if data_cfg.name != "latents":
+    if data_cfg.get("name") != "latents":
         return None
     path = vae_path or OmegaConf.select(run_cfg, "vae.path")
     if not path:
         raise ValueError("a latent run's samples are decoded by its VAE: pass --vae /path/to/vae")
     from dit_train.config.latents import check_decoding_vae
 
-    check_decoding_vae(path, data_cfg.get("root"), "--vae" if vae_path else "vae.path")  # the VAE of its latents
+    check_decoding_vae(path, data_cfg.get("root"), "--vae" if vae_path else "vae.path", recorded, checkpoint)
+    return path
+
+
+def check_vaes(todo: list[tuple[str, Path]], vae_path: str | None, data_set: list[str]) -> set[str]:
+    """Before the encoder, the reference statistics or any weights (minutes with Inception on a CPU), and for
+    checkpoints already scored too: the VAE of every latent run is the one that made its latents. Returns the
+    checkpoints judged; a read-only .pt holds its train state beside its weights and is judged when it loads."""
+    from omegaconf import OmegaConf
+
+    checked, seen = set(), set()
+    for _, path in todo:
+        if not ckpt.is_complete(str(path)):
+            continue
+        state = ckpt.read_saved_state(str(path))
+        run_cfg = OmegaConf.create(ckpt.literal_config(state["config"]))
+        data_cfg = OmegaConf.merge(run_cfg.get("data") or {}, dotlist(data_set))
+        key = json.dumps([OmegaConf.to_container(data_cfg), OmegaConf.select(run_cfg, "vae.path"),
+                          state.get("latents_vae")], sort_keys=True, default=str)
+        if key not in seen:  # a run's checkpoints share one record: judged (and warned of) once
+            seen.add(key)
+            decoding_vae(run_cfg, data_cfg, vae_path, state.get("latents_vae"), str(path))
+        checked.add(str(path))
+    return checked
+
+
+def latent_decoder(run_cfg, data_cfg, vae_path: str | None, device, meta: dict | None = None,
+                   checked: bool = False):
+    """The decoder of a latent run's samples (None for image runs); the VAE is loaded once per folder.
+    `checked`: check_vaes has judged the VAE of this checkpoint."""
+    from omegaconf import OmegaConf
+
+    if data_cfg.name != "latents":
+        return None
+    meta = meta or {}
+    path = (vae_path or OmegaConf.select(run_cfg, "vae.path")) if checked else \
+        decoding_vae(run_cfg, data_cfg, vae_path, meta.get("latents_vae"), str(meta.get("path", "")))
     if path not in _CODECS:
         from dit_train.diffusion.vae import LatentCodec
 
@@ -200,6 +238,7 @@ def main(argv=None) -> list[dict]:
         root, found = find_checkpoints(p)
         out = out or Path(args.out or root)
         todo += found
+    checked = check_vaes(todo, args.vae, args.data_set)  # first: a wrong --vae is refused in seconds, never scored
     if rank == 0:
         check_folder_can_be_made(str(out))  # an unusable --out is found now, not after the first checkpoint
     rows = load_results(out) if rank == 0 else []  # a damaged results file is refused before the encoder loads
@@ -237,7 +276,7 @@ def main(argv=None) -> list[dict]:
         ev = evaluators[dkey]
         precision = compute_precision(OmegaConf.select(run_cfg, "train.precision", default="auto"), device)
         sample = make_sampler(model, mcfg, device, int(cfg.sample_steps), float(cfg.cfg_scale), precision,
-                              decode=latent_decoder(run_cfg, data_cfg, args.vae, device))
+                              decode=latent_decoder(run_cfg, data_cfg, args.vae, device, meta, str(path) in checked))
         label = run_label(run_cfg)
         with model_call_bar(model, len(ev.my_batches()) * int(cfg.sample_steps),
                             f"FD {label or run} step {meta['step']}", progress):
