@@ -10,6 +10,7 @@ is under way, a second signal is only recorded, so the exit code stays the reque
 
 from __future__ import annotations
 
+import functools
 import signal
 import sys
 from typing import NoReturn
@@ -26,6 +27,19 @@ def exit_interrupted(line: str) -> NoReturn:
     was left and how to go on, instead of a KeyboardInterrupt traceback, and exit 130 as training's own Ctrl-C."""
     print(line, file=sys.stderr)
     sys.exit(EXIT_INTERRUPTED)
+
+
+def ctrl_c_exits(line: str):
+    """A command's main() whose Ctrl-C is exit_interrupted(line): one line saying what it left, exit 130."""
+    def wrap(main):
+        @functools.wraps(main)  # keeps its name: tests and console scripts call it as `main`
+        def command(*args, **kwargs):
+            try:
+                return main(*args, **kwargs)
+            except KeyboardInterrupt:
+                exit_interrupted(line)
+        return command
+    return wrap
 
 
 class Preempted(Exception):
