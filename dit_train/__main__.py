@@ -13,7 +13,7 @@ from dit_train.config import CONF_DIR, ConfigError, check_command_line, remove_s
 from dit_train.config.command_line import split_config_dir
 from dit_train.config.override_text import override, parsed_value, shell_override
 from dit_train.runs.hydra_files import defer_hydra_files
-from dit_train.trainer.preemption import EXIT_INTERRUPTED, Preempted, Preemption
+from dit_train.trainer.preemption import Preempted, Preemption, exit_interrupted
 
 INTERRUPTED = "interrupted before training started; nothing to checkpoint"
 
@@ -58,8 +58,7 @@ def main(cfg) -> None:
         print(f"error: {describe_os_error(e)}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C before training started (once it has, it checkpoints: Preempted above)
-        print(INTERRUPTED, file=sys.stderr)
-        sys.exit(EXIT_INTERRUPTED)
+        exit_interrupted(INTERRUPTED)
 
 
 def check_writable(run_dir: str) -> None:
@@ -95,8 +94,7 @@ def cli() -> None:
     try:
         start()
     except KeyboardInterrupt:  # the command line's check (composing every job, reading checkpoints) takes seconds
-        print(INTERRUPTED, file=sys.stderr)
-        sys.exit(EXIT_INTERRUPTED)
+        exit_interrupted(INTERRUPTED)
 
 
 def start() -> None:

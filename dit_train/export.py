@@ -23,6 +23,7 @@ import os
 import sys
 
 from dit_train.model.pretrained import DTYPES
+from dit_train.trainer.preemption import ctrl_c_exits
 
 
 def export_ema(source: str, out_dir: str, dtype: str = "fp32", vae: str | None = None) -> dict:
@@ -74,6 +75,7 @@ def latent_vae(config: dict, vae: str | None, meta: dict | None = None) -> str |
     return path
 
 
+@ctrl_c_exits("dit-export: interrupted; the output folder may be incomplete: rerun the same command")
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="dit-export", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -34,6 +34,7 @@ from dit_train.evaluation.grids import save_grid, save_image
 from dit_train.diffusion.sampler import as_latents, make_sampler, noise_shape
 from dit_train.evaluation.during_training import grid_classes
 from dit_train.telemetry.progress import model_call_bar
+from dit_train.trainer.preemption import ctrl_c_exits
 
 
 def decoding_vae(cfg, vae_path: str | None, recorded: dict | None = None, checkpoint: str = "") -> str | None:
@@ -157,6 +158,7 @@ def write_folder(images: torch.Tensor, labels: torch.Tensor, folder: str) -> lis
     return paths
 
 
+@ctrl_c_exits("dit-sample: interrupted before every image was written; rerun the same command")
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="dit-sample", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

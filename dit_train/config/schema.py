@@ -65,7 +65,8 @@ class TrainConfig:
                          "only for the copy to host memory (docs/scaling_out.md, Checkpoints)")
     resume: Optional[str] = key(
         "expected null, 'auto' or an existing run folder / checkpoint file", default=None, resume=True,
-        doc="null: fresh run (refuses a folder with checkpoints) | auto | path to run folder/checkpoint")
+        doc="null: fresh run (refuses a folder with checkpoints) | auto: the newest checkpoint, or a new run when "
+            "there is none (the log says so) | path to run folder/checkpoint")
     init_from: Optional[str] = key(
         "expected null or an existing run folder / checkpoint", default=None, resume=True,
         doc="a run folder/checkpoint whose weights (model + EMA) start a new run at step 0: a fork")
@@ -278,7 +279,8 @@ class VaeConfig:
 @dataclass(kw_only=True)
 class RunConfig:
     """The top level; the groups are checked with their own schemas (data and optimizer by name)."""
-    seed: int = key(default=0, doc="seed of the weights, the data order and the noise")
+    seed: int = key(default=0, doc="seed of the weights, the data order and the noise: any integer, negative or "
+                                   "large too (each stream's seed is a hash of it: dit_train/seeds.py)")
     run_dir: str = key("expected a folder path", lambda v: bool(v.strip()), default="${hydra:runtime.output_dir}",
                        resume=True,
                        doc="the run folder: metrics.jsonl, checkpoints/, samples/, summary.json, config.yaml; "

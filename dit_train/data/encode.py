@@ -32,15 +32,18 @@ import sys
 
 import torch
 
-from dit_train.runs.atomic_io import atomic_save_tensors, atomic_write_bytes
+from dit_train.runs.atomic_io import atomic_save_tensors, atomic_write_bytes, describe_os_error
 from dit_train.config.errors import ConfigError
 from dit_train.config.latents import LATENTS_INFO, not_a_vae, read_latents_info, vae_files, vae_scaling
 from dit_train.data.datasets import build_dataset
 from dit_train.evaluation.fd.job_config import load_data_cfg
 from dit_train.parallel.fsdp import barrier, init_distributed, shutdown_process_group
+from dit_train.trainer.preemption import exit_interrupted
 
 
 DEFAULT_IMAGE_SIZE = 256  # --images of mixed sizes: DiT's ImageNet resolution
+INTERRUPTED = ("dit-encode-latents: interrupted; the shards written so far are kept: rerun the same command to "
+               "continue from them")
 
 
 def source_config(args) -> tuple[dict, str]:
@@ -93,6 +96,9 @@ def check_flags(args) -> None:
     splits = args.splits.split(",")
     if not splits or any(s not in ("train", "val") for s in splits) or len(set(splits)) < len(splits):
         raise ConfigError(f"--splits={args.splits} is not valid: expected train, val or train,val")
+    if args.images is not None and not os.path.isdir(args.images):  # was a traceback naming data.root
+        raise ConfigError(f"--images {args.images} is not a folder: expected an image folder (root/<class>/<images>, "
+                          f"or root/train/<class>/... and root/val/<class>/...)")
 
 
 def image_list(ds, n: int) -> str:
@@ -162,17 +168,27 @@ def images_of_rank(n: int, shard_size: int, rank: int, world: int) -> int:
     return sum(min(shard_size, n - s * shard_size) for s in range(rank, math.ceil(n / shard_size), world))
 
 
+def shard_path(out: str, split: str, shard: int) -> str:
+    return os.path.join(out, split, f"shard_{shard:05d}.safetensors")
+
+
+def shards_to_write(out: str, datasets: dict, shard_size: int, rank: int = 0, world: int = 1) -> int:
+    """How many of `rank`'s shards (dealt as in encode_split) are not on disk yet: an existing one is complete
+    (written by rename). 0: the VAE is not loaded at all."""
+    return sum(not os.path.exists(shard_path(out, split, shard)) for split, (_, n) in datasets.items()
+               for shard in range(rank, math.ceil(n / shard_size), world))
+
+
 @torch.no_grad()
 def encode_split(codec, ds, n: int, split: str, args, rank: int, world: int, progress) -> None:
-    folder = os.path.join(args.out, split)
-    os.makedirs(folder, exist_ok=True)
+    os.makedirs(os.path.join(args.out, split), exist_ok=True)
     shards = math.ceil(n / args.shard_size)
-    meta = {"vae": os.path.abspath(codec.path), "scaling_factor": str(codec.scale), "shift_factor": str(codec.shift),
-            "flip": str(bool(args.flip))}
     for shard in range(rank, shards, world):
-        path = os.path.join(folder, f"shard_{shard:05d}.safetensors")
+        path = shard_path(args.out, split, shard)
         start, stop = shard * args.shard_size, min((shard + 1) * args.shard_size, n)
         if not os.path.exists(path):  # an existing shard is complete (written by rename)
+            meta = {"vae": os.path.abspath(codec.path), "scaling_factor": str(codec.scale),
+                    "shift_factor": str(codec.shift), "flip": str(bool(args.flip))}
             latents, labels = [], []
             for b in range(start, stop, args.batch_size):
                 items = [ds[i] for i in range(b, min(b + args.batch_size, stop))]
@@ -229,7 +245,10 @@ def main(argv=None) -> dict:
     check_out_beside_images(args.out, source)
     datasets = {}
     for split in args.splits.split(","):
-        ds = build_dataset(source, split)
+        try:
+            ds = build_dataset(source, split)
+        except (FileNotFoundError, ValueError) as e:  # the dataset's words (data.root=...), under the flag given
+            raise ConfigError(f"{'--images' if args.images else f'--data {args.data}'}: {e}") from None
         datasets[split] = ds, min(len(ds), args.limit) if args.limit else len(ds)
     info = encoding_record(args, source, datasets)
     try:
@@ -239,7 +258,9 @@ def main(argv=None) -> dict:
     conflict = resume_conflict(old, info, args.out)
     if conflict:
         raise ConfigError(conflict)
-    codec = LatentCodec(args.vae, dist.device, args.batch_size)
+    # a rerun over complete shards loads no VAE (seconds, or a GPU's memory): it has nothing to encode
+    codec = LatentCodec(args.vae, dist.device, args.batch_size) \
+        if shards_to_write(args.out, datasets, args.shard_size, dist.rank, dist.world_size) else None
     this_run = {s["split"] for s in info["splits"]}
     info["splits"] = [s for s in old.get("splits", []) if s["split"] not in this_run] + info["splits"]
     info_path = os.path.join(args.out, LATENTS_INFO)
@@ -252,17 +273,22 @@ def main(argv=None) -> dict:
         from tqdm import tqdm
 
         size, counts = source["image_size"], ", ".join(f"{split} {n}" for split, (_, n) in datasets.items())
-        print(f"encoding {counts} images at {size}x{size} px ({size_from}) with --vae {args.vae} into {args.out}",
-              flush=True)
-
-        # rank 0 counts only its own shards: the bar says so, and its total is their images
-        mine = sum(images_of_rank(n, args.shard_size, 0, dist.world_size) for _, n in datasets.values())
-        label = "encode" if dist.world_size == 1 else f"encode (rank 0's shards of {dist.world_size} ranks)"
-        progress = tqdm(desc=label, total=mine, unit="img", dynamic_ncols=True)
-    for split, (ds, n) in datasets.items():
-        encode_split(codec, ds, n, split, args, dist.rank, dist.world_size, progress)
-    if progress is not None:
-        progress.close()
+        if shards_to_write(args.out, datasets, args.shard_size):
+            print(f"encoding {counts} images at {size}x{size} px ({size_from}) with --vae {args.vae} into "
+                  f"{args.out}", flush=True)
+            # rank 0 counts only its own shards: the bar says so, and its total is their images
+            mine = sum(images_of_rank(n, args.shard_size, 0, dist.world_size) for _, n in datasets.values())
+            label = "encode" if dist.world_size == 1 else f"encode (rank 0's shards of {dist.world_size} ranks)"
+            progress = tqdm(desc=label, total=mine, unit="img", dynamic_ncols=True)
+        else:  # a bar over skipped shards showed millions of img/s and never said that nothing was encoded
+            print(f"nothing to encode: every shard of {counts} images is in {args.out} already, made with these "
+                  f"settings", flush=True)
+    try:
+        for split, (ds, n) in datasets.items():
+            encode_split(codec, ds, n, split, args, dist.rank, dist.world_size, progress)
+    finally:  # ended on its own line before an error or Ctrl-C's line (else that line joined the bar's)
+        if progress is not None:
+            progress.close()
     barrier()  # every rank's shards are on disk
     info["complete"] = True
     if dist.is_main:
@@ -274,12 +300,18 @@ def main(argv=None) -> dict:
 
 def cli() -> int:
     """The command (main returns the latents_info.json record to callers; a console script exits with what it
-    returns): a refusal is one line and exit status 2, as in every dit-* command."""
+    returns): a refusal is one line and exit status 2, a failing disk one line and 1, as in every dit-* command;
+    Ctrl-C one line and 130 (the shards written are kept: the same command continues)."""
     try:
         main()
-    except ConfigError as e:
+    except (ConfigError, FileNotFoundError, ValueError) as e:  # a ConfigError is a ValueError; so is a corrupt image
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk, an unwritable --out: the path and the operation
+        print(f"error: {describe_os_error(e)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        exit_interrupted(INTERRUPTED)
     return 0
 
 

@@ -7,6 +7,7 @@ the training images, as before, measured memorisation and called it validation).
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import logging
 import os
@@ -16,6 +17,8 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
+
+from dit_train.config.latents import LATENTS_INFO
 
 log = logging.getLogger("dit_train")
 VAL_FRACTION = 0.05  # of the images, held out as validation when the folder has no val/
@@ -71,6 +74,17 @@ def class_folders(folder: str) -> list[str]:
     return sorted(d for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d)))
 
 
+def no_class_folders(top: str, folder: str) -> str:
+    """Why data.root `top` (its split folder `folder`) has no classes, naming the root as typed: it named
+    `root/train` only, and a latents folder (image_folder on dit-encode-latents' output) was not recognised."""
+    if os.path.isfile(os.path.join(top, LATENTS_INFO)) or glob.glob(os.path.join(folder, "*.safetensors")):
+        return (f"data.root={top!r} is a latents folder (dit-encode-latents' shards), not images: use data=latents "
+                f"for it")
+    inside = f" (in its {os.path.relpath(folder, top)}/ folder)" if folder != top else ""
+    return (f"data.root={top!r} has no class sub-folders{inside}; expected root/<class>/<images>, or "
+            f"root/train/<class>/... and root/val/<class>/...")
+
+
 def first_image_sizes(folder: str, classes: list[str]) -> list[tuple[int, int]]:
     """(width, height) of the first readable image (by name) of each class: headers only, one file per class."""
     sizes = []
@@ -114,7 +128,7 @@ class ImageFolder(Dataset):
         self.skip_corrupt = cfg.skip_corrupt
         self.classes = class_folders(root)
         if not self.classes:
-            raise FileNotFoundError(f"data.root={root!r} has no class sub-folders; expected root/<class>/<images>")
+            raise FileNotFoundError(no_class_folders(top, root))
         self.samples: list[tuple[str, int]] = []
         self.skipped: set[str] = set()
         for label, cls in enumerate(self.classes):

@@ -49,6 +49,14 @@ class LatentShards(Dataset):
         root = cfg.get("root")
         folder = os.path.join(root or "", split)
         files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+        other = "val" if split == "train" else "train"
+        if root and not files and glob.glob(os.path.join(root, other, "*.safetensors")):
+            # encoded with --splits train: training refused it naming only the folder, not how to add the split
+            raise FileNotFoundError(
+                f"data.root={root!r} has {other} latents but no {split} latents ({folder}/*.safetensors): a run "
+                f"opens both, even with train.val_every=0; add them by rerunning the dit-encode-latents command that "
+                f"made these with --splits {split} instead (every other flag the same; the {other} shards are kept)"
+            )
         if not root or not files:
             raise FileNotFoundError(
                 f"data.root={root!r}: no latent shards in {folder}/*.safetensors; write them with "

@@ -26,6 +26,7 @@ import sys
 from dit_train.config.schema import COMPUTE_DTYPES
 from dit_train.dtypes import torch_dtype
 from dit_train.parallel.comm_volume import GB, crossing_nodes, fsdp_volumes
+from dit_train.trainer.preemption import ctrl_c_exits
 
 PRESETS = ("dit_1b3", "dit_4b", "dit_9b", "dit_15b")
 
@@ -73,6 +74,7 @@ def table(presets, nodes: int, gpus: int, reduce_dtype: str, reshard: bool) -> s
     return "\n".join(lines)
 
 
+@ctrl_c_exits("dit-comm-volume: interrupted; it writes nothing")
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="dit-comm-volume", description=__doc__.split("\n")[0])
     ap.add_argument("--presets", nargs="+", default=list(PRESETS))

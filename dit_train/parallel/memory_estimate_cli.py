@@ -24,6 +24,7 @@ import time
 
 from dit_train.config.errors import ConfigError
 from dit_train.config.files import group_options
+from dit_train.trainer.preemption import ctrl_c_exits
 
 
 GIB = 1024**3
@@ -161,6 +162,8 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+@ctrl_c_exits("dit-estimate-memory: interrupted; with --table --results FILE, the rows finished are in FILE and "
+              "the same command continues from them")
 def main(argv=None) -> int:
     """The command: a bad preset, optimizer or override is one line and exit status 2 (was a traceback)."""
     models, optimizers = group_options("model"), group_options("optimizer")
@@ -184,7 +187,17 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="hydra overrides for the one configuration")
     args = ap.parse_args(argv)
     if args.table:
-        print(markdown(run_grid(args)))
+        folder = os.path.dirname(os.path.abspath(args.results)) if args.results else None
+        if folder and not os.path.isdir(folder):  # was a traceback after the first configuration's minutes
+            print(f"error: --results {args.results}: the folder {folder} does not exist", file=sys.stderr)
+            return 2
+        try:
+            print(markdown(run_grid(args)))
+        except OSError as e:  # --results unreadable or unwritable: the path and the operation
+            from dit_train.runs.atomic_io import describe_os_error
+
+            print(f"error: {describe_os_error(e)}", file=sys.stderr)
+            return 1
         return 0
     try:
         r = run_one(args)

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 
+from dit_train.trainer.preemption import ctrl_c_exits
+
 PRESETS = ("dit_1b3", "dit_4b", "dit_9b", "dit_15b")
 GIB = 1024**3
 ACT_VALUES_PER_TOKEN = 20  # per block, in units of the width d (see the docstring)
@@ -119,6 +121,7 @@ def tables(presets, worlds, micro_batch: int, blocks_per_unit: int = 1) -> str:
     return "\n".join(lines)
 
 
+@ctrl_c_exits("dit-memory-formula: interrupted; it writes nothing")
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="dit-memory-formula", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

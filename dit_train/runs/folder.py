@@ -23,6 +23,14 @@ from dit_train.runs.timeline import set_aside_after
 log = logging.getLogger("dit_train")
 
 
+def fresh_start_line(cfg) -> str:
+    """What train.resume=auto does in a folder without checkpoints: start there (a requeued job's first start
+    relies on it), said so that a misspelled run_dir is not a silent new run."""
+    what = (f"starting a fork of train.init_from={cfg.train.init_from} there" if cfg.train.init_from
+            else "starting a new run there")
+    return f"train.resume=auto: no checkpoint in {ckpt.checkpoint_dir(cfg.run_dir)}; {what}"
+
+
 def prepare_run_folder(cfg, dist: DistInfo) -> RunLock | None:
     """Before anything is written: the resume decision and its config check, then (rank 0) the folder, its
     lock, the removal of dead writers' temp files, what was after the resumed step set aside, and the provenance
@@ -31,6 +39,8 @@ def prepare_run_folder(cfg, dist: DistInfo) -> RunLock | None:
     if dist.is_main:
         try:
             resumed_from = check_resume(cfg)
+            if resumed_from is None and cfg.train.resume == "auto":  # a misspelled run_dir trained a new run silently
+                log.info(fresh_start_line(cfg))
             record = os.path.join(cfg.run_dir, wandb_run.RECORD)
             if cfg.logger.wandb.mode != "disabled" and os.path.exists(record):
                 wandb_run.read_identity(record)  # a damaged one is refused before anything is written

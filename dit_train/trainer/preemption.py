@@ -10,13 +10,36 @@ is under way, a second signal is only recorded, so the exit code stays the reque
 
 from __future__ import annotations
 
+import functools
 import signal
+import sys
+from typing import NoReturn
 
 from dit_train.config.override_text import shell_override
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later"; schedulers/wrappers treat it as requeue-able
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells expect after Ctrl-C
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
+
+
+def exit_interrupted(line: str) -> NoReturn:
+    """Ctrl-C where nothing is checkpointed (before training starts; the other dit-* commands): `line`, saying what
+    was left and how to go on, instead of a KeyboardInterrupt traceback, and exit 130 as training's own Ctrl-C."""
+    print(line, file=sys.stderr)
+    sys.exit(EXIT_INTERRUPTED)
+
+
+def ctrl_c_exits(line: str):
+    """A command's main() whose Ctrl-C is exit_interrupted(line): one line saying what it left, exit 130."""
+    def wrap(main):
+        @functools.wraps(main)  # keeps its name: tests and console scripts call it as `main`
+        def command(*args, **kwargs):
+            try:
+                return main(*args, **kwargs)
+            except KeyboardInterrupt:
+                exit_interrupted(line)
+        return command
+    return wrap
 
 
 class Preempted(Exception):

@@ -351,3 +351,116 @@ def test_the_class_folders_are_recorded_and_a_latent_run_names_its_labels(tmp_pa
     assert latent_class_count(str(tmp_path / "lat")).source.endswith(": largest label 1 in the shards")
     assert encode(args)["complete"] and json.loads(info_path.read_text())["class_names"] == ["a", "b"]
     assert os.path.exists(tmp_path / "lat" / "train" / "shard_00002.safetensors")
+
+
+def test_a_wrong_images_path_is_one_line_naming_the_flag_before_anything_is_written(tmp_path):
+    """--images naming no folder was a traceback ending in FileNotFoundError: data.root='...' is not a folder (a key
+    the user never typed), exit 1, after the VAE was checked (found by a new-user trial)."""
+    from dit_train.data.encode import cli
+
+    save_tiny_vae(tmp_path / "vae")
+    r = run_entry_in_process(cli, "--vae", tmp_path / "vae", "--images", tmp_path / "typo", "--out", tmp_path / "lat",
+                             prog="dit-encode-latents")
+    assert (r.returncode, r.stderr) == (2, f"error: --images {tmp_path / 'typo'} is not a folder: expected an image "
+                                           f"folder (root/<class>/<images>, or root/train/<class>/... and "
+                                           f"root/val/<class>/...)\n")
+    assert not (tmp_path / "lat").exists()
+    (tmp_path / "empty").mkdir()  # a folder, but no images: the dataset's words, under the flag given
+    r = run_entry_in_process(cli, "--vae", tmp_path / "vae", "--images", tmp_path / "empty", "--out", tmp_path / "lat",
+                             prog="dit-encode-latents")
+    assert r.returncode == 2 and r.stderr.startswith(f"error: --images: data.root={str(tmp_path / 'empty')!r} has no "
+                                                     f"class sub-folders;") and r.stderr.count("\n") == 1, r.stderr
+    assert not (tmp_path / "lat").exists()
+
+
+def test_ctrl_c_while_encoding_is_one_line_and_the_same_command_continues(tmp_path, monkeypatch):
+    """Ctrl-C mid-encoding printed a KeyboardInterrupt traceback; now one line, exit 130, and the shards written
+    before it are kept: the same command writes only the rest, and the set equals an uninterrupted one."""
+    from safetensors.torch import load_file
+
+    import dit_train.data.encode as encode_module
+
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img")
+    cmd = ["--vae", tmp_path / "vae", "--images", tmp_path / "img", "--out", tmp_path / "lat", "--image-size", "16",
+           "--shard-size", "2", "--splits", "train"]
+    save, saved = encode_module.atomic_save_tensors, []
+
+    def ctrl_c_after_the_first_shard(tensors, path, meta):
+        if saved:
+            raise KeyboardInterrupt
+        saved.append(path)
+        save(tensors, path, meta)
+
+    monkeypatch.setattr(encode_module, "atomic_save_tensors", ctrl_c_after_the_first_shard)
+    try:
+        r = run_entry_in_process(encode_module.cli, *cmd, prog="dit-encode-latents")
+    except KeyboardInterrupt:  # not out of the test session: this test's failure
+        pytest.fail("Ctrl-C escaped dit-encode-latents: a KeyboardInterrupt traceback")
+    assert (r.returncode, r.stderr.splitlines()[-1]) == (130, encode_module.INTERRUPTED), r.stderr
+    assert "Traceback" not in r.stderr and "continue" in encode_module.INTERRUPTED
+    assert os.listdir(tmp_path / "lat" / "train") == ["shard_00000.safetensors"]
+    monkeypatch.setattr(encode_module, "atomic_save_tensors", save)
+    assert run_entry_in_process(encode_module.cli, *cmd, prog="dit-encode-latents").returncode == 0
+    load_encoder()([str(a) for a in cmd[:4]] + ["--out", str(tmp_path / "whole")] + [str(a) for a in cmd[6:]])
+    names = sorted(os.listdir(tmp_path / "whole" / "train"))
+    assert names == sorted(os.listdir(tmp_path / "lat" / "train")) and len(names) == 3
+    for name in names:
+        a, b = load_file(str(tmp_path / "lat" / "train" / name)), load_file(str(tmp_path / "whole" / "train" / name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_rerun_over_complete_shards_says_nothing_to_encode_without_loading_the_vae(tmp_path, monkeypatch, capfd):
+    """A rerun when every shard existed loaded the VAE, showed a bar at millions of img/s and never said that
+    nothing was encoded (found by a new-user trial)."""
+    import dit_train.diffusion.vae as vae_module
+
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img")
+    args = ["--vae", str(tmp_path / "vae"), "--images", str(tmp_path / "img"), "--out", str(tmp_path / "lat"),
+            "--image-size", "16", "--shard-size", "2", "--splits", "train"]
+    first = load_encoder()(args)
+    capfd.readouterr()
+    shards = {n: os.path.getmtime(tmp_path / "lat" / "train" / n) for n in os.listdir(tmp_path / "lat" / "train")}
+
+    def no_vae(*a, **k):
+        raise AssertionError("the VAE was loaded with nothing to encode")
+
+    monkeypatch.setattr(vae_module, "LatentCodec", no_vae)
+    assert load_encoder()(args) == first
+    out, err = capfd.readouterr()
+    assert out.splitlines()[0] == (f"nothing to encode: every shard of train 5 images is in {tmp_path / 'lat'} "
+                                   f"already, made with these settings")
+    assert "img/s" not in err and "encoding" not in out
+    assert {n: os.path.getmtime(tmp_path / "lat" / "train" / n) for n in shards} == shards
+    os.remove(tmp_path / "lat" / "train" / "shard_00001.safetensors")  # one missing: the VAE is needed again
+    with pytest.raises(AssertionError, match="the VAE was loaded"):
+        load_encoder()(args)
+
+
+def test_latents_of_one_split_say_how_to_add_the_other_and_image_folder_names_a_latents_folder(tmp_path):
+    """Latents encoded with --splits train were refused by training with `no latent shards in .../val`, naming no
+    way to add them; data=image_folder on a latents folder said `data.root='.../lat/train' has no class sub-folders`,
+    a path the user never typed (found by a new-user trial)."""
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img")
+    load_encoder()(["--vae", str(tmp_path / "vae"), "--images", str(tmp_path / "img"), "--out", str(tmp_path / "lat"),
+                    "--image-size", "16", "--splits", "train"])
+    latents = OmegaConf.create({"name": "latents", "root": str(tmp_path / "lat"), "image_size": 8, "channels": 4})
+    with pytest.raises(FileNotFoundError) as e:
+        build_dataset(latents, "val")
+    assert str(e.value) == (f"data.root={str(tmp_path / 'lat')!r} has train latents but no val latents "
+                            f"({tmp_path / 'lat' / 'val'}/*.safetensors): a run opens both, even with "
+                            f"train.val_every=0; add them by rerunning the dit-encode-latents command that made these "
+                            f"with --splits val instead (every other flag the same; the train shards are kept)")
+    images = OmegaConf.create({"name": "image_folder", "root": str(tmp_path / "lat"), "image_size": 16,
+                               "skip_corrupt": False})
+    with pytest.raises(FileNotFoundError) as e:
+        build_dataset(images, "train")
+    assert str(e.value) == (f"data.root={str(tmp_path / 'lat')!r} is a latents folder (dit-encode-latents' shards), "
+                            f"not images: use data=latents for it")
+    (tmp_path / "notes" / "train").mkdir(parents=True)  # no classes inside train/: the root as typed, then where
+    with pytest.raises(FileNotFoundError) as e:
+        build_dataset(OmegaConf.merge(images, {"root": str(tmp_path / "notes")}), "train")
+    assert str(e.value) == (f"data.root={str(tmp_path / 'notes')!r} has no class sub-folders (in its train/ folder); "
+                            f"expected root/<class>/<images>, or root/train/<class>/... and root/val/<class>/...")

@@ -286,3 +286,21 @@ def test_a_bad_preset_optimizer_or_override_is_one_line_and_exit_status_2(capsys
         "error: model.depht=2 is not valid: not a key of model; valid keys: class_dropout_prob, depth, hidden_size, "
         "image_size, in_channels, launch, mlp_ratio, name, nominal_params, num_classes, num_heads, patch_size, "
         "qk_norm, swiglu, text_dim"]
+
+
+def test_a_results_file_in_a_missing_folder_is_one_line_before_the_grid_runs(tmp_path, monkeypatch, capsys):
+    """--table --results in a folder that does not exist ran the first configuration (minutes for a large preset),
+    then failed opening the file in a traceback (found by a new-user trial)."""
+    from dit_train.parallel import memory_estimate_cli as em
+
+    def row(cmd, **kwargs):  # a configuration's subprocess, instantly: its one JSON line
+        return subprocess.CompletedProcess(cmd, 0, json.dumps(
+            {"preset": "dit_xs", "optimizer": "adamw", "world_size": 8, "micro_batch": 128,
+             "activation_checkpointing": False, "peak": {"total": 2 ** 30}, "seconds": 1.0}) + "\n", "")
+
+    monkeypatch.setattr(em.subprocess, "run", row)
+    missing = tmp_path / "typo" / "rows.jsonl"
+    assert em.main(["--table", "--presets", "dit_xs", "--world-sizes", "8", "--optimizers", "adamw",
+                    "--results", str(missing)]) == 2
+    assert capsys.readouterr().err == f"error: --results {missing}: the folder {tmp_path / 'typo'} does not exist\n"
+    assert not (tmp_path / "typo").exists()

@@ -245,6 +245,18 @@ def test_setting_aside_keeps_torn_rows_and_moves_what_it_cannot_read(tmp_path):
     assert set_aside_after(str(run_dir), 12, "somewhere/step_00000012.dcp") is None  # nothing left after 12
 
 
+def test_resume_auto_without_a_checkpoint_says_it_starts_a_new_run(tmp_path, caplog):
+    """train.resume=auto in a folder without checkpoints starts there (a requeued job's first start), but says so:
+    a misspelled run_dir silently trained a new run (found by a new-user trial). resume=null says nothing."""
+    for resume, expected in (("auto", [f"train.resume=auto: no checkpoint in {tmp_path / 'typo' / 'checkpoints'}; "
+                                       f"starting a new run there"]), ("null", [])):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="dit_train"):
+            lock = prepare_run_folder(tiny(tmp_path / "typo", f"train.resume={resume}"), DistInfo())
+        lock.release()
+        assert [r.getMessage() for r in caplog.records if "no checkpoint" in r.getMessage()] == expected
+
+
 def test_a_requeued_fork_continues_from_its_own_checkpoints(trained, tmp_path):
     """train.init_from + train.resume=auto: the first start forks; a requeue (the same command) continues the
     fork's own newest checkpoint, not the source again."""

@@ -236,3 +236,18 @@ def test_sweeps_expand_to_the_jobs_hydra_runs_in_its_order():
         ["seed=0", "logger.wandb.name='a b'"], ["seed=1", "logger.wandb.name='a b'"]]
     with pytest.raises(ConfigError, match=r"^optimizer.lr: only lists of values"):
         job_overrides(["optimizer.lr=interval(0.1,0.2)"])
+
+
+@pytest.mark.parametrize("seed", [-1, -(2 ** 80), 2 ** 80])
+def test_any_integer_is_a_seed_and_the_help_says_so(seed):
+    """`seed`'s --help line did not say a negative or huge seed works (a new-user trial asked): every stream's seed
+    is a 63-bit hash of it (dit_train/seeds.py), so any integer is valid and gives streams of its own."""
+    from dit_train import seeds
+    from dit_train.config.help_text import key_docs
+
+    cfg = compose([f"seed={seed}", "run_dir=/tmp/x"])
+    validate(cfg, 1)
+    assert cfg.seed == seed
+    drawn = {s: seeds.seed_for("train_noise", s) for s in (seed, 0)}
+    assert drawn[seed] != drawn[0] and all(0 <= v < 2 ** 63 for v in drawn.values())
+    assert "any integer, negative or large too" in key_docs(cfg)["seed"]

@@ -19,3 +19,43 @@ def test_ctrl_c_during_the_command_line_check_is_one_line_and_exit_130(monkeypat
     assert stop.value.code == 130
     assert capsys.readouterr().err == "interrupted before training started; nothing to checkpoint\n"
     assert not (tmp_path / "run").exists()
+
+
+# Ctrl-C while another command reads its arguments: that command's one line (what it left), exit 130. Not here:
+# dit-train (above), dit-torchrun (its own signal handling, torchrun.py), and dit-fd, dit-reference-stats and the
+# study tools, which answer Ctrl-C in their own modules.
+NOT_HERE = {"dit-train", "dit-torchrun", "dit-fd", "dit-reference-stats", "dit-study", "dit-report",
+            "dit-paired-report", "dit-publish-study"}
+
+
+def console_scripts() -> dict:
+    import os
+    import tomllib
+
+    from conftest import ROOT
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)["project"]["scripts"]
+
+
+@pytest.mark.parametrize("script", sorted(set(console_scripts()) - NOT_HERE))
+def test_ctrl_c_in_every_other_command_is_one_line_and_exit_130(script, monkeypatch):
+    """dit-encode-latents, dit-sample, dit-export and the memory tools printed a KeyboardInterrupt traceback (found
+    by a new-user trial). Ctrl-C arrives here while argparse reads the arguments, inside each command's main."""
+    import argparse
+    import importlib
+
+    from conftest import run_entry_in_process
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    module, name = console_scripts()[script].split(":")
+    entry = getattr(importlib.import_module(module), name)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", interrupted)
+    try:
+        r = run_entry_in_process(entry, prog=script)
+    except KeyboardInterrupt:  # not out of the test session: this test's failure
+        pytest.fail(f"Ctrl-C escaped {script}: a KeyboardInterrupt traceback")
+    assert r.returncode == 130 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"{script}: interrupted"), r.stderr
