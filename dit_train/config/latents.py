@@ -18,11 +18,11 @@ VAE_RECORD = ("vae", "vae_files", "scaling_factor", "shift_factor")  # what late
 log = logging.getLogger(__name__)
 
 
-def encode_hint(model: dict) -> str:
-    pixels = model["image_size"] * 8
-    return (f"make them with `dit-encode-latents --vae /path/to/vae --images /data/images "
-            f"--out /data/latents --image-size {pixels}` (torchrun for several GPUs), then pass "
-            f"data.root=/data/latents vae.path=/path/to/vae; to measure throughput without data: data=synthetic")
+def encode_hint() -> str:
+    # no --image-size: the images' own size is the default, and the run takes its shapes from the shards
+    return ("make them with `dit-encode-latents --vae /path/to/vae --images /data/images --out /data/latents` "
+            "(torchrun for several GPUs), then pass data.root=/data/latents vae.path=/path/to/vae; to measure "
+            "throughput without data: data=synthetic")
 
 
 def vae_scaling(vae_path: str) -> tuple[float, float]:
@@ -53,10 +53,10 @@ def read_latents_info(root: str) -> dict:
 def check_latent_run(model: dict, data: dict, vae: dict, needs_decoding: bool) -> None:
     root = data["root"]
     if root in (None, "???", ""):
-        raise ConfigError(f"data.root is not set: model {model['name']} trains on VAE latents (data=latents); "
-                          f"{encode_hint(model)}")
+        raise ConfigError(f"data.root is not set: this run trains on VAE latents (data=latents, which the presets "
+                          f"dit_1b3 to dit_15b choose), read from a folder of shards; {encode_hint()}")
     if not os.path.isdir(root):
-        raise invalid("data.root", root, f"not a folder of latent shards; {encode_hint(model)}")
+        raise invalid("data.root", root, f"not a folder of latent shards; {encode_hint()}")
     info = read_latents_info(root)
     if info.get("complete") is False:  # written before the first shard, completed after the last
         raise invalid("data.root", root, "its encoding stopped before every shard was written: rerun the same "

@@ -44,6 +44,7 @@ from dit_train.study.record import md, read_study
 from dit_train.study import stability
 from dit_train.study.report import Run, banner, fmt, provenance, read_run
 from dit_train.study.run import axes_label, variant_label  # variant_label: the key of study.json's lr_selection
+from dit_train.trainer.preemption import ctrl_c_exits
 
 VAL_FRACTIONS = (1 / 3, 2 / 3, 1.0)  # of the run: where the validation-loss columns are read
 DEFAULT_MARGIN = 1.0  # percent: the equivalence margin of the TOST column
@@ -406,6 +407,7 @@ def _paragraphs(lines: list[str]) -> list[str]:
     return out
 
 
+@ctrl_c_exits("dit-paired-report: interrupted; report.md is written whole or not at all: rerun the same command")
 def main(argv=None) -> int:
     """The command: bad input is one line and exit status 2, as in every dit-* command."""
     p = argparse.ArgumentParser(prog="dit-paired-report", description=__doc__,

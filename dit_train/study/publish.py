@@ -26,6 +26,7 @@ from dit_train.config.errors import ConfigError
 from dit_train.runs.json_file import DamagedJSONFile, read_json, read_yaml, refuse_unless_regular
 from dit_train.study.record import (RECORD_MAX_BYTES, finished_by_summary, planned_steps, read_study,
                                     summary_step_count)
+from dit_train.trainer.preemption import ctrl_c_exits
 
 RECORDS = ("config.yaml", "metrics.jsonl", "summary.json", "run_info.json")
 
@@ -149,6 +150,7 @@ def read_study_record(folder: str) -> dict:
     return read_study(path)
 
 
+@ctrl_c_exits("dit-publish-study: interrupted; each published file is whole, old or new: rerun the same command")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="dit-publish-study", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -45,6 +45,7 @@ from dit_train.runs.json_file import DamagedJSONFile, read_json, read_yaml, refu
 from dit_train.study.record import (RECORD_MAX_BYTES, finished_by_summary, is_number, md, md_code, planned_steps,
                                     read_study, summary_step_count)
 from dit_train.telemetry.metrics_lines import metrics_lines
+from dit_train.trainer.preemption import ctrl_c_exits
 
 PHASES = ("data", "forward", "backward", "optimizer compute", "exposed communication")
 WARMUP_ROWS = 2  # the first logged rows include one-off costs (allocation, first NS5); left out of time means
@@ -738,6 +739,7 @@ def save_figure(fig, path: str) -> None:
     atomic_write_bytes(buf.getvalue(), path)
 
 
+@ctrl_c_exits("dit-report: interrupted; report.md is written whole or not at all: rerun the same command")
 def main(argv=None) -> int:
     """The command: bad input is one line and exit status 2, as in every dit-* command."""
     p = argparse.ArgumentParser(prog="dit-report", description=__doc__,

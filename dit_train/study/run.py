@@ -51,7 +51,7 @@ from dit_train.runs.json_file import read_json
 from dit_train.study.record import read_study, summary_step_count
 from dit_train.runs.provenance import CHECKOUT, git_commit
 from dit_train.study.report import read_metrics
-from dit_train.trainer.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, SIGNALS
+from dit_train.trainer.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, SIGNALS, ctrl_c_exits
 
 
 class StudyStopped(Exception):
@@ -332,6 +332,7 @@ def previous_invocations(sweep_dir: str) -> list[dict]:
     return [{"command": old["command"], "git_commit": old.get("git_commit")}] if "command" in old else []
 
 
+@ctrl_c_exits("dit-study: interrupted; finished runs and checkpoints are kept: rerun the same command to continue")
 def main(argv=None) -> int:
     """The command: a damaged file of the sweep (a torn train_state.json, study.json) is one line, exit status 2."""
     try:

@@ -293,8 +293,10 @@ def test_reference_stats_of_latents_are_of_the_images_they_were_made_from(tmp_pa
     assert out["dataset_id"] == f"image_folder:{tmp_path / 'img'}:5:16px", out  # 6 images, 1 held out as val
     assert f"[fd] from the data: the images the latents were made from ({tmp_path / 'lat'}/latents_info.json: " \
            f"image_folder {tmp_path / 'img'} at 16 px)" in capsys.readouterr().out
-    with pytest.raises(ValueError, match=r"^data.root='.*/img' is not valid: the reference of latents is the images"):
+    with pytest.raises(ValueError, match=r"^--data-set root=.*/img is not valid: the reference of latents is the images"):
         job.main(["--data", "latents", "--data-set", f"root={tmp_path / 'img'}", "--encoder", "dinov2_random"])
+    with pytest.raises(ValueError, match=r"^--data latents needs --data-set root=DIR: the reference of latents"):
+        job.main(["--data", "latents", "--encoder", "dinov2_random"])
 
 
 @pytest.mark.parametrize("name,args", [("job", ["some_run"]), ("reference_stats", [])])

@@ -22,10 +22,8 @@ def test_ctrl_c_during_the_command_line_check_is_one_line_and_exit_130(monkeypat
 
 
 # Ctrl-C while another command reads its arguments: that command's one line (what it left), exit 130. Not here:
-# dit-train (above), dit-torchrun (its own signal handling, torchrun.py), and dit-fd, dit-reference-stats and the
-# study tools, which answer Ctrl-C in their own modules.
-NOT_HERE = {"dit-train", "dit-torchrun", "dit-fd", "dit-reference-stats", "dit-study", "dit-report",
-            "dit-paired-report", "dit-publish-study"}
+# dit-train (above) and dit-torchrun (its own signal handling, torchrun.py).
+NOT_HERE = {"dit-train", "dit-torchrun"}  # dit-train: the tests above; dit-torchrun hands Ctrl-C to torchrun
 
 
 def console_scripts() -> dict:
@@ -52,7 +50,8 @@ def test_ctrl_c_in_every_other_command_is_one_line_and_exit_130(script, monkeypa
 
     module, name = console_scripts()[script].split(":")
     entry = getattr(importlib.import_module(module), name)
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", interrupted)
+    for read in ("parse_args", "parse_known_args", "parse_intermixed_args"):  # dit-study reads intermixed
+        monkeypatch.setattr(argparse.ArgumentParser, read, interrupted)
     try:
         r = run_entry_in_process(entry, prog=script)
     except KeyboardInterrupt:  # not out of the test session: this test's failure

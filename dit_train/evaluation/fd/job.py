@@ -39,6 +39,7 @@ from dit_train.runs.json_file import read_json
 from dit_train.parallel.fsdp import init_distributed, shutdown_process_group
 from dit_train.telemetry.progress import model_call_bar, write
 from dit_train.devices import check_device
+from dit_train.trainer.preemption import ctrl_c_exits
 
 COLUMNS = ["label", "run", "step", "active_time_s", "fd", "encoder", "num_gen", "num_ref", "ref_id", "sample_steps",
            "cfg_scale", "seed", "checkpoint", "eval_time_s", "scored_at"]
@@ -315,6 +316,7 @@ def main(argv=None) -> list[dict]:
     return rows
 
 
+@ctrl_c_exits("dit-fd: interrupted; the checkpoints already scored are kept in its results: rerun the same command to score the rest")
 def cli() -> int:
     """The command: a path without checkpoints or a damaged results file is one line, exit status 2."""
     try:

@@ -25,6 +25,7 @@ import numpy as np
 from dit_train.evaluation.fd.job_config import add_eval_args, eval_cfg_from_args, in_flag_terms, load_data_cfg
 from dit_train.parallel.fsdp import init_distributed, shutdown_process_group
 from dit_train.devices import check_device
+from dit_train.trainer.preemption import ctrl_c_exits
 
 
 def data_cfg_from_args(args):
@@ -42,8 +43,9 @@ def data_cfg_from_args(args):
         from dit_train.evaluation.during_training import reference_data_config
 
         if not cfg.root or not os.path.isfile(os.path.join(str(cfg.root), LATENTS_INFO)):
-            raise ValueError(f"data.root={cfg.root!r} is not valid: the reference of latents is the images they were "
-                             f"made from, named by the {LATENTS_INFO} dit-encode-latents writes beside them")
+            given = f"--data-set root={cfg.root} is not valid" if cfg.root else "--data latents needs --data-set root=DIR"
+            raise ValueError(f"{given}: the reference of latents is the images they were made from, named by the "
+                             f"{LATENTS_INFO} dit-encode-latents writes beside the shards in DIR")
         source = reference_data_config(cfg)
         return source, [f"the images the latents were made from ({cfg.root}/{LATENTS_INFO}: {source.name} "
                         f"{source.get('root', '')} at {source.image_size} px)"]
@@ -88,6 +90,7 @@ def main(argv=None) -> dict:
     return summary
 
 
+@ctrl_c_exits("dit-reference-stats: interrupted; statistics are cached only when complete: rerun the same command")
 def cli() -> int:
     """The command (main returns the summary to callers; a console script exits with what it returns): a bad flag
     or data path is one line, exit status 2."""
