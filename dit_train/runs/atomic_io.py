@@ -38,18 +38,25 @@ def temp_name(path: str) -> str:
     return tmp
 
 
-def atomic_write_bytes(data: bytes, path: str) -> None:
+def replace_through_temp(path: str, write) -> None:
+    """write(tmp) to a temp name beside `path`, then rename it over `path`: readers see the old file or the new one,
+    never part of one. A failure removes the temp file (a full disk must not keep the partial file) and an OSError
+    names `path`."""
     tmp = temp_name(path)
     try:
-        write_synced(data, tmp)
+        write(tmp)
         os.replace(tmp, path)
-    except BaseException as e:  # a full disk must not keep the partial file
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         if isinstance(e, OSError):
             raise naming(e, path) from None
         raise
     fsync_dir(os.path.dirname(path))
+
+
+def atomic_write_bytes(data: bytes, path: str) -> None:
+    replace_through_temp(path, lambda tmp: write_synced(data, tmp))
 
 
 def current_umask() -> int:
@@ -153,15 +160,14 @@ def remove_stale_temp_files(folder: str) -> list[str]:
 
 
 def atomic_copy(source: str, path: str, max_bytes: int) -> None:
-    """Copy `source` (a regular file, never a link) to `path` as atomic_write_bytes writes: a temp name in the same
-    folder, fsynced, renamed over `path`, with the source's mode and times (as shutil.copy2). A kill, a full disk or
-    a file-size limit mid-copy leaves the old `path` whole and no temp file (shutil.copy2 straight onto `path` left it
-    torn). ValueError when the source grows past `max_bytes` while it is copied."""
+    """Copy `source` (a regular file, never a link) to `path` through replace_through_temp, fsynced, with the
+    source's mode and times (as shutil.copy2). A kill, a full disk or a file-size limit mid-copy leaves the old `path`
+    whole and no temp file (shutil.copy2 straight onto `path` left it torn). ValueError when the source grows past
+    `max_bytes` while it is copied."""
     import shutil
     import stat
 
-    tmp = temp_name(path)
-    try:
+    def copy(tmp: str) -> None:
         src_fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         with os.fdopen(src_fd, "rb") as src:
             if not stat.S_ISREG(os.fstat(src_fd).st_mode):
@@ -177,14 +183,8 @@ def atomic_copy(source: str, path: str, max_bytes: int) -> None:
                 out.flush()
                 os.fsync(out.fileno())
         shutil.copystat(source, tmp, follow_symlinks=False)
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        if isinstance(e, OSError):
-            raise naming(e, path) from None
-        raise
-    fsync_dir(os.path.dirname(path))
+
+    replace_through_temp(path, copy)
 
 
 def remove_dead_temp_files(folder: str, names) -> list[str]:
