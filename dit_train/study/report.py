@@ -226,8 +226,10 @@ def read_run_metrics(path: str) -> RunMetrics:
         import numpy as np
 
         steps = array("q", np.frombuffer(steps, dtype=np.int64)[keep].tobytes())
-        columns = {k: (array("d", np.frombuffer(v, dtype=np.float64)[keep].tobytes()),
-                       bytearray(np.frombuffer(p, dtype=np.uint8)[keep].tobytes())) for k, (v, p) in columns.items()}
+        for k, (v, p) in columns.items():  # one column at a time: the read one is freed as its kept rows land
+            columns[k] = (array("d", np.frombuffer(v, dtype=np.float64)[keep].tobytes()),
+                          bytearray(np.frombuffer(p, dtype=np.uint8)[keep].tobytes()))
+            del v, p
     m.steps, m.columns = steps, columns
     m.evals = [evals[k] for k in sorted(evals, key=row_order)]
     return m
