@@ -177,7 +177,7 @@ class Series(Sequence):
         return zip(self.steps, self.values)
 
     def __eq__(self, other) -> bool:
-        return list(self) == list(other)
+        return list(self) == list(other) if isinstance(other, Sequence) else NotImplemented
 
 
 @dataclass
