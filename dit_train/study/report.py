@@ -27,14 +27,18 @@ point as a marker), with the axis values written out (no offset).
 from __future__ import annotations
 
 import argparse
+import bisect
 import io
 import json
 import math
 import os
 import statistics
 import sys
+from array import array
 from collections import defaultdict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 import yaml
 
@@ -103,18 +107,22 @@ def mean(xs):
 
 
 def weighted_mean(pairs) -> float:
-    """sum(w x) / sum(w) over (x, w) pairs whose x is a number (None and NaN are left out)."""
-    pairs = [(x, w) for x, w in pairs if x is not None and not (isinstance(x, float) and math.isnan(x))]
-    total = sum(w for _, w in pairs)
-    return sum(x * w for x, w in pairs) / total if total else math.nan
+    """sum(w x) / sum(w) over (x, w) pairs whose x is a number (None and NaN are left out). `pairs` is an iterable,
+    or a function returning a fresh iterator of them: then nothing is held (two passes, each summed as sum() does)."""
+    def kept():
+        return ((x, w) for x, w in (pairs() if callable(pairs) else held)
+                if x is not None and not (isinstance(x, float) and math.isnan(x)))
+
+    held = None if callable(pairs) else list(pairs)
+    total = sum(w for _, w in kept())
+    return sum(x * w for x, w in kept()) / total if total else math.nan
 
 
-def read_metrics(path: str) -> list[dict]:
-    """metrics.jsonl as rows: a line cut by a crash is dropped, the logger's "nan"/"inf" strings are numbers again,
-    and a row written again after a resume replaces the earlier one (per step and kind: train, val, fd, other)."""
-    rows: dict[tuple, dict] = {}
+def metrics_rows(path: str) -> Iterator[tuple[tuple, dict]]:
+    """The rows of metrics.jsonl in file order as ((step, kind), row): a line cut by a crash is dropped, the
+    logger's "nan"/"inf" strings are numbers again, a value that is no number a float holds is left out."""
     if not os.path.exists(path):
-        return []
+        return
     for line in metrics_lines(path):  # a FIFO, or a sparse huge file from elsewhere: one line, nothing held
         try:
             r = json.loads(line)
@@ -128,14 +136,115 @@ def read_metrics(path: str) -> list[dict]:
         r = {k: v for k, v in r.items() if k in TEXT_KEYS or is_number(v)}
         if "step" not in r:
             continue
-        kind = next((k for k in ("train/loss", "val/loss", "fd") if k in r), "other")
-        rows[(r.get("step", 0), kind)] = r
-    return [rows[k] for k in sorted(rows, key=lambda k: (k[0], KINDS.index(k[1])))]
+        yield (r["step"], next((k for k in ("train/loss", "val/loss", "fd") if k in r), "other")), r
+
+
+def row_order(key: tuple) -> tuple:
+    return key[0], KINDS.index(key[1])
+
+
+def read_metrics(path: str) -> list[dict]:
+    """metrics.jsonl as rows (metrics_rows), a row written again after a resume replacing the earlier one (per step
+    and kind: train, val, fd, other). Every row whole: the reports read RunMetrics instead."""
+    rows = dict(metrics_rows(path))
+    return [rows[k] for k in sorted(rows, key=row_order)]
 
 
 NON_FINITE = ("nan", "inf", "-inf", "infinity", "-infinity")
 TEXT_KEYS = ("fd_encoder",)  # the one row value the report shows as text
 KINDS = ("train/loss", "val/loss", "fd", "other")
+# what the reports use of a train row (Run's times and train curve), held as one float column each
+TRAIN_COLUMNS = ("train/loss", "active_time_s", "window/steps", "opt/refresh_steps", "time/optimizer", "time/step",
+                 "comm_bytes/total", "time/comm", "time/data", "time/forward", "time/backward")
+EVAL_KEYS = ("step", "val/loss", "fd", "fd_active_time_s", "active_time_s", "fd_encoder", "fd_num_gen", "fd_num_ref")
+
+
+class Series(Sequence):
+    """(step, value) pairs held as two arrays, 16 bytes a step (a list of tuples of boxed numbers took ~100)."""
+
+    def __init__(self, steps: array, values: array):
+        self.steps, self.values = steps, values
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return Series(self.steps[i], self.values[i])
+        return self.steps[i], self.values[i]
+
+    def __iter__(self):
+        return zip(self.steps, self.values)
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other) if isinstance(other, Sequence) else NotImplemented
+
+
+@dataclass
+class RunMetrics:
+    """What the reports use of a metrics.jsonl, read once and streamed: train rows as one array per TRAIN_COLUMNS
+    key (8 bytes a step, NaN where absent, with 1 byte a step saying whether the row had it), and the few
+    validation/FD rows as dicts of EVAL_KEYS. Rows as read_metrics gives them: a row written again after a resume
+    replaces the earlier one, in order of step."""
+    last_step: int = 0  # the highest step of any row
+    steps: array = field(default_factory=lambda: array("q"))  # of the train rows, ascending
+    columns: dict = field(default_factory=dict)  # key: (values array('d'), present bytearray)
+    evals: list = field(default_factory=list)  # rows with val/loss or fd (any kind), in read_metrics' order
+
+    def value(self, key: str, i: int, absent=None):
+        """Train row i's value of key, as row.get(key, absent)."""
+        values, present = self.columns[key]
+        return values[i] if present[i] else absent
+
+    def column(self, key: str, start: int = 0, absent=None) -> Iterator:
+        values, present = self.columns[key]
+        return (v if p else absent for v, p in zip(islice(values, start, None), islice(present, start, None)))
+
+
+def read_run_metrics(path: str) -> RunMetrics:
+    """metrics.jsonl read once into RunMetrics: memory a few bytes per step per TRAIN_COLUMNS key, not a dict a row."""
+    m = RunMetrics()
+    steps = array("q")
+    columns = {k: (array("d"), bytearray()) for k in TRAIN_COLUMNS}
+    evals: dict[tuple, dict] = {}
+    nan = math.nan
+    for key, r in metrics_rows(path):
+        m.last_step = max(m.last_step, key[0])
+        if "val/loss" in r or "fd" in r:
+            evals[key] = {k: r[k] for k in EVAL_KEYS if k in r}
+        else:
+            evals.pop(key, None)  # a row written again without them replaces the one that had them
+        if key[1] != "train/loss":
+            continue
+        steps.append(key[0])
+        for k, (values, present) in columns.items():
+            v = r.get(k)
+            values.append(nan if v is None else v)
+            present.append(v is not None)
+    keep = last_of_each_step(steps)
+    if keep is not None:  # a resume wrote some steps again: the later row is the row
+        import numpy as np
+
+        steps = array("q", np.frombuffer(steps, dtype=np.int64)[keep].tobytes())
+        for k, (v, p) in columns.items():  # one column at a time: the read one is freed as its kept rows land
+            columns[k] = (array("d", np.frombuffer(v, dtype=np.float64)[keep].tobytes()),
+                          bytearray(np.frombuffer(p, dtype=np.uint8)[keep].tobytes()))
+            del v, p
+    m.steps, m.columns = steps, columns
+    m.evals = [evals[k] for k in sorted(evals, key=row_order)]
+    return m
+
+
+def last_of_each_step(steps: array):
+    """Indices (ascending step) of the last row of each step; None when the steps ascend as written (no resume)."""
+    import numpy as np  # here: the reports' start does not wait for it
+
+    s = np.frombuffer(steps, dtype=np.int64) if steps else np.zeros(0, dtype=np.int64)
+    if s.size < 2 or bool((s[1:] > s[:-1]).all()):
+        return None
+    order = np.argsort(s, kind="stable")  # equal steps in file order: the last is the later row
+    ordered = s[order]
+    return order[np.append(ordered[1:] != ordered[:-1], True)]
 
 
 RECORDS = ("config.yaml", "metrics.jsonl", "summary.json", "run_info.json")
@@ -169,16 +278,21 @@ def _read_run(folder: str, name: str) -> Run:
     if os.path.isfile(metrics) and os.path.getsize(metrics) > RECORD_MAX_BYTES:
         raise ValueError(f"metrics.jsonl is {os.path.getsize(metrics):,} bytes, more than any run record "
                          f"({RECORD_MAX_BYTES:,}): not read")
-    rows = read_metrics(metrics)
-    train = [r for r in rows if "train/loss" in r]
-    run.train_curve = [(r["step"], r["train/loss"]) for r in train]
-    active_at = {r["step"]: r["active_time_s"] for r in train if "active_time_s" in r}
-    run.steps = max((r["step"] for r in rows), default=0)
-    for r in rows:
+    m = read_run_metrics(metrics)
+    n = len(m.steps)
+    run.train_curve = Series(m.steps, m.columns["train/loss"][0])
+    run.steps = m.last_step
+
+    def active_at(step: int) -> float:
+        """The active time a train row at `step` logged (NaN if none)."""
+        i = bisect.bisect_left(m.steps, step)
+        return m.value("active_time_s", i, math.nan) if i < n and m.steps[i] == step else math.nan
+
+    for r in m.evals:
         if "val/loss" in r:
-            run.val_curve.append((r["step"], active_at.get(r["step"], math.nan), r["val/loss"]))
+            run.val_curve.append((r["step"], active_at(r["step"]), r["val/loss"]))
         if isinstance(r.get("fd"), (int, float)):
-            act = r.get("fd_active_time_s", r.get("active_time_s", active_at.get(r["step"], math.nan)))
+            act = r.get("fd_active_time_s", r.get("active_time_s", active_at(r["step"])))
             run.fd_curve.append((r["step"], act, r["fd"]))
             run.fd_encoder = md(r.get("fd_encoder", run.fd_encoder))
             run.fd_counts = md(f"{r.get('fd_num_gen', '?')} gen / {r.get('fd_num_ref', '?')} ref")
@@ -187,21 +301,23 @@ def _read_run(folder: str, name: str) -> Run:
     if run.fd_curve:
         best = min(run.fd_curve, key=lambda c: c[2])
         run.best_fd_step, run.best_fd_active_s, run.best_fd = best
-    timed = train[WARMUP_ROWS:] or train
+    start = WARMUP_ROWS if n > WARMUP_ROWS else 0  # the timed train rows: all but the first ones (all if no more)
     # rows with window/steps hold means over every step of their log window: weight them by it. Older records
     # hold the logged step's own values only (which alias with periodic_rowwise's K): one sample per row.
-    run.windowed = bool(timed) and all("window/steps" in r for r in timed)
-    weights = [r["window/steps"] if run.windowed else 1.0 for r in timed]
+    run.windowed = n > 0 and all(m.columns["window/steps"][1][start:])
+
+    def weights() -> Iterator:
+        return m.column("window/steps", start) if run.windowed else (1.0 for _ in range(start, n))
 
     def avg(key, absent=None):
-        return weighted_mean([(r.get(key, absent), w) for r, w in zip(timed, weights)])
+        return weighted_mean(lambda: zip(m.column(key, start, absent), weights()))
 
-    run.timed_steps = sum(weights) if run.windowed else 0.0
-    if run.windowed and any("opt/refresh_steps" in r for r in timed):
-        run.refresh_steps = sum(r.get("opt/refresh_steps", 0.0) for r in timed)
+    run.timed_steps = sum(weights()) if run.windowed else 0.0
+    if run.windowed and any(m.columns["opt/refresh_steps"][1][start:]):
+        run.refresh_steps = sum(m.column("opt/refresh_steps", start, 0.0))
     run.optimizer_s = avg("time/optimizer")
     run.step_s = avg("time/step")
-    run.comm_bytes = avg("comm_bytes/total", 0.0) if timed else math.nan
+    run.comm_bytes = avg("comm_bytes/total", 0.0) if n else math.nan
     comm = avg("time/comm", 0.0)
     run.phases = {"data": avg("time/data"), "forward": avg("time/forward"), "backward": avg("time/backward"),
                   "optimizer compute": run.optimizer_s - comm, "exposed communication": comm}
@@ -484,12 +600,13 @@ def table5(runs: list[Run]) -> str:
     for model in model_order(runs):
         for opt in optimizer_order({r.optimizer for r in runs if r.model == model}):
             for r in sorted((r for r in runs if r.model == model and r.optimizer == opt), key=lambda r: r.seed):
-                after = [c for c in r.train_curve if c[0] > r.warmup_steps]
-                if not after:
+                # streamed, not listed: a run logged every step has hundreds of thousands of points
+                after = (c for c in r.train_curve if c[0] > r.warmup_steps)
+                step, peak = max(after, key=lambda c: c[1], default=(None, None))
+                if step is None:
                     continue
-                step, peak = max(after, key=lambda c: c[1])
-                before = [c[1] for c in r.train_curve if c[0] < step]
-                low = f"{min(before):.4f}" if before else "—"
+                low = min((c[1] for c in r.train_curve if c[0] < step), default=None)
+                low = "—" if low is None else f"{low:.4f}"
                 lines.append(f"| {model} | {opt} | {r.seed} | {peak:.4f} | {step} | {low} | "
                              f"{r.train_curve[-1][1]:.4f} |")
     return "\n".join(lines) if len(lines) > 2 else ""

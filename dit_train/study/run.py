@@ -50,7 +50,7 @@ from dit_train.runs.in_place_files import refuse_hydra_writes_outside
 from dit_train.runs.json_file import read_json
 from dit_train.study.record import read_study, summary_step_count
 from dit_train.runs.provenance import CHECKOUT, git_commit
-from dit_train.study.report import read_metrics
+from dit_train.study.report import read_run_metrics
 from dit_train.trainer.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, SIGNALS, ctrl_c_exits
 
 
@@ -203,7 +203,7 @@ def expand(study, extra: list[str], exclude_keys: list[str], selected: dict | No
 
 def final_val_loss(run_dir: str, steps: int) -> float | None:
     """The validation loss logged at the run's last step (None if the run has not logged it)."""
-    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    rows = read_run_metrics(os.path.join(run_dir, "metrics.jsonl")).evals  # the rows with val/loss, not every row
     return next((float(r["val/loss"]) for r in rows if r.get("step") == steps and "val/loss" in r), None)
 
 

@@ -13,23 +13,29 @@ inside its unlogged steps could not be seen.
 from __future__ import annotations
 
 import math
+from collections import deque
+from collections.abc import Iterator, Sequence
 
 WINDOW = 10  # steps in each mean
 DIVERGED_RATIO = 1.5  # final mean over the lowest mean above which a run has diverged
 
 
-def logs_every_step(curve: list[tuple[int, float]]) -> bool:
+def logs_every_step(curve: Sequence[tuple[int, float]]) -> bool:
     """Whether the (step, loss) curve has every step from 1 to its last."""
-    steps = [s for s, _ in curve]
-    return bool(steps) and steps == list(range(1, len(steps) + 1))
+    return len(curve) > 0 and all(s == i for i, (s, _) in enumerate(curve, 1))
 
 
-def window_means(curve: list[tuple[int, float]]) -> list[tuple[int, float]]:
-    losses = [loss for _, loss in curve]
-    return [(curve[i][0], sum(losses[i - WINDOW + 1:i + 1]) / WINDOW) for i in range(WINDOW - 1, len(curve))]
+def window_means(curve: Sequence[tuple[int, float]]) -> Iterator[tuple[int, float]]:
+    """(step, mean of the WINDOW losses up to it), streamed: a curve logged every step holds no list of them. Each
+    mean is sum() of the window's losses in order, as a slice of them summed."""
+    window: deque = deque(maxlen=WINDOW)
+    for step, loss in curve:
+        window.append(loss)
+        if len(window) == WINDOW:
+            yield step, sum(window) / WINDOW
 
 
-def loss_spike(curve: list[tuple[int, float]], warmup_steps: int) -> float:
+def loss_spike(curve: Sequence[tuple[int, float]], warmup_steps: int) -> float:
     """The max loss spike (above); NaN without every step logged or without a full window after the warm-up."""
     if not logs_every_step(curve):
         return math.nan
@@ -43,11 +49,14 @@ def loss_spike(curve: list[tuple[int, float]], warmup_steps: int) -> float:
     return spike
 
 
-def diverged(curve: list[tuple[int, float]]) -> bool | None:
+def diverged(curve: Sequence[tuple[int, float]]) -> bool | None:
     """Whether the run diverged (above); None without every step logged or without one full window."""
     if not logs_every_step(curve) or len(curve) < WINDOW:
         return None
     if not all(math.isfinite(loss) for _, loss in curve):
         return True
-    means = [m for _, m in window_means(curve)]
-    return means[-1] / min(means) > DIVERGED_RATIO
+    last = lowest = None
+    for _, m in window_means(curve):
+        last = m
+        lowest = m if lowest is None or m < lowest else lowest  # min()'s rule: the first of equals, NaN kept
+    return last / lowest > DIVERGED_RATIO
