@@ -14,6 +14,7 @@ from dit_train.config.command_line import split_config_dir
 from dit_train.config.override_text import override, parsed_value, shell_override
 from dit_train.runs.hydra_files import defer_hydra_files
 from dit_train.trainer.preemption import Preempted, Preemption, exit_interrupted
+from dit_train.parallel.launch_rank import launch_rank
 
 INTERRUPTED = "interrupted before training started; nothing to checkpoint"
 
@@ -99,8 +100,7 @@ def cli() -> None:
 
 def start() -> None:
     # every rank composes the config and resumes, but only the first says so: the others log warnings and errors
-    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))  # torchrun's, else srun's (no torchrun)
-    logging.getLogger("dit_train").setLevel(logging.INFO if rank == "0" else logging.WARNING)
+    logging.getLogger("dit_train").setLevel(logging.INFO if launch_rank() == 0 else logging.WARNING)
     check_command_line(sys.argv[1:])  # before Hydra makes the run folder: a bad config leaves nothing behind
     run_dir = explicit_run_dir(sys.argv[1:])
     if run_dir is not None:

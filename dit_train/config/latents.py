@@ -9,6 +9,7 @@ import math
 import os
 
 from dit_train.config.errors import ConfigError, invalid
+from dit_train.parallel.launch_rank import launch_rank
 from dit_train.runs.json_file import DamagedJSONFile, read_json
 from dit_train.runs.file_fingerprint import file_fingerprint
 
@@ -171,10 +172,11 @@ def check_decoding_vae(path: str, root, what: str, recorded: dict | None = None,
         differs = vae_mismatch(path, str(root), info)
     elif isinstance(recorded, dict) and "scaling_factor" in recorded:
         differs = vae_mismatch(path, str(root), recorded, where=f"checkpoint {checkpoint}")
-    else:
-        log.warning(f"warning: {what} {path} cannot be checked against the VAE that made the latents: "
-                    f"{os.path.join(str(root), LATENTS_INFO)} is absent and checkpoint {checkpoint or '?'} records "
-                    f"no VAE (written before checkpoints did); make sure it is that VAE")
+    else:  # the same on every rank (dit-fd under torchrun): said once
+        if launch_rank() == 0:
+            log.warning(f"warning: {what} {path} cannot be checked against the VAE that made the latents: "
+                        f"{os.path.join(str(root), LATENTS_INFO)} is absent and checkpoint {checkpoint or '?'} "
+                        f"records no VAE (written before checkpoints did); make sure it is that VAE")
         return
     if differs:
         raise invalid(what, path, differs)

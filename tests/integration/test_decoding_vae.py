@@ -139,7 +139,11 @@ def test_fd_accepts_a_runs_checkpoints_folder_as_sample_and_export_do(moved, tmp
     assert "encoder built" in r.stderr, r.stderr
 
 
-def test_a_checkpoint_written_before_the_record_warns_in_one_line(moved, tmp_path, caplog):
+@pytest.mark.parametrize("launcher_env, said", [({}, 1), ({"RANK": "0"}, 1), ({"RANK": "1"}, 0),
+                                                ({"SLURM_PROCID": "3"}, 0)])
+def test_a_checkpoint_written_before_the_record_warns_in_one_line_on_the_first_rank(moved, tmp_path, caplog,
+                                                                                    monkeypatch, launcher_env, said):
+    """Every rank of a torchrun'd dit-fd checks the same checkpoints: the warning is said by the first rank only."""
     from dit_train.export import main as export_main
     from dit_train.runs.checkpoint import TRAIN_STATE
 
@@ -149,10 +153,14 @@ def test_a_checkpoint_written_before_the_record_warns_in_one_line(moved, tmp_pat
     state = json.loads(state_file.read_text())
     del state["latents_vae"]  # as a checkpoint of an earlier version holds it
     state_file.write_text(json.dumps(state))
+    for name in ("RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in launcher_env.items():
+        monkeypatch.setenv(name, value)
     with caplog.at_level(logging.WARNING):
         assert export_main([str(old), str(tmp_path / "out"), "--vae", moved["other"]]) == 0
     lines = [r.getMessage() for r in caplog.records if "cannot be checked" in r.getMessage()]
-    assert len(lines) == 1 and "\n" not in lines[0] and moved["other"] in lines[0], lines
+    assert len(lines) == said and all("\n" not in line and moved["other"] in line for line in lines), lines
 
 
 @pytest.fixture
