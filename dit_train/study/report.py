@@ -5,7 +5,9 @@
 A run folder is any folder under SWEEP_DIR with a config.yaml written by the trainer; its metrics.jsonl and
 summary.json are read. Runs listed in SWEEP_DIR/study.json (written by dit-study) but absent on disk
 appear as `missing`; folders without summary.json as `incomplete (step N)`, and with one short of their train.steps
-(dit-study's rule) as `incomplete (summary at step N of M)`. Nothing is silently dropped. Records from elsewhere are
+(dit-study's rule) as `incomplete (summary at step N of M)`; where there is a study.json, a run folder it does not
+list (strayed into the study's folder) is shown in the Runs table as `not in study.json: not counted` and is in
+no other table or plot. Nothing is silently dropped or silently added. Records from elsewhere are
 checked (dit_train/study/record.py): a linked or non-regular record, or one run in two folders, is refused in one
 line; names and study.json text go into report.md escaped as Markdown text.
 
@@ -339,25 +341,33 @@ def _read_run(folder: str, name: str) -> Run:
     return run
 
 
+NOT_LISTED = "not in study.json: not counted"
+
+
 def find_runs(sweep_dir: str) -> list[Run]:
-    runs, seen = [], set()
+    found: dict[str, Run] = {}  # by the folder's own name (Run.name is Markdown-escaped)
     for root, dirs, files in os.walk(sweep_dir):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         if "config.yaml" in files and ("metrics.jsonl" in files or "run_info.json" in files):
             name = os.path.relpath(root, sweep_dir)
-            runs.append(read_run(root, name))
-            seen.add(name)
+            found[name] = read_run(root, name)
+    runs = list(found.values())
     refuse_duplicates(runs)
     study = os.path.join(sweep_dir, "study.json")
     refuse_unless_regular(study, "read")
     if os.path.exists(study):
-        for r in read_study(study, ("runs",))["runs"]:
-            if r["name"] not in seen:
+        listed = read_study(study, ("runs",))["runs"]
+        # strayed in (another sweep's, a trial run); dit-study lists every run it plans: an empty list is a record
+        # written by hand, of the study's commands only
+        for name in (found.keys() - {r["name"] for r in listed}) if listed else ():
+            found[name].status = NOT_LISTED
+        for r in listed:
+            if r["name"] not in found:
                 label = optimizer_label({"name": r["optimizer"], **({"K": r["K"]} if r.get("K") is not None else {}),
                                          "rownorm_scale": r.get("scale")})
                 runs.append(Run(name=md(r["name"]), model=md(r["model"]), optimizer=md(label), seed=r["seed"],
                                 status="missing", lr=math.nan if r.get("lr") is None else float(r["lr"])))
-    tag_learning_rates(runs)
+    tag_learning_rates([r for r in runs if r.status != NOT_LISTED])
     return runs
 
 
@@ -788,10 +798,12 @@ def lr_plot(runs: list[Run], models: list[str], colors: dict, out_dir: str, plt)
 def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
     out_dir = out_dir or sweep_dir
     os.makedirs(out_dir, exist_ok=True)
-    runs = find_runs(sweep_dir)
+    every = find_runs(sweep_dir)
     remove_dead_temp_files(out_dir, OUTPUTS)
-    if not runs:
+    if not every:
         raise ConfigError(f"no run folders (config.yaml + metrics.jsonl) under {sweep_dir!r}")
+    runs = [r for r in every if r.status != NOT_LISTED]
+    strays = len(every) - len(runs)
     study = {}
     if os.path.exists(os.path.join(sweep_dir, "study.json")):
         study = read_study(os.path.join(sweep_dir, "study.json"))
@@ -802,7 +814,9 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
         f"# Study report: {md(study.get('experiment', os.path.basename(os.path.abspath(sweep_dir))))}",
         banner(study),
         f"Built by `{command}` "
-        f"from {len(runs)} runs ({n_done} finished).",
+        f"from {len(runs)} runs ({n_done} finished)" + (f"; {strays} run folder(s) that study.json does not list "
+                                                          f"are shown under Runs and counted nowhere" if strays else "")
+        + ".",
         provenance(study, runs),
         md(study.get("notes", "")),
         *numbered_tables([
@@ -829,7 +843,7 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
         "## Plots",
         "\n".join(f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in images),
         "## Runs",
-        status_table(runs),
+        status_table(every),
     ]
     text = "\n\n".join(p for p in parts if p) + "\n"
     atomic_write_bytes(text.encode(), os.path.join(out_dir, "report.md"))

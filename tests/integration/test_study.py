@@ -525,7 +525,10 @@ def test_report_numbers_on_fabricated_runs(tmp_path):
         json.dump({"experiment": "fab", "command": "x", "invocations": [
             {"command": "dit-study fab --models dit_xs", "git_commit": "abc1234567890"},
             {"command": "dit-study fab", "git_commit": "def4567890123"}], "runs": [
-            {"name": "never-ran", "model": "dit_xs", "optimizer": "rownorm", "K": None, "seed": 0}]}, f)
+            {"name": "never-ran", "model": "dit_xs", "optimizer": "rownorm", "K": None, "seed": 0},
+            *({"name": f"{opt}-{seed}", "model": "dit_xs", "optimizer": opt, "K": K, "seed": seed}
+              for opt, seed, *_, K in specs),
+            {"name": "crashed", "model": "dit_xs", "optimizer": "mud", "K": None, "seed": 0}]}, f)
 
     text = report.build_report(str(sweep))
     t1 = text.split("## Table 1")[1].split("## Table 2")[0]
@@ -875,8 +878,10 @@ def test_stability_table_finds_the_peak_after_warm_up_and_labels_the_rownorm_sca
               scale="spectral", warmup=20)
     write_run(tmp_path / "old", "dit_m", "periodic_rowwise", 0, curve([2.4, 0.8, 0.7]), K=3)  # before the option
     with open(tmp_path / "study.json", "w") as f:  # a planned run not started yet counts under its own scale
-        json.dump({"runs": [{"name": "s2", "model": "dit_m", "optimizer": "periodic_rowwise", "K": 3,
-                             "scale": "spectral", "lr": None, "seed": 2}]}, f)
+        json.dump({"runs": [{"name": name, "model": "dit_m", "optimizer": "periodic_rowwise", "K": 3, "scale": scale,
+                             "lr": None, "seed": seed}
+                            for name, scale, seed in [("s2", "spectral", 2), ("f", "frobenius", 1),
+                                                      ("s", "spectral", 1), ("old", None, 0)]]}, f)
     text = report.build_report(str(tmp_path))
     assert "| dit_m | periodic_rowwise K=3 (spectral) | 2 | finished, missing |" in text
     # no lr scan here: stability is the fourth table shown, numbered 4 (it was "Table 5" after Table 3)

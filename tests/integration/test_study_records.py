@@ -325,3 +325,17 @@ def test_a_dead_writers_temp_report_is_removed_on_the_next_write(tmp_path):
     (sweep / "report.md.tmp-1").write_text("a live writer's (pid 1 runs)")
     report.build_report(str(sweep))
     assert not (sweep / f"report.md.tmp-{dead}").exists() and (sweep / "report.md.tmp-1").exists()
+
+
+def test_a_run_folder_study_json_does_not_list_is_shown_and_counted_nowhere(tmp_path):
+    """A folder that strayed into a study's sweep (a trial run, another sweep's) went into every table's means."""
+    sweep = tmp_path / "sweep"
+    two_phase_sweep(sweep)
+    before = report.build_report(str(sweep), str(tmp_path / "before"))
+    finished_run(sweep / "stray", opt="muon", seed=9, val=9.0)
+    after = report.build_report(str(sweep), str(tmp_path / "after"))
+    rows = [line for line in after.splitlines() if line.startswith("| stray |")]
+    assert rows == [f"| stray | {report.NOT_LISTED} | 4 | 9 | — | — | — |"], rows
+    assert "1 run folder(s) that study.json does not list" in after
+    assert [line for line in after.splitlines() if "stray" not in line and not line.startswith("Built by")] == \
+        [line for line in before.splitlines() if not line.startswith("Built by")]
