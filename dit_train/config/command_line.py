@@ -208,9 +208,10 @@ def check_command_line(argv: list[str], world_size: int | None = None) -> None:
         # the user's folders where Hydra puts them, after ours, as one override
         searchpath = searchpath_override(config_dir, entries)
         jobs = [searchpath + job for job in job_overrides([o for o in overrides if not is_searchpath(o)])]
-        check_hydra_folder(jobs[0], multirun=bool(flags))
+        first = hydra_config(jobs[0])  # composed once for both checks below
+        check_hydra_folder(first, multirun=bool(flags))
         if flags:  # a sweep's jobs: a single run's folder is made (and a too-long name refused) by the command
-            check_folder_names(jobs)
+            check_folder_names(jobs, first)
         for job in jobs:
             cfg = compose_checked(job)
             composed = cfg
@@ -232,47 +233,61 @@ def check_command_line(argv: list[str], world_size: int | None = None) -> None:
         sys.exit(2)
 
 
-def check_hydra_folder(job: list[str], multirun: bool) -> None:
-    """The folder Hydra itself will write into (a sweep's hydra.sweep.dir, from the command line or a preset such as
-    an experiment's `sweeps/<name>`; a single run's hydra.run.dir), checked for links and FIFOs before Hydra writes
-    its files there (runs/in_place_files.py). One that does not resolve yet, or does not exist, is new."""
+def hydra_config(job: list[str]):
+    """The job's config with Hydra's own (hydra.*) composed as Hydra composes it, or None where it does not compose
+    (a bad override, which the job's own check says; ${now:...})."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            return hydra_compose(config_name="config", overrides=list(job), return_hydra_config=True)
+    except Exception:  # noqa: BLE001 - see above
+        return None
+
+
+def groups_of(job: list[str]) -> tuple:
+    """The job's choices of config groups (`model=dit_s`): they set the keys a sweep's folder names leave out."""
+    return tuple(o for o in job if "=" in o and "." not in o.split("=", 1)[0])
+
+
+def check_hydra_folder(cfg, multirun: bool) -> None:
+    """The folder Hydra itself will write into (a sweep's hydra.sweep.dir, from the command line or a preset such as
+    an experiment's `sweeps/<name>`; a single run's hydra.run.dir) of the first job's `cfg` (hydra_config), checked
+    for links and FIFOs before Hydra writes its files there (runs/in_place_files.py). One that does not resolve
+    yet, or does not exist, is new."""
     from omegaconf import OmegaConf
 
     from dit_train.runs.in_place_files import refuse_hydra_writes_outside
 
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            folder = OmegaConf.select(hydra_compose(config_name="config", overrides=list(job),
-                                                    return_hydra_config=True), key)
-    except Exception:  # noqa: BLE001 - a bad override (the job's own check says it) or ${now:...}: a new folder
+        folder = None if cfg is None else OmegaConf.select(cfg, key)
+    except Exception:  # noqa: BLE001 - ${now:...} and the like: a new folder
         return
     if folder is not None and os.path.isdir(str(folder)):
         refuse_hydra_writes_outside(str(folder), key)
 
 
-def check_folder_names(jobs: list[list[str]]) -> None:
+def check_folder_names(jobs: list[list[str]], first=None) -> None:
     """Each sweep job's folder name within the file system's limit (255 bytes on most). The experiments name a sweep's
     sub-folders by their overrides (hydra.sweep.subdir=${hydra.job.override_dirname}), which a dozen overrides
     exceed: Hydra's OSError would come after the sweep began, as a traceback. The folder is composed as Hydra
-    composes it: once per choice of config groups (they set the excluded keys), each job's overrides and number."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    composes it: once per choice of config groups (they set the excluded keys; `first` is the first job's,
+    composed already), each job's overrides and number."""
     from hydra._internal.config_loader_impl import get_overrides_dirname
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import open_dict
 
-    parser, composed = OverridesParser.create(), {}
+    parser, composed = OverridesParser.create(), ({groups_of(jobs[0]): first} if first is not None else {})
     for num, job in enumerate(jobs):
-        groups = tuple(o for o in job if "=" in o and "." not in o.split("=", 1)[0])
+        groups = groups_of(job)
+        if groups not in composed:
+            composed[groups] = hydra_config(job)
+        cfg = composed[groups]
+        if cfg is None:  # Hydra's to say
+            return
         try:
-            if groups not in composed:
-                with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-                    composed[groups] = hydra_compose(config_name="config", overrides=list(job),
-                                                     return_hydra_config=True)
-            cfg = composed[groups]
             naming = cfg.hydra.job.config.override_dirname
             with open_dict(cfg):
                 cfg.hydra.job.num = num
