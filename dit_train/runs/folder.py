@@ -18,7 +18,7 @@ from dit_train.runs.resume_policy import check_resume
 from dit_train.runs.provenance import write_run_info
 from dit_train.runs.in_place_files import refuse_writes_outside
 from dit_train.runs.lock import RunLock
-from dit_train.runs.timeline import set_aside_after
+from dit_train.runs.timeline import set_aside_after, set_aside_before_a_new_start
 
 log = logging.getLogger("dit_train")
 
@@ -49,10 +49,13 @@ def prepare_run_folder(cfg, dist: DistInfo) -> RunLock | None:
             lock = RunLock(cfg.run_dir).acquire()
             for stale in remove_stale_temp_files(cfg.run_dir):
                 log.warning("removed %s, left by a writer that died mid-write", stale)
-            if resumed_from is not None and ckpt.is_complete(resumed_from):
+            moved = None
+            if resumed_from is None:
+                moved = set_aside_before_a_new_start(cfg.run_dir)
+            elif ckpt.is_complete(resumed_from):
                 moved = set_aside_after(cfg.run_dir, ckpt.read_train_state(resumed_from)["step"], resumed_from)
-                if moved:
-                    log.warning(moved)
+            if moved:
+                log.warning(moved)
             write_run_info(cfg, cfg.run_dir)
             write_hydra_files(cfg, cfg.run_dir)
         except Exception as e:  # noqa: BLE001 - handed to every rank, raised as it is on rank 0

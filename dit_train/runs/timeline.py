@@ -65,7 +65,8 @@ def _listed(names: list[str]) -> str:
 
 
 def _new_folder(run_dir: str, step: int) -> str:
-    base = os.path.join(run_dir, ABANDONED, f"{time.strftime('%Y-%m-%dT%H-%M-%S')}-after-step-{step}")
+    what = "before-a-new-start" if step < 0 else f"after-step-{step}"
+    base = os.path.join(run_dir, ABANDONED, f"{time.strftime('%Y-%m-%dT%H-%M-%S')}-{what}")
     folder, n = base, 1
     while os.path.exists(folder):
         n += 1
@@ -74,9 +75,17 @@ def _new_folder(run_dir: str, step: int) -> str:
     return folder
 
 
-def set_aside_after(run_dir: str, step: int, resumed_from: str) -> str | None:
+def set_aside_before_a_new_start(run_dir: str) -> str | None:
+    """A run that starts from step 0 in a folder that has records but no checkpoint (a first attempt that died
+    before its first checkpoint and is requeued; a run_dir used again): the earlier attempt's metrics.jsonl rows,
+    grids and summary.json go aside as an abandoned timeline. Appended to, metrics.jsonl mixed the two runs."""
+    return set_aside_after(run_dir, -1, None)
+
+
+def set_aside_after(run_dir: str, step: int, resumed_from: str | None) -> str | None:
     """Rank 0, holding the run folder's lock: move everything of `run_dir` that belongs to steps after `step` into a
-    new `abandoned/` folder. Returns the one-line account of what was moved, or None when nothing was after `step`."""
+    new `abandoned/` folder. Returns the one-line account of what was moved, or None when nothing was after `step`.
+    `resumed_from` None: a new start (step -1, everything)."""
     checkpoints = _later_files(ckpt.checkpoint_dir(run_dir), (ckpt.CKPT_RE, ckpt.LEGACY_RE), step)
     samples = _later_files(os.path.join(run_dir, "samples"), (SAMPLE_RE,), step)
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
@@ -86,11 +95,15 @@ def set_aside_after(run_dir: str, step: int, resumed_from: str) -> str | None:
     if not (checkpoints or samples or row_steps or summary):
         return None
     folder = _new_folder(run_dir, step)
-    note = (f"What this run folder held after step {step} when, at {time.strftime('%Y-%m-%d %H:%M:%S')}, the run "
-            f"resumed from {resumed_from} and so abandoned it: the later checkpoints, the metrics.jsonl rows of the "
-            f"later steps, sample grids and summary.json. dit_train reads nothing here; to continue that timeline, "
-            f"resume one of its checkpoints in a run folder of its own (train.resume=<a checkpoint in here> "
-            f"run_dir=<a new folder>).\n")
+    when = time.strftime('%Y-%m-%d %H:%M:%S')
+    note = (f"What this run folder held after step {step} when, at {when}, the run resumed from {resumed_from} and "
+            f"so abandoned it: the later checkpoints, the metrics.jsonl rows of the later steps, sample grids and "
+            f"summary.json. dit_train reads nothing here; to continue that timeline, resume one of its checkpoints "
+            f"in a run folder of its own (train.resume=<a checkpoint in here> run_dir=<a new folder>).\n"
+            if resumed_from is not None else
+            f"What this run folder held, without a checkpoint, when at {when} a new run started in it from step 0: "
+            f"the earlier attempt's metrics.jsonl rows, sample grids and summary.json. dit_train reads nothing "
+            f"here.\n")
     atomic_write_bytes(note.encode(), os.path.join(folder, NOTE))
     moved = []
     if row_steps:  # the rows first in their own file, then the run's file without them
@@ -108,5 +121,7 @@ def set_aside_after(run_dir: str, step: int, resumed_from: str) -> str | None:
             fsync_dir(os.path.join(run_dir, sub))
             moved.append(f"{sub} {_listed(names)}")
     fsync_dir(run_dir)
-    return (f"resuming from step {step} abandons what {run_dir} held after it; moved aside to {folder}: "
-            + "; ".join(moved))
+    said = (f"resuming from step {step} abandons what {run_dir} held after it" if resumed_from is not None else
+            f"a new run in {run_dir} starts from step 0 but the folder holds an earlier attempt's records, without "
+            f"a checkpoint")
+    return f"{said}; moved aside to {folder}: " + "; ".join(moved)

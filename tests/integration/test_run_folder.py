@@ -257,6 +257,25 @@ def test_resume_auto_without_a_checkpoint_says_it_starts_a_new_run(tmp_path, cap
         assert [r.getMessage() for r in caplog.records if "no checkpoint" in r.getMessage()] == expected
 
 
+@pytest.mark.parametrize("resume", ["auto", "null"])
+def test_a_new_start_in_a_folder_without_checkpoints_sets_the_earlier_records_aside(trained, tmp_path, caplog,
+                                                                                    resume):
+    """A first attempt that died before its first checkpoint, requeued (resume=auto), or a run_dir used again: the
+    new run appended to the earlier metrics.jsonl (dit-report then read the other run's last rows). They go aside."""
+    run_dir = trained_copy(trained, tmp_path / "run")
+    shutil.rmtree(run_dir / "checkpoints")
+    earlier = (run_dir / "metrics.jsonl").read_text()
+    with caplog.at_level("WARNING", logger="dit_train"):
+        run(tiny(run_dir, "train.steps=2", f"train.resume={resume}"))
+    [aside] = [run_dir / "abandoned" / d for d in os.listdir(run_dir / "abandoned")]
+    assert aside.name.endswith("-before-a-new-start")
+    assert (aside / "metrics.jsonl").read_text() == earlier
+    assert json.load(open(aside / "summary.json"))["steps"] == 4
+    assert train_row_steps(run_dir) == [1, 2] and json.load(open(run_dir / "summary.json"))["steps"] == 2
+    [told] = [r.getMessage() for r in caplog.records if "moved aside" in r.getMessage()]
+    assert "earlier attempt's records" in told and "metrics.jsonl rows of steps 1-4" in told, told
+
+
 def test_a_requeued_fork_continues_from_its_own_checkpoints(trained, tmp_path):
     """train.init_from + train.resume=auto: the first start forks; a requeue (the same command) continues the
     fork's own newest checkpoint, not the source again."""
