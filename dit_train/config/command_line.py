@@ -210,10 +210,12 @@ def check_command_line(argv: list[str], world_size: int | None = None) -> None:
         jobs = [searchpath + job for job in job_overrides([o for o in overrides if not is_searchpath(o)])]
         first = hydra_config(jobs[0])  # composed once for both checks below
         check_hydra_folder(first, multirun=bool(flags))
-        if flags:  # a sweep's jobs: a single run's folder is made (and a too-long name refused) by the command
-            check_folder_names(jobs, first)
-        for job in jobs:
+        # a sweep's jobs' folders (a too-long name refused): a single run's folder is made by the command
+        folders = sweep_job_folders(jobs, first) if flags else None
+        for num, job in enumerate(jobs):
             cfg = compose_checked(job)
+            if folders is not None:  # each job's resume is decided now, not after Hydra rewrote multirun.yaml
+                cfg = in_its_sweep_folder(cfg, folders[num])
             composed = cfg
             # the checkpoint's train state, read once for both the config it continues and the resume decision
             read_state = functools.cache(read_saved_state)
@@ -269,8 +271,25 @@ def check_hydra_folder(cfg, multirun: bool) -> None:
         refuse_hydra_writes_outside(str(folder), key)
 
 
-def check_folder_names(jobs: list[list[str]], first=None) -> None:
-    """Each sweep job's folder name within the file system's limit (255 bytes on most). The experiments name a sweep's
+def in_its_sweep_folder(cfg, folder: str):
+    """The job's config with run_dir its sweep folder where run_dir is Hydra's output folder (the default), so
+    that the job's resume is checked before the sweep starts: a refused job used to be refused only once Hydra
+    had replaced the sweep folder's multirun.yaml with the refused command."""
+    from omegaconf import OmegaConf, open_dict
+
+    from dit_train.config.schema import HYDRA_OUTPUT_DIR
+
+    if OmegaConf.to_container(cfg, resolve=False).get("run_dir") != HYDRA_OUTPUT_DIR:
+        return cfg
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.run_dir = folder
+    return cfg
+
+
+def sweep_job_folders(jobs: list[list[str]], first=None) -> list[str] | None:
+    """Each sweep job's folder as Hydra will name it (None where the jobs do not compose: Hydra's to say), each name
+    within the file system's limit (255 bytes on most). The experiments name a sweep's
     sub-folders by their overrides (hydra.sweep.subdir=${hydra.job.override_dirname}), which a dozen overrides
     exceed: Hydra's OSError would come after the sweep began, as a traceback. The folder is composed as Hydra
     composes it: once per choice of config groups (they set the excluded keys; `first` is the first job's,
@@ -280,13 +299,14 @@ def check_folder_names(jobs: list[list[str]], first=None) -> None:
     from omegaconf import open_dict
 
     parser, composed = OverridesParser.create(), ({groups_of(jobs[0]): first} if first is not None else {})
+    folders = []
     for num, job in enumerate(jobs):
         groups = groups_of(job)
         if groups not in composed:
             composed[groups] = hydra_config(job)
         cfg = composed[groups]
         if cfg is None:  # Hydra's to say
-            return
+            return None
         try:
             naming = cfg.hydra.job.config.override_dirname
             with open_dict(cfg):
@@ -296,7 +316,8 @@ def check_folder_names(jobs: list[list[str]], first=None) -> None:
                     exclude_keys=list(naming.exclude_keys), item_sep=naming.item_sep, kv_sep=naming.kv_sep)
             folder = os.path.join(str(cfg.hydra.sweep.dir), str(cfg.hydra.sweep.subdir))
         except Exception:  # noqa: BLE001 - a bad override (the job's own check says it) or ${now:...}: Hydra's
-            return
+            return None
+        folders.append(folder)
         limit = _name_limit(folder)
         long = next((part for part in folder.split(os.sep) if len(part.encode()) > limit), None)
         if long is not None:
@@ -304,6 +325,7 @@ def check_folder_names(jobs: list[list[str]], first=None) -> None:
                               f"{os.path.join(os.path.dirname(folder), long[:50])}...; pass fewer overrides per job "
                               f"(shared ones can go in an experiment file), or name the jobs' folders by number: "
                               f"hydra.sweep.subdir='${{hydra.job.num}}'")
+    return folders
 
 
 def _name_limit(path: str) -> int:

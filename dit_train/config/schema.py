@@ -276,12 +276,15 @@ class VaeConfig:
     decode_batch_size: int = int_at_least(1, default=16, doc="latents decoded per VAE call (per rank)", resume=True)
 
 
+HYDRA_OUTPUT_DIR = "${hydra:runtime.output_dir}"  # run_dir's default: the folder Hydra makes for the job
+
+
 @dataclass(kw_only=True)
 class RunConfig:
     """The top level; the groups are checked with their own schemas (data and optimizer by name)."""
     seed: int = key(default=0, doc="seed of the weights, the data order and the noise: any integer, negative or "
                                    "large too (each stream's seed is a hash of it: dit_train/seeds.py)")
-    run_dir: str = key("expected a folder path", lambda v: bool(v.strip()), default="${hydra:runtime.output_dir}",
+    run_dir: str = key("expected a folder path", lambda v: bool(v.strip()), default=HYDRA_OUTPUT_DIR,
                        resume=True,
                        doc="the run folder: metrics.jsonl, checkpoints/, samples/, summary.json, config.yaml; "
                            "set it explicitly to resume")

@@ -301,3 +301,22 @@ def test_a_saved_option_name_that_is_a_path_is_never_composed(run, tmp_path):
     resumed = continue_saved_config(compose(overrides), overrides)
     assert resumed.data.root == compose().data.root  # the default: nothing came from evil.yaml
     assert resumed.model.name == name and resumed.model.hidden_size == 32 and resumed.train.steps == 3
+
+
+@pytest.mark.parametrize("resume, refused", [
+    ([], "already has checkpoints"),
+    (["train.resume=auto"], "optimizer.lr"),  # job 0 continues a run of lr 3e-3 at 1e-2
+])
+def test_a_sweep_job_that_would_be_refused_is_refused_before_hydra_rewrites_the_sweeps_record(run, tmp_path,
+                                                                                            resume, refused):
+    """Each sweep job's folder is known before Hydra starts (hydra.sweep.dir/subdir), so its resume is decided then:
+    a rerun of a sweep, or one that changes a job's lr, was refused only inside the job, after Hydra had replaced
+    the sweep folder's multirun.yaml with the refused command (found by a new-user trial)."""
+    sweep = tmp_path / "S"
+    shutil.copytree(run / "run", sweep / "0")
+    (sweep / "multirun.yaml").write_text("the sweep's own record\n")
+    before = files_of(sweep)
+    rc, out, err = dit_train("--multirun", f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=${hydra.job.num}",
+                             "optimizer=muon", "optimizer.lr=1e-2,3e-3", *TINY, "train.steps=2", *resume, cwd=tmp_path)
+    assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1 and refused in err, out + err
+    assert files_of(sweep) == before and (sweep / "multirun.yaml").read_text() == "the sweep's own record\n"

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from dit_train.config import check_command_line
-from dit_train.config.command_line import ConfigError, _name_limit, check_folder_names
+from dit_train.config.command_line import ConfigError, _name_limit, sweep_job_folders
 
 # fourteen ordinary overrides of one study job: their folder name is 292 bytes
 MANY = ["optimizer=periodic_rowwise", "optimizer.K=3", "optimizer.rownorm_scale=spectral", "optimizer.lr=0.004",
@@ -40,8 +40,8 @@ def test_each_job_is_named_with_its_own_overrides_up_to_the_limit(tmp_path, monk
     monkeypatch.chdir(tmp_path)
     limit = _name_limit(str(tmp_path))
     fits, over = "seed=" + "1" * (limit - 5), "seed=" + "1" * (limit - 4)
-    check_folder_names([["experiment=smoke", "seed=1"], ["experiment=smoke", fits]])
+    sweep_job_folders([["experiment=smoke", "seed=1"], ["experiment=smoke", fits]])
     with pytest.raises(ConfigError, match=f"folder name of {limit + 1} bytes"):
-        check_folder_names([["experiment=smoke", "seed=1"], ["experiment=smoke", over]])
+        sweep_job_folders([["experiment=smoke", "seed=1"], ["experiment=smoke", over]])
     # numbered folders: the same job fits
-    check_folder_names([["experiment=smoke", over, "hydra.sweep.subdir=${hydra.job.num}"]])
+    sweep_job_folders([["experiment=smoke", over, "hydra.sweep.subdir=${hydra.job.num}"]])
