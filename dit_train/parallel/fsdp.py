@@ -394,24 +394,36 @@ def clip_scaled(total: torch.Tensor, max_norm: float) -> torch.Tensor:
     return (max_norm / (total + 1e-6)) < 1.0
 
 
-def shutdown_process_group() -> None:
+FAILING_WAIT_S = 10.0  # how long a failing rank waits for its peers to leave: a refusal reaches every rank at once
+
+
+def shutdown_process_group(failing: BaseException | bool | None = None) -> None:
     """Leave the process group cleanly. Every rank first waits, through the TCP store rather than the backend, until
     all ranks are past their last collective: a gloo rank that tears down while a peer is still finishing the last
     collective can abort that peer ("terminate called without an active exception", ~1 in 30 runs here). Rank 0
     then waits until every other rank is past that wait too: where rank 0 hosts the store (init from MASTER_ADDR,
     as the tests do; torchrun's agent hosts its own), a rank 0 that left first closed the store under a peer still
-    reading it ("Connection reset by peer")."""
+    reading it ("Connection reset by peer").
+    `failing` (the exception on its way out, or True): a peer may be dead or hung and never arrive, so the wait is
+    FAILING_WAIT_S, not the store's timeout (parallel.timeout_minutes: a survivor of a killed rank sat that long
+    again, then ended in the store's traceback instead of its own one line), and its end is not an error; after a
+    CollectiveTimeout (a peer died or hung: it will not come) there is no wait."""
     if not dist.is_initialized():
         return
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        if world > 1:
+        if world > 1 and not isinstance(failing, CollectiveTimeout):
             store = dist.distributed_c10d._get_default_store()
-            store.set(f"dit_train/finished/{rank}", "1")
-            store.wait([f"dit_train/finished/{r}" for r in range(world)])
-            if rank == 0:
-                store.wait([f"dit_train/left/{r}" for r in range(1, world)])
-            else:
-                store.set(f"dit_train/left/{rank}", "1")
+            wait = (lambda keys: store.wait(keys, datetime.timedelta(seconds=FAILING_WAIT_S))) if failing else store.wait
+            try:
+                store.set(f"dit_train/finished/{rank}", "1")
+                wait([f"dit_train/finished/{r}" for r in range(world)])
+                if rank == 0:
+                    wait([f"dit_train/left/{r}" for r in range(1, world)])
+                else:
+                    store.set(f"dit_train/left/{rank}", "1")
+            except RuntimeError:  # DistStoreError/DistNetworkError: the wait ran out, or the store's host is gone
+                if not failing:
+                    raise
     finally:
         dist.destroy_process_group()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 import torch
 from omegaconf import OmegaConf
@@ -430,4 +431,4 @@ def run(cfg) -> dict:
         if lock is not None:
             lock.release()
         if not had_group:
-            shutdown_process_group()
+            shutdown_process_group(failing=sys.exc_info()[1])

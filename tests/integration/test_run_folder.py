@@ -536,11 +536,23 @@ def _faulty_peer(rank, port, queue, fault, timeout_minutes):
                       LOCAL_RANK=str(rank))
     import torch.distributed as dist
 
-    from dit_train.parallel.fsdp import collective_timeouts, init_distributed
+    from dit_train.parallel import fsdp
+    from dit_train.parallel.fsdp import CollectiveTimeout, collective_timeouts, init_distributed, \
+        shutdown_process_group
 
     init_distributed(timeout_minutes=timeout_minutes)
     if fault == "dies":
         dist.barrier()
+    if fault.startswith("leaves after"):  # rank 1 is gone; rank 0 leaves the group as the trainer's exit path does
+        if rank == 1:
+            os._exit(1)
+        failing = {"leaves after a peer died": CollectiveTimeout("a peer died"),
+                   "leaves after a refusal": ValueError("refused")}[fault]
+        fsdp.FAILING_WAIT_S = 1.0  # 10 s as shipped
+        t0 = time.time()
+        shutdown_process_group(failing=failing)
+        queue.put(("left", time.time() - t0))
+        return
     if rank == 1:
         if fault == "dies":
             os._exit(1)  # dies mid-step: its peer is about to reduce the loss with it
@@ -589,6 +601,17 @@ def test_a_dead_peer_ends_the_survivor_with_one_line_within_the_timeout():
     message, waited = survivor("dies", 0.5)
     assert message.startswith("CollectiveTimeout: rank 0: another rank died during a collective"), message
     assert "\n" not in message and waited < 30
+
+
+@pytest.mark.parametrize("fault, at_most", [("leaves after a peer died", 0.9), ("leaves after a refusal", 5)])
+def test_a_failing_rank_leaves_the_group_without_waiting_for_a_dead_peer(fault, at_most):
+    """The exit path's wait for every rank to leave (shutdown_process_group): with a peer killed it waited for the
+    store's timeout, parallel.timeout_minutes (30 s here, 10 min by default), then ended in the store's traceback
+    instead of the rank's own one line (a distributed new-user trial saw it). After a CollectiveTimeout there is
+    no wait; after another failure (a refusal every rank shares) at most FAILING_WAIT_S (1 s here), and its end is
+    no error."""
+    message, waited = survivor(fault, 0.5)
+    assert message == "left" and waited < at_most, (message, waited)
 
 
 def test_a_torn_last_metrics_row_is_dropped_before_appending(tmp_path):

@@ -322,11 +322,11 @@ def cli() -> int:
     try:
         main()
     except (FileNotFoundError, ValueError) as e:  # a damaged JSON file or checkpoint is a ValueError
-        shutdown_process_group()
+        shutdown_process_group(failing=True)
         print(f"error: {in_flag_terms(str(e))}", file=sys.stderr)
         return 2
     except OSError as e:  # --out not a folder, not writable, a full disk: the path and the operation
-        shutdown_process_group()
+        shutdown_process_group(failing=True)
         print(f"error: {describe_os_error(e)}", file=sys.stderr)
         return 1
     return 0

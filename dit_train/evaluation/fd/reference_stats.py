@@ -97,7 +97,7 @@ def cli() -> int:
     try:
         main()
     except (FileNotFoundError, ValueError) as e:
-        shutdown_process_group()
+        shutdown_process_group(failing=True)
         print(f"error: {in_flag_terms(str(e))}", file=sys.stderr)
         return 2
     return 0
