@@ -378,3 +378,23 @@ def test_table_1_means_finished_runs_only_and_counts_diverged_seeds_and_skipped_
     assert "| adamw-0 | finished | 4 | 1 | 100 (4) |" in runs
     assert "nan" not in text.lower().replace("nan-finite", "")
 
+
+def test_a_plain_multirun_folder_and_a_study_are_never_published_into_one_destination(tmp_path, capsys):
+    """A sweep without study.json published into a study's destination was merged into it ("copied 1 run records"):
+    the experiment check needs a study.json on both sides. Refused either way round, before anything is copied."""
+    study, plain, dest = tmp_path / "study", tmp_path / "plain", tmp_path / "dest"
+    finished_run(study / "a")
+    (study / "study.json").write_text(json.dumps({"experiment": "fab", "command": "dit-study fab", "runs": []}))
+    finished_run(plain / "b", opt="muon")
+    assert publish_study.main([str(study), str(dest)]) == 0
+    before = {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()}
+    assert publish_study.main([str(plain), str(dest)]) == 2
+    one_line_error(capsys, "'fab'", f"{plain} has no study.json")
+    assert {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()} == before
+    other = tmp_path / "other"  # the other way round: plain runs published first, then a study into them
+    assert publish_study.main([str(plain), str(other)]) == 0
+    capsys.readouterr()
+    before = {p: p.read_bytes() for p in other.rglob("*") if p.is_file()}
+    assert publish_study.main([str(study), str(other)]) == 2
+    one_line_error(capsys, "without a study.json", str(study / "study.json"))
+    assert {p: p.read_bytes() for p in other.rglob("*") if p.is_file()} == before
