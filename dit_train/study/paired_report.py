@@ -14,6 +14,7 @@ within one combination of the axes and one lr kind (each variant's own selected 
 stratum has its own sections. The references are Muon and AdamW unless --reference names others (a variant as the
 tables name it):
     d_s = 100 (x_s(variant) - x_s(reference)) / x_s(reference)   per seed s, then mean(d) +- t(0.975, n-1) sd(d)/sqrt(n).
+(A mean of per-seed percent differences: A against B and B against A are not mirror images; the report says so.)
 Equivalence at margin m (percent): two one-sided t tests at 5% each, i.e. the 90% interval mean(d) +- t(0.95, n-1)
 sd(d)/sqrt(n) lies inside (-m, +m) -> "equivalent"; entirely above +m -> "worse"; entirely below -m -> "better";
 otherwise "not shown equivalent".
@@ -22,7 +23,8 @@ Metrics: EMA validation velocity loss at the validation steps nearest a third, t
 reach a target validation loss (the highest final value among the compared runs, so that every finished run reaches
 it; linear between validation points), optimizer time per step averaged over every step (window means weighted by
 their step counts), and, for runs that log every step's train loss, the max loss spike and divergence of
-dit_train/study/stability.py.
+dit_train/study/stability.py. A Runs table ends the report: every run study.json lists, with its role (lr scan,
+evaluation), status, primary value and git commit.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from dit_train.runs.atomic_io import atomic_write_bytes, describe_os_error, remo
 from dit_train.runs.json_file import DamagedJSONFile, refuse_unless_regular
 from dit_train.study.record import md, read_study
 from dit_train.study import stability
-from dit_train.study.report import Run, banner, fmt, provenance, read_run
+from dit_train.study.report import Run, banner, fmt, provenance, read_run, run_status
 from dit_train.study.run import axes_label, variant_label  # variant_label: the key of study.json's lr_selection
 from dit_train.trainer.preemption import ctrl_c_exits
 
@@ -135,13 +137,14 @@ def selection_seeds(study: dict) -> list[int]:
     return sorted({r["seed"] for r in study["runs"] if r.get("phase") == "scan"})
 
 
-def collect(sweep_dir: str, study: dict) -> tuple[dict, dict]:
+def collect(sweep_dir: str, study: dict) -> tuple[dict, dict, list]:
     """({stratum: {variant: {seed: Run}}} at the selected lr (and at the common lr), every seed,
-    {variant and axes: {lr: ([final val loss per selection seed], selected)}}). A stratum is (axes, lr kind): a
-    study without study.axes or study.common_lr has the one stratum ('', OWN)."""
+    {variant and axes: {lr: ([final val loss per selection seed, None where unfinished], selected)}},
+    [(study.json's entry, its Run or None where the folder is missing, selected)] for every listed run). A stratum
+    is (axes, lr kind): a study without study.axes or study.common_lr has the one stratum ('', OWN)."""
     selection = study.get("lr_selection") or {}
     chosen_lr = {key: sel["lr"] for key, sel in selection.items()}
-    runs, scan = defaultdict(lambda: defaultdict(dict)), defaultdict(dict)
+    runs, scan, listed = defaultdict(lambda: defaultdict(dict)), defaultdict(dict), []
     for r in study["runs"]:
         key = variant_label(r)
         folder = os.path.join(sweep_dir, r["name"])  # r["name"] is one folder name (record.check_run_entry)
@@ -154,13 +157,14 @@ def collect(sweep_dir: str, study: dict) -> tuple[dict, dict]:
             check_labelled_as_configured(folder, r, run)
         finished = run is not None and run.status == "finished"
         selected = key in chosen_lr and r["lr"] == chosen_lr[key] and r.get("phase") != "common"
+        listed.append((r, run, selected))
         if r.get("phase") == "scan":
-            final = run.val_loss if finished else math.nan
+            final = run.val_loss if finished else None
             scan[md(" ".join(filter(None, [label(r), axes_label(r)])))].setdefault(r["lr"], ([], selected))[0].append(
                 final)
         if finished and (selected or r.get("phase") == "common"):
             runs[(md(axes_label(r)), COMMON if r.get("phase") == "common" else OWN)][md(label(r))][r["seed"]] = run
-    return {k: dict(v) for k, v in sorted(runs.items())}, scan
+    return {k: dict(v) for k, v in sorted(runs.items())}, scan, listed
 
 
 def check_labelled_as_configured(folder: str, r: dict, run: Run) -> None:
@@ -195,7 +199,7 @@ def refuse_unequal_lengths(runs: dict) -> None:
                           f"differences compare runs of one length; report each length from its own folder")
 
 
-def checked_runs(sweep_dir: str, study: dict) -> tuple[dict, dict]:
+def checked_runs(sweep_dir: str, study: dict) -> tuple[dict, dict, list]:
     """collect's runs, refused in one line where study.json and the run folders disagree (dit-publish-study calls it
     on the sweep before it copies anything)."""
     no_lr = [r["name"] for r in study["runs"] if "lr" not in r]
@@ -203,9 +207,9 @@ def checked_runs(sweep_dir: str, study: dict) -> tuple[dict, dict]:
         raise ConfigError(f"{sweep_dir}/study.json: run {no_lr[0]!r} has no 'lr': a two-phase study pairs runs at "
                           f"their selected lr, so every run of it names one (a number, or null for the experiment's); "
                           f"restore it from a copy (dit-study writes it)")
-    runs, scan = collect(sweep_dir, study)
+    runs, scan, listed = collect(sweep_dir, study)
     refuse_unequal_lengths(runs)
-    return runs, scan
+    return runs, scan, listed
 
 
 def without(runs: dict, seeds: list[int]) -> dict:
@@ -268,7 +272,11 @@ def bounds(lo: float, hi: float) -> str:
 def paired_section(runs: dict, reference: str, margin: float, heading: str, at_steps: list[int]) -> list[str]:
     target = target_of(runs)
     return [heading,
-            "Negative is better for every metric (lower loss, lower FD, fewer steps, less time). "
+            "Negative is better for every metric (lower loss, lower FD, fewer steps, less time). The mean difference "
+            "is the mean over seeds of each seed's percent difference, 100 (variant − reference) / reference: it is "
+            "not antisymmetric, so a variant against the reference and the reference against the variant are not "
+            "mirror images (a seed at +100% one way is −50% the other), most visibly in the time rows, whose "
+            "seed-to-seed spread is large. "
             f"The target validation loss is the highest final value among the compared runs, {target:.4f}, "
             "so every finished run reaches it (a pair without a time to it would be left out of that row; the "
             "n column counts the pairs). Equivalence: two one-sided t tests at 5% each against "
@@ -293,7 +301,7 @@ def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN,
         raise ConfigError(f"{sweep_dir}/study.json has no lr_selection: {study.get('experiment', 'this')} is a "
                           f"one-phase study (no study.lr_scan), whose runs dit-paired-report does not pair; its "
                           f"report is `{shell_command(['dit-report', sweep_dir])}`")
-    runs, scan = checked_runs(sweep_dir, study)
+    runs, scan, listed = checked_runs(sweep_dir, study)
     chosen_by = selection_seeds(study)
     evaluated = without(runs, chosen_by)
     eval_runs = [r for by in evaluated.values() for group in by.values() for r in group.values()]
@@ -326,7 +334,7 @@ def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN,
         values = sorted(scan[variant].items())
         for i, (lr, (losses, selected)) in enumerate(values):
             edge = " (edge of the scan)" if selected and i in (0, len(values) - 1) else ""
-            lines.append(f"| {variant} | {lr:g}{' *' if selected else ''}{edge} | {statistics.mean(losses):.4f} |")
+            lines.append(f"| {variant} | {lr:g}{' *' if selected else ''}{edge} | {scan_cell(losses)} |")
     if study.get("common_lr"):
         lines.append("Common learning rates (the evaluation seeds of every variant at one lr shared by the variants of "
                      "its model and axes, study.common_lr): " + "; ".join(
@@ -385,11 +393,54 @@ def build(sweep_dir: str, out_dir: str | None, margin: float = DEFAULT_MARGIN,
               "seed-to-seed spread. `optimizer / fwd+bwd` divides each run's optimizer time by its forward plus "
               "backward time, which share that load; benchmarks/bench_optimizer.py's side-by-side measurement is the "
               "cost to quote. Active times to target inherit the load's noise."]
+    lines += runs_table(listed, at_steps[-1] if at_steps else None)
     text = "\n\n".join(l for l in _paragraphs(lines) if l) + "\n"
     os.makedirs(out_dir, exist_ok=True)
     remove_dead_temp_files(out_dir, ("report.md",))
     atomic_write_bytes(text.encode(), os.path.join(out_dir, "report.md"))  # a link there is replaced, not followed
     return text
+
+
+def scan_cell(losses: list) -> str:
+    """The mean final loss over the selection seeds that finished with a finite one, saying how many did not."""
+    finite = [v for v in losses if v is not None and math.isfinite(v)]
+    unfinished, bad = sum(v is None for v in losses), sum(v is not None and not math.isfinite(v) for v in losses)
+    notes = [f"{unfinished} not finished"] * bool(unfinished) + [f"{bad} non-finite"] * bool(bad)
+    return (f"{statistics.mean(finite):.4f}" if finite else "—") + (f" ({', '.join(notes)})" if notes else "")
+
+
+def runs_table(listed: list, at_step: int | None) -> list[str]:
+    """One row per run folder of study.json: every number above is a mean (or a paired difference) of rows of it. A
+    run listed twice (an arm's own lr that is also the common lr: one run serves both) is one row with both roles."""
+    primary = f"val loss @{at_step} (primary)" if at_step is not None else "val loss (none logged)"
+    names = {"scan": "lr scan", "seeds": "evaluation", "common": "evaluation at the common lr"}
+    roles: dict[str, list[str]] = defaultdict(list)
+    first = {}
+    for r, run, selected in listed:
+        role = names.get(r.get("phase"), "—") + (" (selected lr)" if selected and r.get("phase") == "scan" else "")
+        if role not in roles[r["name"]]:
+            roles[r["name"]].append(role)
+        first.setdefault(r["name"], (r, run))
+    lines = ["## Runs",
+             "One row per run folder that study.json lists, with its own status and commit. The learning-rate scan "
+             "averages the lr scan rows; the other tables are means and paired differences of the finished rows at "
+             "the selected (or common) learning rates. A run that did not finish is in no table but this one.",
+             f"| run | variant | lr | seed | role | status | {primary} | git commit |",
+             "| --- | --- | ---: | ---: | --- | --- | ---: | --- |"]
+    for r, run in sorted(first.values(), key=lambda x: (label(x[0]), axes_label(x[0]), x[0]["lr"] or 0,
+                                                        x[0]["seed"], x[0]["name"])):
+        variant = md(" ".join(filter(None, [label(r), axes_label(r)])))
+        lr = r["lr"] if r.get("lr") is not None else (run.lr if run is not None else math.nan)
+        value = "—"
+        if run is not None:
+            logged = [v for s, _, v in run.val_curve if s == at_step]  # none where no run validated (at_step None)
+            value = "—" if not logged else f"{logged[0]:.4f}" if math.isfinite(logged[0]) else "non-finite"
+        status = "missing" if run is None else run_status(run)
+        commit = (run.git_commit[:10] if run is not None else "") or "—"
+        lr_text = "—" if math.isnan(lr) else f"{lr:g}"
+        lines.append(f"| {md(r['name'])} | {variant} | {lr_text} | {r['seed']} | {'; '.join(roles[r['name']])} | "
+                     f"{status} | {value} | {commit} |")
+    return lines
 
 
 def _seeds(seeds: list[int]) -> str:

@@ -8,7 +8,8 @@ then DEST/report.md: dit-paired-report's for a two-phase study (study.json with 
 dit-report's with its plots (`--out DEST` from DEST/runs either way). Runs already in DEST/runs that
 the sweep folder lacks are kept, so a study run in pieces on different machines can be published in pieces; a
 published run that is finished (summary.json at its train.steps) is kept, with a printed line, when the sweep's copy
-of it is not. A destination holds one study: a sweep of another experiment is refused.
+of it is not. A destination holds one study: a sweep of another experiment is refused, and so is a plain
+multirun folder (no study.json) into a study's destination, or a study into one of plain runs.
 """
 
 from __future__ import annotations
@@ -113,15 +114,32 @@ def refuse_overlap(sweep_dir: str, runs_dir: str) -> None:
 
 def refuse_another_study(study: str, runs_dir: str) -> None:
     """A destination holds one study: another experiment published into it replaced its study.json and mixed the
-    two studies' runs in one report."""
+    two studies' runs in one report. A sweep without a study.json (a plain multirun folder) is no piece of a
+    published study, nor a study a piece of published plain runs: either mix is refused before anything is copied
+    (the experiment check below needs a study.json on both sides)."""
+    sweep = os.path.dirname(study)
     if not os.path.exists(study):
+        if os.path.exists(os.path.join(runs_dir, "study.json")):
+            raise ConfigError(f"{runs_dir}/study.json is the record of "
+                              f"{read_study_record(runs_dir).get('experiment', 'a study')!r} and {sweep} has no "
+                              f"study.json (a plain multirun folder, not a piece of that study): publish it into its "
+                              f"own folder")
         return
+    if not os.path.exists(os.path.join(runs_dir, "study.json")) and holds_runs(runs_dir):
+        raise ConfigError(f"{runs_dir} holds run records without a study.json (published from a plain multirun "
+                          f"folder) and {study} is a study's record: one destination holds one study; publish it into "
+                          f"its own folder")
     published = read_study_record(runs_dir).get("experiment")
     new = read_study(study).get("experiment")
     if published is not None and new is not None and published != new:
         raise ConfigError(f"{runs_dir}/study.json is the record of {published!r} and {study} of {new!r}: one "
                           f"destination holds one study; publish {new!r} into its own folder (valid here: a sweep "
                           f"of {published!r})")
+
+
+def holds_runs(runs_dir: str) -> bool:
+    """A run folder (config.yaml) anywhere under runs_dir."""
+    return any("config.yaml" in files for _, _, files in os.walk(runs_dir))
 
 
 def merge_study_record(src: str, dst: str) -> None:

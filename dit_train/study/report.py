@@ -13,14 +13,16 @@ line; names and study.json text go into report.md escaped as Markdown text.
 
 Writes report.md and PNG plots next to it:
 - Table 1 (model x optimizer): best FD (encoder named) and its gain over AdamW, final validation velocity loss,
-  mean ± std over seeds.
+  mean ± std over finished seeds (the seeds column says how many finished where not all; a non-finite value, a
+  diverged seed, is counted beside the mean, not in it; the status names updates the trainer skipped).
 - Table 2 (model): optimizer time, step time and logical optimizer communication of each periodic_rowwise K
   relative to muon; active training time to each run's best FD and its reduction against muon.
 - Table 3 (model x optimizer): validation loss at equal active training time.
 - Then, where the runs give them, learning-rate sensitivity (sweeps that scan lr) and training stability (the peak
   train loss after warm-up), numbered on from 4 in the order shown.
 - Other metrics (when runs measured any): each registered metric's best (else last) value per run.
-- Runs: one row per folder (status, final val loss, best FD, git commit) — what every table number traces to.
+- Runs: one row per folder (status with skipped updates, final val loss, best FD, git commit) — what every table
+  number traces to.
 - Plots: validation loss vs step and vs active time per size; FD vs active time; stacked per-phase step time.
 A value a table cannot give is `n/a (why)`, never nan; a plot is drawn only where there are points (a run's single
 point as a marker), with the axis values written out (no offset).
@@ -48,8 +50,8 @@ from dit_train.config.errors import ConfigError
 from dit_train.config.override_text import shell_command
 from dit_train.runs.atomic_io import atomic_write_bytes, describe_os_error, remove_dead_temp_files
 from dit_train.runs.json_file import DamagedJSONFile, read_json, read_yaml, refuse_unless_regular
-from dit_train.study.record import (RECORD_MAX_BYTES, finished_by_summary, is_number, md, md_code, planned_steps,
-                                    read_study, summary_step_count)
+from dit_train.study.record import (RECORD_MAX_BYTES, finished_by_summary, is_int, is_number, md, md_code,
+                                    planned_steps, read_study, summary_step_count)
 from dit_train.telemetry.metrics_lines import metrics_lines
 from dit_train.trainer.preemption import ctrl_c_exits
 
@@ -79,6 +81,7 @@ class Run:
     timed_steps: float = 0.0  # steps behind the time means (windowed records only)
     refresh_steps: float = math.nan  # of which periodic refreshes (windowed records only)
     git_commit: str = ""  # from run_info.json: the code that produced this run
+    skipped_steps: int = 0  # steps whose update the trainer skipped (non-finite loss or gradient), of `steps`
     metrics: dict = field(default_factory=dict)  # summary.json's registered metrics (dit_train/evaluation/metric.py)
     lr: float = math.nan  # optimizer.lr; part of the label only in sweeps that scan it
     val_curve: list = field(default_factory=list)  # (step, active_s, val_loss)
@@ -189,6 +192,7 @@ class RunMetrics:
     validation/FD rows as dicts of EVAL_KEYS. Rows as read_metrics gives them: a row written again after a resume
     replaces the earlier one, in order of step."""
     last_step: int = 0  # the highest step of any row
+    skipped_steps: int = 0  # the trainer's count of skipped updates as the last train row logged it
     steps: array = field(default_factory=lambda: array("q"))  # of the train rows, ascending
     columns: dict = field(default_factory=dict)  # key: (values array('d'), present bytearray)
     evals: list = field(default_factory=list)  # rows with val/loss or fd (any kind), in read_metrics' order
@@ -210,6 +214,7 @@ def read_run_metrics(path: str) -> RunMetrics:
     columns = {k: (array("d"), bytearray()) for k in TRAIN_COLUMNS}
     evals: dict[tuple, dict] = {}
     nan = math.nan
+    top = 0  # the highest train step read so far
     for key, r in metrics_rows(path):
         m.last_step = max(m.last_step, key[0])
         if "val/loss" in r or "fd" in r:
@@ -218,6 +223,8 @@ def read_run_metrics(path: str) -> RunMetrics:
             evals.pop(key, None)  # a row written again without them replaces the one that had them
         if key[1] != "train/loss":
             continue
+        if key[0] >= top and is_number(r.get("skipped_steps")):  # the row of the highest step, written last
+            top, m.skipped_steps = key[0], int(r["skipped_steps"])
         steps.append(key[0])
         for k, (values, present) in columns.items():
             v = r.get(k)
@@ -300,9 +307,11 @@ def _read_run(folder: str, name: str) -> Run:
             run.fd_counts = md(f"{r.get('fd_num_gen', '?')} gen / {r.get('fd_num_ref', '?')} ref")
     if run.val_curve:
         run.val_loss = run.val_curve[-1][2]
-    if run.fd_curve:
-        best = min(run.fd_curve, key=lambda c: c[2])
+    if run.fd_curve:  # the best of the finite values; a run whose every FD is non-finite keeps its last
+        best = min((c for c in run.fd_curve if math.isfinite(c[2])), key=lambda c: c[2], default=run.fd_curve[-1])
         run.best_fd_step, run.best_fd_active_s, run.best_fd = best
+        if not math.isfinite(run.best_fd):  # no time to a best FD: it never had a finite one
+            run.best_fd_active_s = math.nan
     start = WARMUP_ROWS if n > WARMUP_ROWS else 0  # the timed train rows: all but the first ones (all if no more)
     # rows with window/steps hold means over every step of their log window: weight them by it. Older records
     # hold the logged step's own values only (which alias with periodic_rowwise's K): one sample per row.
@@ -327,9 +336,12 @@ def _read_run(folder: str, name: str) -> Run:
     if os.path.exists(info):
         run.git_commit = md(str(read_json(info).get("git_commit") or ""))
     summary = os.path.join(folder, "summary.json")
+    run.skipped_steps = m.skipped_steps
     if os.path.exists(summary):
         s = read_json(summary)
         done = summary_step_count(s)
+        if is_int(s.get("skipped_steps")):  # loop.skip_update's count: steps whose update was not applied
+            run.skipped_steps = s["skipped_steps"]
         run.steps = done if done >= 0 else run.steps
         run.metrics = s.get("metrics") if isinstance(s.get("metrics"), dict) else {}
         if is_number(s.get("val_loss")):
@@ -418,6 +430,46 @@ def fmt(values: list[float], digits: int = 4) -> str:
     return f"{statistics.mean(vals):.{digits}g} ± {statistics.stdev(vals):.2g}"
 
 
+def fmt_measured(values: list[float], measured: list[bool], digits: int = 4) -> str:
+    """fmt of the finite values, saying how many measured values were not finite (a diverged run's NaN): a seed
+    that is not in a mean is counted where the mean is, never dropped unseen."""
+    bad = sum(m and not math.isfinite(v) for v, m in zip(values, measured))
+    text = fmt([v for v in values if math.isfinite(v)], digits)
+    return text + (f" ({bad} of {sum(measured)} non-finite)" if bad else "")
+
+
+def finite_mean(values: list[float]) -> float:
+    return mean([v for v in values if math.isfinite(v)])
+
+
+def val_measured(r: Run) -> bool:
+    """The run logged a validation loss (else val_every=0: no value, not a non-finite one)."""
+    return bool(r.val_curve) or math.isfinite(r.val_loss)
+
+
+def seeds_cell(group: list[Run]) -> str:
+    """'2', or '2 (1 finished)': the means of a table are over finished runs only."""
+    done = sum(r.status == "finished" for r in group)
+    return f"{len(group)}" + ("" if done == len(group) else f" ({done} finished)")
+
+
+def skipped_text(r: Run) -> str:
+    """'5 of 6 updates skipped' where the trainer skipped non-finite updates (loop.skip_update); '' otherwise."""
+    return f"{r.skipped_steps} of {r.steps} updates skipped" if r.skipped_steps else ""
+
+
+def run_status(r: Run) -> str:
+    """The status with the skipped updates: a run that skipped most of its updates is finished, and says so."""
+    return r.status + (f"; {skipped_text(r)} (non-finite loss or gradient)" if r.skipped_steps else "")
+
+
+def group_status(group: list[Run]) -> str:
+    """The statuses of a table row's runs, then the seeds whose trainer skipped updates."""
+    skipped = [f"seed {r.seed}: {skipped_text(r)}" for r in sorted(group, key=lambda r: r.seed) if r.skipped_steps]
+    return ", ".join(sorted({r.status for r in group})) + (
+        f"; non-finite updates skipped ({', '.join(skipped)})" if skipped else "")
+
+
 def cell(x: float, template: str, why: str) -> str:
     """x through template (e.g. "{:.1f} ms"), or "n/a (why)" where there is no value: a report shows no nan."""
     return f"n/a ({why})" if math.isnan(x) else template.format(x)
@@ -448,6 +500,20 @@ def optimizer_order(labels):
     return [l for l in base if l in labels] + sorted(l for l in labels if l not in base)
 
 
+def means_note(runs: list[Run]) -> str:
+    """Table 1's words on what its means leave out, where the runs give a reason to say it."""
+    done = [r for r in runs if r.status == "finished"]
+    unfinished = len(runs) > len(done)
+    bad = any(val_measured(r) and not math.isfinite(r.val_loss) or r.fd_curve and not math.isfinite(r.best_fd)
+              for r in done)
+    skipped = any(r.skipped_steps for r in runs)
+    return ((" The means are over finished runs only: a row whose seeds did not all finish says in its seeds column "
+             "how many did." if unfinished else "")
+            + (" A non-finite value (a diverged run) is left out of the mean and counted beside it." if bad else "")
+            + (" A status naming skipped updates: the trainer skipped that many steps' updates for a non-finite loss "
+               "or gradient (train.max_bad_steps of them in a row stop the run)." if skipped else ""))
+
+
 def fd_counts_note(runs: list[Run]) -> str:
     """Table 1's words on its FD column: the sample counts to compare, or that no run measured FD (a sweep without
     eval.every_n_steps read 'compare only equal sample counts: )')."""
@@ -468,19 +534,23 @@ def table1(runs: list[Run]) -> str:
         by[(r.model, r.optimizer)].append(r)
     for model in model_order(runs):
         for opt in optimizer_order({o for m, o in by if m == model}):
-            adamw_fd = mean([r.best_fd for r in by.get((model, peer(opt, "adamw")), [])])
+            # means over finished runs only: a crashed seed's last value is from another step
+            adamw_fd = finite_mean([r.best_fd for r in by.get((model, peer(opt, "adamw")), [])
+                                    if r.status == "finished"])
             group = by[(model, opt)]
-            fds = [r.best_fd for r in group]
-            status = ", ".join(sorted({r.status for r in group}))
+            done = [r for r in group if r.status == "finished"]
+            fds = [r.best_fd for r in done]
             gain = "—"
-            if opt != peer(opt, "adamw") and not math.isnan(mean(fds)) and not math.isnan(adamw_fd) and adamw_fd:
-                gain = f"{(adamw_fd - mean(fds)) / adamw_fd * 100:+.1f}%"
-            enc = next((r.fd_encoder for r in group if r.fd_encoder), "")
-            best = fmt(fds) + (f" ({enc})" if enc else "")
-            steps = ", ".join(str(r.best_fd_step) for r in group if r.best_fd_step is not None) or "—"
+            own = finite_mean(fds)
+            if opt != peer(opt, "adamw") and not math.isnan(own) and not math.isnan(adamw_fd) and adamw_fd:
+                gain = f"{(adamw_fd - own) / adamw_fd * 100:+.1f}%"
+            enc = next((r.fd_encoder for r in done if r.fd_encoder), "")
+            best = fmt_measured(fds, [bool(r.fd_curve) for r in done]) + (f" ({enc})" if enc else "")
+            steps = ", ".join(str(r.best_fd_step) for r in done if math.isfinite(r.best_fd)) or "—"
             lr = (", ".join(f"{x:g}" for x in sorted({r.lr for r in group if not math.isnan(r.lr)})) or "—") + " | "
-            lines.append(f"| {model} | {opt} | {lr if show_lr else ''}{len(group)} | {status} | {best} | {gain} | "
-                         f"{steps} | {fmt([r.val_loss for r in group])} |")
+            val = fmt_measured([r.val_loss for r in done], [val_measured(r) for r in done])
+            lines.append(f"| {model} | {opt} | {lr if show_lr else ''}{seeds_cell(group)} | {group_status(group)} | "
+                         f"{best} | {gain} | {steps} | {val} |")
     return "\n".join(lines)
 
 
@@ -543,6 +613,12 @@ def value_at(curve: list, t: float) -> float:
     return pts[0][1] if len(pts) == 1 and pts[0][0] == t else math.nan
 
 
+def spans(curve: list, t: float) -> bool:
+    """The curve has validation points at active times on both sides of t (or at t)."""
+    times = [a for _, a, _ in curve if not math.isnan(a)]
+    return bool(times) and min(times) <= t <= max(times)
+
+
 def table3(runs: list[Run]) -> str:
     """Validation loss at equal active time: the budget is the shortest finished run's last validation point."""
     lines = ["| model | optimizer | time budget | step reached | val loss at budget | gain vs AdamW |",
@@ -560,16 +636,19 @@ def table3(runs: list[Run]) -> str:
         at = {o: [value_at(r.val_curve, budget) for r in g] for (m, o), g in by.items() if m == model}
         for opt in optimizer_order(set(at)):
             adamw = peer(opt, "adamw")
-            ref, own = mean(at.get(adamw, [])), mean(at[opt])
+            ref, own = finite_mean(at.get(adamw, [])), finite_mean(at[opt])
+            # a run validated on both sides of the budget whose value there is not finite (it diverged)
+            measured = [spans(r.val_curve, budget) for r in by[(model, opt)]]
             steps = [value_at([(s, a, float(s)) for s, a, _ in r.val_curve], budget) for r in by[(model, opt)]]
             none = "no validation by the budget"  # a run whose first validation point comes later
             if opt == adamw or adamw not in at:
                 gain = "—"
             elif math.isnan(own) or math.isnan(ref):
-                gain = f"n/a ({none}{'' if math.isnan(own) else ' for AdamW'})"
+                why = "non-finite" if math.isnan(own) and any(measured) else none
+                gain = f"n/a ({why}{'' if math.isnan(own) else ' for AdamW'})"
             else:
                 gain = f"{(ref - own) / ref * 100:+.1f}%"
-            val = fmt(at[opt]) if not math.isnan(own) else f"n/a ({none})"
+            val = fmt_measured(at[opt], measured) if not math.isnan(own) or any(measured) else f"n/a ({none})"
             lines.append(f"| {model} | {opt} | {budget:.3g} s | {cell(mean(steps), '{:.0f}', none)} | {val} | "
                          f"{gain} |")
     if len(lines) == 2:  # a header over no rows said nothing
@@ -594,8 +673,9 @@ def table4(runs: list[Run]) -> str:
             cells, fd_at, val_at = [], {}, {}
             for lr in lrs:
                 g = by.get((model, opt, lr), [])
-                fd_at[lr], val_at[lr] = mean([r.best_fd for r in g]), mean([r.val_loss for r in g])
-                cells.append(f"{fmt([r.best_fd for r in g])} / {fmt([r.val_loss for r in g])}" if g else "—")
+                fd_at[lr], val_at[lr] = finite_mean([r.best_fd for r in g]), finite_mean([r.val_loss for r in g])
+                cells.append(f"{fmt_measured([r.best_fd for r in g], [bool(r.fd_curve) for r in g])} / "
+                             f"{fmt_measured([r.val_loss for r in g], [val_measured(r) for r in g])}" if g else "—")
             best = [min((lr for lr in lrs if not math.isnan(d[lr])), key=d.get, default=None) for d in (fd_at, val_at)]
             lines.append(f"| {model} | {opt} | " + " | ".join(cells) + " | "
                          + " | ".join("—" if b is None else f"{b:g}" for b in best) + " |")
@@ -627,10 +707,12 @@ def status_table(runs: list[Run]) -> str:
     lines = ["| run | status | steps | final val loss | best FD (step) | active time to best FD | git commit |",
              "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
     for r in sorted(runs, key=lambda r: r.name):
-        best = "—" if math.isnan(r.best_fd) else f"{r.best_fd:.4g} ({r.best_fd_step})"
-        act = "—" if math.isnan(r.best_fd_active_s) else f"{r.best_fd_active_s:.1f} s"
-        val = "—" if math.isnan(r.val_loss) else f"{r.val_loss:.4g}"
-        lines.append(f"| {r.name} | {r.status} | {r.steps} | {val} | {best} | {act} | {r.git_commit[:10] or '—'} |")
+        best = f"{r.best_fd:.4g} ({r.best_fd_step})" if not math.isnan(r.best_fd) else \
+            "non-finite" if r.fd_curve else "—"
+        act = "—" if math.isnan(r.best_fd_active_s) or math.isnan(r.best_fd) else f"{r.best_fd_active_s:.1f} s"
+        val = ("non-finite" if val_measured(r) else "—") if math.isnan(r.val_loss) else f"{r.val_loss:.4g}"
+        lines.append(f"| {r.name} | {run_status(r)} | {r.steps} | {val} | {best} | {act} | "
+                     f"{r.git_commit[:10] or '—'} |")
     return "\n".join(lines)
 
 
@@ -821,7 +903,8 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
         md(study.get("notes", "")),
         *numbered_tables([
             ("quality", f"Best FD over the run's evaluations ({fd_counts_note(runs)}), its gain over AdamW, and the "
-             "final validation velocity loss (fixed t grid, fixed noise, held-out split). Mean ± std over seeds.",
+             "final validation velocity loss (fixed t grid, fixed noise, held-out split). Mean ± std over seeds."
+             + means_note(runs),
              table1(runs), True),
             ("cost relative to Muon", "Means per step after the first log rows. Communication is the logical "
              "optimizer bytes per step per rank (0 in single-process runs). Active time is wall time inside training "

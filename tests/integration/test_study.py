@@ -539,8 +539,10 @@ def test_report_numbers_on_fabricated_runs(tmp_path):
     assert "| dit_xs | muon | 1 | finished | 80 (inception) | +27.3% | 4 | 0.51 |" in t1
     # Periodic best is the earlier 85 (step 2) -> +22.7%
     assert "| dit_xs | periodic_rowwise K=3 | 1 | finished | 85 (inception) | +22.7% | 2 | 0.5 |" in t1
-    assert "| dit_xs | mud | 1 | incomplete (step 3) |" in t1
-    assert "| dit_xs | rownorm | 1 | missing |" in t1
+    # an unfinished run is counted in the seeds column and in no mean
+    assert "| dit_xs | mud | 1 (0 finished) | incomplete (step 3) | — | — | — | — |" in t1
+    assert "| dit_xs | rownorm | 1 (0 finished) | missing | — | — | — | — |" in t1
+    assert "The means are over finished runs only" in text
     # Table 2: optimizer 10 ms vs 40 ms = 0.250, step 150 vs 200 = 0.750, comm 250 vs 1000 = 0.250;
     # active time to best: periodic 2 * 0.15 = 0.3 s vs muon 4 * 0.2 = 0.8 s -> -62.5% (a +62.5% reduction)
     assert "| dit_xs | periodic_rowwise K=3 | 10.0 ms | 0.250 | 150.0 ms | 0.750 | 250 | 0.250 | 0 s | +62.5% |" in t2
@@ -883,7 +885,7 @@ def test_stability_table_finds_the_peak_after_warm_up_and_labels_the_rownorm_sca
                             for name, scale, seed in [("s2", "spectral", 2), ("f", "frobenius", 1),
                                                       ("s", "spectral", 1), ("old", None, 0)]]}, f)
     text = report.build_report(str(tmp_path))
-    assert "| dit_m | periodic_rowwise K=3 (spectral) | 2 | finished, missing |" in text
+    assert "| dit_m | periodic_rowwise K=3 (spectral) | 2 (1 finished) | finished, missing |" in text
     # no lr scan here: stability is the fourth table shown, numbered 4 (it was "Table 5" after Table 3)
     assert re.findall(r"^## Table (\d+) — (.+)$", text, re.M) == [
         ("1", "quality"), ("2", "cost relative to Muon"), ("3", "equal active time"), ("4", "training stability")]

@@ -4,6 +4,7 @@ one line and exit status 2, refused before anything is written; a published file
 record goes into report.md as text, never as HTML or a forged heading or row."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -339,3 +340,61 @@ def test_a_run_folder_study_json_does_not_list_is_shown_and_counted_nowhere(tmp_
     assert "1 run folder(s) that study.json does not list" in after
     assert [line for line in after.splitlines() if "stray" not in line and not line.startswith("Built by")] == \
         [line for line in before.splitlines() if not line.startswith("Built by")]
+
+
+def test_table_1_means_finished_runs_only_and_counts_diverged_seeds_and_skipped_updates(tmp_path):
+    """A diverged seed (NaN final val loss and FD) vanished from the mean, leaving the other seed's value with no ±
+    and no note; a run that skipped most of its updates read `finished`; a crashed seed's step-2 values were averaged
+    with the finished seeds' step-4 ones."""
+    sweep = tmp_path / "sweep"
+    fd_row = {"fd_encoder": "inception", "fd_num_gen": 8, "fd_num_ref": 16}
+    for seed, fd, val in ((0, 100.0, 1.0), (1, math.nan, math.nan)):  # seed 1 diverged: it finished with NaN
+        rows = train_rows(0.01, 0.1, 0) + [{"step": 4, "fd": fd, **fd_row}, {"step": 4, "val/loss": val}]
+        write_run(sweep / f"adamw-{seed}", "dit_xs", "adamw", seed, rows, summary=False)
+        set_config(sweep / f"adamw-{seed}", train={"steps": 4})
+        # the trainer's summary.json: skipped_steps counts the steps whose update it skipped (loop.skip_update)
+        (sweep / f"adamw-{seed}" / "summary.json").write_text(json.dumps(
+            {"steps": 4, "val_loss": val, "skipped_steps": 3 * seed}))
+    crashed = train_rows(0.01, 0.1, 0)[:2] + [{"step": 2, "fd": 140.0, **fd_row}, {"step": 2, "val/loss": 1.5}]
+    crashed[1]["skipped_steps"] = 1  # the last train row's count: a run without summary.json
+    write_run(sweep / "adamw-2", "dit_xs", "adamw", 2, crashed, summary=False)
+    set_config(sweep / "adamw-2", train={"steps": 4})
+    finished_run(sweep / "muon-0", opt="muon", val=0.8)
+    with open(sweep / "muon-0" / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 4, "fd": 80.0, **fd_row}) + "\n")
+    text = report.build_report(str(sweep))
+    t1 = text.split("## Table 1")[1].split("## Table 2")[0]
+    # FD and val loss: seed 0's alone, the diverged seed 1 counted beside it, the crashed seed 2 in no mean; the gain
+    # over AdamW is against finished AdamW's 100, not (100 + 140) / 2
+    assert ("| dit_xs | adamw | 3 (2 finished) | finished, incomplete (step 2); non-finite updates skipped (seed 1: "
+            "3 of 4 updates skipped, seed 2: 1 of 2 updates skipped) | 100 (1 of 2 non-finite) (inception) | — | 4 | "
+            "1 (1 of 2 non-finite) |") in t1, t1
+    assert "| dit_xs | muon | 1 | finished | 80 (inception) | +20.0% | 4 | 0.8 |" in t1, t1
+    assert "The means are over finished runs only" in t1 and "left out of the mean and counted beside it" in t1
+    runs = text.split("## Runs")[1]
+    assert ("| adamw-1 | finished; 3 of 4 updates skipped (non-finite loss or gradient) | 4 | non-finite | "
+            "non-finite | — | — |") in runs, runs
+    assert "| adamw-2 | incomplete (step 2); 1 of 2 updates skipped (non-finite loss or gradient) | 2 | 1.5 |" in runs
+    assert "| adamw-0 | finished | 4 | 1 | 100 (4) |" in runs
+    assert "nan" not in text.lower().replace("nan-finite", "")
+
+
+def test_a_plain_multirun_folder_and_a_study_are_never_published_into_one_destination(tmp_path, capsys):
+    """A sweep without study.json published into a study's destination was merged into it ("copied 1 run records"):
+    the experiment check needs a study.json on both sides. Refused either way round, before anything is copied."""
+    study, plain, dest = tmp_path / "study", tmp_path / "plain", tmp_path / "dest"
+    finished_run(study / "a")
+    (study / "study.json").write_text(json.dumps({"experiment": "fab", "command": "dit-study fab", "runs": []}))
+    finished_run(plain / "b", opt="muon")
+    assert publish_study.main([str(study), str(dest)]) == 0
+    before = {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()}
+    assert publish_study.main([str(plain), str(dest)]) == 2
+    one_line_error(capsys, "'fab'", f"{plain} has no study.json")
+    assert {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()} == before
+    other = tmp_path / "other"  # the other way round: plain runs published first, then a study into them
+    assert publish_study.main([str(plain), str(other)]) == 0
+    capsys.readouterr()
+    before = {p: p.read_bytes() for p in other.rglob("*") if p.is_file()}
+    assert publish_study.main([str(study), str(other)]) == 2
+    one_line_error(capsys, "without a study.json", str(study / "study.json"))
+    assert {p: p.read_bytes() for p in other.rglob("*") if p.is_file()} == before

@@ -286,7 +286,14 @@ def test_a_study_with_axes_and_a_common_lr_pairs_by_seed_within_qk_norm_and_lr_k
     paired_report.main([str(sweep), "--reference", "periodic_rowwise K=3 (frobenius)"])
     text = (sweep / "report.md").read_text()
     assert "Built by `dit-paired-report " + str(sweep) + " --reference 'periodic_rowwise K=3 (frobenius)'`" in text
-    assert "and the common ones (evaluation seeds 40, 41, 42)" in text and "| 30 |" not in text
+    tables, runs_rows = text.split("\n## Runs\n")
+    # selection seed 30 is in no evaluation row; the Runs table lists its runs as the scan's
+    assert "and the common ones (evaluation seeds 40, 41, 42)" in text and "| 30 |" not in tables
+    seed_30 = [line for line in runs_rows.splitlines() if "| 30 |" in line]
+    assert len(seed_30) == 8 and all("| lr scan" in line for line in seed_30), seed_30
+    # a run serving both its arm's own lr and the common lr (the same lr) is one row with both roles
+    assert runs_rows.count("| frobenius_qkFalse_lr0.002_s40 |") == 1
+    assert "| 40 | evaluation; evaluation at the common lr | finished | 0.3200 | — |" in runs_rows
     assert "## Including selection seed" not in text  # seed 30 ran at a selected lr, in the scan only
     assert "## Paired differences against muon" not in text
     for qk in (True, False):
@@ -332,18 +339,63 @@ def test_a_study_without_an_adamw_arm_says_so_instead_of_an_empty_table(tmp_path
     assert "| periodic_rowwise K=3 (spectral) | val loss @600 | 3 | " in text
 
 
-def test_the_published_confirmatory_report_is_rebuilt_exactly_from_its_records(tmp_path, monkeypatch):
-    """docs/results/optimizer_confirmation_cpu/report.md (issue 30's answer) is what dit-paired-report builds from
-    the committed run records, byte for byte: no number in it was edited by hand."""
+@pytest.mark.parametrize("name, row", [
+    ("optimizer_confirmation_cpu", "| periodic_rowwise K=3 (spectral) | val loss @600 | 10 | +0.49% | [-0.08, +1.06] |"),
+    ("optimizer_comparison_cpu", "| periodic_rowwise K=3 (spectral) | val loss @600 | 4 | +0.89% | [+0.01, +1.77] |")])
+def test_the_published_paired_reports_are_rebuilt_exactly_from_their_records(tmp_path, monkeypatch, name, row):
+    """docs/results/optimizer_confirmation_cpu/report.md (issue 30's answer) and optimizer_comparison_cpu's are what
+    dit-paired-report builds from the committed run records, byte for byte: no number in them was edited by hand."""
     import os
     import shutil
 
     from conftest import ROOT
 
-    study = "docs/results/optimizer_confirmation_cpu"
+    study = f"docs/results/{name}"
     shutil.copytree(os.path.join(ROOT, study, "runs"), tmp_path / study / "runs")
     monkeypatch.chdir(tmp_path)  # the report names its folders as the published one does
     text = paired_report.build(f"{study}/runs", study)
     with open(os.path.join(ROOT, study, "report.md")) as f:
         assert text == f.read()
-    assert "| periodic_rowwise K=3 (spectral) | val loss @600 | 10 | +0.49% | [-0.08, +1.06] |" in text
+    assert row in text
+    assert "\n## Runs\n" in text  # "each run's commit is in the Runs table", as the report says
+
+
+def test_the_runs_table_lists_every_study_run_with_its_status_primary_value_and_commit(tmp_path):
+    """The report said "each run's commit is in the Runs table" and had no Runs table; a run that did not finish
+    left the tables without a word, and an unfinished scan run made its lr's mean "nan"."""
+    sweep = tmp_path / "sweep"
+    two_phase_sweep(sweep)
+    (sweep / "muon_lr0.016_s3" / "summary.json").unlink()  # an evaluation run that stopped before its summary
+    (sweep / "adamw_loser" / "summary.json").unlink()  # a scan run likewise
+    (sweep / "pr_lr0.008_s1" / "run_info.json").write_text(json.dumps({"git_commit": "abc1234567890"}))
+    text = paired_report.build(str(sweep), None)
+    assert "(each run's commit is in the Runs table)" in text
+    assert "| adamw | 0.016 | — (1 not finished) |" in text  # the scan table: no run of that lr finished
+    assert "| muon | 0.016 | 2 |" in text.split("## Including selection seed")[0]  # evaluation seeds 1, 2 (3 stopped)
+    runs = text.split("\n## Runs\n")[1]
+    rows = [line for line in runs.splitlines() if line.startswith("| ") and not line.startswith(("| run |", "| ---"))]
+    study = json.loads((sweep / "study.json").read_text())
+    assert sorted(row.split(" | ")[0][2:] for row in rows) == sorted(r["name"] for r in study["runs"])
+    assert "| run | variant | lr | seed | role | status | val loss @600 (primary) | git commit |" in runs
+    for row in ("| muon_lr0.016_s3 | muon | 0.016 | 3 | evaluation | incomplete (step 600) | 0.3200 | — |",
+                "| pr_lr0.008_s1 | periodic_rowwise K=3 (spectral) | 0.008 | 1 | evaluation | finished | 0.3200 | "
+                "abc1234567 |",
+                "| muon_lr0.016_s0 | muon | 0.016 | 0 | lr scan (selected lr) | finished | 0.3000 | — |",
+                "| adamw_loser | adamw | 0.016 | 0 | lr scan | incomplete (step 600) | 0.9000 | — |"):
+        assert row in rows, (row, runs)
+
+
+def test_the_paired_report_says_its_percent_differences_are_not_antisymmetric(tmp_path):
+    """adamw against muon read +113.94% on time to target and muon against adamw +187.43%: the mean of per-seed
+    percent differences is no mirror image; the report says what its % is. The statistic itself is unchanged: a
+    seed at 2x its reference is +100% one way and -50% the other."""
+    sweep = tmp_path / "sweep"
+    two_phase_sweep(sweep)
+    one_way = paired_report.build(str(sweep), str(tmp_path / "a"), references=["muon"])
+    other_way = paired_report.build(str(sweep), str(tmp_path / "b"), references=["adamw"])
+    opt = {"adamw": 0.01, "muon": 0.1}  # two_phase_sweep's optimizer s/step: the same for every seed
+    for text, variant, ref in ((one_way, "adamw", "muon"), (other_way, "muon", "adamw")):
+        pct = 100 * (opt[variant] - opt[ref]) / opt[ref]
+        assert f"| {variant} | optimizer s/step | 3 | {pct:+.2f}% |" in text  # -90.00% and +900.00%
+        assert ("The mean difference is the mean over seeds of each seed's percent difference, 100 (variant − "
+                "reference) / reference: it is not antisymmetric") in text
