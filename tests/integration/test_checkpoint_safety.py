@@ -454,3 +454,22 @@ def test_a_declared_tensor_size_the_shards_cannot_hold_is_damage_found_before_al
     with pytest.raises(ckpt.CheckpointError, match="is damaged: its .metadata (declares|is not a DCP)") as e:
         ckpt.load_ema_weights(run_dir)
     assert "\n" not in str(e.value)
+
+
+# ---- sizes, hyperparameters and links of a checkpoint from elsewhere -------------------------------------------
+def test_a_metadata_larger_than_any_checkpoints_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    """A sparse 3 GB `.metadata` was read whole (3.4 GB, 48 s) before it was found damaged; 30 GB was an
+    out-of-memory kill. One byte over the limit is refused in one line, and the file is never opened."""
+    from dit_train.runs import checkpoint_metadata as cm
+
+    run_dir, path = saved_run(tmp_path)
+    meta = os.path.join(path, ".metadata")
+    os.truncate(meta, (512 << 20) + 1)  # the limit (checkpoint_metadata.py derives it) and a byte; sparse
+    opened = []
+    monkeypatch.setattr(cm, "open", lambda file, *a, **k: opened.append(file) or open(file, *a, **k), raising=False)
+    with pytest.raises(ckpt.CheckpointError, match=f"{re.escape(path)}.* is damaged: its .metadata is "
+                                                   f"536,870,913 bytes, more than the 536,870,912") as e:
+        ckpt.load_ema_weights(run_dir)
+    assert "\n" not in str(e.value) and meta not in opened
+
+
