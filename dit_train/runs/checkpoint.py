@@ -345,7 +345,37 @@ def read_train_state(path: str, keys: tuple[str, ...] = ("step",)) -> dict:
     if type(state.get("step")) is not int or state["step"] < 0 or not isinstance(state.get("config", {}), dict):
         raise CheckpointError(f"{file} is not a dit_train train state (an integer 'step' and the run's 'config' "
                               f"object expected); {fix}")
+    too_big = _config_beyond_any_schema(state.get("config", {}))
+    if too_big:
+        raise CheckpointError(f"{file}: its config holds {too_big}, beyond any dit_train config (~110 values, at most "
+                              f"{MAX_CONFIG_NODES:,} and {MAX_CONFIG_DEPTH} levels deep are read): not read; {fix}")
     return state
+
+
+# A run's config in train_state.json has ~110 values (keys, list items and leaves; `experiment=debug`) 4 levels deep,
+# and every key of every schema's every option together is 203 (config.schemas.every_key). Readers make an OmegaConf
+# node of it (~0.4 ms per value: a crafted config of 10^6 keys within the 16 MB file cap held dit-sample for 399 s
+# and 3.5 GB), so a config of more than ~10x every key there is, or nested deeper than any schema, is refused first.
+MAX_CONFIG_NODES = 2000
+MAX_CONFIG_DEPTH = 16
+
+
+def _config_beyond_any_schema(config) -> str | None:
+    """What makes a JSON config larger than any dit_train config ("more than N values", "values nested deeper
+    than N levels"), or None. Stops counting at the limit; iterative, so a deep nesting cannot exhaust the stack."""
+    count, todo = 0, [(config, 0)]
+    while todo:
+        node, depth = todo.pop()
+        count += 1
+        if count > MAX_CONFIG_NODES:
+            return f"more than {MAX_CONFIG_NODES:,} values"
+        if depth > MAX_CONFIG_DEPTH:
+            return f"values nested deeper than {MAX_CONFIG_DEPTH} levels"
+        if isinstance(node, dict):
+            todo.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            todo.extend((v, depth + 1) for v in node)
+    return None
 
 
 def saved_config(path: str, state: dict | None = None) -> dict:

@@ -473,3 +473,26 @@ def test_a_metadata_larger_than_any_checkpoints_is_refused_before_it_is_read(tmp
     assert "\n" not in str(e.value) and meta not in opened
 
 
+@pytest.mark.parametrize("config, match", [
+    ({"junk": {f"k{i}": i for i in range(2000)}}, "more than 2,000 values"),
+    ({"junk": [[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]}, "nested deeper than 16 levels")])
+def test_a_saved_config_larger_than_any_dit_train_config_is_refused_before_omegaconf(tmp_path, monkeypatch,
+                                                                                      capfd, config, match):
+    """`config.junk` of 10^6 keys (within the 16 MB file cap) held dit-sample for 399 s and 3.5 GB inside
+    OmegaConf.create. A config beyond any schema's size is one line naming the file, before any node is made."""
+    import omegaconf
+
+    run_dir, path = saved_run(tmp_path)
+    file = os.path.join(path, ckpt.TRAIN_STATE)
+    state = ckpt.read_train_state(path, ("step", "config"))
+    state["config"].update(config)
+    with open(file, "w") as f:
+        f.write(__import__("json").dumps(state))
+    made = []
+    monkeypatch.setattr(omegaconf.OmegaConf, "create", lambda *a, **k: made.append(1))
+    code, err = main_in_process("dit_train.sample", [run_dir], tmp_path, monkeypatch, capfd)
+    lines = [ln for ln in err.splitlines() if ln.strip() and "Warning" not in ln]
+    assert code == 2 and len(lines) == 1 and file in lines[0] and match in lines[0], err
+    assert not made
+
+
