@@ -408,11 +408,47 @@ def load(path: str, model, optimizer, ema_model) -> dict:
     if not is_complete(path):
         raise CheckpointError(f"{path!r} is a read-only single-file checkpoint of an earlier version (export, "
                               f"sampling and FD read it); training resumes from step_N.dcp checkpoints only")
+    built = hyperparameters(optimizer)
     state = tensor_state(model, optimizer, ema_model)
     _dcp_load(state, path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     set_model_state_dict(ema_model, state["ema"])
+    keep_built_hyperparameters(optimizer, built, path)
     return read_train_state(path)
+
+
+# the keys of a param group that are not the config's: its tensors, the lr the schedule sets each step (TrainState
+# sets it again from the schedule on resume) and a step counter (matrix_optimizer.py)
+NOT_HYPERPARAMETERS = ("params", "lr", "step")
+
+
+def hyperparameters(optimizer) -> list[dict]:
+    """Each param group's hyperparameters, as the run's config built them."""
+    return [{k: v for k, v in group.items() if k not in NOT_HYPERPARAMETERS} for group in optimizer.param_groups]
+
+
+def keep_built_hyperparameters(optimizer, built: list[dict], path: str) -> None:
+    """The config is the truth: loading an optimizer's state replaces its param groups with the checkpoint's, whose
+    hyperparameters (weight_decay, eps, betas, initial_lr, ...) were then used silently (a crafted weight_decay=0.9,
+    eps=1.0 resumed, and the loss went from 1.36 to 8.28). One line naming the first that differs; a key the
+    checkpoint lacks or adds is the config's again (torch versions differ in the keys they save)."""
+    def same(a, b):
+        if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+        return type(a) is type(b) and a == b
+
+    for i, (group, config) in enumerate(zip(optimizer.param_groups, built)):
+        for key, value in config.items():
+            if key in group and not same(group[key], value):
+                raise CheckpointError(f"checkpoint {path!r}: its optimizer state has {key}={group[key]!r} in param "
+                                      f"group {i}, and this run's config gives {key}={value!r}: the config is what a "
+                                      f"run trains with; resume with the config the checkpoint was written with, or "
+                                      f"fork it with train.init_from=<checkpoint> (weights only)")
+        for key in [k for k in group if k not in config and k not in NOT_HYPERPARAMETERS]:
+            del group[key]
+        group.update({k: v for k, v in config.items() if k not in group})
 
 
 def load_weights(path: str, model, ema_model) -> None:

@@ -496,3 +496,69 @@ def test_a_saved_config_larger_than_any_dit_train_config_is_refused_before_omega
     assert not made
 
 
+def adamw_run(lr=0.1, weight_decay=0.01, eps=1e-8):
+    """A Linear with AdamW and the project's warmup+cosine schedule, as a config would build them."""
+    from dit_train.diffusion.ema import EMA
+    from dit_train.optim.schedule import build_scheduler
+    from dit_train.trainer.state import TrainState
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, eps=eps)
+    sched = build_scheduler(opt, total_steps=10, warmup_steps=2, kind="cosine", min_lr_ratio=0.1)
+    ema = EMA(model, 0.9)
+    return model, opt, sched, TrainState(scheduler=sched, generator=torch.Generator(), ema=ema), ema
+
+
+def saved_adamw(tmp_path, steps=3, **crafted):
+    """A checkpoint after `steps` AdamW steps, its param groups rewritten with `crafted` values before saving."""
+    model, opt, sched, state, ema = adamw_run()
+    for _ in range(steps):
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        sched.step()
+    state.step = steps
+    for group in opt.param_groups:
+        group.update(crafted)
+    return ckpt.save(str(tmp_path / "run"), steps, ckpt.tensor_state(model, opt, ema.model), state.state_dict(), 0)
+
+
+@pytest.mark.parametrize("crafted, key", [({"weight_decay": 0.9}, "weight_decay"), ({"eps": 1.0}, "eps"),
+                                          ({"betas": (0.5, 0.5)}, "betas"), ({"initial_lr": 1.0}, "initial_lr")])
+def test_hyperparameters_in_a_checkpoints_optimizer_state_never_override_the_config(tmp_path, crafted, key):
+    """torch's load_state_dict takes the checkpoint's param groups whole: a crafted weight_decay=0.9, eps=1.0 was
+    resumed silently (the loss went from 1.36 to 8.28). The config's value is the truth; a differing one is one
+    line naming the key and both values, and the run's optimizer keeps the config's."""
+    path = saved_adamw(tmp_path, **crafted)
+    model, opt, _, _, ema = adamw_run()
+    with pytest.raises(ckpt.CheckpointError, match=rf"{re.escape(path)}.*{key}=.* and this run's config gives "
+                                                   rf"{key}=") as e:
+        ckpt.load(path, model, opt, ema.model)
+    assert "\n" not in str(e.value)
+
+
+def test_the_lr_on_resume_is_the_schedules_not_the_checkpoints(tmp_path):
+    """The lr in a checkpoint's param groups is the scheduled one, and the first step after a resume used it as
+    stored: a crafted lr=5.0 trained one step with it. It is set from the schedule at the loaded step (as a legit
+    checkpoint holds it: bit for bit), and a crafted schedule base lr is refused."""
+    from dit_train.optim.schedule import lr_multiplier
+
+    legit = saved_adamw(tmp_path / "legit")
+    model, opt, sched, state, ema = adamw_run()
+    state.load_state_dict(ckpt.load(legit, model, opt, ema.model))
+    kept = [g["lr"] for g in opt.param_groups]
+    assert kept == [0.1 * lr_multiplier(3, 10, 2, "cosine", 0.1)] and sched.get_last_lr() == kept
+
+    path = saved_adamw(tmp_path / "lr", lr=5.0)
+    model, opt, sched, state, ema = adamw_run()
+    state.load_state_dict(ckpt.load(path, model, opt, ema.model))
+    assert [g["lr"] for g in opt.param_groups] == kept and sched.get_last_lr() == kept
+
+    file = os.path.join(path, ckpt.TRAIN_STATE)
+    crafted = ckpt.read_train_state(path)
+    crafted["scheduler"]["base_lrs"] = [7.0]
+    model, opt, sched, state, ema = adamw_run()
+    with pytest.raises(ckpt.CheckpointError, match=r"base_lrs=\[7.0\], and this run's config gives \[0.1\]"):
+        state.load_state_dict(crafted)
+
+
