@@ -6,9 +6,9 @@
 - `train_state.json`: the TrainState (train_state.py: step = data position, schedule, training generator, EMA
   count, run time, skipped steps, best FD) and the resolved config, written by rank 0;
 - `COMPLETE`, written last. Everything goes into `step_N.dcp.tmp/`, which is renamed when complete, so only
-  complete folders are ever listed; leftovers of an interrupted save are reported and removed. The tensors may
-  be written in the background (start_save: DCP's async_save); the marker and the rename wait for the write
-  (PendingSave.finish; checkpoint_saver.py decides when).
+  complete folders are ever listed; leftovers of an interrupted save are reported and removed (a complete save
+  whose rename was cut short is put in place). The tensors may be written in the background (start_save: DCP's
+  async_save); the marker and the rename wait for the write (PendingSave.finish; checkpoint_saver.py decides when).
 
 Loading never executes code from the file: DCP's metadata is read by checkpoint_metadata.py (exact names, shard
 files inside the folder only), its non-tensor items with `torch.load(weights_only=True)`, and the train state is
@@ -75,12 +75,15 @@ def is_complete(path: str) -> bool:
 # ---- finding ------------------------------------------------------------------------------------------------
 def list_checkpoints(run_dir: str, remove_partial: bool = True, legacy: bool = False) -> list[str]:
     """Complete checkpoints, oldest first (with `legacy`, read-only step_N.pt files too). Leftovers of an
-    interrupted save are reported and, with `remove_partial` (rank 0 only), removed; a final-named folder
-    without its marker is reported and skipped."""
+    interrupted save are reported and, with `remove_partial` (rank 0 only), removed, except a complete save that was
+    not yet renamed into place, which is put in place; a final-named folder without its marker is reported and
+    skipped."""
     folder = checkpoint_dir(run_dir)
+    if remove_partial and os.path.isdir(folder):
+        _finish_interrupted_publish(folder)
     for tmp in glob.glob(os.path.join(folder, "*.tmp-*")) + glob.glob(os.path.join(folder, "*.tmp")):
         _report_once(f"ignoring partial checkpoint {tmp} (a save was interrupted; a run resumed in this folder "
-                     f"removes it)", tmp)
+                     f"{'publishes' if _publishable(tmp) else 'removes'} it)", tmp)
         if remove_partial:
             shutil.rmtree(tmp, ignore_errors=True) if os.path.isdir(tmp) else os.remove(tmp)
     if not os.path.isdir(folder):
@@ -96,6 +99,30 @@ def list_checkpoints(run_dir: str, remove_partial: bool = True, legacy: bool = F
         elif legacy and LEGACY_RE.match(name) and os.path.isfile(path):
             found.append(path)
     return sorted(found, key=lambda p: (os.path.basename(p)[5:13], p.endswith(".dcp")))
+
+
+PUBLISHING = re.compile(r"^(step_[0-9]{8}\.dcp)(\.tmp|\.old\.tmp)$")  # _publish's names for a step being published
+
+
+def _publishable(tmp: str) -> bool:
+    """A complete save (or the one it replaces) whose final name is free: what a crash inside _publish leaves."""
+    found = PUBLISHING.match(os.path.basename(tmp))
+    return bool(found) and not os.path.islink(tmp) and is_complete(tmp) and \
+        not os.path.lexists(os.path.join(os.path.dirname(tmp), found.group(1)))
+
+
+def _finish_interrupted_publish(folder: str) -> None:
+    """A crash between _publish's two renames leaves step_N.dcp.old.tmp (the earlier save of that step) and a
+    complete step_N.dcp.tmp, and no step_N.dcp: the newer save is put in place (the earlier one where the newer is
+    incomplete); removing both as partial lost the step. Only complete saves whose final name is free are moved."""
+    for name in sorted(os.listdir(folder), key=lambda n: n.endswith(".old.tmp")):  # the newer save first
+        tmp = os.path.join(folder, name)
+        if _publishable(tmp):
+            final = os.path.join(folder, PUBLISHING.match(name).group(1))
+            os.replace(tmp, final)
+            fsync_dir(folder)
+            log.warning("checkpoint %s was complete but not yet in place when a save was interrupted: put in place "
+                        "from %s", final, name)
 
 
 _REPORTED: set[str] = set()  # leftovers this process has reported: the run reads its folder several times
