@@ -77,8 +77,9 @@ def list_checkpoints(run_dir: str, remove_partial: bool = True, legacy: bool = F
     """Complete checkpoints, oldest first (with `legacy`, read-only step_N.pt files too). Leftovers of an
     interrupted save are reported and, with `remove_partial` (rank 0 only), removed, except a complete save that was
     not yet renamed into place, which is put in place; a final-named folder without its marker is reported and
-    skipped."""
+    skipped. A checkpoints folder or checkpoint that is a symbolic link is refused (CheckpointError)."""
     folder = checkpoint_dir(run_dir)
+    _refuse_link(folder)
     if remove_partial and os.path.isdir(folder):
         _finish_interrupted_publish(folder)
     for tmp in glob.glob(os.path.join(folder, "*.tmp-*")) + glob.glob(os.path.join(folder, "*.tmp")):
@@ -91,6 +92,8 @@ def list_checkpoints(run_dir: str, remove_partial: bool = True, legacy: bool = F
     found = []
     for name in os.listdir(folder):
         path = os.path.join(folder, name)
+        if CKPT_RE.match(name) or LEGACY_RE.match(name):
+            _refuse_link(path)
         if CKPT_RE.match(name):
             if is_complete(path):
                 found.append(path)
@@ -99,6 +102,15 @@ def list_checkpoints(run_dir: str, remove_partial: bool = True, legacy: bool = F
         elif legacy and LEGACY_RE.match(name) and os.path.isfile(path):
             found.append(path)
     return sorted(found, key=lambda p: (os.path.basename(p)[5:13], p.endswith(".dcp")))
+
+
+def _refuse_link(path: str) -> None:
+    """A run's checkpoints folder and its checkpoints are read only as its own: a link there (`runA/checkpoints ->
+    /elsewhere/run/checkpoints`) had dit-fd score, dit-sample sample and a resume load a model from elsewhere."""
+    if os.path.islink(path):
+        raise CheckpointError(f"{path} is a symbolic link (to {os.readlink(path)}): checkpoints are read only from "
+                              f"the run folder's own checkpoints/ folder, not through a link to elsewhere; replace "
+                              f"it by the folder itself, or name the checkpoint it points at")
 
 
 PUBLISHING = re.compile(r"^(step_[0-9]{8}\.dcp)(\.tmp|\.old\.tmp)$")  # _publish's names for a step being published

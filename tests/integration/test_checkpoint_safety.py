@@ -562,3 +562,31 @@ def test_the_lr_on_resume_is_the_schedules_not_the_checkpoints(tmp_path):
         state.load_state_dict(crafted)
 
 
+@pytest.mark.parametrize("link", ["checkpoints", "checkpoints/step_00000001.dcp"])
+def test_checkpoints_are_never_read_through_a_link_to_elsewhere(tmp_path, monkeypatch, capfd, link):
+    """`runA/checkpoints -> /elsewhere/run/checkpoints` (or a linked step folder): dit-fd scored the model
+    elsewhere and wrote its results into the sweep, dit-sample sampled it. Each refuses in one line."""
+    from dit_train.evaluation.fd.job import find_checkpoints
+
+    elsewhere, _ = saved_run(tmp_path / "elsewhere")
+    run_dir = tmp_path / "sweep" / "runA"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints").rmdir() if link == "checkpoints" else None
+    os.symlink(os.path.join(elsewhere, link), run_dir / link)
+    for where in (tmp_path / "sweep", run_dir):
+        with pytest.raises(ckpt.CheckpointError, match=f"{re.escape(str(run_dir / link))} is a symbolic link"):
+            find_checkpoints(where)
+    code, err = main_in_process("dit_train.sample", [str(run_dir)], tmp_path, monkeypatch, capfd)
+    lines = [ln for ln in err.splitlines() if ln.strip() and "Warning" not in ln]
+    assert code == 2 and len(lines) == 1 and "is a symbolic link" in lines[0], err
+
+
+def test_a_linked_run_folder_in_a_sweep_is_refused(tmp_path):
+    from dit_train.evaluation.fd.job import find_checkpoints
+
+    elsewhere, _ = saved_run(tmp_path / "elsewhere")
+    (tmp_path / "sweep").mkdir()
+    saved_run(tmp_path / "sweep" / "own")
+    os.symlink(elsewhere, tmp_path / "sweep" / "runA")
+    with pytest.raises(ckpt.CheckpointError, match="sweep/runA is a symbolic link .*runs are scored only from"):
+        find_checkpoints(tmp_path / "sweep")
