@@ -46,19 +46,19 @@ def check_paths(cfg) -> None:
             check_encoder_trusted(cfg.eval.encoder, encoder, bool(cfg.eval.get("trust_encoder_code")))
         except UntrustedCodeError as e:
             raise ConfigError(str(e)) from None
-    source = cfg.train.get("init_from")
-    if source is not None and not _has_checkpoints(cfg):  # a requeued fork continues from its own
-        from dit_train.runs.checkpoint import resolve_checkpoint
-
-        try:
-            resolve_checkpoint(str(source))
-        except FileNotFoundError as e:
-            raise invalid("train.init_from", source, str(e)) from None
     run_dir = _explicit_run_dir(cfg)
-    if run_dir is not None:  # before Hydra opens its log there
+    if run_dir is not None:  # before Hydra opens its log there, and before checkpoints/ is listed
         from dit_train.runs.in_place_files import refuse_writes_outside
 
         refuse_writes_outside(run_dir)
+    source = cfg.train.get("init_from")
+    if source is not None and not _has_checkpoints(cfg):  # a requeued fork continues from its own
+        from dit_train.runs.checkpoint import CheckpointError, resolve_checkpoint
+
+        try:
+            resolve_checkpoint(str(source))
+        except (FileNotFoundError, CheckpointError) as e:  # CheckpointError: e.g. its checkpoints/ is a link
+            raise invalid("train.init_from", source, str(e)) from None
     check_data_files(cfg.data)
     if vae is not None and installed("diffusers"):  # its weights after the data (without diffusers: refused later)
         from dit_train.diffusion.vae_shapes import check_vae_folder

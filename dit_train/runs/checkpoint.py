@@ -6,9 +6,9 @@
 - `train_state.json`: the TrainState (train_state.py: step = data position, schedule, training generator, EMA
   count, run time, skipped steps, best FD) and the resolved config, written by rank 0;
 - `COMPLETE`, written last. Everything goes into `step_N.dcp.tmp/`, which is renamed when complete, so only
-  complete folders are ever listed; leftovers of an interrupted save are reported and removed. The tensors may
-  be written in the background (start_save: DCP's async_save); the marker and the rename wait for the write
-  (PendingSave.finish; checkpoint_saver.py decides when).
+  complete folders are ever listed; leftovers of an interrupted save are reported and removed (a complete save
+  whose rename was cut short is put in place). The tensors may be written in the background (start_save: DCP's
+  async_save); the marker and the rename wait for the write (PendingSave.finish; checkpoint_saver.py decides when).
 
 Loading never executes code from the file: DCP's metadata is read by checkpoint_metadata.py (exact names, shard
 files inside the folder only), its non-tensor items with `torch.load(weights_only=True)`, and the train state is
@@ -75,12 +75,16 @@ def is_complete(path: str) -> bool:
 # ---- finding ------------------------------------------------------------------------------------------------
 def list_checkpoints(run_dir: str, remove_partial: bool = True, legacy: bool = False) -> list[str]:
     """Complete checkpoints, oldest first (with `legacy`, read-only step_N.pt files too). Leftovers of an
-    interrupted save are reported and, with `remove_partial` (rank 0 only), removed; a final-named folder
-    without its marker is reported and skipped."""
+    interrupted save are reported and, with `remove_partial` (rank 0 only), removed, except a complete save that was
+    not yet renamed into place, which is put in place; a final-named folder without its marker is reported and
+    skipped. A checkpoints folder or checkpoint that is a symbolic link is refused (CheckpointError)."""
     folder = checkpoint_dir(run_dir)
+    _refuse_link(folder)
+    if remove_partial and os.path.isdir(folder):
+        _finish_interrupted_publish(folder)
     for tmp in glob.glob(os.path.join(folder, "*.tmp-*")) + glob.glob(os.path.join(folder, "*.tmp")):
         _report_once(f"ignoring partial checkpoint {tmp} (a save was interrupted; a run resumed in this folder "
-                     f"removes it)", tmp)
+                     f"{'publishes' if _publishable(tmp) else 'removes'} it)", tmp)
         if remove_partial:
             shutil.rmtree(tmp, ignore_errors=True) if os.path.isdir(tmp) else os.remove(tmp)
     if not os.path.isdir(folder):
@@ -88,6 +92,8 @@ def list_checkpoints(run_dir: str, remove_partial: bool = True, legacy: bool = F
     found = []
     for name in os.listdir(folder):
         path = os.path.join(folder, name)
+        if CKPT_RE.match(name) or LEGACY_RE.match(name):
+            _refuse_link(path)
         if CKPT_RE.match(name):
             if is_complete(path):
                 found.append(path)
@@ -96,6 +102,39 @@ def list_checkpoints(run_dir: str, remove_partial: bool = True, legacy: bool = F
         elif legacy and LEGACY_RE.match(name) and os.path.isfile(path):
             found.append(path)
     return sorted(found, key=lambda p: (os.path.basename(p)[5:13], p.endswith(".dcp")))
+
+
+def _refuse_link(path: str) -> None:
+    """A run's checkpoints folder and its checkpoints are read only as its own: a link there (`runA/checkpoints ->
+    /elsewhere/run/checkpoints`) had dit-fd score, dit-sample sample and a resume load a model from elsewhere."""
+    if os.path.islink(path):
+        raise CheckpointError(f"{path} is a symbolic link (to {os.readlink(path)}): checkpoints are read only from "
+                              f"the run folder's own checkpoints/ folder, not through a link to elsewhere; replace "
+                              f"it by the folder itself, or name the checkpoint it points at")
+
+
+PUBLISHING = re.compile(r"^(step_[0-9]{8}\.dcp)(\.tmp|\.old\.tmp)$")  # _publish's names for a step being published
+
+
+def _publishable(tmp: str) -> bool:
+    """A complete save (or the one it replaces) whose final name is free: what a crash inside _publish leaves."""
+    found = PUBLISHING.match(os.path.basename(tmp))
+    return bool(found) and not os.path.islink(tmp) and is_complete(tmp) and \
+        not os.path.lexists(os.path.join(os.path.dirname(tmp), found.group(1)))
+
+
+def _finish_interrupted_publish(folder: str) -> None:
+    """A crash between _publish's two renames leaves step_N.dcp.old.tmp (the earlier save of that step) and a
+    complete step_N.dcp.tmp, and no step_N.dcp: the newer save is put in place (the earlier one where the newer is
+    incomplete); removing both as partial lost the step. Only complete saves whose final name is free are moved."""
+    for name in sorted(os.listdir(folder), key=lambda n: n.endswith(".old.tmp")):  # the newer save first
+        tmp = os.path.join(folder, name)
+        if _publishable(tmp):
+            final = os.path.join(folder, PUBLISHING.match(name).group(1))
+            os.replace(tmp, final)
+            fsync_dir(folder)
+            log.warning("checkpoint %s was complete but not yet in place when a save was interrupted: put in place "
+                        "from %s", final, name)
 
 
 _REPORTED: set[str] = set()  # leftovers this process has reported: the run reads its folder several times
@@ -345,7 +384,37 @@ def read_train_state(path: str, keys: tuple[str, ...] = ("step",)) -> dict:
     if type(state.get("step")) is not int or state["step"] < 0 or not isinstance(state.get("config", {}), dict):
         raise CheckpointError(f"{file} is not a dit_train train state (an integer 'step' and the run's 'config' "
                               f"object expected); {fix}")
+    too_big = _config_beyond_any_schema(state.get("config", {}))
+    if too_big:
+        raise CheckpointError(f"{file}: its config holds {too_big}, beyond any dit_train config (~110 values, at most "
+                              f"{MAX_CONFIG_NODES:,} and {MAX_CONFIG_DEPTH} levels deep are read): not read; {fix}")
     return state
+
+
+# A run's config in train_state.json has ~110 values (keys, list items and leaves; `experiment=debug`) 4 levels deep,
+# and every key of every schema's every option together is 203 (config.schemas.every_key). Readers make an OmegaConf
+# node of it (~0.4 ms per value: a crafted config of 10^6 keys within the 16 MB file cap held dit-sample for 399 s
+# and 3.5 GB), so a config of more than ~10x every key there is, or nested deeper than any schema, is refused first.
+MAX_CONFIG_NODES = 2000
+MAX_CONFIG_DEPTH = 16
+
+
+def _config_beyond_any_schema(config) -> str | None:
+    """What makes a JSON config larger than any dit_train config ("more than N values", "values nested deeper
+    than N levels"), or None. Stops counting at the limit; iterative, so a deep nesting cannot exhaust the stack."""
+    count, todo = 0, [(config, 0)]
+    while todo:
+        node, depth = todo.pop()
+        count += 1
+        if count > MAX_CONFIG_NODES:
+            return f"more than {MAX_CONFIG_NODES:,} values"
+        if depth > MAX_CONFIG_DEPTH:
+            return f"values nested deeper than {MAX_CONFIG_DEPTH} levels"
+        if isinstance(node, dict):
+            todo.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            todo.extend((v, depth + 1) for v in node)
+    return None
 
 
 def saved_config(path: str, state: dict | None = None) -> dict:
@@ -378,11 +447,47 @@ def load(path: str, model, optimizer, ema_model) -> dict:
     if not is_complete(path):
         raise CheckpointError(f"{path!r} is a read-only single-file checkpoint of an earlier version (export, "
                               f"sampling and FD read it); training resumes from step_N.dcp checkpoints only")
+    built = hyperparameters(optimizer)
     state = tensor_state(model, optimizer, ema_model)
     _dcp_load(state, path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     set_model_state_dict(ema_model, state["ema"])
+    keep_built_hyperparameters(optimizer, built, path)
     return read_train_state(path)
+
+
+# the keys of a param group that are not the config's: its tensors, the lr the schedule sets each step (TrainState
+# sets it again from the schedule on resume) and a step counter (matrix_optimizer.py)
+NOT_HYPERPARAMETERS = ("params", "lr", "step")
+
+
+def hyperparameters(optimizer) -> list[dict]:
+    """Each param group's hyperparameters, as the run's config built them."""
+    return [{k: v for k, v in group.items() if k not in NOT_HYPERPARAMETERS} for group in optimizer.param_groups]
+
+
+def keep_built_hyperparameters(optimizer, built: list[dict], path: str) -> None:
+    """The config is the truth: loading an optimizer's state replaces its param groups with the checkpoint's, whose
+    hyperparameters (weight_decay, eps, betas, initial_lr, ...) were then used silently (a crafted weight_decay=0.9,
+    eps=1.0 resumed, and the loss went from 1.36 to 8.28). One line naming the first that differs; a key the
+    checkpoint lacks or adds is the config's again (torch versions differ in the keys they save)."""
+    def same(a, b):
+        if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+        return type(a) is type(b) and a == b
+
+    for i, (group, config) in enumerate(zip(optimizer.param_groups, built)):
+        for key, value in config.items():
+            if key in group and not same(group[key], value):
+                raise CheckpointError(f"checkpoint {path!r}: its optimizer state has {key}={group[key]!r} in param "
+                                      f"group {i}, and this run's config gives {key}={value!r}: the config is what a "
+                                      f"run trains with; resume with the config the checkpoint was written with, or "
+                                      f"fork it with train.init_from=<checkpoint> (weights only)")
+        for key in [k for k in group if k not in config and k not in NOT_HYPERPARAMETERS]:
+            del group[key]
+        group.update({k: v for k, v in config.items() if k not in group})
 
 
 def load_weights(path: str, model, ema_model) -> None:

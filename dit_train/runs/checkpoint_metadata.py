@@ -30,6 +30,13 @@ import torch.distributed.checkpoint.filesystem as dcp_fs
 import torch.distributed.checkpoint.metadata as dcp_md
 
 SHARD_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*\.distcp$")  # DCP writes __<rank>_<n>.distcp
+# The largest `.metadata` a real checkpoint has, with a wide margin; a larger one is refused before it is read (it is
+# read whole: a sparse 3 GB file took 3.4 GB and 48 s before it was found damaged; 30 GB was an out-of-memory kill).
+# It holds one entry per tensor per chunk, and FSDP2 writes one chunk per rank: dit_15b has 611 parameters, so
+# model + EMA + AdamW's exp_avg, exp_avg_sq and step ~ 3,100 tensors; x 1 chunk per rank x 512 ranks (16x the preset's
+# 4 nodes x 8 GPUs) x 300 bytes per entry (measured: 246 B at 1 rank in the `experiment=debug` checkpoint, 178 B per
+# entry at 32 ranks in its metadata re-chunked 32 ways) = 476 MB, under 512 MiB.
+MAX_METADATA_BYTES = 512 << 20
 
 
 class RefusedMetadata(pickle.UnpicklingError):
@@ -88,8 +95,16 @@ def read(path: str) -> dcp_md.Metadata:
     """The checkpoint folder's `.metadata`, checked, and the shard files it names. Raises RefusedMetadata or
     DamagedMetadata (one line each)."""
     check_plain_file(path, ".metadata")
-    with open(os.path.join(path, ".metadata"), "rb") as f:
-        metadata = loads(f.read())
+    meta_file = os.path.join(path, ".metadata")
+    size = os.path.getsize(meta_file) if os.path.isfile(meta_file) else 0  # a missing one: open() says so
+    if size > MAX_METADATA_BYTES:
+        raise DamagedMetadata(f"its .metadata is {size:,} bytes, more than the {MAX_METADATA_BYTES:,} bytes the "
+                              f"metadata of any dit_train checkpoint takes (dit_15b on 512 ranks): not read")
+    with open(meta_file, "rb") as f:
+        data = f.read(MAX_METADATA_BYTES + 1)  # bounded even if it grew since
+    if len(data) > MAX_METADATA_BYTES:
+        raise DamagedMetadata(f"its .metadata grew past {MAX_METADATA_BYTES:,} bytes while it was read: not read")
+    metadata = loads(data)
     shards = sorted({info.relative_path for info in metadata.storage_data.values()})
     for name in shards:
         check_plain_file(path, name)

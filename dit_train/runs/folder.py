@@ -38,13 +38,13 @@ def prepare_run_folder(cfg, dist: DistInfo) -> RunLock | None:
     lock, error = None, None
     if dist.is_main:
         try:
+            refuse_writes_outside(cfg.run_dir)  # first: the resume decision lists checkpoints/, never through a link
             resumed_from = check_resume(cfg)
             if resumed_from is None and cfg.train.resume == "auto":  # a misspelled run_dir trained a new run silently
                 log.info(fresh_start_line(cfg))
             record = os.path.join(cfg.run_dir, wandb_run.RECORD)
             if cfg.logger.wandb.mode != "disabled" and os.path.exists(record):
                 wandb_run.read_identity(record)  # a damaged one is refused before anything is written
-            refuse_writes_outside(cfg.run_dir)
             os.makedirs(cfg.run_dir, exist_ok=True)
             lock = RunLock(cfg.run_dir).acquire()
             for stale in remove_stale_temp_files(cfg.run_dir):

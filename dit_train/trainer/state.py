@@ -48,12 +48,25 @@ class TrainState:
                 **({"latents_vae": self.latents_vae} if self.latents_vae else {}),
                 **({"metric_best": self.metric_best} if self.metric_best else {})}
 
+    def _lr_from_schedule(self) -> None:
+        """Each group's lr as the schedule gives it at the loaded step (what LambdaLR.step sets), not the lr the
+        checkpoint's optimizer state holds: the next step uses it, and a crafted one was used as it was."""
+        lrs = [base * schedule(self.scheduler.last_epoch)
+               for base, schedule in zip(self.scheduler.base_lrs, self.scheduler.lr_lambdas)]
+        for group, lr in zip(self.scheduler.optimizer.param_groups, lrs):
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
+        self.scheduler._last_lr = lrs
+
     def load_state_dict(self, state: dict) -> None:
         """A checkpoint's train state (from elsewhere, maybe crafted): the scheduler takes only the keys of its own
         state (LRScheduler.load_state_dict sets any key as an attribute); anything missing or of the wrong type
         is one line."""
         from dit_train.runs.checkpoint import CheckpointError
 
+        built_base_lrs = list(self.scheduler.base_lrs)  # the config's lr per group (their initial_lr)
         try:
             unknown = set(state["scheduler"]) - set(self.scheduler.state_dict())
             if unknown:
@@ -70,10 +83,17 @@ class TrainState:
                     f"device kinds, so the run could not continue exactly; resume on {written_on}, or start a new "
                     f"run from its weights with train.init_from=<checkpoint>")
             self.scheduler.load_state_dict(state["scheduler"])
+            if self.scheduler.base_lrs != built_base_lrs:
+                raise CheckpointError(f"its train state's scheduler has base_lrs={self.scheduler.base_lrs!r}, and "
+                                      f"this run's config gives {built_base_lrs!r}: the config is what a run trains "
+                                      f"with; resume with the config the checkpoint was written with")
+            self._lr_from_schedule()
             self.generator.set_state(generator)
             self.ema.num_updates = int(state["ema_num_updates"])
         except DeviceKindChanged as e:
             raise CheckpointError(str(e)) from None
+        except CheckpointError:
+            raise
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"the checkpoint's train state is damaged or not dit_train's "
                                   f"({type(e).__name__}: {e}); use an earlier checkpoint") from None

@@ -454,3 +454,139 @@ def test_a_declared_tensor_size_the_shards_cannot_hold_is_damage_found_before_al
     with pytest.raises(ckpt.CheckpointError, match="is damaged: its .metadata (declares|is not a DCP)") as e:
         ckpt.load_ema_weights(run_dir)
     assert "\n" not in str(e.value)
+
+
+# ---- sizes, hyperparameters and links of a checkpoint from elsewhere -------------------------------------------
+def test_a_metadata_larger_than_any_checkpoints_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    """A sparse 3 GB `.metadata` was read whole (3.4 GB, 48 s) before it was found damaged; 30 GB was an
+    out-of-memory kill. One byte over the limit is refused in one line, and the file is never opened."""
+    from dit_train.runs import checkpoint_metadata as cm
+
+    run_dir, path = saved_run(tmp_path)
+    meta = os.path.join(path, ".metadata")
+    os.truncate(meta, (512 << 20) + 1)  # the limit (checkpoint_metadata.py derives it) and a byte; sparse
+    opened = []
+    monkeypatch.setattr(cm, "open", lambda file, *a, **k: opened.append(file) or open(file, *a, **k), raising=False)
+    with pytest.raises(ckpt.CheckpointError, match=f"{re.escape(path)}.* is damaged: its .metadata is "
+                                                   f"536,870,913 bytes, more than the 536,870,912") as e:
+        ckpt.load_ema_weights(run_dir)
+    assert "\n" not in str(e.value) and meta not in opened
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"junk": {f"k{i}": i for i in range(2000)}}, "more than 2,000 values"),
+    ({"junk": [[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]}, "nested deeper than 16 levels")])
+def test_a_saved_config_larger_than_any_dit_train_config_is_refused_before_omegaconf(tmp_path, monkeypatch,
+                                                                                      capfd, config, match):
+    """`config.junk` of 10^6 keys (within the 16 MB file cap) held dit-sample for 399 s and 3.5 GB inside
+    OmegaConf.create. A config beyond any schema's size is one line naming the file, before any node is made."""
+    import omegaconf
+
+    run_dir, path = saved_run(tmp_path)
+    file = os.path.join(path, ckpt.TRAIN_STATE)
+    state = ckpt.read_train_state(path, ("step", "config"))
+    state["config"].update(config)
+    with open(file, "w") as f:
+        f.write(__import__("json").dumps(state))
+    made = []
+    monkeypatch.setattr(omegaconf.OmegaConf, "create", lambda *a, **k: made.append(1))
+    code, err = main_in_process("dit_train.sample", [run_dir], tmp_path, monkeypatch, capfd)
+    lines = [ln for ln in err.splitlines() if ln.strip() and "Warning" not in ln]
+    assert code == 2 and len(lines) == 1 and file in lines[0] and match in lines[0], err
+    assert not made
+
+
+def adamw_run(lr=0.1, weight_decay=0.01, eps=1e-8):
+    """A Linear with AdamW and the project's warmup+cosine schedule, as a config would build them."""
+    from dit_train.diffusion.ema import EMA
+    from dit_train.optim.schedule import build_scheduler
+    from dit_train.trainer.state import TrainState
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, eps=eps)
+    sched = build_scheduler(opt, total_steps=10, warmup_steps=2, kind="cosine", min_lr_ratio=0.1)
+    ema = EMA(model, 0.9)
+    return model, opt, sched, TrainState(scheduler=sched, generator=torch.Generator(), ema=ema), ema
+
+
+def saved_adamw(tmp_path, steps=3, **crafted):
+    """A checkpoint after `steps` AdamW steps, its param groups rewritten with `crafted` values before saving."""
+    model, opt, sched, state, ema = adamw_run()
+    for _ in range(steps):
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        sched.step()
+    state.step = steps
+    for group in opt.param_groups:
+        group.update(crafted)
+    return ckpt.save(str(tmp_path / "run"), steps, ckpt.tensor_state(model, opt, ema.model), state.state_dict(), 0)
+
+
+@pytest.mark.parametrize("crafted, key", [({"weight_decay": 0.9}, "weight_decay"), ({"eps": 1.0}, "eps"),
+                                          ({"betas": (0.5, 0.5)}, "betas"), ({"initial_lr": 1.0}, "initial_lr")])
+def test_hyperparameters_in_a_checkpoints_optimizer_state_never_override_the_config(tmp_path, crafted, key):
+    """torch's load_state_dict takes the checkpoint's param groups whole: a crafted weight_decay=0.9, eps=1.0 was
+    resumed silently (the loss went from 1.36 to 8.28). The config's value is the truth; a differing one is one
+    line naming the key and both values, and the run's optimizer keeps the config's."""
+    path = saved_adamw(tmp_path, **crafted)
+    model, opt, _, _, ema = adamw_run()
+    with pytest.raises(ckpt.CheckpointError, match=rf"{re.escape(path)}.*{key}=.* and this run's config gives "
+                                                   rf"{key}=") as e:
+        ckpt.load(path, model, opt, ema.model)
+    assert "\n" not in str(e.value)
+
+
+def test_the_lr_on_resume_is_the_schedules_not_the_checkpoints(tmp_path):
+    """The lr in a checkpoint's param groups is the scheduled one, and the first step after a resume used it as
+    stored: a crafted lr=5.0 trained one step with it. It is set from the schedule at the loaded step (as a legit
+    checkpoint holds it: bit for bit), and a crafted schedule base lr is refused."""
+    from dit_train.optim.schedule import lr_multiplier
+
+    legit = saved_adamw(tmp_path / "legit")
+    model, opt, sched, state, ema = adamw_run()
+    state.load_state_dict(ckpt.load(legit, model, opt, ema.model))
+    kept = [g["lr"] for g in opt.param_groups]
+    assert kept == [0.1 * lr_multiplier(3, 10, 2, "cosine", 0.1)] and sched.get_last_lr() == kept
+
+    path = saved_adamw(tmp_path / "lr", lr=5.0)
+    model, opt, sched, state, ema = adamw_run()
+    state.load_state_dict(ckpt.load(path, model, opt, ema.model))
+    assert [g["lr"] for g in opt.param_groups] == kept and sched.get_last_lr() == kept
+
+    file = os.path.join(path, ckpt.TRAIN_STATE)
+    crafted = ckpt.read_train_state(path)
+    crafted["scheduler"]["base_lrs"] = [7.0]
+    model, opt, sched, state, ema = adamw_run()
+    with pytest.raises(ckpt.CheckpointError, match=r"base_lrs=\[7.0\], and this run's config gives \[0.1\]"):
+        state.load_state_dict(crafted)
+
+
+@pytest.mark.parametrize("link", ["checkpoints", "checkpoints/step_00000001.dcp"])
+def test_checkpoints_are_never_read_through_a_link_to_elsewhere(tmp_path, monkeypatch, capfd, link):
+    """`runA/checkpoints -> /elsewhere/run/checkpoints` (or a linked step folder): dit-fd scored the model
+    elsewhere and wrote its results into the sweep, dit-sample sampled it. Each refuses in one line."""
+    from dit_train.evaluation.fd.job import find_checkpoints
+
+    elsewhere, _ = saved_run(tmp_path / "elsewhere")
+    run_dir = tmp_path / "sweep" / "runA"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints").rmdir() if link == "checkpoints" else None
+    os.symlink(os.path.join(elsewhere, link), run_dir / link)
+    for where in (tmp_path / "sweep", run_dir):
+        with pytest.raises(ckpt.CheckpointError, match=f"{re.escape(str(run_dir / link))} is a symbolic link"):
+            find_checkpoints(where)
+    code, err = main_in_process("dit_train.sample", [str(run_dir)], tmp_path, monkeypatch, capfd)
+    lines = [ln for ln in err.splitlines() if ln.strip() and "Warning" not in ln]
+    assert code == 2 and len(lines) == 1 and "is a symbolic link" in lines[0], err
+
+
+def test_a_linked_run_folder_in_a_sweep_is_refused(tmp_path):
+    from dit_train.evaluation.fd.job import find_checkpoints
+
+    elsewhere, _ = saved_run(tmp_path / "elsewhere")
+    (tmp_path / "sweep").mkdir()
+    saved_run(tmp_path / "sweep" / "own")
+    os.symlink(elsewhere, tmp_path / "sweep" / "runA")
+    with pytest.raises(ckpt.CheckpointError, match="sweep/runA is a symbolic link .*runs are scored only from"):
+        find_checkpoints(tmp_path / "sweep")

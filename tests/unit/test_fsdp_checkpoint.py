@@ -35,7 +35,7 @@ def test_only_complete_checkpoints_are_listed_partial_ones_reported(tmp_path, ca
     torch.save({"step": 3}, os.path.join(folder, "step_00000003.pt"))  # an earlier version's file: read-only
     fake_dcp(os.path.join(folder, "step_00000004.dcp"))
     fake_dcp(os.path.join(folder, "step_00000006.dcp"), complete=False)  # renamed but its marker is missing
-    fake_dcp(os.path.join(folder, "step_00000005.dcp.tmp"))  # a save interrupted before the rename
+    fake_dcp(os.path.join(folder, "step_00000005.dcp.tmp"), complete=False)  # a save interrupted mid-write
     with caplog.at_level(logging.WARNING):
         listed = ckpt.list_checkpoints(run_dir, remove_partial=False, legacy=True)
     assert [os.path.basename(p) for p in listed] == ["step_00000003.pt", "step_00000004.dcp"]
@@ -50,6 +50,32 @@ def test_only_complete_checkpoints_are_listed_partial_ones_reported(tmp_path, ca
     assert not any(".tmp" in f for f in os.listdir(folder))
     ckpt.prune_checkpoints(run_dir, keep_last=1)  # both formats count
     assert [os.path.basename(p) for p in ckpt.list_checkpoints(run_dir, legacy=True)] == ["step_00000004.dcp"]
+
+
+@pytest.mark.parametrize("left", ["both renames to do", "the second rename to do", "the newer save incomplete"])
+def test_a_save_interrupted_while_being_put_in_place_is_finished_not_deleted(tmp_path, left):
+    """_publish moves an earlier save of the same step aside (step_N.dcp.old.tmp) and renames the complete
+    step_N.dcp.tmp into place: a crash between the two left both `*.tmp` and no step_N.dcp, and the next resume
+    deleted both as partial, losing the step. The complete newer save is put in place (the earlier one when the newer
+    is incomplete); readers only look; nothing complete is deleted."""
+    folder = ckpt.checkpoint_dir(str(tmp_path))
+    final = os.path.join(folder, "step_00000004.dcp")
+    fake_dcp(os.path.join(folder, "step_00000002.dcp"))
+    if left != "the second rename to do":
+        fake_dcp(final + ".old.tmp")
+        with open(os.path.join(final + ".old.tmp", "which"), "w") as f:
+            f.write("earlier")
+    fake_dcp(final + ".tmp", complete=left != "the newer save incomplete")
+    with open(os.path.join(final + ".tmp", "which"), "w") as f:
+        f.write("newer")
+    before = sorted(os.listdir(folder))
+    assert [os.path.basename(p) for p in ckpt.list_checkpoints(str(tmp_path), remove_partial=False)] == \
+        ["step_00000002.dcp"] and sorted(os.listdir(folder)) == before  # a reader changes nothing
+    listed = ckpt.list_checkpoints(str(tmp_path))  # rank 0 of a resumed run
+    assert [os.path.basename(p) for p in listed] == ["step_00000002.dcp", "step_00000004.dcp"]
+    assert sorted(os.listdir(folder)) == ["step_00000002.dcp", "step_00000004.dcp"]
+    with open(os.path.join(final, "which")) as f:
+        assert f.read() == ("earlier" if left == "the newer save incomplete" else "newer")
 
 
 def _losses(run_dir):
@@ -78,7 +104,7 @@ def test_group_of_one_equals_single_process_and_its_checkpoint_resumes_anywhere(
     assert _losses(back) == {3: _losses(plain)[3], 4: _losses(plain)[4]}
 
     # resume=auto skips an interrupted save and an incomplete folder, and continues from the newest complete one
-    fake_dcp(os.path.join(folder, "step_00000006.dcp.tmp"))
+    fake_dcp(os.path.join(folder, "step_00000006.dcp.tmp"), complete=False)
     fake_dcp(os.path.join(folder, "step_00000005.dcp"), complete=False)
     run(compose(TINY + [f"run_dir={sharded}", "parallel.fsdp=true", "train.resume=auto", "train.steps=6"]))
     assert sorted(_losses(sharded)) == [1, 2, 3, 4, 5, 6]

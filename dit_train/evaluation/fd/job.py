@@ -69,6 +69,11 @@ def find_checkpoints(path: str | os.PathLike) -> tuple[Path, list[tuple[str, Pat
     for dirpath, dirnames, _ in os.walk(p):
         dirnames.sort()
         d = Path(dirpath)
+        for name in dirnames:  # os.walk does not enter a linked folder: a linked run is refused, not skipped quietly
+            if os.path.islink(d / name) and os.path.isdir(d / name / "checkpoints"):
+                raise ckpt.CheckpointError(f"{d / name} is a symbolic link (to {os.readlink(d / name)}): runs are "
+                                           f"scored only from folders of the sweep, not through a link to "
+                                           f"elsewhere; replace it by the run folder itself, or name that folder")
         if "checkpoints" in dirnames:
             found += [(str(d.relative_to(p)), c) for c in ckpts(d)]
             dirnames.remove("checkpoints")
