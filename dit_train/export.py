@@ -30,13 +30,14 @@ def export_ema(source: str, out_dir: str, dtype: str = "fp32", vae: str | None =
     """Write the EMA model of `source` to the folder `out_dir`; returns the provenance written to config.json."""
     from dit_train.runs.checkpoint import is_complete, load_ema_weights, read_saved_state, resolve_checkpoint
     from dit_train.model.dit import DiTConfig
-    from dit_train.model.pretrained import save_export
+    from dit_train.model.pretrained import refuse_links_in_export, save_export
 
     if out_dir.endswith(".safetensors"):
         raise ValueError(f"OUT_DIR={out_dir!r} is not valid: export writes a folder (a diffusers pipeline); give "
                          f"a folder path")
     if dtype not in DTYPES:
         raise ValueError(f"--dtype={dtype!r} is not valid: choose one of {', '.join(DTYPES)}")
+    refuse_links_in_export(out_dir, with_vae=True)  # before the checkpoint is read: vae/ too, whether or not written
     path = resolve_checkpoint(source)
     vae_path = None
     if is_complete(path):  # the VAE judged before the weights are read (a legacy .pt holds both: judged after)

@@ -70,6 +70,21 @@ def save_export(state_dict: dict, config, folder: str, dtype: str = "fp32", prov
     return folder
 
 
+def refuse_links_in_export(folder: str, with_vae: bool) -> None:
+    """ConfigError (one line) when a path save_export writes inside `folder` is a symbolic link or reached through one
+    (an existing OUT_DIR with `transformer -> /elsewhere` had /elsewhere/config.json overwritten), or is not a plain
+    file (folder); checked before the checkpoint is read or anything is written."""
+    from dit_train.runs.atomic_io import refuse_links_on_the_way
+
+    parts = {TRANSFORMER: [CONFIG_FILE, DIFFUSERS_WEIGHTS_FILE], "scheduler": ["scheduler_config.json"],
+             **({"vae": [CONFIG_FILE, DIFFUSERS_WEIGHTS_FILE]} if with_vae else {})}
+    for part, files in parts.items():
+        refuse_links_on_the_way(folder, os.path.join(folder, part), "dit-export", folder=True)
+        for name in files:
+            refuse_links_on_the_way(folder, os.path.join(folder, part, name), "dit-export")
+    refuse_links_on_the_way(folder, os.path.join(folder, PIPELINE_FILE), "dit-export")
+
+
 def save_vae(vae_path: str, folder: str) -> None:
     """A copy of the AutoencoderKL at `vae_path` with the scaling/shift factors that encoded the latents written
     explicitly (vae_scaling reads a missing one as 1 / 0, diffusers as its class default)."""

@@ -95,6 +95,26 @@ def test_a_damaged_train_state_is_one_line_naming_the_file(trained_run, tmp_path
     assert not (tmp_path / "out").exists()
 
 
+@needs_fashion
+@pytest.mark.parametrize("link", ["transformer", "scheduler", "vae", "transformer/config.json", "model_index.json"])
+def test_a_link_in_out_dir_is_refused_before_anything_is_read_or_written(trained_run, tmp_path, link):
+    """An existing OUT_DIR from elsewhere with `transformer -> /elsewhere` had /elsewhere/config.json overwritten."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "config.json").write_text("mine")
+    (elsewhere / "scheduler_config.json").write_text("mine")
+    out = tmp_path / "out"
+    (out / ("transformer" if "/" in link else "")).mkdir(parents=True, exist_ok=True)
+    (out / link).symlink_to(elsewhere if "." not in link else elsewhere / "config.json")
+    r = export_command(trained_run, out)
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        f"error: {out / link} is a symbolic link (to {os.readlink(out / link)}): dit-export writes there, so it "
+        f"would write outside {out}; remove it"], r.stderr
+    assert sorted(os.listdir(elsewhere)) == ["config.json", "scheduler_config.json"]
+    assert {(elsewhere / f).read_text() for f in os.listdir(elsewhere)} == {"mine"}
+    assert [f for d, _, files in os.walk(out) for f in files if not os.path.islink(os.path.join(d, f))] == []
+
+
 def test_save_pretrained_keeps_every_architecture_option(tmp_path):
     cfg = DiTConfig(image_size=8, in_channels=4, patch_size=2, hidden_size=32, depth=1, num_heads=2,
                     num_classes=0, qk_norm=True, swiglu=True, text_dim=12)
