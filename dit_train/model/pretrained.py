@@ -9,7 +9,7 @@
 `DiT.save_pretrained` writes the flat model folder (config.json + model.safetensors). Both load without needing
 huggingface_hub or diffusers:
 
-    model = DiT.from_pretrained("exported/")      # a local folder, or a Hub repo id when huggingface_hub is installed
+    model = DiT.from_pretrained("exported/")      # a local folder, or "hf://OWNER/NAME" with huggingface_hub installed
 """
 
 from __future__ import annotations
@@ -100,9 +100,25 @@ def save_vae(vae_path: str, folder: str) -> None:
         make_readable(os.path.join(folder, name))
 
 
+HUB_PREFIX = "hf://"  # huggingface_hub's own spelling of a Hub repo (HfFileSystem)
+
+
 def _local_folder(path: str) -> str:
     """The folder holding the DiT's config.json: `path` (a DiT.save_pretrained folder), its transformer/ (an export),
-    or the same in the Hub snapshot of the repo id `path` (huggingface_hub: the [latents] or [eval] extra)."""
+    or the same in the Hub snapshot of `hf://OWNER/NAME` (huggingface_hub: the [latents] or [eval] extra). Only that
+    spelling downloads: "exported/my_dit" is also a valid repo id, and a local folder that is missing (a typo, another
+    working directory) fetched whatever weights the owner of that Hub name put there."""
+    if path.startswith(HUB_PREFIX):
+        from dit_train.extras import installed
+
+        repo = path[len(HUB_PREFIX):]
+        if repo.count("/") != 1 or not installed("huggingface_hub"):
+            raise FileNotFoundError(f"{path!r} is not valid: a Hugging Face Hub model is {HUB_PREFIX}OWNER/NAME, "
+                                    f"loaded with huggingface_hub installed (the [latents] or [eval] extra)")
+        from huggingface_hub import snapshot_download
+
+        return _local_folder(snapshot_download(repo, allow_patterns=[CONFIG_FILE, WEIGHTS_FILE, PIPELINE_FILE,
+                                                                     f"{TRANSFORMER}/*"]))
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, PIPELINE_FILE)):
             return os.path.join(path, TRANSFORMER)
@@ -111,14 +127,9 @@ def _local_folder(path: str) -> str:
                                     f"dit-export (an interrupted export writes {PIPELINE_FILE} last)"
                                     f"{run_folder_hint(path)}")
         return path
-    from dit_train.extras import installed
-
-    if os.path.exists(path) or not installed("huggingface_hub") or path.count("/") != 1:
-        raise FileNotFoundError(f"{path!r} is not an exported model folder ({PIPELINE_FILE} + {TRANSFORMER}/)")
-    from huggingface_hub import snapshot_download
-
-    return _local_folder(snapshot_download(path, allow_patterns=[CONFIG_FILE, WEIGHTS_FILE, PIPELINE_FILE,
-                                                                 f"{TRANSFORMER}/*"]))
+    what = "no such folder" if not os.path.lexists(path) else "not a folder"
+    raise FileNotFoundError(f"{path!r}: {what} (an exported model is a folder holding {PIPELINE_FILE} + "
+                            f"{TRANSFORMER}/); a Hugging Face Hub repo loads only when named {HUB_PREFIX}OWNER/NAME")
 
 
 def checked_architecture(folder: str):

@@ -135,6 +135,30 @@ def test_from_pretrained_names_a_folder_that_is_not_an_export(tmp_path):
         DiT.from_pretrained(str(tmp_path))
 
 
+def test_a_missing_local_folder_is_one_line_and_only_hf_urls_reach_the_hub(tmp_path, monkeypatch):
+    """`DiT.from_pretrained("exported/my_dit")` (the docs' path) with no such folder here asked the Hub for the repo
+    "exported/my_dit": whoever owns that name supplied the weights."""
+    import types
+
+    asked = []
+    model = DiT(DiTConfig(image_size=8, patch_size=2, hidden_size=32, depth=1, num_heads=2))
+    model.save_pretrained(str(tmp_path / "snapshot"))
+    hub = types.ModuleType("huggingface_hub")  # installed or not: a stand-in that records what is asked of the Hub
+    hub.snapshot_download = lambda repo, **kw: asked.append(repo) or str(tmp_path / "snapshot")
+    monkeypatch.setitem(sys.modules, "huggingface_hub", hub)
+    monkeypatch.chdir(tmp_path)
+    for path in ("exported/my_dit", "./my_dit", str(tmp_path / "my_dit"), "my_dit"):
+        with pytest.raises(FileNotFoundError, match=f"^'{path}': no such folder .*loads only when named "
+                                                    f"hf://OWNER/NAME$"):
+            DiT.from_pretrained(path)
+    assert asked == []
+    loaded = DiT.from_pretrained("hf://someone/my_dit")  # the documented spelling of a Hub repo
+    assert asked == ["someone/my_dit"]
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+    with pytest.raises(FileNotFoundError, match="'hf://my_dit' is not valid: a Hugging Face Hub model is hf://"):
+        DiT.from_pretrained("hf://my_dit")
+
+
 @needs_fashion
 def test_loading_for_inference_draws_no_init_and_holds_the_ema_weights(trained_run, monkeypatch):
     """The checkpoint's tensors are the weights: nothing is drawn only to be overwritten (dit_15b: minutes)."""
