@@ -96,6 +96,21 @@ def test_a_damaged_train_state_is_one_line_naming_the_file(trained_run, tmp_path
 
 
 @needs_fashion
+def test_a_run_folder_name_with_control_characters_prints_as_escapes(trained_run, tmp_path):
+    """A run from elsewhere named "run\x1b[2J\n[fd] ..." cleared the terminal and printed a line of its own."""
+    run_dir = tmp_path / "run\x1b[2J\r\nerror: fake"
+    shutil.copytree(trained_run, run_dir)
+    r = export_command(run_dir, tmp_path / "out")
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == 1 and "\x1b" not in r.stdout, r.stdout
+    assert "run\\x1b[2J\\r\\nerror: fake/checkpoints/step_" in r.stdout
+    (tmp_path / "out" / "transformer").rename(tmp_path / "t")
+    (tmp_path / "out" / "transformer").symlink_to(run_dir)  # an error naming the folder: escaped too
+    r = export_command(run_dir, tmp_path / "out")
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "\x1b" not in r.stderr, r.stderr
+    assert "(to " + str(run_dir).replace("\x1b", "\\x1b").replace("\r", "\\r").replace("\n", "\\n") in r.stderr
+
+
+@needs_fashion
 @pytest.mark.parametrize("link", ["transformer", "scheduler", "vae", "transformer/config.json", "model_index.json"])
 def test_a_link_in_out_dir_is_refused_before_anything_is_read_or_written(trained_run, tmp_path, link):
     """An existing OUT_DIR from elsewhere with `transformer -> /elsewhere` had /elsewhere/config.json overwritten."""
