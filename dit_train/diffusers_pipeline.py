@@ -18,6 +18,7 @@ Loading reads local folders only and never runs code from them: the classes are 
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -34,7 +35,7 @@ from diffusers.pipelines.pipeline_utils import ImagePipelineOutput  # noqa: E402
 
 from dit_train.evaluation.grids import to_uint8  # noqa: E402
 from dit_train.model.dit import DiT, DiTConfig  # noqa: E402
-from dit_train.runs.json_file import check_plain_small_file, read_json  # noqa: E402
+from dit_train.runs.json_file import read_json  # noqa: E402
 
 
 class DiTTrainTransformer2DModel(ModelMixin, DiT, ConfigMixin):
@@ -81,12 +82,17 @@ class DiTTrainTransformer2DModel(ModelMixin, DiT, ConfigMixin):
         """DiT.__init__ stores its DiTConfig; here that is the registered config, which holds the same fields."""
 
 
-LIBRARIES = {"transformer": {"dit_train.diffusers_pipeline"}, "scheduler": {"diffusers"}, "vae": {"diffusers", None}}
+# the (library, class) each component of an export may be: diffusers builds whatever class a pair names, from that
+# component's folder, before reading any weight (["diffusers", "AutoencoderKL"] as the scheduler was built from a
+# scheduler/config.json of any width, unchecked; ["diffusers", "DiffusionPipeline"] loaded a nested model_index.json)
+COMPONENTS = {"transformer": {("dit_train.diffusers_pipeline", "DiTTrainTransformer2DModel")},
+              "scheduler": {("diffusers", "FlowMatchEulerDiscreteScheduler")},
+              "vae": {("diffusers", "AutoencoderKL"), (None, None)}}
 
 
 def check_pipeline_index(folder: str) -> None:
-    """One line unless `folder` is a local export whose model_index.json names this pipeline and components from
-    this module or diffusers only."""
+    """One line unless `folder` is a local export whose model_index.json names this pipeline and, for each
+    component, exactly a (library, class) pair an export writes (COMPONENTS)."""
     from dit_train.runs.folder_kind import PIPELINE_FILE, run_folder_hint
 
     path = os.path.join(folder, PIPELINE_FILE)
@@ -99,11 +105,41 @@ def check_pipeline_index(folder: str) -> None:
         raise ValueError(f"{path!r} does not describe a DiTTrainPipeline (its _class_name is "
                          f"{index.get('_class_name') if isinstance(index, dict) else index!r})")
     for name, entry in index.items():
-        library = entry[0] if isinstance(entry, list) and len(entry) == 2 else entry
-        if not name.startswith("_") and library not in LIBRARIES.get(name, ()):
-            raise ValueError(f"{path!r}: component {name}={entry!r} is not valid: expected one of the library "
-                             f"names {sorted(map(str, LIBRARIES.get(name, ())))} (an export's transformer, scheduler "
-                             f"and vae)")
+        pair = tuple(entry) if isinstance(entry, list) and len(entry) == 2 else None
+        if not name.startswith("_") and pair not in COMPONENTS.get(name, ()):
+            valid = " or ".join(json.dumps(list(p)) for p in sorted(COMPONENTS.get(name, ()), key=str)) or "none"
+            raise ValueError(f"{path!r}: component {name}={entry!r} is not valid: expected {valid} (an export's "
+                             f"transformer, scheduler and vae)")
+
+
+def check_scheduler_config(folder: str) -> None:
+    """One line unless scheduler/scheduler_config.json holds what dit-export writes (SCHEDULER_CONFIG), other keys of
+    FlowMatchEulerDiscreteScheduler at diffusers' defaults (a pipeline saved again by diffusers writes them all),
+    checked before diffusers builds it: its timestep table has num_train_timesteps entries (10**8 took 2.3 GB and
+    36 s), and the pipeline's Euler grid is the exporter's values only."""
+    import inspect
+
+    from dit_train.model.pretrained import SCHEDULER_CONFIG
+
+    path = os.path.join(folder, "scheduler", "scheduler_config.json")
+    if not os.path.lexists(path):
+        return  # diffusers names the missing component
+    config = read_json(path, fix="export the model again")
+    if not isinstance(config, dict):
+        raise ValueError(f"{path!r} is not a scheduler config (a JSON object); export the model again")
+    defaults = {k: p.default for k, p in inspect.signature(FlowMatchEulerDiscreteScheduler.__init__).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    valid = {**defaults, **SCHEDULER_CONFIG}
+    for key, value in config.items():
+        if key.startswith("_") and key != "_class_name":  # diffusers' bookkeeping (_diffusers_version): unused
+            continue
+        want = valid.get(key, inspect.Parameter.empty)
+        # the same JSON type and value (an int for a float is the same number; true is not 1, NaN equals nothing)
+        same = value == want and (type(value) is type(want) or (type(value), type(want)) == (int, float))
+        if want is inspect.Parameter.empty or not same:
+            raise ValueError(f"{path!r}: {key}={value!r} is not valid: an export's scheduler is "
+                             f"{json.dumps(SCHEDULER_CONFIG)} (other FlowMatchEulerDiscreteScheduler keys at "
+                             f"diffusers' defaults); export the model again")
 
 
 class DiTTrainPipeline(DiffusionPipeline):
@@ -127,8 +163,7 @@ class DiTTrainPipeline(DiffusionPipeline):
         from dit_train.diffusion.vae_shapes import check_vae_folder
 
         check_pipeline_index(str(pretrained_model_name_or_path))
-        check_plain_small_file(os.path.join(str(pretrained_model_name_or_path), "scheduler", "scheduler_config.json"),
-                               "export the model again")  # diffusers reads it whole
+        check_scheduler_config(str(pretrained_model_name_or_path))
         vae = os.path.join(str(pretrained_model_name_or_path), "vae")
         if os.path.isdir(vae):
             check_vae_folder(vae)

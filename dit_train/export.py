@@ -23,6 +23,7 @@ import os
 import sys
 
 from dit_train.model.pretrained import DTYPES
+from dit_train.telemetry.plain_text import printable
 from dit_train.trainer.preemption import ctrl_c_exits
 
 
@@ -30,13 +31,14 @@ def export_ema(source: str, out_dir: str, dtype: str = "fp32", vae: str | None =
     """Write the EMA model of `source` to the folder `out_dir`; returns the provenance written to config.json."""
     from dit_train.runs.checkpoint import is_complete, load_ema_weights, read_saved_state, resolve_checkpoint
     from dit_train.model.dit import DiTConfig
-    from dit_train.model.pretrained import save_export
+    from dit_train.model.pretrained import refuse_links_in_export, save_export
 
     if out_dir.endswith(".safetensors"):
         raise ValueError(f"OUT_DIR={out_dir!r} is not valid: export writes a folder (a diffusers pipeline); give "
                          f"a folder path")
     if dtype not in DTYPES:
         raise ValueError(f"--dtype={dtype!r} is not valid: choose one of {', '.join(DTYPES)}")
+    refuse_links_in_export(out_dir, with_vae=True)  # before the checkpoint is read: vae/ too, whether or not written
     path = resolve_checkpoint(source)
     vae_path = None
     if is_complete(path):  # the VAE judged before the weights are read (a legacy .pt holds both: judged after)
@@ -87,16 +89,16 @@ def main(argv=None) -> int:
     try:
         meta = export_ema(args.source, args.out_dir, args.dtype, args.vae)
     except (FileNotFoundError, KeyError, ValueError) as e:  # CheckpointError is a ValueError
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(str(e))}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk or an unwritable OUT_DIR: the path and the error; the run is only read
         from dit_train.runs.atomic_io import describe_os_error
 
-        print(f"error: {describe_os_error(e)}", file=sys.stderr)
+        print(f"error: {printable(describe_os_error(e))}", file=sys.stderr)
         return 1
-    print(f"wrote {args.out_dir}: EMA weights at step {meta['step']} ({meta['format']} checkpoint {meta['source']}, "
-          f"{args.dtype}); load with DiT.from_pretrained({args.out_dir!r}) or, in diffusers, "
-          f"dit_train.diffusers_pipeline.DiTTrainPipeline.from_pretrained({args.out_dir!r})")
+    print(printable(f"wrote {args.out_dir}: EMA weights at step {meta['step']} ({meta['format']} checkpoint "
+                    f"{meta['source']}, {args.dtype}); load with DiT.from_pretrained({args.out_dir!r}) or, in "
+                    f"diffusers, dit_train.diffusers_pipeline.DiTTrainPipeline.from_pretrained({args.out_dir!r})"))
     return 0
 
 

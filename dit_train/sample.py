@@ -33,6 +33,7 @@ from dit_train.runs.checkpoint import (is_complete, literal_config, load_for_inf
 from dit_train.evaluation.grids import save_grid, save_image
 from dit_train.diffusion.sampler import as_latents, make_sampler, noise_shape
 from dit_train.evaluation.during_training import grid_classes
+from dit_train.telemetry.plain_text import printable
 from dit_train.telemetry.progress import model_call_bar
 from dit_train.trainer.preemption import ctrl_c_exits
 
@@ -194,7 +195,7 @@ def main(argv=None) -> int:
                                          args.seed, args.batch_size, args.device, args.vae,
                                          progress=not args.no_progress)
     except (FileNotFoundError, KeyError, ValueError) as e:  # CheckpointError is a ValueError
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(str(e))}", file=sys.stderr)
         return 2
     written = []
     try:
@@ -206,8 +207,8 @@ def main(argv=None) -> int:
     except OSError as e:  # a full disk
         print(f"error: {describe_os_error(e)}", file=sys.stderr)
         return 1
-    print(f"{len(images)} samples from {meta['path']} (step {meta['step']}, {meta['steps']} Euler steps, CFG "
-          f"{meta['cfg_scale']:g}, seed {meta['seed']}): {', '.join(written)}")
+    print(printable(f"{len(images)} samples from {meta['path']} (step {meta['step']}, {meta['steps']} Euler steps, "
+                    f"CFG {meta['cfg_scale']:g}, seed {meta['seed']}): {', '.join(written)}"))
     return 0
 
 

@@ -32,10 +32,17 @@ def vae_scaling(vae_path: str) -> tuple[float, float]:
     path = os.path.join(vae_path, "config.json")
     config = read_json(path, fix="use the VAE folder the latents were made with")
     try:
-        return float(config.get("scaling_factor") or 1.0), float(config.get("shift_factor") or 0.0)
+        scale, shift = config.get("scaling_factor"), config.get("shift_factor")
+        scale, shift = float(1.0 if scale is None else scale), float(0.0 if shift is None else shift)
     except (AttributeError, TypeError, ValueError):
         raise DamagedJSONFile(f"{path} is not an AutoencoderKL config with numeric scaling_factor and "
                               f"shift_factor") from None
+    # JSON files from elsewhere may hold NaN / Infinity (Python's json reads them): NaN latents were written, exit 0
+    if not (math.isfinite(scale) and scale > 0 and math.isfinite(shift)):
+        raise DamagedJSONFile(f"{path}: scaling_factor={config.get('scaling_factor')!r} / shift_factor="
+                              f"{config.get('shift_factor')!r} is not valid: expected a finite scaling_factor > 0 "
+                              f"and a finite shift_factor; use the VAE folder the latents were made with")
+    return scale, shift
 
 
 def read_latents_info(root: str) -> dict:

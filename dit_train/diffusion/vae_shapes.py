@@ -24,7 +24,7 @@ DEPRECATED_ATTENTION = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_a
 def check_vae_folder(folder: str) -> None:
     """ValueError (one line naming the folder) unless `folder`'s config.json describes exactly the AutoencoderKL
     whose tensors its safetensors file stores."""
-    from dit_train.config.latents import not_a_vae
+    from dit_train.config.latents import not_a_vae, vae_scaling
     from dit_train.model.stored_shapes import safetensors_shapes
     from dit_train.runs.json_file import read_json
 
@@ -38,6 +38,7 @@ def check_vae_folder(folder: str) -> None:
                          f"safetensors weights are read, a .bin is a pickle and is never loaded; save the VAE with "
                          f"save_pretrained(safe_serialization=True)")
     config = read_json(os.path.join(folder, "config.json"), fix="the VAE folder is damaged")
+    vae_scaling(folder)  # a NaN or non-positive scaling factor decodes to NaN images: refused here too
     try:
         stored = safetensors_shapes(weights)
     except Exception as e:  # safetensors' own errors (a header too large, truncated) are not one class

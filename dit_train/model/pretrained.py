@@ -9,7 +9,7 @@
 `DiT.save_pretrained` writes the flat model folder (config.json + model.safetensors). Both load without needing
 huggingface_hub or diffusers:
 
-    model = DiT.from_pretrained("exported/")      # a local folder, or a Hub repo id when huggingface_hub is installed
+    model = DiT.from_pretrained("exported/")      # a local folder, or "hf://OWNER/NAME" with huggingface_hub installed
 """
 
 from __future__ import annotations
@@ -70,6 +70,21 @@ def save_export(state_dict: dict, config, folder: str, dtype: str = "fp32", prov
     return folder
 
 
+def refuse_links_in_export(folder: str, with_vae: bool) -> None:
+    """ConfigError (one line) when a path save_export writes inside `folder` is a symbolic link or reached through one
+    (an existing OUT_DIR with `transformer -> /elsewhere` had /elsewhere/config.json overwritten), or is not a plain
+    file (folder); checked before the checkpoint is read or anything is written."""
+    from dit_train.runs.atomic_io import refuse_links_on_the_way
+
+    parts = {TRANSFORMER: [CONFIG_FILE, DIFFUSERS_WEIGHTS_FILE], "scheduler": ["scheduler_config.json"],
+             **({"vae": [CONFIG_FILE, DIFFUSERS_WEIGHTS_FILE]} if with_vae else {})}
+    for part, files in parts.items():
+        refuse_links_on_the_way(folder, os.path.join(folder, part), "dit-export", folder=True)
+        for name in files:
+            refuse_links_on_the_way(folder, os.path.join(folder, part, name), "dit-export")
+    refuse_links_on_the_way(folder, os.path.join(folder, PIPELINE_FILE), "dit-export")
+
+
 def save_vae(vae_path: str, folder: str) -> None:
     """A copy of the AutoencoderKL at `vae_path` with the scaling/shift factors that encoded the latents written
     explicitly (vae_scaling reads a missing one as 1 / 0, diffusers as its class default)."""
@@ -85,9 +100,25 @@ def save_vae(vae_path: str, folder: str) -> None:
         make_readable(os.path.join(folder, name))
 
 
+HUB_PREFIX = "hf://"  # huggingface_hub's own spelling of a Hub repo (HfFileSystem)
+
+
 def _local_folder(path: str) -> str:
     """The folder holding the DiT's config.json: `path` (a DiT.save_pretrained folder), its transformer/ (an export),
-    or the same in the Hub snapshot of the repo id `path` (huggingface_hub: the [latents] or [eval] extra)."""
+    or the same in the Hub snapshot of `hf://OWNER/NAME` (huggingface_hub: the [latents] or [eval] extra). Only that
+    spelling downloads: "exported/my_dit" is also a valid repo id, and a local folder that is missing (a typo, another
+    working directory) fetched whatever weights the owner of that Hub name put there."""
+    if path.startswith(HUB_PREFIX):
+        from dit_train.extras import installed
+
+        repo = path[len(HUB_PREFIX):]
+        if repo.count("/") != 1 or not installed("huggingface_hub"):
+            raise FileNotFoundError(f"{path!r} is not valid: a Hugging Face Hub model is {HUB_PREFIX}OWNER/NAME, "
+                                    f"loaded with huggingface_hub installed (the [latents] or [eval] extra)")
+        from huggingface_hub import snapshot_download
+
+        return _local_folder(snapshot_download(repo, allow_patterns=[CONFIG_FILE, WEIGHTS_FILE, PIPELINE_FILE,
+                                                                     f"{TRANSFORMER}/*"]))
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, PIPELINE_FILE)):
             return os.path.join(path, TRANSFORMER)
@@ -96,14 +127,9 @@ def _local_folder(path: str) -> str:
                                     f"dit-export (an interrupted export writes {PIPELINE_FILE} last)"
                                     f"{run_folder_hint(path)}")
         return path
-    from dit_train.extras import installed
-
-    if os.path.exists(path) or not installed("huggingface_hub") or path.count("/") != 1:
-        raise FileNotFoundError(f"{path!r} is not an exported model folder ({PIPELINE_FILE} + {TRANSFORMER}/)")
-    from huggingface_hub import snapshot_download
-
-    return _local_folder(snapshot_download(path, allow_patterns=[CONFIG_FILE, WEIGHTS_FILE, PIPELINE_FILE,
-                                                                 f"{TRANSFORMER}/*"]))
+    what = "no such folder" if not os.path.lexists(path) else "not a folder"
+    raise FileNotFoundError(f"{path!r}: {what} (an exported model is a folder holding {PIPELINE_FILE} + "
+                            f"{TRANSFORMER}/); a Hugging Face Hub repo loads only when named {HUB_PREFIX}OWNER/NAME")
 
 
 def checked_architecture(folder: str):

@@ -6,12 +6,14 @@ from __future__ import annotations
 import contextlib
 import sys
 
+from dit_train.telemetry.plain_text import printable
+
 
 def progress_bar(total: int | None, desc: str, enabled: bool = True, **kwargs):
     """A tqdm bar, or, when not `enabled` or stderr is not a terminal, a disabled one with the same methods."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, dynamic_ncols=True, file=sys.stderr,
+    return tqdm(total=total, desc=printable(desc), dynamic_ncols=True, file=sys.stderr,
                 disable=None if enabled else True, **kwargs)  # None: off when not a TTY
 
 
@@ -48,7 +50,8 @@ def logging_beside_bars(enabled: bool = True):
 
 
 def write(message: str) -> None:
-    """print(message) above any active bar."""
+    """print(message) above any active bar, as one line: a name in it from a file or folder (a run's label) can hold
+    control characters (plain_text.printable)."""
     from tqdm import tqdm
 
-    tqdm.write(message, file=sys.stdout)
+    tqdm.write(printable(message), file=sys.stdout)

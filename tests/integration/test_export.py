@@ -95,6 +95,41 @@ def test_a_damaged_train_state_is_one_line_naming_the_file(trained_run, tmp_path
     assert not (tmp_path / "out").exists()
 
 
+@needs_fashion
+def test_a_run_folder_name_with_control_characters_prints_as_escapes(trained_run, tmp_path):
+    """A run from elsewhere named "run\x1b[2J\n[fd] ..." cleared the terminal and printed a line of its own."""
+    run_dir = tmp_path / "run\x1b[2J\r\nerror: fake"
+    shutil.copytree(trained_run, run_dir)
+    r = export_command(run_dir, tmp_path / "out")
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == 1 and "\x1b" not in r.stdout, r.stdout
+    assert "run\\x1b[2J\\r\\nerror: fake/checkpoints/step_" in r.stdout
+    (tmp_path / "out" / "transformer").rename(tmp_path / "t")
+    (tmp_path / "out" / "transformer").symlink_to(run_dir)  # an error naming the folder: escaped too
+    r = export_command(run_dir, tmp_path / "out")
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "\x1b" not in r.stderr, r.stderr
+    assert "(to " + str(run_dir).replace("\x1b", "\\x1b").replace("\r", "\\r").replace("\n", "\\n") in r.stderr
+
+
+@needs_fashion
+@pytest.mark.parametrize("link", ["transformer", "scheduler", "vae", "transformer/config.json", "model_index.json"])
+def test_a_link_in_out_dir_is_refused_before_anything_is_read_or_written(trained_run, tmp_path, link):
+    """An existing OUT_DIR from elsewhere with `transformer -> /elsewhere` had /elsewhere/config.json overwritten."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "config.json").write_text("mine")
+    (elsewhere / "scheduler_config.json").write_text("mine")
+    out = tmp_path / "out"
+    (out / ("transformer" if "/" in link else "")).mkdir(parents=True, exist_ok=True)
+    (out / link).symlink_to(elsewhere if "." not in link else elsewhere / "config.json")
+    r = export_command(trained_run, out)
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        f"error: {out / link} is a symbolic link (to {os.readlink(out / link)}): dit-export writes there, so it "
+        f"would write outside {out}; remove it"], r.stderr
+    assert sorted(os.listdir(elsewhere)) == ["config.json", "scheduler_config.json"]
+    assert {(elsewhere / f).read_text() for f in os.listdir(elsewhere)} == {"mine"}
+    assert [f for d, _, files in os.walk(out) for f in files if not os.path.islink(os.path.join(d, f))] == []
+
+
 def test_save_pretrained_keeps_every_architecture_option(tmp_path):
     cfg = DiTConfig(image_size=8, in_channels=4, patch_size=2, hidden_size=32, depth=1, num_heads=2,
                     num_classes=0, qk_norm=True, swiglu=True, text_dim=12)
@@ -113,6 +148,30 @@ def test_save_pretrained_keeps_every_architecture_option(tmp_path):
 def test_from_pretrained_names_a_folder_that_is_not_an_export(tmp_path):
     with pytest.raises(FileNotFoundError, match="has no model_index.json or config.json"):
         DiT.from_pretrained(str(tmp_path))
+
+
+def test_a_missing_local_folder_is_one_line_and_only_hf_urls_reach_the_hub(tmp_path, monkeypatch):
+    """`DiT.from_pretrained("exported/my_dit")` (the docs' path) with no such folder here asked the Hub for the repo
+    "exported/my_dit": whoever owns that name supplied the weights."""
+    import types
+
+    asked = []
+    model = DiT(DiTConfig(image_size=8, patch_size=2, hidden_size=32, depth=1, num_heads=2))
+    model.save_pretrained(str(tmp_path / "snapshot"))
+    hub = types.ModuleType("huggingface_hub")  # installed or not: a stand-in that records what is asked of the Hub
+    hub.snapshot_download = lambda repo, **kw: asked.append(repo) or str(tmp_path / "snapshot")
+    monkeypatch.setitem(sys.modules, "huggingface_hub", hub)
+    monkeypatch.chdir(tmp_path)
+    for path in ("exported/my_dit", "./my_dit", str(tmp_path / "my_dit"), "my_dit"):
+        with pytest.raises(FileNotFoundError, match=f"^'{path}': no such folder .*loads only when named "
+                                                    f"hf://OWNER/NAME$"):
+            DiT.from_pretrained(path)
+    assert asked == []
+    loaded = DiT.from_pretrained("hf://someone/my_dit")  # the documented spelling of a Hub repo
+    assert asked == ["someone/my_dit"]
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+    with pytest.raises(FileNotFoundError, match="'hf://my_dit' is not valid: a Hugging Face Hub model is hf://"):
+        DiT.from_pretrained("hf://my_dit")
 
 
 @needs_fashion

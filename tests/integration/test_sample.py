@@ -177,3 +177,16 @@ def test_a_vae_that_is_not_a_local_folder_is_one_line_and_never_a_hub_download(t
         f"error: VAE folder {vae!r} {what}: expected a local diffusers AutoencoderKL folder (config.json and its "
         f"weights), the one given to dit-encode-latents --vae"], r.stderr
     assert not (tmp_path / "grid.png").exists()
+
+
+@needs_fashion
+def test_a_run_folder_name_with_control_characters_prints_as_escapes(trained_run, tmp_path, capsys):
+    """A run from elsewhere named "run\\x1b[2J\\n..." cleared the terminal and printed a line of its own."""
+    import shutil
+
+    copy = tmp_path / "run\x1b[2J\r\nerror: fake"
+    shutil.copytree(trained_run, copy)
+    assert sample_main([str(copy), "--classes", "0", "--per-class", "1", "--steps", "1",
+                        "--grid", str(tmp_path / "g.png")]) == 0
+    out = capsys.readouterr().out
+    assert len(out.splitlines()) == 1 and "\x1b" not in out and "run\\x1b[2J\\r\\nerror: fake/checkpoints" in out, out

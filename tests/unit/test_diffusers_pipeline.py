@@ -172,3 +172,40 @@ def test_exported_files_get_the_umasks_mode(tmp_path, umask):
     files = [os.path.join(d, f) for top in ("out", "flat") for d, _, names in os.walk(tmp_path / top) for f in names]
     assert any(f.endswith("diffusion_pytorch_model.safetensors") for f in files) and len(files) == 8
     assert {f: stat.S_IMODE(os.stat(f).st_mode) for f in files} == {f: 0o666 & ~umask for f in files}
+
+
+def test_each_component_is_exactly_the_class_an_export_writes_and_the_scheduler_its_values(tmp_path):
+    """model_index.json checked by (library, class), not by library alone: a scheduler slot naming diffusers'
+    AutoencoderKL was built from the folder's config.json unchecked (any width), one naming DiffusionPipeline loaded
+    a nested index; scheduler_config.json checked by value before diffusers builds its timestep table."""
+    model = random_dit()
+    out = tmp_path / "out"
+    save_export(model.state_dict(), model.config, str(out))
+    index = json.loads((out / "model_index.json").read_text())
+    scheduler = json.loads((out / "scheduler" / "scheduler_config.json").read_text())
+    (out / "scheduler" / "config.json").write_text(json.dumps(  # a small VAE: on the old check it was built
+        {"_class_name": "AutoencoderKL", "block_out_channels": [8], "norm_num_groups": 4, "latent_channels": 4}))
+    (out / "scheduler" / "model_index.json").write_text(json.dumps({"_class_name": "DiTTrainPipeline"}))
+    for entry in (["diffusers", "AutoencoderKL"], ["diffusers", "DiffusionPipeline"],
+                  ["dit_train.diffusers_pipeline", "DiTTrainPipeline"]):
+        (out / "model_index.json").write_text(json.dumps({**index, "scheduler": entry}))
+        with pytest.raises(ValueError, match=r"component scheduler=.* is not valid: expected "
+                                             r"\[\"diffusers\", \"FlowMatchEulerDiscreteScheduler\"\]") as e:
+            DiTTrainPipeline.from_pretrained(str(out))
+        assert "\n" not in str(e.value)
+    (out / "model_index.json").write_text(json.dumps({**index, "vae": ["diffusers", "UNet2DModel"]}))
+    with pytest.raises(ValueError, match=r"component vae=.* is not valid: expected .*AutoencoderKL"):
+        DiTTrainPipeline.from_pretrained(str(out))
+    (out / "model_index.json").write_text(json.dumps(index))
+    for key, value in [("num_train_timesteps", 10**8), ("shift", float("nan")), ("use_dynamic_shifting", 1),
+                       ("base_shift", 0.7), ("sigma_max", 3.0)]:
+        (out / "scheduler" / "scheduler_config.json").write_text(json.dumps({**scheduler, key: value}))
+        with pytest.raises(ValueError, match=rf"scheduler_config.json'?: {key}={value!r} is not valid: an "
+                                             rf"export's scheduler is .*\"num_train_timesteps\": 1000") as e:
+            DiTTrainPipeline.from_pretrained(str(out))
+        assert "\n" not in str(e.value)
+    (out / "scheduler" / "scheduler_config.json").write_text(json.dumps(scheduler))
+    DiTTrainPipeline.from_pretrained(str(out)).save_pretrained(str(tmp_path / "again"))  # diffusers writes all keys
+    again = DiTTrainPipeline.from_pretrained(str(tmp_path / "again"))
+    assert isinstance(again.scheduler, diffusers.FlowMatchEulerDiscreteScheduler)
+    assert again.scheduler.config.num_train_timesteps == 1000

@@ -82,6 +82,33 @@ def test_dinov2_loads_a_local_hugging_face_directory(tmp_path, rand_dino):
     assert torch.allclose(ex(x), want, atol=1e-5)
 
 
+def test_a_hugging_face_folder_whose_config_is_not_its_weights_is_refused_not_filled_at_random(tmp_path):
+    """transformers builds what config.json says and only logs the weights it did not find ("newly initialized"):
+    num_hidden_layers 20000 on a 2-layer file built 19,998 random layers (240 s, 2.5 GB); any missing tensor left
+    random weights, and every FD made with them was meaningless."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    random_dinov2(seed=3).save_pretrained(tmp_path / "dino")
+    config = json.loads((tmp_path / "dino" / "config.json").read_text())
+    weights = load_file(tmp_path / "dino" / "model.safetensors")
+    build_extractor("dinov2_vitb14", tmp_path / "dino")  # as saved: loads
+    cases = [({"num_hidden_layers": 3}, weights, r"config.json: num_hidden_layers=3 is not valid: model.safetensors "
+                                                 r"stores 2 layers"),
+             ({"hidden_size": 48}, weights, r"config.json is not valid: it declares a DINOv2 of [\d,]+ weights, "
+                                            r"model.safetensors stores [\d,]+ \(hidden_size=48"),
+             ({}, {k: v for k, v in weights.items() if k != "layernorm.weight"}, "declares a DINOv2 of"),
+             ({}, {("layernorm.gamma" if k == "layernorm.weight" else k): v for k, v in weights.items()},
+              r"loading model.safetensors left weights unloaded or unused .*layernorm")]
+    for change, tensors, match in cases:
+        (tmp_path / "dino" / "config.json").write_text(json.dumps({**config, **change}))
+        save_file(tensors, tmp_path / "dino" / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=match) as e:
+            build_extractor("dinov2_vitb14", tmp_path / "dino")
+        assert "\n" not in str(e.value)
+
+
 def test_a_hugging_face_config_is_named_by_its_shape():
     from transformers import Dinov2Config
 

@@ -56,3 +56,34 @@ def test_grey_images_are_encoded_as_three_equal_channels(tmp_path):
     with torch.no_grad():
         z = vae.encode(torch.cat([grey, grey, grey], dim=1)).latent_dist.mean
         torch.testing.assert_close(LatentCodec(str(tmp_path / "vae"), "cpu").encode(grey), (z - SHIFT) * SCALE)
+
+
+def test_a_nan_or_non_positive_scaling_factor_is_refused_where_the_config_is_read(tmp_path):
+    """json reads NaN / Infinity: a VAE config.json with "scaling_factor": NaN made dit-encode-latents write all-NaN
+    latents with exit 0, and the pipeline decode NaN images; both read the factors through vae_scaling."""
+    import json
+
+    import pytest
+    from diffusers import AutoencoderKL
+
+    from dit_train.config.latents import vae_scaling
+    from dit_train.diffusion.vae_shapes import check_vae_folder
+    from dit_train.runs.json_file import DamagedJSONFile
+
+    AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8,),
+                  down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",),
+                  layers_per_block=1, norm_num_groups=4, sample_size=8).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for key, value in [("scaling_factor", float("nan")), ("scaling_factor", float("inf")), ("scaling_factor", 0),
+                       ("scaling_factor", -0.5), ("shift_factor", float("nan")), ("shift_factor", float("-inf"))]:
+        (tmp_path / "config.json").write_text(json.dumps({**config, "shift_factor": 0.1, key: value}))
+        for read in (vae_scaling, check_vae_folder):
+            with pytest.raises(DamagedJSONFile, match=rf"config.json: scaling_factor=.* / shift_factor=.* is not "
+                                                      rf"valid: expected a finite scaling_factor > 0") as e:
+                read(str(tmp_path))
+            assert f"{key}={value!r}" in str(e.value) and "\n" not in str(e.value)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "scaling_factor": None, "shift_factor": None}))
+    assert vae_scaling(str(tmp_path)) == (1.0, 0.0)  # absent: the codec's identity, as before
+    (tmp_path / "config.json").write_text(json.dumps({**config, "scaling_factor": 0.18, "shift_factor": -0.2}))
+    assert vae_scaling(str(tmp_path)) == (0.18, -0.2)
+    check_vae_folder(str(tmp_path))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import importlib.util
 import os
 import socket
@@ -244,15 +245,67 @@ def _no_loading_bar():
             hf_logging.enable_progress_bar()
 
 
+def _stored_shapes(wfile: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of a Hugging Face weights file, without reading its data (a .bin: weights_only, mmap),
+    under Dinov2Model's own names (a Dinov2For* checkpoint prefixes them with `dinov2.`)."""
+    if wfile.suffix == ".safetensors":
+        from dit_train.model.stored_shapes import safetensors_shapes
+
+        shapes = safetensors_shapes(str(wfile))
+    else:
+        try:
+            state = torch.load(wfile, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # the legacy (non-zip) format cannot be mapped: read as transformers would
+            state = torch.load(wfile, map_location="cpu", weights_only=True)
+        shapes = {k: tuple(v.shape) for k, v in state.items()}
+    return {k.removeprefix("dinov2."): v for k, v in shapes.items()}
+
+
+def _check_hf_dir(path: Path, wfile: Path) -> None:
+    """ValueError (one line) unless config.json describes exactly the tensors `wfile` stores, checked before the
+    model is built: transformers builds what config.json says and only logs the weights it did not find as "newly
+    initialized" (random), so a num_hidden_layers of 20000 on a 2-layer file built 19,998 random layers (240 s,
+    2.5 GB), and any missing tensor made every FD meaningless. The layer count first (a model of the file's depth is
+    then built on the meta device, no memory), then the number of weights; the names after loading (_load_hf_dir)."""
+    import re
+
+    from transformers import Dinov2Config, Dinov2Model
+
+    from dit_train.runs.json_file import read_json
+
+    file = path / "config.json"
+    config = read_json(str(file), fix="use the folder the DINOv2 weights were saved to")  # bounded, one line
+    try:
+        stored = _stored_shapes(wfile)
+    except Exception as e:  # noqa: BLE001 - safetensors' and torch's own errors are not one class
+        raise ValueError(f"DINOv2 folder {str(path)!r}: {wfile.name} is not a readable weights file ({e})") from None
+    layers = {int(m.group(1)) for k in stored if (m := re.match(r"encoder\.layer\.(\d+)\.", k))}
+    depth = config.get("num_hidden_layers") if isinstance(config, dict) else None
+    if type(depth) is not int or depth != len(layers):
+        raise ValueError(f"{file}: num_hidden_layers={depth!r} is not valid: {wfile.name} stores {len(layers)} "
+                         f"layers; a layer it does not store would be random (FD meaningless)")
+    with torch.device("meta"), _no_loading_bar():  # names differ (transformers 5 renames on load): sizes compared
+        declared = sum(p.numel() for p in Dinov2Model(Dinov2Config.from_dict(config)).state_dict().values())
+    held = sum(math.prod(shape) for shape in stored.values())
+    if declared != held:
+        raise ValueError(f"{file} is not valid: it declares a DINOv2 of {declared:,} weights, {wfile.name} stores "
+                         f"{held:,} (hidden_size={config.get('hidden_size')!r}, intermediate_size="
+                         f"{config.get('intermediate_size')!r}, image_size={config.get('image_size')!r}); a weight it "
+                         f"does not store would be random (FD meaningless)")
+
+
 def _load_hf_dir(path: Path):
     from transformers import Dinov2Model
 
-    from dit_train.runs.json_file import check_plain_small_file
-
-    check_plain_small_file(str(path / "config.json"))  # transformers reads it whole
-    with _no_loading_bar():
-        model = Dinov2Model.from_pretrained(str(path), local_files_only=True)
     wfile = next(path / f for f in _HF_WEIGHT_FILES if (path / f).is_file())
+    _check_hf_dir(path, wfile)
+    with _no_loading_bar():
+        model, info = Dinov2Model.from_pretrained(str(path), local_files_only=True, output_loading_info=True)
+    wrong = {k: v for k, v in info.items() if k != "error_msgs" and v} | {"errors": info.get("error_msgs") or []}
+    if any(wrong.values()):  # what transformers itself reports, had the names been mapped otherwise than above
+        raise ValueError(f"DINOv2 folder {str(path)!r}: loading {wfile.name} left weights unloaded or unused "
+                         f"({ {k: sorted(map(str, v))[:3] for k, v in wrong.items() if v} }); every weight must be "
+                         f"stored (a missing one is random: FD meaningless)")
     return model, file_fingerprint(wfile)
 
 
