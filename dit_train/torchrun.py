@@ -10,8 +10,11 @@ exit status:
   SIGINT (Ctrl-C) -> 130;
 - every failed worker exited 75 (or every one 130): that code.
 
-Anything else keeps torchrun's own status and output. SIGUSR1 and SIGUSR2 are added to the signals torchrun passes
-on (its default: SIGTERM, SIGINT, SIGHUP, SIGQUIT) unless --signals-to-handle is given.
+Anything else keeps torchrun's own status and output, except a refusal: the trainer's command line (`-m dit_train`
+or `--no-python dit-train`) is checked here first, at the job's world size, so a bad value is one line and exit 2
+before any worker starts (each worker printed it, then torchrun's traceback, exit 1); and where every worker exited
+2 (a refusal only a worker can make; torchrun stops the others), exit 2 with one line. SIGUSR1 and SIGUSR2 are added to the signals torchrun
+passes on (its default: SIGTERM, SIGINT, SIGHUP, SIGQUIT) unless --signals-to-handle is given.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import sys
 from dit_train.trainer.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, SIGNALS
 
 PASSED_ON = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
+EXIT_REFUSED = 2  # the trainer's exit status for a refused command line or run folder
 
 
 def exit_code(signal_name: str) -> int:
@@ -38,6 +42,24 @@ def asks_for_help(argv: list[str]) -> bool:
     return False
 
 
+def trainer_command_line(argv: list[str]) -> tuple[list[str], int | None] | None:
+    """(the trainer's overrides, the job's world size or None where torchrun decides it: `--nproc-per-node gpu`, an
+    elastic `--nnodes 1:4`), or None when the training script is not dit_train's trainer."""
+    from torch.distributed.run import get_args_parser
+
+    try:
+        args = get_args_parser().parse_args(argv)
+    except SystemExit:  # torchrun's own usage error: torchrun says it
+        return None
+    script = args.training_script
+    if not ((args.module and script == "dit_train") or (args.no_python and script.rsplit("/", 1)[-1] == "dit-train")):
+        return None
+    low, _, high = str(args.nnodes).partition(":")
+    nodes = int(low) if low.isdigit() and (not high or high == low) else None
+    per_node = int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else None
+    return list(args.training_script_args), (nodes * per_node if nodes and per_node else None)
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -46,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if asks_for_help(argv):  # torchrun's help alone never said what this command adds
         print(f"{__doc__.strip()}\n\ntorchrun's options, taken as torchrun takes them:\n")
+    trainer = None if asks_for_help(argv) else trainer_command_line(argv)
+    if trainer is not None and trainer[1] is not None:
+        from dit_train.config import check_command_line
+
+        check_command_line(trainer[0], world_size=trainer[1])  # a refusal: its one line, exit 2
     if not any(a.startswith(("--signals-to-handle", "--signals_to_handle")) for a in argv):
         argv = [f"--signals-to-handle={PASSED_ON}", *argv]
     try:
@@ -59,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         return exit_code(name)
     except ChildFailedError as e:
         codes = {failure.exitcode for failure in e.failures.values()}
+        # a refusal (every rank makes it; torchrun stops those still running with a signal: a negative code)
+        if EXIT_REFUSED in codes and all(c == EXIT_REFUSED or c < 0 for c in codes):
+            print(f"torchrun: the workers were refused (the error line is above): exit {EXIT_REFUSED}",
+                  file=sys.stderr)
+            return EXIT_REFUSED
         if len(codes) != 1 or not codes <= {EXIT_PREEMPTED, EXIT_INTERRUPTED}:
             raise
         code = codes.pop()

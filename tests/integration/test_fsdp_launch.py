@@ -131,3 +131,23 @@ def test_sharded_ranks_stop_the_end_of_run_grid_together(tmp_path):
     assert err.count("preempted: received SIGTERM at step 3, the last, during the end-of-run work: its checkpoint "
                      "was written first; skipped sample grid and summary.json") == 2, err[-3000:]
     assert [ckpt.read_train_state(p)["step"] for p in ckpt.list_checkpoints(str(run_dir))] == [3]
+
+
+@pytest.mark.parametrize("launch, said", [
+    (["--nproc_per_node", "2"], "error: train.batch_size=15 is not valid: must be divisible by the world size 2"),
+    # a world size torchrun decides itself (here the CPU count): every worker refuses, the job exits 2 in one line
+    (["--nproc_per_node", "cpu"], "torchrun: the workers were refused"),
+])
+def test_a_refused_command_line_under_dit_torchrun_exits_2(tmp_path, launch, said):
+    """Under dit-torchrun a bad value was each worker's error line, then torchrun's ChildFailedError traceback, exit
+    1 (a distributed trial). The trainer's command line is checked at the job's world size before any worker
+    starts: its one line, exit 2."""
+    bad = "train.batch_size=15" if launch[1] == "2" else "optimizer.lrr=1"
+    r = subprocess.run([sys.executable, "-m", "dit_train.torchrun", "--standalone", *launch, "-m", "dit_train",
+                        "experiment=debug", bad], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1].startswith(said), r.stderr[-3000:]
+    if launch[1] == "2":  # refused before any worker started
+        assert len(lines) == 1 and r.stdout == "", r.stderr
