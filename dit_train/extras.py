@@ -5,6 +5,7 @@ heavy work whenever the config already asks for the feature."""
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import sys
 
 from dit_train.config.errors import ConfigError
@@ -38,6 +39,14 @@ def check_launcher(overrides: list[str]) -> None:
     """Before composing: without the plugin, Hydra's own error about hydra/launcher=submitit_slurm comes first."""
     if "launcher=slurm" in overrides:
         require("hydra_plugins.hydra_submitit_launcher", "slurm", "launcher=slurm")
+
+
+def check_slurm_here(overrides: list[str]) -> None:
+    """A sweep with launcher=slurm on a machine without Slurm's sbatch: submitit's traceback ("Could not detect
+    srun"), after Hydra had made the sweep folder."""
+    if "launcher=slurm" in overrides and shutil.which("sbatch") is None:
+        raise ConfigError("launcher=slurm submits with Slurm's sbatch, which is not on this machine's PATH: run the "
+                          "command on the cluster's login node (or drop launcher=slurm to train here)")
 
 
 def check_extras(cfg) -> None:

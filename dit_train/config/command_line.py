@@ -200,10 +200,11 @@ def check_command_line(argv: list[str], world_size: int | None = None) -> None:
         check_group_overrides(overrides, user_folders(config_dir, entries, primary_dir), primary_dir == CONF_DIR)
         if any(f not in MULTIRUN_FLAGS for f in flags):
             return
-        from dit_train.extras import check_extras, check_launcher
+        from dit_train.extras import check_extras, check_launcher, check_slurm_here
 
         check_launcher(overrides)  # a missing plugin first: it is needed with --multirun too
         check_slurm_needs_multirun(flags, overrides)
+        check_slurm_here(overrides)
         check_sweep_needs_multirun(flags, overrides)
         # the user's folders where Hydra puts them, after ours, as one override
         searchpath = searchpath_override(config_dir, entries)

@@ -39,3 +39,19 @@ def test_every_extra_is_in_pyproject_and_in_dev():
     assert named <= set(extras)
     (dev_self,) = [d for d in extras["dev"] if d.startswith("dit_train[")]
     assert set(dev_self[len("dit_train["):-1].split(",")) == named
+
+
+def test_a_slurm_sweep_on_a_machine_without_sbatch_is_one_line(monkeypatch, capsys, tmp_path):
+    """submitit's "Could not detect srun" traceback came after Hydra had made the sweep folder (a distributed
+    trial ran the documented sweep where Slurm is not installed)."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch
+    with pytest.raises(SystemExit) as stop:
+        check_command_line(["--multirun", "launcher=slurm", "model=dit_s"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err == ("error: launcher=slurm submits with Slurm's sbatch, which is not on this "
+                                            "machine's PATH: run the command on the cluster's login node (or drop "
+                                            "launcher=slurm to train here)\n")
+    (tmp_path / "sbatch").write_text("#!/bin/sh\n")
+    (tmp_path / "sbatch").chmod(0o755)
+    check_command_line(["--multirun", "launcher=slurm", "model=dit_s"])  # on a login node: composed and checked
