@@ -467,9 +467,12 @@ def run_study(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     checked: set = set()
-    check_groups(runs, only, sweep_dir, args, checked)  # a bad override: one line before anything is written
+    steps_cache: dict[tuple, int] = {}
+    # a bad override: one line before anything is written
+    check_groups(runs, only, sweep_dir, args, checked, steps_cache)
     old = previous_record(sweep_dir)
-    design = study_design(study, load_experiment(args.experiment, args.overrides, args.config_dir).train.steps)
+    plain = load_experiment(args.experiment, args.overrides, args.config_dir) if args.overrides else exp
+    design = study_design(study, plain.train.steps)
     check_design(old, design, study, os.path.join(sweep_dir, "study.json"), args.experiment)
     first_designed = old.get("design_first_invocation", 1)
     if old and "design" not in old:  # a record from before dit-study kept the design (the published ones)
@@ -483,10 +486,9 @@ def run_study(argv=None) -> int:
             "git_commit": git_commit(CHECKOUT), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "design_sha256": design_sha256(design)}
     invocations = previous_invocations(old) + [call]
-    steps_cache: dict[tuple, int] = {}
 
     def steps_of(r: dict) -> int:
-        fixed = tuple(o for o in r["overrides"] if not o.startswith("seed="))
+        fixed = steps_key(r)
         if fixed not in steps_cache:
             steps_cache[fixed] = load_experiment(args.experiment, [*fixed, *args.overrides],
                                                  args.config_dir).train.steps
@@ -518,7 +520,7 @@ def run_study(argv=None) -> int:
         failures = []
         while True:
             runs = expand(study, args.overrides, exclude, extended=extended)
-            check_groups(runs, only, sweep_dir, args, checked)  # an added value's groups
+            check_groups(runs, only, sweep_dir, args, checked, steps_cache)  # an added value's groups
             record(runs, extended=extended)
             failures += run_groups(runs, only, sweep_dir, steps_of, args)
             selection, more = ({}, {}) if args.dry_run else select_learning_rates(study, sweep_dir, runs, steps_of,
@@ -538,7 +540,7 @@ def run_study(argv=None) -> int:
         for label, lr in common.items():
             print(f"[study] {label}: common lr={lr}")
         runs = expand(study, args.overrides, exclude, selected, extended, common)
-        check_groups(runs, only, sweep_dir, args, checked)
+        check_groups(runs, only, sweep_dir, args, checked, steps_cache)
         record(runs, selection, extended, common)
         failures += run_groups([r for r in runs if r.get("phase") in ("seeds", "common")], only, sweep_dir,
                                steps_of, args)
@@ -582,22 +584,29 @@ def trainer_command(members: list[dict], sweep_dir: str, args) -> list[str]:
             override_text.override("hydra.sweep.dir", sweep_dir), *args.overrides]  # `a=1,b 2`: one folder
 
 
-def check_groups(runs: list[dict], only, sweep_dir: str, args, checked: set) -> None:
+def check_groups(runs: list[dict], only, sweep_dir: str, args, checked: set, steps_cache: dict) -> None:
     """Each group's trainer command line through the trainer's own check (a misspelled key, `train.steps=abc`), as
     one line (a ConfigError, exit 2) before study.json is written or a run starts: run by run it was a Hydra
     traceback after study.json recorded the command, or every group refused in turn and "rerun to retry". One job
     per group (its first seed; the seeds are integers, check_seeds): its jobs differ in the seed alone, and each
-    job costs a composition. `checked`: the groups checked already by this invocation."""
+    job costs a composition. `checked`: the groups checked already by this invocation; `steps_cache` gets each
+    group's train.steps from its checked config (run_study's steps_of: no second composition)."""
     from dit_train.config.command_line import check_jobs
 
     for key, members in groups_of(runs, only).items():
         if key in checked:
             continue
         try:
-            check_jobs(trainer_command(members[:1], sweep_dir, args)[3:])
+            configs = check_jobs(trainer_command(members[:1], sweep_dir, args)[3:])
         except ConfigError as e:
             raise ConfigError(f"{e} (the runs of {group_label(members)})") from None
         checked.add(key)
+        steps_cache[steps_key(members[0])] = configs[0].train.steps
+
+
+def steps_key(r: dict) -> tuple:
+    """The overrides that set a run's train.steps beside the user's: all of its own but its seed."""
+    return tuple(o for o in r["overrides"] if not o.startswith("seed="))
 
 
 def check_seeds(study) -> None:
