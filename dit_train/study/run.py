@@ -330,8 +330,13 @@ def previous_record(sweep_dir: str) -> dict:
     return read_study(path, fix="restore it, or move it away to start the study's record afresh")
 
 
-def previous_invocations(old: dict) -> list[dict]:
+def previous_invocations(sweep_dir: str) -> list[dict]:
     """A study completed in pieces keeps every command and commit that ran it (older files: their one command)."""
+    return invocations_of(previous_record(sweep_dir))
+
+
+def invocations_of(old: dict) -> list[dict]:
+    """The invocations a study.json records (older files: their one command)."""
     if "invocations" in old:
         return old["invocations"]
     return [{"command": old["command"], "git_commit": old.get("git_commit")}] if "command" in old else []
@@ -474,9 +479,12 @@ def run_study(argv=None) -> int:
     plain = load_experiment(args.experiment, args.overrides, args.config_dir) if args.overrides else exp
     design = study_design(study, plain.train.steps)
     check_design(old, design, study, os.path.join(sweep_dir, "study.json"), args.experiment)
+    if args.records:  # a study continued from its published records: the same design as theirs
+        check_design(previous_record(args.records), design, study, os.path.join(args.records, "study.json"),
+                     args.experiment)
     first_designed = old.get("design_first_invocation", 1)
     if old and "design" not in old:  # a record from before dit-study kept the design (the published ones)
-        first_designed = len(previous_invocations(old)) + 1
+        first_designed = len(invocations_of(old)) + 1
         print(f"[study] {os.path.join(sweep_dir, 'study.json')} has no record of the study's design (written by "
               f"an older dit-study): {'a real run records' if args.dry_run else 'recording'} this invocation's "
               f"design; later invocations must match it")
@@ -485,7 +493,7 @@ def run_study(argv=None) -> int:
     call = {"command": override_text.shell_command(["dit-study", *(sys.argv[1:] if argv is None else argv)]),
             "git_commit": git_commit(CHECKOUT), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "design_sha256": design_sha256(design)}
-    invocations = previous_invocations(old) + [call]
+    invocations = invocations_of(old) + [call]
 
     def steps_of(r: dict) -> int:
         fixed = steps_key(r)

@@ -12,6 +12,8 @@ from omegaconf import OmegaConf
 
 from test_study import finish_runs
 
+from dit_train.config.errors import ConfigError
+from dit_train.study import publish as publish_study
 from dit_train.study import run as run_study
 
 TINY = """# @package _global_
@@ -115,6 +117,21 @@ def test_a_studys_design_is_recorded_and_a_changed_design_is_refused_before_anyt
     assert record["design"]["study"]["seeds"] == [1, 2] and record["design_first_invocation"] == 2
     assert [c["command"] for c in record["invocations"]] == [record["invocations"][0]["command"]] * 2
     assert len(tiny.launched) == 3  # every run was finished
+
+    # pieces of the study elsewhere: published records of another design (one more seed) are not continued, nor
+    # is this sweep published into their folder
+    records = tiny.sweep.parent / "published" / "runs"
+    records.mkdir(parents=True)
+    other = {**record, "design": {**record["design"], "study": {**record["design"]["study"], "seeds": [1, 2, 3]}}}
+    (records / "study.json").write_text(json.dumps(other))
+    assert tiny.main("--records", str(records)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{records / 'study.json'}: the study's design changed since study.json " \
+                                    f"recorded it: study.seeds was [1, 2, 3], is [1, 2] now" in err, err
+    with pytest.raises(ConfigError, match=r"design differs from the one published in .*: study.seeds is \[1, 2\] "
+                                          r"here, \[1, 2, 3\] there"):
+        publish_study.refuse_another_study(str(tiny.sweep / "study.json"), str(records))
+    assert len(tiny.launched) == 3
 
 
 def test_a_group_the_trainer_refuses_is_not_to_be_retried_by_rerunning(tiny, capsys):
