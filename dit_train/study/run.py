@@ -597,7 +597,8 @@ def check_groups(runs: list[dict], only, sweep_dir: str, args, checked: set, ste
     one line (a ConfigError, exit 2) before study.json is written or a run starts: run by run it was a Hydra
     traceback after study.json recorded the command, or every group refused in turn and "rerun to retry". One job
     per group (its first seed; the seeds are integers, check_seeds): its jobs differ in the seed alone, and each
-    job costs a composition. `checked`: the groups checked already by this invocation; `steps_cache` gets each
+    job costs a composition. The resume of each run is left to its trainer (it reads the run folder; a finished
+    group is not started at all). `checked`: the groups checked already by this invocation; `steps_cache` gets each
     group's train.steps from its checked config (run_study's steps_of: no second composition)."""
     from dit_train.config.command_line import check_jobs
 
@@ -605,7 +606,7 @@ def check_groups(runs: list[dict], only, sweep_dir: str, args, checked: set, ste
         if key in checked:
             continue
         try:
-            configs = check_jobs(trainer_command(members[:1], sweep_dir, args)[3:])
+            configs = check_jobs(trainer_command(members[:1], sweep_dir, args)[3:], decide_resume=False)
         except ConfigError as e:
             raise ConfigError(f"{e} (the runs of {group_label(members)})") from None
         checked.add(key)
