@@ -185,55 +185,67 @@ HYDRA_FLAGS_WITH_VALUE = ("-sc", "--shell-completion", "-c", "--cfg", "-p", "--p
 def check_command_line(argv: list[str], world_size: int | None = None) -> None:
     """Exit 2 with `error: ...` on stderr if any job of this command line has a bad config, composed with the
     user's --config-dir if any. Command lines with other Hydra flags (--cfg, --help, ...) are left to Hydra."""
-    if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        config_dir, argv = split_config_dir(argv)
-        if config_dir is not None and not os.path.isdir(config_dir):
-            raise ConfigError(f"--config-dir {config_dir}: no such folder (it holds your own config groups, e.g. "
-                              f"{os.path.join(config_dir, 'experiment', 'mine.yaml')} for experiment=mine)")
-        flags = [a for a in argv if a.startswith("-")]
-        overrides = [a for i, a in enumerate(argv) if not a.startswith("-")
-                     and not (i and argv[i - 1] in HYDRA_FLAGS_WITH_VALUE)]  # `-sc query=bash` is no override
-        primary_dir = primary_folder(argv)  # ours, or the user's --config-path
-        entries = searchpath_entries(overrides, config_dir, config_name(argv), primary_dir)
-        check_group_overrides(overrides, user_folders(config_dir, entries, primary_dir), primary_dir == CONF_DIR)
-        if any(f not in MULTIRUN_FLAGS for f in flags):
-            return
-        from dit_train.extras import check_extras, check_launcher, check_slurm_here
-
-        check_launcher(overrides)  # a missing plugin first: it is needed with --multirun too
-        check_slurm_needs_multirun(flags, overrides)
-        check_slurm_here(overrides)
-        check_sweep_needs_multirun(flags, overrides)
-        # the user's folders where Hydra puts them, after ours, as one override
-        searchpath = searchpath_override(config_dir, entries)
-        jobs = [searchpath + job for job in job_overrides([o for o in overrides if not is_searchpath(o)])]
-        first = hydra_config(jobs[0])  # composed once for both checks below
-        check_hydra_folder(first, multirun=bool(flags))
-        # a sweep's jobs' folders (a too-long name refused): a single run's folder is made by the command
-        folders = sweep_job_folders(jobs, first) if flags else None
-        for num, job in enumerate(jobs):
-            cfg = compose_checked(job)
-            if folders is not None:  # each job's resume is decided now, not after Hydra rewrote multirun.yaml
-                cfg = in_its_sweep_folder(cfg, folders[num])
-            composed = cfg
-            # the checkpoint's train state, read once for both the config it continues and the resume decision
-            read_state = functools.cache(read_saved_state)
-            if cfg.train.get("resume") is not None or cfg.train.get("init_from") is not None:
-                from dit_train.runs.resume_config import continue_saved_config  # reads the checkpoint: only for resumes
-
-                with quiet_log():
-                    cfg = continue_saved_config(cfg, job, read_state)
-            cfg = apply_data_shapes(cfg, job, continued=cfg is not composed)
-            validate(cfg, world_size)
-            check_paths(cfg)
-            check_extras(cfg)
-            with quiet_log():
-                check_run_folder(cfg, read_state)
+        check_jobs(argv, world_size)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def check_jobs(argv: list[str], world_size: int | None = None, decide_resume: bool = True) -> list:
+    """check_command_line's checks, raising the ConfigError; the config of each job, checked ([] for a command line
+    left to Hydra). dit-study checks its groups' command lines with it before it writes or runs anything, without
+    `decide_resume` (reading each job's run folder: a finished run it will not start, and each trainer decides
+    again)."""
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    config_dir, argv = split_config_dir(argv)
+    if config_dir is not None and not os.path.isdir(config_dir):
+        raise ConfigError(f"--config-dir {config_dir}: no such folder (it holds your own config groups, e.g. "
+                          f"{os.path.join(config_dir, 'experiment', 'mine.yaml')} for experiment=mine)")
+    flags = [a for a in argv if a.startswith("-")]
+    overrides = [a for i, a in enumerate(argv) if not a.startswith("-")
+                 and not (i and argv[i - 1] in HYDRA_FLAGS_WITH_VALUE)]  # `-sc query=bash` is no override
+    primary_dir = primary_folder(argv)  # ours, or the user's --config-path
+    entries = searchpath_entries(overrides, config_dir, config_name(argv), primary_dir)
+    check_group_overrides(overrides, user_folders(config_dir, entries, primary_dir), primary_dir == CONF_DIR)
+    if any(f not in MULTIRUN_FLAGS for f in flags):
+        return []
+    from dit_train.extras import check_extras, check_launcher, check_slurm_here
+
+    check_launcher(overrides)  # a missing plugin first: it is needed with --multirun too
+    check_slurm_needs_multirun(flags, overrides)
+    check_slurm_here(overrides)
+    check_sweep_needs_multirun(flags, overrides)
+    # the user's folders where Hydra puts them, after ours, as one override
+    searchpath = searchpath_override(config_dir, entries)
+    jobs = [searchpath + job for job in job_overrides([o for o in overrides if not is_searchpath(o)])]
+    first = hydra_config(jobs[0])  # composed once for both checks below
+    check_hydra_folder(first, multirun=bool(flags))
+    # a sweep's jobs' folders (a too-long name refused): a single run's folder is made by the command
+    folders = sweep_job_folders(jobs, first) if flags else None
+    configs = []
+    for num, job in enumerate(jobs):
+        cfg = compose_checked(job)
+        # the checkpoint's train state, read once for both the config it continues and the resume decision
+        read_state = functools.cache(read_saved_state)
+        if decide_resume and folders is not None:  # each job's resume is decided now, not after Hydra rewrote
+            cfg = in_its_sweep_folder(cfg, folders[num])  # multirun.yaml
+        composed = cfg
+        if decide_resume and (cfg.train.get("resume") is not None or cfg.train.get("init_from") is not None):
+            from dit_train.runs.resume_config import continue_saved_config  # reads the checkpoint: only for resumes
+
+            with quiet_log():
+                cfg = continue_saved_config(cfg, job, read_state)
+        cfg = apply_data_shapes(cfg, job, continued=cfg is not composed)
+        validate(cfg, world_size)
+        check_paths(cfg)
+        check_extras(cfg)
+        if decide_resume:
+            with quiet_log():
+                check_run_folder(cfg, read_state)
+        configs.append(cfg)
+    return configs
 
 
 def hydra_config(job: list[str]):

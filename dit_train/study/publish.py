@@ -114,9 +114,10 @@ def refuse_overlap(sweep_dir: str, runs_dir: str) -> None:
 
 def refuse_another_study(study: str, runs_dir: str) -> None:
     """A destination holds one study: another experiment published into it replaced its study.json and mixed the
-    two studies' runs in one report. A sweep without a study.json (a plain multirun folder) is no piece of a
-    published study, nor a study a piece of published plain runs: either mix is refused before anything is copied
-    (the experiment check below needs a study.json on both sides)."""
+    two studies' runs in one report; so did another design of the same experiment (study.json's `design`). A sweep
+    without a study.json (a plain multirun folder) is no piece of a published study, nor a study a piece of
+    published plain runs: either mix is refused before anything is copied (the experiment check below needs a
+    study.json on both sides)."""
     sweep = os.path.dirname(study)
     if not os.path.exists(study):
         if os.path.exists(os.path.join(runs_dir, "study.json")):
@@ -129,12 +130,18 @@ def refuse_another_study(study: str, runs_dir: str) -> None:
         raise ConfigError(f"{runs_dir} holds run records without a study.json (published from a plain multirun "
                           f"folder) and {study} is a study's record: one destination holds one study; publish it into "
                           f"its own folder")
-    published = read_study_record(runs_dir).get("experiment")
-    new = read_study(study).get("experiment")
+    there, here = read_study_record(runs_dir), read_study(study)
+    published, new = there.get("experiment"), here.get("experiment")
     if published is not None and new is not None and published != new:
         raise ConfigError(f"{runs_dir}/study.json is the record of {published!r} and {study} of {new!r}: one "
                           f"destination holds one study; publish {new!r} into its own folder (valid here: a sweep "
                           f"of {published!r})")
+    change = run_study.design_change(there["design"], here["design"]) if (
+        isinstance(there.get("design"), dict) and isinstance(here.get("design"), dict)) else None
+    if change:  # pieces of one study are of one design (dit-study refuses a changed one in one sweep)
+        key, was, now = change
+        raise ConfigError(f"{study}: its study's design differs from the one published in {runs_dir}/study.json: "
+                          f"{key} is {now!r} here, {was!r} there; publish a changed design into its own folder")
 
 
 def holds_runs(runs_dir: str) -> bool:

@@ -31,6 +31,7 @@ Then: dit-report <sweep_dir>.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -48,7 +49,7 @@ from dit_train.runs.atomic_io import atomic_write_bytes
 from dit_train.runs.checkpoint import newest_step
 from dit_train.runs.in_place_files import refuse_hydra_writes_outside
 from dit_train.runs.json_file import read_json
-from dit_train.study.record import read_study, summary_step_count
+from dit_train.study.record import is_int, read_study, summary_step_count
 from dit_train.runs.provenance import CHECKOUT, git_commit
 from dit_train.study.report import read_run_metrics
 from dit_train.trainer.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, SIGNALS, ctrl_c_exits
@@ -321,15 +322,95 @@ def done(sweep_dir: str, records: str | None, name: str, steps: int) -> bool:
                                                                                           steps)
 
 
-def previous_invocations(sweep_dir: str) -> list[dict]:
-    """A study completed in pieces keeps every command and commit that ran it (older files: their one command)."""
+def previous_record(sweep_dir: str) -> dict:
+    """The sweep's study.json ({} before the first invocation)."""
     path = os.path.join(sweep_dir, "study.json")
     if not os.path.exists(path):
-        return []
-    old = read_study(path, fix="restore it, or move it away to start the study's record afresh")
+        return {}
+    return read_study(path, fix="restore it, or move it away to start the study's record afresh")
+
+
+def previous_invocations(sweep_dir: str) -> list[dict]:
+    """A study completed in pieces keeps every command and commit that ran it (older files: their one command)."""
+    return invocations_of(previous_record(sweep_dir))
+
+
+def invocations_of(old: dict) -> list[dict]:
+    """The invocations a study.json records (older files: their one command)."""
     if "invocations" in old:
         return old["invocations"]
     return [{"command": old["command"], "git_commit": old.get("git_commit")}] if "command" in old else []
+
+
+NOT_DESIGN = ("name", "notes")  # the default folder's name and free text: not part of what the study measures
+
+
+def study_design(study, steps) -> dict:
+    """What defines the study, as study.json records it at the first invocation: every key of `study:` (models,
+    optimizers, K, rownorm_scale, axes, seeds, selection_seeds, lr, lr_scan, lr_scan_extend, common_lr) but its name
+    and notes, and the runs' train.steps. Written to JSON and back, so that it compares equal to the record."""
+    keys = {k: v for k, v in OmegaConf.to_container(study, resolve=True).items() if k not in NOT_DESIGN}
+    return json.loads(json.dumps({"study": keys, "train": {"steps": steps}}, sort_keys=True))
+
+
+def design_sha256(design: dict) -> str:
+    return hashlib.sha256(json.dumps(design, sort_keys=True).encode()).hexdigest()
+
+
+def design_change(old, new, key: str = "") -> tuple[str, object, object] | None:
+    """The first (dotted key, recorded value, value now) where two designs differ; None where they are equal."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for k in sorted(set(old) | set(new)):
+            found = design_change(old.get(k, ABSENT), new.get(k, ABSENT), f"{key}.{k}" if key else k)
+            if found:
+                return found
+        return None
+    return None if old == new else (key, old, new)
+
+
+ABSENT = "(absent)"
+
+
+def selection_seeds_of(old: dict) -> set:
+    """Every seed that chose a learning rate in this sweep, by its record: study.json's selection_seeds, the
+    recorded design's, and the seeds of its scan runs (the older protocol, which recorded no selection seeds)."""
+    seeds = set(old.get("selection_seeds") or [])
+    seeds |= {r["seed"] for r in old.get("runs", []) if r.get("phase") == "scan"}
+    design = old.get("design")
+    if isinstance(design, dict) and isinstance(design.get("study"), dict):
+        seeds |= {s for s in design["study"].get("selection_seeds") or [] if is_int(s)}
+    return seeds
+
+
+def check_design(old: dict, design: dict, study, path: str, experiment: str) -> None:
+    """Refuse (ValueError, one line) an invocation whose design differs from the one study.json recorded: a
+    pre-registered study changed mid-way (an added seed or lr value, another selection seed) leaves runs of two
+    designs in one sweep, and its report would describe neither. Adding evaluation seeds is refused too: seeds
+    added after results were seen are optional stopping. An evaluation seed that chose the lr in this sweep is
+    refused with or without a recorded design (older records have none)."""
+    new_dir = "run the changed design into a new --sweep-dir"
+    if study.get("lr_scan") is not None:
+        chose = sorted(selection_seeds_of(old) & set(scan_seeds(study)[1]))
+        if chose:
+            raise ValueError(f"{path}: evaluation seed(s) {chose} of study.seeds {list(study.seeds)} chose the "
+                             f"learning rates in this sweep (study.json's selection runs): a seed that chose the lr "
+                             f"is never evaluated; restore experiment {experiment}'s study, or {new_dir}")
+    recorded = old.get("design")
+    if recorded is None:  # an older record: what it says of the selection seeds
+        chose = sorted(old.get("selection_seeds") or {r["seed"] for r in old.get("runs", [])
+                                                       if r.get("phase") == "scan"})
+        now = scan_seeds(study)[0] if study.get("lr_scan") is not None else []
+        if chose and sorted(now) != chose:
+            raise ValueError(f"{path}: selection seed(s) {chose} chose the learning rates in this sweep; "
+                             f"study.selection_seeds is {now} now: restore experiment {experiment}'s study, or "
+                             f"{new_dir}")
+        return
+    change = design_change(recorded, design)
+    if change:
+        key, was, now = change
+        raise ValueError(f"{path}: the study's design changed since study.json recorded it: {key} was {was!r}, is "
+                         f"{now!r} now; a study's design (seeds, selection seeds, lr grids, optimizers, steps) is "
+                         f"fixed at its first invocation: restore experiment {experiment}'s study, or {new_dir}")
 
 
 @ctrl_c_exits("dit-study: interrupted; finished runs and checkpoints are kept: rerun the same command to continue")
@@ -379,6 +460,7 @@ def run_study(argv=None) -> int:
         print(f"error: --models {args.models!r} not in study.models {list(study.models)}", file=sys.stderr)
         return 2
     try:
+        check_seeds(study)
         runs = expand(study, args.overrides, exclude)
         common_learning_rates(study, {})  # a bad study.common_lr is refused now, not after the scan
     except ValueError as e:
@@ -389,15 +471,32 @@ def run_study(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    checked: set = set()
+    steps_cache: dict[tuple, int] = {}
+    # a bad override: one line before anything is written
+    check_groups(runs, only, sweep_dir, args, checked, steps_cache)
+    old = previous_record(sweep_dir)
+    plain = load_experiment(args.experiment, args.overrides, args.config_dir) if args.overrides else exp
+    design = study_design(study, plain.train.steps)
+    check_design(old, design, study, os.path.join(sweep_dir, "study.json"), args.experiment)
+    if args.records:  # a study continued from its published records: the same design as theirs
+        check_design(previous_record(args.records), design, study, os.path.join(args.records, "study.json"),
+                     args.experiment)
+    first_designed = old.get("design_first_invocation", 1)
+    if old and "design" not in old:  # a record from before dit-study kept the design (the published ones)
+        first_designed = len(invocations_of(old)) + 1
+        print(f"[study] {os.path.join(sweep_dir, 'study.json')} has no record of the study's design (written by "
+              f"an older dit-study): {'a real run records' if args.dry_run else 'recording'} this invocation's "
+              f"design; later invocations must match it")
     if not args.dry_run:  # a dry run prints the commands only
         os.makedirs(sweep_dir, exist_ok=True)
     call = {"command": override_text.shell_command(["dit-study", *(sys.argv[1:] if argv is None else argv)]),
-            "git_commit": git_commit(CHECKOUT), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    invocations = previous_invocations(sweep_dir) + [call]
-    steps_cache: dict[tuple, int] = {}
+            "git_commit": git_commit(CHECKOUT), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "design_sha256": design_sha256(design)}
+    invocations = invocations_of(old) + [call]
 
     def steps_of(r: dict) -> int:
-        fixed = tuple(o for o in r["overrides"] if not o.startswith("seed="))
+        fixed = steps_key(r)
         if fixed not in steps_cache:
             steps_cache[fixed] = load_experiment(args.experiment, [*fixed, *args.overrides],
                                                  args.config_dir).train.steps
@@ -407,8 +506,9 @@ def run_study(argv=None) -> int:
                common: dict | None = None) -> None:
         if args.dry_run:  # the record of a study under way is left as it is
             return
-        rec = {"experiment": args.experiment, **call, "notes": study.get("notes", ""), "invocations": invocations,
-               "runs": [{k: v for k, v in r.items() if k != "overrides"} for r in runs]}
+        rec = {"experiment": args.experiment, **call, "notes": study.get("notes", ""), "design": design,
+               **({"design_first_invocation": first_designed} if first_designed > 1 else {}),
+               "invocations": invocations, "runs": [{k: v for k, v in r.items() if k != "overrides"} for r in runs]}
         if study.get("lr_scan") is not None:
             rec["selection_seeds"] = scan_seeds(study)[0]
         if selection is not None:
@@ -425,9 +525,10 @@ def run_study(argv=None) -> int:
         failures = run_groups(runs, only, sweep_dir, steps_of, args)
     else:  # the scan (growing at an end where its best value lies), then the other seeds at the chosen values
         extended: dict[str, list] = {}
-        failures = 0
+        failures = []
         while True:
             runs = expand(study, args.overrides, exclude, extended=extended)
+            check_groups(runs, only, sweep_dir, args, checked, steps_cache)  # an added value's groups
             record(runs, extended=extended)
             failures += run_groups(runs, only, sweep_dir, steps_of, args)
             selection, more = ({}, {}) if args.dry_run else select_learning_rates(study, sweep_dir, runs, steps_of,
@@ -439,46 +540,117 @@ def run_study(argv=None) -> int:
                 extended.setdefault(label, []).append(lr)
         for label, chosen in selection.items():
             print(f"[study] {label}: lr={chosen['lr']} selected (final val loss by lr: {chosen['val_loss']})")
+            note = edge_note(label, chosen, study)
+            if note:
+                print(note)
         selected = {k: v["lr"] for k, v in selection.items()}
         common = common_learning_rates(study, selected)
         for label, lr in common.items():
             print(f"[study] {label}: common lr={lr}")
         runs = expand(study, args.overrides, exclude, selected, extended, common)
+        check_groups(runs, only, sweep_dir, args, checked, steps_cache)
         record(runs, selection, extended, common)
         failures += run_groups([r for r in runs if r.get("phase") in ("seeds", "common")], only, sweep_dir,
                                steps_of, args)
         waiting = len(variants(study)) - len(selection)
         if waiting:
             print(f"[study] {waiting} variant(s) wait for their lr scan to finish before their other seeds run")
-    if failures:
-        print(f"[study] {failures} group(s) failed; rerun the same command to retry them (finished runs are kept)")
+    refused = failures.count(2)  # the trainer's config check (exit 2): the same command would fail the same way
+    if refused:
+        print(f"[study] {refused} group(s) refused by the trainer's config check (exit 2, the error above): rerunning "
+              f"the same command cannot fix that; fix the overrides or the experiment, then rerun")
+    if len(failures) > refused:
+        print(f"[study] {len(failures) - refused} group(s) failed; rerun the same command to retry them (finished "
+              f"runs are kept)")
     report = "dit-paired-report" if study.get("lr_scan") is not None else "dit-report"
     print(f"[study] report: {override_text.shell_command([report, sweep_dir])}")
     return 1 if failures else 0
 
 
-def run_groups(runs: list[dict], only, sweep_dir: str, steps_of, args) -> int:
-    """One `python -m dit_train --multirun` per (model, optimizer, K, RowNorm scale, axes, lr) with its pending seeds
-    (a run listed in two phases runs once); returns the number of groups that failed."""
+def groups_of(runs: list[dict], only) -> dict[tuple, list[dict]]:
+    """The runs by (model, optimizer, K, RowNorm scale, axes, lr), each run once (a run listed in two phases runs
+    once), without the models --models leaves for later."""
     groups: dict[tuple, dict[str, dict]] = {}
     for r in runs:
+        if only and r["model"] not in only:
+            continue
         key = (r["model"], r["optimizer"], r["K"], r["scale"], axes_label(r), r["lr"])
         groups.setdefault(key, {}).setdefault(r["name"], r)
-    failures = 0
-    for named in groups.values():
-        members = list(named.values())
-        if only and members[0]["model"] not in only:
+    return {key: list(named.values()) for key, named in groups.items()}
+
+
+def group_label(members: list[dict]) -> str:
+    return variant_label(members[0]) + ("" if members[0]["lr"] is None else f" lr={members[0]['lr']}")
+
+
+def trainer_command(members: list[dict], sweep_dir: str, args) -> list[str]:
+    """The group's `python -m dit_train --multirun` for the seeds of `members`."""
+    fixed = [o for o in members[0]["overrides"] if not o.startswith("seed=")]
+    config_dir = ["--config-dir", args.config_dir] if args.config_dir else []
+    return [sys.executable, "-m", "dit_train", *config_dir, "--multirun", f"experiment={args.experiment}", *fixed,
+            "seed=" + ",".join(str(r["seed"]) for r in members),
+            override_text.override("hydra.sweep.dir", sweep_dir), *args.overrides]  # `a=1,b 2`: one folder
+
+
+def check_groups(runs: list[dict], only, sweep_dir: str, args, checked: set, steps_cache: dict) -> None:
+    """Each group's trainer command line through the trainer's own check (a misspelled key, `train.steps=abc`), as
+    one line (a ConfigError, exit 2) before study.json is written or a run starts: run by run it was a Hydra
+    traceback after study.json recorded the command, or every group refused in turn and "rerun to retry". One job
+    per group (its first seed; the seeds are integers, check_seeds): its jobs differ in the seed alone, and each
+    job costs a composition. The resume of each run is left to its trainer (it reads the run folder; a finished
+    group is not started at all). `checked`: the groups checked already by this invocation; `steps_cache` gets each
+    group's train.steps from its checked config (run_study's steps_of: no second composition)."""
+    from dit_train.config.command_line import check_jobs
+
+    for key, members in groups_of(runs, only).items():
+        if key in checked:
             continue
+        try:
+            configs = check_jobs(trainer_command(members[:1], sweep_dir, args)[3:], decide_resume=False)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (the runs of {group_label(members)})") from None
+        checked.add(key)
+        steps_cache[steps_key(members[0])] = configs[0].train.steps
+
+
+def steps_key(r: dict) -> tuple:
+    """The overrides that set a run's train.steps beside the user's: all of its own but its seed."""
+    return tuple(o for o in r["overrides"] if not o.startswith("seed="))
+
+
+def check_seeds(study) -> None:
+    for key in ("seeds", "selection_seeds"):
+        seeds = study.get(key)
+        if seeds is not None and not (OmegaConf.is_list(seeds) and all(is_int(s) for s in seeds)):
+            shown = OmegaConf.to_container(seeds) if OmegaConf.is_config(seeds) else seeds
+            raise ValueError(f"study.{key} must be a list of integer seeds, e.g. [0, 1]; got {shown!r}")
+
+
+def edge_note(label: str, chosen: dict, study) -> str | None:
+    """One line where the selected lr is the lowest or highest value scanned and the scan grew no further beyond
+    it (study.lr_scan_extend, default 0: never): the best lr may lie outside the grid."""
+    scanned = sorted(float(lr) for lr in chosen["val_loss"])
+    if len(scanned) < 2 or chosen["lr"] not in (scanned[0], scanned[-1]):
+        return None
+    end = "lowest" if chosen["lr"] == scanned[0] else "highest"
+    allowed = int(study.get("lr_scan_extend") or 0)
+    why = ("study.lr_scan_extend is 0, so the scan does not grow" if not allowed else
+           f"the scan grew by study.lr_scan_extend={allowed} value(s) at that end, its limit")
+    return (f"[study] {label}: the selected lr={chosen['lr']} is the {end} value scanned and {why}: the best lr may "
+            f"lie beyond it (set study.lr_scan_extend in a new design to grow the scan at its ends)")
+
+
+def run_groups(runs: list[dict], only, sweep_dir: str, steps_of, args) -> list[int]:
+    """One `python -m dit_train --multirun` per (model, optimizer, K, RowNorm scale, axes, lr) with its pending seeds
+    (a run listed in two phases runs once); returns the exit codes of the groups that failed."""
+    failures = []
+    for members in groups_of(runs, only).values():
         pending = [r for r in members if not done(sweep_dir, args.records, r["name"], steps_of(r))]
-        label = variant_label(members[0]) + ("" if members[0]["lr"] is None else f" lr={members[0]['lr']}")
+        label = group_label(members)
         if not pending:
             print(f"[study] {label}: all seeds finished, skipping")
             continue
-        fixed = [o for o in members[0]["overrides"] if not o.startswith("seed=")]
-        config_dir = ["--config-dir", args.config_dir] if args.config_dir else []
-        cmd = [sys.executable, "-m", "dit_train", *config_dir, "--multirun", f"experiment={args.experiment}", *fixed,
-               "seed=" + ",".join(str(r["seed"]) for r in pending),
-               override_text.override("hydra.sweep.dir", sweep_dir), *args.overrides]  # `a=1,b 2`: one folder
+        cmd = trainer_command(pending, sweep_dir, args)
         print("[study]", override_text.shell_command(cmd[1:]), flush=True)
         if not args.dry_run:
             code = run_trainer(cmd)
@@ -488,7 +660,8 @@ def run_groups(runs: list[dict], only, sweep_dir: str, steps_of, args) -> int:
             if code < 0:  # SIGKILL (the OOM killer, kill -9): no checkpoint of the last steps, but no reason to go on
                 raise StudyStopped(f"{label}: the trainer was killed by {signal.Signals(-code).name}; its last "
                                    f"checkpoint is kept: rerun the same command to resume from it", 128 - code)
-            failures += code != 0
+            if code:
+                failures.append(code)
     return failures
 
 
