@@ -16,7 +16,7 @@ import sys
 from dit_train.config.data_shapes import apply_data_shapes
 from dit_train.config.errors import ConfigError
 from dit_train.config.paths import check_paths
-from dit_train.config.files import CONF_DIR, group_options, is_group
+from dit_train.config.files import CONF_DIR, GROUPS, group_options, is_group
 from dit_train.config.override_text import shell_override
 from dit_train.config.search_path import (config_name, is_searchpath, primary_folder, searchpath_entries,
                                           searchpath_override, user_folders)
@@ -262,8 +262,16 @@ def hydra_config(job: list[str]):
 
 
 def groups_of(job: list[str]) -> tuple:
-    """The job's choices of config groups (`model=dit_s`): they set the keys a sweep's folder names leave out."""
-    return tuple(o for o in job if "=" in o and "." not in o.split("=", 1)[0])
+    """The job's choices of config groups (`model=dit_s`, a group of the user's own): they set the keys a sweep's
+    folder names leave out. A top-level value (`seed=3`, `run_dir=X`) is no choice of group: counted as one, each
+    seed of a sweep was composed again."""
+    import dataclasses
+
+    from dit_train.config.schema import RunConfig
+
+    values = {f.name for f in dataclasses.fields(RunConfig)} - set(GROUPS)
+    return tuple(o for o in job if "=" in o and "." not in (key := o.split("=", 1)[0])
+                 and key.lstrip("+~") not in values)
 
 
 def check_hydra_folder(cfg, multirun: bool) -> None:

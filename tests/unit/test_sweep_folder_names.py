@@ -45,3 +45,15 @@ def test_each_job_is_named_with_its_own_overrides_up_to_the_limit(tmp_path, monk
         sweep_job_folders([["experiment=smoke", "seed=1"], ["experiment=smoke", over]])
     # numbered folders: the same job fits
     sweep_job_folders([["experiment=smoke", over, "hydra.sweep.subdir=${hydra.job.num}"]])
+
+
+def test_the_jobs_of_one_choice_of_groups_are_composed_once_and_named_as_hydra_names_them(monkeypatch):
+    """seed=N is a value, not a choice of config group: a sweep over seeds composed once per seed (~0.3 s each)."""
+    import dit_train.config.command_line as cl
+
+    composed = []
+    monkeypatch.setattr(cl, "hydra_config", lambda job, real=cl.hydra_config: composed.append(job) or real(job))
+    jobs = [["experiment=smoke", f"seed={s}", "optimizer.lr=0.01"] for s in (1, 2, 3)]
+    folders = sweep_job_folders(jobs)
+    assert len(composed) == 1
+    assert folders == [os.path.join("sweeps/smoke", f"optimizer.lr=0.01,seed={s}") for s in (1, 2, 3)]
