@@ -95,7 +95,7 @@ class Trainer:
         self.saver = CheckpointSaver(cfg.run_dir, self.tc.keep_last,
                                      resolve_async(self.tc.async_checkpoint, dist.device), self.logger.log,
                                      self.cfg.parallel.timeout_minutes, stop_grace_s=self.tc.stop_grace_s)
-        self.preemption = Preemption()
+        self.preemption = Preemption(dist.rank)
         self.throughput = Throughput()
         self.window = StepWindow()  # every step's timings, averaged into the next log row
         self.deferred = DeferredSteps(self.timer.clock)  # steps not yet read to the host
