@@ -53,7 +53,8 @@ def main(cfg) -> None:
         sys.exit(1)
     except Preempted as e:
         Preemption.ignore_further_signals()
-        print(f"preempted: {e}", file=sys.stderr)
+        if e.announce:  # rank 0's line, not one per rank (preemption.py)
+            print(f"preempted: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
     except OSError as e:  # full disk, read-only or unwritable folder: the path and the operation, one line
         print(f"error: {describe_os_error(e)}", file=sys.stderr)

@@ -95,7 +95,7 @@ class Trainer:
         self.saver = CheckpointSaver(cfg.run_dir, self.tc.keep_last,
                                      resolve_async(self.tc.async_checkpoint, dist.device), self.logger.log,
                                      self.cfg.parallel.timeout_minutes, stop_grace_s=self.tc.stop_grace_s)
-        self.preemption = Preemption()
+        self.preemption = Preemption(dist.rank)
         self.throughput = Throughput()
         self.window = StepWindow()  # every step's timings, averaged into the next log row
         self.deferred = DeferredSteps(self.timer.clock)  # steps not yet read to the host
@@ -109,6 +109,8 @@ class Trainer:
         if not weights_finite(self.model):
             raise TrainingStopped(f"step {self.state.step}: the weights are no longer finite, so they were not saved; "
                                   f"{self.last_good_checkpoint()}")
+        if self.deferred.pending:  # run_steps reads them before every save; the train state must hold every step's
+            self.take_deferred()  # loss and active time, or a resumed run's summary would miss them
         tensors = ckpt.tensor_state(self.model, self.optimizer, self.ema.model)
         if self.saver.last_write_s is not None:
             self.state.ckpt_write_s = self.saver.last_write_s
@@ -299,7 +301,7 @@ class Trainer:
 
     def write_summary(self) -> dict:
         """summary.json and the `done:` line (rank 0), and the logger's summary: the run's last act."""
-        summary = write_summary(self.cfg, self.state, self.throughput, self.evaluation.last_val,
+        summary = write_summary(self.cfg, self.state, self.evaluation.last_val,
                                 count_parameters(self.model), self.train_set.dataset_id, self.dist.is_main,
                                 self.evaluation.metric_summary(self.state))
         self.logger.summary(summary)
@@ -381,7 +383,8 @@ class Trainer:
         Returns the newest step's numbers."""
         for numbers in self.deferred.read():
             self.state.active_time_s += numbers.step_time
-            self.throughput.add(self.tc.batch_size, numbers.step_time + numbers.data_time, numbers.loss)
+            self.throughput.add(self.tc.batch_size, numbers.step_time + numbers.data_time)
+            self.state.recent_losses.append(numbers.loss)  # the summary's train_loss, in the checkpoint
             self.window.add({**numbers.phases, "time/step": numbers.step_time, "time/data": numbers.data_time},
                             numbers.refresh)
         return numbers

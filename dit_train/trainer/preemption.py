@@ -3,7 +3,9 @@ submitit's time-limit signal) and SIGINT (Ctrl-C) end the run at the next step b
 every rank together.
 
 A signal may reach one rank only; each step's loss all-reduce carries this rank's vote (`vote()`), and the run
-stops when any rank voted (`agree`). Evaluations (validation, FD, grids; at the end of a run they can take minutes)
+stops when any rank voted (`agree`). Rank 0's vote weighs RANK0_VOTE, so the sum also tells every rank whether
+rank 0 received one: rank 0 alone says `preempted: ...` (once, not once per rank), and another rank adds a line
+only when it received a signal and rank 0 did not (its name, which rank 0 cannot know). Evaluations (validation, FD, grids; at the end of a run they can take minutes)
 vote before every call of the EMA model and stop there, saying what they skipped. After the checkpoint the signal is handed to the handler that was installed
 before ours when that is Python code (submitit's requeue handler); default handlers are not called. Once a stop
 is under way, a second signal is only recorded, so the exit code stays the requeue-able one."""
@@ -20,6 +22,7 @@ from dit_train.config.override_text import shell_override
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later"; schedulers/wrappers treat it as requeue-able
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells expect after Ctrl-C
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
+RANK0_VOTE = float(2 ** 20)  # above any number of other ranks; the float32 sum stays exact (under 2**24)
 
 
 def exit_interrupted(line: str) -> NoReturn:
@@ -45,15 +48,17 @@ def ctrl_c_exits(line: str):
 class Preempted(Exception):
     """A stop signal arrived; a checkpoint of the last finished step has been written."""
 
-    def __init__(self, message: str, signal_name: str | None):
+    def __init__(self, message: str, signal_name: str | None, announce: bool = True):
         super().__init__(message)
         self.exit_code = EXIT_INTERRUPTED if signal_name == "SIGINT" else EXIT_PREEMPTED
+        self.announce = announce  # whether this rank prints it (rank 0, or a rank that knows more than rank 0)
 
 
 class Preemption:
-    def __init__(self):
+    def __init__(self, rank: int = 0):
+        self.rank = rank
         self.signal_name: str | None = None  # the signal this rank received
-        self.votes = 0.0  # ranks that have received one, as agreed at the last step
+        self.votes = 0.0  # the ranks' summed votes at the last agreement (rank 0's weighs RANK0_VOTE)
         self._previous: dict = {}
 
     def __enter__(self) -> "Preemption":
@@ -80,7 +85,18 @@ class Preemption:
         self.signal_name = self.signal_name or signal.Signals(signum).name
 
     def vote(self) -> float:
-        return float(self.signal_name is not None)
+        if self.signal_name is None:
+            return 0.0
+        return RANK0_VOTE if self.rank == 0 else 1.0
+
+    @property
+    def rank0_received(self) -> bool:
+        return self.votes >= RANK0_VOTE
+
+    @property
+    def other_ranks(self) -> int:
+        """How many ranks besides rank 0 had received a signal at the last agreement."""
+        return int(self.votes % RANK0_VOTE)
 
     def agree(self, votes: float) -> None:
         self.votes = float(votes)
@@ -97,7 +113,9 @@ class Preemption:
             previous = self._previous.get(signal.Signals[self.signal_name])
             if _is_python_code(previous):
                 previous(signal.Signals[self.signal_name].value, None)
-        received = f"received {self.signal_name or 'a stop signal (on another rank)'} at step {step}"
+        n = self.other_ranks
+        elsewhere = "another rank" if n <= 1 else f"{n} other ranks"
+        received = f"received {self.signal_name or f'a stop signal (on {elsewhere})'} at step {step}"
         if last_step:
             message = (f"{received}, the last, during the end-of-run work: its checkpoint was written first; "
                        f"skipped {', '.join(skipped)} and summary.json; rerun with train.resume=auto "
@@ -106,7 +124,12 @@ class Preemption:
             during = f" during the evaluation (skipped {', '.join(skipped)})" if skipped else ""
             message = (f"{received}{during}; checkpoint written, rerun with train.resume=auto "
                        f"{shell_override('run_dir', run_dir)} to continue")
-        return Preempted(message, self.signal_name)
+        if self.rank == 0:
+            return Preempted(message, self.signal_name)
+        if self.signal_name is not None and not self.rank0_received:  # the signal's name, which rank 0 lacks
+            return Preempted(f"rank {self.rank} received {self.signal_name} at step {step} (rank 0 did not; its "
+                             f"line says what to do)", self.signal_name)
+        return Preempted(message, self.signal_name, announce=False)  # rank 0 says it
 
 
 def _is_python_code(handler) -> bool:

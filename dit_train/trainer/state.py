@@ -9,11 +9,13 @@ streams), and it is the same on every rank, so one state serves any number of ra
 from __future__ import annotations
 
 import base64
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
 
+TRAIN_LOSS_WINDOW = 50  # summary.json's train_loss: the mean of the last this many steps' losses
 CPU_STATE_BYTES = 5056  # torch.Generator's mt19937 state on the CPU (a CUDA generator's Philox state is 16 bytes)
 
 
@@ -37,6 +39,10 @@ class TrainState:
     # a latent run's VAE as data.root/latents_info.json records it (config/latents.py: vae_record): dit-sample,
     # dit-export and dit-fd check --vae against it once the latents folder has moved. Absent in older checkpoints
     latents_vae: dict | None = None
+    # the last TRAIN_LOSS_WINDOW steps' losses (rank-averaged, the same on every rank), whose mean is the summary's
+    # train_loss: here so that a resumed run's summary is the uninterrupted run's. Older checkpoints lack it: such
+    # a resume starts it empty, and the summary says how many steps its mean covers (train_loss_steps)
+    recent_losses: deque = field(default_factory=lambda: deque(maxlen=TRAIN_LOSS_WINDOW))
 
     def state_dict(self) -> dict:
         return {"step": self.step, "active_time_s": self.active_time_s, "skipped_steps": self.skipped_steps,
@@ -45,6 +51,7 @@ class TrainState:
                 "generator_device": self.generator.device.type,
                 "ema_num_updates": self.ema.num_updates, "config": self.config,
                 "data_fingerprint": self.data_fingerprint, "ckpt_write_s": self.ckpt_write_s,
+                "recent_losses": list(self.recent_losses),
                 **({"latents_vae": self.latents_vae} if self.latents_vae else {}),
                 **({"metric_best": self.metric_best} if self.metric_best else {})}
 
@@ -88,6 +95,10 @@ class TrainState:
                                       f"this run's config gives {built_base_lrs!r}: the config is what a run trains "
                                       f"with; resume with the config the checkpoint was written with")
             self._lr_from_schedule()
+            recent = state.get("recent_losses", [])
+            if not isinstance(recent, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                       for v in recent):
+                raise TypeError("recent_losses is not a list of numbers")
             self.generator.set_state(generator)
             self.ema.num_updates = int(state["ema_num_updates"])
         except DeviceKindChanged as e:
@@ -99,6 +110,7 @@ class TrainState:
                                   f"({type(e).__name__}: {e}); use an earlier checkpoint") from None
         self.step, self.active_time_s, self.skipped_steps = step, active, skipped
         self.best_fd = state.get("best_fd")
+        self.recent_losses = deque((float(v) for v in recent), maxlen=TRAIN_LOSS_WINDOW)
         self.metric_best = dict(state["metric_best"]) if isinstance(state.get("metric_best"), dict) else {}
         self.ckpt_write_s = state.get("ckpt_write_s") if isinstance(state.get("ckpt_write_s"), (int, float)) else None
         if self.latents_vae is None and isinstance(state.get("latents_vae"), dict):  # resumed from a moved data.root

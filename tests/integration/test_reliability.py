@@ -124,6 +124,8 @@ def test_a_requeue_after_a_kill_in_the_end_of_run_work_gives_the_uninterrupted_r
     assert "running it now" in again.stdout
     redone = json.load(open(run_dir / "summary.json"))
     assert redone["val_loss"] == summary["val_loss"] and redone["steps"] == 3
+    # the training loss too, from the checkpoint's window (before: NaN, no step trained in this process)
+    assert redone["train_loss"] == summary["train_loss"] and redone["train_loss_steps"] == 3
     assert study_run.finished(str(run_dir), 3)
     # and a second requeue leaves the finished run as it is
     third = run_cli_in_process(*cmd, "train.resume=auto", cwd=str(tmp_path), timeout=120)

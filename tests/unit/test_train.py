@@ -72,7 +72,7 @@ def test_resume_continues_bit_for_bit(tiny_cfg, tmp_path, optimizer):
     straight_cfg.run_dir = str(tmp_path / "straight")
     straight_cfg.train.ckpt_every = 0
     straight = Trainer(straight_cfg, DistInfo())
-    straight.fit()
+    straight_summary = straight.fit()
 
     cut_cfg = tiny_cfg.copy()
     cut_cfg.run_dir = str(tmp_path / "cut")
@@ -83,8 +83,14 @@ def test_resume_continues_bit_for_bit(tiny_cfg, tmp_path, optimizer):
         first.fit()
     cut_cfg.train.resume = "auto"
     second = Trainer(cut_cfg, DistInfo())
-    second.fit()
+    second_summary = second.fit()
     assert second.state.step == 6
+    # the summary is the run's, not the second process's: train_loss over all 6 steps (before, the 3 after the
+    # resume), skipped steps, best FD; the timings differ from run to run and are left out
+    per_run = ("steps", "train_loss", "train_loss_steps", "val_loss", "skipped_steps", "best_fd", "params")
+    assert {k: second_summary[k] for k in per_run} == {k: straight_summary[k] for k in per_run}
+    assert straight_summary["train_loss_steps"] == 6
+    assert json.load(open(os.path.join(cut_cfg.run_dir, "summary.json")))["train_loss"] == straight_summary["train_loss"]
     for k, v in state_of(straight).items():
         assert torch.equal(v, second.model.state_dict()[k]), k
     for a, b in zip(straight.ema.model.parameters(), second.ema.model.parameters()):

@@ -62,3 +62,48 @@ def test_the_latents_vae_record_survives_a_resume_whose_latents_moved_and_older_
     older = cpu_train_state()
     older.load_state_dict(state)
     assert older.latents_vae is None and "latents_vae" not in older.state_dict()
+
+
+def test_the_train_loss_window_travels_in_the_state_and_an_older_state_resumes_with_an_empty_one(tmp_path, capsys):
+    """The summary's train_loss (mean of the last TRAIN_LOSS_WINDOW losses) is the run's across a resume: the window
+    is in the state (JSON floats round-trip exactly), capped at its length even when a state holds more; a state
+    written before it travelled resumes with none, and the summary says how many steps its mean covers."""
+    import json
+    import math
+    from types import SimpleNamespace
+
+    from dit_train.telemetry.metrics import write_summary
+    from dit_train.trainer.state import TRAIN_LOSS_WINDOW
+
+    losses = [1.0 / 3 + i for i in range(TRAIN_LOSS_WINDOW + 7)]
+    ts = cpu_train_state()
+    ts.recent_losses.extend(losses)
+    state = json.loads(json.dumps(ts.state_dict()))  # as train_state.json holds it
+    assert state["recent_losses"] == losses[-TRAIN_LOSS_WINDOW:]
+    resumed = cpu_train_state()
+    resumed.load_state_dict({**state, "recent_losses": losses})  # longer than the window: the last ones count
+    assert list(resumed.recent_losses) == losses[-TRAIN_LOSS_WINDOW:]
+    resumed.recent_losses.append(7.0)
+    assert len(resumed.recent_losses) == TRAIN_LOSS_WINDOW and resumed.recent_losses[-1] == 7.0
+
+    with pytest.raises(CheckpointError, match="recent_losses"):
+        cpu_train_state().load_state_dict({**state, "recent_losses": ["1.0"]})
+
+    cfg = SimpleNamespace(run_dir=str(tmp_path), train=SimpleNamespace(batch_size=2),
+                          model=SimpleNamespace(name="m"), optimizer=SimpleNamespace(name="o"))
+    older = {k: v for k, v in state.items() if k != "recent_losses"}
+    old = cpu_train_state()
+    old.load_state_dict({**older, "step": 8})
+    assert len(old.recent_losses) == 0 and old.recent_losses.maxlen == TRAIN_LOSS_WINDOW
+    old.recent_losses.extend([1.0, 2.0, 4.0])  # the 3 steps after the resume
+    old.step = 11
+    summary = write_summary(cfg, old, {}, 1, "d", True)
+    assert summary["train_loss"] == 7.0 / 3 and summary["train_loss_steps"] == 3
+    assert "train_loss=2.3333 (mean of the last 3 steps only: resumed from an older checkpoint)" in \
+        capsys.readouterr().out
+    assert json.load(open(tmp_path / "summary.json"))["train_loss_steps"] == 3
+    whole = cpu_train_state()  # a run whose window holds all its steps says nothing more
+    whole.step, whole.recent_losses = 2, type(whole.recent_losses)([1.0, 2.0], maxlen=TRAIN_LOSS_WINDOW)
+    assert write_summary(cfg, whole, {}, 1, "d", True)["train_loss_steps"] == 2
+    assert "only" not in capsys.readouterr().out
+    assert math.isnan(write_summary(cfg, cpu_train_state(), {}, 1, "d", False)["train_loss"])
