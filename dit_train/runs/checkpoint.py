@@ -236,9 +236,10 @@ def start_save(run_dir: str, step: int, tensors: dict, train_state: dict, asynch
                 future = Future()
                 future.set_result(dcp.save(tensors, storage_writer=writer, no_dist=no_dist))
     except BaseException as e:
+        error = _write_error(e, tmp)  # before the partial save is removed: it is what filled the disk
         if rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise _write_error(e, tmp) from None
+        raise error from None
     # frozen now: the run goes on changing the live train state while the tensors are written
     return PendingSave(run_dir, step, tmp, final, future, json.dumps(train_state).encode(), started, stage_s)
 
@@ -277,20 +278,53 @@ class PendingSave:
             _publish(self.tmp, self.final)
             prune_checkpoints(self.run_dir, keep_last)
         except BaseException as e:
+            error = _write_error(e, self.tmp)  # before the partial save is removed
             if rank() == 0:
                 shutil.rmtree(self.tmp, ignore_errors=True)
-            raise _write_error(e, self.tmp) from None
+            raise error from None
         return {"ckpt/write_s": self.write_s, "ckpt/bytes": size}
 
 
 def _write_error(e: BaseException, folder: str) -> BaseException:
     """A failed save as the OSError behind it, naming the folder (ENOSPC on a full disk): DCP wraps a rank's
-    OSError into a CheckpointException whose message is a traceback, and a failed write names no file."""
+    OSError into a CheckpointException whose message is a traceback, and a failed write names no file. torch's
+    zip writer reports a write that hit a full disk or the file-size limit as a RuntimeError ("unexpected pos"),
+    without the OSError: that one is read from the file system (called before the partial save is removed)."""
     failures = [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException) else [e]
     for exc in failures:
         if isinstance(exc, OSError):
             return naming(exc, folder)
+    if any(isinstance(exc, RuntimeError) for exc in failures):
+        found = _out_of_space(folder)
+        if found is not None:
+            found.__traceback__ = e.__traceback__
+            return found
     return e
+
+
+FULL_BELOW_BYTES = 1 << 20  # free space a write that failed on a full disk leaves (tmpfs: none; ext4: a block)
+
+
+def _out_of_space(folder: str) -> OSError | None:
+    """ENOSPC where the file system holding `folder` has (next to) no space left, EFBIG where a file in it reached
+    the process's file-size limit (ulimit -f); else None."""
+    import errno
+    import resource
+
+    probe = folder
+    while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    try:
+        if shutil.disk_usage(probe).free < FULL_BELOW_BYTES:
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), folder)
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY and os.path.isdir(folder) and \
+                max((os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)), default=0) >= limit:
+            return OSError(errno.EFBIG, f"{os.strerror(errno.EFBIG)} (the file-size limit, ulimit -f, is "
+                                        f"{limit:,} bytes)", folder)
+    except OSError:  # the folder went away: the save's own error stands
+        return None
+    return None
 
 
 def folder_bytes(path: str) -> int:

@@ -355,6 +355,9 @@ class Trainer:
             if last_step:  # the bar is closed before the end-of-run work, which says what it does
                 self.announce_end_of_run(progress)
                 self.save()  # before the evaluations: a signal (or the SIGKILL after it) during them loses no step
+                # written, not in flight, when they start: an asynchronous save lost to a SIGKILL during them cost
+                # ckpt_every steps, and a full disk met by a grid hid the save's own error and left its temp folder
+                self.saver.wait(state.step)
             best = (state.best_fd, dict(state.metric_best))
             skipped = self.evaluation.run_due(state.step, tc.steps, self.ema.model, state, self.stop_agreed)
             if saved and not last_step:

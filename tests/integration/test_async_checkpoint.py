@@ -344,3 +344,22 @@ def test_async_saves_reuse_their_staging_buffers_and_each_round_trips_bit_for_bi
         dcp.load(back, storage_reader=FileSystemReader(ckpt.checkpoint_path(str(tmp_path), step)), no_dist=True)
         for k, v in values.items():
             assert torch.equal(back["model"][k], v) and back["model"][k].dtype == v.dtype, (step, k)
+
+
+def test_the_last_checkpoint_is_complete_before_the_end_of_run_evaluations_start(tiny_cfg, monkeypatch):
+    """With asynchronous saves the end-of-run work (validation, grids, FD: minutes) ran while the last checkpoint was
+    still being written: a SIGKILL during it left only step_N.dcp.tmp, so the requeue trained ckpt_every steps
+    again, and a full disk met by a grid hid the save's own error (a hostile-file-system trial)."""
+    tiny_cfg.train.async_checkpoint = True
+    trainer = Trainer(tiny_cfg, DistInfo())
+    seen = []
+    run_due = trainer.evaluation.run_due
+
+    def recorded(step, *args, **kwargs):
+        if step == tiny_cfg.train.steps:
+            seen.append([os.path.basename(p) for p in ckpt.list_checkpoints(tiny_cfg.run_dir, remove_partial=False)])
+        return run_due(step, *args, **kwargs)
+
+    monkeypatch.setattr(trainer.evaluation, "run_due", recorded)
+    trainer.fit()
+    assert seen == [[f"step_{3:08d}.dcp", f"step_{tiny_cfg.train.steps:08d}.dcp"]], seen

@@ -227,6 +227,40 @@ def test_a_full_disk_during_a_save_is_one_line_naming_the_path_and_keeps_the_pre
 
 
 @needs_fashion
+def test_a_checkpoint_cut_short_inside_a_shard_file_is_one_line(tmp_path, small_tmpfs):
+    """The save fails inside torch's zip writer, which reports it as a RuntimeError ("unexpected pos ..."), not as
+    the OSError behind it: a file system smaller than the first shard gave a 90-line traceback (a hostile-file-system
+    trial). Now the OSError, read from the file system, in one line; the partial save is removed."""
+    disk = small_tmpfs("300k")
+    run_dir = disk / "run"
+    r = subprocess.run([sys.executable, "-m", "dit_train", f"run_dir={run_dir}", *TINY, "train.steps=1"],
+                       cwd=disk, capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        f"error: No space left on device (ENOSPC): '{run_dir}/checkpoints/step_00000001.dcp.tmp'"), r.stderr[-3000:]
+    assert os.listdir(run_dir / "checkpoints") == []
+
+
+def test_a_shard_at_the_file_size_limit_is_named_as_efbig(tmp_path):
+    """The same RuntimeError where a shard reached the file-size limit (ulimit -f) rather than a full disk."""
+    import resource
+
+    from dit_train.runs.checkpoint import _out_of_space
+
+    previous = resource.getrlimit(resource.RLIMIT_FSIZE)
+    limit = 50_000_000
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, previous[1]))
+        assert _out_of_space(str(tmp_path)) is None
+        with open(tmp_path / "__0_0.distcp", "wb") as f:
+            f.truncate(limit)  # sparse: as far as a write could go
+        found = _out_of_space(str(tmp_path))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, previous)
+    assert found.errno == 27 and "the file-size limit, ulimit -f, is 50,000,000 bytes" in found.strerror
+
+
+@needs_fashion
 def test_a_full_disk_while_logging_metrics_is_one_line_naming_metrics_jsonl(tmp_path, small_tmpfs):
     from conftest import fill_disk
 
