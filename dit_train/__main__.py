@@ -69,15 +69,18 @@ def check_writable(run_dir: str) -> None:
     import errno
     import tempfile
 
-    try:
-        with tempfile.TemporaryFile(dir=run_dir):
-            pass
-    except OSError as e:
-        code = errno.errorcode.get(e.errno, "?") if e.errno else "?"
-        print(f"error: run folder {run_dir} is not writable ({e.strerror}, {code}): a run writes its checkpoints and "
-              f"metrics there; copy it to a writable place, or fork it with "
-              f"{shell_override('train.init_from', run_dir)} into a new run_dir", file=sys.stderr)
-        sys.exit(1)
+    checkpoints = os.path.join(run_dir, "checkpoints")  # read-only alone (a mount): found only at the first save
+    for folder in (run_dir, *([checkpoints] if os.path.isdir(checkpoints) else [])):
+        try:
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as e:
+            code = errno.errorcode.get(e.errno, "?") if e.errno else "?"
+            what = "run folder" if folder == run_dir else "the run folder's"
+            print(f"error: {what} {folder} is not writable ({e.strerror}, {code}): a run writes its checkpoints "
+                  f"and metrics there; copy it to a writable place, or fork it with "
+                  f"{shell_override('train.init_from', run_dir)} into a new run_dir", file=sys.stderr)
+            sys.exit(1)
 
 
 def explicit_run_dir(argv: list[str]) -> str | None:

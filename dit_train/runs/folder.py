@@ -40,13 +40,13 @@ def prepare_run_folder(cfg, dist: DistInfo) -> RunLock | None:
         try:
             refuse_writes_outside(cfg.run_dir)  # first: the resume decision lists checkpoints/, never through a link
             resumed_from = check_resume(cfg)
-            if resumed_from is None and cfg.train.resume == "auto":  # a misspelled run_dir trained a new run silently
-                log.info(fresh_start_line(cfg))
             record = os.path.join(cfg.run_dir, wandb_run.RECORD)
             if cfg.logger.wandb.mode != "disabled" and os.path.exists(record):
                 wandb_run.read_identity(record)  # a damaged one is refused before anything is written
             os.makedirs(cfg.run_dir, exist_ok=True)
             lock = RunLock(cfg.run_dir).acquire()
+            if resumed_from is None and cfg.train.resume == "auto":  # a misspelled run_dir trained a new run silently
+                log.info(fresh_start_line(cfg))  # once the folder is this run's: a second writer says only its line
             for stale in remove_stale_temp_files(cfg.run_dir):
                 log.warning("removed %s, left by a writer that died mid-write", stale)
             moved = None

@@ -693,6 +693,28 @@ def test_resuming_into_a_read_only_run_folder_is_one_line(tmp_path, small_tmpfs)
         f"train.init_from={disk / 'run'} into a new run_dir"], r.stderr
 
 
+def test_resuming_with_a_read_only_checkpoints_folder_is_one_line_before_training(tmp_path):
+    """checkpoints/ read-only on its own (a bind mount): the run trained up to its first save, then failed there
+    (a hostile-file-system trial). Now refused before any step, in one line."""
+    run_dir = tmp_path / "run"
+    run(tiny(run_dir))
+    folder = run_dir / "checkpoints"
+    mounted = subprocess.run(["mount", "--bind", str(folder), str(folder)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot bind-mount here (root needed): {mounted.stderr.strip()}")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(folder)], check=True)
+        before = (run_dir / "metrics.jsonl").read_text()
+        r = cli(tmp_path, f"run_dir={run_dir}", "train.resume=auto", "train.steps=6")
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+    assert r.returncode == 1 and r.stderr.splitlines() == [
+        f"error: the run folder's {folder} is not writable (Read-only file system, EROFS): a run writes its "
+        f"checkpoints and metrics there; copy it to a writable place, or fork it with "
+        f"train.init_from={run_dir} into a new run_dir"], r.stderr
+    assert (run_dir / "metrics.jsonl").read_text() == before
+
+
 def test_a_torn_summary_is_one_line_naming_it(tmp_path):
     from dit_train.runs.json_file import DamagedJSONFile
     from dit_train.telemetry.metrics import read_summary
