@@ -114,14 +114,17 @@ def test_the_table_passes_micro_batches_and_overrides_to_every_row_and_caches_by
     assert [(c[c.index("--world-size") + 1], c[c.index("--micro-batch") + 1]) for c in child.cmds] == [
         ("8", "128")] * 2 + [("16", "64")] * 2
     child.cmds = []
+    assert em.main([*grid, "parallel.replicate=4"]) == 0  # the same batches, HSDP
+    assert len(child.cmds) == 4 and all(c[-1] == "parallel.replicate=4" for c in child.cmds)  # no FSDP row reused
+    child.cmds = []
     assert em.main([*grid, "--micro-batches", "4", "parallel.replicate=4"]) == 0
-    assert len(child.cmds) == 4  # none of the FSDP rows reused
+    assert len(child.cmds) == 4
     for c in child.cmds:
         w = int(c[c.index("--world-size") + 1])
         assert c[c.index("--micro-batch") + 1] == str(1024 // w // 4) and c[c.index("--micro-batches") + 1] == "4"
         assert c[-1] == "parallel.replicate=4"
     rows = [json.loads(line) for line in open(results)]
-    assert len(rows) == 8 and sum(r["overrides"] == ["parallel.replicate=4"] for r in rows) == 4
+    assert len(rows) == 12 and sum(r["overrides"] == ["parallel.replicate=4"] for r in rows) == 8
     child.cmds = []
     assert em.main([*grid, "--micro-batches", "4", "parallel.replicate=4"]) == 0
     assert child.cmds == []  # the same grid again: every row from --results
