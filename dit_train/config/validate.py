@@ -117,6 +117,14 @@ def _check_reshard_size(size, shard_ranks: int) -> None:
                   f"{shard_ranks - 1} ({', '.join(map(str, sizes))})")
 
 
+def split_batch(train, world_size: int) -> tuple[int, int]:
+    """(images per forward, forwards per step) of each rank, as Trainer.forward_backward splits the rank's batch
+    (train.batch_size / world_size) in pieces of train.micro_batch_size (null: one piece). Checked by check_train."""
+    per_rank = train.batch_size // world_size
+    micro = train.micro_batch_size or per_rank
+    return micro, per_rank // micro
+
+
 def check_train(node, world_size: int = 1) -> dict:
     values = check_fields("train", TrainConfig, plain(node))
     if values["batch_size"] % world_size:

@@ -5,6 +5,10 @@ bytes of activations per token per block are below the ~60 d measured).
 
     dit-memory-formula [--micro-batch 32] [--world-sizes 8 16 32 64] [--presets dit_1b3 ...] [--blocks-per-unit 1]
 
+The batch: --micro-batch images per GPU at every world size, 32 images per GPU by default (the scaling study's
+global batch of 1024 at W = 32 only). dit-estimate-memory defaults to the study's 1024 / W per GPU instead: to
+compare a row of its at W GPUs, pass --micro-batch 1024/W here.
+
 Each model is built on the meta device (nothing allocated), its parameters routed as the optimizers route them
 (2-D hidden nn.Linear weights -> matrix update; the rest -> AdamW), and the bytes per GPU summed from the terms
 below. Everything is an accounting of tensors the trainer keeps, not a measurement; allocator fragmentation, the
@@ -28,6 +32,7 @@ unit holds the remainder of L), G the blocks of the largest two consecutive unit
 from __future__ import annotations
 
 import argparse
+import sys
 
 from dit_train.trainer.preemption import ctrl_c_exits
 
@@ -122,19 +127,27 @@ def tables(presets, worlds, micro_batch: int, blocks_per_unit: int = 1) -> str:
 
 
 @ctrl_c_exits("dit-memory-formula: interrupted; it writes nothing")
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="dit-memory-formula", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--micro-batch", type=int, default=32, help="images per GPU per step (default 32)")
+    ap.add_argument("--micro-batch", type=int, default=32,
+                    help="images per GPU per step at every world size (default 32; not 1024 / W)")
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[8, 16, 32, 64])
     ap.add_argument("--presets", nargs="+", default=list(PRESETS))
     ap.add_argument("--blocks-per-unit", type=int, default=1,
                     help="consecutive blocks per FSDP2 unit (parallel.blocks_per_fsdp_unit; default 1)")
     args = ap.parse_args(argv)
+    # before any work: a world size of 0 divided by zero in a traceback
+    for flag, values in (("--world-sizes", args.world_sizes), ("--micro-batch", [args.micro_batch])):
+        bad = [v for v in values if v < 1]
+        if bad:
+            print(f"error: {flag} {bad[0]}: must be an integer >= 1", file=sys.stderr)
+            return 2
     if args.blocks_per_unit < 1:
         ap.error(f"--blocks-per-unit: {args.blocks_per_unit} is not a number of blocks (an integer >= 1)")
     print(tables(args.presets, args.world_sizes, args.micro_batch, args.blocks_per_unit))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -216,7 +216,7 @@ class Trainer:
         accumulation: each micro-batch's loss weighted by its share of the batch; under FSDP2 see
         micro_batch_sync). Returns the batch's mean loss (detached)."""
         batch = x.shape[0]
-        micro = self.tc.micro_batch_size or batch
+        micro = self.tc.micro_batch_size or batch  # config.validate.split_batch: the same rule, for the estimator
         total = None
         for lo in range(0, batch, micro):
             part = slice(lo, lo + micro)
