@@ -93,6 +93,29 @@ def explicit_run_dir(argv: list[str]) -> str | None:
     return str(parsed_value(run_dirs[-1])) if run_dirs else None
 
 
+def is_single_dry_run(argv: list[str], configs: list) -> bool:
+    """One job (no sweep, --help, completion or other flag than --config-dir) whose config is a dry run."""
+    _, argv = split_config_dir(argv)
+    return (len(configs) == 1 and not any(a.startswith("-") for a in argv)
+            and bool(configs[0].train.get("dry_run")))
+
+
+def dry_run_without_folder() -> None:
+    """A dry run writes nothing: Hydra always makes its output folder (and opens dit_train.log there), so it gets a
+    temporary one, removed after, with no `.hydra/` in it. Even a killed dry run leaves no runs/ in the cwd. The
+    user's own hydra.run.dir / hydra.output_subdir are replaced: nothing is written there either."""
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="dit-train-dry-run-")
+    sys.argv[1:] = [a for a in sys.argv[1:] if not a.startswith(("hydra.run.dir=", "hydra.output_subdir="))]
+    sys.argv += [override("hydra.run.dir", folder), "hydra.output_subdir=null"]
+    try:
+        main()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def cli() -> None:
     """The `dit-train` console script and `python -m dit_train`: Ctrl-C before training starts is one line and exit
     130 (once training has started, the run checkpoints and says so: trainer/preemption.py)."""
@@ -105,7 +128,10 @@ def cli() -> None:
 def start() -> None:
     # every rank composes the config and resumes, but only the first says so: the others log warnings and errors
     logging.getLogger("dit_train").setLevel(logging.INFO if launch_rank() == 0 else logging.WARNING)
-    check_command_line(sys.argv[1:])  # before Hydra makes the run folder: a bad config leaves nothing behind
+    # before Hydra makes the run folder: a bad config leaves nothing behind
+    configs = check_command_line(sys.argv[1:])
+    if is_single_dry_run(sys.argv[1:], configs):
+        return dry_run_without_folder()
     run_dir = explicit_run_dir(sys.argv[1:])
     if run_dir is not None:
         # Hydra's own files (.hydra/, dit_train.log) go into the run folder too: otherwise every such run, and every
