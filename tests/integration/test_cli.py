@@ -57,6 +57,13 @@ def test_dry_run_every_preset_from_any_directory(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_dry_run_sweep_writes_nothing(tmp_path):
+    """`-m ... train.dry_run=true` left multirun/<date>/<time>/multirun.yaml behind."""
+    r = cli("-m", "model=dit_xs", "train.dry_run=true", "optimizer=adamw", cwd=str(tmp_path))
+    assert r.returncode == 0 and "dry run: nothing allocated" in r.stdout, r.stderr
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_dry_run_under_a_launchers_world_size_joins_no_group_and_writes_nothing(tmp_path):
     """With torchrun's variables for rank 0 of 8, a dry run joined the process group and waited for 7 peers that
     never came, silently, leaving runs/<date>/<time>/ with .hydra/ and an empty dit_train.log. A real process: the
