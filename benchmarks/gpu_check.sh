@@ -10,21 +10,45 @@
 #   bash benchmarks/gpu_check.sh --cpu-smoke            # every stage on CPU, tiny models: checks the check (CI)
 #   bash benchmarks/gpu_check.sh --only env,ns5         # some stages
 #   bash benchmarks/gpu_check.sh --timeout-scale 2      # every stage's timeout times 2 (a slower machine)
+#   bash benchmarks/gpu_check.sh --help                 # this usage and the stages
 set -uo pipefail
 {  # the whole script is read before it runs: an edit of this file during a run cannot change the run
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 
+usage() {
+  cat <<'EOF'
+usage: bash benchmarks/gpu_check.sh [--cpu-smoke] [--only STAGES] [--results DIR] [--out FILE] [--timeout-scale X]
+
+First contact with a GPU machine (docs/gpu_check.md): the checks that decide the most (environment, NS5 rates,
+the optimizers, dit_15b/dit_1b3 training steps, checkpointing), each stage in its own process under its own
+timeout, under 9 minutes in all on one H200. Needs a visible CUDA device (or --cpu-smoke) and the Python packages
+already installed; this checkout is used through PYTHONPATH, nothing is installed.
+
+  --cpu-smoke        every stage on CPU with tiny models: checks the check (CI), no GPU needed
+  --only STAGES      a comma-separated list of stages (below)
+  --results DIR      stage logs, estimates and results.jsonl there (an empty folder; default $OUT/gpu_check when
+                     $OUT is a folder, else a new temporary folder)
+  --out FILE         the results table (default docs/gpu_check.md; with --cpu-smoke, DIR/gpu_check.md)
+  --timeout-scale X  every stage's timeout times X (a slower machine)
+  -h, --help         this text
+
+stages (timeout in s, on a GPU):
+EOF
+  "$PY" -m benchmarks.gpu_check --plan 2>/dev/null | awk -F'\t' '{printf "  %-20s %s\n", $1, $2}'
+}
+
 SMOKE="" ONLY="" RESULTS="" OUT_MD="" SCALE=1
 while [ $# -gt 0 ]; do
   case "$1" in
+    -h|--help) usage; exit 0 ;;
     --cpu-smoke) SMOKE=--cpu-smoke ;;
     --only) ONLY=${2:?--only needs a comma-separated list of stages}; shift ;;
     --results) RESULTS=${2:?--results needs a folder}; shift ;;
     --out) OUT_MD=${2:?--out needs a file}; shift ;;
     --timeout-scale) SCALE=${2:?--timeout-scale needs a number}; shift ;;
-    *) echo "gpu_check.sh: unknown argument '$1'; valid: --cpu-smoke, --only STAGES, --results DIR, --out FILE, --timeout-scale X" >&2
+    *) echo "gpu_check.sh: unknown argument '$1'; valid: --cpu-smoke, --only STAGES, --results DIR, --out FILE, --timeout-scale X, --help" >&2
        exit 2 ;;
   esac
   shift

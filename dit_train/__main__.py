@@ -10,7 +10,7 @@ import hydra
 
 from dit_train.runs.atomic_io import describe_os_error
 from dit_train.config import CONF_DIR, ConfigError, check_command_line, remove_stray_hydra_dir
-from dit_train.config.command_line import split_config_dir
+from dit_train.config.command_line import MULTIRUN_FLAGS, split_config_dir
 from dit_train.config.override_text import override, parsed_value, shell_override
 from dit_train.runs.hydra_files import defer_hydra_files
 from dit_train.trainer.preemption import Preempted, Preemption, exit_interrupted
@@ -93,6 +93,36 @@ def explicit_run_dir(argv: list[str]) -> str | None:
     return str(parsed_value(run_dirs[-1])) if run_dirs else None
 
 
+def dry_run_kind(argv: list[str], configs: list) -> str | None:
+    """"run" for one job, "sweep" for a local --multirun, whose every job is a dry run; else None (a command left
+    to Hydra, --help, completion; a Slurm sweep, whose jobs' logs need the shared sweep folder)."""
+    _, argv = split_config_dir(argv)
+    flags = [a for a in argv if a.startswith("-")]
+    if not configs or not all(c.train.get("dry_run") for c in configs) or "launcher=slurm" in argv:
+        return None
+    if not flags:
+        return "run" if len(configs) == 1 else None
+    return "sweep" if all(f in MULTIRUN_FLAGS for f in flags) else None
+
+
+def dry_run_without_folder(kind: str) -> None:
+    """A dry run writes nothing: Hydra always makes its output folder (and opens dit_train.log there; a sweep also
+    writes multirun.yaml), so it gets a temporary one, removed after, with no `.hydra/` in it. Even a killed dry
+    run leaves no runs/ or multirun/ in the cwd. The user's own hydra.run.dir / hydra.sweep.dir /
+    hydra.output_subdir are replaced: nothing is written there either."""
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="dit-train-dry-run-")
+    sys.argv[1:] = [a for a in sys.argv[1:]
+                    if not a.startswith(("hydra.run.dir=", "hydra.sweep.dir=", "hydra.output_subdir="))]
+    sys.argv += [override(f"hydra.{kind}.dir", folder), "hydra.output_subdir=null"]
+    try:
+        main()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def cli() -> None:
     """The `dit-train` console script and `python -m dit_train`: Ctrl-C before training starts is one line and exit
     130 (once training has started, the run checkpoints and says so: trainer/preemption.py)."""
@@ -105,7 +135,11 @@ def cli() -> None:
 def start() -> None:
     # every rank composes the config and resumes, but only the first says so: the others log warnings and errors
     logging.getLogger("dit_train").setLevel(logging.INFO if launch_rank() == 0 else logging.WARNING)
-    check_command_line(sys.argv[1:])  # before Hydra makes the run folder: a bad config leaves nothing behind
+    # before Hydra makes the run folder: a bad config leaves nothing behind
+    configs = check_command_line(sys.argv[1:])
+    kind = dry_run_kind(sys.argv[1:], configs)
+    if kind is not None:
+        return dry_run_without_folder(kind)
     run_dir = explicit_run_dir(sys.argv[1:])
     if run_dir is not None:
         # Hydra's own files (.hydra/, dit_train.log) go into the run folder too: otherwise every such run, and every

@@ -10,7 +10,8 @@ from benchmarks import cost_model
 from benchmarks.cost_model.calibration import (calibration_rows, calibration_table, phase_rows, phase_table,
                                                sharded_table)
 from benchmarks.cost_model.hardware import PROFILES
-from benchmarks.cost_model.measure_host import HOST_PROFILE, measure_host
+from benchmarks.cost_model.measure_host import (HOST_PROFILE, PROFILE_KEYS, REQUIRED_PROFILE_KEYS, measure_host,
+                                                 profile_problem)
 from benchmarks.cost_model.paper import PAPER_GLOBAL_BATCH, PAPER_PRESETS, PAPER_WORLDS, paper_table
 
 
@@ -38,8 +39,29 @@ def parse(argv=None):
             ap.error("--calibrate needs --bench-optimizer LOG and/or --bench-distributed LOG")
         for path in (args.profile, args.bench_optimizer, args.bench_distributed):
             if path and not os.path.isfile(path):
-                ap.error(f"{path} does not exist" + (" (run --measure-host first)" if path == args.profile else ""))
+                file_error(ap, f"{path} does not exist" + (" (run --measure-host first)" if path == args.profile else ""))
+        args.measured = read_profile(ap, args.profile)
     return args
+
+
+def file_error(ap, message: str) -> None:
+    """argparse's error line and exit 2, without the usage above it: the arguments were right, the file is not."""
+    ap.exit(2, f"{ap.prog}: error: {message}\n")
+
+
+def read_profile(ap, path: str) -> dict:
+    """The host profile at `path`, or a one-line error (exit 2) naming the file, what is wrong and the
+    valid keys: a file that is not a profile made a KeyError traceback deep in the calibration."""
+    try:
+        with open(path) as f:
+            measured = json.load(f)
+    except (OSError, ValueError) as e:
+        file_error(ap, f"--profile {path}: not readable as JSON ({e}); a host profile is --measure-host's output")
+    problem = profile_problem(measured)
+    if problem:
+        file_error(ap, f"--profile {path} {problem}; a host profile (--measure-host's output) has the keys "
+                 f"{', '.join(PROFILE_KEYS)} ({', '.join(REQUIRED_PROFILE_KEYS)} required)")
+    return measured
 
 
 def main(argv=None) -> int:
@@ -51,8 +73,7 @@ def main(argv=None) -> int:
         print(json.dumps(measured, indent=1))
         return 0
     if args.calibrate:
-        with open(args.profile) as f:
-            measured = json.load(f)
+        measured = args.measured
         logs = [open(p).read() if p else None for p in (args.bench_optimizer, args.bench_distributed)]
         print(calibration_table(calibration_rows(measured, *logs)))
         if logs[0]:

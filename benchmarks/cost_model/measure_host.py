@@ -208,6 +208,21 @@ def measure_gloo(world: int, numel: int = 4 << 20, work_numel: int = 1 << 18, ro
     return queue.get(timeout=10)
 
 
+# a host profile's keys, as measure_host writes them; --calibrate reads the first three
+PROFILE_KEYS = ("cores", "compute", "gloo", "python", "load_average")
+REQUIRED_PROFILE_KEYS = PROFILE_KEYS[:3]
+
+
+def profile_problem(measured) -> str | None:
+    """Why a loaded host profile cannot be used (None if it can): not an object, or required keys missing."""
+    if not isinstance(measured, dict):
+        return f"holds a JSON {type(measured).__name__}, not an object"
+    missing = [k for k in REQUIRED_PROFILE_KEYS if k not in measured]
+    if missing:
+        return f"lacks the key(s) {', '.join(missing)}"
+    return None
+
+
 def measure_host(worlds=(2, 4)) -> dict:
     cores = os.cpu_count() or 1
     threads = sorted({1, cores})

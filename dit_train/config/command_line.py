@@ -182,11 +182,12 @@ HYDRA_FLAGS_WITH_VALUE = ("-sc", "--shell-completion", "-c", "--cfg", "-p", "--p
                           "--config-path", "-cn", "--config-name")
 
 
-def check_command_line(argv: list[str], world_size: int | None = None) -> None:
+def check_command_line(argv: list[str], world_size: int | None = None) -> list:
     """Exit 2 with `error: ...` on stderr if any job of this command line has a bad config, composed with the
-    user's --config-dir if any. Command lines with other Hydra flags (--cfg, --help, ...) are left to Hydra."""
+    user's --config-dir if any. Command lines with other Hydra flags (--cfg, --help, ...) are left to Hydra.
+    Returns the checked config of each job (check_jobs)."""
     try:
-        check_jobs(argv, world_size)
+        return check_jobs(argv, world_size)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -9,9 +9,9 @@ from dit_train.optim.registry import build_optimizer
 from dit_train.optim.routing import PER_TENSOR_HINT
 
 
-def dry_run(cfg) -> dict:
+def dry_run(cfg, world_size: int = 1) -> dict:
     """Build on the meta device (nothing allocated), print the size, the optimizer's parameter groups and the
-    per-tensor routing."""
+    per-tensor routing; with `world_size` > 1 (the launcher's WORLD_SIZE), what was checked for it."""
     model = build_model(cfg.model, device="meta")
     n = count_parameters(model)
     optimizer = build_optimizer(model, cfg.optimizer)
@@ -25,5 +25,11 @@ def dry_run(cfg) -> dict:
               f"run reads no data: the run takes channels, image size and class count from data.root="
               f"{cfg.data.get('root')} (docs/data.md)")
     print(f"optimizer {optimizer.routing_table.removesuffix(PER_TENSOR_HINT)}{optimizer.routing.table()}")
+    if world_size > 1:
+        t = cfg.train
+        micro = f", micro-batch {t.micro_batch_size}" if t.get("micro_batch_size") else ""
+        print(f"world size {world_size} (WORLD_SIZE): config checked for {world_size} ranks; per-rank batch "
+              f"{t.batch_size // world_size} of train.batch_size={t.batch_size}{micro}. This dry run is one process "
+              f"and joins no process group; per-rank memory: dit-estimate-memory --world-size {world_size}")
     print("dry run: nothing allocated, exiting")
     return {"params": n}

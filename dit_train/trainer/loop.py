@@ -414,19 +414,33 @@ class Trainer:
             progress.set_postfix(loss=f"{metrics['train/loss']:.4f}", imgs_s=f"{metrics['imgs_per_s']:.0f}")
 
 
+def dry_run_for_launch(cfg) -> dict:
+    """The dry run, checked for the world size its launcher set (WORLD_SIZE, or srun's), without joining a process
+    group. Under torchrun only rank 0 prints: every rank would print the same."""
+    from dit_train.parallel.fsdp import slurm_environment
+    from dit_train.parallel.launch_rank import launch_rank
+
+    environ = {**os.environ, **slurm_environment()}
+    world = int(environ.get("WORLD_SIZE", "1"))
+    validate(cfg, world)
+    if launch_rank(environ) != 0:
+        return {}
+    return dry_run(cfg, world)
+
+
 def run(cfg) -> dict:
     """Entry point behind `python -m dit_train`: validate, then dry run or train. Under torchrun (or with
     parallel.fsdp=true) this joins/creates the process group first and leaves it as it found it."""
+    if cfg.train.dry_run:  # one process that joins no group: under torchrun, waiting for peers would hang it
+        return dry_run_for_launch(cfg)
     had_group = torch.distributed.is_initialized()
-    wants_group = wants_fsdp(cfg.get("parallel"), int(os.environ.get("WORLD_SIZE", "1"))) and not cfg.train.dry_run
+    wants_group = wants_fsdp(cfg.get("parallel"), int(os.environ.get("WORLD_SIZE", "1")))
     dist = init_distributed(single_process_group=wants_group, timeout_minutes=cfg.parallel.timeout_minutes)
     lock = None
     try:
         if dist.world_size > 1:
             cfg = agree_on_config(cfg, dist)
         validate(cfg, dist.world_size)
-        if cfg.train.dry_run:
-            return dry_run(cfg)
         cfg = absolute_paths(cfg)
         check_buildable(cfg.optimizer.get("compile_rownorm"), dist.device)
         with collective_timeouts(cfg.parallel.timeout_minutes):

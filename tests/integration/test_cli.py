@@ -53,9 +53,30 @@ def test_dry_run_every_preset_from_any_directory(tmp_path):
     r = cli_process("model=dit_15b", "train.dry_run=true", cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr
     assert "15,158,211,088 parameters" in r.stdout and "dry run" in r.stdout
-    # nothing written, not even Hydra's runs/<date>/<time>/ folder (its empty root may stay)
-    assert [(os.path.relpath(d, tmp_path), sub, files) for d, sub, files in os.walk(tmp_path)] in (
-        [(".", [], [])], [(".", ["runs"], []), ("runs", [], [])])
+    # nothing written, not even Hydra's runs/<date>/<time>/ folder or an empty runs/ (Hydra's folder is a temporary)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_dry_run_sweep_writes_nothing(tmp_path):
+    """`-m ... train.dry_run=true` left multirun/<date>/<time>/multirun.yaml behind."""
+    r = cli("-m", "model=dit_xs", "train.dry_run=true", "optimizer=adamw", cwd=str(tmp_path))
+    assert r.returncode == 0 and "dry run: nothing allocated" in r.stdout, r.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_dry_run_under_a_launchers_world_size_joins_no_group_and_writes_nothing(tmp_path):
+    """With torchrun's variables for rank 0 of 8, a dry run joined the process group and waited for 7 peers that
+    never came, silently, leaving runs/<date>/<time>/ with .hydra/ and an empty dit_train.log. A real process: the
+    old behaviour blocks in torch's rendezvous, which only a subprocess timeout can end."""
+    env = {"WORLD_SIZE": "8", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29577"}
+    r = subprocess.run([sys.executable, "-m", "dit_train", "model=dit_xs", "train.dry_run=true", "run_dir=mine"],
+                       cwd=str(tmp_path), capture_output=True, text=True, timeout=60,
+                       env={**os.environ, **env, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    assert ("world size 8 (WORLD_SIZE): config checked for 8 ranks; per-rank batch 8 of train.batch_size=64. This "
+            "dry run is one process and joins no process group") in r.stdout
+    assert os.listdir(tmp_path) == []  # nor the explicit run_dir
 
 
 BAD = [

@@ -151,6 +151,18 @@ def test_bad_arguments_are_one_line_errors_before_anything_runs(tmp_path, args, 
     assert not (tmp_path / "r" / "results.jsonl").exists()
 
 
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_prints_the_usage_and_runs_nothing(tmp_path, flag):
+    """`--help` was "unknown argument '--help'", exit 2."""
+    proc = run_script(flag, "--results", str(tmp_path / "r"), timeout=60)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.stdout.startswith("usage: bash benchmarks/gpu_check.sh [--cpu-smoke] [--only STAGES]")
+    assert "Needs a visible CUDA device (or --cpu-smoke)" in proc.stdout
+    listed = proc.stdout.split("stages (timeout in s, on a GPU):\n")[1].split()
+    assert listed[::2] == STAGES  # every stage, from gpu_check.STAGES itself
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_results_folder_is_never_appended_to(tmp_path):
     (tmp_path / "results.jsonl").write_text("{}\n")
     proc = run_script("--cpu-smoke", "--results", str(tmp_path), timeout=120)

@@ -196,6 +196,23 @@ def test_bad_arguments_are_one_line_errors(args, message, capsys):
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("content, message", [
+    ('{"compute": {}}', "lacks the key(s) cores, gloo; a host profile (--measure-host's output) has the keys "
+                        "cores, compute, gloo, python, load_average (cores, compute, gloo required)"),
+    ("[1, 2]", "holds a JSON list, not an object"),
+    ("not json", "not readable as JSON (Expecting value")])
+def test_a_profile_that_is_not_a_host_profile_is_one_line_naming_file_and_keys(tmp_path, capsys, content, message):
+    """A --profile JSON without `cores` was a KeyError traceback from deep in the calibration."""
+    profile, log = tmp_path / "bad.json", tmp_path / "bench.log"
+    profile.write_text(content)
+    log.write_text("")
+    with pytest.raises(SystemExit) as e:
+        main(["--calibrate", "--profile", str(profile), "--bench-optimizer", str(log)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"python -m benchmarks.cost_model: error: --profile {profile}") and message in err, err
+
+
 def test_the_usage_line_names_the_module_it_runs_as(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
