@@ -221,16 +221,18 @@ def check_jobs(argv: list[str], world_size: int | None = None, decide_resume: bo
     # the user's folders where Hydra puts them, after ours, as one override
     searchpath = searchpath_override(config_dir, entries)
     jobs = [searchpath + job for job in job_overrides([o for o in overrides if not is_searchpath(o)])]
-    first = hydra_config(jobs[0])  # composed once for both checks below
-    check_hydra_folder(first, multirun=bool(flags))
-    # a sweep's jobs' folders (a too-long name refused): a single run's folder is made by the command
-    folders = sweep_job_folders(jobs, first) if flags else None
+    folders = None
+    if decide_resume:  # dit-study's check leaves the folders Hydra writes to each group's trainer, which checks them
+        first = hydra_config(jobs[0])  # composed once for both checks below
+        check_hydra_folder(first, multirun=bool(flags))
+        # a sweep's jobs' folders (a too-long name refused): a single run's folder is made by the command
+        folders = sweep_job_folders(jobs, first) if flags else None
     configs = []
     for num, job in enumerate(jobs):
         cfg = compose_checked(job)
         # the checkpoint's train state, read once for both the config it continues and the resume decision
         read_state = functools.cache(read_saved_state)
-        if decide_resume and folders is not None:  # each job's resume is decided now, not after Hydra rewrote
+        if folders is not None:  # each job's resume is decided now, not after Hydra rewrote
             cfg = in_its_sweep_folder(cfg, folders[num])  # multirun.yaml
         composed = cfg
         if decide_resume and (cfg.train.get("resume") is not None or cfg.train.get("init_from") is not None):
