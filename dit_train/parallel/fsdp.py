@@ -115,14 +115,30 @@ def init_distributed(single_process_group: bool = False, device: str | torch.dev
         elif world > 1:  # a gloo default group (an NCCL job's one gloo group, for async saves: CheckpointSaver)
             use_gloo_interface()
         if world > 1:
-            dist.init_process_group(backend_for(device), device_id=device if device.type == "cuda" else None,
-                                    timeout=datetime.timedelta(minutes=timeout_minutes))
+            try:
+                dist.init_process_group(backend_for(device), device_id=device if device.type == "cuda" else None,
+                                        timeout=datetime.timedelta(minutes=timeout_minutes))
+            except dist.DistNetworkError as e:
+                if "EADDRINUSE" in str(e):
+                    raise port_in_use(timeout_minutes) from None
+                raise
         elif single_process_group:
             dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0, world_size=1)
     if dist.is_initialized():
         world = dist.get_world_size()
     rank = dist.get_rank() if dist.is_initialized() else 0
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
+
+
+def port_in_use(timeout_minutes: float) -> Exception:
+    """Rank 0's store could not listen on MASTER_PORT (srun without torchrun: another job's group on the node, or
+    a port taken by anything else): one line saying which variable to change, not the store's traceback."""
+    from dit_train.config.errors import ConfigError
+
+    return ConfigError(f"MASTER_PORT={os.environ.get('MASTER_PORT')!r} on MASTER_ADDR="
+                       f"{os.environ.get('MASTER_ADDR')!r} is in use (another job's process group on this node?): "
+                       f"set MASTER_PORT to a free port; the other ranks give up after parallel.timeout_minutes="
+                       f"{timeout_minutes:g}")
 
 
 class CollectiveTimeout(RuntimeError):

@@ -153,3 +153,26 @@ def test_a_refused_command_line_under_dit_torchrun_exits_2(tmp_path, launch, sai
     assert lines[-1].startswith(said), r.stderr[-3000:]
     if launch[1] == "2":  # refused before any worker started
         assert len(lines) == 1 and r.stdout == "", r.stderr
+
+
+def test_a_master_port_in_use_under_srun_is_one_line_on_rank_0(tmp_path):
+    """srun without torchrun: rank 0 makes the group's store on MASTER_PORT. A port already taken (another job's
+    group on the node) was the store's 40-line traceback; it is one line naming the variable, exit 2, and no run
+    folder is left."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        step = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+        r = subprocess.run([sys.executable, "-m", "dit_train", "experiment=debug", "parallel.timeout_minutes=0.2",
+                            f"run_dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=120, env={**env, **step, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"error: MASTER_PORT='{port}' on MASTER_ADDR='127.0.0.1' is in use (another job's process group on this "
+        f"node?): set MASTER_PORT to a free port; the other ranks give up after parallel.timeout_minutes=0.2")
+    assert not (tmp_path / "run").exists()
