@@ -15,6 +15,7 @@ from dit_train.config.override_text import override, parsed_value, shell_overrid
 from dit_train.runs.hydra_files import defer_hydra_files
 from dit_train.trainer.preemption import Preempted, Preemption, exit_interrupted
 from dit_train.parallel.launch_rank import launch_rank
+from dit_train.telemetry.plain_text import print_error
 
 INTERRUPTED = "interrupted before training started; nothing to checkpoint"
 
@@ -46,10 +47,10 @@ def main(cfg) -> None:
         from hydra.core.hydra_config import HydraConfig
 
         remove_stray_hydra_dir(HydraConfig.get().runtime.output_dir)
-        print(f"error: {e}", file=sys.stderr)
+        print_error(str(e))
         sys.exit(2)
     except (TrainingStopped, CollectiveTimeout) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(str(e))
         sys.exit(1)
     except Preempted as e:
         Preemption.ignore_further_signals()
@@ -57,7 +58,7 @@ def main(cfg) -> None:
             print(f"preempted: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
     except OSError as e:  # full disk, read-only or unwritable folder: the path and the operation, one line
-        print(f"error: {describe_os_error(e)}", file=sys.stderr)
+        print_error(describe_os_error(e))
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C before training started (once it has, it checkpoints: Preempted above)
         exit_interrupted(INTERRUPTED)
@@ -77,9 +78,9 @@ def check_writable(run_dir: str) -> None:
         except OSError as e:
             code = errno.errorcode.get(e.errno, "?") if e.errno else "?"
             what = "run folder" if folder == run_dir else "the run folder's"
-            print(f"error: {what} {folder} is not writable ({e.strerror}, {code}): a run writes its checkpoints "
-                  f"and metrics there; copy it to a writable place, or fork it with "
-                  f"{shell_override('train.init_from', run_dir)} into a new run_dir", file=sys.stderr)
+            print_error(f"{what} {folder} is not writable ({e.strerror}, {code}): a run writes its checkpoints "
+                        f"and metrics there; copy it to a writable place, or fork it with "
+                        f"{shell_override('train.init_from', run_dir)} into a new run_dir")
             sys.exit(1)
 
 
@@ -148,7 +149,7 @@ def start() -> None:
             try:
                 os.makedirs(run_dir, exist_ok=True)
             except OSError as e:
-                print(f"error: {describe_os_error(e)}", file=sys.stderr)
+                print_error(describe_os_error(e))
                 sys.exit(1)
             check_writable(run_dir)
         sys.argv.append(override("hydra.run.dir", run_dir))

@@ -23,7 +23,7 @@ import os
 import sys
 
 from dit_train.model.pretrained import DTYPES
-from dit_train.telemetry.plain_text import printable
+from dit_train.telemetry.plain_text import print_error, printable
 from dit_train.trainer.preemption import ctrl_c_exits
 
 
@@ -89,12 +89,12 @@ def main(argv=None) -> int:
     try:
         meta = export_ema(args.source, args.out_dir, args.dtype, args.vae)
     except (FileNotFoundError, KeyError, ValueError) as e:  # CheckpointError is a ValueError
-        print(f"error: {printable(str(e))}", file=sys.stderr)
+        print_error(str(e))
         return 2
     except OSError as e:  # a full disk or an unwritable OUT_DIR: the path and the error; the run is only read
         from dit_train.runs.atomic_io import describe_os_error
 
-        print(f"error: {printable(describe_os_error(e))}", file=sys.stderr)
+        print_error(describe_os_error(e))
         return 1
     print(printable(f"wrote {args.out_dir}: EMA weights at step {meta['step']} ({meta['format']} checkpoint "
                     f"{meta['source']}, {args.dtype}); load with DiT.from_pretrained({args.out_dir!r}) or, in "

@@ -33,7 +33,7 @@ from dit_train.runs.checkpoint import (is_complete, literal_config, load_for_inf
 from dit_train.evaluation.grids import save_grid, save_image
 from dit_train.diffusion.sampler import as_latents, make_sampler, noise_shape
 from dit_train.evaluation.during_training import grid_classes
-from dit_train.telemetry.plain_text import printable
+from dit_train.telemetry.plain_text import print_error, printable
 from dit_train.telemetry.progress import model_call_bar
 from dit_train.trainer.preemption import ctrl_c_exits
 
@@ -188,14 +188,14 @@ def main(argv=None) -> int:
             if folder:
                 check_folder_can_be_made(folder)
     except OSError as e:
-        print(f"error: {describe_os_error(e)}", file=sys.stderr)
+        print_error(describe_os_error(e))
         return 1
     try:
         images, labels, _, meta = sample(args.source, args.classes, args.per_class, args.steps, args.cfg_scale,
                                          args.seed, args.batch_size, args.device, args.vae,
                                          progress=not args.no_progress)
     except (FileNotFoundError, KeyError, ValueError) as e:  # CheckpointError is a ValueError
-        print(f"error: {printable(str(e))}", file=sys.stderr)
+        print_error(str(e))
         return 2
     written = []
     try:
@@ -205,7 +205,7 @@ def main(argv=None) -> int:
         if args.out_dir:
             written.append(f"{len(write_folder(images, labels, args.out_dir))} PNGs in {args.out_dir}")
     except OSError as e:  # a full disk
-        print(f"error: {describe_os_error(e)}", file=sys.stderr)
+        print_error(describe_os_error(e))
         return 1
     print(printable(f"{len(images)} samples from {meta['path']} (step {meta['step']}, {meta['steps']} Euler steps, "
                     f"CFG {meta['cfg_scale']:g}, seed {meta['seed']}): {', '.join(written)}"))

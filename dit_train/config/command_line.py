@@ -21,6 +21,7 @@ from dit_train.config.override_text import shell_override
 from dit_train.config.search_path import (config_name, is_searchpath, primary_folder, searchpath_entries,
                                           searchpath_override, user_folders)
 from dit_train.config.validate import validate
+from dit_train.telemetry.plain_text import print_error
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
 CONFIG_DIR_FLAGS = ("--config-dir", "-cd")
@@ -189,7 +190,7 @@ def check_command_line(argv: list[str], world_size: int | None = None) -> list:
     try:
         return check_jobs(argv, world_size)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(str(e))
         sys.exit(2)
 
 

@@ -39,6 +39,7 @@ from dit_train.data.datasets import build_dataset
 from dit_train.evaluation.fd.job_config import load_data_cfg
 from dit_train.parallel.fsdp import barrier, init_distributed, shutdown_process_group
 from dit_train.trainer.preemption import exit_interrupted
+from dit_train.telemetry.plain_text import print_error
 
 
 DEFAULT_IMAGE_SIZE = 256  # --images of mixed sizes: DiT's ImageNet resolution
@@ -305,10 +306,10 @@ def cli() -> int:
     try:
         main()
     except (ConfigError, FileNotFoundError, ValueError) as e:  # a ConfigError is a ValueError; so is a corrupt image
-        print(f"error: {e}", file=sys.stderr)
+        print_error(str(e))
         return 2
     except OSError as e:  # a full disk, an unwritable --out: the path and the operation
-        print(f"error: {describe_os_error(e)}", file=sys.stderr)
+        print_error(describe_os_error(e))
         return 1
     except KeyboardInterrupt:
         exit_interrupted(INTERRUPTED)

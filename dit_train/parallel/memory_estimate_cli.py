@@ -30,6 +30,7 @@ import time
 from dit_train.config.errors import ConfigError
 from dit_train.config.files import group_options
 from dit_train.trainer.preemption import ctrl_c_exits
+from dit_train.telemetry.plain_text import print_error
 
 
 GIB = 1024**3
@@ -280,28 +281,28 @@ def main(argv=None) -> int:
                          ("--micro-batch", [args.micro_batch]), ("--micro-batches", [args.micro_batches])):
         bad = [v for v in values if v is not None and v < 1]
         if bad:
-            print(f"error: {flag} {bad[0]}: must be an integer >= 1", file=sys.stderr)
+            print_error(f"{flag} {bad[0]}: must be an integer >= 1")
             return 2
     if args.table:
         folder = os.path.dirname(os.path.abspath(args.results)) if args.results else None
         if folder and not os.path.isdir(folder):  # was a traceback after the first configuration's minutes
-            print(f"error: --results {args.results}: the folder {folder} does not exist", file=sys.stderr)
+            print_error(f"--results {args.results}: the folder {folder} does not exist")
             return 2
         try:
             print(markdown(run_grid(args)))
         except ConfigError as e:  # a batch the trainer refuses, found before the first row runs
-            print(f"error: {e}", file=sys.stderr)
+            print_error(str(e))
             return 2
         except OSError as e:  # --results unreadable or unwritable: the path and the operation
             from dit_train.runs.atomic_io import describe_os_error
 
-            print(f"error: {describe_os_error(e)}", file=sys.stderr)
+            print_error(describe_os_error(e))
             return 1
         return 0
     try:
         r = run_one(args)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(str(e))
         return 2
     print(json.dumps(r) if args.json else describe(r))
     return 0

@@ -35,6 +35,7 @@ import argparse
 import sys
 
 from dit_train.trainer.preemption import ctrl_c_exits
+from dit_train.telemetry.plain_text import print_error
 
 PRESETS = ("dit_1b3", "dit_4b", "dit_9b", "dit_15b")
 GIB = 1024**3
@@ -141,7 +142,7 @@ def main(argv=None) -> int:
     for flag, values in (("--world-sizes", args.world_sizes), ("--micro-batch", [args.micro_batch])):
         bad = [v for v in values if v < 1]
         if bad:
-            print(f"error: {flag} {bad[0]}: must be an integer >= 1", file=sys.stderr)
+            print_error(f"{flag} {bad[0]}: must be an integer >= 1")
             return 2
     if args.blocks_per_unit < 1:
         ap.error(f"--blocks-per-unit: {args.blocks_per_unit} is not a number of blocks (an integer >= 1)")

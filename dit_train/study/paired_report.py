@@ -47,6 +47,7 @@ from dit_train.study import stability
 from dit_train.study.report import Run, banner, fmt, provenance, read_run, run_status
 from dit_train.study.run import axes_label, variant_label  # variant_label: the key of study.json's lr_selection
 from dit_train.trainer.preemption import ctrl_c_exits
+from dit_train.telemetry.plain_text import print_error
 
 VAL_FRACTIONS = (1 / 3, 2 / 3, 1.0)  # of the run: where the validation-loss columns are read
 DEFAULT_MARGIN = 1.0  # percent: the equivalence margin of the TOST column
@@ -478,10 +479,10 @@ def main(argv=None) -> int:
             raise ConfigError(f"{args.sweep_dir!r} has no study.json (made by dit-study)")
         build(args.sweep_dir, args.out, args.margin, args.reference)
     except (ConfigError, DamagedJSONFile) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(str(e))
         return 2
     except OSError as e:  # a read-only output folder, a full disk: one line (report.md is whole or absent)
-        print(f"error: {describe_os_error(e)}", file=sys.stderr)
+        print_error(describe_os_error(e))
         return 2
     print(f"wrote {os.path.join(args.out or args.sweep_dir, 'report.md')}")
     return 0

@@ -28,6 +28,7 @@ from dit_train.runs.json_file import DamagedJSONFile, read_json, read_yaml, refu
 from dit_train.study.record import (RECORD_MAX_BYTES, finished_by_summary, planned_steps, read_study,
                                     summary_step_count)
 from dit_train.trainer.preemption import ctrl_c_exits
+from dit_train.telemetry.plain_text import print_error
 
 RECORDS = ("config.yaml", "metrics.jsonl", "summary.json", "run_info.json")
 
@@ -186,13 +187,12 @@ def main(argv=None) -> int:
                         "in pieces, to be continued with dit-study --records DEST/runs")
     args = p.parse_args(argv)
     if not os.path.isdir(args.sweep_dir):
-        print(f"error: sweep folder {args.sweep_dir!r} does not exist", file=sys.stderr)
+        print_error(f"sweep folder {args.sweep_dir!r} does not exist")
         return 2
     try:
         n = publish(args.sweep_dir, args.dest, args.finished_only)
         if n == 0:
-            print(f"error: no run folders (config.yaml + metrics.jsonl) to publish under {args.sweep_dir!r}",
-                  file=sys.stderr)
+            print_error(f"no run folders (config.yaml + metrics.jsonl) to publish under {args.sweep_dir!r}")
             return 2
         runs = os.path.join(args.dest, "runs")
         if "lr_selection" in read_study_record(runs):  # a two-phase study: paired differences at the selected lrs
@@ -200,10 +200,10 @@ def main(argv=None) -> int:
         else:
             report.build_report(runs, args.dest)
     except (ConfigError, DamagedJSONFile) as e:  # a damaged record, a two-phase study whose scan is unfinished
-        print(f"error: {e}", file=sys.stderr)
+        print_error(str(e))
         return 2
     except OSError as e:  # a read-only destination, a full disk: one line; each published file is whole
-        print(f"error: {describe_os_error(e)}", file=sys.stderr)
+        print_error(describe_os_error(e))
         return 2
     print(f"copied {n} run records to {os.path.join(args.dest, 'runs')}; wrote {os.path.join(args.dest, 'report.md')}")
     return 0

@@ -54,6 +54,7 @@ from dit_train.study.record import (RECORD_MAX_BYTES, finished_by_summary, is_in
                                     planned_steps, read_study, summary_step_count)
 from dit_train.telemetry.metrics_lines import metrics_lines
 from dit_train.trainer.preemption import ctrl_c_exits
+from dit_train.telemetry.plain_text import print_error
 
 PHASES = ("data", "forward", "backward", "optimizer compute", "exposed communication")
 WARMUP_ROWS = 2  # the first logged rows include one-off costs (allocation, first NS5); left out of time means
@@ -966,10 +967,10 @@ def main(argv=None) -> int:
             raise ConfigError(f"sweep folder {args.sweep_dir!r} does not exist")
         build_report(args.sweep_dir, args.out)
     except (ConfigError, DamagedJSONFile) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(str(e))
         return 2
     except OSError as e:  # a read-only output folder, a full disk: one line (report.md is whole or absent)
-        print(f"error: {describe_os_error(e)}", file=sys.stderr)
+        print_error(describe_os_error(e))
         return 2
     print(f"wrote {os.path.join(args.out or args.sweep_dir, 'report.md')}")
     return 0

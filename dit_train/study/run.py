@@ -53,6 +53,7 @@ from dit_train.study.record import is_int, read_study, summary_step_count
 from dit_train.runs.provenance import CHECKOUT, git_commit
 from dit_train.study.report import read_run_metrics
 from dit_train.trainer.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, SIGNALS, ctrl_c_exits
+from dit_train.telemetry.plain_text import print_error
 
 
 class StudyStopped(Exception):
@@ -422,7 +423,7 @@ def main(argv=None) -> int:
         print(f"[study] stopped: {e}", file=sys.stderr)
         return e.exit_code
     except (FileNotFoundError, ValueError) as e:  # DamagedJSONFile and CheckpointError are ValueErrors
-        print(f"error: {e}", file=sys.stderr)
+        print_error(str(e))
         return 2
 
 
@@ -443,13 +444,13 @@ def run_study(argv=None) -> int:
     args = p.parse_intermixed_args(argv)
     if args.config_dir is not None:
         if not os.path.isdir(args.config_dir):
-            print(f"error: --config-dir {args.config_dir}: no such folder (it holds your own config groups, e.g. "
-                  f"{os.path.join(args.config_dir, 'experiment', 'mine.yaml')})", file=sys.stderr)
+            print_error(f"--config-dir {args.config_dir}: no such folder (it holds your own config groups, e.g. "
+                        f"{os.path.join(args.config_dir, 'experiment', 'mine.yaml')})")
             return 2
         args.config_dir = os.path.abspath(args.config_dir)  # the runs start in the checkout
     valid = group_options("experiment", [args.config_dir] if args.config_dir else [])
     if args.experiment not in valid:
-        print(f"error: experiment {args.experiment!r} does not exist; valid: {', '.join(valid)}", file=sys.stderr)
+        print_error(f"experiment {args.experiment!r} does not exist; valid: {', '.join(valid)}")
         return 2
     exp = load_experiment(args.experiment, config_dir=args.config_dir)
     study = exp.study
@@ -457,19 +458,19 @@ def run_study(argv=None) -> int:
     sweep_dir = os.path.abspath(args.sweep_dir or os.path.join("sweeps", study.name))
     only = set(args.models.split(",")) if args.models else None
     if only and not only <= set(study.models):
-        print(f"error: --models {args.models!r} not in study.models {list(study.models)}", file=sys.stderr)
+        print_error(f"--models {args.models!r} not in study.models {list(study.models)}")
         return 2
     try:
         check_seeds(study)
         runs = expand(study, args.overrides, exclude)
         common_learning_rates(study, {})  # a bad study.common_lr is refused now, not after the scan
     except ValueError as e:
-        print(f"error: {args.experiment}: {e}", file=sys.stderr)
+        print_error(f"{args.experiment}: {e}")
         return 2
     try:  # a sweep folder from elsewhere, before study.json is written (each run's dit-train checks it again)
         refuse_hydra_writes_outside(sweep_dir, "--sweep-dir")
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(str(e))
         return 2
     checked: set = set()
     steps_cache: dict[tuple, int] = {}

@@ -3,6 +3,8 @@ commands print and tabulate them: a name may come from a sweep made elsewhere, a
 
 from __future__ import annotations
 
+import sys
+
 FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")  # what a spreadsheet reads as a formula (OWASP's list)
 
 
@@ -21,3 +23,9 @@ def spreadsheet_cell(value):
     if isinstance(value, str) and value.startswith(FORMULA_STARTS):
         return "'" + value
     return value
+
+
+def print_error(text: str) -> None:
+    """A command's one-line refusal on stderr: its text may quote a name from a file (a run folder, an image, a
+    saved config value), so it is printed as `printable` writes it, and stays one line."""
+    print(f"error: {printable(text)}", file=sys.stderr)

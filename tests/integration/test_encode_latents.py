@@ -202,6 +202,21 @@ def test_the_refusal_is_one_line_on_the_command_line(tmp_path):
                                          f"--out")
 
 
+def test_an_image_name_with_control_characters_is_escaped_in_the_error_line(tmp_path):
+    """An image folder made elsewhere can hold a file named with an ESC or a newline: the refusal quoting it drew the
+    escape codes and printed a second, fake line. It is one line of escapes."""
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img")
+    (tmp_path / "img" / "a" / "x\x1b[2J\nerror: fake.png").write_bytes(b"not an image")
+    from dit_train.data.encode import cli
+
+    r = run_entry_in_process(cli, "--vae", str(tmp_path / "vae"), "--images", str(tmp_path / "img"), "--out",
+                             str(tmp_path / "lat"), "--image-size", "16", prog="dit-encode-latents")
+    assert r.returncode == 2 and "\x1b" not in r.stderr, r.stderr
+    last = r.stderr.splitlines()[-1]
+    assert last.startswith(f"error: corrupt image {tmp_path}/img/a/x\\x1b[2J\\nerror: fake.png: "), last
+
+
 def test_a_vae_path_that_is_not_a_vae_folder_is_one_line_before_anything_is_written(tmp_path):
     image_folder(tmp_path / "img")
     with pytest.raises(ConfigError, match=rf"^--vae {tmp_path}/nope is not a diffusers AutoencoderKL folder "

@@ -44,3 +44,16 @@ def test_fd_results_csv_cells_are_text_not_formulas_and_numbers_stay_numbers(tmp
     assert (got["fd"], got["step"], got["active_time_s"], got["reference"]) == ("-1.5", "3", "0.25", "train:100")
     assert json.loads((tmp_path / "fd_results.json").read_text())["rows"] == [row]  # the data itself is unchanged
     assert spreadsheet_cell(-2) == -2 and spreadsheet_cell("dit_s") == "dit_s"
+
+
+def test_every_command_prints_its_error_line_through_print_error():
+    """The commands' refusals quote names from files (image, run and checkpoint names): one printer escapes them
+    (print_error). A new `print(f"error: ...")` elsewhere would print them raw."""
+    import pathlib
+
+    import dit_train
+
+    root = pathlib.Path(dit_train.__file__).parent
+    raw = [f"{p.relative_to(root)}:{i}" for p in root.rglob("*.py") if p.name != "plain_text.py"
+           for i, line in enumerate(p.read_text().splitlines(), 1) if 'print(f"error:' in line]
+    assert raw == []

@@ -26,6 +26,7 @@ from dit_train.evaluation.fd.job_config import add_eval_args, eval_cfg_from_args
 from dit_train.parallel.fsdp import init_distributed, shutdown_process_group
 from dit_train.devices import check_device
 from dit_train.trainer.preemption import ctrl_c_exits
+from dit_train.telemetry.plain_text import print_error
 
 
 def data_cfg_from_args(args):
@@ -98,7 +99,7 @@ def cli() -> int:
         main()
     except (FileNotFoundError, ValueError) as e:
         shutdown_process_group(failing=True)
-        print(f"error: {in_flag_terms(str(e))}", file=sys.stderr)
+        print_error(in_flag_terms(str(e)))
         return 2
     return 0
 
