@@ -145,3 +145,22 @@ def test_checkpoints_from_before_the_key_resume_under_the_papers_scale_only():
     assert config_changes(saved, {"optimizer": {**saved["optimizer"], "rownorm_scale": "frobenius"}}) == []
     assert config_changes(saved, {"optimizer": {**saved["optimizer"], "rownorm_scale": "spectral"}}) == [
         ("optimizer.rownorm_scale", "frobenius", "spectral")]
+
+
+def test_a_fake_tensor_made_by_a_counted_step_is_never_cached_for_a_real_one():
+    """The planning tools step the optimizer on fake tensors (benchmarks/sharded_count.py): the read-only start
+    vectors and caps they made were cached, and a real step later in the same process read them (its spectral
+    update came out 0; test_sharded_count.py then this file failed in one pytest process)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from dit_train.optim.spectral_cap import cap_vector, start_vectors
+
+    cpu = torch.device("cpu")
+    with FakeTensorMode():
+        assert isinstance(start_vectors(3, 7, cpu, torch.float32), FakeTensor)
+        assert isinstance(cap_vector(((1.5, 2),), cpu, torch.float32), FakeTensor)
+    x0 = start_vectors(3, 7, cpu, torch.float32)
+    g = torch.Generator().manual_seed(1_000_003 * 7 + 3)
+    assert type(x0) is torch.Tensor and torch.equal(x0, torch.randn(3, 7, generator=g, dtype=torch.float64).float())
+    assert torch.equal(cap_vector(((1.5, 2),), cpu, torch.float32), torch.tensor([1.5, 1.5]))
+    assert start_vectors(3, 7, cpu, torch.float32) is x0  # real ones are still cached
