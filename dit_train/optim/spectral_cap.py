@@ -44,18 +44,23 @@ def spectral_cap(r: int, c: int) -> float:
 
 
 def real_tensors_cached(fn):
-    """lru_cache for a function that makes a read-only tensor, bypassed under FakeTensorMode: a fake tensor cached
-    by the planning tools' counted steps (benchmarks/sharded_count.py, on cpu) was handed to a real step in the same
-    process, which then moved nothing (the spectral RowNorm update came out 0)."""
-    cached = functools.lru_cache(maxsize=256)(fn)
+    """lru_cache for a function that makes a read-only tensor, with one cache per FakeTensorMode beside it: a fake
+    tensor cached by the planning tools' counted steps (benchmarks/sharded_count.py, on cpu) was handed to a real
+    step in the same process, which then moved nothing (the spectral RowNorm update came out 0). A fake mode keeps
+    its own (on the mode, so it goes with it): the memory estimate counts these tensors as a real run keeps them."""
+    real = functools.lru_cache(maxsize=256)(fn)
 
     @functools.wraps(fn)
     def get(*args):
-        if torch._guards.detect_fake_mode() is not None:
-            return fn(*args)
-        return cached(*args)
+        mode = torch._guards.detect_fake_mode()
+        if mode is None:
+            return real(*args)
+        cache = mode.__dict__.setdefault("_dit_train_cached", {}).setdefault(fn.__qualname__, {})
+        if args not in cache:
+            cache[args] = fn(*args)
+        return cache[args]
 
-    get.cache_clear = cached.cache_clear
+    get.cache_clear = real.cache_clear
     return get
 
 

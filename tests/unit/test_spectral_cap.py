@@ -157,8 +157,9 @@ def test_a_fake_tensor_made_by_a_counted_step_is_never_cached_for_a_real_one():
 
     cpu = torch.device("cpu")
     with FakeTensorMode():
-        assert isinstance(start_vectors(3, 7, cpu, torch.float32), FakeTensor)
-        assert isinstance(cap_vector(((1.5, 2),), cpu, torch.float32), FakeTensor)
+        fake = start_vectors(3, 7, cpu, torch.float32)
+        assert isinstance(fake, FakeTensor) and isinstance(cap_vector(((1.5, 2),), cpu, torch.float32), FakeTensor)
+        assert start_vectors(3, 7, cpu, torch.float32) is fake  # kept while the mode lives, as a real run keeps it
     x0 = start_vectors(3, 7, cpu, torch.float32)
     g = torch.Generator().manual_seed(1_000_003 * 7 + 3)
     assert type(x0) is torch.Tensor and torch.equal(x0, torch.randn(3, 7, generator=g, dtype=torch.float64).float())
