@@ -16,7 +16,7 @@ import sys
 from dit_train.config.data_shapes import apply_data_shapes
 from dit_train.config.errors import ConfigError
 from dit_train.config.paths import check_paths
-from dit_train.config.files import CONF_DIR, GROUPS, group_options, is_group
+from dit_train.config.files import CONF_DIR, GROUPS, group_options, is_group, shadowed_preset
 from dit_train.config.override_text import shell_override
 from dit_train.config.search_path import (config_name, is_searchpath, primary_folder, searchpath_entries,
                                           searchpath_override, user_folders)
@@ -64,6 +64,10 @@ def check_group_overrides(overrides: list[str], folders: list[str] = (), own_pri
         for option in value.split(","):  # --multirun lists
             if option not in valid:
                 raise ConfigError(f"{key}={option!r} is not a known {key}; valid: {', '.join(valid)}")
+            mine = shadowed_preset(key, option, folders)
+            if mine is not None:
+                raise ConfigError(f"{key}={option}: {mine} is never read: dit_train's own {key}/{option}.yaml is "
+                                  f"searched first and wins; give yours another name")
 
 
 def check_top_level_key(key: str, value: str) -> None:

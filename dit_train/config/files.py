@@ -28,6 +28,16 @@ def group_options(group: str, user_folders: tuple[str, ...] | list[str] = ()) ->
     return sorted({*schema_options(group), *presets})
 
 
+def shadowed_preset(group: str, option: str, user_folders: tuple[str, ...] | list[str] = ()) -> str | None:
+    """A user's `group/option.yaml` that Hydra never reads: ours is searched first and wins (a user's
+    experiment/smoke.yaml ran as the shipped smoke study, silently). Its path, else None. (A user's yaml for a
+    schema option, optimizer/adamw.yaml, is read: only our preset yamls shadow.)"""
+    if not os.path.isfile(_preset_path(group, option)):
+        return None
+    return next((p for p in (os.path.join(d, group, f"{option}.yaml") for d in user_folders) if os.path.isfile(p)),
+                None)
+
+
 def is_group(name: str) -> bool:
     return name in GROUPS
 

@@ -154,3 +154,21 @@ def test_a_relative_config_path_is_one_line_saying_where_hydra_looks(tmp_path):
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert r.stderr.startswith("error: --config-path my_conf: no such folder (") and \
         f"give an absolute path (--config-path {tmp_path / 'my_conf'})" in r.stderr, r.stderr
+
+
+def test_a_users_yaml_named_like_one_of_our_presets_is_refused_where_it_is_chosen(config_dir, capsys):
+    """Hydra searches our conf/ first: the user's experiment/debug.yaml was never read, and experiment=debug ran the
+    shipped debug run silently (a trial's own smoke.yaml ran as the shipped smoke study). A user's yaml of a schema
+    option (optimizer/adamw.yaml) is read (it is merged onto the schema), so that one still passes."""
+    (config_dir / "experiment" / "debug.yaml").write_text(MINE.format(steps=7))
+    (config_dir / "optimizer").mkdir()
+    (config_dir / "optimizer" / "adamw.yaml").write_text("name: adamw\nlr: 0.123\n")
+    with pytest.raises(SystemExit) as stop:
+        check_command_line(["--config-dir", str(config_dir), "--multirun", "experiment=mine,debug"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err == (f"error: experiment=debug: {config_dir}/experiment/debug.yaml is never "
+                                            f"read: dit_train's own experiment/debug.yaml is searched first and "
+                                            f"wins; give yours another name\n")
+    check_command_line(["--config-dir", str(config_dir), "experiment=mine", "optimizer=adamw", "train.dry_run=true",
+                        "run_dir=/tmp/unused"])
+    assert capsys.readouterr().err == ""
