@@ -352,6 +352,10 @@ class Trainer:
                                    self.window.take(), progress)
             progress.update(1)
             last_step = state.step == tc.steps
+            if last_step and state.skipped_steps >= state.step:  # a run shorter than max_bad_steps
+                raise TrainingStopped(
+                    f"every one of the run's {state.step} steps was skipped (non-finite loss or gradient), so "
+                    f"nothing was trained; check the data (dit-encode-latents' factors, data.skip_corrupt) and lr")
             if last_step:  # the bar is closed before the end-of-run work, which says what it does
                 self.announce_end_of_run(progress)
                 self.save()  # before the evaluations: a signal (or the SIGKILL after it) during them loses no step

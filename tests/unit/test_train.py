@@ -127,6 +127,19 @@ def test_nan_gradient_skips_update_and_stops_after_max_bad_steps(tiny_cfg):
     assert "no checkpoint of this run has been written yet" in str(stopped.value)
 
 
+def test_a_run_whose_every_step_was_skipped_is_not_a_finished_run(tiny_cfg):
+    """A run shorter than train.max_bad_steps whose every update was skipped (latents encoded as inf by a VAE with
+    a huge scaling factor) exited 0 with a summary.json, as if trained."""
+    import os
+
+    tiny_cfg.train.steps, tiny_cfg.train.max_bad_steps = 2, 20
+    trainer = Trainer(tiny_cfg, DistInfo())
+    trainer.model.final_layer.linear.weight.register_hook(lambda g: torch.full_like(g, float("nan")))
+    with pytest.raises(TrainingStopped, match=r"every one of the run's 2 steps was skipped .* nothing was trained"):
+        trainer.fit()
+    assert not os.path.exists(os.path.join(tiny_cfg.run_dir, "summary.json"))
+
+
 def test_nan_stop_names_the_checkpoint_it_leaves_untouched(tiny_cfg):
     tiny_cfg.train.max_bad_steps = 1
     trainer = Trainer(tiny_cfg, DistInfo())
