@@ -51,6 +51,10 @@ def main(cfg) -> None:
         print_error(str(e))
         sys.exit(EXIT_RUN_FOLDER_BUSY if isinstance(e, RunFolderBusy) else 2)  # busy: the same command works later
     except (TrainingStopped, CollectiveTimeout) as e:
+        from hydra.core.hydra_config import HydraConfig
+
+        # a process group that never formed: nothing written yet, no folder of Hydra's files alone left behind
+        remove_stray_hydra_dir(HydraConfig.get().runtime.output_dir)
         print_error(str(e))
         sys.exit(1)
     except Preempted as e:
