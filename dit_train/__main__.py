@@ -13,6 +13,7 @@ from dit_train.config import CONF_DIR, ConfigError, check_command_line, remove_s
 from dit_train.config.command_line import MULTIRUN_FLAGS, split_config_dir
 from dit_train.config.override_text import override, parsed_value, shell_override
 from dit_train.runs.hydra_files import defer_hydra_files
+from dit_train.runs.lock import EXIT_RUN_FOLDER_BUSY, RunFolderBusy
 from dit_train.trainer.preemption import Preempted, Preemption, exit_interrupted
 from dit_train.parallel.launch_rank import launch_rank
 from dit_train.telemetry.plain_text import print_error
@@ -48,8 +49,12 @@ def main(cfg) -> None:
 
         remove_stray_hydra_dir(HydraConfig.get().runtime.output_dir)
         print_error(str(e))
-        sys.exit(2)
+        sys.exit(EXIT_RUN_FOLDER_BUSY if isinstance(e, RunFolderBusy) else 2)  # busy: the same command works later
     except (TrainingStopped, CollectiveTimeout) as e:
+        from hydra.core.hydra_config import HydraConfig
+
+        # a process group that never formed: nothing written yet, no folder of Hydra's files alone left behind
+        remove_stray_hydra_dir(HydraConfig.get().runtime.output_dir)
         print_error(str(e))
         sys.exit(1)
     except Preempted as e:

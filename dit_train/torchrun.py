@@ -12,9 +12,11 @@ exit status:
 
 Anything else keeps torchrun's own status and output, except a refusal: the trainer's command line (`-m dit_train`
 or `--no-python dit-train`) is checked here first, at the job's world size, so a bad value is one line and exit 2
-before any worker starts (each worker printed it, then torchrun's traceback, exit 1); and where every worker exited
-2 (a refusal only a worker can make; torchrun stops the others), exit 2 with one line. SIGUSR1 and SIGUSR2 are added to the signals torchrun
-passes on (its default: SIGTERM, SIGINT, SIGHUP, SIGQUIT) unless --signals-to-handle is given.
+before any worker starts (each worker printed it, then torchrun's traceback, exit 1), as is a GLOO_SOCKET_IFNAME or
+NCCL_SOCKET_IFNAME naming no interface of this host; where every worker exited 2 (a refusal only a worker can make;
+torchrun stops the others), exit 2 with one line; where they exited 73 (the run folder is in use by another
+process), exit 73 with one line. SIGUSR1 and SIGUSR2 are added to the signals torchrun passes on (its default:
+SIGTERM, SIGINT, SIGHUP, SIGQUIT) unless --signals-to-handle is given.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import signal
 import sys
 
+from dit_train.runs.lock import EXIT_RUN_FOLDER_BUSY
 from dit_train.trainer.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, SIGNALS
 
 PASSED_ON = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
@@ -73,6 +76,15 @@ def main(argv: list[str] | None = None) -> int:
         from dit_train.config import check_command_line
 
         check_command_line(trainer[0], world_size=trainer[1])  # a refusal: its one line, exit 2
+    if trainer is not None:  # the workers inherit this node's variables: a bad interface name, once, not per rank
+        from dit_train.parallel.backend_env import check_socket_interfaces
+        from dit_train.telemetry.plain_text import print_error
+
+        try:
+            check_socket_interfaces()
+        except ValueError as e:
+            print_error(str(e))
+            return EXIT_REFUSED
     if not any(a.startswith(("--signals-to-handle", "--signals_to_handle")) for a in argv):
         argv = [f"--signals-to-handle={PASSED_ON}", *argv]
     try:
@@ -87,10 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailedError as e:
         codes = {failure.exitcode for failure in e.failures.values()}
         # a refusal (every rank makes it; torchrun stops those still running with a signal: a negative code)
-        if EXIT_REFUSED in codes and all(c == EXIT_REFUSED or c < 0 for c in codes):
-            print(f"torchrun: the workers were refused (the error line is above): exit {EXIT_REFUSED}",
-                  file=sys.stderr)
-            return EXIT_REFUSED
+        for refusal, what in ((EXIT_REFUSED, "the workers were refused"),
+                              (EXIT_RUN_FOLDER_BUSY, "the run folder is in use by another process")):
+            if refusal in codes and all(c == refusal or c < 0 for c in codes):
+                print(f"torchrun: {what} (the error line is above): exit {refusal}", file=sys.stderr)
+                return refusal
         if len(codes) != 1 or not codes <= {EXIT_PREEMPTED, EXIT_INTERRUPTED}:
             raise
         code = codes.pop()

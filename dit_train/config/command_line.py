@@ -246,7 +246,8 @@ def check_jobs(argv: list[str], world_size: int | None = None, decide_resume: bo
             with quiet_log():
                 cfg = continue_saved_config(cfg, job, read_state)
         cfg = apply_data_shapes(cfg, job, continued=cfg is not composed)
-        validate(cfg, world_size)
+        # a Slurm job's ranks are its own shape's, not this login node's: checked there, it was submitted and refused
+        validate(cfg, slurm_world_size(cfg, world_size) if "launcher=slurm" in overrides else world_size)
         check_paths(cfg)
         check_extras(cfg)
         if decide_resume:
@@ -254,6 +255,16 @@ def check_jobs(argv: list[str], world_size: int | None = None, decide_resume: bo
                 check_run_folder(cfg, read_state)
         configs.append(cfg)
     return configs
+
+
+def slurm_world_size(cfg, default: int) -> int:
+    """A launcher=slurm job's world size: model.launch.nodes x gpus_per_node, one task (rank) per GPU
+    (conf/launcher/slurm.yaml); `default` where they are not positive integers (validate's own line names them)."""
+    launch = cfg.model.get("launch") or {}
+    nodes, gpus = launch.get("nodes"), launch.get("gpus_per_node")
+    if all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (nodes, gpus)):
+        return nodes * gpus
+    return default
 
 
 def hydra_config(job: list[str]):

@@ -15,6 +15,8 @@
   to the address this host's name resolves to unless told an interface, and on many hosts that name resolves to
   127.0.1.1 (Debian's /etc/hosts), which no other node can reach. `use_gloo_interface` names the interface this
   host reaches MASTER_ADDR through (the first node itself: the interface that holds MASTER_ADDR's address).
+  One the user set, like NCCL_SOCKET_IFNAME, must name an interface of this host (`check_socket_interfaces`):
+  otherwise every rank stopped in the backend's traceback ("Unable to find address for: eth9").
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ def _is_set(environ, name: str) -> bool:
 
 def use_nccl_environment(environ=os.environ) -> None:
     """Before the NCCL group is created: the deprecated spellings renamed (values kept; a current name already set
-    wins, as in torch), then NCCL_DEFAULTS for what no spelling sets."""
+    wins, as in torch), then NCCL_DEFAULTS for what no spelling sets; a NCCL_SOCKET_IFNAME naming no interface here
+    is refused (ValueError, one line)."""
+    check_socket_interfaces(environ, ("NCCL_SOCKET_IFNAME",))
     for old, current in RENAMED.items():
         if old in environ:
             environ.setdefault(current, environ.pop(old))
@@ -65,6 +69,28 @@ def record_nccl_traces(run_dir: str, environ=os.environ) -> None:
     folder = os.path.join(run_dir, TRACE_FOLDER)
     os.makedirs(folder, exist_ok=True)
     environ["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(folder, "rank_")
+
+
+def check_socket_interfaces(environ=os.environ, names=("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")) -> None:
+    """ValueError (one line naming the variable and this host's interfaces) where a user-set GLOO_SOCKET_IFNAME
+    names an interface this host does not have (gloo takes a comma-separated list of exact names), or
+    NCCL_SOCKET_IFNAME matches none (NCCL's list of name prefixes, `=name` exact; an `^exclusion` list is not
+    checked). Each rank stopped in the backend's traceback instead (gloo: "Unable to find address for: eth9")."""
+    here = [name for _, name in socket.if_nameindex()]
+    for var in names:
+        value = environ.get(var, "")
+        if not value or value.startswith("^"):  # unset or empty (the backend's own choice), or an exclusion list
+            continue
+        if var == "GLOO_SOCKET_IFNAME":
+            missing = [n for n in value.split(",") if n not in here]
+        else:
+            exact, wanted = value.startswith("="), value.lstrip("=").split(",")
+            missing = [] if any(n == w if exact else n.startswith(w) for w in wanted for n in here) else wanted
+        if missing:
+            named = "named" if var == "GLOO_SOCKET_IFNAME" or value.startswith("=") else "whose name starts with"
+            raise ValueError(f"{var}={value}: this host ({socket.gethostname()}) has no network interface {named} "
+                             f"{' or '.join(missing)}; its interfaces: {', '.join(here)} (set {var} to one of them, "
+                             f"or unset it)")
 
 
 def _ipv4_of(interface: str) -> str | None:
@@ -112,7 +138,10 @@ def use_gloo_interface(environ=os.environ) -> None:
     checkpoint group, CheckpointSaver): GLOO_SOCKET_IFNAME = the interface that reaches MASTER_ADDR, unless set. ValueError (one line) where that is the loopback interface on a job that spans nodes (the first
     node, whose name resolves to 127.x here): no other node could reach it."""
     master = environ.get("MASTER_ADDR")
-    if "GLOO_SOCKET_IFNAME" in environ or not master:
+    if "GLOO_SOCKET_IFNAME" in environ:  # the user's choice, if it names an interface here
+        check_socket_interfaces(environ, ("GLOO_SOCKET_IFNAME",))
+        return
+    if not master:
         return
     source = source_address(master)
     if ipaddress.ip_address(source).is_loopback and spans_nodes(environ):

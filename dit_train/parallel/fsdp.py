@@ -121,7 +121,14 @@ def init_distributed(single_process_group: bool = False, device: str | torch.dev
             except dist.DistNetworkError as e:
                 if "EADDRINUSE" in str(e):
                     raise port_in_use(timeout_minutes) from None
+                if "timed out" in str(e):  # rank > 0: rank 0's store never answered
+                    raise ranks_not_joined(timeout_minutes, None) from None
                 raise
+            except dist.DistStoreError as e:  # rank 0: its store's wait for the other ranks ran out
+                joined = re.search(r"(\d+)/(\d+) clients joined", str(e))
+                if joined is None:
+                    raise
+                raise ranks_not_joined(timeout_minutes, int(joined.group(1))) from None
         elif single_process_group:
             dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0, world_size=1)
     if dist.is_initialized():
@@ -144,6 +151,26 @@ def port_in_use(timeout_minutes: float) -> Exception:
 class CollectiveTimeout(RuntimeError):
     """A collective waited longer than parallel.timeout_minutes (a peer rank died or hangs), or its transport saw a
     peer die (gloo: the connection closed at once)."""
+
+
+def ranks_not_joined(timeout_minutes: float, joined: int | None) -> CollectiveTimeout:
+    """The process group did not form within parallel.timeout_minutes (srun without torchrun: a task never started,
+    or cannot reach MASTER_ADDR:MASTER_PORT): one line saying which ranks are missing and what to check, not the
+    store's traceback. `joined`: rank 0's count of the ranks that joined its store (itself included); None on
+    another rank, which never reached rank 0's store."""
+    env = os.environ
+    world, me = int(env.get("WORLD_SIZE", "1")), int(env.get("RANK", "0"))
+    where = f"MASTER_ADDR={env.get('MASTER_ADDR')} MASTER_PORT={env.get('MASTER_PORT')}"
+    within = f"within parallel.timeout_minutes={timeout_minutes:g}"
+    if joined is None:
+        return CollectiveTimeout(f"rank {me}: rank 0's store at {where} did not answer {within}: check that rank 0's "
+                                 f"task started and that MASTER_ADDR is its node's address, reachable from here")
+    absent = world - joined
+    which = (f"rank {world - 1}" if world == 2 else f"{absent} of ranks 1-{world - 1}")
+    return CollectiveTimeout(f"rank 0: {joined} of {world} ranks joined the process group at {where} {within}; "
+                             f"{which} did not: check that every task started (srun -n {world}, one per GPU) and "
+                             f"that the other nodes reach MASTER_ADDR:MASTER_PORT (raise parallel.timeout_minutes "
+                             f"for tasks that start slowly)")
 
 
 PEER_DIED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")  # gloo's words for a dead peer

@@ -17,7 +17,7 @@ from dit_train.parallel.fsdp import DistInfo, broadcast_object
 from dit_train.runs.resume_policy import check_resume
 from dit_train.runs.provenance import write_run_info
 from dit_train.runs.in_place_files import refuse_writes_outside
-from dit_train.runs.lock import RunLock
+from dit_train.runs.lock import RunFolderBusy, RunLock
 from dit_train.runs.timeline import set_aside_after, set_aside_before_a_new_start
 
 log = logging.getLogger("dit_train")
@@ -65,6 +65,7 @@ def prepare_run_folder(cfg, dist: DistInfo) -> RunLock | None:
     message = broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
         raise error
-    if message is not None:
-        raise ConfigError(f"rank 0 refused the run folder: {message}")
+    if message is not None:  # the other ranks exit as rank 0 does: a busy folder is not a bad command
+        refusal = RunFolderBusy if message.startswith(f"{RunFolderBusy.__name__}: ") else ConfigError
+        raise refusal(f"rank 0 refused the run folder: {message}")
     return lock

@@ -10,6 +10,10 @@ import socket
 import time
 
 LOCK_NAME = ".lock"
+# the trainer's exit status when another process holds the run folder: not a bad command (exit 2), which the same
+# command repeats, nor a preemption (75, checkpointed): the same command succeeds once the holder has ended.
+# 73 is EX_CANTCREAT (sysexits.h: the output cannot be created), 75 being taken by preemption.
+EXIT_RUN_FOLDER_BUSY = 73
 
 
 class RunFolderBusy(FileExistsError):

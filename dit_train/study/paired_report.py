@@ -42,7 +42,7 @@ from dit_train.config.errors import ConfigError
 from dit_train.config.override_text import shell_command
 from dit_train.runs.atomic_io import atomic_write_bytes, describe_os_error, remove_dead_temp_files
 from dit_train.runs.json_file import DamagedJSONFile, refuse_unless_regular
-from dit_train.study.record import md, read_study
+from dit_train.study.record import md, read_study, selection_seeds
 from dit_train.study import stability
 from dit_train.study.report import Run, banner, fmt, provenance, read_run, run_status
 from dit_train.study.run import axes_label, variant_label  # variant_label: the key of study.json's lr_selection
@@ -128,14 +128,6 @@ def metrics_of(run: Run, target: float, at_steps: list[int]) -> dict[str, float]
     if stability.logs_every_step(run.train_curve):
         out["max loss spike"] = stability.loss_spike(run.train_curve, run.warmup_steps)
     return out
-
-
-def selection_seeds(study: dict) -> list[int]:
-    """The seeds that chose the learning rates: study.json's selection_seeds, or (records from before the runner
-    wrote it) the seeds of its scan runs."""
-    if "selection_seeds" in study:
-        return sorted(study["selection_seeds"])
-    return sorted({r["seed"] for r in study["runs"] if r.get("phase") == "scan"})
 
 
 def collect(sweep_dir: str, study: dict) -> tuple[dict, dict, list]:

@@ -71,6 +71,14 @@ def read_study(path: str, keys: tuple[str, ...] = (), fix: str = RESTORE) -> dic
     return record
 
 
+def selection_seeds(study: dict) -> list[int]:
+    """The seeds that chose the learning rates: study.json's selection_seeds, or (records from before the runner
+    wrote it) the seeds of its scan runs. dit-paired-report and dit-report keep them out of every evaluation mean."""
+    if "selection_seeds" in study:
+        return sorted(study["selection_seeds"])
+    return sorted({r["seed"] for r in study.get("runs", []) if r.get("phase") == "scan"})
+
+
 def check_run_entry(path: str, r: dict, fix: str) -> None:
     """A run of study.json names a run folder of the sweep itself: one plain path component (a name that is
     absolute, holds a separator or is `..` had the reports read, and dit-publish-study publish, run records from

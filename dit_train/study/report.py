@@ -7,7 +7,9 @@ summary.json are read. Runs listed in SWEEP_DIR/study.json (written by dit-study
 appear as `missing`; folders without summary.json as `incomplete (step N)`, and with one short of their train.steps
 (dit-study's rule) as `incomplete (summary at step N of M)`; where there is a study.json, a run folder it does not
 list (strayed into the study's folder) is shown in the Runs table as `not in study.json: not counted` and is in
-no other table or plot. Nothing is silently dropped or silently added. Records from elsewhere are
+no other table or plot. In a two-phase study (study.json's lr_selection) the selection seeds, which chose the
+learning rates, are counted in the learning-rate scan only (Table 4 and its plot), never in the other means, as in
+dit-paired-report; their rows in Runs say so. Nothing is silently dropped or silently added. Records from elsewhere are
 checked (dit_train/study/record.py): a linked or non-regular record, or one run in two folders, is refused in one
 line; names and study.json text go into report.md escaped as Markdown text.
 
@@ -51,7 +53,7 @@ from dit_train.config.override_text import shell_command
 from dit_train.runs.atomic_io import atomic_write_bytes, describe_os_error, remove_dead_temp_files
 from dit_train.runs.json_file import DamagedJSONFile, read_json, read_yaml, refuse_unless_regular
 from dit_train.study.record import (RECORD_MAX_BYTES, finished_by_summary, is_int, is_number, md, md_code,
-                                    planned_steps, read_study, summary_step_count)
+                                    planned_steps, read_study, selection_seeds, summary_step_count)
 from dit_train.telemetry.metrics_lines import metrics_lines
 from dit_train.trainer.preemption import ctrl_c_exits
 from dit_train.telemetry.plain_text import print_error
@@ -703,8 +705,9 @@ def table5(runs: list[Run]) -> str:
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
-def status_table(runs: list[Run]) -> str:
-    """One row per run folder: every number in the tables above is a mean of these."""
+def status_table(runs: list[Run], chose: Sequence[int] = ()) -> str:
+    """One row per run folder: every number in the tables above is a mean of these. A run of a selection seed
+    (`chose`) says that it is counted in the learning-rate scan only."""
     lines = ["| run | status | steps | final val loss | best FD (step) | active time to best FD | git commit |",
              "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
     for r in sorted(runs, key=lambda r: r.name):
@@ -712,7 +715,9 @@ def status_table(runs: list[Run]) -> str:
             "non-finite" if r.fd_curve else "—"
         act = "—" if math.isnan(r.best_fd_active_s) or math.isnan(r.best_fd) else f"{r.best_fd_active_s:.1f} s"
         val = ("non-finite" if val_measured(r) else "—") if math.isnan(r.val_loss) else f"{r.val_loss:.4g}"
-        lines.append(f"| {r.name} | {run_status(r)} | {r.steps} | {val} | {best} | {act} | "
+        status = run_status(r) + ("; selection seed: counted in the lr scan only"
+                                  if r.seed in chose and r.status != NOT_LISTED else "")
+        lines.append(f"| {r.name} | {status} | {r.steps} | {val} | {best} | {act} | "
                      f"{r.git_commit[:10] or '—'} |")
     return "\n".join(lines)
 
@@ -736,14 +741,15 @@ def metrics_table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
-def plots(runs: list[Run], out_dir: str) -> list[str]:
+def plots(runs: list[Run], out_dir: str, scan_runs: list[Run] | None = None) -> list[str]:
+    """The PNGs of `runs`; the lr-sensitivity plot of `scan_runs` where given (a two-phase study's selection seeds)."""
     import matplotlib
 
     matplotlib.use("Agg")
     # no '+4.354e2' above an axis: values close together (one FD point per run) read as written; names from the
     # records drawn as written, never parsed as mathtext (a model named '$\\notacommand{x}$' raised ValueError)
     with matplotlib.rc_context({"axes.formatter.useoffset": False, "text.parse_math": False}):
-        return _plots(runs, out_dir)
+        return _plots(runs, out_dir, scan_runs)
 
 
 def finite_points(pts: list, xi: int) -> list:
@@ -752,7 +758,7 @@ def finite_points(pts: list, xi: int) -> list:
     return [p for p in pts if math.isfinite(p[xi]) and math.isfinite(p[2])]  # inf: no axis can hold it
 
 
-def _plots(runs: list[Run], out_dir: str) -> list[str]:
+def _plots(runs: list[Run], out_dir: str, scan_runs: list[Run] | None = None) -> list[str]:
     import matplotlib.pyplot as plt
 
     written = []
@@ -761,7 +767,7 @@ def _plots(runs: list[Run], out_dir: str) -> list[str]:
     if not done:
         return written
     # colour per optimizer, line style per lr (when the sweep scans lr)
-    colors = {o: f"C{i}" for i, o in enumerate(optimizer_order({r.base for r in runs}))}
+    colors = {o: f"C{i}" for i, o in enumerate(optimizer_order({r.base for r in runs + (scan_runs or [])}))}
     dashes = ("-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 4)))
     styles = {lr: dashes[i % len(dashes)] for i, lr in enumerate(sorted({r.lr for r in runs}))}
     scan = scans_lr(runs)
@@ -806,7 +812,10 @@ def _plots(runs: list[Run], out_dir: str) -> list[str]:
     curves("val", 0, "val_loss_vs_step.png", "validation velocity loss", "step")
     curves("val", 1, "val_loss_vs_active_time.png", "validation velocity loss", "active training time (s)")
     curves("fd", 1, "fd_vs_active_time.png", "FD", "active training time (s)")
-    if scan:
+    if scan_runs is not None:  # a two-phase study: its lr scan is the selection seeds'
+        if scans_lr(scan_runs):
+            written.append(lr_plot(scan_runs, model_order(scan_runs), colors, out_dir, plt))
+    elif scan:
         written.append(lr_plot(runs, models, colors, out_dir, plt))
 
     if all(math.isnan(r.step_s) for r in runs if r.status == "finished"):
@@ -890,8 +899,14 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
     study = {}
     if os.path.exists(os.path.join(sweep_dir, "study.json")):
         study = read_study(os.path.join(sweep_dir, "study.json"))
-    images = plots(runs, out_dir)
+    # a two-phase study (dit-study's lr_scan): the seeds that chose the lrs are the scan's, never evaluation rows
+    # (as in dit-paired-report); at the selected lr they had been averaged with the evaluation seeds
+    chose = selection_seeds(study) if "lr_selection" in study else []
+    scan_runs = [r for r in runs if r.seed in chose]
+    runs = [r for r in runs if r.seed not in chose]
+    images = plots(runs, out_dir, scan_runs if chose else None)
     n_done = sum(r.status == "finished" for r in runs)
+    n_scan = len(scan_runs)
     command = shell_command(["dit-report", sweep_dir, *([] if out_dir == sweep_dir else ["--out", out_dir])])
     parts = [
         f"# Study report: {md(study.get('experiment', os.path.basename(os.path.abspath(sweep_dir))))}",
@@ -899,7 +914,9 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
         f"Built by `{command}` "
         f"from {len(runs)} runs ({n_done} finished)" + (f"; {strays} run folder(s) that study.json does not list "
                                                           f"are shown under Runs and counted nowhere" if strays else "")
-        + ".",
+        + (f"; {n_scan} selection-seed run(s) (seed{'s' if len(chose) > 1 else ''} {', '.join(map(str, chose))}, "
+           f"which chose the learning rates) are not counted in any mean but the learning-rate scan's"
+           if n_scan else "") + ".",
         provenance(study, runs),
         md(study.get("notes", "")),
         *numbered_tables([
@@ -914,8 +931,11 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
              "the budget is the shortest finished run's last validation point for that size; values are linear "
              "between validation points (the step reached is interpolated the same way). Mean ± std over seeds.",
              table3(runs), True),
-            ("learning-rate sensitivity", "Best FD / final validation loss at each learning rate (mean over seeds); "
-             "the other tables compare optimizers at the same lr.", table4(runs), False),
+            ("learning-rate sensitivity", "Best FD / final validation loss at each learning rate (mean over seeds"
+             + (f" {', '.join(map(str, chose))}: the selection seeds, whose scan chose the learning rates; the other "
+                "tables are over the evaluation seeds only)." if chose else
+                "); the other tables compare optimizers at the same lr."),
+             table4(scan_runs if chose else runs), False),
             ("training stability", "The highest train loss logged after the learning-rate warm-up (each the logged "
              "step's own batch, not a window mean: one batch's noise is in it), with the lowest logged before it: a "
              "peak far above that low is a spike, and a final value near the peak a collapse that did not recover.",
@@ -927,7 +947,7 @@ def build_report(sweep_dir: str, out_dir: str | None = None) -> str:
         "## Plots",
         "\n".join(f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in images),
         "## Runs",
-        status_table(every),
+        status_table(every, chose),
     ]
     text = "\n\n".join(p for p in parts if p) + "\n"
     atomic_write_bytes(text.encode(), os.path.join(out_dir, "report.md"))

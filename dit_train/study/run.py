@@ -52,6 +52,7 @@ from dit_train.runs.json_file import read_json
 from dit_train.study.record import is_int, read_study, summary_step_count
 from dit_train.runs.provenance import CHECKOUT, git_commit
 from dit_train.study.report import read_run_metrics
+from dit_train.runs.lock import EXIT_RUN_FOLDER_BUSY
 from dit_train.trainer.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, SIGNALS, ctrl_c_exits
 from dit_train.telemetry.plain_text import print_error
 
@@ -560,9 +561,13 @@ def run_study(argv=None) -> int:
     if refused:
         print(f"[study] {refused} group(s) refused by the trainer's config check (exit 2, the error above): rerunning "
               f"the same command cannot fix that; fix the overrides or the experiment, then rerun")
-    if len(failures) > refused:
-        print(f"[study] {len(failures) - refused} group(s) failed; rerun the same command to retry them (finished "
-              f"runs are kept)")
+    busy = failures.count(EXIT_RUN_FOLDER_BUSY)  # another process writes a run folder: waiting fixes that
+    if busy:
+        print(f"[study] {busy} group(s) stopped at a run folder in use by another process (exit "
+              f"{EXIT_RUN_FOLDER_BUSY}, the error above): rerun the same command when it has finished")
+    if len(failures) > refused + busy:
+        print(f"[study] {len(failures) - refused - busy} group(s) failed; rerun the same command to retry them "
+              f"(finished runs are kept)")
     report = "dit-paired-report" if study.get("lr_scan") is not None else "dit-report"
     print(f"[study] report: {override_text.shell_command([report, sweep_dir])}")
     return 1 if failures else 0

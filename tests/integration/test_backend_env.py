@@ -125,9 +125,31 @@ def test_gloo_binds_the_interface_that_reaches_master_addr(clean_env):
 
 
 def test_a_chosen_interface_is_kept(clean_env):
-    env = {"MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "ib0"}
+    chosen = sorted(set(ipv4_interfaces().values()))[-1]  # an interface of this host, not the one use would pick
+    env = {"MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": chosen}
     use_gloo_interface(env)
-    assert env["GLOO_SOCKET_IFNAME"] == "ib0"
+    assert env["GLOO_SOCKET_IFNAME"] == chosen
+
+
+def test_a_chosen_interface_this_host_does_not_have_is_one_line(clean_env):
+    """Every rank stopped in gloo's traceback 'Unable to find address for: bogus0' (NCCL: 'no socket interface
+    found'); the line names the variable and this host's interfaces (socket.if_nameindex, read here by `ip`'s
+    independent listing in /sys/class/net)."""
+    here = sorted(n for n in os.listdir("/sys/class/net") if os.path.isdir(f"/sys/class/net/{n}"))
+    for env, named in [({"GLOO_SOCKET_IFNAME": "bogus0"}, "named bogus0"),
+                       ({"GLOO_SOCKET_IFNAME": f"{here[0]},bogus0"}, "named bogus0"),  # gloo: every name must exist
+                       ({"NCCL_SOCKET_IFNAME": "bogus"}, "whose name starts with bogus"),
+                       ({"NCCL_SOCKET_IFNAME": f"={here[0][:-1]}"}, f"named {here[0][:-1]}")]:  # `=`: exact names
+        with pytest.raises(ValueError) as err:
+            use_gloo_interface({"MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": "2", **env}) if "GLOO_SOCKET_IFNAME" in env \
+                else backend_env.use_nccl_environment(env)
+        var, value = next(iter(env.items()))
+        message = str(err.value)
+        assert message.startswith(f"{var}={value}: this host") and f"no network interface {named};" in message
+        assert sorted(message.split("its interfaces: ")[1].split(" (")[0].split(", ")) == here and "\n" not in message
+    # what NCCL would find: a prefix of a name, a name, an exclusion list
+    for value in (here[0][:1], here[0], f"={here[0]}", "^bogus"):
+        backend_env.use_nccl_environment({"NCCL_SOCKET_IFNAME": value})
 
 
 @pytest.mark.parametrize("launcher", [{"LOCAL_WORLD_SIZE": "8"}, {"SLURM_STEP_NUM_NODES": "2"}])

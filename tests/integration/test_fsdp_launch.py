@@ -176,3 +176,48 @@ def test_a_master_port_in_use_under_srun_is_one_line_on_rank_0(tmp_path):
         f"error: MASTER_PORT='{port}' on MASTER_ADDR='127.0.0.1' is in use (another job's process group on this "
         f"node?): set MASTER_PORT to a free port; the other ranks give up after parallel.timeout_minutes=0.2")
     assert not (tmp_path / "run").exists()
+
+
+def srun_task(tmp_path, rank: int, extra_env: dict, *overrides: str) -> subprocess.CompletedProcess:
+    """One task of a 2-task srun step without torchrun (the other never started), run in tmp_path."""
+    import socket
+
+    with socket.socket() as s:  # a free port, released for the task's store
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    step = {"SLURM_STEP_ID": "0", "SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    return subprocess.run([sys.executable, "-m", "dit_train", "experiment=debug", *overrides], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120,
+                          env={**env, **step, **extra_env, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+
+
+def test_a_rank_that_never_joins_under_srun_is_one_line_on_rank_0(tmp_path):
+    """srun without torchrun, the second task never started: rank 0's store waited parallel.timeout_minutes and
+    ended in DistStoreError's traceback ('1/2 clients joined'), leaving runs/<date>/<time>/ with Hydra's files and an
+    empty dit_train.log. One line naming the rank that did not join and what to check, exit 1, no folder."""
+    r = srun_task(tmp_path, 0, {}, "parallel.timeout_minutes=0.05")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: rank 0: 1 of 2 ranks joined the process group at "
+                                                   "MASTER_ADDR=127.0.0.1 MASTER_PORT="), r.stderr
+    assert "within parallel.timeout_minutes=0.05; rank 1 did not: check that every task started" in lines[0]
+    assert not [p for p in (tmp_path / "runs").rglob("*")], list((tmp_path / "runs").rglob("*"))
+
+
+def test_a_socket_interface_this_host_lacks_is_one_line(tmp_path):
+    """GLOO_SOCKET_IFNAME=bogus0 (a user's setting, which the trainer did not check): each rank's gloo traceback
+    'Unable to find address for: bogus0', torchrun's ChildFailedError, a run folder per rank of Hydra's files. Under
+    dit-torchrun one line before any worker starts; a task started by srun itself refuses it, exit 2, no folder."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "bogus0"}
+    r = subprocess.run([sys.executable, "-m", "dit_train.torchrun", "--standalone", "--nproc-per-node", "2", "-m",
+                        "dit_train", "experiment=debug"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env=env)
+    said = "error: GLOO_SOCKET_IFNAME=bogus0: this host ("
+    assert r.returncode == 2 and r.stderr.startswith(said) and r.stderr.count("\n") == 1, r.stderr[-3000:]
+    assert "has no network interface named bogus0; its interfaces: " in r.stderr and "lo" in r.stderr
+    assert not (tmp_path / "runs").exists()
+    task = srun_task(tmp_path, 0, {"GLOO_SOCKET_IFNAME": "bogus0"})
+    assert task.returncode == 2 and task.stderr.strip().splitlines()[-1].startswith(said), task.stderr[-3000:]
+    assert "Traceback" not in task.stderr and not [p for p in (tmp_path / "runs").rglob("*")]

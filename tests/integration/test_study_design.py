@@ -147,6 +147,20 @@ def test_a_group_the_trainer_refuses_is_not_to_be_retried_by_rerunning(tiny, cap
     assert "[study] 2 group(s) failed; rerun the same command to retry them" in capsys.readouterr().out
 
 
+def test_a_group_whose_run_folder_is_busy_is_to_be_rerun_later(tiny, capsys):
+    """A trainer's exit 73 (another process holds a run folder's lock) is not a config refusal: waiting and rerunning
+    fixes it, and the study went on to its other groups."""
+    from dit_train.runs.lock import EXIT_RUN_FOLDER_BUSY
+
+    tiny.exit_code["code"] = EXIT_RUN_FOLDER_BUSY
+    assert tiny.main() == 1
+    out = capsys.readouterr().out
+    assert len(tiny.launched) == 2  # both scan groups started: one busy folder does not stop the others
+    assert "[study] 2 group(s) stopped at a run folder in use by another process (exit 73, the error above): rerun " \
+           "the same command when it has finished" in out, out
+    assert "refused by the trainer's config check" not in out and "group(s) failed" not in out, out
+
+
 def study(**changes):
     return OmegaConf.create({"models": ["dit_s"], "optimizers": ["adamw", "muon"], "selection_seeds": [20],
                              "seeds": [1, 2, 3], "lr_scan": {"adamw": [1e-3, 2e-3], "muon": [4e-3, 8e-3]}, **changes})

@@ -55,3 +55,27 @@ def test_a_slurm_sweep_on_a_machine_without_sbatch_is_one_line(monkeypatch, caps
     (tmp_path / "sbatch").write_text("#!/bin/sh\n")
     (tmp_path / "sbatch").chmod(0o755)
     check_command_line(["--multirun", "launcher=slurm", "model=dit_s"])  # on a login node: composed and checked
+
+
+def test_a_slurm_job_is_checked_at_its_own_world_size(monkeypatch, capsys, tmp_path):
+    """Each launcher=slurm job runs nodes x gpus_per_node ranks: checked at the login node's world size 1,
+    train.batch_size=3 on 2 ranks was submitted and refused by the cluster's jobs (dit-torchrun refused it at once)."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    (tmp_path / "sbatch").write_text("#!/bin/sh\nexit 1\n")
+    (tmp_path / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    shape = ["model.launch.nodes=2", "model.launch.gpus_per_node=1"]
+    with pytest.raises(SystemExit) as stop:
+        check_command_line(["--multirun", "launcher=slurm", "model=dit_xs", *shape, "train.batch_size=3"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1, err
+    assert "train.batch_size" in err and "divisible by the world size 2" in err, err
+    # the sweep's own shapes, job by job: dit_xs at 2 x 1 refused, at 1 x 1 (its preset) accepted
+    with pytest.raises(SystemExit):
+        check_command_line(["--multirun", "launcher=slurm", "model=dit_xs", "model.launch.nodes=1,2",
+                            "train.batch_size=3"])
+    assert "divisible by the world size 2" in capsys.readouterr().err
+    assert len(check_command_line(["--multirun", "launcher=slurm", "model=dit_xs", "train.batch_size=3"])) == 1
+    assert len(check_command_line(["--multirun", "launcher=slurm", "model=dit_xs", *shape,
+                                   "train.batch_size=4"])) == 1

@@ -399,3 +399,26 @@ def test_the_paired_report_says_its_percent_differences_are_not_antisymmetric(tm
         assert f"| {variant} | optimizer s/step | 3 | {pct:+.2f}% |" in text  # -90.00% and +900.00%
         assert ("The mean difference is the mean over seeds of each seed's percent difference, 100 (variant − "
                 "reference) / reference: it is not antisymmetric") in text
+
+
+def test_dit_report_counts_selection_seeds_in_the_scan_only(tmp_path):
+    """dit-report on a two-phase study: the selection seed's run at the selected lr was averaged with the evaluation
+    seeds in Table 1 (4 seeds); it is in the lr-scan table only, and the Runs table and the first line say so."""
+    import statistics
+
+    from dit_train.study import report
+
+    sweep = tmp_path / "sweep"
+    two_phase_sweep(sweep, {"selection_seeds": [0]})
+    text = report.build_report(str(sweep))
+    evaluated = [FINAL["adamw"][s] for s in (1, 2, 3)]
+    mean_sd = f"{statistics.mean(evaluated):.4g} ± {statistics.stdev(evaluated):.2g}"
+    table1 = text.split("## Table 1")[1].split("## Table 2")[0]
+    assert "| dit_s | adamw lr=0.008 | 0.008 | 3 | finished |" in table1, table1
+    assert table1.split("| dit_s | adamw lr=0.008 |")[1].splitlines()[0].endswith(f"| {mean_sd} |"), table1
+    # the scan (Table 4) is the selection seed's alone: seed 0's 0.4 at the selected lr, not a mean with seeds 1-3
+    table4 = text.split("## Table 4")[1].split("## Table 5")[0]
+    assert "| dit_s | adamw | 100 / 0.4 | 300 / 0.9 | — |" in table4, table4
+    assert "6 selection-seed run(s) (seed 0, which chose the learning rates) are not counted" in text
+    assert "| adamw_lr0.008_s0 | finished; selection seed: counted in the lr scan only |" in text
+    assert "| adamw_lr0.008_s1 | finished |" in text
