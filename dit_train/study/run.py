@@ -49,6 +49,7 @@ from dit_train.runs.atomic_io import atomic_write_bytes
 from dit_train.runs.checkpoint import newest_step
 from dit_train.runs.in_place_files import refuse_hydra_writes_outside
 from dit_train.runs.json_file import read_json
+from dit_train.study.keys import COMMON_RULES, check_study
 from dit_train.study.record import is_int, read_study, summary_step_count
 from dit_train.runs.provenance import CHECKOUT, git_commit
 from dit_train.study.report import read_run_metrics
@@ -92,6 +93,9 @@ def learning_rates(study, opt: str, K) -> list:
 
 ROWNORM_OPTIMIZERS = ("periodic_rowwise", "rownorm")  # the optimizers that take optimizer.rownorm_scale
 GRID_KEYS = ("model", "optimizer", "seed", "optimizer.K", "optimizer.rownorm_scale", "optimizer.lr")  # not axes
+# not an axis either: the paired reports compare runs of one length (dit-paired-report and dit-publish-study refused
+# such a sweep once all of its runs had run)
+ONE_LENGTH = "train.steps"
 
 
 def axis_combinations(study) -> list[dict]:
@@ -103,10 +107,14 @@ def axis_combinations(study) -> list[dict]:
         shown = OmegaConf.to_container(axes) if OmegaConf.is_config(axes) else axes
         raise ValueError(f"study.axes must map config keys to non-empty lists of values, e.g. "
                          f"{{model.qk_norm: [true, false]}}; got {shown!r}")
-    taken = sorted(set(axes) & set(GRID_KEYS))
+    taken = sorted({k.lstrip("+~") for k in axes} & set(GRID_KEYS))
     if taken:
         raise ValueError(f"study.axes may not name {taken}: the study's own keys set them (models, optimizers, K, "
                          f"rownorm_scale, seeds, lr_scan)")
+    if ONE_LENGTH in {k.lstrip("+~") for k in axes}:
+        raise ValueError(f"study.axes may not name {ONE_LENGTH}: a study's runs are of one length (its reports "
+                         f"compare runs of one length, and refuse a sweep of several); run one study per horizon, "
+                         f"each in its own --sweep-dir (train.steps=N on the command line)")
     combos = [{}]
     for key, values in axes.items():
         combos = [{**c, key: v} for c in combos for v in values]
@@ -243,9 +251,6 @@ def select_learning_rates(study, sweep_dir: str, scan_runs: list[dict], steps_of
             else:
                 chosen_lrs[label] = {"lr": chosen, "val_loss": {str(lr): v for lr, v in sorted(losses.items())}}
     return chosen_lrs, more
-
-
-COMMON_RULES = ("lowest_selected",)
 
 
 def common_learning_rates(study, selected: dict) -> dict:
@@ -442,6 +447,11 @@ def run_study(argv=None) -> int:
                    help="your own config folder, as for dit-train: DIR/experiment/<name>.yaml is a study too")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_intermixed_args(argv)
+    moved = next((o for o in args.overrides if placement_override(o)), None)
+    if moved is not None:  # the runs would go where study.json does not look: no lr is ever selected
+        print_error(f"{moved}: dit-study places each run in <sweep folder>/<its overrides> itself, where study.json "
+                    f"finds it; give the sweep folder as --sweep-dir")
+        return 2
     if args.config_dir is not None:
         if not os.path.isdir(args.config_dir):
             print_error(f"--config-dir {args.config_dir}: no such folder (it holds your own config groups, e.g. "
@@ -453,7 +463,12 @@ def run_study(argv=None) -> int:
         print_error(f"experiment {args.experiment!r} does not exist; valid: {', '.join(valid)}")
         return 2
     exp = load_experiment(args.experiment, config_dir=args.config_dir)
-    study = exp.study
+    study = exp.get("study")
+    try:  # every key of study: by its declaration (keys.py), before anything is written or run
+        check_study(OmegaConf.to_container(study, resolve=True) if OmegaConf.is_config(study) else study)
+    except ValueError as e:
+        print_error(f"{args.experiment}: {e}")
+        return 2
     exclude = list(OmegaConf.select(exp, "hydra.job.config.override_dirname.exclude_keys") or [])
     sweep_dir = os.path.abspath(args.sweep_dir or os.path.join("sweeps", study.name))
     only = set(args.models.split(",")) if args.models else None
@@ -461,7 +476,6 @@ def run_study(argv=None) -> int:
         print_error(f"--models {args.models!r} not in study.models {list(study.models)}")
         return 2
     try:
-        check_seeds(study)
         runs = expand(study, args.overrides, exclude)
         common_learning_rates(study, {})  # a bad study.common_lr is refused now, not after the scan
     except ValueError as e:
@@ -597,7 +611,7 @@ def check_groups(runs: list[dict], only, sweep_dir: str, args, checked: set, ste
     """Each group's trainer command line through the trainer's own check (a misspelled key, `train.steps=abc`), as
     one line (a ConfigError, exit 2) before study.json is written or a run starts: run by run it was a Hydra
     traceback after study.json recorded the command, or every group refused in turn and "rerun to retry". One job
-    per group (its first seed; the seeds are integers, check_seeds): its jobs differ in the seed alone, and each
+    per group (its first seed; the seeds are integers, keys.check_study): its jobs differ in the seed alone, and each
     job costs a composition. The resume of each run is left to its trainer (it reads the run folder; a finished
     group is not started at all). `checked`: the groups checked already by this invocation; `steps_cache` gets each
     group's train.steps from its checked config (run_study's steps_of: no second composition)."""
@@ -619,12 +633,14 @@ def steps_key(r: dict) -> tuple:
     return tuple(o for o in r["overrides"] if not o.startswith("seed="))
 
 
-def check_seeds(study) -> None:
-    for key in ("seeds", "selection_seeds"):
-        seeds = study.get(key)
-        if seeds is not None and not (OmegaConf.is_list(seeds) and all(is_int(s) for s in seeds)):
-            shown = OmegaConf.to_container(seeds) if OmegaConf.is_config(seeds) else seeds
-            raise ValueError(f"study.{key} must be a list of integer seeds, e.g. [0, 1]; got {shown!r}")
+PLACEMENT = ("hydra.sweep", "hydra.run.dir", "hydra.job.config.override_dirname")
+
+
+def placement_override(override: str) -> bool:
+    """An override that moves or renames the runs' folders (Hydra's sweep folder, subfolder or run folder, the
+    folder names): dit-study sets those itself, and study.json names each run's folder by them."""
+    k = override.split("=", 1)[0].lstrip("+~")
+    return any(k == p or k.startswith(p + ".") for p in PLACEMENT)
 
 
 def edge_note(label: str, chosen: dict, study) -> str | None:

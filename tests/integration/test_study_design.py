@@ -134,6 +134,50 @@ def test_a_studys_design_is_recorded_and_a_changed_design_is_refused_before_anyt
     assert len(tiny.launched) == 3
 
 
+@pytest.mark.parametrize("old, new, line", [
+    ("lr_scan: {adamw: [1.0e-3, 2.0e-3]}", "lr_scan: {adamw: [1.0e-3, 2.0e-3]}\n  lr_scan_extnd: 1",
+     "study.lr_scan_extnd=1 is not valid: not a key of study; valid keys: K, axes, common_lr, lr, lr_scan, "
+     "lr_scan_extend, models, name, notes, optimizers, rownorm_scale, seeds, selection_seeds"),
+    ("seeds: [1, 2]", "seeds: [1, 2]\n  lr_scan_extend: -1",
+     "study.lr_scan_extend=-1 is not valid: expected an integer >= 0"),
+    ("seeds: [1, 2]", "seeds: [1, 2]\n  lr_scan_extend: 1.5",
+     "study.lr_scan_extend=1.5 is not valid: expected an integer >= 0"),
+    ("seeds: [1, 2]", "seeds: [1, 2]\n  lr_scan_extend: lots",
+     "study.lr_scan_extend='lots' is not valid: expected an integer >= 0"),
+    ("[1.0e-3, 2.0e-3]", "[abc, 2.0e-3]", "study.lr_scan={'adamw': ['abc', 0.002]} is not valid: null or a mapping "
+                                          "of optimizer to a non-empty list of distinct positive numbers"),
+    ("[1.0e-3, 2.0e-3]", "[]", "study.lr_scan={'adamw': []} is not valid: null or a mapping of optimizer to a "
+                               "non-empty list"),
+    ("[1.0e-3, 2.0e-3]", "[1.0e-3, 1.0e-3]", "study.lr_scan={'adamw': [0.001, 0.001]} is not valid: null or a "
+                                             "mapping of optimizer to a non-empty list of distinct positive numbers"),
+    ("seeds: [1, 2]", "seeds: [1, 1]",
+     "study.seeds=[1, 1] is not valid: expected a non-empty list of distinct integer seeds"),
+    ("seeds: [1, 2]", "seeds: [1, 2]\n  axes: {train.steps: [3, 4]}",
+     "study.axes may not name train.steps: a study's runs are of one length (its reports compare runs of one "
+     "length, and refuse a sweep of several); run one study per horizon, each in its own --sweep-dir"),
+    (None, "hydra.sweep.dir=elsewhere", "hydra.sweep.dir=elsewhere: dit-study places each run in <sweep folder>/<its "
+                                        "overrides> itself, where study.json finds it; give the sweep folder as "
+                                        "--sweep-dir"),
+    (None, "hydra.sweep.subdir=x", "hydra.sweep.subdir=x: dit-study places each run"),
+    (None, "hydra.run.dir=x", "hydra.run.dir=x: dit-study places each run"),
+])
+def test_a_study_dit_study_cannot_run_as_written_is_one_line_before_anything_is_written(tiny, capsys, old, new,
+                                                                                        line):
+    """Each `study:` key by its declaration (keys.py: unknown, wrong type or range, repeats), a horizon as an axis,
+    and a command line that would put the runs where study.json does not look: one line, exit 2, nothing written
+    and no trainer started (they were ignored, rounded, a TypeError, an endless wait with exit 0, or runs that only
+    the reports refused)."""
+    if old is None:
+        assert tiny.main(new) == 2
+    else:
+        tiny.edit(old, new)
+        assert tiny.main() == 2
+    err = capsys.readouterr().err
+    prefix = "error: " if old is None else "error: tiny: "
+    assert err.count("\n") == 1 and err.startswith(prefix + line), err
+    assert not tiny.launched and not tiny.sweep.exists()
+
+
 def test_a_group_the_trainer_refuses_is_not_to_be_retried_by_rerunning(tiny, capsys):
     """A trainer's exit 2 (its config check: the resume of a run folder it refuses, say) cannot be fixed by running
     the same command again; any other failure can."""
