@@ -349,18 +349,49 @@ def invocations_of(old: dict) -> list[dict]:
 
 
 NOT_DESIGN = ("name", "notes")  # the default folder's name and free text: not part of what the study measures
+PER_RUN = ("seed", "optimizer.lr", "run_dir")  # each run's own (the grid sets them), and its folder
 
 
-def study_design(study, steps) -> dict:
-    """What defines the study, as study.json records it at the first invocation: every key of `study:` (models,
-    optimizers, K, rownorm_scale, axes, seeds, selection_seeds, lr, lr_scan, lr_scan_extend, common_lr) but its name
-    and notes, and the runs' train.steps. Written to JSON and back, so that it compares equal to the record."""
+def study_design(study, steps, cfg=None) -> dict:
+    """What defines the study, as study.json records it at the first invocation: every key of `study:` (keys.py's
+    StudyConfig) but its name and notes, the runs' train.steps, and (`cfg`: the experiment composed with the command
+    line's overrides) every other key of the run config that defines its runs (run_config). Written to JSON and back,
+    so that it compares equal to the record."""
     keys = {k: v for k, v in OmegaConf.to_container(study, resolve=True).items() if k not in NOT_DESIGN}
-    return json.loads(json.dumps({"study": keys, "train": {"steps": steps}}, sort_keys=True))
+    design = {"study": keys, "train": {"steps": steps}}
+    if cfg is not None:
+        design["config"] = run_config(cfg)
+    return json.loads(json.dumps(design, sort_keys=True))
+
+
+def run_config(cfg) -> dict:
+    """The composed run config as {dotted key: value}, but for what legitimately differs between the runs of one study
+    or the machines that run them: the keys a resumed run may change (their schemas' resume=True: paths, cadence,
+    logging, the parallel layout, `study:`, train.steps, recorded apart), each run's seed, lr and folder, and Hydra's
+    own node (the launcher). A batch size, warm-up or data.root changed between two invocations ran one arm of a
+    study under one and the other under another, and the report paired them."""
+    import fnmatch
+
+    from dit_train.config.schemas import may_change_on_resume
+    from dit_train.runs.resume_policy import flatten
+
+    tree = OmegaConf.to_container(cfg, resolve=False)
+    tree.pop("hydra", None)
+    tree.pop("run_dir", None)  # ${hydra:runtime.output_dir}: no value outside a job
+    may_change = may_change_on_resume()
+    return {k: v for k, v in flatten(OmegaConf.to_container(OmegaConf.create(tree), resolve=True)).items()
+            if k not in PER_RUN and not any(fnmatch.fnmatchcase(k, p) for p in may_change)}
 
 
 def design_sha256(design: dict) -> str:
     return hashlib.sha256(json.dumps(design, sort_keys=True).encode()).hexdigest()
+
+
+def shared_design_change(recorded: dict, new: dict) -> tuple[str, object, object] | None:
+    """design_change on the parts both designs record: a design recorded by an older dit-study (without `config`,
+    the run config) is compared on what it has."""
+    return design_change({k: v for k, v in recorded.items() if k in new},
+                         {k: v for k, v in new.items() if k in recorded})
 
 
 def design_change(old, new, key: str = "") -> tuple[str, object, object] | None:
@@ -411,12 +442,15 @@ def check_design(old: dict, design: dict, study, path: str, experiment: str) -> 
                              f"study.selection_seeds is {now} now: restore experiment {experiment}'s study, or "
                              f"{new_dir}")
         return
-    change = design_change(recorded, design)
+    change = shared_design_change(recorded, design)
     if change:
         key, was, now = change
+        what = (f"restore experiment {experiment}'s study" if not key.startswith("config.") else
+                f"restore {key[len('config.'):]} in experiment {experiment} or the command line's overrides")
         raise ValueError(f"{path}: the study's design changed since study.json recorded it: {key} was {was!r}, is "
-                         f"{now!r} now; a study's design (seeds, selection seeds, lr grids, optimizers, steps) is "
-                         f"fixed at its first invocation: restore experiment {experiment}'s study, or {new_dir}")
+                         f"{now!r} now; a study's design (seeds, selection seeds, lr grids, optimizers, steps, every "
+                         f"run config key a resume may not change) is fixed at its first invocation: {what}, or "
+                         f"{new_dir}")
 
 
 @ctrl_c_exits("dit-study: interrupted; finished runs and checkpoints are kept: rerun the same command to continue")
@@ -492,17 +526,23 @@ def run_study(argv=None) -> int:
     check_groups(runs, only, sweep_dir, args, checked, steps_cache)
     old = previous_record(sweep_dir)
     plain = load_experiment(args.experiment, args.overrides, args.config_dir) if args.overrides else exp
-    design = study_design(study, plain.train.steps)
+    design = study_design(study, plain.train.steps, plain)
     check_design(old, design, study, os.path.join(sweep_dir, "study.json"), args.experiment)
     if args.records:  # a study continued from its published records: the same design as theirs
         check_design(previous_record(args.records), design, study, os.path.join(args.records, "study.json"),
                      args.experiment)
     first_designed = old.get("design_first_invocation", 1)
+    config_first = old.get("design_config_first_invocation", 1)
     if old and "design" not in old:  # a record from before dit-study kept the design (the published ones)
         first_designed = len(invocations_of(old)) + 1
         print(f"[study] {os.path.join(sweep_dir, 'study.json')} has no record of the study's design (written by "
               f"an older dit-study): {'a real run records' if args.dry_run else 'recording'} this invocation's "
               f"design; later invocations must match it")
+    elif isinstance(old.get("design"), dict) and "config" not in old["design"]:  # a design of study: and steps only
+        config_first = len(invocations_of(old)) + 1
+        print(f"[study] {os.path.join(sweep_dir, 'study.json')} records the study's design without its run config "
+              f"(written by an older dit-study): {'a real run records' if args.dry_run else 'recording'} this "
+              f"invocation's run config into it; later invocations must match it")
     if not args.dry_run:  # a dry run prints the commands only
         os.makedirs(sweep_dir, exist_ok=True)
     call = {"command": override_text.shell_command(["dit-study", *(sys.argv[1:] if argv is None else argv)]),
@@ -523,6 +563,7 @@ def run_study(argv=None) -> int:
             return
         rec = {"experiment": args.experiment, **call, "notes": study.get("notes", ""), "design": design,
                **({"design_first_invocation": first_designed} if first_designed > 1 else {}),
+               **({"design_config_first_invocation": config_first} if config_first > 1 else {}),
                "invocations": invocations, "runs": [{k: v for k, v in r.items() if k != "overrides"} for r in runs]}
         if study.get("lr_scan") is not None:
             rec["selection_seeds"] = scan_seeds(study)[0]
