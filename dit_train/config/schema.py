@@ -298,7 +298,8 @@ class RunConfig:
     parallel: Any = key()
     vae: Any = key()
     study: Optional[Dict[str, Any]] = key("null or the experiment's grid for dit-study (free-form)",
-                                          default=None, resume=True, doc="an experiment's grid (dit-study)")
+                                          default=None, resume=True,
+                                          doc="an experiment's grid (dit-study; its keys: dit_train/study/keys.py)")
 
 
 # the schema of each node of the run config that is not a group with options (conf/<group>/)

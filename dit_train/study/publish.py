@@ -137,7 +137,7 @@ def refuse_another_study(study: str, runs_dir: str) -> None:
         raise ConfigError(f"{runs_dir}/study.json is the record of {published!r} and {study} of {new!r}: one "
                           f"destination holds one study; publish {new!r} into its own folder (valid here: a sweep "
                           f"of {published!r})")
-    change = run_study.design_change(there["design"], here["design"]) if (
+    change = run_study.shared_design_change(there["design"], here["design"]) if (
         isinstance(there.get("design"), dict) and isinstance(here.get("design"), dict)) else None
     if change:  # pieces of one study are of one design (dit-study refuses a changed one in one sweep)
         key, was, now = change

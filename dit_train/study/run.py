@@ -49,6 +49,7 @@ from dit_train.runs.atomic_io import atomic_write_bytes
 from dit_train.runs.checkpoint import newest_step
 from dit_train.runs.in_place_files import refuse_hydra_writes_outside
 from dit_train.runs.json_file import read_json
+from dit_train.study.keys import COMMON_RULES, check_study
 from dit_train.study.record import is_int, read_study, summary_step_count
 from dit_train.runs.provenance import CHECKOUT, git_commit
 from dit_train.study.report import read_run_metrics
@@ -93,6 +94,9 @@ def learning_rates(study, opt: str, K) -> list:
 
 ROWNORM_OPTIMIZERS = ("periodic_rowwise", "rownorm")  # the optimizers that take optimizer.rownorm_scale
 GRID_KEYS = ("model", "optimizer", "seed", "optimizer.K", "optimizer.rownorm_scale", "optimizer.lr")  # not axes
+# not an axis either: the paired reports compare runs of one length (dit-paired-report and dit-publish-study refused
+# such a sweep once all of its runs had run)
+ONE_LENGTH = "train.steps"
 
 
 def axis_combinations(study) -> list[dict]:
@@ -104,10 +108,14 @@ def axis_combinations(study) -> list[dict]:
         shown = OmegaConf.to_container(axes) if OmegaConf.is_config(axes) else axes
         raise ValueError(f"study.axes must map config keys to non-empty lists of values, e.g. "
                          f"{{model.qk_norm: [true, false]}}; got {shown!r}")
-    taken = sorted(set(axes) & set(GRID_KEYS))
+    taken = sorted({k.lstrip("+~") for k in axes} & set(GRID_KEYS))
     if taken:
         raise ValueError(f"study.axes may not name {taken}: the study's own keys set them (models, optimizers, K, "
                          f"rownorm_scale, seeds, lr_scan)")
+    if ONE_LENGTH in {k.lstrip("+~") for k in axes}:
+        raise ValueError(f"study.axes may not name {ONE_LENGTH}: a study's runs are of one length (its reports "
+                         f"compare runs of one length, and refuse a sweep of several); run one study per horizon, "
+                         f"each in its own --sweep-dir (train.steps=N on the command line)")
     combos = [{}]
     for key, values in axes.items():
         combos = [{**c, key: v} for c in combos for v in values]
@@ -246,9 +254,6 @@ def select_learning_rates(study, sweep_dir: str, scan_runs: list[dict], steps_of
     return chosen_lrs, more
 
 
-COMMON_RULES = ("lowest_selected",)
-
-
 def common_learning_rates(study, selected: dict) -> dict:
     """{variant label: the lr of its "common" phase} from study.common_lr: a number is every variant's; with
     `lowest_selected`, the variants of one model and one combination of study.axes (the same optimizer's RowNorm
@@ -345,18 +350,49 @@ def invocations_of(old: dict) -> list[dict]:
 
 
 NOT_DESIGN = ("name", "notes")  # the default folder's name and free text: not part of what the study measures
+PER_RUN = ("seed", "optimizer.lr", "run_dir")  # each run's own (the grid sets them), and its folder
 
 
-def study_design(study, steps) -> dict:
-    """What defines the study, as study.json records it at the first invocation: every key of `study:` (models,
-    optimizers, K, rownorm_scale, axes, seeds, selection_seeds, lr, lr_scan, lr_scan_extend, common_lr) but its name
-    and notes, and the runs' train.steps. Written to JSON and back, so that it compares equal to the record."""
+def study_design(study, steps, cfg=None) -> dict:
+    """What defines the study, as study.json records it at the first invocation: every key of `study:` (keys.py's
+    StudyConfig) but its name and notes, the runs' train.steps, and (`cfg`: the experiment composed with the command
+    line's overrides) every other key of the run config that defines its runs (run_config). Written to JSON and back,
+    so that it compares equal to the record."""
     keys = {k: v for k, v in OmegaConf.to_container(study, resolve=True).items() if k not in NOT_DESIGN}
-    return json.loads(json.dumps({"study": keys, "train": {"steps": steps}}, sort_keys=True))
+    design = {"study": keys, "train": {"steps": steps}}
+    if cfg is not None:
+        design["config"] = run_config(cfg)
+    return json.loads(json.dumps(design, sort_keys=True))
+
+
+def run_config(cfg) -> dict:
+    """The composed run config as {dotted key: value}, but for what legitimately differs between the runs of one study
+    or the machines that run them: the keys a resumed run may change (their schemas' resume=True: paths, cadence,
+    logging, the parallel layout, `study:`, train.steps, recorded apart), each run's seed, lr and folder, and Hydra's
+    own node (the launcher). A batch size, warm-up or data.root changed between two invocations ran one arm of a
+    study under one and the other under another, and the report paired them."""
+    import fnmatch
+
+    from dit_train.config.schemas import may_change_on_resume
+    from dit_train.runs.resume_policy import flatten
+
+    tree = OmegaConf.to_container(cfg, resolve=False)
+    tree.pop("hydra", None)
+    tree.pop("run_dir", None)  # ${hydra:runtime.output_dir}: no value outside a job
+    may_change = may_change_on_resume()
+    return {k: v for k, v in flatten(OmegaConf.to_container(OmegaConf.create(tree), resolve=True)).items()
+            if k not in PER_RUN and not any(fnmatch.fnmatchcase(k, p) for p in may_change)}
 
 
 def design_sha256(design: dict) -> str:
     return hashlib.sha256(json.dumps(design, sort_keys=True).encode()).hexdigest()
+
+
+def shared_design_change(recorded: dict, new: dict) -> tuple[str, object, object] | None:
+    """design_change on the parts both designs record: a design recorded by an older dit-study (without `config`,
+    the run config) is compared on what it has."""
+    return design_change({k: v for k, v in recorded.items() if k in new},
+                         {k: v for k, v in new.items() if k in recorded})
 
 
 def design_change(old, new, key: str = "") -> tuple[str, object, object] | None:
@@ -407,12 +443,15 @@ def check_design(old: dict, design: dict, study, path: str, experiment: str) -> 
                              f"study.selection_seeds is {now} now: restore experiment {experiment}'s study, or "
                              f"{new_dir}")
         return
-    change = design_change(recorded, design)
+    change = shared_design_change(recorded, design)
     if change:
         key, was, now = change
+        what = (f"restore experiment {experiment}'s study" if not key.startswith("config.") else
+                f"restore {key[len('config.'):]} in experiment {experiment} or the command line's overrides")
         raise ValueError(f"{path}: the study's design changed since study.json recorded it: {key} was {was!r}, is "
-                         f"{now!r} now; a study's design (seeds, selection seeds, lr grids, optimizers, steps) is "
-                         f"fixed at its first invocation: restore experiment {experiment}'s study, or {new_dir}")
+                         f"{now!r} now; a study's design (seeds, selection seeds, lr grids, optimizers, steps, every "
+                         f"run config key a resume may not change) is fixed at its first invocation: {what}, or "
+                         f"{new_dir}")
 
 
 @ctrl_c_exits("dit-study: interrupted; finished runs and checkpoints are kept: rerun the same command to continue")
@@ -443,6 +482,11 @@ def run_study(argv=None) -> int:
                    help="your own config folder, as for dit-train: DIR/experiment/<name>.yaml is a study too")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_intermixed_args(argv)
+    moved = next((o for o in args.overrides if placement_override(o)), None)
+    if moved is not None:  # the runs would go where study.json does not look: no lr is ever selected
+        print_error(f"{moved}: dit-study places each run in <sweep folder>/<its overrides> itself, where study.json "
+                    f"finds it; give the sweep folder as --sweep-dir")
+        return 2
     if args.config_dir is not None:
         if not os.path.isdir(args.config_dir):
             print_error(f"--config-dir {args.config_dir}: no such folder (it holds your own config groups, e.g. "
@@ -454,7 +498,12 @@ def run_study(argv=None) -> int:
         print_error(f"experiment {args.experiment!r} does not exist; valid: {', '.join(valid)}")
         return 2
     exp = load_experiment(args.experiment, config_dir=args.config_dir)
-    study = exp.study
+    study = exp.get("study")
+    try:  # every key of study: by its declaration (keys.py), before anything is written or run
+        check_study(OmegaConf.to_container(study, resolve=True) if OmegaConf.is_config(study) else study)
+    except ValueError as e:
+        print_error(f"{args.experiment}: {e}")
+        return 2
     exclude = list(OmegaConf.select(exp, "hydra.job.config.override_dirname.exclude_keys") or [])
     sweep_dir = os.path.abspath(args.sweep_dir or os.path.join("sweeps", study.name))
     only = set(args.models.split(",")) if args.models else None
@@ -462,7 +511,6 @@ def run_study(argv=None) -> int:
         print_error(f"--models {args.models!r} not in study.models {list(study.models)}")
         return 2
     try:
-        check_seeds(study)
         runs = expand(study, args.overrides, exclude)
         common_learning_rates(study, {})  # a bad study.common_lr is refused now, not after the scan
     except ValueError as e:
@@ -479,17 +527,23 @@ def run_study(argv=None) -> int:
     check_groups(runs, only, sweep_dir, args, checked, steps_cache)
     old = previous_record(sweep_dir)
     plain = load_experiment(args.experiment, args.overrides, args.config_dir) if args.overrides else exp
-    design = study_design(study, plain.train.steps)
+    design = study_design(study, plain.train.steps, plain)
     check_design(old, design, study, os.path.join(sweep_dir, "study.json"), args.experiment)
     if args.records:  # a study continued from its published records: the same design as theirs
         check_design(previous_record(args.records), design, study, os.path.join(args.records, "study.json"),
                      args.experiment)
     first_designed = old.get("design_first_invocation", 1)
+    config_first = old.get("design_config_first_invocation", 1)
     if old and "design" not in old:  # a record from before dit-study kept the design (the published ones)
         first_designed = len(invocations_of(old)) + 1
         print(f"[study] {os.path.join(sweep_dir, 'study.json')} has no record of the study's design (written by "
               f"an older dit-study): {'a real run records' if args.dry_run else 'recording'} this invocation's "
               f"design; later invocations must match it")
+    elif isinstance(old.get("design"), dict) and "config" not in old["design"]:  # a design of study: and steps only
+        config_first = len(invocations_of(old)) + 1
+        print(f"[study] {os.path.join(sweep_dir, 'study.json')} records the study's design without its run config "
+              f"(written by an older dit-study): {'a real run records' if args.dry_run else 'recording'} this "
+              f"invocation's run config into it; later invocations must match it")
     if not args.dry_run:  # a dry run prints the commands only
         os.makedirs(sweep_dir, exist_ok=True)
     call = {"command": override_text.shell_command(["dit-study", *(sys.argv[1:] if argv is None else argv)]),
@@ -510,6 +564,7 @@ def run_study(argv=None) -> int:
             return
         rec = {"experiment": args.experiment, **call, "notes": study.get("notes", ""), "design": design,
                **({"design_first_invocation": first_designed} if first_designed > 1 else {}),
+               **({"design_config_first_invocation": config_first} if config_first > 1 else {}),
                "invocations": invocations, "runs": [{k: v for k, v in r.items() if k != "overrides"} for r in runs]}
         if study.get("lr_scan") is not None:
             rec["selection_seeds"] = scan_seeds(study)[0]
@@ -602,7 +657,7 @@ def check_groups(runs: list[dict], only, sweep_dir: str, args, checked: set, ste
     """Each group's trainer command line through the trainer's own check (a misspelled key, `train.steps=abc`), as
     one line (a ConfigError, exit 2) before study.json is written or a run starts: run by run it was a Hydra
     traceback after study.json recorded the command, or every group refused in turn and "rerun to retry". One job
-    per group (its first seed; the seeds are integers, check_seeds): its jobs differ in the seed alone, and each
+    per group (its first seed; the seeds are integers, keys.check_study): its jobs differ in the seed alone, and each
     job costs a composition. The resume of each run is left to its trainer (it reads the run folder; a finished
     group is not started at all). `checked`: the groups checked already by this invocation; `steps_cache` gets each
     group's train.steps from its checked config (run_study's steps_of: no second composition)."""
@@ -624,12 +679,14 @@ def steps_key(r: dict) -> tuple:
     return tuple(o for o in r["overrides"] if not o.startswith("seed="))
 
 
-def check_seeds(study) -> None:
-    for key in ("seeds", "selection_seeds"):
-        seeds = study.get(key)
-        if seeds is not None and not (OmegaConf.is_list(seeds) and all(is_int(s) for s in seeds)):
-            shown = OmegaConf.to_container(seeds) if OmegaConf.is_config(seeds) else seeds
-            raise ValueError(f"study.{key} must be a list of integer seeds, e.g. [0, 1]; got {shown!r}")
+PLACEMENT = ("hydra.sweep", "hydra.run.dir", "hydra.job.config.override_dirname")
+
+
+def placement_override(override: str) -> bool:
+    """An override that moves or renames the runs' folders (Hydra's sweep folder, subfolder or run folder, the
+    folder names): dit-study sets those itself, and study.json names each run's folder by them."""
+    k = override.split("=", 1)[0].lstrip("+~")
+    return any(k == p or k.startswith(p + ".") for p in PLACEMENT)
 
 
 def edge_note(label: str, chosen: dict, study) -> str | None:

@@ -17,6 +17,7 @@ from conftest import CONF_DIR, ROOT, needs_fashion
 from dit_train.study import publish as publish_study
 from dit_train.study import report
 from dit_train.study import run as run_study
+from dit_train.study.keys import check_study
 
 TRAINER_PROCESS = run_study.run_trainer  # dit-study's own launch: `python -m dit_train --multirun ...` as a process
 
@@ -71,6 +72,7 @@ def test_experiments_compose_and_expand(experiment):
     cfg = compose_with_hydra([f"experiment={experiment}", "run_dir=/tmp/unused"])
     assert cfg.study.name == experiment
     assert cfg.train.resume == "auto"  # interrupted runs continue when the study is rerun
+    check_study(OmegaConf.to_container(cfg.study, resolve=True))  # every key as keys.py declares it
     runs = run_study.expand(cfg.study, [], list(cfg.hydra.job.config.override_dirname.exclude_keys))
     n_opt = len(run_study.variants(cfg.study)) // len(cfg.study.models)
     lr = cfg.study.get("lr")

@@ -79,9 +79,17 @@ def test_a_studys_design_is_recorded_and_a_changed_design_is_refused_before_anyt
     out = capsys.readouterr().out
     assert len(tiny.launched) == 3  # two scan groups (seed 20), then seeds 1, 2 at the selected lr
     record = json.loads((tiny.sweep / "study.json").read_text())
+    config = record["design"].pop("config")
     assert record["design"] == {"study": {"models": ["dit_xs"], "optimizers": ["adamw"], "selection_seeds": [20],
                                           "seeds": [1, 2], "lr_scan": {"adamw": [1e-3, 2e-3]}},
                                 "train": {"steps": 2}}
+    # the run config, as the yaml and the defaults set it, but for what each run or machine sets for itself
+    assert {k: config[k] for k in ("train.batch_size", "train.warmup_steps", "model.hidden_size", "data.root")} == {
+        "train.batch_size": 8, "train.warmup_steps": 100, "model.hidden_size": 32,
+        "data.root": "/usr/share/datasets/fashion-mnist"}
+    assert not {"seed", "optimizer.lr", "run_dir", "train.steps", "train.resume", "logger.wandb.mode"} & set(config)
+    assert not [k for k in config if k.startswith(("study.", "hydra."))]
+    record["design"]["config"] = config
     assert "design_first_invocation" not in record and len(record["invocations"][0]["design_sha256"]) == 64
     # the selected lr is the grid's lowest value, and the default lr_scan_extend=0 does not grow the scan
     assert "[study] dit_xs adamw: the selected lr=0.001 is the lowest value scanned and study.lr_scan_extend is 0" in out
@@ -132,6 +140,100 @@ def test_a_studys_design_is_recorded_and_a_changed_design_is_refused_before_anyt
                                           r"here, \[1, 2, 3\] there"):
         publish_study.refuse_another_study(str(tiny.sweep / "study.json"), str(records))
     assert len(tiny.launched) == 3
+
+
+def test_a_changed_run_config_is_refused_and_a_design_recorded_without_one_gets_it(tiny, capsys):
+    """Outside `study:` too (the yaml's train.batch_size, a command line's train.warmup_steps): an arm rerun under
+    another batch size was paired with the arm run under the old one. What each run or machine sets for itself (a
+    resume may change it: cadence, paths, logging) is no change of design."""
+    assert tiny.main() == 0
+    capsys.readouterr()
+    before = (tiny.sweep / "study.json").read_bytes()
+    tiny.edit("batch_size: 8", "batch_size: 16")
+    assert tiny.main() == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the study's design changed since study.json recorded it: config.train.batch_size " \
+                                    "was 8, is 16 now; " in err and "restore train.batch_size in experiment tiny or " \
+                                                                   "the command line's overrides, or run" in err, err
+    tiny.edit("batch_size: 16", "batch_size: 8")
+    assert tiny.main("train.warmup_steps=3") == 2
+    assert "config.train.warmup_steps was 100, is 3 now" in capsys.readouterr().err
+    assert (tiny.sweep / "study.json").read_bytes() == before and len(tiny.launched) == 3
+    tiny.edit("sample_every: 0, ckpt_every: 0", "sample_every: 7, ckpt_every: 0, keep_last: 3")
+    assert tiny.main() == 0 and len(tiny.launched) == 3  # every run is finished: none launched
+    tiny.edit("sample_every: 7, ckpt_every: 0, keep_last: 3", "sample_every: 0, ckpt_every: 0")
+
+    # a design recorded by an older dit-study (study: and steps): compared on what it has, the run config added
+    record = json.loads((tiny.sweep / "study.json").read_text())
+    config = record["design"].pop("config")
+    (tiny.sweep / "study.json").write_text(json.dumps(record))
+    assert tiny.main() == 0
+    assert "records the study's design without its run config (written by an older dit-study): recording this " \
+           "invocation's run config into it" in capsys.readouterr().out
+    record = json.loads((tiny.sweep / "study.json").read_text())
+    assert record["design"]["config"] == config and record["design_config_first_invocation"] == 3
+    assert "design_first_invocation" not in record
+    tiny.edit("batch_size: 8", "batch_size: 16")
+    assert tiny.main() == 2 and "config.train.batch_size was 8, is 16 now" in capsys.readouterr().err
+    tiny.edit("batch_size: 16", "batch_size: 8")
+
+    # published pieces: another run config is refused (--records, dit-publish-study); an older design is not
+    records = tiny.sweep.parent / "published" / "runs"
+    records.mkdir(parents=True)
+    other = {**record, "design": {**record["design"], "config": {**config, "train.batch_size": 16}}}
+    (records / "study.json").write_text(json.dumps(other))
+    assert tiny.main("--records", str(records)) == 2
+    assert "config.train.batch_size was 16, is 8 now" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"config.train.batch_size is 8 here, 16 there"):
+        publish_study.refuse_another_study(str(tiny.sweep / "study.json"), str(records))
+    older = {**record, "design": {k: v for k, v in record["design"].items() if k != "config"}}
+    (records / "study.json").write_text(json.dumps(older))
+    publish_study.refuse_another_study(str(tiny.sweep / "study.json"), str(records))
+    assert tiny.main("--records", str(records)) == 0 and len(tiny.launched) == 3
+
+
+@pytest.mark.parametrize("old, new, line", [
+    ("lr_scan: {adamw: [1.0e-3, 2.0e-3]}", "lr_scan: {adamw: [1.0e-3, 2.0e-3]}\n  lr_scan_extnd: 1",
+     "study.lr_scan_extnd=1 is not valid: not a key of study; valid keys: K, axes, common_lr, lr, lr_scan, "
+     "lr_scan_extend, models, name, notes, optimizers, rownorm_scale, seeds, selection_seeds"),
+    ("seeds: [1, 2]", "seeds: [1, 2]\n  lr_scan_extend: -1",
+     "study.lr_scan_extend=-1 is not valid: expected an integer >= 0"),
+    ("seeds: [1, 2]", "seeds: [1, 2]\n  lr_scan_extend: 1.5",
+     "study.lr_scan_extend=1.5 is not valid: expected an integer >= 0"),
+    ("seeds: [1, 2]", "seeds: [1, 2]\n  lr_scan_extend: lots",
+     "study.lr_scan_extend='lots' is not valid: expected an integer >= 0"),
+    ("[1.0e-3, 2.0e-3]", "[abc, 2.0e-3]", "study.lr_scan={'adamw': ['abc', 0.002]} is not valid: null or a mapping "
+                                          "of optimizer to a non-empty list of distinct positive numbers"),
+    ("[1.0e-3, 2.0e-3]", "[]", "study.lr_scan={'adamw': []} is not valid: null or a mapping of optimizer to a "
+                               "non-empty list"),
+    ("[1.0e-3, 2.0e-3]", "[1.0e-3, 1.0e-3]", "study.lr_scan={'adamw': [0.001, 0.001]} is not valid: null or a "
+                                             "mapping of optimizer to a non-empty list of distinct positive numbers"),
+    ("seeds: [1, 2]", "seeds: [1, 1]",
+     "study.seeds=[1, 1] is not valid: expected a non-empty list of distinct integer seeds"),
+    ("seeds: [1, 2]", "seeds: [1, 2]\n  axes: {train.steps: [3, 4]}",
+     "study.axes may not name train.steps: a study's runs are of one length (its reports compare runs of one "
+     "length, and refuse a sweep of several); run one study per horizon, each in its own --sweep-dir"),
+    (None, "hydra.sweep.dir=elsewhere", "hydra.sweep.dir=elsewhere: dit-study places each run in <sweep folder>/<its "
+                                        "overrides> itself, where study.json finds it; give the sweep folder as "
+                                        "--sweep-dir"),
+    (None, "hydra.sweep.subdir=x", "hydra.sweep.subdir=x: dit-study places each run"),
+    (None, "hydra.run.dir=x", "hydra.run.dir=x: dit-study places each run"),
+])
+def test_a_study_dit_study_cannot_run_as_written_is_one_line_before_anything_is_written(tiny, capsys, old, new,
+                                                                                        line):
+    """Each `study:` key by its declaration (keys.py: unknown, wrong type or range, repeats), a horizon as an axis,
+    and a command line that would put the runs where study.json does not look: one line, exit 2, nothing written
+    and no trainer started (they were ignored, rounded, a TypeError, an endless wait with exit 0, or runs that only
+    the reports refused)."""
+    if old is None:
+        assert tiny.main(new) == 2
+    else:
+        tiny.edit(old, new)
+        assert tiny.main() == 2
+    err = capsys.readouterr().err
+    prefix = "error: " if old is None else "error: tiny: "
+    assert err.count("\n") == 1 and err.startswith(prefix + line), err
+    assert not tiny.launched and not tiny.sweep.exists()
 
 
 def test_a_group_the_trainer_refuses_is_not_to_be_retried_by_rerunning(tiny, capsys):
