@@ -16,7 +16,7 @@ from dit_train.runs.hydra_files import defer_hydra_files
 from dit_train.runs.lock import EXIT_RUN_FOLDER_BUSY, RunFolderBusy
 from dit_train.trainer.preemption import Preempted, Preemption, exit_interrupted
 from dit_train.parallel.launch_rank import launch_rank
-from dit_train.telemetry.plain_text import print_error
+from dit_train.plain_text import print_error
 
 INTERRUPTED = "interrupted before training started; nothing to checkpoint"
 

@@ -23,7 +23,7 @@ import os
 import sys
 
 from dit_train.model.pretrained import DTYPES
-from dit_train.telemetry.plain_text import print_error, printable
+from dit_train.plain_text import print_error, printable
 from dit_train.trainer.preemption import ctrl_c_exits
 
 

@@ -33,7 +33,7 @@ from dit_train.runs.checkpoint import (is_complete, literal_config, load_for_inf
 from dit_train.evaluation.grids import save_grid, save_image
 from dit_train.diffusion.sampler import as_latents, make_sampler, noise_shape
 from dit_train.evaluation.during_training import grid_classes
-from dit_train.telemetry.plain_text import print_error, printable
+from dit_train.plain_text import print_error, printable
 from dit_train.telemetry.progress import model_call_bar
 from dit_train.trainer.preemption import ctrl_c_exits
 

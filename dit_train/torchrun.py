@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         check_command_line(trainer[0], world_size=trainer[1])  # a refusal: its one line, exit 2
     if trainer is not None:  # the workers inherit this node's variables: a bad interface name, once, not per rank
         from dit_train.parallel.backend_env import check_socket_interfaces
-        from dit_train.telemetry.plain_text import print_error
+        from dit_train.plain_text import print_error
 
         try:
             check_socket_interfaces()

@@ -21,7 +21,7 @@ from dit_train.config.override_text import shell_override
 from dit_train.config.search_path import (config_name, is_searchpath, primary_folder, searchpath_entries,
                                           searchpath_override, user_folders)
 from dit_train.config.validate import validate
-from dit_train.telemetry.plain_text import print_error
+from dit_train.plain_text import print_error
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
 CONFIG_DIR_FLAGS = ("--config-dir", "-cd")

@@ -39,7 +39,7 @@ from dit_train.data.datasets import build_dataset
 from dit_train.evaluation.fd.job_config import load_data_cfg
 from dit_train.parallel.fsdp import barrier, init_distributed, shutdown_process_group
 from dit_train.trainer.preemption import exit_interrupted
-from dit_train.telemetry.plain_text import print_error
+from dit_train.plain_text import print_error
 
 
 DEFAULT_IMAGE_SIZE = 256  # --images of mixed sizes: DiT's ImageNet resolution

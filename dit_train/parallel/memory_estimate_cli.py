@@ -30,7 +30,7 @@ import time
 from dit_train.config.errors import ConfigError
 from dit_train.config.files import group_options
 from dit_train.trainer.preemption import ctrl_c_exits
-from dit_train.telemetry.plain_text import print_error
+from dit_train.plain_text import print_error
 
 
 GIB = 1024**3

@@ -35,7 +35,7 @@ import argparse
 import sys
 
 from dit_train.trainer.preemption import ctrl_c_exits
-from dit_train.telemetry.plain_text import print_error
+from dit_train.plain_text import print_error
 
 PRESETS = ("dit_1b3", "dit_4b", "dit_9b", "dit_15b")
 GIB = 1024**3

@@ -47,7 +47,7 @@ from dit_train.study import stability
 from dit_train.study.report import Run, banner, fmt, provenance, read_run, run_status
 from dit_train.study.run import axes_label, variant_label  # variant_label: the key of study.json's lr_selection
 from dit_train.trainer.preemption import ctrl_c_exits
-from dit_train.telemetry.plain_text import print_error
+from dit_train.plain_text import print_error
 
 VAL_FRACTIONS = (1 / 3, 2 / 3, 1.0)  # of the run: where the validation-loss columns are read
 DEFAULT_MARGIN = 1.0  # percent: the equivalence margin of the TOST column

@@ -28,7 +28,7 @@ from dit_train.runs.json_file import DamagedJSONFile, read_json, read_yaml, refu
 from dit_train.study.record import (RECORD_MAX_BYTES, finished_by_summary, planned_steps, read_study,
                                     summary_step_count)
 from dit_train.trainer.preemption import ctrl_c_exits
-from dit_train.telemetry.plain_text import print_error
+from dit_train.plain_text import print_error
 
 RECORDS = ("config.yaml", "metrics.jsonl", "summary.json", "run_info.json")
 

@@ -56,7 +56,7 @@ from dit_train.study.record import (RECORD_MAX_BYTES, finished_by_summary, is_in
                                     planned_steps, read_study, selection_seeds, summary_step_count)
 from dit_train.telemetry.metrics_lines import metrics_lines
 from dit_train.trainer.preemption import ctrl_c_exits
-from dit_train.telemetry.plain_text import print_error
+from dit_train.plain_text import print_error
 
 PHASES = ("data", "forward", "backward", "optimizer compute", "exposed communication")
 WARMUP_ROWS = 2  # the first logged rows include one-off costs (allocation, first NS5); left out of time means

@@ -55,7 +55,7 @@ from dit_train.runs.provenance import CHECKOUT, git_commit
 from dit_train.study.report import read_run_metrics
 from dit_train.runs.lock import EXIT_RUN_FOLDER_BUSY
 from dit_train.trainer.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, SIGNALS, ctrl_c_exits
-from dit_train.telemetry.plain_text import print_error
+from dit_train.plain_text import print_error
 
 
 class StudyStopped(Exception):

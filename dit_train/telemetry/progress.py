@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import sys
 
-from dit_train.telemetry.plain_text import printable
+from dit_train.plain_text import printable
 
 
 def progress_bar(total: int | None, desc: str, enabled: bool = True, **kwargs):

@@ -1,11 +1,11 @@
-"""Names from files and folders as the commands print and tabulate them (telemetry/plain_text.py): a run's folder,
+"""Names from files and folders as the commands print and tabulate them (dit_train/plain_text.py): a run's folder,
 its saved model.name or optimizer.name may hold an ESC, a \\r or a \\n (a sweep made elsewhere), which drew escape
 codes and fake "[fd]" lines; a label such as =HYPERLINK(...) in fd_results.csv ran as a spreadsheet formula."""
 
 import csv
 import json
 
-from dit_train.telemetry.plain_text import printable, spreadsheet_cell
+from dit_train.plain_text import printable, spreadsheet_cell
 
 EVIL = "adamw\x1b[2J\x1b]0;title\x07\r\n[fd] dit_s FD=0.0001\u202e"
 ESCAPED = "adamw\\x1b[2J\\x1b]0;title\\x07\\r\\n[fd] dit_s FD=0.0001\\u202e"

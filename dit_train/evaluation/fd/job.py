@@ -37,7 +37,7 @@ from dit_train.runs.atomic_io import (atomic_write_bytes, check_folder_can_be_ma
 from dit_train.runs.folder_kind import no_checkpoints
 from dit_train.runs.json_file import read_json
 from dit_train.parallel.fsdp import init_distributed, shutdown_process_group
-from dit_train.telemetry.plain_text import print_error, spreadsheet_cell
+from dit_train.plain_text import print_error, spreadsheet_cell
 from dit_train.telemetry.progress import model_call_bar, write
 from dit_train.devices import check_device
 from dit_train.trainer.preemption import ctrl_c_exits

@@ -26,7 +26,7 @@ from dit_train.evaluation.fd.job_config import add_eval_args, eval_cfg_from_args
 from dit_train.parallel.fsdp import init_distributed, shutdown_process_group
 from dit_train.devices import check_device
 from dit_train.trainer.preemption import ctrl_c_exits
-from dit_train.telemetry.plain_text import print_error
+from dit_train.plain_text import print_error
 
 
 def data_cfg_from_args(args):
