@@ -25,13 +25,14 @@ import shlex
 
 from omegaconf import OmegaConf
 
+from dit_train.runs.absent import ABSENT
+
 log = logging.getLogger("dit_train")
 # where data leaves the run folder: uploads (wandb) and files written and read outside it (the FD reference cache)
 WHERE_DATA_GOES = ("logger.wandb.mode", "logger.wandb.entity", "logger.wandb.project", "eval.cache_dir")
 # the user's word only, never a checkpoint's: where the run is, a grant to run code, where data goes
 ALWAYS_FROM_COMMAND = ("run_dir", "train.resume", "train.init_from", "eval.trust_encoder_code", *WHERE_DATA_GOES)
 SAVED_CHOICES = ("data", "model", "optimizer")  # groups whose option a saved config names (its `name` key)
-ABSENT = object()
 # a preset's file name in its group folder: nothing Hydra reads as a path (`../../x`) or an interpolation
 PRESET_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 

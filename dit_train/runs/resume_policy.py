@@ -27,6 +27,7 @@ from dataclasses import asdict
 from omegaconf import OmegaConf
 
 from dit_train.runs import checkpoint as ckpt
+from dit_train.runs.absent import ABSENT
 from dit_train.config import ConfigError
 from dit_train.config.override_text import shell_override
 from dit_train.config.schemas import may_change_on_resume, recorded_before
@@ -66,13 +67,16 @@ def flatten(tree: dict, prefix: str = "") -> dict:
 def config_changes(saved: dict, now: dict) -> list[tuple[str, object, object]]:
     """(key, saved value, new value) for every key that differs and may not change on resume."""
     a, b = flatten(saved), flatten(now)
-    absent = "(absent)"
     # a key added after the checkpoint was written: it ran under the value its schema records (recorded_before)
     a.update({k: v for k, v in recorded_before().items() if k not in a and k in b})
     may_change = may_change_on_resume()  # read each time: a schema registered later counts
-    return [(k, a.get(k, absent), b.get(k, absent)) for k in sorted(set(a) | set(b))
-            if a.get(k, absent) != b.get(k, absent)
+    return [(k, a.get(k, ABSENT), b.get(k, ABSENT)) for k in sorted(set(a) | set(b))
+            if a.get(k, ABSENT) != b.get(k, ABSENT)
             and not any(fnmatch.fnmatchcase(k, p) for p in may_change)]
+
+
+def shown(value) -> str:
+    return repr(value) if value is ABSENT else json.dumps(value)
 
 
 def describe_changes(changes: list[tuple[str, object, object]]) -> str:
@@ -84,7 +88,7 @@ def describe_changes(changes: list[tuple[str, object, object]]) -> str:
     follow = {g: sum(group_of[k] == g and not k.endswith(".name") for k, _, _ in changes) for g in swapped}
     first, rest = [], []
     for k, old, new in changes:
-        line = f"{k}: {json.dumps(old)} -> {json.dumps(new)}"
+        line = f"{k}: {shown(old)} -> {shown(new)}"
         if k.endswith(".name") and group_of[k] in swapped:
             n = follow[group_of[k]]
             first.append(line + (f" (and {n} other key{'s' * (n != 1)} of {group_of[k]})" if n else ""))

@@ -45,6 +45,7 @@ from omegaconf import OmegaConf
 from dit_train.config import override_text
 from dit_train.config.files import CONF_DIR, group_options
 from dit_train.config.errors import ConfigError
+from dit_train.runs.absent import ABSENT
 from dit_train.runs.atomic_io import atomic_write_bytes
 from dit_train.runs.checkpoint import newest_step
 from dit_train.runs.in_place_files import refuse_hydra_writes_outside
@@ -405,8 +406,6 @@ def design_change(old, new, key: str = "") -> tuple[str, object, object] | None:
         return None
     return None if old == new else (key, old, new)
 
-
-ABSENT = "(absent)"
 
 
 def selection_seeds_of(old: dict) -> set:

@@ -477,6 +477,16 @@ def test_the_job_shape_may_change_on_resume():
     assert config_changes(saved, {"model": {**now["model"], "depth": 48}}) == [("model.depth", 50, 48)]
 
 
+def test_a_key_one_side_lacks_is_printed_absent_not_as_a_quoted_value():
+    """The refusal said `model.qk_norm: "(absent)" -> true`, as if the key had been set to that text; a key that
+    was set to the text "(absent)" is still a value, and a change."""
+    from dit_train.runs.resume_policy import config_changes, describe_changes
+
+    changes = config_changes({"model": {"depth": 2}}, {"model": {"depth": 2, "qk_norm": True}})
+    assert describe_changes(changes) == "model.qk_norm: absent -> true"
+    assert describe_changes(config_changes({"x": "(absent)"}, {})) == 'x: "(absent)" -> absent'
+
+
 def write_run(folder, model, opt, seed, rows, summary=True, K=None, lr=None, scale=None, warmup=None):
     os.makedirs(folder, exist_ok=True)
     o = {"name": opt, **({"K": K} if K else {}), **({"lr": lr} if lr is not None else {}),
