@@ -16,6 +16,7 @@ This module imports neither torch nor the package at its top: --plan and --estim
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import shutil
 import sys
@@ -24,24 +25,34 @@ import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# a stage's process started about now (this module is its entry point and imports nothing heavy): main() counts
+# its deadline, phase times and stack dump from here, as `timeout` counts
+STARTED = time.monotonic()
 
 # (name, GPU timeout s, CPU smoke timeout s, what it checks), in the order they run: what decides the most first
 # (env with room for a first CUDA initialisation, slow on a GPU without persistence mode), compile + activation
 # checkpointing before the checkpoint. GPU: their sum, with a kill grace each and SETUP_S, is at most 9 minutes by
-# construction (tests/integration/test_gpu_check.py). CPU smoke: only a hang's limit (a loaded 2-core host runs the
-# stages 5x slower than an idle one; the compile stage is a cold inductor compile).
+# construction (tests/integration/test_gpu_check.py). The GPU timeouts after the first H200 run (2026-12-04,
+# docs/gpu_check.md): the four stages that finished (env 12 s, ns5 12 s, compile + AC 46 s, checkpoint 48 s) keep
+# ~1.3-2x their time; the rest went to the six that were killed, each of which takes its first RowNorm step in a
+# new process, where the RowNorm passes compile cold (optim/fused_rownorm.py; the finished compiled stage's first
+# RowNorm step took 13.9 s against 0.2-0.3 s for the next ones). An ac stage follows its plain twin, whose
+# finished compile it finds in inductor's on-disk cache (the same shard shapes). CPU smoke: only a hang's limit (a
+# loaded 2-core host runs the stages 5x slower than an idle one; the compile stage is a cold inductor compile).
 STAGES = (
-    ("env", 30, 240, "versions, SDPA backend at head dim 128, bf16 GEMM rate"),
+    ("env", 25, 240, "versions, SDPA backend at head dim 128, bf16 GEMM rate"),
     ("ns5", 20, 240, "NS5 at dit_15b's matrix shapes, batch 1 and 8, Gram vs plain"),
-    ("optimizers", 25, 300, "every optimizer's refresh and RowNorm steps at dit_15b's shapes, 1 and 8 ranks"),
-    ("dit15b_w32", 40, 300, "dit_15b as rank 0 of 32, periodic_rowwise K=3, no activation checkpointing"),
-    ("dit15b_w32_ac", 35, 300, "the same with activation checkpointing"),
-    ("dit15b_w8", 35, 300, "dit_15b as rank 0 of 8, no activation checkpointing"),
-    ("dit15b_w8_ac", 70, 300, "the same with activation checkpointing"),
-    ("dit1b3_eager", 55, 300, "dit_1b3 through the trainer, eager"),
-    ("dit1b3_compile_ac", 125, 900, "dit_1b3 through the trainer, compiled, activation checkpointing"),
-    ("checkpoint", 75, 400, "asynchronous DCP save + resume through the trainer (dit_1b3, 8 blocks)"),
+    ("optimizers", 50, 300, "every optimizer's refresh and RowNorm steps at dit_15b's shapes, 1 and 8 ranks"),
+    ("dit15b_w32", 55, 300, "dit_15b as rank 0 of 32, periodic_rowwise K=3, no activation checkpointing"),
+    ("dit15b_w32_ac", 40, 300, "the same with activation checkpointing"),
+    ("dit15b_w8", 55, 300, "dit_15b as rank 0 of 8, no activation checkpointing"),
+    ("dit15b_w8_ac", 65, 300, "the same with activation checkpointing"),
+    ("dit1b3_eager", 70, 300, "dit_1b3 through the trainer, eager"),
+    ("dit1b3_compile_ac", 70, 900, "dit_1b3 through the trainer, compiled, activation checkpointing"),
+    ("checkpoint", 60, 400, "asynchronous DCP save + resume through the trainer (dit_1b3, 8 blocks)"),
 )
+PHASE_MARK = "[gpu_check +"  # a stage's phase lines (Context.phase), read back by gpu_check_table.where_killed
+STACK_BEFORE_KILL_S = 1.0  # the stacks are written this long before the timeout (a stage that ends later)
 SETUP_S = 10  # gpu_check.sh before and after the stages: device query (5 s at most), plan, one line per stage, table
 KILL_GRACE_S = 2  # a stage that outlives its timeout by this much is killed (SIGKILL after the SIGTERM)
 GPU_BUDGET_S = 540  # 9 minutes
@@ -91,9 +102,10 @@ def plan(smoke: bool, only: list[str] | None) -> list[tuple[str, float]]:
 class Context:
     """What a stage knows: its device, deadline, the results of the stages before it, and where to write."""
 
-    def __init__(self, name: str, results_dir: str, timeout_s: float, smoke: bool, work_dir: str | None = None):
+    def __init__(self, name: str, results_dir: str, timeout_s: float, smoke: bool, work_dir: str | None = None,
+                 started: float | None = None):
         self.name, self.results_dir, self.smoke = name, results_dir, smoke
-        self.started = time.monotonic()
+        self.started = time.monotonic() if started is None else started
         # the stage ends its own work before this; the rest of the timeout is for writing its line
         self.deadline = self.started + timeout_s - min(10.0, 0.15 * timeout_s)
         self.notes: list[str] = []
@@ -105,6 +117,12 @@ class Context:
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
+    def phase(self, text: str) -> None:
+        """A line in the stage's log as each part starts: a stage killed by its timeout is said to have been in
+        the last one (gpu_check_table.where_killed). The first GPU run's stages printed nothing but warnings before
+        their kill, and the table could not say where their time went."""
+        print(f"{PHASE_MARK}{time.monotonic() - self.started:.1f} s] {text}", flush=True)
+
     def previous(self, stage: str) -> dict | None:
         """The last line another stage wrote, or None."""
         from benchmarks.gpu_check_table import read_results
@@ -112,8 +130,15 @@ class Context:
         return read_results(self.results_dir).get(stage)
 
 
-def run_stage(name: str, results_dir: str, timeout_s: float, smoke: bool, work_dir: str | None = None) -> int:
-    ctx = Context(name, results_dir, timeout_s, smoke, work_dir)
+def run_stage(name: str, results_dir: str, timeout_s: float, smoke: bool, work_dir: str | None = None,
+              started: float | None = None) -> int:
+    # a watchdog thread writes every thread's Python stack into the log just before `timeout` stops the stage (no
+    # signal handler: the trainer's own SIGTERM handler would replace one): the table then names the code the
+    # stage was in when its time ran out (a compile, a collective, a copy)
+    ctx = Context(name, results_dir, timeout_s, smoke, work_dir, started)
+    faulthandler.dump_traceback_later(max(ctx.started + timeout_s - STACK_BEFORE_KILL_S - time.monotonic(), 0.1),
+                                      exit=False)
+    ctx.phase("started (imports next)")
     row = {"stage": name, "ok": False, "checks": [], "values": {}}
     from benchmarks.gpu_check_table import append_row, passed
 
@@ -129,6 +154,7 @@ def run_stage(name: str, results_dir: str, timeout_s: float, smoke: bool, work_d
         row["error"] = f"{type(e).__name__}: {text[0][:300] if text else ''}".rstrip(": ")
     finally:
         shutil.rmtree(ctx.work_dir, ignore_errors=True)
+    faulthandler.cancel_dump_traceback_later()
     row["seconds"] = round(time.monotonic() - ctx.started, 1)
     if ctx.notes:
         row["notes"] = ctx.notes
@@ -169,7 +195,7 @@ def main(argv=None) -> int:
     if not args.results or not os.path.isdir(args.results):
         ap.error(f"--results {args.results!r} is not a folder")
     timeout = args.timeout or dict(plan(args.cpu_smoke, None))[args.stage]
-    return run_stage(args.stage, args.results, timeout, args.cpu_smoke, args.work_dir)
+    return run_stage(args.stage, args.results, timeout, args.cpu_smoke, args.work_dir, started=STARTED)
 
 
 if __name__ == "__main__":

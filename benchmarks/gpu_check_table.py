@@ -115,6 +115,63 @@ def log_tail(path: str, n: int = 3) -> str:
     return " / ".join(lines[-n:])[-400:]
 
 
+def short_path(path: str) -> str:
+    """A frame's file as the table shows it: inside this checkout relative to it, an installed package's from its
+    package folder (torch/_inductor/..., not /opt/.../site-packages/torch/...)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if path.startswith(root + os.sep):
+        return os.path.relpath(path, root)
+    marker = f"{os.sep}site-packages{os.sep}"
+    return path.split(marker, 1)[1] if marker in path else path
+
+
+def stage_stack(lines: list[str]) -> list[tuple[str, str, str]]:
+    """The last Python stack faulthandler wrote into a stage's log (gpu_check.run_stage's watchdog, just before the
+    timeout): the frames (file, line, function), innermost first, of the thread that ran the stage (the one whose
+    frames pass through gpu_check.py); [] where the log holds none."""
+    starts = [i for i, line in enumerate(lines) if line.startswith("Timeout (")]
+    if not starts:
+        return []
+    threads, frames = [], None
+    for line in lines[starts[-1] + 1:]:
+        if line.startswith(("Thread 0x", "Current thread 0x")):
+            frames = []
+            threads.append(frames)
+        elif frames is not None and line.startswith('  File "'):
+            path, _, rest = line[len('  File "'):].partition('", line ')
+            number, _, function = rest.partition(" in ")
+            frames.append((path, number.strip(), function.strip()))
+        elif frames is not None and line.strip():
+            frames = None  # the dump ended
+    ours = [t for t in threads if any(os.path.basename(f[0]) == "gpu_check.py" for f in t)]
+    return ours[0] if ours else (threads[0] if threads else [])
+
+
+def where_killed(path: str) -> str:
+    """Where a stage killed by its timeout was: its last phase line (gpu_check.Context.phase) and, from the stack
+    dumped just before the kill, the innermost frame of this repository's code outside the check and the innermost
+    frame of all (torch's compiler, a collective, a copy)."""
+    from benchmarks.gpu_check import PHASE_MARK
+
+    if not os.path.exists(path):
+        return ""
+    with open(path, errors="replace") as f:
+        lines = [line.rstrip("\n") for line in f]
+    phases = [line for line in lines if line.startswith(PHASE_MARK)]
+    parts = []
+    if phases:
+        parts.append(f"in its phase {phases[-1][len('[gpu_check '):]}")
+    frames = stage_stack(lines)
+    shown = lambda f: f"{short_path(f[0])}:{f[1]} ({f[2]})"  # noqa: E731
+    ours = [f for f in frames if short_path(f[0]).startswith(("dit_train" + os.sep, "benchmarks" + os.sep))
+            and not short_path(f[0]).startswith(os.path.join("benchmarks", "gpu_check"))]
+    if ours:
+        parts.append(f"at {shown(ours[0])}")
+    if frames and (not ours or frames[0] != ours[0]):
+        parts.append(f"innermost {shown(frames[0])}")
+    return "; ".join(parts)
+
+
 def ensure(results_dir: str, stage: str, rc: int, timeout_s: float, log: str | None) -> dict:
     """The stage's line; written here when the stage wrote none (killed by `timeout`: status 124 or 137; or died)."""
     row = read_results(results_dir).get(stage)
@@ -123,9 +180,10 @@ def ensure(results_dir: str, stage: str, rc: int, timeout_s: float, log: str | N
             why = f"killed by its {timeout_s:g} s timeout (a hang, or fixed costs over the budget)"
         else:
             why = f"exited with status {rc} without writing its result"
-        tail = log_tail(log) if log else ""
+        where = where_killed(log) if log and rc in (124, 137) else ""
+        tail = "" if where else (log_tail(log) if log else "")
         row = {"stage": stage, "ok": False, "checks": [], "values": {}, "seconds": timeout_s if rc in (124, 137)
-               else None, "error": why + (f"; its log ends: {tail}" if tail else "")}
+               else None, "error": why + (f"; {where}" if where else f"; its log ends: {tail}" if tail else "")}
         append_row(results_dir, row)
     return row
 

@@ -84,6 +84,46 @@ def test_a_killed_stage_is_a_fail_line_and_the_next_stage_still_runs(tmp_path):
     assert "0 of 2 stages passed" in proc.stdout and "env: FAIL" in proc.stdout
 
 
+STUCK_STAGE = """
+import sys, time
+from benchmarks import gpu_check, gpu_check_stages
+
+
+def stage(ctx):
+    from dit_train.optim import fused_rownorm  # the imports are the stage's, inside its timeout, as in the check's
+
+    ctx.phase("step 2 (the first RowNorm step: compiles its kernels)")
+    fused_rownorm._kernel = lambda *a: (lambda *b: time.sleep(60))  # as a compile that outlives the timeout
+    g = fused_rownorm.torch.ones(2, 2)
+    fused_rownorm.momentum_pass([g], [g], g[None], 0.9, True, False, False)
+
+
+gpu_check_stages.STAGE_FUNCTIONS["ns5"] = stage
+gpu_check.run_stage("ns5", sys.argv[1], float(sys.argv[2]), smoke=True, started=gpu_check.STARTED)
+"""
+
+
+def test_a_stage_killed_by_its_timeout_is_said_to_be_where_it_was(tmp_path):
+    """The first GPU run's stages printed only warnings before `timeout` killed them, so the table could not say
+    where their time went. Now a stage's phase lines and the Python stack written just before the kill name it:
+    the last phase, the innermost frame of our code, and the innermost frame of all."""
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK_STAGE)
+    log = tmp_path / "ns5.log"
+    timeout_s = 12
+    with open(log, "w") as out:
+        rc = subprocess.run(["timeout", "-k", "2", str(timeout_s), "python", str(script), str(tmp_path),
+                             str(timeout_s)], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": ROOT}, timeout=120).returncode
+    assert rc == 124, log.read_text()
+    row = gpu_check_table.ensure(str(tmp_path), "ns5", rc, timeout_s, str(log))
+    error = row["error"]
+    assert error.startswith(f"killed by its {timeout_s} s timeout (a hang, or fixed costs over the budget); in its "
+                            "phase +"), error
+    assert "s] step 2 (the first RowNorm step: compiles its kernels); at dit_train/optim/fused_rownorm.py:" in error
+    assert "(momentum_pass); innermost " in error and "stuck.py:" in error and "(<lambda>)" in error
+
+
 def test_a_raising_stage_writes_its_fail_line(tmp_path, monkeypatch):
     from benchmarks import gpu_check_stages
 
