@@ -28,6 +28,7 @@ contract multiply-adds and sum the squares in another order (tests/unit/test_fus
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import types
@@ -36,6 +37,7 @@ import torch
 from torch import Tensor
 
 COLUMN_SUM_BLOCK = 16
+log = logging.getLogger("dit_train")
 
 
 def resolve_compile_rownorm(setting, matrices: list) -> bool:
@@ -127,6 +129,9 @@ def _kernel(fn, *variant):
     split a pass into separate kernels and is an error instead."""
     key = (fn, *variant)
     if key not in _compiled:
+        if not _compiled:  # the first RowNorm step then takes tens of seconds on a GPU (the GPU check's first run)
+            log.info("compiling the RowNorm passes (optimizer.compile_rownorm): the first RowNorm step takes longer, "
+                     "once per process; inductor's on-disk cache serves the next run on this machine")
         copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
         _compiled[key] = torch.compile(copy, dynamic=False, fullgraph=True)
     return _compiled[key]

@@ -147,3 +147,20 @@ def test_compile_rownorm_auto_compiles_on_cuda_only():
         assert f"RowNorm passes {path} (compile_rownorm {setting})" in opt.routing_table
     with pytest.raises(ConfigError, match="compile_rownorm"):
         validate(compose(["optimizer=rownorm", "optimizer.compile_rownorm=yes", "run_dir=/tmp/unused"]))
+
+
+def test_the_first_compile_of_a_process_is_said_once(monkeypatch, caplog):
+    """On the GPU check's first H200 run a first RowNorm step took 13.9 s against 0.2 s after it, silently: a
+    user would think the step hung. The first compile of the process is said, once, whatever the buckets."""
+    import logging
+
+    from dit_train.optim import fused_rownorm
+
+    monkeypatch.setattr(fused_rownorm, "_compiled", {})
+    monkeypatch.setattr(fused_rownorm.torch, "compile", lambda fn, **kwargs: fn)  # the message, not the compiler
+    caplog.set_level(logging.INFO, logger="dit_train")
+    for shape in ((4, 3), (4, 3), (5, 2)):
+        g = torch.ones(*shape)
+        fused_rownorm.momentum_pass([g], [g.clone()], g[None].clone(), 0.9, True, False, False)
+    said = [r.getMessage() for r in caplog.records if "compiling the RowNorm passes" in r.getMessage()]
+    assert len(fused_rownorm._compiled) == 2 and len(said) == 1, said
