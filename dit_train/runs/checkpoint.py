@@ -538,6 +538,16 @@ def load_weights(path: str, model, ema_model) -> None:
     set_model_state_dict(ema_model, state["ema"])
 
 
+def ema_updates_of(path: str) -> int:
+    """How many updates the EMA weights of a checkpoint average (a fork carries them on)."""
+    value = read_train_state(path, ("step", "ema_num_updates"))["ema_num_updates"]
+    if type(value) is not int or value < 0:
+        raise CheckpointError(f"{os.path.join(path, TRAIN_STATE)}: ema_num_updates={value!r} is not a count of EMA "
+                              f"updates (an integer >= 0); this checkpoint cannot be used: remove it, or use an "
+                              f"earlier one of the run")
+    return value
+
+
 def stored_shapes(path: str, prefix: str) -> dict[str, tuple[int, ...]]:
     """Name (without the prefix) -> full shape of one part's tensors, from the checkpoint's metadata alone."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata

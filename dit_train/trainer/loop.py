@@ -133,7 +133,11 @@ class Trainer:
             if self.tc.init_from:
                 source = ckpt.resolve_checkpoint(self.tc.init_from)
                 ckpt.load_weights(source, self.model, self.ema.model)
-                log.info("forked from %s: its model and EMA weights, a fresh optimizer, step 0", source)
+                # the parent's EMA averages its num_updates steps: its decay ramp goes on from there (restarted at
+                # 0, the ramp's (1 + n) / (10 + n) left 0.5% of the parent's average after 4 steps)
+                self.ema.num_updates = ckpt.ema_updates_of(source)
+                log.info("forked from %s: its model and EMA weights (the EMA after %d updates), a fresh optimizer, "
+                         "step 0", source, self.ema.num_updates)
             return
         for path in candidates:
             try:

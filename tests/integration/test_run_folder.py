@@ -145,6 +145,11 @@ def test_fork_starts_from_the_weights_with_a_fresh_optimizer(trained, tmp_path):
     source = ckpt.read_tensors(ckpt.resolve_checkpoint(str(tmp_path / "source")), "model")
     assert fork.state.step == 0 and not fork.optimizer.state
     assert all(torch.equal(v, source[k]) for k, v in fork.model.state_dict().items())
+    # the parent's EMA and its count: the decay ramp goes on, it does not restart and wash the average out
+    parent = ckpt.read_train_state(ckpt.resolve_checkpoint(str(tmp_path / "source")), ("ema_num_updates",))
+    assert fork.ema.num_updates == parent["ema_num_updates"] > 0
+    ema = ckpt.read_tensors(ckpt.resolve_checkpoint(str(tmp_path / "source")), "ema")
+    assert all(torch.equal(v, ema[k]) for k, v in fork.ema.model.state_dict().items())
 
 
 # ---- one timeline -----------------------------------------------------------------------------------------------
