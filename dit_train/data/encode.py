@@ -36,6 +36,7 @@ from dit_train.runs.atomic_io import atomic_save_tensors, atomic_write_bytes, de
 from dit_train.config.errors import ConfigError
 from dit_train.config.latents import LATENTS_INFO, not_a_vae, read_latents_info, vae_files, vae_scaling
 from dit_train.data.datasets import build_dataset
+from dit_train.data.latents import shard_name
 from dit_train.evaluation.fd.job_config import load_data_cfg
 from dit_train.parallel.fsdp import barrier, init_distributed, shutdown_process_group
 from dit_train.trainer.preemption import exit_interrupted
@@ -170,7 +171,7 @@ def images_of_rank(n: int, shard_size: int, rank: int, world: int) -> int:
 
 
 def shard_path(out: str, split: str, shard: int) -> str:
-    return os.path.join(out, split, f"shard_{shard:05d}.safetensors")
+    return os.path.join(out, split, shard_name(shard))
 
 
 def shards_to_write(out: str, datasets: dict, shard_size: int, rank: int = 0, world: int = 1) -> int:

@@ -15,8 +15,15 @@ import os
 from safetensors import SafetensorError, safe_open
 from torch.utils.data import Dataset
 
+from dit_train.config.latents import LATENTS_INFO, read_latents_info
+
 
 LABEL_DTYPES = ("I64", "I32", "I16", "I8", "U8")
+
+
+def shard_name(shard: int) -> str:
+    """A split's shard number `shard`, as dit-encode-latents names it."""
+    return f"shard_{shard:05d}.safetensors"
 
 
 def open_shard(path: str):
@@ -44,6 +51,33 @@ def check_labels(path: str, f, count: int, num_classes: int) -> None:
                          f"labels 0..{num_classes - 1} (label {num_classes} is the guidance null class)")
 
 
+def recorded_split(root: str, split: str) -> dict | None:
+    """The split's entry of root's latents_info.json (its shard and latent counts), or None where the folder has no
+    record (shards made by other means: every *.safetensors is read, as before)."""
+    info = read_latents_info(root)
+    entries = [s for s in info.get("splits") or () if isinstance(s, dict) and s.get("split") == split]
+    if not entries or not all(isinstance(entries[0].get(k), int) for k in ("shards", "latents")):
+        return None
+    return entries[0]
+
+
+def check_recorded_files(folder: str, files: list[str], recorded: dict) -> None:
+    """The shards a split holds are exactly those its encoding recorded (shard_00000 .. shard_<shards - 1>): a
+    stray file beside them (a copy, another encoding's shard) was read as more data, 356 latents for 256."""
+    names = [shard_name(k) for k in range(recorded["shards"])]
+    found = {os.path.basename(p) for p in files}
+    extra = sorted(found - set(names))
+    if extra:
+        raise ValueError(f"{os.path.join(folder, extra[0])} is not one of the {len(names)} shard(s) that "
+                         f"{LATENTS_INFO} records for {os.path.basename(folder)} ({names[0]} .. {names[-1]}): move it "
+                         f"out of {folder}")
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise ValueError(f"{os.path.join(folder, missing[0])} is missing ({len(missing)} of the {len(names)} "
+                         f"recorded shards): rerun the dit-encode-latents command that made {os.path.dirname(folder)}, "
+                         f"which writes the missing shards")
+
+
 class LatentShards(Dataset):
     def __init__(self, cfg, split: str):
         root = cfg.get("root")
@@ -62,6 +96,9 @@ class LatentShards(Dataset):
                 f"data.root={root!r}: no latent shards in {folder}/*.safetensors; write them with "
                 f"dit-encode-latents (which creates root/train and root/val)"
             )
+        recorded = recorded_split(root, split)
+        if recorded is not None:
+            check_recorded_files(folder, files, recorded)
         expected = (int(cfg.channels), int(cfg.image_size), int(cfg.image_size))
         self.files, self.offsets, total = [], [], 0
         self.text = None
@@ -92,6 +129,10 @@ class LatentShards(Dataset):
             self.files.append(path)
             self.offsets.append(total)
             total += shape[0]
+        if recorded is not None and total != recorded["latents"]:
+            raise ValueError(f"{folder} holds {total} latents; {os.path.join(root, LATENTS_INFO)} records "
+                             f"{recorded['latents']}: a shard was replaced or altered since it was encoded; rerun "
+                             f"dit-encode-latents into a new folder")
         self.total = total
         self.num_classes = cfg.num_classes
         self.dataset_id = f"latents:{os.path.abspath(folder)}:{total}"

@@ -8,6 +8,8 @@ import os
 import pytest
 import torch
 
+from omegaconf import OmegaConf
+
 from conftest import compose, needs_fashion, run_cli_in_process, run_entry_in_process
 from dit_train.data import encode
 from test_fsdp_train import assert_close, losses, metrics, spawn
@@ -191,3 +193,31 @@ def test_the_sample_command_reproduces_a_latent_runs_last_grid(latents, tmp_path
     ours = np.asarray(Image.open(tmp_path / "grid.png"))
     runs_grid = np.asarray(Image.open(tmp_path / "run" / "samples" / "step_00000002.png"))
     assert ours.shape == runs_grid.shape and np.array_equal(ours, runs_grid)
+
+
+def test_training_reads_exactly_the_shards_the_encoding_recorded(latents, tmp_path):
+    """A stray shard beside the recorded ones (a copy, another encoding's) was read as more data (356 latents for
+    256); a recorded shard that is missing, or one replaced by another with fewer latents, is refused too."""
+    import json
+    import shutil
+
+    from dit_train.data.datasets import build_dataset
+
+    lat = tmp_path / "lat"
+    shutil.copytree(latents / "lat", lat)
+    info = json.loads((lat / "latents_info.json").read_text())
+    train = next(s for s in info["splits"] if s["split"] == "train")
+    cfg = OmegaConf.create({"name": "latents", "root": str(lat), "image_size": 8, "channels": 4, "num_classes": 10})
+    assert len(build_dataset(cfg, "train")) == train["latents"] == 96 and train["shards"] == 2
+    shutil.copy(lat / "train" / "shard_00000.safetensors", lat / "train" / "shard_00000 copy.safetensors")
+    with pytest.raises(ValueError, match=r"shard_00000 copy.safetensors is not one of the 2 shard\(s\) that "
+                                         r"latents_info.json records for train \(shard_00000.safetensors .. "
+                                         r"shard_00001.safetensors\): move it out of "):
+        build_dataset(cfg, "train")
+    (lat / "train" / "shard_00000 copy.safetensors").rename(lat / "train" / "shard_00001.safetensors")
+    with pytest.raises(ValueError, match=r"holds 128 latents; .*latents_info.json records 96: a shard was replaced"):
+        build_dataset(cfg, "train")
+    (lat / "train" / "shard_00001.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"shard_00001.safetensors is missing \(1 of the 2 recorded shards\): rerun "
+                                         r"the dit-encode-latents command"):
+        build_dataset(cfg, "train")
