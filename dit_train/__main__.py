@@ -22,6 +22,19 @@ INTERRUPTED = "interrupted before training started; nothing to checkpoint"
 
 
 # an absolute path: imported by the console script, a relative one would be looked up as the module dit_train.conf
+BUSY_JOBS: list[str] = []  # the jobs of a local --multirun skipped because their run folder was in use
+
+
+def in_local_sweep() -> bool:
+    """A --multirun whose jobs run one after another in this process (Hydra's basic launcher): one job's refusal
+    need not end the others. (A Slurm job is a process of its own: its exit status is its job's.)"""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    return hc.mode == RunMode.MULTIRUN and str(hc.launcher.get("_target_", "")).endswith("BasicLauncher")
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg) -> None:
     from dit_train.parallel.fsdp import CollectiveTimeout
@@ -48,6 +61,12 @@ def main(cfg) -> None:
         from hydra.core.hydra_config import HydraConfig
 
         remove_stray_hydra_dir(HydraConfig.get().runtime.output_dir)
+        if isinstance(e, RunFolderBusy) and in_local_sweep():
+            # one job's folder in use (a second process on the same sweep): the others still run; the sweep ends
+            # with the busy status (start), so the same command, rerun later, finishes it
+            print_error(f"{e}; this job is skipped, the sweep goes on")
+            BUSY_JOBS.append(str(e))
+            return
         print_error(str(e))
         sys.exit(EXIT_RUN_FOLDER_BUSY if isinstance(e, RunFolderBusy) else 2)  # busy: the same command works later
     except (TrainingStopped, CollectiveTimeout) as e:
@@ -141,6 +160,7 @@ def cli() -> None:
 def start() -> None:
     # every rank composes the config and resumes, but only the first says so: the others log warnings and errors
     logging.getLogger("dit_train").setLevel(logging.INFO if launch_rank() == 0 else logging.WARNING)
+    BUSY_JOBS.clear()  # this command's sweep only (a caller may run several in one process)
     # before Hydra makes the run folder: a bad config leaves nothing behind
     configs = check_command_line(sys.argv[1:])
     kind = dry_run_kind(sys.argv[1:], configs)
@@ -163,6 +183,10 @@ def start() -> None:
             # run's record of its command (run_folder.py writes them after its checks)
             sys.argv.append(defer_hydra_files())
     main()
+    if BUSY_JOBS:
+        print_error(f"{len(BUSY_JOBS)} job(s) of this sweep skipped: their run folders were in use by another "
+                    f"process; rerun the same command when it has finished (finished runs are not rerun)")
+        sys.exit(EXIT_RUN_FOLDER_BUSY)
 
 
 if __name__ == "__main__":

@@ -827,3 +827,23 @@ def test_a_checkpoint_named_with_lookalike_digits_is_never_listed(tmp_path):
     assert ckpt.resolve_checkpoint(str(tmp_path)) == str(folder / "step_00000020.dcp")
     ckpt.prune_checkpoints(str(tmp_path), keep_last=1)
     assert (folder / "step_00000020.dcp").exists() and not (folder / "step_00000010.dcp").exists()
+
+
+def test_a_busy_run_folder_in_a_sweep_skips_that_job_and_the_others_run(tmp_path):
+    """dit-study runs a group's seeds as one --multirun: a seed whose folder another process held (a second
+    process on the same sweep) ended the sweep there, and the group's later seeds waited for the next invocation.
+    Now that job alone is skipped, the others run, and the sweep ends with the busy status (73): rerun later."""
+    sweep = tmp_path / "sweep"
+    (sweep / "0").mkdir(parents=True)  # the first job's folder (hydra.sweep.subdir: the job's number)
+    holder = RunLock(str(sweep / "0")).acquire()
+    try:
+        r = cli(tmp_path, "seed=1,2", f"hydra.sweep.dir={sweep}", flags=("--multirun",))
+    finally:
+        holder.release()
+    assert r.returncode == EXIT_RUN_FOLDER_BUSY, r.stderr[-3000:]
+    assert (sweep / "1" / "summary.json").is_file() and not (sweep / "0" / "summary.json").exists()
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert errors[0].startswith(f"error: run folder {sweep / '0'} is in use by ") and errors[0].endswith(
+        "; this job is skipped, the sweep goes on"), errors
+    assert errors[-1] == ("error: 1 job(s) of this sweep skipped: their run folders were in use by another process; "
+                          "rerun the same command when it has finished (finished runs are not rerun)")
