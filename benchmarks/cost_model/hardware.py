@@ -37,7 +37,8 @@ class Hardware:
         if self.ops is not None:
             return self.ops
         hbm = self.memory_bytes_s * self.memory_efficiency
-        return OpRates(hbm, hbm, hbm, hbm, self.op_s, hbm, hbm, ((1, self.matmul_flops * self.ns5_of_peak),))
+        gemm = self.ns5_rates or ((1, self.matmul_flops * self.ns5_of_peak),)  # measured by short side, else assumed
+        return OpRates(hbm, hbm, hbm, hbm, self.op_s, hbm, hbm, gemm)
 
     def ns5_rate(self, r: int) -> float:
         """flop/s of NS5 on matrices of short side r: the measured rate of the nearest measured r at or below it
@@ -65,8 +66,22 @@ class Hardware:
 # batched NS5 call.
 _GPU = dict(mfu=0.40, ns5_of_peak=0.5, memory_efficiency=0.8, intra_bytes_s=450e9, inter_bytes_s=50e9,
             link_efficiency=0.8, devices_per_node=8, latency_s=30e-6, launch_s=30e-6, rownorm_kernels="compiled")
+# H200: calibrated on the one GPU check run of 2026-12-04 (docs/gpu_check.jsonl, torch 2.11, one H200, no network;
+# tests/unit/test_cost_model_h200_calibration.py pins these to that file). Measured there:
+# - ns5_rates: flop/s of the executed GEMMs (the automatic form's flops, ns5_executed_flops) by short side.
+#   4096: the ns5 stage's dit_15b shapes, batch 8, auto form, 623-668 TFLOP/s (median 640);
+#   256: the ns5 stage's 4096x256, batch 8: 0.96 ms for 21 GFLOP, launch-bound (22 TFLOP/s);
+#   1536: NOT measured standalone; fitted so that dit_1b3's counted refresh-minus-RowNorm step difference equals the
+#   one measured (317.3 - 196.2 = 121.1 ms, one step of each, compiled + AC): it holds whatever else that refresh
+#   step cost, so it is the weakest of the three.
+# - mfu: dit_1b3's RowNorm step (196.2 ms, one step) minus the counted RowNorm optimizer step, as model FLOPs
+#   (forward + backward, no recompute) over the peak: it holds for compiled + activation checkpointing (its
+#   recomputed forward is inside it, not counted), 32 images, one GPU, and nothing else.
+# Still assumptions (nothing measured them): memory_efficiency, links, latency_s, launch_s, op_s; the multi-GPU and
+# dit_15b stages did not run. H100 keeps the assumptions: no H100 was measured, and its HBM differs.
+_H200_MEASURED = dict(mfu=0.243, ns5_rates=((256, 22e12), (1536, 254e12), (4096, 640e12)))
 PROFILES = {"h100": Hardware("H100 SXM", 989.4e12, memory_bytes_s=3.35e12, **_GPU),
-            "h200": Hardware("H200 SXM", 989.4e12, memory_bytes_s=4.8e12, **_GPU)}
+            "h200": Hardware("H200 SXM", 989.4e12, memory_bytes_s=4.8e12, **{**_GPU, **_H200_MEASURED})}
 
 
 def gpu_profile(device_name: str) -> Hardware | None:
