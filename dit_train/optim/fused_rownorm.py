@@ -18,8 +18,11 @@ pass because inductor's C++ backend splits a pass that both reduces and writes M
 store loop, reading G and M twice (36 B in all). One pass over memory for wide matrices (a row's sums, then its
 update, while it is in cache: 20 B) needs both in one graph, which inductor 2.13's C++ backend fails to compile
 (KeyError in its outer-loop local-buffer fusion on a graph that writes two inputs: pytorch/pytorch#196570).
-Both are torch.compile'd functions (Triton on CUDA, C++ from inductor on CPU), one call per bucket, compiled
-once per bucket with static shapes (_kernel); lr is a 0-d tensor, so an lr schedule never recompiles them. A
+Both are torch.compile'd functions (Triton on CUDA, C++ from inductor on CPU), compiled with static shapes
+(_kernel) and unrolled over their list of matrices, so a bucket runs as calls of at most MAX_MATRICES_PER_CALL
+matrices (and one remainder call): its cold compile grew with its size (dit_15b's buckets hold 50 matrices, one a
+block), and a chunk's compiled code serves every chunk of its size and shape (docs/bench_optimizer.md, "Compile
+cost"); lr is a 0-d tensor, so an lr schedule never recompiles them. A
 tall matrix's column sums reduce blocks of COLUMN_SUM_BLOCK rows first, as inductor's plain reduction over dim -2
 walks the columns with a stride on CPU (one thread, 8 x 3072 x 512: 1.4x a fused AdamW step on the same tensors
 against 0.5x blocked). The results agree with the eager path to float rounding, not bit for bit: the kernels
