@@ -45,5 +45,8 @@ def main(depth: int, chunk: int) -> dict:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or not all(a.isdigit() for a in sys.argv[1:]):
-        sys.exit("usage: python -m benchmarks.rownorm_compile_cost DEPTH CHUNK (two integers; CHUNK 0: unchunked)")
+        from dit_train.plain_text import print_error
+
+        print_error(f"arguments {sys.argv[1:]} are not valid; give DEPTH CHUNK, two integers (CHUNK 0: unchunked)")
+        sys.exit(2)
     print(json.dumps(main(int(sys.argv[1]), int(sys.argv[2]))), flush=True)
