@@ -36,8 +36,11 @@ STARTED = time.monotonic()
 # docs/gpu_check.md): the four stages that finished (env 12 s, ns5 12 s, compile + AC 46 s, checkpoint 48 s) keep
 # ~1.3-2x their time; the rest went to the six that were killed, each of which takes its first RowNorm step in a
 # new process, where the RowNorm passes compile cold (optim/fused_rownorm.py; the finished compiled stage's first
-# RowNorm step took 13.9 s against 0.2-0.3 s for the next ones). An ac stage follows its plain twin, whose
-# finished compile it finds in inductor's on-disk cache (the same shard shapes). CPU smoke: only a hang's limit (a
+# RowNorm step took 13.9 s against 0.2-0.3 s for the next ones). The passes now compile for chunks of at most 8
+# matrices (fused_rownorm.MAX_MATRICES_PER_CALL: dit_15b's 50-matrix buckets compiled whole before), so a cold stage
+# compiles two small variants per bucket shape. An ac stage follows its plain twin, whose finished compile it finds
+# in inductor's on-disk cache (the same shard shapes); checkpoint's 8 blocks reuse dit1b3_eager's 8-matrix chunks
+# (docs/gpu_check.md says which stages compile cold). CPU smoke: only a hang's limit (a
 # loaded 2-core host runs the stages 5x slower than an idle one; the compile stage is a cold inductor compile).
 STAGES = (
     ("env", 25, 240, "versions, SDPA backend at head dim 128, bf16 GEMM rate"),

@@ -18,8 +18,11 @@ pass because inductor's C++ backend splits a pass that both reduces and writes M
 store loop, reading G and M twice (36 B in all). One pass over memory for wide matrices (a row's sums, then its
 update, while it is in cache: 20 B) needs both in one graph, which inductor 2.13's C++ backend fails to compile
 (KeyError in its outer-loop local-buffer fusion on a graph that writes two inputs: pytorch/pytorch#196570).
-Both are torch.compile'd functions (Triton on CUDA, C++ from inductor on CPU), one call per bucket, compiled
-once per bucket with static shapes (_kernel); lr is a 0-d tensor, so an lr schedule never recompiles them. A
+Both are torch.compile'd functions (Triton on CUDA, C++ from inductor on CPU), compiled with static shapes
+(_kernel) and unrolled over their list of matrices, so a bucket runs as calls of at most MAX_MATRICES_PER_CALL
+matrices (and one remainder call): its cold compile grew with its size (dit_15b's buckets hold 50 matrices, one a
+block), and a chunk's compiled code serves every chunk of its size and shape (docs/bench_optimizer.md, "Compile
+cost"); lr is a 0-d tensor, so an lr schedule never recompiles them. A
 tall matrix's column sums reduce blocks of COLUMN_SUM_BLOCK rows first, as inductor's plain reduction over dim -2
 walks the columns with a stride on CPU (one thread, 8 x 3072 x 512: 1.4x a fused AdamW step on the same tensors
 against 0.5x blocked). The results agree with the eager path to float rounding, not bit for bit: the kernels
@@ -38,6 +41,11 @@ from torch import Tensor
 
 COLUMN_SUM_BLOCK = 16
 log = logging.getLogger("dit_train")
+# the most matrices one compiled call takes: a bucket of more runs as calls of this many plus one remainder call,
+# which share two compiled variants. Each compiled function is unrolled over its list of matrices, and its cold
+# compile grows with the list (dit_15b's buckets hold one matrix per block, ~50); chunks bound it per bucket shape
+# (docs/bench_optimizer.md, "compile cost")
+MAX_MATRICES_PER_CALL = 8
 
 
 def resolve_compile_rownorm(setting, matrices: list) -> bool:
@@ -142,6 +150,13 @@ def _coefficient(mu: float, nesterov: bool) -> float:
     return mu / (1.0 - mu) if nesterov else 1.0 / (1.0 - mu)
 
 
+def _chunks(n: int) -> list[slice]:
+    """A bucket of n matrices as the slices its compiled calls take: at most MAX_MATRICES_PER_CALL each (None: one
+    call for the whole bucket, as before chunking)."""
+    step = MAX_MATRICES_PER_CALL or n
+    return [slice(i, min(i + step, n)) for i in range(0, n, step)]
+
+
 def _variant(tensors: list[Tensor], U: Tensor, tall: bool, store_u: bool) -> tuple:
     return len(tensors), tuple(U.shape[1:]), tensors[0].dtype, U.dtype, tensors[0].device, tall, store_u
 
@@ -153,10 +168,13 @@ def momentum_pass(grads: list[Tensor], bufs: list[Tensor], U: Tensor, mu: float,
     otherwise nothing is written, and update_pass updates the momentum. Empty shards run the same function
     uncompiled (a zero size would specialise a graph)."""
     us = list(U.unbind(0)) if store_u else None
-    args = (grads, bufs, us, 1.0 - mu, _coefficient(mu, nesterov), nesterov, tall, U.dtype)
+    rest = (1.0 - mu, _coefficient(mu, nesterov), nesterov, tall, U.dtype)
     if U.numel() == 0:
-        return _momentum(*args)
-    return _kernel(_momentum, *_variant(grads, U, tall, store_u))(*args)
+        return _momentum(grads, bufs, us, *rest)
+    sums = []
+    for c in _chunks(len(grads)):  # a loop, not a comprehension: a stack dump names momentum_pass (gpu_check)
+        sums.append(_kernel(_momentum, *_variant(grads[c], U, tall, store_u))(grads[c], bufs[c], us and us[c], *rest))
+    return sums[0] if len(sums) == 1 else torch.cat(sums)
 
 
 def update_pass(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor], U: Tensor, stored_u: bool,
@@ -166,8 +184,10 @@ def update_pass(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor], U
     W's device. Unless momentum_pass stored U, the momentum update happens here too and U_j is recomputed from G_j
     and the updated momentum."""
     us = list(U.unbind(0)) if stored_u else None
-    args = (params, grads, bufs, us, list(row_scale.unbind(0)), lr, wd, scale, 1.0 - mu,
-            _coefficient(mu, nesterov), nesterov, U.dtype)
+    scales = list(row_scale.unbind(0))
+    rest = (lr, wd, scale, 1.0 - mu, _coefficient(mu, nesterov), nesterov, U.dtype)
     if U.numel() == 0:
-        return _update(*args)
-    _kernel(_update, *_variant(params, U, tall, stored_u))(*args)
+        return _update(params, grads, bufs, us, scales, *rest)
+    for c in _chunks(len(params)):
+        _kernel(_update, *_variant(params[c], U, tall, stored_u))(params[c], grads[c], bufs[c], us and us[c],
+                                                                    scales[c], *rest)

@@ -106,6 +106,36 @@ def test_bf16_matrices_sum_their_squares_in_fp32(tall):
 
 @needs_cxx
 @pytest.mark.parametrize("rownorm_scale", ["frobenius", "spectral"])
+def test_a_large_bucket_compiles_chunks_of_bounded_size_with_the_same_results(rownorm_scale, monkeypatch):
+    """A bucket of more matrices than MAX_MATRICES_PER_CALL (here 7 of each shape, 3 a call) runs as calls of 3 and
+    one of 1: two compiled variants per pass and shape, whatever the bucket's size (each compiled function is
+    unrolled over its matrices, and its cold compile grew with them: ~50 per bucket at dit_15b), with the weights
+    and momentum of one call per bucket to float rounding."""
+    def steps(chunk):
+        monkeypatch.setattr(fused_rownorm, "MAX_MATRICES_PER_CALL", chunk)
+        monkeypatch.setattr(fused_rownorm, "_compiled", {})
+        g = torch.Generator().manual_seed(4)
+        ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(8, 12)] * 7 + [(12, 8)] * 7]
+        opt = MatrixOptimizer([{"params": ps, "kind": "matrix"}], lr=0.02, weight_decay=0.1,
+                              direction=RowNorm(rownorm_scale, True))
+        for _ in range(2):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        sizes = sorted(key[1] for key in fused_rownorm._compiled)  # key: (fn, matrices per call, ...)
+        return ps, [opt.state[p]["momentum_buffer"] for p in ps], sizes
+
+    whole, whole_m, whole_sizes = steps(None)
+    chunked, chunked_m, sizes = steps(3)
+    assert whole_sizes == [7] * 4  # two passes x two orientations, one call per bucket
+    assert sizes == [1] * 4 + [3] * 4  # the same, in calls of 3 and a remainder of 1
+    for a, r, ma, mr in zip(chunked, whole, chunked_m, whole_m):
+        torch.testing.assert_close(a, r)
+        torch.testing.assert_close(ma, mr)
+
+
+@needs_cxx
+@pytest.mark.parametrize("rownorm_scale", ["frobenius", "spectral"])
 def test_compiled_step_never_recompiles(rownorm_scale, monkeypatch):
     """Once a bucket's passes are compiled, later steps with another lr (a schedule changes it every step) and other
     gradients run the same graphs: a recompile is an error here. (With lr as a Python float they recompiled at
