@@ -28,6 +28,7 @@ import hashlib
 import json
 import math
 import os
+import signal
 import sys
 
 import torch
@@ -39,13 +40,15 @@ from dit_train.data.datasets import build_dataset
 from dit_train.data.latents import shard_name
 from dit_train.evaluation.fd.job_config import load_data_cfg
 from dit_train.parallel.fsdp import barrier, init_distributed, shutdown_process_group
-from dit_train.trainer.preemption import exit_interrupted
+from dit_train.trainer.preemption import EXIT_PREEMPTED, exit_interrupted
 from dit_train.plain_text import print_error
 
 
 DEFAULT_IMAGE_SIZE = 256  # --images of mixed sizes: DiT's ImageNet resolution
 INTERRUPTED = ("dit-encode-latents: interrupted; the shards written so far are kept: rerun the same command to "
                "continue from them")
+TERMINATED = ("dit-encode-latents: stopped by SIGTERM; the shards written so far are kept (a shard in progress is "
+              "not): rerun the same command to continue from them")
 
 
 def source_config(args) -> tuple[dict, str]:
@@ -98,6 +101,9 @@ def check_flags(args) -> None:
     splits = args.splits.split(",")
     if not splits or any(s not in ("train", "val") for s in splits) or len(set(splits)) < len(splits):
         raise ConfigError(f"--splits={args.splits} is not valid: expected train, val or train,val")
+    if args.images is not None and args.data_set:  # they were ignored: the folder's own config was encoded
+        raise ConfigError(f"--data-set {' '.join(args.data_set)} is not valid with --images: it overrides --data's "
+                          f"config; drop it, or use --data image_folder --data-set root=... instead")
     if args.images is not None and not os.path.isdir(args.images):  # was a traceback naming data.root
         raise ConfigError(f"--images {args.images} is not a folder: expected an image folder (root/<class>/<images>, "
                           f"or root/train/<class>/... and root/val/<class>/...)")
@@ -131,6 +137,8 @@ INFORMATIONAL = ("class_names",)
 def resume_conflict(old: dict, new: dict, out: str) -> str | None:
     """Why the shards in `out` (recorded in `old`) cannot be continued by this run (`new`), and what to do; None:
     they can."""
+    if old and not glob.glob(os.path.join(out, "*", "shard_*.safetensors")):
+        old = {}  # a refused or stopped encoding that wrote no shard binds nothing: a rerun may change the settings
     if not old:
         if glob.glob(os.path.join(out, "*", "shard_*.safetensors")):
             return f"{out} holds latent shards but no {LATENTS_INFO} that says how they were made; choose another --out"
@@ -175,10 +183,29 @@ def shard_path(out: str, split: str, shard: int) -> str:
 
 
 def shards_to_write(out: str, datasets: dict, shard_size: int, rank: int = 0, world: int = 1) -> int:
-    """How many of `rank`'s shards (dealt as in encode_split) are not on disk yet: an existing one is complete
-    (written by rename). 0: the VAE is not loaded at all."""
-    return sum(not os.path.exists(shard_path(out, split, shard)) for split, (_, n) in datasets.items()
-               for shard in range(rank, math.ceil(n / shard_size), world))
+    """How many of `rank`'s shards (dealt as in encode_split) are not on disk whole yet. 0: the VAE is not loaded."""
+    return sum(not shard_is_whole(shard_path(out, split, shard), shard_items(n, shard_size, shard))
+               for split, (_, n) in datasets.items() for shard in range(rank, math.ceil(n / shard_size), world))
+
+
+def shard_items(n: int, shard_size: int, shard: int) -> int:
+    return min(shard_size, n - shard * shard_size)
+
+
+def shard_is_whole(path: str, images: int) -> bool:
+    """Whether the shard at `path` opens and holds latents of its `images` (either flip): a file cut short (a
+    copy or a disk that failed, a kill outside the atomic rename) was trusted because it existed."""
+    from safetensors import safe_open
+
+    if not os.path.isfile(path):
+        return False
+    try:
+        with safe_open(path, framework="pt") as f:
+            count = f.get_slice("latents").get_shape()[0]
+            f.get_slice("latents")[count - 1 : count]  # the last row: a cut-off tail fails here
+    except Exception:  # safetensors' errors are not one class
+        return False
+    return count in (images, 2 * images)
 
 
 @torch.no_grad()
@@ -188,7 +215,7 @@ def encode_split(codec, ds, n: int, split: str, args, rank: int, world: int, pro
     for shard in range(rank, shards, world):
         path = shard_path(args.out, split, shard)
         start, stop = shard * args.shard_size, min((shard + 1) * args.shard_size, n)
-        if not os.path.exists(path):  # an existing shard is complete (written by rename)
+        if not shard_is_whole(path, stop - start):  # a truncated one is written again
             meta = {"vae": os.path.abspath(codec.path), "scaling_factor": str(codec.scale),
                     "shift_factor": str(codec.shift), "flip": str(bool(args.flip))}
             latents, labels = [], []
@@ -199,12 +226,26 @@ def encode_split(codec, ds, n: int, split: str, args, rank: int, world: int, pro
                 if args.flip:  # each image, then its mirror
                     x = torch.stack([x, x.flip(-1)], dim=1).flatten(0, 1)
                     y = y.repeat_interleave(2)
-                latents.append(codec.encode(x).half().cpu())
+                z = codec.encode(x).half().cpu()
+                check_finite(z, ds, b, 2 if args.flip else 1)
+                latents.append(z)
                 labels.append(y)
             atomic_save_tensors({"latents": torch.cat(latents).contiguous(), "labels": torch.cat(labels)}, path,
                                 meta)
         if progress is not None:
             progress.update(stop - start)
+
+
+def check_finite(z: torch.Tensor, ds, first: int, per_image: int) -> None:
+    """Refuse inf/nan latents (a VAE's fp32 output past fp16's range, a broken VAE) naming the image: they were
+    stored and trained on."""
+    bad = (~torch.isfinite(z.flatten(1))).any(1).nonzero()
+    if len(bad):
+        i = first + int(bad[0]) // per_image
+        items = getattr(ds, "samples", None)
+        name = items[i][0] if items is not None else f"item {i} of {ds.dataset_id}"
+        raise ValueError(f"image {name} encodes to non-finite latents (inf or nan as fp16, max |finite| 65504): "
+                         f"check the VAE (its scaling_factor) or the image; nothing of its shard was written")
 
 
 def main(argv=None) -> dict:
@@ -300,12 +341,24 @@ def main(argv=None) -> dict:
     return info
 
 
+class Terminated(Exception):
+    """SIGTERM (scancel, a job's time limit): raised where the encoding is, ended as Ctrl-C is."""
+
+
+def raise_terminated(signum, frame):
+    raise Terminated
+
+
 def cli() -> int:
     """The command (main returns the latents_info.json record to callers; a console script exits with what it
     returns): a refusal is one line and exit status 2, a failing disk one line and 1, as in every dit-* command;
     Ctrl-C one line and 130 (the shards written are kept: the same command continues)."""
+    previous = signal.signal(signal.SIGTERM, raise_terminated)  # the default killed it mid-shard, with no word
     try:
         main()
+    except Terminated:
+        print(TERMINATED, file=sys.stderr)
+        return EXIT_PREEMPTED
     except (ConfigError, FileNotFoundError, ValueError) as e:  # a ConfigError is a ValueError; so is a corrupt image
         print_error(str(e))
         return 2
@@ -314,6 +367,8 @@ def cli() -> int:
         return 1
     except KeyboardInterrupt:
         exit_interrupted(INTERRUPTED)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 

@@ -479,3 +479,70 @@ def test_latents_of_one_split_say_how_to_add_the_other_and_image_folder_names_a_
         build_dataset(OmegaConf.merge(images, {"root": str(tmp_path / "notes")}), "train")
     assert str(e.value) == (f"data.root={str(tmp_path / 'notes')!r} has no class sub-folders (in its train/ folder); "
                             f"expected root/<class>/<images>, or root/train/<class>/... and root/val/<class>/...")
+
+
+def encode_args(tmp_path, *more):
+    return ["--vae", str(tmp_path / "vae"), "--images", str(tmp_path / "img"), "--out", str(tmp_path / "lat"),
+            "--image-size", "16", "--shard-size", "2", "--splits", "train", *more]
+
+
+def test_a_truncated_shard_is_encoded_again_on_rerun(tmp_path):
+    """A shard cut short (a killed copy or encode) was trusted by the rerun because it existed."""
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img")
+    load_encoder()(encode_args(tmp_path))
+    path = tmp_path / "lat" / "train" / "shard_00001.safetensors"
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) - 100])
+    assert load_encoder()(encode_args(tmp_path))["complete"]
+    from safetensors.torch import load_file
+
+    cfg = OmegaConf.create({"name": "latents", "root": str(tmp_path / "lat"), "image_size": 8, "channels": 4,
+                            "num_classes": 2})
+    assert len(build_dataset(cfg, "train")) == 5 and len(path.read_bytes()) == len(whole)
+    assert load_file(str(path))["latents"].shape[0] == 2
+
+
+def test_non_finite_latents_are_refused_naming_the_image_and_a_refused_encoding_does_not_block_a_rerun(tmp_path):
+    """A scaling_factor that takes latents past fp16's range stored inf latents, exit 0; and the latents_info.json
+    of an encoding that wrote no shard refused the corrected rerun (another VAE) into the same --out."""
+    save_tiny_vae(tmp_path / "vae")
+    config = json.loads((tmp_path / "vae" / "config.json").read_text())
+    (tmp_path / "vae" / "config.json").write_text(json.dumps({**config, "scaling_factor": 1e9}))
+    image_folder(tmp_path / "img")
+    with pytest.raises(ValueError, match=r"image .*img.a.\d\.png encodes to non-finite latents"):
+        load_encoder()(encode_args(tmp_path))
+    assert not os.listdir(tmp_path / "lat" / "train")
+    (tmp_path / "vae" / "config.json").write_text(json.dumps(config))
+    assert load_encoder()(encode_args(tmp_path))["complete"]
+
+
+def test_data_set_with_images_is_one_line(tmp_path):
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img")
+    with pytest.raises(ConfigError, match=r"^--data-set image_size=8 is not valid with --images"):
+        load_encoder()(encode_args(tmp_path, "--data-set", "image_size=8"))
+    assert not (tmp_path / "lat").exists()
+
+
+def test_sigterm_while_encoding_is_one_line_exit_75_and_the_same_command_continues(tmp_path, monkeypatch):
+    import signal
+
+    import dit_train.data.encode as encode_module
+
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img")
+    save = encode_module.atomic_save_tensors
+
+    def sigterm_after_the_first_shard(tensors, path, meta):
+        save(tensors, path, meta)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(encode_module, "atomic_save_tensors", sigterm_after_the_first_shard)
+    before = signal.getsignal(signal.SIGTERM)
+    r = run_entry_in_process(encode_module.cli, *encode_args(tmp_path), prog="dit-encode-latents")
+    assert (r.returncode, r.stderr.splitlines()[-1]) == (75, encode_module.TERMINATED), r.stderr
+    assert "Traceback" not in r.stderr and signal.getsignal(signal.SIGTERM) == before
+    assert os.listdir(tmp_path / "lat" / "train") == ["shard_00000.safetensors"]
+    monkeypatch.setattr(encode_module, "atomic_save_tensors", save)
+    assert run_entry_in_process(encode_module.cli, *encode_args(tmp_path), prog="dit-encode-latents").returncode == 0
