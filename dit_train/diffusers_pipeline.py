@@ -61,13 +61,18 @@ class DiTTrainTransformer2DModel(ModelMixin, DiT, ConfigMixin):
         """diffusers' loader (DiTTrainPipeline's loads the transformer through this too), after checking a local
         folder's config.json against its weights' header: diffusers builds the model before reading the weights
         (allocated without accelerate, its buffers allocated with it), so a config declaring a huge model or
-        position table is refused first, in one line (model/pretrained.checked_architecture)."""
+        position table is refused first, in one line (model/pretrained.checked_architecture); integer or
+        non-finite weights are refused in one line naming the tensor."""
         from dit_train.model.pretrained import checked_architecture
+
+        from dit_train.model.pretrained import refuse_non_finite
 
         folder = os.path.join(str(pretrained_model_name_or_path), subfolder or "")
         if os.path.isdir(folder):
-            checked_architecture(folder)
-        return super().from_pretrained(pretrained_model_name_or_path, *args, subfolder=subfolder, **kwargs)
+            checked_architecture(folder)  # the weights' dtypes too, from the header: diffusers casts integers
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, subfolder=subfolder, **kwargs)
+        refuse_non_finite(model.state_dict().items(), repr(folder))
+        return model
 
     def reset_parameters(self, seed: int | None = None) -> None:
         if not self.x_embedder.proj.weight.is_meta:  # diffusers with accelerate builds on meta, then loads
@@ -142,6 +147,44 @@ def check_scheduler_config(folder: str) -> None:
                              f"diffusers' defaults); export the model again")
 
 
+def check_vae_matches_run(folder: str, vae) -> None:
+    """One line unless the VAE this load would decode with is the run's: a latent run's export records the VAE that
+    made its latents (transformer/config.json dit_train.latents_vae) and names it in model_index.json; `vae`, the
+    one passed to from_pretrained (None: the folder's vae/), must have its factors and weights (sha1); an image
+    run takes none."""
+    from dit_train.diffusion.vae import weights_digest
+
+    index = read_json(os.path.join(folder, "model_index.json"), fix="export the model again")
+    config = read_json(os.path.join(folder, "transformer", "config.json"), fix="export the model again")
+    provenance = config.get("dit_train") if isinstance(config, dict) else None
+    provenance = provenance if isinstance(provenance, dict) else {}
+    data = ((provenance.get("run_config") or {}).get("data") or {}).get("name")
+    record = provenance.get("latents_vae")
+    if data is None and record is None:
+        return  # a folder of save_export without a run (no provenance): nothing recorded to hold it to
+    if data != "latents" and record is None:
+        if vae is not None:
+            raise ValueError(f"vae={type(vae).__name__} is not valid for {folder!r}: its run trained on images "
+                             f"(data={data}); only a latent run's pipeline decodes with a VAE (pass none)")
+        return
+    entry = index.get("vae", "missing")
+    if entry != ["diffusers", "AutoencoderKL"] or not isinstance(record, dict):
+        raise ValueError(f"{folder!r}: its latent run needs the VAE that made its latents, but model_index.json's vae "
+                         f"is {json.dumps(entry)} and the record of it is {json.dumps(record)}: expected "
+                         f"[\"diffusers\", \"AutoencoderKL\"] and a dit_train.latents_vae; export the run again")
+    if vae is None:
+        return  # the folder's own vae/, written from the checked VAE by the export
+    factors = (float(vae.config.scaling_factor or 1.0), float(vae.config.shift_factor or 0.0))
+    then = (float(record.get("scaling_factor", 1.0)), float(record.get("shift_factor") or 0.0))
+    said = f"the VAE that made the latents ({record.get('vae', '?')}: factors {then}"
+    if factors != then:
+        raise ValueError(f"vae with scaling/shift factors {factors} is not valid for {folder!r}: expected {said}), "
+                         f"or pass no vae to use the folder's vae/")
+    if record.get("weights_sha1") and weights_digest(vae) != record["weights_sha1"]:
+        raise ValueError(f"vae with other weights (sha1 {weights_digest(vae)}) is not valid for {folder!r}: "
+                         f"expected {said}, sha1 {record['weights_sha1']}), or pass no vae to use the folder's vae/")
+
+
 class DiTTrainPipeline(DiffusionPipeline):
     """Class-conditional (or unconditional) sampling of an exported DiT: `transformer` + `scheduler` (+ `vae` for a
     latent run)."""
@@ -164,6 +207,7 @@ class DiTTrainPipeline(DiffusionPipeline):
 
         check_pipeline_index(str(pretrained_model_name_or_path))
         check_scheduler_config(str(pretrained_model_name_or_path))
+        check_vae_matches_run(str(pretrained_model_name_or_path), kwargs.get("vae"))
         vae = os.path.join(str(pretrained_model_name_or_path), "vae")
         if os.path.isdir(vae):
             check_vae_folder(vae)

@@ -40,6 +40,7 @@ def export_ema(source: str, out_dir: str, dtype: str = "fp32", vae: str | None =
         raise ValueError(f"--dtype={dtype!r} is not valid: choose one of {', '.join(DTYPES)}")
     refuse_links_in_export(out_dir, with_vae=True)  # before the checkpoint is read: vae/ too, whether or not written
     path = resolve_checkpoint(source)
+    refuse_out_dir_in_run(out_dir, path)
     vae_path = None
     if is_complete(path):  # the VAE judged before the weights are read (a legacy .pt holds both: judged after)
         state = read_saved_state(path)
@@ -51,8 +52,36 @@ def export_ema(source: str, out_dir: str, dtype: str = "fp32", vae: str | None =
     architecture.validate()
     provenance = {"step": meta["step"], "source": os.path.abspath(meta["path"]), "format": meta["format"],
                   "run_config": config}
+    if vae_path is not None:  # which VAE made the latents: DiTTrainPipeline refuses another one given to it
+        provenance["latents_vae"] = recorded_vae(config, meta.get("latents_vae"), vae_path)
     save_export(weights, architecture, out_dir, dtype, provenance, vae_path)
     return provenance
+
+
+def refuse_out_dir_in_run(out_dir: str, checkpoint: str) -> None:
+    """One line when OUT_DIR is the run folder of `checkpoint` or inside it (its checkpoints/ pruned or listed by
+    a resumed run, the export mistaken for a run's file), before anything is written."""
+    parent = os.path.dirname(os.path.abspath(checkpoint))
+    run_dir = os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else parent
+    run_real, out_real = os.path.realpath(run_dir), os.path.realpath(out_dir)
+    if out_real == run_real or out_real.startswith(run_real + os.sep):
+        raise ValueError(f"OUT_DIR={out_dir!r} is not valid: it is inside the run folder being exported ({run_dir}); "
+                         f"give a folder outside it")
+
+
+def recorded_vae(config: dict, recorded: dict | None, vae_path: str) -> dict:
+    """What the export records of the VAE that made the latents: their latents_info.json's entry (else the
+    checkpoint's record), which the copied vae/ matches (latent_vae checked it)."""
+    from dit_train.config.latents import LATENTS_INFO, read_latents_info, vae_files, vae_scaling
+
+    root = str(config["data"].get("root") or "")
+    info = read_latents_info(root) if root and os.path.isfile(os.path.join(root, LATENTS_INFO)) else {}
+    source = info if "scaling_factor" in info else (recorded if isinstance(recorded, dict) else {})
+    if "scaling_factor" not in source:  # a checkpoint from before the record: what was checked by hand
+        scale, shift = vae_scaling(vae_path)
+        source = {"vae": os.path.abspath(vae_path), "scaling_factor": scale, "shift_factor": shift,
+                  "vae_files": vae_files(vae_path)}
+    return {k: source[k] for k in ("vae", "scaling_factor", "shift_factor", "vae_files") if k in source}
 
 
 def latent_vae(config: dict, vae: str | None, meta: dict | None = None) -> str | None:

@@ -42,6 +42,9 @@ def decoding_vae(cfg, vae_path: str | None, recorded: dict | None = None, checkp
     """A latent run's VAE folder (vae.path, or --vae), checked to be the one that made its latents (their
     latents_info.json, else the checkpoint's record `recorded`) before any weights are read; None for image runs."""
     if cfg.data.get("name") != "latents":
+        if vae_path is not None:  # ignored before: the user believed the images were decoded by it
+            raise ValueError(f"--vae={vae_path!r} is not valid here: this run trained on images (data="
+                             f"{cfg.data.get('name')}); only a latent run (data=latents) is decoded by a VAE")
         return None
     path = vae_path or (cfg.get("vae") or {}).get("path")
     if not path:

@@ -60,3 +60,15 @@ def decode_latents(vae, latents: torch.Tensor, scale: float, shift: float, batch
     device = next(vae.parameters()).device
     out = [vae.decode(z.to(device, torch.float32) / scale + shift).sample.float() for z in latents.split(batch_size)]
     return torch.cat(out).clamp(-1, 1)
+
+
+def weights_digest(vae) -> str:
+    """sha1 of a VAE module's tensors (names and fp32 bytes, in state-dict order): the same weights wherever they
+    were loaded from. dit-export records it; DiTTrainPipeline compares a VAE passed to it."""
+    import hashlib
+
+    digest = hashlib.sha1()
+    for name, tensor in vae.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return digest.hexdigest()

@@ -54,14 +54,16 @@ def save_pretrained(state_dict: dict, config, folder: str, dtype: str = "fp32", 
 def save_export(state_dict: dict, config, folder: str, dtype: str = "fp32", provenance: dict | None = None,
                 vae_path: str | None = None) -> str:
     """The pipeline folder of `dit-export` (module docstring); model_index.json last, so a folder
-    with one is complete."""
+    with one is complete. vae/ first: the sha1 of its weights goes into the provenance's latents_vae."""
+    if vae_path is not None:
+        provenance = dict(provenance or {})
+        provenance["latents_vae"] = {**provenance.get("latents_vae", {}),
+                                     "weights_sha1": save_vae(vae_path, os.path.join(folder, "vae"))}
     save_pretrained(state_dict, config, os.path.join(folder, TRANSFORMER), dtype, provenance, DIFFUSERS_CLASS,
                     DIFFUSERS_WEIGHTS_FILE)
     os.makedirs(os.path.join(folder, "scheduler"), exist_ok=True)
     atomic_write_bytes(json.dumps(SCHEDULER_CONFIG, indent=2).encode(),
                        os.path.join(folder, "scheduler", "scheduler_config.json"))
-    if vae_path is not None:
-        save_vae(vae_path, os.path.join(folder, "vae"))
     index = {"_class_name": "DiTTrainPipeline",
              TRANSFORMER: ["dit_train.diffusers_pipeline", DIFFUSERS_CLASS],
              "scheduler": ["diffusers", SCHEDULER_CONFIG["_class_name"]],
@@ -85,12 +87,12 @@ def refuse_links_in_export(folder: str, with_vae: bool) -> None:
     refuse_links_on_the_way(folder, os.path.join(folder, PIPELINE_FILE), "dit-export")
 
 
-def save_vae(vae_path: str, folder: str) -> None:
-    """A copy of the AutoencoderKL at `vae_path` with the scaling/shift factors that encoded the latents written
-    explicitly (vae_scaling reads a missing one as 1 / 0, diffusers as its class default)."""
+def save_vae(vae_path: str, folder: str) -> str:
+    """Write a copy of the AutoencoderKL at `vae_path` with the scaling/shift factors that encoded the latents written
+    explicitly; returns the sha1 of its weights (vae.weights_digest) (vae_scaling reads a missing one as 1 / 0, diffusers as its class default)."""
     from dit_train.runs.atomic_io import make_readable
     from dit_train.config.latents import vae_scaling
-    from dit_train.diffusion.vae import load_autoencoder
+    from dit_train.diffusion.vae import load_autoencoder, weights_digest
 
     scale, shift = vae_scaling(vae_path)
     vae = load_autoencoder(vae_path, "cpu")
@@ -98,6 +100,7 @@ def save_vae(vae_path: str, folder: str) -> None:
     vae.save_pretrained(folder)
     for name in os.listdir(folder):  # diffusers writes its safetensors 0600
         make_readable(os.path.join(folder, name))
+    return weights_digest(vae)
 
 
 HUB_PREFIX = "hf://"  # huggingface_hub's own spelling of a Hub repo (HfFileSystem)
@@ -154,7 +157,34 @@ def checked_architecture(folder: str):
     if not os.path.isfile(weights):  # the transformer/ folder of an export: diffusers' name
         weights = os.path.join(folder, DIFFUSERS_WEIGHTS_FILE)
     check_stored_shapes(architecture, safetensors_shapes(weights), file, weights)
+    refuse_non_float_dtypes(weights)
     return architecture, file, weights
+
+
+def refuse_non_float_dtypes(weights: str) -> None:
+    """One line naming the first tensor of the safetensors file `weights` (its header: no data read) stored in a
+    dtype other than an exported one (bf16/fp16/fp32): integer weights were cast to float and loaded silently."""
+    from safetensors import safe_open
+
+    valid = {"BF16", "F16", "F32"}
+    with safe_open(weights, "pt") as f:
+        for name in f.keys():
+            dtype = f.get_slice(name).get_dtype()
+            if dtype not in valid:
+                raise ValueError(f"{weights!r}: tensor {name} has dtype {dtype}, not valid: an exported model's "
+                                 f"weights are {', '.join(sorted(valid))}; export the model again")
+
+
+def refuse_non_finite(tensors, where: str) -> None:
+    """One line naming the first tensor of (name, tensor) pairs holding a NaN or an infinity (the model sampled NaN
+    images). One aminmax per tensor (NaN propagates to it, an infinity is its min or max): one pass, no boolean
+    copy of the weights (docs/sampling_export.md)."""
+    for name, tensor in tensors:
+        if tensor.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(tensor.float()
+                                                                                  if tensor.dtype != torch.float32
+                                                                                  else tensor))).all()):
+            raise ValueError(f"{where}: tensor {name} holds a NaN or an infinity, not valid: an exported model's "
+                             f"weights are finite; export a checkpoint from before the run diverged")
 
 
 def load_pretrained(cls, path: str, device="cpu"):
@@ -165,7 +195,9 @@ def load_pretrained(cls, path: str, device="cpu"):
     with torch.device("meta"):  # shapes only, checked: the file's own tensors are assigned below
         model = cls(architecture)
     expected = model.state_dict()
-    state = {k: v.to(expected[k].dtype) for k, v in load_file(weights).items()}
+    loaded = load_file(weights)
+    refuse_non_finite(loaded.items(), repr(weights))
+    state = {k: v.to(expected[k].dtype) for k, v in loaded.items()}
     model.load_state_dict(state, assign=True)  # of the model's dtype
     model.pos_embed = torch.empty(model.pos_embed.shape)  # not saved: computed
     model.reset_buffers()

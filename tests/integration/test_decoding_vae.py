@@ -204,3 +204,28 @@ def test_a_folder_that_is_not_a_vae_is_named_for_what_it_is(moved, not_vaes, tmp
                          {"path": folder}, needs_decoding=True)
     with pytest.raises(ValueError, match="AutoencoderKL|pipeline"):
         load_autoencoder(folder, "cpu")
+
+
+def test_the_export_records_the_vae_of_the_latents(moved, tmp_path):
+    """Before: the export's provenance did not say which VAE made the latents, so DiTTrainPipeline could not hold
+    a VAE passed to it to that one."""
+    from dit_train.export import main as export_main
+
+    assert export_main([str(moved["run"]), str(tmp_path / "out"), "--vae", moved["vae"]]) == 0
+    info = json.loads((moved["root"] / "lat_moved" / "latents_info.json").read_text())
+    record = json.loads((tmp_path / "out" / "transformer" / "config.json").read_text())["dit_train"]["latents_vae"]
+    assert {k: record[k] for k in ("vae", "scaling_factor", "shift_factor")} == \
+        {k: info[k] for k in ("vae", "scaling_factor", "shift_factor")}
+    assert len(record["weights_sha1"]) == 40
+
+
+def test_fd_refuses_a_vae_for_an_image_run(tmp_path, monkeypatch):
+    """Before: `dit-fd IMAGE_RUN --vae X` ignored X silently."""
+    from dit_train.trainer.loop import run
+
+    run(compose([f"run_dir={tmp_path / 'run'}", "model.hidden_size=32", "model.depth=1", "model.num_heads=2",
+                 "model.patch_size=8", *SHORT]))
+    r = fd([tmp_path / "run", "--vae", tmp_path / "vae", "--out", tmp_path / "fd"], monkeypatch)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "encoder built" not in r.stderr, r.stderr
+    assert f"--vae={str(tmp_path / 'vae')!r} is not valid for checkpoint " in r.stderr
+    assert "its run trained on images (data=fashion_mnist); only a latent run" in r.stderr

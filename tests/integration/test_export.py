@@ -210,3 +210,16 @@ def test_a_folder_given_where_the_other_kind_is_needed_is_one_line_naming_the_ri
     with pytest.raises(FileNotFoundError, match=rf"'{trained_run}' is a run folder: write its model folder with "
                                                 rf"`dit-export {trained_run} OUT_DIR` and load OUT_DIR"):
         DiT.from_pretrained(str(trained_run))
+
+
+@pytest.mark.parametrize("inside", [".", "out", "checkpoints/out"])
+def test_an_out_dir_inside_the_run_folder_is_refused_before_anything_is_written(trained_run, inside):
+    """Before: the export was written into the run folder (a checkpoints/out beside step_N.dcp)."""
+    before = sorted(str(p) for p in trained_run.rglob("*"))
+    out = os.path.normpath(os.path.join(trained_run, inside))
+    for source in (trained_run, trained_run / "checkpoints"):
+        r = run_entry_in_process(export_main, source, out, prog="dit-export")
+        assert r.returncode == 2 and r.stderr.splitlines() == [
+            f"error: OUT_DIR={out!r} is not valid: it is inside the run folder being exported ({trained_run}); "
+            f"give a folder outside it"], r.stderr
+    assert sorted(str(p) for p in trained_run.rglob("*")) == before

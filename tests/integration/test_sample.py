@@ -190,3 +190,16 @@ def test_a_run_folder_name_with_control_characters_prints_as_escapes(trained_run
                         "--grid", str(tmp_path / "g.png")]) == 0
     out = capsys.readouterr().out
     assert len(out.splitlines()) == 1 and "\x1b" not in out and "run\\x1b[2J\\r\\nerror: fake/checkpoints" in out, out
+
+
+@needs_fashion
+def test_a_vae_for_an_image_run_is_one_line_before_the_weights_are_read(trained_run, tmp_path, monkeypatch, capsys):
+    """Before: `dit-sample IMAGE_RUN --vae X` ignored X silently (the user believed it decoded the images)."""
+    from dit_train import sample
+
+    monkeypatch.setattr(sample, "load_for_inference", lambda *a, **k: pytest.fail("the weights were read"))
+    assert sample_main([str(trained_run), "--vae", str(tmp_path / "vae"), "--grid", str(tmp_path / "g.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"error: --vae={str(tmp_path / 'vae')!r} is not valid here: this run trained on "
+                                f"images (data=fashion_mnist); only a latent run (data=latents) is decoded by a VAE"]
+    assert not (tmp_path / "g.png").exists()

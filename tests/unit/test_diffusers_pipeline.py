@@ -209,3 +209,79 @@ def test_each_component_is_exactly_the_class_an_export_writes_and_the_scheduler_
     again = DiTTrainPipeline.from_pretrained(str(tmp_path / "again"))
     assert isinstance(again.scheduler, diffusers.FlowMatchEulerDiscreteScheduler)
     assert again.scheduler.config.num_train_timesteps == 1000
+
+
+def latent_export(tmp_path, **provenance):
+    """An export of a latent run (provenance as dit-export writes it) with the VAE `vae` (shift 0.3)."""
+    vae = tiny_vae(tmp_path / "vae", shift_factor=0.3)
+    model = random_dit(in_channels=4)
+    record = {"vae": vae, "scaling_factor": 0.7, "shift_factor": 0.3}
+    save_export(model.state_dict(), model.config, str(tmp_path / "out"),
+                provenance={"run_config": {"data": {"name": "latents"}}, "latents_vae": record, **provenance},
+                vae_path=vae)
+    return str(tmp_path / "out"), vae
+
+
+def test_a_latent_exports_pipeline_refuses_a_vae_other_than_the_recorded_one(tmp_path):
+    """Before: any AutoencoderKL passed as vae= decoded the latents silently (another shift, other weights), and an
+    index edited to vae [null, null] sampled latents as if they were images."""
+    from diffusers import AutoencoderKL
+
+    out, vae = latent_export(tmp_path)
+    recorded = json.loads((tmp_path / "out" / "transformer" / "config.json").read_text())["dit_train"]["latents_vae"]
+    assert recorded["vae"] == vae and len(recorded["weights_sha1"]) == 40
+    same = AutoencoderKL.from_pretrained(vae)
+    assert DiTTrainPipeline.from_pretrained(out, vae=same).vae is same  # the recorded VAE: accepted
+    shifted = AutoencoderKL.from_pretrained(tiny_vae(tmp_path / "shifted", shift_factor=-1.0))
+    with pytest.raises(ValueError, match=r"factors \(0.7, -1.0\) is not valid for .*expected the VAE that made") as e:
+        DiTTrainPipeline.from_pretrained(out, vae=shifted)
+    assert "\n" not in str(e.value)
+    other = AutoencoderKL.from_pretrained(vae)
+    with torch.no_grad():
+        next(other.parameters()).add_(0.01)
+    with pytest.raises(ValueError, match=r"vae with other weights .* is not valid for .*sha1 " + recorded["weights_sha1"]):
+        DiTTrainPipeline.from_pretrained(out, vae=other)
+    index = json.loads((tmp_path / "out" / "model_index.json").read_text())
+    for edited in ({**index, "vae": [None, None]}, {k: v for k, v in index.items() if k != "vae"}):
+        (tmp_path / "out" / "model_index.json").write_text(json.dumps(edited))
+        with pytest.raises(ValueError, match=r"its latent run needs the VAE that made its latents, but model_index"
+                                             r".json's vae is (\[null, null\]|\"missing\")") as e:
+            DiTTrainPipeline.from_pretrained(out)
+        assert "\n" not in str(e.value)
+
+
+def test_an_image_runs_pipeline_refuses_a_vae(tmp_path):
+    from diffusers import AutoencoderKL
+
+    model = random_dit()
+    save_export(model.state_dict(), model.config, str(tmp_path / "out"),
+                provenance={"run_config": {"data": {"name": "fashion_mnist"}}})
+    vae = AutoencoderKL.from_pretrained(tiny_vae(tmp_path / "vae", shift_factor=0.0))
+    with pytest.raises(ValueError, match=r"vae=AutoencoderKL is not valid for .*its run trained on images "
+                                         r"\(data=fashion_mnist\); only a latent run") as e:
+        DiTTrainPipeline.from_pretrained(str(tmp_path / "out"), vae=vae)
+    assert "\n" not in str(e.value)
+    assert DiTTrainPipeline.from_pretrained(str(tmp_path / "out")).vae is None
+
+
+@pytest.mark.parametrize("bad", ["int", "nan", "inf"])
+def test_both_loaders_refuse_integer_or_non_finite_weights_naming_the_tensor(tmp_path, bad):
+    """Before: integer weights were cast to float and a NaN/inf weight loaded silently (NaN images later)."""
+    model = random_dit()
+    state = dict(model.state_dict())
+    name = "blocks.0.attn.qkv.weight"
+    if bad == "int":
+        state[name] = (state[name] * 100).to(torch.int32)
+    else:
+        state[name] = state[name].clone()
+        state[name][0, 0] = float(bad)
+    save_export({}, model.config, str(tmp_path / "out"))  # the folder, then the bad weights written as they are
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in state.items()},
+              str(tmp_path / "out" / "transformer" / "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
+    says = "has dtype I32, not valid" if bad == "int" else "holds a NaN or an infinity, not valid"
+    for load in (DiT.from_pretrained, DiTTrainPipeline.from_pretrained):
+        with pytest.raises(ValueError, match=f"tensor {name} {says}") as e:
+            load(str(tmp_path / "out"))
+        assert "\n" not in str(e.value)

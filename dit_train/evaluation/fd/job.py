@@ -131,6 +131,9 @@ def decoding_vae(run_cfg, data_cfg, vae_path: str | None, recorded: dict | None,
     from omegaconf import OmegaConf
 
     if data_cfg.get("name") != "latents":
+        if vae_path is not None:  # ignored before: the user believed the samples were decoded by it
+            raise ValueError(f"--vae={vae_path!r} is not valid for checkpoint {checkpoint}: its run trained on images "
+                             f"(data={data_cfg.get('name')}); only a latent run (data=latents) is decoded by a VAE")
         return None
     path = vae_path or OmegaConf.select(run_cfg, "vae.path")
     if not path:
@@ -169,9 +172,11 @@ def latent_decoder(run_cfg, data_cfg, vae_path: str | None, device, meta: dict |
     `checked`: check_vaes has judged the VAE of this checkpoint."""
     from omegaconf import OmegaConf
 
-    if data_cfg.name != "latents":
-        return None
     meta = meta or {}
+    if data_cfg.name != "latents":
+        if not checked:  # a read-only .pt of an image run given --vae: refused as check_vaes refuses the others
+            decoding_vae(run_cfg, data_cfg, vae_path, meta.get("latents_vae"), str(meta.get("path", "")))
+        return None
     path = (vae_path or OmegaConf.select(run_cfg, "vae.path")) if checked else \
         decoding_vae(run_cfg, data_cfg, vae_path, meta.get("latents_vae"), str(meta.get("path", "")))
     if path not in _CODECS:
