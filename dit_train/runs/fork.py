@@ -39,3 +39,24 @@ def load_fork(init_from: str, source: str, model, ema_model) -> tuple[str, int]:
     raise ForkSourceGone(f"train.init_from={init_from}: the checkpoint {gone} was removed before the fork could read "
                          f"it (pruned by its run, still training?) and no newer one could be read after "
                          f"{FORK_LOAD_TRIES} tries; fork again, or from a run that is not pruning")
+
+
+# what a fork's start writes before it loads its parent (runs/folder.py, the metric log, wandb's record)
+START_FILES = ("run_info.json", "config.yaml", ".lock", "metrics.jsonl", "wandb_run.json")
+
+
+def forget_fork_start(run_dir: str) -> None:
+    """A fork whose parent was gone before anything was loaded leaves nothing in its folder: the files its start
+    wrote are removed (Hydra's own, .hydra/ and the log, go with the folder: __main__'s remove_stray_hydra_dir).
+    Only while the fork has no checkpoint of its own, and an empty metrics.jsonl only."""
+    if ckpt.list_checkpoints(run_dir, remove_partial=False, legacy=True):
+        return
+    for name in START_FILES:
+        path = os.path.join(run_dir, name)
+        if os.path.isfile(path) and not os.path.islink(path) and (name != "metrics.jsonl" or not os.path.getsize(path)):
+            os.remove(path)
+    for folder in ("checkpoints",):
+        try:
+            os.rmdir(os.path.join(run_dir, folder))
+        except OSError:
+            pass

@@ -43,7 +43,7 @@ from dit_train.parallel.fsdp import (DistInfo, all_reduce_sum_, autocast, barrie
 from dit_train.trainer.preemption import Preemption
 from dit_train.runs.resume_policy import resume_candidates
 from dit_train.runs.folder import prepare_run_folder
-from dit_train.runs.fork import load_fork
+from dit_train.runs.fork import ForkSourceGone, forget_fork_start, load_fork
 from dit_train.telemetry.step_window import StepWindow
 from dit_train.runs.timeline import set_aside_after
 from dit_train.telemetry.clocks import PhaseTimer
@@ -456,6 +456,10 @@ def run(cfg) -> dict:
             lock = prepare_run_folder(cfg, dist)
             record_nccl_traces(cfg.run_dir)
             return Trainer(cfg, dist).fit()
+    except ForkSourceGone:
+        if dist.is_main and lock is not None:  # the fork loaded nothing: its folder is left as it was found
+            forget_fork_start(cfg.run_dir)
+        raise
     finally:
         if lock is not None:
             lock.release()

@@ -88,3 +88,18 @@ def test_a_live_parents_save_in_progress_is_said_to_be_being_written(trained, tm
         lock.release()
     [told] = [r.getMessage() for r in caplog.records if "tmp-1234" in r.getMessage()]
     assert "is being written by the run in" in told and "interrupted" not in told, told
+
+
+def test_a_parent_gone_before_the_load_is_one_line_and_leaves_no_fork_folder(trained, tmp_path, monkeypatch):  # noqa: F811
+    parent = trained_copy(trained, tmp_path / "parent")
+    real = ckpt.load_weights
+
+    def parent_pruned_first(path, *a):  # the live parent prunes between the fork's choice and its read
+        shutil.rmtree(parent / "checkpoints", ignore_errors=True)
+        return real(path, *a)
+
+    monkeypatch.setattr(ckpt, "load_weights", parent_pruned_first)
+    r = cli(tmp_path, f"run_dir={tmp_path / 'fork'}", f"train.init_from={parent}")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "was removed before the fork could read it" in r.stderr
+    assert not (tmp_path / "fork").exists(), sorted(p.name for p in (tmp_path / "fork").iterdir())
