@@ -141,7 +141,9 @@ def check_train(node, world_size: int = 1) -> dict:
             raise invalid("train.init_from", values["init_from"],
                           f"a fork starts from its weights, not from train.resume={resume}: use it with "
                           f"train.resume=null or auto (a requeued fork continues from its own checkpoints)")
-        if not os.path.exists(values["init_from"]):
+        # with resume=auto a requeued fork continues from its own checkpoints, its parent perhaps deleted since:
+        # config/paths.py checks the parent only while the run has none of its own (it knows run_dir)
+        if resume is None and not os.path.exists(values["init_from"]):
             raise invalid("train.init_from", values["init_from"], "expected null or an existing run folder / checkpoint")
     return values
 

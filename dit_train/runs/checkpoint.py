@@ -40,6 +40,7 @@ from dit_train.runs import checkpoint_metadata
 from dit_train.runs.atomic_io import fsync_dir, naming, write_synced
 from dit_train.runs.folder_kind import no_checkpoints
 from dit_train.runs.json_file import read_json
+from dit_train.runs.lock import held_by_a_writer
 from dit_train.parallel.fsdp import barrier, rank
 
 log = logging.getLogger("dit_train")
@@ -82,7 +83,13 @@ def list_checkpoints(run_dir: str, remove_partial: bool = True, legacy: bool = F
     _refuse_link(folder)
     if remove_partial and os.path.isdir(folder):
         _finish_interrupted_publish(folder)
-    for tmp in glob.glob(os.path.join(folder, "*.tmp-*")) + glob.glob(os.path.join(folder, "*.tmp")):
+    partial = glob.glob(os.path.join(folder, "*.tmp-*")) + glob.glob(os.path.join(folder, "*.tmp"))
+    if partial and not remove_partial and held_by_a_writer(run_dir):  # a live run (a fork's parent) is saving it
+        for tmp in partial:
+            _report_once(f"checkpoint {tmp} is being written by the run in {run_dir}; its newest complete "
+                         f"checkpoint is used", tmp)
+        partial = []
+    for tmp in partial:
         _report_once(f"ignoring partial checkpoint {tmp} (a save was interrupted; a run resumed in this folder "
                      f"{'publishes' if _publishable(tmp) else 'removes'} it)", tmp)
         if remove_partial:

@@ -47,3 +47,21 @@ class RunLock:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
+
+
+def held_by_a_writer(run_dir: str) -> bool:
+    """Whether a live process holds `run_dir`'s lock (read only: the lock file is neither made nor followed as a
+    link). A reader (a fork reading its parent) then says a partial checkpoint there is being written, not that
+    its save was interrupted."""
+    try:
+        fd = os.open(os.path.join(run_dir, LOCK_NAME), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)

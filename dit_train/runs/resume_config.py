@@ -32,6 +32,8 @@ log = logging.getLogger("dit_train")
 WHERE_DATA_GOES = ("logger.wandb.mode", "logger.wandb.entity", "logger.wandb.project", "eval.cache_dir")
 # the user's word only, never a checkpoint's: where the run is, a grant to run code, where data goes
 ALWAYS_FROM_COMMAND = ("run_dir", "train.resume", "train.init_from", "eval.trust_encoder_code", *WHERE_DATA_GOES)
+# a fork is a new run: its wandb run is its own, never named as its parent's (its id is its folder's wandb_run.json)
+NEW_RUN_KEYS = ("logger.wandb.name",)
 SAVED_CHOICES = ("data", "model", "optimizer")  # groups whose option a saved config names (its `name` key)
 # a preset's file name in its group folder: nothing Hydra reads as a path (`../../x`) or an interpolation
 PRESET_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -39,7 +41,7 @@ PRESET_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 def continue_saved_config(cfg, overrides: list[str], read_state=None):
     """`cfg` (composed from the defaults and `overrides`) rebuilt on the saved config of the checkpoint it will
-    resume (a fork: its source's, while the run has no checkpoint of its own); `cfg` itself for a fresh run or
+    resume (a fork: its source's, while the run has no checkpoint of its own, less its wandb run name); `cfg` itself for a fresh run or
     when no readable saved config exists (check_resume then says why, in its own words). `read_state`: how a
     checkpoint's train state is read (default checkpoint.read_saved_state)."""
     if cfg.train.get("resume") is None and cfg.train.get("init_from") is None:
@@ -48,10 +50,10 @@ def continue_saved_config(cfg, overrides: list[str], read_state=None):
         run_dir = cfg.run_dir  # the default ${hydra:runtime.output_dir} resolves only inside the Hydra app
     except Exception:  # noqa: BLE001 - checked before Hydra runs and no run_dir given: no run folder to read yet
         return cfg
-    found = _saved(cfg, read_state)
+    found = _saved(cfg, read_state)  # (checkpoint, its saved config, whether it is a fork's source)
     if found is None:
         return cfg
-    path, saved = found
+    path, saved, forked = found
     from dit_train.config.schemas import recorded_before
     from dit_train.runs.resume_policy import flatten
     from dit_train.runs.checkpoint import literal_config
@@ -81,7 +83,7 @@ def continue_saved_config(cfg, overrides: list[str], read_state=None):
     merged, set_here, dropped = {}, [], []
     for key, value in now.items():
         typed = any(key == n or key.startswith(n + ".") for n in named) or value != base.get(key, ABSENT)
-        from_command = typed or key in ALWAYS_FROM_COMMAND
+        from_command = typed or key in ALWAYS_FROM_COMMAND or (forked and key in NEW_RUN_KEYS)
         if from_command or key not in kept:  # set here, or added to dit_train after the checkpoint
             merged[key] = earlier[key] if not from_command and key in earlier else value
             if from_command and kept.get(key, ABSENT) != value and key not in ALWAYS_FROM_COMMAND:
@@ -109,14 +111,15 @@ def _saved(cfg, read_state=None):
 
     try:
         paths = resume_candidates(cfg)
-        if not paths and cfg.train.get("init_from"):
+        forked = not paths and bool(cfg.train.get("init_from"))
+        if forked:
             paths = [ckpt.resolve_checkpoint(str(cfg.train.init_from))]
     except (OSError, ValueError):
         return None
     for path in paths:
         if ckpt.is_complete(path):
             try:
-                return path, read_state(path)["config"]
+                return path, read_state(path)["config"], forked
             except (OSError, ValueError):
                 continue
     return None

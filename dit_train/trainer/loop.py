@@ -43,6 +43,7 @@ from dit_train.parallel.fsdp import (DistInfo, all_reduce_sum_, autocast, barrie
 from dit_train.trainer.preemption import Preemption
 from dit_train.runs.resume_policy import resume_candidates
 from dit_train.runs.folder import prepare_run_folder
+from dit_train.runs.fork import ForkSourceGone, forget_fork_start, load_fork
 from dit_train.telemetry.step_window import StepWindow
 from dit_train.runs.timeline import set_aside_after
 from dit_train.telemetry.clocks import PhaseTimer
@@ -82,6 +83,9 @@ class Trainer:
         self.candidates = resume_candidates(cfg, remove_partial=dist.is_main)
         barrier()
         weights_from_checkpoint = bool(self.candidates or self.tc.init_from)
+        # chosen once, here: the checkpoint loaded is this one, not whatever the parent has saved or pruned since
+        self.fork_source = ckpt.resolve_checkpoint(str(self.tc.init_from)) \
+            if self.tc.init_from and not self.candidates else None
         self.model, self.ema, self.optimizer, self.scheduler, generator = \
             build_training(cfg, self.plan, dist.device, initialise=not weights_from_checkpoint)
         self.state = TrainState(self.scheduler, generator, self.ema, config=OmegaConf.to_container(cfg, resolve=True),
@@ -130,12 +134,9 @@ class Trainer:
         train.resume=auto), or start a fork from train.init_from's weights, or start fresh."""
         candidates = self.candidates
         if not candidates:
-            if self.tc.init_from:
-                source = ckpt.resolve_checkpoint(self.tc.init_from)
-                ckpt.load_weights(source, self.model, self.ema.model)
-                # the parent's EMA averages its num_updates steps: its decay ramp goes on from there (restarted at
-                # 0, the ramp's (1 + n) / (10 + n) left 0.5% of the parent's average after 4 steps)
-                self.ema.num_updates = ckpt.ema_updates_of(source)
+            if self.fork_source:
+                source, self.ema.num_updates = load_fork(self.tc.init_from, self.fork_source, self.model,
+                                                         self.ema.model)
                 log.info("forked from %s: its model and EMA weights (the EMA after %d updates), a fresh optimizer, "
                          "step 0", source, self.ema.num_updates)
             return
@@ -455,6 +456,10 @@ def run(cfg) -> dict:
             lock = prepare_run_folder(cfg, dist)
             record_nccl_traces(cfg.run_dir)
             return Trainer(cfg, dist).fit()
+    except ForkSourceGone:
+        if dist.is_main and lock is not None:  # the fork loaded nothing: its folder is left as it was found
+            forget_fork_start(cfg.run_dir)
+        raise
     finally:
         if lock is not None:
             lock.release()
