@@ -306,7 +306,8 @@ def _load_hf_dir(path: Path):
         raise ValueError(f"DINOv2 folder {str(path)!r}: loading {wfile.name} left weights unloaded or unused "
                          f"({ {k: sorted(map(str, v))[:3] for k, v in wrong.items() if v} }); every weight must be "
                          f"stored (a missing one is random: FD meaningless)")
-    return model, file_fingerprint(wfile)
+    # config.json is part of the network (activation, norms...): same weights under another config are another encoder
+    return model, f"{file_fingerprint(wfile)}-cfg{file_fingerprint(path / 'config.json')[-12:]}"
 
 
 class UntrustedCodeError(ValueError):
