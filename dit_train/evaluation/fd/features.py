@@ -395,6 +395,11 @@ def encoder_path_problem(encoder: str, path: str | os.PathLike) -> str | None:
             "nor a .pth checkpoint")
 
 
+def _snapshot(model) -> str:
+    """The hub commit a cached download came from (two snapshots of one repo are two encoders), or 'unknown'."""
+    return str(getattr(model.config, "_commit_hash", None) or "unknown")[:12]
+
+
 def load_dinov2(variant: str, path: Path | None, trust_code: bool = False):
     """Returns (net, kind, weights_id). Tries path, the HF cache, a torch.hub cache, then the hub (if online); a
     torch.hub checkout only with trust_code."""
@@ -424,7 +429,7 @@ def load_dinov2(variant: str, path: Path | None, trust_code: bool = False):
 
         with _no_loading_bar():
             model = Dinov2Model.from_pretrained(hf_repo, local_files_only=True)
-        return model, "hf", f"hfcache:{hf_repo}"
+        return model, "hf", f"hfcache:{hf_repo}@{_snapshot(model)}"
     except OSError:
         pass
     repo = _hub_checkout_default()
@@ -437,7 +442,7 @@ def load_dinov2(variant: str, path: Path | None, trust_code: bool = False):
             from transformers import Dinov2Model
 
             model = Dinov2Model.from_pretrained(hf_repo)
-            return model, "hf", f"hub:{hf_repo}"
+            return model, "hf", f"hub:{hf_repo}@{_snapshot(model)}"
         except Exception as e:  # noqa: BLE001 - turned into one clear line below
             raise _missing_dinov2(variant, None, f"download failed: {type(e).__name__}") from None
     raise _missing_dinov2(variant, None, "no network")
