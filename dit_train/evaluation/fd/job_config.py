@@ -66,7 +66,9 @@ def add_eval_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sample-steps", type=int)
     ap.add_argument("--cfg-scale", type=float)
     ap.add_argument("--reference-split", choices=["train", "val"])
-    ap.add_argument("--reference-num", type=int)
+    ap.add_argument("--reference-num", type=int,
+                    help="how many real images of --reference-split make the reference statistics (<= 0: all of it; "
+                         "default: the eval preset's reference_num, e.g. 128 for ci, 50000 for dinov2)")
     ap.add_argument("--cache-dir")
     ap.add_argument("--seed", type=int)
     ap.add_argument("--device", default=None, help="cpu | cuda (default: cuda:LOCAL_RANK when available)")

@@ -135,7 +135,20 @@ def load_checked_reference(path: str | os.PathLike, feature_dim: int, count: int
     if not (np.issubdtype(mean.dtype, np.floating) and np.issubdtype(cov.dtype, np.floating)
             and np.isfinite(mean).all() and np.isfinite(cov).all() and np.issubdtype(labels.dtype, np.integer)):
         raise ValueError("its statistics are not finite floating-point numbers, or its labels not integers")
+    check_covariance(cov)
     return ref
+
+
+def check_covariance(cov: np.ndarray) -> None:
+    """ValueError unless `cov` is symmetric positive semi-definite up to rounding: another matrix gives an FD that
+    means nothing (even a negative one). A sample covariance from fewer images than features has zero eigenvalues
+    that round to about -1e-16 of the largest; -1e-8 of it leaves room for float32 writers too."""
+    scale = float(np.abs(cov).max()) if cov.size else 0.0
+    if not np.allclose(cov, cov.T, rtol=0, atol=1e-8 * scale):
+        raise ValueError("its covariance is not symmetric")
+    lowest = float(np.linalg.eigvalsh(cov)[0]) if cov.size else 0.0
+    if lowest < -1e-8 * scale:
+        raise ValueError(f"its covariance is not positive semi-definite (an eigenvalue {lowest:.3g})")
 
 
 def dataset_id_of(dataset, data_cfg=None) -> str:
