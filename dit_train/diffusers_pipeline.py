@@ -207,10 +207,10 @@ class DiTTrainPipeline(DiffusionPipeline):
 
         check_pipeline_index(str(pretrained_model_name_or_path))
         check_scheduler_config(str(pretrained_model_name_or_path))
-        check_vae_matches_run(str(pretrained_model_name_or_path), kwargs.get("vae"))
         vae = os.path.join(str(pretrained_model_name_or_path), "vae")
-        if os.path.isdir(vae):
+        if os.path.isdir(vae):  # first: a crafted vae/ config is refused before anything else is read of it
             check_vae_folder(vae)
+        check_vae_matches_run(str(pretrained_model_name_or_path), kwargs.get("vae"))
         kwargs.update(trust_remote_code=False, local_files_only=True, custom_pipeline=None)
         return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 
