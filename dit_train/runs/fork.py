@@ -19,6 +19,27 @@ class ForkSourceGone(ckpt.CheckpointError):
     """The parent checkpoint a fork chose was removed (pruned by its still-running run) before it was read."""
 
 
+def choose_parent_checkpoint(init_from: str) -> str:
+    """The parent's newest checkpoint as rank 0 resolves it, the same path on every rank: ranks resolving it each for
+    itself could pick two checkpoints of a parent that saved in between, and read their shards from both. Rank 0's
+    refusal is every rank's (no rank is left waiting for a path)."""
+    import torch.distributed as dist
+
+    from dit_train.parallel.fsdp import broadcast_object
+
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    choice = None
+    if main:
+        try:
+            choice = (ckpt.resolve_checkpoint(str(init_from)), None)
+        except (FileNotFoundError, ckpt.CheckpointError) as e:
+            choice = (None, e)
+    path, error = broadcast_object(choice)
+    if error is not None:
+        raise error
+    return path
+
+
 def load_fork(init_from: str, source: str, model, ema_model) -> tuple[str, int]:
     """Load `source` (resolved from `init_from` when the fork started) into the models; (the path loaded, its EMA
     update count). A source gone before or while being read is resolved again from `init_from`."""
@@ -29,9 +50,9 @@ def load_fork(init_from: str, source: str, model, ema_model) -> tuple[str, int]:
         except (OSError, ckpt.CheckpointError, ValueError):
             if ckpt.is_complete(source):
                 raise  # still there: damaged, not pruned; its own error says why
-            gone = source
+            gone = source  # DCP raises a rank's read error on every rank: all of them choose again, together
             try:
-                source = ckpt.resolve_checkpoint(str(init_from))
+                source = choose_parent_checkpoint(init_from)
             except (FileNotFoundError, ckpt.CheckpointError):
                 break
             log.warning("fork source %s was pruned by its run before it was read; forking from its newest, %s",

@@ -43,7 +43,7 @@ from dit_train.parallel.fsdp import (DistInfo, all_reduce_sum_, autocast, barrie
 from dit_train.trainer.preemption import Preemption
 from dit_train.runs.resume_policy import resume_candidates
 from dit_train.runs.folder import prepare_run_folder
-from dit_train.runs.fork import ForkSourceGone, forget_fork_start, load_fork
+from dit_train.runs.fork import ForkSourceGone, choose_parent_checkpoint, forget_fork_start, load_fork
 from dit_train.telemetry.step_window import StepWindow
 from dit_train.runs.timeline import set_aside_after
 from dit_train.telemetry.clocks import PhaseTimer
@@ -84,7 +84,7 @@ class Trainer:
         barrier()
         weights_from_checkpoint = bool(self.candidates or self.tc.init_from)
         # chosen once, here: the checkpoint loaded is this one, not whatever the parent has saved or pruned since
-        self.fork_source = ckpt.resolve_checkpoint(str(self.tc.init_from)) \
+        self.fork_source = choose_parent_checkpoint(self.tc.init_from) \
             if self.tc.init_from and not self.candidates else None
         self.model, self.ema, self.optimizer, self.scheduler, generator = \
             build_training(cfg, self.plan, dist.device, initialise=not weights_from_checkpoint)

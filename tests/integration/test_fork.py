@@ -103,3 +103,25 @@ def test_a_parent_gone_before_the_load_is_one_line_and_leaves_no_fork_folder(tra
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "was removed before the fork could read it" in r.stderr
     assert not (tmp_path / "fork").exists(), sorted(p.name for p in (tmp_path / "fork").iterdir())
+
+
+def test_every_rank_forks_from_rank_0s_choice_and_shares_its_refusal(trained, tmp_path, monkeypatch):  # noqa: F811
+    """Each rank resolved the parent's newest checkpoint for itself: a parent that saved between two ranks' looks
+    had them read their shards from two checkpoints. Rank 1 here never resolves: it takes what rank 0 broadcast,
+    a path or a refusal (rank 0's refusal raised alone left the others waiting for a path)."""
+    import torch.distributed as dist
+
+    from dit_train.parallel import fsdp
+    from dit_train.runs import fork
+
+    parent = trained_copy(trained, tmp_path / "parent")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(ckpt, "resolve_checkpoint", lambda *a: pytest.fail("rank 1 resolved the parent itself"))
+    broadcast = []
+    monkeypatch.setattr(fsdp, "broadcast_object", lambda obj: (broadcast.append(obj), ("/rank0/step_4.dcp", None))[1])
+    assert fork.choose_parent_checkpoint(str(parent)) == "/rank0/step_4.dcp" and broadcast == [None]
+    refusal = ckpt.CheckpointError("no checkpoint in /parent")
+    monkeypatch.setattr(fsdp, "broadcast_object", lambda obj: (None, refusal))
+    with pytest.raises(ckpt.CheckpointError, match="no checkpoint in /parent"):
+        fork.choose_parent_checkpoint(str(parent))
