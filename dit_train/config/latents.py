@@ -86,6 +86,13 @@ def check_latent_run(model: dict, data: dict, vae: dict, needs_decoding: bool) -
         differs = vae_mismatch(path, root, info)
         if differs:
             raise invalid("vae.path", path, differs)
+    channels = read_json(os.path.join(path, "config.json"), fix="use the VAE folder the latents were made with")
+    channels = channels.get("latent_channels") if isinstance(channels, dict) else None
+    # latents made elsewhere (no latents_info.json to hold the VAE to): a VAE of other channels decoded nothing but
+    # a shape error at the first sample grid, after training steps had been paid for
+    if isinstance(channels, int) and data.get("channels") not in (None, "???") and channels != int(data["channels"]):
+        raise invalid("vae.path", path, f"its latent_channels={channels} differs from the {data['channels']} channels "
+                                        f"of the latents in {root} (data.channels): pass the VAE that made them")
 
 
 def vae_files(path: str) -> dict:

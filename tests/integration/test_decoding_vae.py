@@ -229,3 +229,26 @@ def test_fd_refuses_a_vae_for_an_image_run(tmp_path, monkeypatch):
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "encoder built" not in r.stderr, r.stderr
     assert f"--vae={str(tmp_path / 'vae')!r} is not valid for checkpoint " in r.stderr
     assert "its run trained on images (data=fashion_mnist); only a latent run" in r.stderr
+
+
+def test_a_vae_of_other_latent_channels_than_the_latents_is_refused_before_the_run(moved, tmp_path):
+    """Latents made elsewhere (no latents_info.json to hold the VAE to) with a VAE of 8 latent channels given for
+    4-channel latents: the first sample grid's decode failed on a shape, after training steps were paid for."""
+    import json
+    import shutil
+
+    from dit_train.config import ConfigError
+    from dit_train.config.latents import check_latent_run
+
+    lat = tmp_path / "lat"
+    shutil.copytree(moved["root"] / "lat_moved", lat)
+    (lat / "latents_info.json").unlink()
+    wide = tmp_path / "wide"
+    shutil.copytree(moved["vae"], wide)
+    config = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**config, "latent_channels": 8}))
+    check_latent_run({}, {"root": str(lat), "channels": 4}, {"path": moved["vae"]}, needs_decoding=True)
+    with pytest.raises(ConfigError, match=rf"^vae.path='{re.escape(str(wide))}' is not valid: its latent_channels=8 "
+                                          rf"differs from the 4 channels of the latents in {re.escape(str(lat))} "
+                                          rf"\(data.channels\): pass the VAE that made them$"):
+        check_latent_run({}, {"root": str(lat), "channels": 4}, {"path": str(wide)}, needs_decoding=True)
