@@ -250,7 +250,6 @@ class LatentsData:
     image_size: int = int_at_least(1, default=32, doc="latent side")
     channels: int = int_at_least(1, default=4, doc="latent channels")
     num_classes: int = int_at_least(0, default=1000, doc="classes")
-    skip_corrupt: bool = key(default=False, doc="skip unreadable shards instead of stopping")
 
 
 @dataclass(kw_only=True)

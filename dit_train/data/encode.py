@@ -47,6 +47,8 @@ from dit_train.plain_text import print_error
 DEFAULT_IMAGE_SIZE = 256  # --images of mixed sizes: DiT's ImageNet resolution
 INTERRUPTED = ("dit-encode-latents: interrupted; the shards written so far are kept: rerun the same command to "
                "continue from them")
+UNREADABLE_HINT = ("dit-encode-latents cannot leave an image out: replace the file and rerun the same command, or "
+                   "remove it and rerun (into a new --out once a shard is written)")
 TERMINATED = ("dit-encode-latents: stopped by SIGTERM; the shards written so far are kept (a shard in progress is "
               "not): rerun the same command to continue from them")
 
@@ -292,6 +294,8 @@ def main(argv=None) -> dict:
             ds = build_dataset(source, split)
         except (FileNotFoundError, ValueError) as e:  # the dataset's words (data.root=...), under the flag given
             raise ConfigError(f"{'--images' if args.images else f'--data {args.data}'}: {e}") from None
+        if hasattr(ds, "in_order_only"):  # data.skip_corrupt's substitute would be stored as the skipped image
+            ds.in_order_only(UNREADABLE_HINT)
         datasets[split] = ds, min(len(ds), args.limit) if args.limit else len(ds)
     info = encoding_record(args, source, datasets)
     try:

@@ -126,6 +126,7 @@ class ImageFolder(Dataset):
         root = split_folder(top, split)
         self.size = cfg.image_size
         self.skip_corrupt = cfg.skip_corrupt
+        self.unreadable_hint = "set data.skip_corrupt=true to skip it"
         self.classes = class_folders(root)
         if not self.classes:
             raise FileNotFoundError(no_class_folders(top, root))
@@ -153,6 +154,12 @@ class ImageFolder(Dataset):
         self.root = root
         self.dataset_id = f"image_folder:{os.path.abspath(root)}:{len(self.samples)}:{self.size}px"
 
+    def in_order_only(self, hint: str) -> None:
+        """For a reader whose item i must be image i (dit-encode-latents: a shard holds its images' latents in
+        order): an unreadable image is refused with `hint`, never replaced by the next one (data.skip_corrupt's
+        substitute stored the next image's latent twice). Empty class folders are still skipped if asked."""
+        self.skip_corrupt, self.unreadable_hint = False, hint
+
     def __len__(self) -> int:
         return len(self.samples)
 
@@ -169,6 +176,6 @@ class ImageFolder(Dataset):
                 return load_image(path, self.size), label
             except UNREADABLE as e:  # a decompression bomb too: named, skipped like any unreadable image
                 if not self.skip_corrupt:
-                    raise ValueError(f"corrupt image {path}: {e} (set data.skip_corrupt=true to skip it)") from None
+                    raise ValueError(f"corrupt image {path}: {e} ({self.unreadable_hint})") from None
                 self.skipped.add(path)  # counted in the training log as data/skipped
         raise ValueError(f"every image under data.root is unreadable (first: {self.samples[0][0]})")

@@ -508,3 +508,11 @@ def test_a_damaged_vae_config_or_latents_info_is_one_line(tmp_path, vae_config, 
         check_latent_run({"name": "dit_1b3", "image_size": 8}, {"root": str(tmp_path / "latents")},
                          {"path": str(tmp_path / "vae")}, needs_decoding=True)
     assert "\n" not in str(e.value)
+
+
+def test_skip_corrupt_is_not_a_key_of_latents():
+    """data=latents declared skip_corrupt ("skip unreadable shards") but nothing read it: a run asking for it got
+    a bad shard's refusal anyway. It is refused as a key latents does not have, naming the keys it has."""
+    with pytest.raises(ConfigError, match=r"data.skip_corrupt=True is not valid: not a key of data 'latents'; valid "
+                                          r"keys: channels, image_size, name, num_classes, root"):
+        build_dataset(OmegaConf.create({"name": "latents", "root": "/nonexistent", "skip_corrupt": True}), "train")

@@ -546,3 +546,22 @@ def test_sigterm_while_encoding_is_one_line_exit_75_and_the_same_command_continu
     assert os.listdir(tmp_path / "lat" / "train") == ["shard_00000.safetensors"]
     monkeypatch.setattr(encode_module, "atomic_save_tensors", save)
     assert run_entry_in_process(encode_module.cli, *encode_args(tmp_path), prog="dit-encode-latents").returncode == 0
+
+
+def test_skip_corrupt_does_not_store_the_next_image_in_place_of_an_unreadable_one(tmp_path):
+    """--data image_folder with data.skip_corrupt=true: the trainer's substitute for an unreadable image (the next
+    one) was encoded in its place, so the next image's latent was stored twice under the shard's count. The encoder
+    names the image instead; skip_corrupt still skips an empty class folder."""
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img")
+    (tmp_path / "img" / "a" / "1.png").write_bytes(b"not a png")
+    os.makedirs(tmp_path / "img" / "c")  # empty: skipped as asked
+    args = ["--vae", str(tmp_path / "vae"), "--data", "image_folder", "--data-set", f"root={tmp_path / 'img'}",
+            "image_size=16", "skip_corrupt=true", "--out", str(tmp_path / "lat"), "--shard-size", "8",
+            "--splits", "train"]
+    with pytest.raises(ValueError, match=r"^corrupt image .*img.a.1\.png: .* \(dit-encode-latents cannot leave an "
+                                         r"image out: replace the file and rerun the same command"):
+        load_encoder()(args)
+    assert not os.listdir(tmp_path / "lat" / "train")
+    Image.new("RGB", (20, 18), (60, 100, 0)).save(tmp_path / "img" / "a" / "1.png")
+    assert load_encoder()(args)["complete"]
