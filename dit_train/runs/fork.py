@@ -40,6 +40,18 @@ def choose_parent_checkpoint(init_from: str) -> str:
     return path
 
 
+def pruned_for_every_rank(source: str) -> bool:
+    """Whether `source` is gone (pruned), as rank 0 sees it, on every rank: each rank looking for itself while the
+    parent removed it could have one rank raise and the others wait in the next choice's broadcast until the
+    collective timeout."""
+    import torch.distributed as dist
+
+    from dit_train.parallel.fsdp import broadcast_object
+
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    return broadcast_object(not ckpt.is_complete(source) if main else None)
+
+
 def load_fork(init_from: str, source: str, model, ema_model) -> tuple[str, int]:
     """Load `source` (resolved from `init_from` when the fork started) into the models; (the path loaded, its EMA
     update count). A source gone before or while being read is resolved again from `init_from`."""
@@ -48,7 +60,7 @@ def load_fork(init_from: str, source: str, model, ema_model) -> tuple[str, int]:
             ckpt.load_weights(source, model, ema_model)
             return source, ckpt.ema_updates_of(source)  # the parent's EMA decay ramp goes on from its count
         except (OSError, ckpt.CheckpointError, ValueError):
-            if ckpt.is_complete(source):
+            if not pruned_for_every_rank(source):
                 raise  # still there: damaged, not pruned; its own error says why
             gone = source  # DCP raises a rank's read error on every rank: all of them choose again, together
             try:

@@ -125,3 +125,34 @@ def test_every_rank_forks_from_rank_0s_choice_and_shares_its_refusal(trained, tm
     monkeypatch.setattr(fsdp, "broadcast_object", lambda obj: (None, refusal))
     with pytest.raises(ckpt.CheckpointError, match="no checkpoint in /parent"):
         fork.choose_parent_checkpoint(str(parent))
+
+
+def test_every_rank_takes_rank_0s_word_on_whether_the_source_was_pruned(trained, tmp_path, monkeypatch):  # noqa: F811
+    """After a failed read each rank asked is_complete for itself: a parent pruning at that moment could have one
+    rank raise "damaged" while the others waited in the next choice's broadcast for the collective timeout. Rank 1
+    here never looks: it takes rank 0's word (gone), chooses again with the others and loads the newest."""
+    import torch.distributed as dist
+
+    from dit_train.parallel import fsdp
+    from dit_train.runs import fork
+
+    parent = trained_copy(trained, tmp_path / "parent")
+    newest = ckpt.resolve_checkpoint(str(parent))
+    fork_ = Trainer(tiny(tmp_path / "fork", f"train.init_from={parent}"), DistInfo())
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    real_complete = ckpt.is_complete
+    monkeypatch.setattr(ckpt, "is_complete", lambda path: pytest.fail("rank 1 judged the source itself")
+                        if path == "/pruned/step_2.dcp" else real_complete(path))
+    said = iter([True, (newest, None)])  # rank 0: the source is gone; then its new choice
+    monkeypatch.setattr(fsdp, "broadcast_object", lambda obj: next(said))
+    tried = []
+
+    def first_read_fails(path, *a):  # DCP raises a rank's read error on every rank
+        tried.append(path)
+        if len(tried) == 1:
+            raise ckpt.CheckpointError("a shard vanished")
+
+    monkeypatch.setattr(ckpt, "load_weights", first_read_fails)
+    assert fork.load_fork(str(parent), "/pruned/step_2.dcp", fork_.model, fork_.ema.model) == (newest, 4)
+    assert tried == ["/pruned/step_2.dcp", newest]
