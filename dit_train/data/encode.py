@@ -17,7 +17,9 @@ records the VAE (its files' fingerprints), its factors, the source images and th
 shard holds; the trainer (vae.path), dit-sample, dit-export and dit-fd (--vae) check the VAE they decode with
 against it, and the source is the FD reference of latent runs.
 Shards are written atomically and an existing one is skipped, so an interrupted run continues where it stopped:
-only with the VAE, images, --flip and --shard-size recorded (else one line, and nothing is written).
+only with the VAE, --flip, --shard-size and the source's settings recorded (else one line, and nothing is written).
+Images added, removed or renamed (an unreadable one removed, say), or another --limit: the shards whose images
+changed are encoded again, the others kept.
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ from dit_train.plain_text import print_error
 DEFAULT_IMAGE_SIZE = 256  # --images of mixed sizes: DiT's ImageNet resolution
 INTERRUPTED = ("dit-encode-latents: interrupted; the shards written so far are kept: rerun the same command to "
                "continue from them")
-UNREADABLE_HINT = ("dit-encode-latents cannot leave an image out: replace the file and rerun the same command, or "
-                   "remove it and rerun (into a new --out once a shard is written)")
+UNREADABLE_HINT = ("dit-encode-latents cannot leave an image out: replace or remove the file, then rerun the same "
+                   "command (the shards before it are kept)")
 TERMINATED = ("dit-encode-latents: stopped by SIGTERM; the shards written so far are kept (a shard in progress is "
               "not): rerun the same command to continue from them")
 
@@ -111,18 +113,23 @@ def check_flags(args) -> None:
                           f"or root/train/<class>/... and root/val/<class>/...)")
 
 
-def image_list(ds, n: int) -> str:
-    """Which images the split's first n items are: an image folder's files and labels in order, else the dataset
-    id (a file added, removed or renamed shifts every later shard's contents)."""
+def image_list(ds, start: int, stop: int) -> str:
+    """Which images items start..stop-1 of the split are: an image folder's files and labels in order, else the
+    dataset id (a file added, removed or renamed shifts every later shard's contents)."""
     items = getattr(ds, "samples", None)
-    text = "".join(f"{p}\t{y}\n" for p, y in items[:n]) if items is not None else f"{ds.dataset_id}:{n}"
+    text = "".join(f"{p}\t{y}\n" for p, y in items[start:stop]) if items is not None else \
+        f"{ds.dataset_id}:{stop}" if start == 0 else f"{ds.dataset_id}:{start}:{stop}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def encoding_record(args, source: dict, datasets: dict) -> dict:
-    """latents_info.json: everything the shards' contents depend on (batch size aside: it only groups the work)."""
+    """latents_info.json: everything the shards' contents depend on (batch size aside: it only groups the work);
+    each shard's image list too, so that a rerun after images changed encodes again only the shards they touch."""
+    size = args.shard_size
     splits = [{"split": split, "images": n, "latents": n * (2 if args.flip else 1),
-               "shards": math.ceil(n / args.shard_size), "image_list": image_list(ds, n)}
+               "shards": math.ceil(n / size), "image_list": image_list(ds, 0, n),
+               "shard_image_lists": [image_list(ds, k * size, min((k + 1) * size, n))
+                                     for k in range(math.ceil(n / size))]}
               for split, (ds, n) in datasets.items()]
     scale, shift = vae_scaling(args.vae)
     # which folder each label is, for the trainer's start-up line (an image folder's; the image lists cover them)
@@ -169,10 +176,40 @@ def settings_conflict(old: dict, new: dict, out: str) -> str | None:
     recorded = {s["split"]: s for s in old["splits"]}
     for s in new["splits"]:
         then = recorded.get(s["split"], s)
+        if "shard_image_lists" in then:  # the shards whose images changed are encoded again (changed_shards)
+            continue
         if (then["images"], then["image_list"]) != (s["images"], s["image_list"]):
             return (f"{out} holds {s['split']} latents of {then['images']} images, now {s['images']} images or "
                     f"other files (--limit, or images added, removed or renamed)")
     return None
+
+
+def changed_shards(old: dict, new: dict, out: str) -> dict[str, list[str]]:
+    """Per split, the shard files in `out` whose images are not those the new record lists for them (a file added,
+    removed or renamed, --limit changed): shards of other images, and shards past the new count (the trainer
+    refuses a shard its record does not list). Shards before the change keep their latents."""
+    recorded = {s["split"]: s for s in old.get("splits") or ()}
+    changed = {}
+    for s in new["splits"]:
+        then = recorded.get(s["split"], {}).get("shard_image_lists")
+        if then is None or then == s["shard_image_lists"]:
+            continue
+        paths = sorted(glob.glob(os.path.join(out, s["split"], "shard_*.safetensors")))
+        keep = {shard_name(k) for k, (a, b) in enumerate(zip(then, s["shard_image_lists"])) if a == b}
+        changed[s["split"]] = [p for p in paths if os.path.basename(p) not in keep]
+    return changed
+
+
+def forget_changed_shards(changed: dict[str, list[str]], out: str) -> None:
+    """Remove the shards of images that changed, before the new record is written: a shard on disk always holds
+    the images the record on disk lists for it, wherever a rerun is interrupted."""
+    for split, paths in changed.items():
+        if paths:
+            print(f"the images of {len(paths)} {split} shard(s) in {out} changed since they were encoded (--limit, or "
+                  f"images added, removed or renamed): they are encoded again ({os.path.basename(paths[0])} on)",
+                  flush=True)
+        for path in paths:
+            os.remove(path)
 
 
 def images_of_rank(n: int, shard_size: int, rank: int, world: int) -> int:
@@ -305,14 +342,17 @@ def main(argv=None) -> dict:
     conflict = resume_conflict(old, info, args.out)
     if conflict:
         raise ConfigError(conflict)
+    changed = changed_shards(old, info, args.out)
     # a rerun over complete shards loads no VAE (seconds, or a GPU's memory): it has nothing to encode
     codec = LatentCodec(args.vae, dist.device, args.batch_size) \
-        if shards_to_write(args.out, datasets, args.shard_size, dist.rank, dist.world_size) else None
+        if any(changed.values()) or shards_to_write(args.out, datasets, args.shard_size, dist.rank,
+                                                    dist.world_size) else None
     this_run = {s["split"] for s in info["splits"]}
     info["splits"] = [s for s in old.get("splits", []) if s["split"] not in this_run] + info["splits"]
     info_path = os.path.join(args.out, LATENTS_INFO)
     if dist.is_main:  # before the first shard: an interrupted run's shards are never without their record
         os.makedirs(args.out, exist_ok=True)
+        forget_changed_shards(changed, args.out)
         atomic_write_bytes(json.dumps(info, indent=2).encode(), info_path)
     barrier()
     progress = None

@@ -136,6 +136,8 @@ class LatentShards(Dataset):
         self.total = total
         self.num_classes = cfg.num_classes
         self.dataset_id = f"latents:{os.path.abspath(folder)}:{total}"
+        lists = (recorded or {}).get("shard_image_lists")  # which images each shard holds (dit-encode-latents)
+        self.shard_image_lists = lists if isinstance(lists, list) and len(lists) == len(files) else None
         self._handles: dict[int, object] = {}
 
     def __len__(self) -> int:
@@ -143,10 +145,12 @@ class LatentShards(Dataset):
 
     def content_index(self):
         """What identifies this split's data wherever it lives (data/datasets.py: data_fingerprint): each shard's
-        name, item count and size in bytes (the shards themselves are not read)."""
+        name, item count and size in bytes (the shards themselves are not read), and which images it holds where
+        latents_info.json records it (a shard encoded again after an image was removed has the same size)."""
         counts = [b - a for a, b in zip(self.offsets, self.offsets[1:] + [self.total])]
-        return ["".join(f"{os.path.basename(p)}\t{n}\t{os.path.getsize(p)}\n"
-                        for p, n in zip(self.files, counts)).encode()]
+        lists = [f"\t{h}" for h in self.shard_image_lists] if self.shard_image_lists else [""] * len(self.files)
+        return ["".join(f"{os.path.basename(p)}\t{n}\t{os.path.getsize(p)}{h}\n"
+                        for p, n, h in zip(self.files, counts, lists)).encode()]
 
     def _shard(self, k: int):
         if k not in self._handles:  # opened per process (DataLoader workers included), kept open

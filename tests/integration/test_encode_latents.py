@@ -149,12 +149,10 @@ def test_a_resumed_encoding_refuses_another_vae_and_continues_with_its_own(tmp_p
     (["--shard-size", "4"], r" holds latents made with --shard-size 2, not 4"),
     (["--flip"], r" holds latents made without --flip"),
     (["--image-size", "32"], r" holds latents made from source image_size=16, not 32 \(--images/--data/"),
-    (["--limit", "4"], r" holds train latents of 5 images, now 4 images or other files \(--limit, or "),
-    ("added image", r" holds train latents of 5 images, now 6 images or other files"),
-    ("renamed image", r" holds train latents of 5 images, now 5 images or other files"),
     ("no record", r" holds latent shards but no latents_info.json that says how they were made"),
     ("torn record", r"/latents_info.json is not valid JSON \(.*\): the file is damaged .*; encode the latents again"),
     ("old record", r"/latents_info.json does not record vae_files, shard_size, .*\(an older dit-encode-latents"),
+    ("record without shard lists", r" holds train latents of 5 images, now 6 images or other files \(--limit, or "),
 ])
 def test_a_resumed_encoding_refuses_other_settings_before_writing(tmp_path, change, message):
     """--shard-size 4 over shards of 2 skipped shard 1 (images 2-3, not 4-7) and left images never encoded while
@@ -167,11 +165,7 @@ def test_a_resumed_encoding_refuses_other_settings_before_writing(tmp_path, chan
     encode(args)
     os.remove(tmp_path / "lat" / "train" / "shard_00002.safetensors")  # as if interrupted before the last shard
     info_path = tmp_path / "lat" / "latents_info.json"
-    if change == "added image":
-        Image.new("RGB", (20, 18)).save(tmp_path / "img" / "a" / "3.png")
-    elif change == "renamed image":
-        os.rename(tmp_path / "img" / "a" / "1.png", tmp_path / "img" / "a" / "9.png")
-    elif change == "no record":
+    if change == "no record":
         os.remove(info_path)
     elif change == "torn record":
         info_path.write_text(info_path.read_text()[:50])
@@ -179,6 +173,11 @@ def test_a_resumed_encoding_refuses_other_settings_before_writing(tmp_path, chan
         old = json.loads(info_path.read_text())
         info_path.write_text(json.dumps({k: old[k] for k in ("vae", "scaling_factor", "shift_factor", "flip",
                                                              "source", "splits")}))
+    elif change == "record without shard lists":  # an encoder before them: a changed image list is refused
+        old = json.loads(info_path.read_text())
+        info_path.write_text(json.dumps({**old, "splits": [{k: v for k, v in s.items() if k != "shard_image_lists"}
+                                                           for s in old["splits"]]}))
+        Image.new("RGB", (20, 18)).save(tmp_path / "img" / "a" / "3.png")
     before = folder_state(tmp_path / "lat")
     with pytest.raises(ConfigError, match=rf"^{tmp_path}/lat" + message) as e:
         encode(args + (change if isinstance(change, list) else []))
@@ -560,8 +559,54 @@ def test_skip_corrupt_does_not_store_the_next_image_in_place_of_an_unreadable_on
             "image_size=16", "skip_corrupt=true", "--out", str(tmp_path / "lat"), "--shard-size", "8",
             "--splits", "train"]
     with pytest.raises(ValueError, match=r"^corrupt image .*img.a.1\.png: .* \(dit-encode-latents cannot leave an "
-                                         r"image out: replace the file and rerun the same command"):
+                                         r"image out: replace or remove the file, then rerun the same command"):
         load_encoder()(args)
     assert not os.listdir(tmp_path / "lat" / "train")
     Image.new("RGB", (20, 18), (60, 100, 0)).save(tmp_path / "img" / "a" / "1.png")
     assert load_encoder()(args)["complete"]
+
+
+@pytest.mark.parametrize("change", ["removed image", "added image", "renamed image", "--limit 3", "--limit 8"])
+def test_a_rerun_after_the_images_changed_encodes_again_only_the_shards_they_touch(tmp_path, change, capsys):
+    """Any change of the image list was refused ('choose another --out'): an unreadable image removed after hours
+    of encoding meant encoding everything again elsewhere. Now the shards whose images changed are encoded again
+    (or removed, past the new count) and the others kept, file for file: the folder then holds what an encoding
+    from scratch writes, and trains."""
+    from safetensors.torch import load_file
+
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img", per_class=4)  # 8 images, 7 train: shards of 2 images
+    encode = load_encoder()
+    args = ["--vae", str(tmp_path / "vae"), "--images", str(tmp_path / "img"), "--image-size", "16", "--shard-size",
+            "2", "--splits", "train"]
+    encode([*args, "--out", str(tmp_path / "lat")])
+    shard0 = tmp_path / "lat" / "train" / "shard_00000.safetensors"
+    kept = os.stat(shard0).st_ino
+    cfg = OmegaConf.create({"name": "latents", "root": str(tmp_path / "lat"), "image_size": 8, "channels": 4,
+                            "num_classes": 2})
+    trained_on = build_dataset(cfg, "train").content_index()  # what a run's checkpoint records of its data
+    limit = []
+    if change == "removed image":
+        os.remove(tmp_path / "img" / "b" / "2.png")
+    elif change == "added image":
+        Image.new("RGB", (20, 18), (9, 9, 9)).save(tmp_path / "img" / "b" / "9.png")
+    elif change == "renamed image":
+        os.rename(tmp_path / "img" / "b" / "1.png", tmp_path / "img" / "b" / "8.png")
+    else:
+        limit = change.split()
+    capsys.readouterr()
+    info = encode([*args, *limit, "--out", str(tmp_path / "lat")])
+    told = capsys.readouterr().out
+    fresh = encode([*args, *limit, "--out", str(tmp_path / "fresh")])
+    assert info == {**fresh, "vae": info["vae"]} and info["complete"]
+    assert sorted(os.listdir(tmp_path / "lat" / "train")) == sorted(os.listdir(tmp_path / "fresh" / "train"))
+    for name in os.listdir(tmp_path / "fresh" / "train"):
+        a, b = load_file(str(tmp_path / "lat" / "train" / name)), load_file(str(tmp_path / "fresh" / "train" / name))
+        assert all(torch.equal(a[k], b[k]) for k in b), name
+    if change != "--limit 8":  # more than the 7 images: nothing changed, nothing encoded again
+        assert "train shard(s) in" in told and "changed since they were encoded" in told, told
+    assert os.stat(shard0).st_ino == kept  # class a's first images: the same file, not encoded again
+    now = build_dataset(cfg, "train")
+    assert len(now) == info["splits"][0]["latents"]
+    # a run resumed on them is told its data changed (a renamed image's shard has the same count and size)
+    assert (now.content_index() == trained_on) == (change == "--limit 8")
