@@ -156,8 +156,26 @@ def resume_conflict(old: dict, new: dict, out: str) -> str | None:
     if missing:
         return (f"{out}/{LATENTS_INFO} does not record {', '.join(missing)} (an older dit-encode-latents wrote it); "
                 f"choose another --out")
+    damaged = damaged_splits(old["splits"])
+    if damaged:  # a hand-edited record: its shard lists decide which shards are removed and encoded again
+        return f"{out}/{LATENTS_INFO} is not as dit-encode-latents writes it ({damaged}); choose another --out"
     differs = settings_conflict(old, new, out)
     return differs and f"{differs}; rerun with the settings in {out}/{LATENTS_INFO}, or choose another --out"
+
+
+def damaged_splits(splits) -> str | None:
+    """What is wrong with a record's `splits` (a list of one entry per split: its name, counts, image list and,
+    from encoders that record them, one image list per shard), or None."""
+    if not isinstance(splits, list):
+        return f"splits is a {type(splits).__name__}, not a list"
+    for s in splits:
+        if not (isinstance(s, dict) and isinstance(s.get("split"), str) and isinstance(s.get("images"), int)
+                and isinstance(s.get("shards"), int) and isinstance(s.get("image_list"), str)):
+            return f"a split entry {json.dumps(s)[:80]} lacks its split name, counts or image list"
+        lists = s.get("shard_image_lists", [""] * s["shards"])
+        if not (isinstance(lists, list) and len(lists) == s["shards"] and all(isinstance(h, str) for h in lists)):
+            return f"{s['split']}'s shard_image_lists is not {s['shards']} image lists, one per shard"
+    return None
 
 
 def settings_conflict(old: dict, new: dict, out: str) -> str | None:

@@ -153,6 +153,12 @@ def test_a_resumed_encoding_refuses_another_vae_and_continues_with_its_own(tmp_p
     ("torn record", r"/latents_info.json is not valid JSON \(.*\): the file is damaged .*; encode the latents again"),
     ("old record", r"/latents_info.json does not record vae_files, shard_size, .*\(an older dit-encode-latents"),
     ("record without shard lists", r" holds train latents of 5 images, now 6 images or other files \(--limit, or "),
+    ("shard lists a string", r"/latents_info.json is not as dit-encode-latents writes it \(train's shard_image_lists "
+                             r"is not 3 image lists, one per shard\); choose another --out"),
+    ("shard lists too short", r"/latents_info.json is not as dit-encode-latents writes it \(train's "
+                              r"shard_image_lists is not 3 image lists"),
+    ("splits an object", r"/latents_info.json is not as dit-encode-latents writes it \(splits is a dict, not a list"),
+    ("split entry a number", r"/latents_info.json is not as dit-encode-latents writes it \(a split entry 7 lacks"),
 ])
 def test_a_resumed_encoding_refuses_other_settings_before_writing(tmp_path, change, message):
     """--shard-size 4 over shards of 2 skipped shard 1 (images 2-3, not 4-7) and left images never encoded while
@@ -173,6 +179,14 @@ def test_a_resumed_encoding_refuses_other_settings_before_writing(tmp_path, chan
         old = json.loads(info_path.read_text())
         info_path.write_text(json.dumps({k: old[k] for k in ("vae", "scaling_factor", "shift_factor", "flip",
                                                              "source", "splits")}))
+    elif change in ("shard lists a string", "shard lists too short", "splits an object", "split entry a number"):
+        # hand-edited (or planted): a string's characters were compared as shard lists, and every shard removed
+        old = json.loads(info_path.read_text())
+        split = {**old["splits"][0], "shard_image_lists": "abc" if change == "shard lists a string"
+                 else old["splits"][0]["shard_image_lists"][:1]}
+        splits = {"splits an object": {"train": split}, "split entry a number": [7]}.get(change, [split])
+        info_path.write_text(json.dumps({**old, "splits": splits}))
+        Image.new("RGB", (20, 18)).save(tmp_path / "img" / "a" / "3.png")
     elif change == "record without shard lists":  # an encoder before them: a changed image list is refused
         old = json.loads(info_path.read_text())
         info_path.write_text(json.dumps({**old, "splits": [{k: v for k, v in s.items() if k != "shard_image_lists"}
