@@ -218,6 +218,18 @@ def changed_shards(old: dict, new: dict, out: str) -> dict[str, list[str]]:
     return changed
 
 
+def keep_record_format(old: dict, new: dict, out: str) -> None:
+    """A split whose shards an older encoder recorded without per-shard image lists stays so: its shards' image
+    lists are not known, and lists added to its record would change the data fingerprint of runs trained on it
+    (a resume of them refused as 'other data' after a rerun that encoded nothing)."""
+    recorded = {s["split"]: s for s in old.get("splits") or ()}
+    for s in new["splits"]:
+        then = recorded.get(s["split"])
+        if then is not None and "shard_image_lists" not in then and \
+                glob.glob(os.path.join(out, s["split"], "shard_*.safetensors")):
+            del s["shard_image_lists"]
+
+
 def forget_changed_shards(changed: dict[str, list[str]], out: str) -> None:
     """Remove the shards of images that changed, before the new record is written: a shard on disk always holds
     the images the record on disk lists for it, wherever a rerun is interrupted."""
@@ -360,6 +372,7 @@ def main(argv=None) -> dict:
     conflict = resume_conflict(old, info, args.out)
     if conflict:
         raise ConfigError(conflict)
+    keep_record_format(old, info, args.out)
     changed = changed_shards(old, info, args.out)
     # a rerun over complete shards loads no VAE (seconds, or a GPU's memory): it has nothing to encode
     codec = LatentCodec(args.vae, dist.device, args.batch_size) \

@@ -624,3 +624,20 @@ def test_a_rerun_after_the_images_changed_encodes_again_only_the_shards_they_tou
     assert len(now) == info["splits"][0]["latents"]
     # a run resumed on them is told its data changed (a renamed image's shard has the same count and size)
     assert (now.content_index() == trained_on) == (change == "--limit 8")
+
+
+def test_a_rerun_over_an_older_encoders_shards_keeps_its_record_and_the_runs_data_fingerprint(tmp_path):
+    """Shards recorded without per-shard image lists (an older encoder's): a rerun that encodes nothing added the
+    lists, which changed the fingerprint of the data every run trained on them had recorded (resume refused)."""
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img")
+    load_encoder()(encode_args(tmp_path))
+    info_path = tmp_path / "lat" / "latents_info.json"
+    old = json.loads(info_path.read_text())
+    old["splits"] = [{k: v for k, v in s.items() if k != "shard_image_lists"} for s in old["splits"]]
+    info_path.write_text(json.dumps(old))
+    cfg = OmegaConf.create({"name": "latents", "root": str(tmp_path / "lat"), "image_size": 8, "channels": 4,
+                            "num_classes": 2})
+    trained_on = build_dataset(cfg, "train").content_index()
+    assert load_encoder()(encode_args(tmp_path))["splits"] == old["splits"]
+    assert build_dataset(cfg, "train").content_index() == trained_on
