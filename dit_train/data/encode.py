@@ -25,8 +25,6 @@ changed are encoded again, the others kept.
 from __future__ import annotations
 
 import argparse
-import glob
-import hashlib
 import json
 import math
 import os
@@ -37,8 +35,10 @@ import torch
 
 from dit_train.runs.atomic_io import atomic_save_tensors, atomic_write_bytes, describe_os_error
 from dit_train.config.errors import ConfigError
-from dit_train.config.latents import LATENTS_INFO, not_a_vae, read_latents_info, vae_files, vae_scaling
+from dit_train.config.latents import LATENTS_INFO, not_a_vae, read_latents_info
 from dit_train.data.datasets import build_dataset
+from dit_train.data.encode_record import (changed_shards, encoding_record, forget_changed_shards, keep_record_format,
+                                          resume_conflict)
 from dit_train.data.latents import shard_name
 from dit_train.evaluation.fd.job_config import load_data_cfg
 from dit_train.parallel.fsdp import barrier, init_distributed, shutdown_process_group
@@ -111,135 +111,6 @@ def check_flags(args) -> None:
     if args.images is not None and not os.path.isdir(args.images):  # was a traceback naming data.root
         raise ConfigError(f"--images {args.images} is not a folder: expected an image folder (root/<class>/<images>, "
                           f"or root/train/<class>/... and root/val/<class>/...)")
-
-
-def image_list(ds, start: int, stop: int) -> str:
-    """Which images items start..stop-1 of the split are: an image folder's files and labels in order, else the
-    dataset id (a file added, removed or renamed shifts every later shard's contents)."""
-    items = getattr(ds, "samples", None)
-    text = "".join(f"{p}\t{y}\n" for p, y in items[start:stop]) if items is not None else \
-        f"{ds.dataset_id}:{stop}" if start == 0 else f"{ds.dataset_id}:{start}:{stop}"
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def encoding_record(args, source: dict, datasets: dict) -> dict:
-    """latents_info.json: everything the shards' contents depend on (batch size aside: it only groups the work);
-    each shard's image list too, so that a rerun after images changed encodes again only the shards they touch."""
-    size = args.shard_size
-    splits = [{"split": split, "images": n, "latents": n * (2 if args.flip else 1),
-               "shards": math.ceil(n / size), "image_list": image_list(ds, 0, n),
-               "shard_image_lists": [image_list(ds, k * size, min((k + 1) * size, n))
-                                     for k in range(math.ceil(n / size))]}
-              for split, (ds, n) in datasets.items()]
-    scale, shift = vae_scaling(args.vae)
-    # which folder each label is, for the trainer's start-up line (an image folder's; the image lists cover them)
-    classes = next((list(ds.classes) for ds, _ in datasets.values() if getattr(ds, "classes", None)), None)
-    return {"vae": os.path.abspath(args.vae), "vae_files": vae_files(args.vae), "scaling_factor": scale,
-            "shift_factor": shift, "flip": bool(args.flip), "shard_size": args.shard_size, "source": source,
-            "splits": splits, "class_names": classes, "complete": False}
-
-
-# recorded for the reader, not a setting the shards depend on: a record without it (an older encoder's) continues
-INFORMATIONAL = ("class_names",)
-
-
-def resume_conflict(old: dict, new: dict, out: str) -> str | None:
-    """Why the shards in `out` (recorded in `old`) cannot be continued by this run (`new`), and what to do; None:
-    they can."""
-    if old and not glob.glob(os.path.join(out, "*", "shard_*.safetensors")):
-        old = {}  # a refused or stopped encoding that wrote no shard binds nothing: a rerun may change the settings
-    if not old:
-        if glob.glob(os.path.join(out, "*", "shard_*.safetensors")):
-            return f"{out} holds latent shards but no {LATENTS_INFO} that says how they were made; choose another --out"
-        return None
-    missing = [k for k in new if k not in old and k not in INFORMATIONAL]
-    if missing:
-        return (f"{out}/{LATENTS_INFO} does not record {', '.join(missing)} (an older dit-encode-latents wrote it); "
-                f"choose another --out")
-    damaged = damaged_splits(old["splits"])
-    if damaged:  # a hand-edited record: its shard lists decide which shards are removed and encoded again
-        return f"{out}/{LATENTS_INFO} is not as dit-encode-latents writes it ({damaged}); choose another --out"
-    differs = settings_conflict(old, new, out)
-    return differs and f"{differs}; rerun with the settings in {out}/{LATENTS_INFO}, or choose another --out"
-
-
-def damaged_splits(splits) -> str | None:
-    """What is wrong with a record's `splits` (a list of one entry per split: its name, counts, image list and,
-    from encoders that record them, one image list per shard), or None."""
-    if not isinstance(splits, list):
-        return f"splits is a {type(splits).__name__}, not a list"
-    for s in splits:
-        if not (isinstance(s, dict) and isinstance(s.get("split"), str) and isinstance(s.get("images"), int)
-                and isinstance(s.get("shards"), int) and isinstance(s.get("image_list"), str)):
-            return f"a split entry {json.dumps(s)[:80]} lacks its split name, counts or image list"
-        lists = s.get("shard_image_lists", [""] * s["shards"])
-        if not (isinstance(lists, list) and len(lists) == s["shards"] and all(isinstance(h, str) for h in lists)):
-            return f"{s['split']}'s shard_image_lists is not {s['shards']} image lists, one per shard"
-    return None
-
-
-def settings_conflict(old: dict, new: dict, out: str) -> str | None:
-    """The first setting of this run that differs from the one the shards were made with; None: none does."""
-    if (old["vae_files"], old["scaling_factor"], old["shift_factor"]) != \
-            (new["vae_files"], new["scaling_factor"], new["shift_factor"]):
-        return f"{out} holds latents made with another VAE ({old['vae']}), not --vae {new['vae']}"
-    if old["flip"] != new["flip"]:
-        return f"{out} holds latents made {'with' if old['flip'] else 'without'} --flip"
-    if old["shard_size"] != new["shard_size"]:
-        return f"{out} holds latents made with --shard-size {old['shard_size']}, not {new['shard_size']}"
-    for key in sorted(set(old["source"]) | set(new["source"])):
-        if old["source"].get(key) != new["source"].get(key):
-            return (f"{out} holds latents made from source {key}={old['source'].get(key)!r}, not "
-                    f"{new['source'].get(key)!r} (--images/--data/--data-set/--image-size)")
-    recorded = {s["split"]: s for s in old["splits"]}
-    for s in new["splits"]:
-        then = recorded.get(s["split"], s)
-        if "shard_image_lists" in then:  # the shards whose images changed are encoded again (changed_shards)
-            continue
-        if (then["images"], then["image_list"]) != (s["images"], s["image_list"]):
-            return (f"{out} holds {s['split']} latents of {then['images']} images, now {s['images']} images or "
-                    f"other files (--limit, or images added, removed or renamed)")
-    return None
-
-
-def changed_shards(old: dict, new: dict, out: str) -> dict[str, list[str]]:
-    """Per split, the shard files in `out` whose images are not those the new record lists for them (a file added,
-    removed or renamed, --limit changed): shards of other images, and shards past the new count (the trainer
-    refuses a shard its record does not list). Shards before the change keep their latents."""
-    recorded = {s["split"]: s for s in old.get("splits") or ()}
-    changed = {}
-    for s in new["splits"]:
-        then = recorded.get(s["split"], {}).get("shard_image_lists")
-        if then is None or then == s["shard_image_lists"]:
-            continue
-        paths = sorted(glob.glob(os.path.join(out, s["split"], "shard_*.safetensors")))
-        keep = {shard_name(k) for k, (a, b) in enumerate(zip(then, s["shard_image_lists"])) if a == b}
-        changed[s["split"]] = [p for p in paths if os.path.basename(p) not in keep]
-    return changed
-
-
-def keep_record_format(old: dict, new: dict, out: str) -> None:
-    """A split whose shards an older encoder recorded without per-shard image lists stays so: its shards' image
-    lists are not known, and lists added to its record would change the data fingerprint of runs trained on it
-    (a resume of them refused as 'other data' after a rerun that encoded nothing)."""
-    recorded = {s["split"]: s for s in old.get("splits") or ()}
-    for s in new["splits"]:
-        then = recorded.get(s["split"])
-        if then is not None and "shard_image_lists" not in then and \
-                glob.glob(os.path.join(out, s["split"], "shard_*.safetensors")):
-            del s["shard_image_lists"]
-
-
-def forget_changed_shards(changed: dict[str, list[str]], out: str) -> None:
-    """Remove the shards of images that changed, before the new record is written: a shard on disk always holds
-    the images the record on disk lists for it, wherever a rerun is interrupted."""
-    for split, paths in changed.items():
-        if paths:
-            print(f"the images of {len(paths)} {split} shard(s) in {out} changed since they were encoded (--limit, or "
-                  f"images added, removed or renamed): they are encoded again ({os.path.basename(paths[0])} on)",
-                  flush=True)
-        for path in paths:
-            os.remove(path)
 
 
 def images_of_rank(n: int, shard_size: int, rank: int, world: int) -> int:
