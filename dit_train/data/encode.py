@@ -37,8 +37,8 @@ from dit_train.runs.atomic_io import atomic_save_tensors, atomic_write_bytes, de
 from dit_train.config.errors import ConfigError
 from dit_train.config.latents import LATENTS_INFO, not_a_vae, read_latents_info
 from dit_train.data.datasets import build_dataset
-from dit_train.data.encode_record import (changed_shards, encoding_record, forget_changed_shards, keep_record_format,
-                                          resume_conflict)
+from dit_train.data.encode_record import (binding_record, changed_shards, encoding_record, forget_changed_shards,
+                                          keep_record_format, resume_conflict)
 from dit_train.data.latents import shard_name
 from dit_train.evaluation.fd.job_config import load_data_cfg
 from dit_train.parallel.fsdp import barrier, init_distributed, shutdown_process_group
@@ -243,6 +243,7 @@ def main(argv=None) -> dict:
     conflict = resume_conflict(old, info, args.out)
     if conflict:
         raise ConfigError(conflict)
+    old = binding_record(old, args.out)  # a record of no shard: none of it is read or kept (resume_conflict)
     keep_record_format(old, info, args.out)
     changed = changed_shards(old, info, args.out)
     # a rerun over complete shards loads no VAE (seconds, or a GPU's memory): it has nothing to encode

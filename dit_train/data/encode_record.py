@@ -45,11 +45,16 @@ def encoding_record(args, source: dict, datasets: dict) -> dict:
 INFORMATIONAL = ("class_names",)
 
 
+def binding_record(old: dict, out: str) -> dict:
+    """The record a rerun into `out` is held to: `old`, or {} where no shard lies beside it (a refused or stopped
+    encoding that wrote no shard binds nothing: a rerun may change the settings, and none of that record is kept)."""
+    return old if glob.glob(os.path.join(out, "*", "shard_*.safetensors")) else {}
+
+
 def resume_conflict(old: dict, new: dict, out: str) -> str | None:
     """Why the shards in `out` (recorded in `old`) cannot be continued by this run (`new`), and what to do; None:
     they can."""
-    if old and not glob.glob(os.path.join(out, "*", "shard_*.safetensors")):
-        old = {}  # a refused or stopped encoding that wrote no shard binds nothing: a rerun may change the settings
+    old = binding_record(old, out)
     if not old:
         if glob.glob(os.path.join(out, "*", "shard_*.safetensors")):
             return f"{out} holds latent shards but no {LATENTS_INFO} that says how they were made; choose another --out"
@@ -58,24 +63,32 @@ def resume_conflict(old: dict, new: dict, out: str) -> str | None:
     if missing:
         return (f"{out}/{LATENTS_INFO} does not record {', '.join(missing)} (an older dit-encode-latents wrote it); "
                 f"choose another --out")
-    damaged = damaged_splits(old["splits"])
+    damaged = damaged_record(old)
     if damaged:  # a hand-edited record: its shard lists decide which shards are removed and encoded again
         return f"{out}/{LATENTS_INFO} is not as dit-encode-latents writes it ({damaged}); choose another --out"
     differs = settings_conflict(old, new, out)
     return differs and f"{differs}; rerun with the settings in {out}/{LATENTS_INFO}, or choose another --out"
 
 
-def damaged_splits(splits) -> str | None:
-    """What is wrong with a record's `splits` (a list of one entry per split: its name, counts, image list and,
-    from encoders that record them, one image list per shard), or None."""
+def damaged_record(old: dict) -> str | None:
+    """What is wrong with a record's source (an object of settings) and `splits` (a list of one entry per split:
+    its name, counts, image list and, from encoders that record them, one image list per shard), or None."""
+    if not isinstance(old["source"], dict):  # settings_conflict reads its keys
+        return f"source is a {type(old['source']).__name__}, not an object"
+    splits = old["splits"]
     if not isinstance(splits, list):
         return f"splits is a {type(splits).__name__}, not a list"
+    seen = set()
     for s in splits:
         if not (isinstance(s, dict) and isinstance(s.get("split"), str) and isinstance(s.get("images"), int)
                 and isinstance(s.get("shards"), int) and isinstance(s.get("image_list"), str)):
             return f"a split entry {json.dumps(s)[:80]} lacks its split name, counts or image list"
-        lists = s.get("shard_image_lists", [""] * s["shards"])
-        if not (isinstance(lists, list) and len(lists) == s["shards"] and all(isinstance(h, str) for h in lists)):
+        if s["split"] in seen:  # the encoder read the last entry, the trainer the first
+            return f"two entries for split {s['split'][:40]}"
+        seen.add(s["split"])
+        lists = s.get("shard_image_lists")  # (a count of 10^20 shards is not a list of 10^20 lists to compare)
+        if lists is not None and not (isinstance(lists, list) and len(lists) == s["shards"]
+                                      and all(isinstance(h, str) for h in lists)):
             return f"{s['split']}'s shard_image_lists is not {s['shards']} image lists, one per shard"
     return None
 

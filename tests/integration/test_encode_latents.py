@@ -159,6 +159,14 @@ def test_a_resumed_encoding_refuses_another_vae_and_continues_with_its_own(tmp_p
                               r"shard_image_lists is not 3 image lists"),
     ("splits an object", r"/latents_info.json is not as dit-encode-latents writes it \(splits is a dict, not a list"),
     ("split entry a number", r"/latents_info.json is not as dit-encode-latents writes it \(a split entry 7 lacks"),
+    # a count of 10^20 shards without lists was a list of 10^20 '' (OverflowError; 10^10: MemoryError), a source
+    # that is not an object an AttributeError, and of two train entries the encoder read the last, the trainer the first
+    ("huge shard count", r"/latents_info.json is not as dit-encode-latents writes it \(train's shard_image_lists "
+                         r"is not 100000000000000000000 image lists"),
+    ("source a string", r"/latents_info.json is not as dit-encode-latents writes it \(source is a str, not an "
+                        r"object\); choose another --out"),
+    ("two train entries", r"/latents_info.json is not as dit-encode-latents writes it \(two entries for split "
+                          r"train\); choose another --out"),
 ])
 def test_a_resumed_encoding_refuses_other_settings_before_writing(tmp_path, change, message):
     """--shard-size 4 over shards of 2 skipped shard 1 (images 2-3, not 4-7) and left images never encoded while
@@ -179,6 +187,12 @@ def test_a_resumed_encoding_refuses_other_settings_before_writing(tmp_path, chan
         old = json.loads(info_path.read_text())
         info_path.write_text(json.dumps({k: old[k] for k in ("vae", "scaling_factor", "shift_factor", "flip",
                                                              "source", "splits")}))
+    elif change in ("huge shard count", "source a string", "two train entries"):
+        old = json.loads(info_path.read_text())
+        split = old["splits"][0]
+        edited = {"huge shard count": {"splits": [{**split, "shards": 10 ** 20}]}, "source a string": {"source": "x"},
+                  "two train entries": {"splits": [split, {**split, "shard_image_lists": ["x"] * 3}]}}[change]
+        info_path.write_text(json.dumps({**old, **edited}))
     elif change in ("shard lists a string", "shard lists too short", "splits an object", "split entry a number"):
         # hand-edited (or planted): a string's characters were compared as shard lists, and every shard removed
         old = json.loads(info_path.read_text())
@@ -197,6 +211,24 @@ def test_a_resumed_encoding_refuses_other_settings_before_writing(tmp_path, chan
         encode(args + (change if isinstance(change, list) else []))
     assert "\n" not in str(e.value)
     assert folder_state(tmp_path / "lat") == before  # nothing written, the missing shard still missing
+
+
+@pytest.mark.parametrize("splits", [[7], {"train": {}}, "the val entry of another encoding"])
+def test_a_record_of_no_shard_binds_nothing_and_none_of_it_is_kept(tmp_path, splits):
+    """A latents_info.json with no shard beside it (a refused encoding's, or planted) binds nothing, as
+    resume_conflict says; its splits were still read and kept: [7] was a TypeError traceback, and another
+    encoding's val entry (--flip, other counts) was kept in the new record, describing shards that never existed."""
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img")
+    load_encoder()(encode_args(tmp_path, "--out", str(tmp_path / "fresh")))
+    record = json.loads((tmp_path / "fresh" / "latents_info.json").read_text())
+    planted = {**record, "flip": True, "complete": False,
+               "splits": [{**record["splits"][0], "split": "val"}] if isinstance(splits, str) else splits}
+    os.makedirs(tmp_path / "lat")
+    (tmp_path / "lat" / "latents_info.json").write_text(json.dumps(planted))
+    info = load_encoder()(encode_args(tmp_path))
+    assert info == {**record, "vae": info["vae"]} and info["complete"]
+    assert json.loads((tmp_path / "lat" / "latents_info.json").read_text()) == info
 
 
 def test_the_refusal_is_one_line_on_the_command_line(tmp_path):
