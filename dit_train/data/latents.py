@@ -64,18 +64,24 @@ def recorded_split(root: str, split: str) -> dict | None:
 def check_recorded_files(folder: str, files: list[str], recorded: dict) -> None:
     """The shards a split holds are exactly those its encoding recorded (shard_00000 .. shard_<shards - 1>): a
     stray file beside them (a copy, another encoding's shard) was read as more data, 356 latents for 256."""
-    names = [shard_name(k) for k in range(recorded["shards"])]
+    count = max(recorded["shards"], 0)  # a hand-edited 10^12 is not listed: only the names found are compared
     found = {os.path.basename(p) for p in files}
-    extra = sorted(found - set(names))
+    extra = sorted(n for n in found if not recorded_name(n, count))
     if extra:
-        raise ValueError(f"{os.path.join(folder, extra[0])} is not one of the {len(names)} shard(s) that "
-                         f"{LATENTS_INFO} records for {os.path.basename(folder)} ({names[0]} .. {names[-1]}): move it "
-                         f"out of {folder}")
-    missing = [n for n in names if n not in found]
-    if missing:
-        raise ValueError(f"{os.path.join(folder, missing[0])} is missing ({len(missing)} of the {len(names)} "
+        names = f" ({shard_name(0)} .. {shard_name(count - 1)})" if count else ""
+        raise ValueError(f"{os.path.join(folder, extra[0])} is not one of the {count} shard(s) that {LATENTS_INFO} "
+                         f"records for {os.path.basename(folder)}{names}: move it out of {folder}")
+    if len(found) < count:  # every name found is a recorded one: the first gap is among the first len(found) + 1
+        first = next(k for k in range(len(found) + 1) if shard_name(k) not in found)
+        raise ValueError(f"{os.path.join(folder, shard_name(first))} is missing ({count - len(found)} of the {count} "
                          f"recorded shards): rerun the dit-encode-latents command that made {os.path.dirname(folder)}, "
                          f"which writes the missing shards")
+
+
+def recorded_name(name: str, count: int) -> bool:
+    """Whether `name` is shard_name(k) of some k < count."""
+    number = name[len("shard_"):-len(".safetensors")]
+    return number.isdigit() and int(number) < count and shard_name(int(number)) == name
 
 
 class LatentShards(Dataset):
