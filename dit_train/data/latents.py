@@ -4,7 +4,8 @@ root/<split>/*.safetensors, each holding `latents` [N, C, H, W] and either `labe
 set never has to fit in RAM. Every shard is checked when the set is opened, each fault one line naming the file:
 a latent shape other than the configured one, latents that are not floating point, labels that are not integers
 or lie outside 0..data.num_classes-1 (label num_classes is the guidance null class, a larger one an IndexError
-mid-run), a truncated file."""
+mid-run), a truncated file. A shard opened later (by a loader worker) must still be the file indexed: a
+dit-encode-latents rerun rewrites the shards whose images changed."""
 
 from __future__ import annotations
 
@@ -24,6 +25,16 @@ LABEL_DTYPES = ("I64", "I32", "I16", "I8", "U8")
 def shard_name(shard: int) -> str:
     """A split's shard number `shard`, as dit-encode-latents names it."""
     return f"shard_{shard:05d}.safetensors"
+
+
+def file_identity(path: str):
+    """Which file `path` is (device, inode, size, modification time), None where there is none: a shard written
+    again (dit-encode-latents renames a new file over it, or removes it) is another file."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def open_shard(path: str):
@@ -107,8 +118,10 @@ class LatentShards(Dataset):
             check_recorded_files(folder, files, recorded)
         expected = (int(cfg.channels), int(cfg.image_size), int(cfg.image_size))
         self.files, self.offsets, total = [], [], 0
+        self.identities = []  # each shard as indexed: a shard opened later must still be that file (_shard)
         self.text = None
         for path in files:
+            self.identities.append(file_identity(path))
             with open_shard(path) as f:
                 keys = set(f.keys())
                 if "latents" not in keys:
@@ -160,7 +173,12 @@ class LatentShards(Dataset):
 
     def _shard(self, k: int):
         if k not in self._handles:  # opened per process (DataLoader workers included), kept open
-            self._handles[k] = safe_open(self.files[k], framework="pt")
+            path = self.files[k]
+            if file_identity(path) != self.identities[k]:  # a rerun of dit-encode-latents after the images changed
+                raise ValueError(f"latent shard {path} changed since this process indexed {os.path.dirname(path)} "
+                                 f"(dit-encode-latents encoded it again?): its latents are not those at the indices "
+                                 f"this run reads; restart the run (a resume is told whether its data changed)")
+            self._handles[k] = safe_open(path, framework="pt")
         return self._handles[k]
 
     def __getitem__(self, i):

@@ -673,3 +673,26 @@ def test_a_rerun_over_an_older_encoders_shards_keeps_its_record_and_the_runs_dat
     trained_on = build_dataset(cfg, "train").content_index()
     assert load_encoder()(encode_args(tmp_path))["splits"] == old["splits"]
     assert build_dataset(cfg, "train").content_index() == trained_on
+
+
+def test_a_shard_encoded_again_under_a_reader_that_indexed_it_is_refused_not_read(tmp_path):
+    """A rerun after the images changed removes and rewrites shards in place; a run training from the folder (its
+    loader workers open each shard lazily) read the new shard 2 at the old offsets, another image's latent with no
+    word, and the removed shard 3 as a traceback. A shard it has not opened yet is checked against the file it
+    indexed; one it holds open is read as indexed (the data its fingerprint names)."""
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img", per_class=4)  # 7 train images: shards of 2, 2, 2, 1
+    load_encoder()(encode_args(tmp_path))
+    cfg = OmegaConf.create({"name": "latents", "root": str(tmp_path / "lat"), "image_size": 8, "channels": 4,
+                            "num_classes": 2})
+    ds = build_dataset(cfg, "train")
+    first = ds[0][0].clone()  # shard 0 open
+    os.remove(tmp_path / "img" / "b" / "0.png")  # train item 4 (b/3 is held out): shard 2 is encoded again, 3 removed
+    load_encoder()(encode_args(tmp_path))
+    assert torch.equal(ds[0][0], first) and torch.equal(ds[1][0], build_dataset(cfg, "train")[1][0])
+    for i, shard in ((4, "shard_00002"), (6, "shard_00003")):
+        with pytest.raises(ValueError, match=rf"^latent shard {tmp_path}/lat/train/{shard}.safetensors changed since "
+                                             rf"this process indexed {tmp_path}/lat/train \(dit-encode-latents encoded "
+                                             rf"it again\?\): "):
+            ds[i]
+
