@@ -102,6 +102,8 @@ def check_flags(args) -> None:
                                ("--batch-size", args.batch_size, 1), ("--limit", args.limit, 0)):
         if value is not None and value < least:
             raise ConfigError(f"{flag}={value} is not valid: expected an integer >= {least}")
+    if not args.out:  # os.makedirs('') after the images were listed: '[Errno 2] No such file or directory'
+        raise ConfigError("--out='' is not valid: expected a folder for the shards and latents_info.json")
     splits = args.splits.split(",")
     if not splits or any(s not in ("train", "val") for s in splits) or len(set(splits)) < len(splits):
         raise ConfigError(f"--splits={args.splits} is not valid: expected train, val or train,val")

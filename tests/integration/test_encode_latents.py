@@ -278,6 +278,7 @@ def test_a_vae_path_that_is_not_a_vae_folder_is_one_line_before_anything_is_writ
     ("--image-size", "0", "--image-size=0 is not valid: expected an integer >= 1"),  # named data.image_size
     ("--splits", "train,test", "--splits=train,test is not valid: expected train, val or train,val"),  # traceback
     ("--splits", "train,train", "--splits=train,train is not valid: expected train, val or train,val"),
+    ("--out", "", "--out='' is not valid: expected a folder for the shards and latents_info.json"),  # '[Errno 2] ...'
 ])
 def test_a_bad_flag_is_one_line_naming_it_before_anything_is_written(tmp_path, flag, value, message):
     save_tiny_vae(tmp_path / "vae")
