@@ -15,22 +15,27 @@ from dit_train.config.latents import LATENTS_INFO, vae_files, vae_scaling
 from dit_train.data.latents import shard_name
 
 
-def image_list(ds, start: int, stop: int) -> str:
-    """Which images items start..stop-1 of the split are: an image folder's files and labels in order, else the
-    dataset id (a file added, removed or renamed shifts every later shard's contents)."""
+def image_list(ds, start: int, stop: int, base: str | None = None) -> str:
+    """Which images items start..stop-1 of the split are: an image folder's files (relative to `base`, else as
+    listed: absolute for --images) and labels in order, else the dataset id (a file added, removed or renamed
+    shifts every later shard's contents)."""
     items = getattr(ds, "samples", None)
-    text = "".join(f"{p}\t{y}\n" for p, y in items[start:stop]) if items is not None else \
+    text = "".join(f"{p if base is None else os.path.relpath(p, base)}\t{y}\n" for p, y in items[start:stop]) \
+        if items is not None else \
         f"{ds.dataset_id}:{stop}" if start == 0 else f"{ds.dataset_id}:{start}:{stop}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def encoding_record(args, source: dict, datasets: dict) -> dict:
     """latents_info.json: everything the shards' contents depend on (batch size aside: it only groups the work);
-    each shard's image list too, so that a rerun after images changed encodes again only the shards they touch."""
+    each shard's image list too, so that a rerun after images changed encodes again only the shards they touch.
+    The split's list names the files as listed (older records compare it; a moved folder is another source root
+    anyway), each shard's relative to the source's root (train/a/0.png): a latent set's data fingerprint includes
+    them, and the same images encoded from a copy of the folder elsewhere are the same data."""
     size = args.shard_size
     splits = [{"split": split, "images": n, "latents": n * (2 if args.flip else 1),
                "shards": math.ceil(n / size), "image_list": image_list(ds, 0, n),
-               "shard_image_lists": [image_list(ds, k * size, min((k + 1) * size, n))
+               "shard_image_lists": [image_list(ds, k * size, min((k + 1) * size, n), source.get("root"))
                                      for k in range(math.ceil(n / size))]}
               for split, (ds, n) in datasets.items()]
     scale, shift = vae_scaling(args.vae)

@@ -697,3 +697,32 @@ def test_a_shard_encoded_again_under_a_reader_that_indexed_it_is_refused_not_rea
                                              rf"it again\?\): "):
             ds[i]
 
+
+def test_the_same_images_encoded_from_another_folder_are_the_same_data_to_a_resumed_run(tmp_path):
+    """The per-shard image lists hashed each image's absolute path, and a latent set's data fingerprint includes
+    them: the same images, copied to another machine's path and encoded there, were 'other data' to a resumed run
+    (the fingerprint stays the same when a folder moves: an image folder's is its paths relative to the split)."""
+    import shutil
+
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img", per_class=4)
+    shutil.copytree(tmp_path / "img", tmp_path / "elsewhere" / "img")
+    index = []
+    for images, out in ((tmp_path / "img", "lat"), (tmp_path / "elsewhere" / "img", "lat2")):
+        load_encoder()(["--vae", str(tmp_path / "vae"), "--images", str(images), "--out", str(tmp_path / out),
+                        "--image-size", "16", "--shard-size", "2"])
+        cfg = OmegaConf.create({"name": "latents", "root": str(tmp_path / out), "image_size": 8, "channels": 4,
+                                "num_classes": 2})
+        index.append([build_dataset(cfg, split).content_index() for split in ("train", "val")])
+        images_cfg = OmegaConf.create({"name": "image_folder", "root": str(images), "image_size": 16,
+                                       "skip_corrupt": False})
+        assert build_dataset(images_cfg, "train").content_index() == \
+            build_dataset(OmegaConf.merge(images_cfg, {"root": str(tmp_path / "img")}), "train").content_index()
+    assert index[0] == index[1]
+    os.rename(tmp_path / "elsewhere" / "img" / "a" / "1.png", tmp_path / "elsewhere" / "img" / "a" / "9.png")
+    load_encoder()(["--vae", str(tmp_path / "vae"), "--images", str(tmp_path / "elsewhere" / "img"), "--out",
+                    str(tmp_path / "lat2"), "--image-size", "16", "--shard-size", "2"])
+    cfg = OmegaConf.create({"name": "latents", "root": str(tmp_path / "lat2"), "image_size": 8, "channels": 4,
+                            "num_classes": 2})
+    assert build_dataset(cfg, "train").content_index() != index[0][0]  # a renamed image is still other data
+
