@@ -38,7 +38,7 @@ from dit_train.config.errors import ConfigError
 from dit_train.config.latents import LATENTS_INFO, not_a_vae, read_latents_info
 from dit_train.data.datasets import build_dataset
 from dit_train.data.encode_record import (binding_record, changed_shards, encoding_record, forget_changed_shards,
-                                          keep_record_format, resume_conflict)
+                                          keep_record_format, resume_conflict, split_written)
 from dit_train.data.latents import shard_name
 from dit_train.evaluation.fd.job_config import load_data_cfg
 from dit_train.parallel.fsdp import barrier, init_distributed, shutdown_process_group
@@ -253,7 +253,8 @@ def main(argv=None) -> dict:
         if any(changed.values()) or shards_to_write(args.out, datasets, args.shard_size, dist.rank,
                                                     dist.world_size) else None
     this_run = {s["split"] for s in info["splits"]}
-    info["splits"] = [s for s in old.get("splits", []) if s["split"] not in this_run] + info["splits"]
+    carried = [s for s in old.get("splits", []) if s["split"] not in this_run]  # encoded by an earlier run
+    info["splits"] = carried + info["splits"]
     info_path = os.path.join(args.out, LATENTS_INFO)
     if dist.is_main:  # before the first shard: an interrupted run's shards are never without their record
         os.makedirs(args.out, exist_ok=True)
@@ -282,10 +283,14 @@ def main(argv=None) -> dict:
         if progress is not None:
             progress.close()
     barrier()  # every rank's shards are on disk
-    info["complete"] = True
+    unfinished = [s["split"] for s in carried if not split_written(args.out, s)]  # --splits val after train stopped
+    info["complete"] = not unfinished
     if dist.is_main:
         atomic_write_bytes(json.dumps(info, indent=2).encode(), info_path)
         print(json.dumps([s for s in info["splits"] if s["split"] in this_run]))
+        if unfinished:
+            print(f"the {' and '.join(unfinished)} shards in {args.out} are not all written (their encoding stopped): "
+                  f"rerun with --splits {','.join(unfinished)} to finish them", flush=True)
     shutdown_process_group()
     return info
 

@@ -12,7 +12,7 @@ import math
 import os
 
 from dit_train.config.latents import LATENTS_INFO, vae_files, vae_scaling
-from dit_train.data.latents import shard_name
+from dit_train.data.latents import recorded_name, shard_name
 
 
 def image_list(ds, start: int, stop: int, base: str | None = None) -> str:
@@ -88,6 +88,8 @@ def damaged_record(old: dict) -> str | None:
         if not (isinstance(s, dict) and isinstance(s.get("split"), str) and isinstance(s.get("images"), int)
                 and isinstance(s.get("shards"), int) and isinstance(s.get("image_list"), str)):
             return f"a split entry {json.dumps(s)[:80]} lacks its split name, counts or image list"
+        if s["split"] not in ("train", "val"):  # the encoder would list out/<split>: '../x' is outside --out
+            return f"a split entry named {s['split'][:40]!r} (dit-encode-latents writes train and val)"
         if s["split"] in seen:  # the encoder read the last entry, the trainer the first
             return f"two entries for split {s['split'][:40]}"
         seen.add(s["split"])
@@ -160,3 +162,11 @@ def forget_changed_shards(changed: dict[str, list[str]], out: str) -> None:
                   flush=True)
         for path in paths:
             os.remove(path)
+
+
+def split_written(out: str, entry: dict) -> bool:
+    """Whether every shard a recorded split `entry` lists is in `out` (by name: a rerun of that split checks that
+    each opens whole): a split kept from an earlier encoding that stopped leaves the record incomplete."""
+    names = {os.path.basename(p) for p in glob.glob(os.path.join(out, entry["split"], "shard_*.safetensors"))}
+    return sum(recorded_name(n, entry["shards"]) for n in names) == entry["shards"]
+

@@ -167,6 +167,8 @@ def test_a_resumed_encoding_refuses_another_vae_and_continues_with_its_own(tmp_p
                         r"object\); choose another --out"),
     ("two train entries", r"/latents_info.json is not as dit-encode-latents writes it \(two entries for split "
                           r"train\); choose another --out"),
+    ("a split named ../x", r"/latents_info.json is not as dit-encode-latents writes it \(a split entry named "
+                           r"'../x' \(dit-encode-latents writes train and val\)\); choose another --out"),
 ])
 def test_a_resumed_encoding_refuses_other_settings_before_writing(tmp_path, change, message):
     """--shard-size 4 over shards of 2 skipped shard 1 (images 2-3, not 4-7) and left images never encoded while
@@ -187,11 +189,12 @@ def test_a_resumed_encoding_refuses_other_settings_before_writing(tmp_path, chan
         old = json.loads(info_path.read_text())
         info_path.write_text(json.dumps({k: old[k] for k in ("vae", "scaling_factor", "shift_factor", "flip",
                                                              "source", "splits")}))
-    elif change in ("huge shard count", "source a string", "two train entries"):
+    elif change in ("huge shard count", "source a string", "two train entries", "a split named ../x"):
         old = json.loads(info_path.read_text())
         split = old["splits"][0]
         edited = {"huge shard count": {"splits": [{**split, "shards": 10 ** 20}]}, "source a string": {"source": "x"},
-                  "two train entries": {"splits": [split, {**split, "shard_image_lists": ["x"] * 3}]}}[change]
+                  "two train entries": {"splits": [split, {**split, "shard_image_lists": ["x"] * 3}]},
+                  "a split named ../x": {"splits": [split, {**split, "split": "../x"}]}}[change]
         info_path.write_text(json.dumps({**old, **edited}))
     elif change in ("shard lists a string", "shard lists too short", "splits an object", "split entry a number"):
         # hand-edited (or planted): a string's characters were compared as shard lists, and every shard removed
@@ -725,4 +728,25 @@ def test_the_same_images_encoded_from_another_folder_are_the_same_data_to_a_resu
     cfg = OmegaConf.create({"name": "latents", "root": str(tmp_path / "lat2"), "image_size": 8, "channels": 4,
                             "num_classes": 2})
     assert build_dataset(cfg, "train").content_index() != index[0][0]  # a renamed image is still other data
+
+
+def test_a_split_whose_encoding_stopped_keeps_the_record_incomplete_after_the_other_split_is_added(tmp_path, capsys):
+    """--splits train stopped (an unreadable image), then --splits val: the record said complete, so the trainer's
+    check passed a set whose train shards were not all written. It stays incomplete, and the encoder says which
+    split to finish."""
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img")
+    (tmp_path / "img" / "b" / "2.png").write_bytes(b"not a png")
+    with pytest.raises(ValueError, match=r"corrupt image .*2\.png"):
+        load_encoder()(encode_args(tmp_path))
+    capsys.readouterr()
+    info = load_encoder()(encode_args(tmp_path)[:-2] + ["--splits", "val"])
+    assert not info["complete"] and not json.loads((tmp_path / "lat" / "latents_info.json").read_text())["complete"]
+    assert (f"the train shards in {tmp_path / 'lat'} are not all written (their encoding stopped): rerun with "
+            f"--splits train to finish them\n") in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=r"its encoding stopped before every shard was written"):
+        check_latent_run({"name": "dit_s"}, {"root": str(tmp_path / "lat")}, {"path": str(tmp_path / "vae")}, True)
+    Image.new("RGB", (20, 18), (120, 200, 0)).save(tmp_path / "img" / "b" / "2.png")
+    assert load_encoder()(encode_args(tmp_path))["complete"]
+    check_latent_run({"name": "dit_s"}, {"root": str(tmp_path / "lat")}, {"path": str(tmp_path / "vae")}, True)
 
