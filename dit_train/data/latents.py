@@ -28,13 +28,14 @@ def shard_name(shard: int) -> str:
 
 
 def file_identity(path: str):
-    """Which file `path` is (device, inode, size, modification time), None where there is none: a shard written
-    again (dit-encode-latents renames a new file over it, or removes it) is another file."""
+    """Which file `path` is (size, modification time), None where there is none: a shard written again
+    (dit-encode-latents renames a new file over it, or removes it) is another file. Not the inode: FUSE mounts of
+    object stores may number a file anew when their cache forgets it."""
     try:
         st = os.stat(path)
     except OSError:
         return None
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+    return st.st_size, st.st_mtime_ns
 
 
 def open_shard(path: str):
