@@ -38,7 +38,7 @@ from dit_train.config.errors import ConfigError
 from dit_train.config.latents import LATENTS_INFO, not_a_vae, read_latents_info
 from dit_train.data.datasets import build_dataset
 from dit_train.data.encode_record import (binding_record, changed_shards, encoding_record, forget_changed_shards,
-                                          keep_record_format, resume_conflict, split_written)
+                                          image_list, keep_record_format, resume_conflict, split_written)
 from dit_train.data.latents import shard_name
 from dit_train.evaluation.fd.job_config import load_data_cfg
 from dit_train.parallel.fsdp import barrier, init_distributed, shutdown_process_group
@@ -113,6 +113,25 @@ def check_flags(args) -> None:
     if args.images is not None and not os.path.isdir(args.images):  # was a traceback naming data.root
         raise ConfigError(f"--images {args.images} is not a folder: expected an image folder (root/<class>/<images>, "
                           f"or root/train/<class>/... and root/val/<class>/...)")
+
+
+def warn_if_images_changed(carried: list[dict], source: dict, args) -> None:
+    """A split kept from an earlier encoding (--splits val after --splits train) whose images are no longer those
+    its record lists: one warning line. A val/ folder removed in between made val the images held out of train/,
+    every one of them encoded as train, with no word; a refusal would block adding val after train's images were
+    deleted to save disk."""
+    for entry in carried:
+        try:
+            ds = build_dataset(source, entry["split"])
+            changed = len(ds) < entry["images"] or image_list(ds, 0, entry["images"]) != entry["image_list"]
+        except (FileNotFoundError, ValueError):  # the images are gone
+            changed = True
+        if changed:
+            other = ",".join(sorted({entry["split"], *args.splits.split(",")}, key=("train", "val").index))
+            print(f"warning: the {entry['split']} images in {source.get('root') or '--data ' + str(args.data)} are "
+                  f"not those its shards in {args.out} were encoded from (they changed since, or a val/ folder came "
+                  f"or went: {args.splits} may overlap them): rerun with --splits {other} to encode the changed "
+                  f"{entry['split']} shards again", flush=True)
 
 
 def images_of_rank(n: int, shard_size: int, rank: int, world: int) -> int:
@@ -255,6 +274,8 @@ def main(argv=None) -> dict:
     this_run = {s["split"] for s in info["splits"]}
     carried = [s for s in old.get("splits", []) if s["split"] not in this_run]  # encoded by an earlier run
     info["splits"] = carried + info["splits"]
+    if dist.is_main:
+        warn_if_images_changed(carried, source, args)
     info_path = os.path.join(args.out, LATENTS_INFO)
     if dist.is_main:  # before the first shard: an interrupted run's shards are never without their record
         os.makedirs(args.out, exist_ok=True)

@@ -750,3 +750,24 @@ def test_a_split_whose_encoding_stopped_keeps_the_record_incomplete_after_the_ot
     assert load_encoder()(encode_args(tmp_path))["complete"]
     check_latent_run({"name": "dit_s"}, {"root": str(tmp_path / "lat")}, {"path": str(tmp_path / "vae")}, True)
 
+
+def test_adding_a_split_after_the_other_splits_images_changed_says_so(tmp_path, capsys):
+    """--splits train with root/train and root/val, then root/val removed and --splits val: val became the images
+    held out of root/train, every one of them already encoded as train, with no word. The encoder now compares
+    the kept split's images with those its record lists and says how to encode it again."""
+    import shutil
+
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img" / "train")
+    image_folder(tmp_path / "img" / "val", per_class=1)
+    load_encoder()(encode_args(tmp_path))
+    shutil.rmtree(tmp_path / "img" / "val")
+    capsys.readouterr()
+    load_encoder()(encode_args(tmp_path)[:-2] + ["--splits", "val"])
+    assert (f"warning: the train images in {tmp_path / 'img'} are not those its shards in {tmp_path / 'lat'} were "
+            f"encoded from (they changed since, or a val/ folder came or went: val may overlap them): rerun with "
+            f"--splits train,val to encode the changed train shards again\n") in capsys.readouterr().out
+    load_encoder()(encode_args(tmp_path)[:-2] + ["--splits", "train,val"])
+    load_encoder()(encode_args(tmp_path)[:-2] + ["--splits", "val"])  # the same images: no word
+    assert "warning" not in capsys.readouterr().out
+
