@@ -169,4 +169,3 @@ def split_written(out: str, entry: dict) -> bool:
     each opens whole): a split kept from an earlier encoding that stopped leaves the record incomplete."""
     names = {os.path.basename(p) for p in glob.glob(os.path.join(out, entry["split"], "shard_*.safetensors"))}
     return sum(recorded_name(n, entry["shards"]) for n in names) == entry["shards"]
-

@@ -770,4 +770,3 @@ def test_adding_a_split_after_the_other_splits_images_changed_says_so(tmp_path, 
     load_encoder()(encode_args(tmp_path)[:-2] + ["--splits", "train,val"])
     load_encoder()(encode_args(tmp_path)[:-2] + ["--splits", "val"])  # the same images: no word
     assert "warning" not in capsys.readouterr().out
-

@@ -243,4 +243,3 @@ def test_a_recorded_shard_count_of_no_real_encoding_is_one_line_without_listing_
                     r"train: move it out of ")
     with pytest.raises(ValueError, match=message):
         build_dataset(cfg, "train")
-
