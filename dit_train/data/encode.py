@@ -37,8 +37,8 @@ from dit_train.runs.atomic_io import atomic_save_tensors, atomic_write_bytes, de
 from dit_train.config.errors import ConfigError
 from dit_train.config.latents import LATENTS_INFO, not_a_vae, read_latents_info
 from dit_train.data.datasets import build_dataset
-from dit_train.data.encode_record import (changed_shards, encoding_record, forget_changed_shards, keep_record_format,
-                                          resume_conflict)
+from dit_train.data.encode_record import (binding_record, changed_shards, encoding_record, forget_changed_shards,
+                                          image_list, keep_record_format, resume_conflict, split_written)
 from dit_train.data.latents import shard_name
 from dit_train.evaluation.fd.job_config import load_data_cfg
 from dit_train.parallel.fsdp import barrier, init_distributed, shutdown_process_group
@@ -102,6 +102,8 @@ def check_flags(args) -> None:
                                ("--batch-size", args.batch_size, 1), ("--limit", args.limit, 0)):
         if value is not None and value < least:
             raise ConfigError(f"{flag}={value} is not valid: expected an integer >= {least}")
+    if not args.out:  # os.makedirs('') after the images were listed: '[Errno 2] No such file or directory'
+        raise ConfigError("--out='' is not valid: expected a folder for the shards and latents_info.json")
     splits = args.splits.split(",")
     if not splits or any(s not in ("train", "val") for s in splits) or len(set(splits)) < len(splits):
         raise ConfigError(f"--splits={args.splits} is not valid: expected train, val or train,val")
@@ -111,6 +113,25 @@ def check_flags(args) -> None:
     if args.images is not None and not os.path.isdir(args.images):  # was a traceback naming data.root
         raise ConfigError(f"--images {args.images} is not a folder: expected an image folder (root/<class>/<images>, "
                           f"or root/train/<class>/... and root/val/<class>/...)")
+
+
+def warn_if_images_changed(carried: list[dict], source: dict, args) -> None:
+    """A split kept from an earlier encoding (--splits val after --splits train) whose images are no longer those
+    its record lists: one warning line. A val/ folder removed in between made val the images held out of train/,
+    every one of them encoded as train, with no word; a refusal would block adding val after train's images were
+    deleted to save disk."""
+    for entry in carried:
+        try:
+            ds = build_dataset(source, entry["split"])
+            changed = len(ds) < entry["images"] or image_list(ds, 0, entry["images"]) != entry["image_list"]
+        except (FileNotFoundError, ValueError):  # the images are gone
+            changed = True
+        if changed:
+            other = ",".join(sorted({entry["split"], *args.splits.split(",")}, key=("train", "val").index))
+            print(f"warning: the {entry['split']} images in {source.get('root') or '--data ' + str(args.data)} are "
+                  f"not those its shards in {args.out} were encoded from (they changed since, or a val/ folder came "
+                  f"or went: {args.splits} may overlap them): rerun with --splits {other} to encode the changed "
+                  f"{entry['split']} shards again", flush=True)
 
 
 def images_of_rank(n: int, shard_size: int, rank: int, world: int) -> int:
@@ -243,6 +264,7 @@ def main(argv=None) -> dict:
     conflict = resume_conflict(old, info, args.out)
     if conflict:
         raise ConfigError(conflict)
+    old = binding_record(old, args.out)  # a record of no shard: none of it is read or kept (resume_conflict)
     keep_record_format(old, info, args.out)
     changed = changed_shards(old, info, args.out)
     # a rerun over complete shards loads no VAE (seconds, or a GPU's memory): it has nothing to encode
@@ -250,7 +272,10 @@ def main(argv=None) -> dict:
         if any(changed.values()) or shards_to_write(args.out, datasets, args.shard_size, dist.rank,
                                                     dist.world_size) else None
     this_run = {s["split"] for s in info["splits"]}
-    info["splits"] = [s for s in old.get("splits", []) if s["split"] not in this_run] + info["splits"]
+    carried = [s for s in old.get("splits", []) if s["split"] not in this_run]  # encoded by an earlier run
+    info["splits"] = carried + info["splits"]
+    if dist.is_main:
+        warn_if_images_changed(carried, source, args)
     info_path = os.path.join(args.out, LATENTS_INFO)
     if dist.is_main:  # before the first shard: an interrupted run's shards are never without their record
         os.makedirs(args.out, exist_ok=True)
@@ -279,10 +304,14 @@ def main(argv=None) -> dict:
         if progress is not None:
             progress.close()
     barrier()  # every rank's shards are on disk
-    info["complete"] = True
+    unfinished = [s["split"] for s in carried if not split_written(args.out, s)]  # --splits val after train stopped
+    info["complete"] = not unfinished
     if dist.is_main:
         atomic_write_bytes(json.dumps(info, indent=2).encode(), info_path)
         print(json.dumps([s for s in info["splits"] if s["split"] in this_run]))
+        if unfinished:
+            print(f"the {' and '.join(unfinished)} shards in {args.out} are not all written (their encoding stopped): "
+                  f"rerun with --splits {','.join(unfinished)} to finish them", flush=True)
     shutdown_process_group()
     return info
 

@@ -12,25 +12,30 @@ import math
 import os
 
 from dit_train.config.latents import LATENTS_INFO, vae_files, vae_scaling
-from dit_train.data.latents import shard_name
+from dit_train.data.latents import recorded_name, shard_name
 
 
-def image_list(ds, start: int, stop: int) -> str:
-    """Which images items start..stop-1 of the split are: an image folder's files and labels in order, else the
-    dataset id (a file added, removed or renamed shifts every later shard's contents)."""
+def image_list(ds, start: int, stop: int, base: str | None = None) -> str:
+    """Which images items start..stop-1 of the split are: an image folder's files (relative to `base`, else as
+    listed: absolute for --images) and labels in order, else the dataset id (a file added, removed or renamed
+    shifts every later shard's contents)."""
     items = getattr(ds, "samples", None)
-    text = "".join(f"{p}\t{y}\n" for p, y in items[start:stop]) if items is not None else \
+    text = "".join(f"{p if base is None else os.path.relpath(p, base)}\t{y}\n" for p, y in items[start:stop]) \
+        if items is not None else \
         f"{ds.dataset_id}:{stop}" if start == 0 else f"{ds.dataset_id}:{start}:{stop}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def encoding_record(args, source: dict, datasets: dict) -> dict:
     """latents_info.json: everything the shards' contents depend on (batch size aside: it only groups the work);
-    each shard's image list too, so that a rerun after images changed encodes again only the shards they touch."""
+    each shard's image list too, so that a rerun after images changed encodes again only the shards they touch.
+    The split's list names the files as listed (older records compare it; a moved folder is another source root
+    anyway), each shard's relative to the source's root (train/a/0.png): a latent set's data fingerprint includes
+    them, and the same images encoded from a copy of the folder elsewhere are the same data."""
     size = args.shard_size
     splits = [{"split": split, "images": n, "latents": n * (2 if args.flip else 1),
                "shards": math.ceil(n / size), "image_list": image_list(ds, 0, n),
-               "shard_image_lists": [image_list(ds, k * size, min((k + 1) * size, n))
+               "shard_image_lists": [image_list(ds, k * size, min((k + 1) * size, n), source.get("root"))
                                      for k in range(math.ceil(n / size))]}
               for split, (ds, n) in datasets.items()]
     scale, shift = vae_scaling(args.vae)
@@ -45,11 +50,16 @@ def encoding_record(args, source: dict, datasets: dict) -> dict:
 INFORMATIONAL = ("class_names",)
 
 
+def binding_record(old: dict, out: str) -> dict:
+    """The record a rerun into `out` is held to: `old`, or {} where no shard lies beside it (a refused or stopped
+    encoding that wrote no shard binds nothing: a rerun may change the settings, and none of that record is kept)."""
+    return old if glob.glob(os.path.join(out, "*", "shard_*.safetensors")) else {}
+
+
 def resume_conflict(old: dict, new: dict, out: str) -> str | None:
     """Why the shards in `out` (recorded in `old`) cannot be continued by this run (`new`), and what to do; None:
     they can."""
-    if old and not glob.glob(os.path.join(out, "*", "shard_*.safetensors")):
-        old = {}  # a refused or stopped encoding that wrote no shard binds nothing: a rerun may change the settings
+    old = binding_record(old, out)
     if not old:
         if glob.glob(os.path.join(out, "*", "shard_*.safetensors")):
             return f"{out} holds latent shards but no {LATENTS_INFO} that says how they were made; choose another --out"
@@ -58,24 +68,34 @@ def resume_conflict(old: dict, new: dict, out: str) -> str | None:
     if missing:
         return (f"{out}/{LATENTS_INFO} does not record {', '.join(missing)} (an older dit-encode-latents wrote it); "
                 f"choose another --out")
-    damaged = damaged_splits(old["splits"])
+    damaged = damaged_record(old)
     if damaged:  # a hand-edited record: its shard lists decide which shards are removed and encoded again
         return f"{out}/{LATENTS_INFO} is not as dit-encode-latents writes it ({damaged}); choose another --out"
     differs = settings_conflict(old, new, out)
     return differs and f"{differs}; rerun with the settings in {out}/{LATENTS_INFO}, or choose another --out"
 
 
-def damaged_splits(splits) -> str | None:
-    """What is wrong with a record's `splits` (a list of one entry per split: its name, counts, image list and,
-    from encoders that record them, one image list per shard), or None."""
+def damaged_record(old: dict) -> str | None:
+    """What is wrong with a record's source (an object of settings) and `splits` (a list of one entry per split:
+    its name, counts, image list and, from encoders that record them, one image list per shard), or None."""
+    if not isinstance(old["source"], dict):  # settings_conflict reads its keys
+        return f"source is a {type(old['source']).__name__}, not an object"
+    splits = old["splits"]
     if not isinstance(splits, list):
         return f"splits is a {type(splits).__name__}, not a list"
+    seen = set()
     for s in splits:
         if not (isinstance(s, dict) and isinstance(s.get("split"), str) and isinstance(s.get("images"), int)
                 and isinstance(s.get("shards"), int) and isinstance(s.get("image_list"), str)):
             return f"a split entry {json.dumps(s)[:80]} lacks its split name, counts or image list"
-        lists = s.get("shard_image_lists", [""] * s["shards"])
-        if not (isinstance(lists, list) and len(lists) == s["shards"] and all(isinstance(h, str) for h in lists)):
+        if s["split"] not in ("train", "val"):  # the encoder would list out/<split>: '../x' is outside --out
+            return f"a split entry named {s['split'][:40]!r} (dit-encode-latents writes train and val)"
+        if s["split"] in seen:  # the encoder read the last entry, the trainer the first
+            return f"two entries for split {s['split'][:40]}"
+        seen.add(s["split"])
+        lists = s.get("shard_image_lists")  # (a count of 10^20 shards is not a list of 10^20 lists to compare)
+        if lists is not None and not (isinstance(lists, list) and len(lists) == s["shards"]
+                                      and all(isinstance(h, str) for h in lists)):
             return f"{s['split']}'s shard_image_lists is not {s['shards']} image lists, one per shard"
     return None
 
@@ -142,3 +162,10 @@ def forget_changed_shards(changed: dict[str, list[str]], out: str) -> None:
                   flush=True)
         for path in paths:
             os.remove(path)
+
+
+def split_written(out: str, entry: dict) -> bool:
+    """Whether every shard a recorded split `entry` lists is in `out` (by name: a rerun of that split checks that
+    each opens whole): a split kept from an earlier encoding that stopped leaves the record incomplete."""
+    names = {os.path.basename(p) for p in glob.glob(os.path.join(out, entry["split"], "shard_*.safetensors"))}
+    return sum(recorded_name(n, entry["shards"]) for n in names) == entry["shards"]

@@ -4,7 +4,8 @@ root/<split>/*.safetensors, each holding `latents` [N, C, H, W] and either `labe
 set never has to fit in RAM. Every shard is checked when the set is opened, each fault one line naming the file:
 a latent shape other than the configured one, latents that are not floating point, labels that are not integers
 or lie outside 0..data.num_classes-1 (label num_classes is the guidance null class, a larger one an IndexError
-mid-run), a truncated file."""
+mid-run), a truncated file. A shard opened later (by a loader worker) must still be the file indexed: a
+dit-encode-latents rerun rewrites the shards whose images changed."""
 
 from __future__ import annotations
 
@@ -24,6 +25,17 @@ LABEL_DTYPES = ("I64", "I32", "I16", "I8", "U8")
 def shard_name(shard: int) -> str:
     """A split's shard number `shard`, as dit-encode-latents names it."""
     return f"shard_{shard:05d}.safetensors"
+
+
+def file_identity(path: str):
+    """Which file `path` is (size, modification time), None where there is none: a shard written again
+    (dit-encode-latents renames a new file over it, or removes it) is another file. Not the inode: FUSE mounts of
+    object stores may number a file anew when their cache forgets it."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
 
 
 def open_shard(path: str):
@@ -64,18 +76,24 @@ def recorded_split(root: str, split: str) -> dict | None:
 def check_recorded_files(folder: str, files: list[str], recorded: dict) -> None:
     """The shards a split holds are exactly those its encoding recorded (shard_00000 .. shard_<shards - 1>): a
     stray file beside them (a copy, another encoding's shard) was read as more data, 356 latents for 256."""
-    names = [shard_name(k) for k in range(recorded["shards"])]
+    count = max(recorded["shards"], 0)  # a hand-edited 10^12 is not listed: only the names found are compared
     found = {os.path.basename(p) for p in files}
-    extra = sorted(found - set(names))
+    extra = sorted(n for n in found if not recorded_name(n, count))
     if extra:
-        raise ValueError(f"{os.path.join(folder, extra[0])} is not one of the {len(names)} shard(s) that "
-                         f"{LATENTS_INFO} records for {os.path.basename(folder)} ({names[0]} .. {names[-1]}): move it "
-                         f"out of {folder}")
-    missing = [n for n in names if n not in found]
-    if missing:
-        raise ValueError(f"{os.path.join(folder, missing[0])} is missing ({len(missing)} of the {len(names)} "
+        names = f" ({shard_name(0)} .. {shard_name(count - 1)})" if count else ""
+        raise ValueError(f"{os.path.join(folder, extra[0])} is not one of the {count} shard(s) that {LATENTS_INFO} "
+                         f"records for {os.path.basename(folder)}{names}: move it out of {folder}")
+    if len(found) < count:  # every name found is a recorded one: the first gap is among the first len(found) + 1
+        first = next(k for k in range(len(found) + 1) if shard_name(k) not in found)
+        raise ValueError(f"{os.path.join(folder, shard_name(first))} is missing ({count - len(found)} of the {count} "
                          f"recorded shards): rerun the dit-encode-latents command that made {os.path.dirname(folder)}, "
                          f"which writes the missing shards")
+
+
+def recorded_name(name: str, count: int) -> bool:
+    """Whether `name` is shard_name(k) of some k < count."""
+    number = name[len("shard_"):-len(".safetensors")]
+    return number.isdigit() and int(number) < count and shard_name(int(number)) == name
 
 
 class LatentShards(Dataset):
@@ -101,8 +119,10 @@ class LatentShards(Dataset):
             check_recorded_files(folder, files, recorded)
         expected = (int(cfg.channels), int(cfg.image_size), int(cfg.image_size))
         self.files, self.offsets, total = [], [], 0
+        self.identities = []  # each shard as indexed: a shard opened later must still be that file (_shard)
         self.text = None
         for path in files:
+            self.identities.append(file_identity(path))
             with open_shard(path) as f:
                 keys = set(f.keys())
                 if "latents" not in keys:
@@ -154,7 +174,12 @@ class LatentShards(Dataset):
 
     def _shard(self, k: int):
         if k not in self._handles:  # opened per process (DataLoader workers included), kept open
-            self._handles[k] = safe_open(self.files[k], framework="pt")
+            path = self.files[k]
+            if file_identity(path) != self.identities[k]:  # a rerun of dit-encode-latents after the images changed
+                raise ValueError(f"latent shard {path} changed since this process indexed {os.path.dirname(path)} "
+                                 f"(dit-encode-latents encoded it again?): its latents are not those at the indices "
+                                 f"this run reads; restart the run (a resume is told whether its data changed)")
+            self._handles[k] = safe_open(path, framework="pt")
         return self._handles[k]
 
     def __getitem__(self, i):

@@ -159,6 +159,16 @@ def test_a_resumed_encoding_refuses_another_vae_and_continues_with_its_own(tmp_p
                               r"shard_image_lists is not 3 image lists"),
     ("splits an object", r"/latents_info.json is not as dit-encode-latents writes it \(splits is a dict, not a list"),
     ("split entry a number", r"/latents_info.json is not as dit-encode-latents writes it \(a split entry 7 lacks"),
+    # a count of 10^20 shards without lists was a list of 10^20 '' (OverflowError; 10^10: MemoryError), a source
+    # that is not an object an AttributeError, and of two train entries the encoder read the last, the trainer the first
+    ("huge shard count", r"/latents_info.json is not as dit-encode-latents writes it \(train's shard_image_lists "
+                         r"is not 100000000000000000000 image lists"),
+    ("source a string", r"/latents_info.json is not as dit-encode-latents writes it \(source is a str, not an "
+                        r"object\); choose another --out"),
+    ("two train entries", r"/latents_info.json is not as dit-encode-latents writes it \(two entries for split "
+                          r"train\); choose another --out"),
+    ("a split named ../x", r"/latents_info.json is not as dit-encode-latents writes it \(a split entry named "
+                           r"'../x' \(dit-encode-latents writes train and val\)\); choose another --out"),
 ])
 def test_a_resumed_encoding_refuses_other_settings_before_writing(tmp_path, change, message):
     """--shard-size 4 over shards of 2 skipped shard 1 (images 2-3, not 4-7) and left images never encoded while
@@ -179,6 +189,13 @@ def test_a_resumed_encoding_refuses_other_settings_before_writing(tmp_path, chan
         old = json.loads(info_path.read_text())
         info_path.write_text(json.dumps({k: old[k] for k in ("vae", "scaling_factor", "shift_factor", "flip",
                                                              "source", "splits")}))
+    elif change in ("huge shard count", "source a string", "two train entries", "a split named ../x"):
+        old = json.loads(info_path.read_text())
+        split = old["splits"][0]
+        edited = {"huge shard count": {"splits": [{**split, "shards": 10 ** 20}]}, "source a string": {"source": "x"},
+                  "two train entries": {"splits": [split, {**split, "shard_image_lists": ["x"] * 3}]},
+                  "a split named ../x": {"splits": [split, {**split, "split": "../x"}]}}[change]
+        info_path.write_text(json.dumps({**old, **edited}))
     elif change in ("shard lists a string", "shard lists too short", "splits an object", "split entry a number"):
         # hand-edited (or planted): a string's characters were compared as shard lists, and every shard removed
         old = json.loads(info_path.read_text())
@@ -197,6 +214,24 @@ def test_a_resumed_encoding_refuses_other_settings_before_writing(tmp_path, chan
         encode(args + (change if isinstance(change, list) else []))
     assert "\n" not in str(e.value)
     assert folder_state(tmp_path / "lat") == before  # nothing written, the missing shard still missing
+
+
+@pytest.mark.parametrize("splits", [[7], {"train": {}}, "the val entry of another encoding"])
+def test_a_record_of_no_shard_binds_nothing_and_none_of_it_is_kept(tmp_path, splits):
+    """A latents_info.json with no shard beside it (a refused encoding's, or planted) binds nothing, as
+    resume_conflict says; its splits were still read and kept: [7] was a TypeError traceback, and another
+    encoding's val entry (--flip, other counts) was kept in the new record, describing shards that never existed."""
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img")
+    load_encoder()(encode_args(tmp_path, "--out", str(tmp_path / "fresh")))
+    record = json.loads((tmp_path / "fresh" / "latents_info.json").read_text())
+    planted = {**record, "flip": True, "complete": False,
+               "splits": [{**record["splits"][0], "split": "val"}] if isinstance(splits, str) else splits}
+    os.makedirs(tmp_path / "lat")
+    (tmp_path / "lat" / "latents_info.json").write_text(json.dumps(planted))
+    info = load_encoder()(encode_args(tmp_path))
+    assert info == {**record, "vae": info["vae"]} and info["complete"]
+    assert json.loads((tmp_path / "lat" / "latents_info.json").read_text()) == info
 
 
 def test_the_refusal_is_one_line_on_the_command_line(tmp_path):
@@ -246,6 +281,7 @@ def test_a_vae_path_that_is_not_a_vae_folder_is_one_line_before_anything_is_writ
     ("--image-size", "0", "--image-size=0 is not valid: expected an integer >= 1"),  # named data.image_size
     ("--splits", "train,test", "--splits=train,test is not valid: expected train, val or train,val"),  # traceback
     ("--splits", "train,train", "--splits=train,train is not valid: expected train, val or train,val"),
+    ("--out", "", "--out='' is not valid: expected a folder for the shards and latents_info.json"),  # '[Errno 2] ...'
 ])
 def test_a_bad_flag_is_one_line_naming_it_before_anything_is_written(tmp_path, flag, value, message):
     save_tiny_vae(tmp_path / "vae")
@@ -641,3 +677,96 @@ def test_a_rerun_over_an_older_encoders_shards_keeps_its_record_and_the_runs_dat
     trained_on = build_dataset(cfg, "train").content_index()
     assert load_encoder()(encode_args(tmp_path))["splits"] == old["splits"]
     assert build_dataset(cfg, "train").content_index() == trained_on
+
+
+def test_a_shard_encoded_again_under_a_reader_that_indexed_it_is_refused_not_read(tmp_path):
+    """A rerun after the images changed removes and rewrites shards in place; a run training from the folder (its
+    loader workers open each shard lazily) read the new shard 2 at the old offsets, another image's latent with no
+    word, and the removed shard 3 as a traceback. A shard it has not opened yet is checked against the file it
+    indexed; one it holds open is read as indexed (the data its fingerprint names)."""
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img", per_class=4)  # 7 train images: shards of 2, 2, 2, 1
+    load_encoder()(encode_args(tmp_path))
+    cfg = OmegaConf.create({"name": "latents", "root": str(tmp_path / "lat"), "image_size": 8, "channels": 4,
+                            "num_classes": 2})
+    ds = build_dataset(cfg, "train")
+    first = ds[0][0].clone()  # shard 0 open
+    os.remove(tmp_path / "img" / "b" / "0.png")  # train item 4 (b/3 is held out): shard 2 is encoded again, 3 removed
+    load_encoder()(encode_args(tmp_path))
+    assert torch.equal(ds[0][0], first) and torch.equal(ds[1][0], build_dataset(cfg, "train")[1][0])
+    for i, shard in ((4, "shard_00002"), (6, "shard_00003")):
+        with pytest.raises(ValueError, match=rf"^latent shard {tmp_path}/lat/train/{shard}.safetensors changed since "
+                                             rf"this process indexed {tmp_path}/lat/train \(dit-encode-latents encoded "
+                                             rf"it again\?\): "):
+            ds[i]
+
+
+def test_the_same_images_encoded_from_another_folder_are_the_same_data_to_a_resumed_run(tmp_path):
+    """The per-shard image lists hashed each image's absolute path, and a latent set's data fingerprint includes
+    them: the same images, copied to another machine's path and encoded there, were 'other data' to a resumed run
+    (the fingerprint stays the same when a folder moves: an image folder's is its paths relative to the split)."""
+    import shutil
+
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img", per_class=4)
+    shutil.copytree(tmp_path / "img", tmp_path / "elsewhere" / "img")
+    index = []
+    for images, out in ((tmp_path / "img", "lat"), (tmp_path / "elsewhere" / "img", "lat2")):
+        load_encoder()(["--vae", str(tmp_path / "vae"), "--images", str(images), "--out", str(tmp_path / out),
+                        "--image-size", "16", "--shard-size", "2"])
+        cfg = OmegaConf.create({"name": "latents", "root": str(tmp_path / out), "image_size": 8, "channels": 4,
+                                "num_classes": 2})
+        index.append([build_dataset(cfg, split).content_index() for split in ("train", "val")])
+        images_cfg = OmegaConf.create({"name": "image_folder", "root": str(images), "image_size": 16,
+                                       "skip_corrupt": False})
+        assert build_dataset(images_cfg, "train").content_index() == \
+            build_dataset(OmegaConf.merge(images_cfg, {"root": str(tmp_path / "img")}), "train").content_index()
+    assert index[0] == index[1]
+    os.rename(tmp_path / "elsewhere" / "img" / "a" / "1.png", tmp_path / "elsewhere" / "img" / "a" / "9.png")
+    load_encoder()(["--vae", str(tmp_path / "vae"), "--images", str(tmp_path / "elsewhere" / "img"), "--out",
+                    str(tmp_path / "lat2"), "--image-size", "16", "--shard-size", "2"])
+    cfg = OmegaConf.create({"name": "latents", "root": str(tmp_path / "lat2"), "image_size": 8, "channels": 4,
+                            "num_classes": 2})
+    assert build_dataset(cfg, "train").content_index() != index[0][0]  # a renamed image is still other data
+
+
+def test_a_split_whose_encoding_stopped_keeps_the_record_incomplete_after_the_other_split_is_added(tmp_path, capsys):
+    """--splits train stopped (an unreadable image), then --splits val: the record said complete, so the trainer's
+    check passed a set whose train shards were not all written. It stays incomplete, and the encoder says which
+    split to finish."""
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img")
+    (tmp_path / "img" / "b" / "2.png").write_bytes(b"not a png")
+    with pytest.raises(ValueError, match=r"corrupt image .*2\.png"):
+        load_encoder()(encode_args(tmp_path))
+    capsys.readouterr()
+    info = load_encoder()(encode_args(tmp_path)[:-2] + ["--splits", "val"])
+    assert not info["complete"] and not json.loads((tmp_path / "lat" / "latents_info.json").read_text())["complete"]
+    assert (f"the train shards in {tmp_path / 'lat'} are not all written (their encoding stopped): rerun with "
+            f"--splits train to finish them\n") in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=r"its encoding stopped before every shard was written"):
+        check_latent_run({"name": "dit_s"}, {"root": str(tmp_path / "lat")}, {"path": str(tmp_path / "vae")}, True)
+    Image.new("RGB", (20, 18), (120, 200, 0)).save(tmp_path / "img" / "b" / "2.png")
+    assert load_encoder()(encode_args(tmp_path))["complete"]
+    check_latent_run({"name": "dit_s"}, {"root": str(tmp_path / "lat")}, {"path": str(tmp_path / "vae")}, True)
+
+
+def test_adding_a_split_after_the_other_splits_images_changed_says_so(tmp_path, capsys):
+    """--splits train with root/train and root/val, then root/val removed and --splits val: val became the images
+    held out of root/train, every one of them already encoded as train, with no word. The encoder now compares
+    the kept split's images with those its record lists and says how to encode it again."""
+    import shutil
+
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img" / "train")
+    image_folder(tmp_path / "img" / "val", per_class=1)
+    load_encoder()(encode_args(tmp_path))
+    shutil.rmtree(tmp_path / "img" / "val")
+    capsys.readouterr()
+    load_encoder()(encode_args(tmp_path)[:-2] + ["--splits", "val"])
+    assert (f"warning: the train images in {tmp_path / 'img'} are not those its shards in {tmp_path / 'lat'} were "
+            f"encoded from (they changed since, or a val/ folder came or went: val may overlap them): rerun with "
+            f"--splits train,val to encode the changed train shards again\n") in capsys.readouterr().out
+    load_encoder()(encode_args(tmp_path)[:-2] + ["--splits", "train,val"])
+    load_encoder()(encode_args(tmp_path)[:-2] + ["--splits", "val"])  # the same images: no word
+    assert "warning" not in capsys.readouterr().out

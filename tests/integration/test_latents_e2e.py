@@ -221,3 +221,25 @@ def test_training_reads_exactly_the_shards_the_encoding_recorded(latents, tmp_pa
     with pytest.raises(ValueError, match=r"shard_00001.safetensors is missing \(1 of the 2 recorded shards\): rerun "
                                          r"the dit-encode-latents command"):
         build_dataset(cfg, "train")
+
+
+@pytest.mark.parametrize("shards", [10 ** 12, 0])
+def test_a_recorded_shard_count_of_no_real_encoding_is_one_line_without_listing_it(latents, tmp_path, shards):
+    """latents_info.json recording 10^12 shards for train: the trainer built the list of 10^12 names before
+    comparing (MemoryError, or the host's memory); 0 shards beside shard files: an IndexError naming none."""
+    import json
+    import shutil
+
+    from dit_train.data.datasets import build_dataset
+
+    lat = tmp_path / "lat"
+    shutil.copytree(latents / "lat", lat)
+    info = json.loads((lat / "latents_info.json").read_text())
+    info["splits"] = [{**s, "shards": shards} if s["split"] == "train" else s for s in info["splits"]]
+    (lat / "latents_info.json").write_text(json.dumps(info))
+    cfg = OmegaConf.create({"name": "latents", "root": str(lat), "image_size": 8, "channels": 4, "num_classes": 10})
+    message = (r"shard_00002.safetensors is missing \(999999999998 of the 1000000000000 recorded shards\)" if shards
+               else r"shard_00000.safetensors is not one of the 0 shard\(s\) that latents_info.json records for "
+                    r"train: move it out of ")
+    with pytest.raises(ValueError, match=message):
+        build_dataset(cfg, "train")
