@@ -288,3 +288,36 @@ def test_the_trainer_stages_are_compared_with_the_estimate_of_their_own_configur
     for key in ("precision", "grad_clip", "ema_decay", "micro_batch_size"):
         assert run.train[key] == estimated.train[key], key
     assert run.train.batch_size == int(flags["--micro-batch"]) and flags["--world-size"] == "1"
+
+
+@pytest.mark.parametrize("stage", ["dit1b3_eager", "dit1b3_compile_ac"])
+def test_the_trainer_stages_count_their_prediction_before_their_steps(stage, tmp_path, monkeypatch):
+    """The cost model's prediction counts a step on fake tensors on the CPU: on a GPU (a device with a cost-model
+    profile; on CPU it returns at once) that takes seconds, so it runs before the steps, in the part of the stage its
+    deadline sizes. After the steps, only the margin for writing the line is left (Context.deadline: 10 s of a 70 s
+    timeout), and a stage killed there loses every step it took."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks import gpu_check_stages
+
+    events = []
+
+    def predict(*args, **kwargs):
+        events.append("prediction")
+        return "cost model (test)"
+
+    def steps(trainer, n, ctx=None, min_steps=2):
+        events.append("steps")
+        return [({"train/loss": 1.0, "train/skipped": 0.0, "train/grad_norm": 1.0}, 0.1) for _ in range(n)]
+
+    monkeypatch.setattr(gpu_check_stages, "describe_prediction", predict)
+    monkeypatch.setattr(gpu_check_stages, "run_steps", steps)
+    monkeypatch.setattr(gpu_check_stages, "built_trainer", lambda cfg, dist: contextlib.nullcontext(None))
+    monkeypatch.setattr(gpu_check_stages, "trainer_dist", lambda ctx: SimpleNamespace(device=torch.device("cpu")))
+    ctx = gpu_check.Context(stage, str(tmp_path), 300, smoke=True, work_dir=str(tmp_path))
+    row = gpu_check_stages.STAGE_FUNCTIONS[stage](ctx)
+    assert events == ["prediction", "steps"]
+    assert any(c["expected"] == "reported; cost model (test)" for c in row["checks"])
