@@ -39,8 +39,10 @@ STARTED = time.monotonic()
 # RowNorm step took 13.9 s against 0.2-0.3 s for the next ones). The passes now compile for chunks of at most 8
 # matrices (fused_rownorm.MAX_MATRICES_PER_CALL: dit_15b's 50-matrix buckets compiled whole before), so a cold stage
 # compiles two small variants per bucket shape. An ac stage follows its plain twin, whose finished compile it finds
-# in inductor's on-disk cache (the same shard shapes); checkpoint's 8 blocks reuse dit1b3_eager's 8-matrix chunks
-# (docs/gpu_check.md says which stages compile cold). CPU smoke: only a hang's limit (a
+# in inductor's on-disk cache (the same shard shapes). checkpoint's 8 blocks have dit1b3_eager's 8-matrix chunk, but
+# it runs under deterministic algorithms, which are in inductor's FX-graph and AOTAutograd cache keys (and dynamo's
+# global-state guard): its passes go through inductor again, only Triton's binaries (cached by kernel source) may be
+# reused; the first run's 48 s was such a compile (docs/gpu_check.md says which stages compile cold). CPU smoke: only a hang's limit (a
 # loaded 2-core host runs the stages 5x slower than an idle one; the compile stage is a cold inductor compile).
 STAGES = (
     ("env", 25, 240, "versions, SDPA backend at head dim 128, bf16 GEMM rate"),
