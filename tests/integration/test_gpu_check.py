@@ -321,3 +321,43 @@ def test_the_trainer_stages_count_their_prediction_before_their_steps(stage, tmp
     row = gpu_check_stages.STAGE_FUNCTIONS[stage](ctx)
     assert events == ["prediction", "steps"]
     assert any(c["expected"] == "reported; cost model (test)" for c in row["checks"])
+
+
+STAGE_WITH_LEFT = """
+import json, sys
+from benchmarks import gpu_check, gpu_check_stages
+
+allowed = int(sys.argv[2])
+
+
+class Timed(gpu_check.Context):
+    calls = 0
+
+    def left(self):  # time for `allowed` more steps, then none
+        Timed.calls += 1
+        return 1e9 if Timed.calls <= allowed else -1.0
+
+
+ctx = Timed(sys.argv[1], sys.argv[3], 300, smoke=True, work_dir=sys.argv[3])
+row = gpu_check_stages.stage_dit15b(ctx)
+print(json.dumps({"step_s": row["values"]["step_s"], "notes": ctx.notes, "checks": row["checks"]}))
+"""
+
+
+@pytest.mark.parametrize("allowed", [0, 1])
+def test_a_dit15b_stage_takes_only_the_timed_steps_its_deadline_leaves_and_says_how_many(allowed, tmp_path):
+    """The dit_15b stages check, before every timed step, the first one too, that another fits before the deadline:
+    on a GPU dit15b_w8_ac's steps of 128 images take seconds each, and a timed step taken past the deadline has the
+    stage killed by its timeout with its measured peak unwritten. The note names the timed steps actually taken
+    (it said one more). With none, the row still holds the memory check and the first RowNorm step."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.run(["python", "-c", STAGE_WITH_LEFT, "dit15b_w8_ac", str(allowed), str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(out["step_s"]) == allowed
+    assert out["notes"] == [f"took {allowed} of 3 timed steps: the stage's time was spent"]
+    whats = [c["what"] for c in out["checks"]]
+    assert "memory estimate of this configuration" in whats
+    assert "first RowNorm step (its passes compile on CUDA, once per process)" in whats
+    assert all(c["ok"] is not False for c in out["checks"])
