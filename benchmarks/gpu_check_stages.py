@@ -124,9 +124,9 @@ def stage_env(ctx) -> dict:
     q, k, v = (torch.randn(batch, 32, 256, 128, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     used = sdpa_backends(q, k, v)
     values["sdpa_backends"] = used
-    checks.append(check("SDPA kernel at head dim 128 (forward + backward)",
+    checks.append(ctx.record(check("SDPA kernel at head dim 128 (forward + backward)",
                         ", ".join(used) or "none seen by the profiler (not judged)",
-                        "a fused kernel (flash / cudnn / efficient), not math", "math" not in used if used else None))
+                        "a fused kernel (flash / cudnn / efficient), not math", "math" not in used if used else None)))
     # the GEMM rate in the compute dtype: square matmuls back to back, median of 5 rounds
     n = 8192 if device.type == "cuda" else 256
     reps = 20 if device.type == "cuda" else 3
@@ -202,9 +202,9 @@ def stage_ns5(ctx) -> dict:
         best = min(times, key=times.get)
         measured = "; ".join(parts) + (f"; gram/plain {times['gram'] / times['plain']:.2f} (flops predict "
                                        f"{gram_flop_ratio(m, n):.2f})")
-        checks.append(check(f"NS5 {m}x{n} (automatic: {auto}), plain-iteration flops", measured,
+        checks.append(ctx.record(check(f"NS5 {m}x{n} (automatic: {auto}), plain-iteration flops", measured,
                             f"{auto} within {NS5_CHOICE_SLACK:g} x the faster form at b8" if judged else "reported",
-                            times[auto] <= NS5_CHOICE_SLACK * times[best] if judged else None))
+                            times[auto] <= NS5_CHOICE_SLACK * times[best] if judged else None)))
     if not rate:
         ctx.notes.append(why)
     if not values["runs"]:
@@ -285,10 +285,10 @@ def stage_optimizers(ctx) -> dict:
             kind = two_steps(plain, opt_cfg)
             finite = all(bool(torch.isfinite(p).all()) for p in plain.parameters())
             ok = finite and "off the device" not in kind
-            checks.append(check(what, f"{kind}: weights {'finite' if finite else 'NOT finite'}",
-                                "2 steps, finite weights, state on the device", ok))
+            checks.append(ctx.record(check(what, f"{kind}: weights {'finite' if finite else 'NOT finite'}",
+                                "2 steps, finite weights, state on the device", ok)))
         except Exception as e:  # noqa: BLE001 - the next optimizer is still worth running
-            checks.append(check(what, f"{type(e).__name__}: {str(e).strip()[:200]}", "2 steps", False))
+            checks.append(ctx.record(check(what, f"{type(e).__name__}: {str(e).strip()[:200]}", "2 steps", False)))
     del plain
     ctx.phase(f"building the rank 0 of {OPTIMIZER_WORLD} FSDP2 model (a fake process group)")
     init_fake_process_group(OPTIMIZER_WORLD)
@@ -308,9 +308,9 @@ def stage_optimizers(ctx) -> dict:
         try:
             with empty_all_to_all_inputs_allowed():
                 kind = two_steps(sharded, opt_cfg)
-            checks.append(check(what, kind, "2 steps, state on the device", "off the device" not in kind))
+            checks.append(ctx.record(check(what, kind, "2 steps, state on the device", "off the device" not in kind)))
         except Exception as e:  # noqa: BLE001
-            checks.append(check(what, f"{type(e).__name__}: {str(e).strip()[:200]}", "2 steps", False))
+            checks.append(ctx.record(check(what, f"{type(e).__name__}: {str(e).strip()[:200]}", "2 steps", False)))
     return {"checks": checks, "values": {}}
 
 

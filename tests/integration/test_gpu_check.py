@@ -361,3 +361,38 @@ def test_a_dit15b_stage_takes_only_the_timed_steps_its_deadline_leaves_and_says_
     assert "memory estimate of this configuration" in whats
     assert "first RowNorm step (its passes compile on CUDA, once per process)" in whats
     assert all(c["ok"] is not False for c in out["checks"])
+
+
+KILLED_AT_MUON = """
+import os, signal, sys
+from benchmarks import gpu_check
+from dit_train.optim import registry
+
+build = registry.build_optimizer
+
+
+def killed_at_muon(model, cfg):  # as `timeout` kills a stage mid-way (a cold compile past its budget)
+    if cfg["name"] == "muon":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return build(model, cfg)
+
+
+registry.build_optimizer = killed_at_muon
+gpu_check.run_stage("optimizers", sys.argv[1], 300.0, smoke=True, work_dir=sys.argv[1])
+"""
+
+
+def test_a_stage_killed_mid_way_keeps_the_checks_it_had_finished(tmp_path):
+    """The first GPU run's optimizers stage was killed by its timeout and its line had no check at all, though
+    some optimizers may have run. A stage's checks are recorded as they are made (Context.record), and the line
+    written for a killed stage holds them; it still fails (it did not finish)."""
+    log = tmp_path / "optimizers.log"
+    with open(log, "w") as out:
+        rc = subprocess.run(["python", "-c", KILLED_AT_MUON, str(tmp_path)], stdout=out, stderr=subprocess.STDOUT,
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, timeout=600).returncode
+    assert rc == -9, log.read_text()[-2000:]
+    row = gpu_check_table.ensure(str(tmp_path), "optimizers", 137, 50, str(log))
+    assert not row["ok"] and row["error"].startswith("killed by its 50 s timeout")
+    assert [c["what"] for c in row["checks"]] == ["adamw, one process"]
+    assert row["checks"][0]["ok"] is True and "weights finite" in row["checks"][0]["measured"]
+    assert lines(tmp_path) == [row]  # the line written, as the table reads it
