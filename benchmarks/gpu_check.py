@@ -115,6 +115,7 @@ class Context:
         # the stage ends its own work before this; the rest of the timeout is for writing its line
         self.deadline = self.started + timeout_s - min(10.0, 0.15 * timeout_s)
         self.notes: list[str] = []
+        self.prediction: dict | None = None  # the cost model's, once counted (gpu_check_stages.prediction)
         # run folders (a checkpoint of ~4 GB among them) go to a temporary folder, removed with the stage (and by
         # gpu_check.sh, whose --work-dir it is in, after a stage that was killed), never to the results folder:
         # that stays small enough to be copied back from a GPU machine

@@ -402,8 +402,7 @@ def stage_dit15b(ctx) -> dict:
     init_distributed(device=device)  # the trainer's device set-up, no process group (WORLD_SIZE is 1)
     # the peers are fake: no network, so the prediction is of one rank's compute (FSDP and exchange bytes free);
     # counted on its own fake process group (cost_model.sharded.sharded_optimizer), so before this stage's is made
-    ctx.phase("the cost model's prediction (counts a step on fake tensors, CPU)")
-    predicted = describe_prediction(cfg.model, cfg.optimizer, world, batch, spec_peak(device)[1], network=False)
+    predicted = prediction(ctx, cfg, world, batch, device, network=False)
     ctx.phase(f"building dit_15b as rank 0 of {world} on {device}")
     init_fake_process_group(world)
     info = DistInfo(rank=0, world_size=world, device=device)
@@ -466,7 +465,8 @@ def stage_dit15b(ctx) -> dict:
     flops = training_flops_per_image(m) * batch
     label = f"dit_15b rank 0 of {world}, {batch} images/rank, AC {'on' if ac else 'off'}"
     values = {"world": world, "activation_checkpointing": ac, "micro_batch": batch, "step_s": step_s,
-              "first_step_s": first_s, "first_rownorm_step_s": first_rownorm_s, "flops_per_step": flops}
+              "first_step_s": first_s, "first_rownorm_step_s": first_rownorm_s, "flops_per_step": flops,
+              "prediction": ctx.prediction}
     peak_spec, name = spec_peak(device)
     ctx.phase("checks")
     timed = (f"steps 3..{taken + 2}" if taken else "steps 3..") + ": RowNorm, refresh, RowNorm"
@@ -581,8 +581,35 @@ def trainer_prediction(ctx, cfg, device: torch.device) -> str:
     """The cost model's step time for a trainer stage's configuration on this device, counted before the steps: on
     a GPU it counts a step on fake tensors on the CPU (seconds; on CPU there is no profile and it returns at once),
     so it belongs to the part of the stage its deadline sizes, not to the margin left for writing its line."""
+    return prediction(ctx, cfg, 1, cfg.train.batch_size, device)
+
+
+def prediction(ctx, cfg, world: int, batch: int, device: torch.device, network: bool = True) -> str:
+    """describe_prediction of this configuration, or the same text an earlier stage counted for the same arguments
+    (dit15b_w32_ac's are dit15b_w32's, dit1b3_compile_ac's dit1b3_eager's: activation checkpointing and compiling
+    are not among them). Counting takes seconds of CPU on a GPU machine, out of a stage's timeout. The arguments'
+    digest and the text go into ctx.prediction, which the stage puts in its values."""
+    import hashlib
+    import json
+
+    from omegaconf import OmegaConf
+
+    from benchmarks.gpu_check_table import read_results
+
+    name = spec_peak(device)[1]
+    args = [world, batch, name, network, *(OmegaConf.to_container(c, resolve=True) if OmegaConf.is_config(c) else c
+                                           for c in (cfg.model, cfg.optimizer))]
+    key = hashlib.sha1(json.dumps(args, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    for row in read_results(ctx.results_dir).values():
+        earlier = ((row.get("values") or {}).get("prediction") or {})
+        if earlier.get("key") == key and isinstance(earlier.get("text"), str):
+            ctx.phase(f"the cost model's prediction: {row['stage']}'s, the same arguments")
+            ctx.prediction = {"key": key, "text": earlier["text"]}
+            return earlier["text"]
     ctx.phase("the cost model's prediction (counts a step on fake tensors, CPU)")
-    return describe_prediction(cfg.model, cfg.optimizer, 1, cfg.train.batch_size, spec_peak(device)[1])
+    text = describe_prediction(cfg.model, cfg.optimizer, world, batch, name, network=network)
+    ctx.prediction = {"key": key, "text": text}
+    return text
 
 
 def trainer_checks(ctx, cfg, results, label: str, predicted: str, compiled: bool = False) -> tuple[list[dict], dict]:
@@ -599,7 +626,8 @@ def trainer_checks(ctx, cfg, results, label: str, predicted: str, compiled: bool
     peak, _ = spec_peak(device)
     rate, _ = gemm_rate(ctx)
     denominator, against = (peak, f"spec {peak / 1e12:.0f}") if peak else (rate, "the measured GEMM rate")
-    values = {"first_loss": losses[0], "losses": losses, "step_s": [t for _, t in results]}
+    values = {"first_loss": losses[0], "losses": losses, "step_s": [t for _, t in results],
+              "prediction": ctx.prediction}
     checks = [check(f"{label}: losses finite, no step skipped", f"{losses[0]:.4f} -> {losses[-1]:.4f}, "
                     f"{skipped:.0f} skipped", "finite", all(math.isfinite(v) for v in losses) and not skipped),
               check(f"step time (mean of steps 3-{len(results)}: RowNorm, refresh, RowNorm)",

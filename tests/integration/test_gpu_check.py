@@ -396,3 +396,35 @@ def test_a_stage_killed_mid_way_keeps_the_checks_it_had_finished(tmp_path):
     assert [c["what"] for c in row["checks"]] == ["adamw, one process"]
     assert row["checks"][0]["ok"] is True and "weights finite" in row["checks"][0]["measured"]
     assert lines(tmp_path) == [row]  # the line written, as the table reads it
+
+
+NO_COUNTING = """
+import sys
+from benchmarks import gpu_check, gpu_check_stages
+
+
+def counted(*args, **kwargs):
+    raise RuntimeError("the cost model counted again")
+
+
+gpu_check_stages.describe_prediction = counted
+sys.exit(gpu_check.run_stage(sys.argv[1], sys.argv[2], 300.0, smoke=True, work_dir=sys.argv[2]))
+"""
+
+
+def test_an_ac_stage_takes_its_twins_prediction_instead_of_counting_it_again(tmp_path):
+    """The cost model's prediction takes seconds of CPU on a GPU machine (a step counted on fake tensors), out of
+    each dit_15b stage's timeout; activation checkpointing is not among its arguments, so dit15b_w32_ac uses the
+    text dit15b_w32 counted (dit15b_w32_ac has the check's smallest timeout)."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    first = subprocess.run(["python", "-m", "benchmarks.gpu_check", "--stage", "dit15b_w32", "--results", str(tmp_path),
+                            "--cpu-smoke", "--work-dir", str(tmp_path)], capture_output=True, text=True, env=env,
+                           cwd=ROOT, timeout=600)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    second = subprocess.run(["python", "-c", NO_COUNTING, "dit15b_w32_ac", str(tmp_path)], capture_output=True,
+                            text=True, env=env, cwd=ROOT, timeout=600)
+    rows = {r["stage"]: r for r in lines(tmp_path)}
+    assert second.returncode == 0, rows["dit15b_w32_ac"].get("error")
+    twin, ac = rows["dit15b_w32"]["values"]["prediction"], rows["dit15b_w32_ac"]["values"]["prediction"]
+    assert ac == twin and twin["text"]
+    assert "dit15b_w32's, the same arguments" in second.stdout
