@@ -39,9 +39,12 @@ STARTED = time.monotonic()
 # RowNorm step took 13.9 s against 0.2-0.3 s for the next ones). The passes now compile for chunks of at most 8
 # matrices (fused_rownorm.MAX_MATRICES_PER_CALL: dit_15b's 50-matrix buckets compiled whole before), so a cold stage
 # compiles two small variants per bucket shape. An ac stage follows its plain twin, whose finished compile it finds
-# in inductor's on-disk cache (the same shard shapes); checkpoint's 8 blocks reuse dit1b3_eager's 8-matrix chunks
-# (docs/gpu_check.md says which stages compile cold). CPU smoke: only a hang's limit (a
-# loaded 2-core host runs the stages 5x slower than an idle one; the compile stage is a cold inductor compile).
+# in inductor's on-disk cache (the same shard shapes). checkpoint's 8 blocks have dit1b3_eager's 8-matrix chunk, but
+# it runs under deterministic algorithms, which are in inductor's FX-graph and AOTAutograd cache keys (and dynamo's
+# global-state guard): its passes go through inductor again, only Triton's binaries (cached by kernel source) may be
+# reused; the first run's 48 s was such a compile (docs/gpu_check.md says which stages compile cold). CPU smoke:
+# only a hang's limit (a loaded 2-core host runs the stages 5x slower than an idle one; the compile stage is a cold
+# inductor compile).
 STAGES = (
     ("env", 25, 240, "versions, SDPA backend at head dim 128, bf16 GEMM rate"),
     ("ns5", 20, 240, "NS5 at dit_15b's matrix shapes, batch 1 and 8, Gram vs plain"),
@@ -112,6 +115,7 @@ class Context:
         # the stage ends its own work before this; the rest of the timeout is for writing its line
         self.deadline = self.started + timeout_s - min(10.0, 0.15 * timeout_s)
         self.notes: list[str] = []
+        self.prediction: dict | None = None  # the cost model's, once counted (gpu_check_stages.prediction)
         # run folders (a checkpoint of ~4 GB among them) go to a temporary folder, removed with the stage (and by
         # gpu_check.sh, whose --work-dir it is in, after a stage that was killed), never to the results folder:
         # that stays small enough to be copied back from a GPU machine
@@ -125,6 +129,15 @@ class Context:
         the last one (gpu_check_table.where_killed). The first GPU run's stages printed nothing but warnings before
         their kill, and the table could not say where their time went."""
         print(f"{PHASE_MARK}{time.monotonic() - self.started:.1f} s] {text}", flush=True)
+
+    def record(self, check: dict) -> dict:
+        """A check as it is made, also appended to <results>/<stage>.checks.jsonl at once: a stage killed by its
+        timeout later keeps the checks it had finished in the line gpu_check.sh writes for it
+        (gpu_check_table.ensure); before, its line had none (the first GPU run's optimizers stage)."""
+        from benchmarks.gpu_check_table import append_partial
+
+        append_partial(self.results_dir, self.name, check)
+        return check
 
     def previous(self, stage: str) -> dict | None:
         """The last line another stage wrote, or None."""

@@ -124,9 +124,9 @@ def stage_env(ctx) -> dict:
     q, k, v = (torch.randn(batch, 32, 256, 128, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     used = sdpa_backends(q, k, v)
     values["sdpa_backends"] = used
-    checks.append(check("SDPA kernel at head dim 128 (forward + backward)",
+    checks.append(ctx.record(check("SDPA kernel at head dim 128 (forward + backward)",
                         ", ".join(used) or "none seen by the profiler (not judged)",
-                        "a fused kernel (flash / cudnn / efficient), not math", "math" not in used if used else None))
+                        "a fused kernel (flash / cudnn / efficient), not math", "math" not in used if used else None)))
     # the GEMM rate in the compute dtype: square matmuls back to back, median of 5 rounds
     n = 8192 if device.type == "cuda" else 256
     reps = 20 if device.type == "cuda" else 3
@@ -202,9 +202,9 @@ def stage_ns5(ctx) -> dict:
         best = min(times, key=times.get)
         measured = "; ".join(parts) + (f"; gram/plain {times['gram'] / times['plain']:.2f} (flops predict "
                                        f"{gram_flop_ratio(m, n):.2f})")
-        checks.append(check(f"NS5 {m}x{n} (automatic: {auto}), plain-iteration flops", measured,
+        checks.append(ctx.record(check(f"NS5 {m}x{n} (automatic: {auto}), plain-iteration flops", measured,
                             f"{auto} within {NS5_CHOICE_SLACK:g} x the faster form at b8" if judged else "reported",
-                            times[auto] <= NS5_CHOICE_SLACK * times[best] if judged else None))
+                            times[auto] <= NS5_CHOICE_SLACK * times[best] if judged else None)))
     if not rate:
         ctx.notes.append(why)
     if not values["runs"]:
@@ -285,10 +285,10 @@ def stage_optimizers(ctx) -> dict:
             kind = two_steps(plain, opt_cfg)
             finite = all(bool(torch.isfinite(p).all()) for p in plain.parameters())
             ok = finite and "off the device" not in kind
-            checks.append(check(what, f"{kind}: weights {'finite' if finite else 'NOT finite'}",
-                                "2 steps, finite weights, state on the device", ok))
+            checks.append(ctx.record(check(what, f"{kind}: weights {'finite' if finite else 'NOT finite'}",
+                                "2 steps, finite weights, state on the device", ok)))
         except Exception as e:  # noqa: BLE001 - the next optimizer is still worth running
-            checks.append(check(what, f"{type(e).__name__}: {str(e).strip()[:200]}", "2 steps", False))
+            checks.append(ctx.record(check(what, f"{type(e).__name__}: {str(e).strip()[:200]}", "2 steps", False)))
     del plain
     ctx.phase(f"building the rank 0 of {OPTIMIZER_WORLD} FSDP2 model (a fake process group)")
     init_fake_process_group(OPTIMIZER_WORLD)
@@ -308,9 +308,9 @@ def stage_optimizers(ctx) -> dict:
         try:
             with empty_all_to_all_inputs_allowed():
                 kind = two_steps(sharded, opt_cfg)
-            checks.append(check(what, kind, "2 steps, state on the device", "off the device" not in kind))
+            checks.append(ctx.record(check(what, kind, "2 steps, state on the device", "off the device" not in kind)))
         except Exception as e:  # noqa: BLE001
-            checks.append(check(what, f"{type(e).__name__}: {str(e).strip()[:200]}", "2 steps", False))
+            checks.append(ctx.record(check(what, f"{type(e).__name__}: {str(e).strip()[:200]}", "2 steps", False)))
     return {"checks": checks, "values": {}}
 
 
@@ -402,8 +402,7 @@ def stage_dit15b(ctx) -> dict:
     init_distributed(device=device)  # the trainer's device set-up, no process group (WORLD_SIZE is 1)
     # the peers are fake: no network, so the prediction is of one rank's compute (FSDP and exchange bytes free);
     # counted on its own fake process group (cost_model.sharded.sharded_optimizer), so before this stage's is made
-    ctx.phase("the cost model's prediction (counts a step on fake tensors, CPU)")
-    predicted = describe_prediction(cfg.model, cfg.optimizer, world, batch, spec_peak(device)[1], network=False)
+    predicted = prediction(ctx, cfg, world, batch, device, network=False)
     ctx.phase(f"building dit_15b as rank 0 of {world} on {device}")
     init_fake_process_group(world)
     info = DistInfo(rank=0, world_size=world, device=device)
@@ -434,7 +433,10 @@ def stage_dit15b(ctx) -> dict:
 
     # untimed: the first step (a refresh; it also allocates the state) and the first RowNorm step (on CUDA it
     # compiles the RowNorm passes, optim/fused_rownorm.py: tens of seconds cold, once per process); then the timed
-    # steps, K = 3 of them (RowNorm, refresh, RowNorm: one cycle's mix, as the estimate's K + 1 steps hold)
+    # steps, K = 3 of them (RowNorm, refresh, RowNorm: one cycle's mix, as the estimate's K + 1 steps hold), each
+    # only while another fits before the deadline, the first too: both kinds of step have run by then, so the peak
+    # is measured, and a timed step past the timeout would have the stage killed with it unwritten (dit15b_w8_ac's
+    # 128 images a step take seconds each)
     n = steps_for(cfg.optimizer)
 
     def untimed_step(what: str) -> float:
@@ -451,36 +453,43 @@ def stage_dit15b(ctx) -> dict:
     ctx.phase(f"steps 3-{n + 1} (timed, host syncs counted)")
     with counting_host_syncs(device, syncs):
         for i in range(1, n):
-            if i > 1 and ctx.left() < 1.5 * first_s:
-                ctx.notes.append(f"took {i} of {n - 1} timed steps: the stage's time was spent")
+            if ctx.left() < 1.5 * first_s:
+                ctx.notes.append(f"took {i - 1} of {n - 1} timed steps: the stage's time was spent")
                 break
             step()
             marks.append(clock.mark())
     clock.wait()
     step_s = [clock.seconds(a, b) for a, b in zip(marks, marks[1:])]
     taken = len(step_s)
-    mean_s = sum(step_s) / taken
+    mean_s = sum(step_s) / taken if taken else None
     flops = training_flops_per_image(m) * batch
     label = f"dit_15b rank 0 of {world}, {batch} images/rank, AC {'on' if ac else 'off'}"
     values = {"world": world, "activation_checkpointing": ac, "micro_batch": batch, "step_s": step_s,
-              "first_step_s": first_s, "first_rownorm_step_s": first_rownorm_s, "flops_per_step": flops}
+              "first_step_s": first_s, "first_rownorm_step_s": first_rownorm_s, "flops_per_step": flops,
+              "prediction": ctx.prediction}
     peak_spec, name = spec_peak(device)
     ctx.phase("checks")
-    checks = [check(f"{label}: compute-only step time (steps 3..{taken + 2}: RowNorm, refresh, RowNorm)",
-                    " / ".join(f"{s * 1e3:.0f}" for s in step_s) + " ms", "reported; " + predicted, None),
+    timed = (f"steps 3..{taken + 2}" if taken else "steps 3..") + ": RowNorm, refresh, RowNorm"
+    checks = [check(f"{label}: compute-only step time ({timed})",
+                    " / ".join(f"{s * 1e3:.0f}" for s in step_s) + " ms" if taken else
+                    f"no timed step: the stage's time was spent (step 1 took {first_s:.1f} s)",
+                    "reported; " + predicted, None),
               check("first RowNorm step (its passes compile on CUDA, once per process)",
                     f"{first_rownorm_s:.1f} s", "reported (a run's one-off cost)", None)]
-    if peak_spec:
+    if taken and peak_spec:
         mfu = flops / mean_s / peak_spec
         values["mfu_spec"] = mfu
         checks.append(check("MFU (model FLOPs / cycle-mean step time / spec peak)",
                             f"{mfu:.1%} of {peak_spec / 1e12:.0f} TFLOP/s", "reported (first measurement)", None))
-    else:
+    elif taken:
         values["achieved_flops"] = flops / mean_s
         checks.append(check("achieved model FLOP/s", f"{flops / mean_s / 1e12:.3g} TFLOP/s",
                             f"reported (no spec peak for {name})", None))
     checks += memory_checks(ctx, device, values)
-    if device.type == "cuda":
+    if device.type == "cuda" and not taken:
+        checks.append(check("host syncs per step (torch.cuda.set_sync_debug_mode)", "not counted: no timed step",
+                            f"<= {EXPECTED_SYNCS_PER_STEP} (Trainer.step_flags)", None))
+    elif device.type == "cuda":
         per_step = len(syncs) / taken
         values["host_syncs"] = syncs
         where = ", ".join(sorted(set(syncs)))
@@ -568,7 +577,42 @@ def trainer_dist(ctx):
     return init_distributed(single_process_group=True, device=device_for(ctx))
 
 
-def trainer_checks(ctx, cfg, results, label: str, compiled: bool = False) -> tuple[list[dict], dict]:
+def trainer_prediction(ctx, cfg, device: torch.device) -> str:
+    """The cost model's step time for a trainer stage's configuration on this device, counted before the steps: on
+    a GPU it counts a step on fake tensors on the CPU (seconds; on CPU there is no profile and it returns at once),
+    so it belongs to the part of the stage its deadline sizes, not to the margin left for writing its line."""
+    return prediction(ctx, cfg, 1, cfg.train.batch_size, device)
+
+
+def prediction(ctx, cfg, world: int, batch: int, device: torch.device, network: bool = True) -> str:
+    """describe_prediction of this configuration, or the same text an earlier stage counted for the same arguments
+    (dit15b_w32_ac's are dit15b_w32's, dit1b3_compile_ac's dit1b3_eager's: activation checkpointing and compiling
+    are not among them). Counting takes seconds of CPU on a GPU machine, out of a stage's timeout. The arguments'
+    digest and the text go into ctx.prediction, which the stage puts in its values."""
+    import hashlib
+    import json
+
+    from omegaconf import OmegaConf
+
+    from benchmarks.gpu_check_table import read_results
+
+    name = spec_peak(device)[1]
+    args = [world, batch, name, network, *(OmegaConf.to_container(c, resolve=True) if OmegaConf.is_config(c) else c
+                                           for c in (cfg.model, cfg.optimizer))]
+    key = hashlib.sha1(json.dumps(args, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    for row in read_results(ctx.results_dir).values():
+        earlier = ((row.get("values") or {}).get("prediction") or {})
+        if earlier.get("key") == key and isinstance(earlier.get("text"), str):
+            ctx.phase(f"the cost model's prediction: {row['stage']}'s, the same arguments")
+            ctx.prediction = {"key": key, "text": earlier["text"]}
+            return earlier["text"]
+    ctx.phase("the cost model's prediction (counts a step on fake tensors, CPU)")
+    text = describe_prediction(cfg.model, cfg.optimizer, world, batch, name, network=network)
+    ctx.prediction = {"key": key, "text": text}
+    return text
+
+
+def trainer_checks(ctx, cfg, results, label: str, predicted: str, compiled: bool = False) -> tuple[list[dict], dict]:
     from dit_train.model.flops import training_flops_per_image
 
     device = torch.device(ctx.device_type)
@@ -579,17 +623,17 @@ def trainer_checks(ctx, cfg, results, label: str, compiled: bool = False) -> tup
     timed = [t for _, t in results[2:]] or [t for _, t in results[1:]] or [results[0][1]]
     step_s = statistics.mean(timed)
     flops = training_flops_per_image(cfg.model) * cfg.train.batch_size
-    peak, name = spec_peak(device)
+    peak, _ = spec_peak(device)
     rate, _ = gemm_rate(ctx)
     denominator, against = (peak, f"spec {peak / 1e12:.0f}") if peak else (rate, "the measured GEMM rate")
-    values = {"first_loss": losses[0], "losses": losses, "step_s": [t for _, t in results]}
+    values = {"first_loss": losses[0], "losses": losses, "step_s": [t for _, t in results],
+              "prediction": ctx.prediction}
     checks = [check(f"{label}: losses finite, no step skipped", f"{losses[0]:.4f} -> {losses[-1]:.4f}, "
                     f"{skipped:.0f} skipped", "finite", all(math.isfinite(v) for v in losses) and not skipped),
               check(f"step time (mean of steps 3-{len(results)}: RowNorm, refresh, RowNorm)",
                     " / ".join(f"{t * 1e3:.0f}" for t in timed) + f" ms; mean {step_s * 1e3:.1f} ms, "
                     f"{cfg.train.batch_size / step_s:.0f} images/s",
-                    "reported; " + describe_prediction(cfg.model, cfg.optimizer, 1, cfg.train.batch_size, name),
-                    None)]
+                    "reported; " + predicted, None)]
     if len(results) > 1:
         values["first_rownorm_step_s"] = results[1][1]
         checks.append(check("first RowNorm step (its passes compile on CUDA, once per process)",
@@ -606,10 +650,11 @@ def stage_dit1b3_eager(ctx) -> dict:
     dist = trainer_dist(ctx)
     ctx.device_type = dist.device.type
     cfg = trainer_config(ctx, "eager")
+    predicted = trainer_prediction(ctx, cfg, dist.device)
     ctx.phase("building the trainer (dit_1b3, FSDP2 on a group of one)")
     with built_trainer(cfg, dist) as trainer:
         results = run_steps(trainer, 2 + 3, ctx, min_steps=3)
-    checks, values = trainer_checks(ctx, cfg, results, "dit_1b3 eager")
+    checks, values = trainer_checks(ctx, cfg, results, "dit_1b3 eager", predicted)
     return {"checks": checks, "values": values}
 
 
@@ -617,10 +662,11 @@ def stage_dit1b3_compile_ac(ctx) -> dict:
     dist = trainer_dist(ctx)
     ctx.device_type = dist.device.type
     cfg = trainer_config(ctx, "compile_ac", checkpointing=True, compiled=True)
+    predicted = trainer_prediction(ctx, cfg, dist.device)
     ctx.phase("building the trainer (dit_1b3, FSDP2 on a group of one, compiled blocks, AC)")
     with built_trainer(cfg, dist) as trainer:
         results = run_steps(trainer, 2 + 3, ctx, min_steps=3)
-    checks, values = trainer_checks(ctx, cfg, results, "dit_1b3 compiled + AC", compiled=True)
+    checks, values = trainer_checks(ctx, cfg, results, "dit_1b3 compiled + AC", predicted, compiled=True)
     values["compile_step_s"] = results[0][1]
     checks.insert(1, check("first step (compiling the blocks)", f"{results[0][1]:.1f} s", "reported", None))
     eager = ((ctx.previous("dit1b3_eager") or {}).get("values") or {}).get("first_loss")

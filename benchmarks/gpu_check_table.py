@@ -34,16 +34,42 @@ def read_results(results_dir: str) -> dict[str, dict]:
     return out
 
 
-def append_row(results_dir: str, row: dict) -> None:
+def append_row(results_dir: str, row: dict, name: str = RESULTS) -> None:
     """One JSON line appended and flushed to disk at once (a later crash loses nothing written before it), on a
     line of its own even after a torn line (a stage killed while writing)."""
-    path = os.path.join(results_dir, RESULTS)
+    path = os.path.join(results_dir, name)
     with open(path, "a+b") as f:
         f.seek(0, os.SEEK_END)
         torn = f.tell() > 0 and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n"
         f.write((b"\n" if torn else b"") + json.dumps(row).encode() + b"\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+def partial_name(stage: str) -> str:
+    """The file of the checks a stage has finished so far (gpu_check.Context.record)."""
+    return f"{stage}.checks.jsonl"
+
+
+def append_partial(results_dir: str, stage: str, check: dict) -> None:
+    append_row(results_dir, check, partial_name(stage))
+
+
+def read_partial(results_dir: str, stage: str) -> list[dict]:
+    """The checks a stage recorded before it ended (a torn last line skipped)."""
+    path = os.path.join(results_dir, partial_name(stage))
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                c = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(c, dict) and {"what", "measured", "expected", "ok"} <= set(c):
+                out.append(c)
+    return out
 
 
 def passed(row: dict) -> bool:
@@ -173,7 +199,8 @@ def where_killed(path: str) -> str:
 
 
 def ensure(results_dir: str, stage: str, rc: int, timeout_s: float, log: str | None) -> dict:
-    """The stage's line; written here when the stage wrote none (killed by `timeout`: status 124 or 137; or died)."""
+    """The stage's line; written here when the stage wrote none (killed by `timeout`: status 124 or 137; or died),
+    with the checks it had finished (Context.record)."""
     row = read_results(results_dir).get(stage)
     if row is None:
         if rc in (124, 137):
@@ -182,7 +209,8 @@ def ensure(results_dir: str, stage: str, rc: int, timeout_s: float, log: str | N
             why = f"exited with status {rc} without writing its result"
         where = where_killed(log) if log and rc in (124, 137) else ""
         tail = "" if where else (log_tail(log) if log else "")
-        row = {"stage": stage, "ok": False, "checks": [], "values": {}, "seconds": timeout_s if rc in (124, 137)
+        row = {"stage": stage, "ok": False, "checks": read_partial(results_dir, stage), "values": {},
+               "seconds": timeout_s if rc in (124, 137)
                else None, "error": why + (f"; {where}" if where else f"; its log ends: {tail}" if tail else "")}
         append_row(results_dir, row)
     return row

@@ -288,3 +288,143 @@ def test_the_trainer_stages_are_compared_with_the_estimate_of_their_own_configur
     for key in ("precision", "grad_clip", "ema_decay", "micro_batch_size"):
         assert run.train[key] == estimated.train[key], key
     assert run.train.batch_size == int(flags["--micro-batch"]) and flags["--world-size"] == "1"
+
+
+@pytest.mark.parametrize("stage", ["dit1b3_eager", "dit1b3_compile_ac"])
+def test_the_trainer_stages_count_their_prediction_before_their_steps(stage, tmp_path, monkeypatch):
+    """The cost model's prediction counts a step on fake tensors on the CPU: on a GPU (a device with a cost-model
+    profile; on CPU it returns at once) that takes seconds, so it runs before the steps, in the part of the stage its
+    deadline sizes. After the steps, only the margin for writing the line is left (Context.deadline: 10 s of a 70 s
+    timeout), and a stage killed there loses every step it took."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks import gpu_check_stages
+
+    events = []
+
+    def predict(*args, **kwargs):
+        events.append("prediction")
+        return "cost model (test)"
+
+    def steps(trainer, n, ctx=None, min_steps=2):
+        events.append("steps")
+        return [({"train/loss": 1.0, "train/skipped": 0.0, "train/grad_norm": 1.0}, 0.1) for _ in range(n)]
+
+    monkeypatch.setattr(gpu_check_stages, "describe_prediction", predict)
+    monkeypatch.setattr(gpu_check_stages, "run_steps", steps)
+    monkeypatch.setattr(gpu_check_stages, "built_trainer", lambda cfg, dist: contextlib.nullcontext(None))
+    monkeypatch.setattr(gpu_check_stages, "trainer_dist", lambda ctx: SimpleNamespace(device=torch.device("cpu")))
+    ctx = gpu_check.Context(stage, str(tmp_path), 300, smoke=True, work_dir=str(tmp_path))
+    row = gpu_check_stages.STAGE_FUNCTIONS[stage](ctx)
+    assert events == ["prediction", "steps"]
+    assert any(c["expected"] == "reported; cost model (test)" for c in row["checks"])
+
+
+STAGE_WITH_LEFT = """
+import json, sys
+from benchmarks import gpu_check, gpu_check_stages
+
+allowed = int(sys.argv[2])
+
+
+class Timed(gpu_check.Context):
+    calls = 0
+
+    def left(self):  # time for `allowed` more steps, then none
+        Timed.calls += 1
+        return 1e9 if Timed.calls <= allowed else -1.0
+
+
+ctx = Timed(sys.argv[1], sys.argv[3], 300, smoke=True, work_dir=sys.argv[3])
+row = gpu_check_stages.stage_dit15b(ctx)
+print(json.dumps({"step_s": row["values"]["step_s"], "notes": ctx.notes, "checks": row["checks"]}))
+"""
+
+
+@pytest.mark.parametrize("allowed", [0, 1])
+def test_a_dit15b_stage_takes_only_the_timed_steps_its_deadline_leaves_and_says_how_many(allowed, tmp_path):
+    """The dit_15b stages check, before every timed step, the first one too, that another fits before the deadline:
+    on a GPU dit15b_w8_ac's steps of 128 images take seconds each, and a timed step taken past the deadline has the
+    stage killed by its timeout with its measured peak unwritten. The note names the timed steps actually taken
+    (it said one more). With none, the row still holds the memory check and the first RowNorm step."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.run(["python", "-c", STAGE_WITH_LEFT, "dit15b_w8_ac", str(allowed), str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(out["step_s"]) == allowed
+    assert out["notes"] == [f"took {allowed} of 3 timed steps: the stage's time was spent"]
+    whats = [c["what"] for c in out["checks"]]
+    assert "memory estimate of this configuration" in whats
+    assert "first RowNorm step (its passes compile on CUDA, once per process)" in whats
+    assert all(c["ok"] is not False for c in out["checks"])
+
+
+KILLED_AT_MUON = """
+import os, signal, sys
+from benchmarks import gpu_check
+from dit_train.optim import registry
+
+build = registry.build_optimizer
+
+
+def killed_at_muon(model, cfg):  # as `timeout` kills a stage mid-way (a cold compile past its budget)
+    if cfg["name"] == "muon":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return build(model, cfg)
+
+
+registry.build_optimizer = killed_at_muon
+gpu_check.run_stage("optimizers", sys.argv[1], 300.0, smoke=True, work_dir=sys.argv[1])
+"""
+
+
+def test_a_stage_killed_mid_way_keeps_the_checks_it_had_finished(tmp_path):
+    """The first GPU run's optimizers stage was killed by its timeout and its line had no check at all, though
+    some optimizers may have run. A stage's checks are recorded as they are made (Context.record), and the line
+    written for a killed stage holds them; it still fails (it did not finish)."""
+    log = tmp_path / "optimizers.log"
+    with open(log, "w") as out:
+        rc = subprocess.run(["python", "-c", KILLED_AT_MUON, str(tmp_path)], stdout=out, stderr=subprocess.STDOUT,
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, timeout=600).returncode
+    assert rc == -9, log.read_text()[-2000:]
+    row = gpu_check_table.ensure(str(tmp_path), "optimizers", 137, 50, str(log))
+    assert not row["ok"] and row["error"].startswith("killed by its 50 s timeout")
+    assert [c["what"] for c in row["checks"]] == ["adamw, one process"]
+    assert row["checks"][0]["ok"] is True and "weights finite" in row["checks"][0]["measured"]
+    assert lines(tmp_path) == [row]  # the line written, as the table reads it
+
+
+NO_COUNTING = """
+import sys
+from benchmarks import gpu_check, gpu_check_stages
+
+
+def counted(*args, **kwargs):
+    raise RuntimeError("the cost model counted again")
+
+
+gpu_check_stages.describe_prediction = counted
+sys.exit(gpu_check.run_stage(sys.argv[1], sys.argv[2], 300.0, smoke=True, work_dir=sys.argv[2]))
+"""
+
+
+def test_an_ac_stage_takes_its_twins_prediction_instead_of_counting_it_again(tmp_path):
+    """The cost model's prediction takes seconds of CPU on a GPU machine (a step counted on fake tensors), out of
+    each dit_15b stage's timeout; activation checkpointing is not among its arguments, so dit15b_w32_ac uses the
+    text dit15b_w32 counted (dit15b_w32_ac has the check's smallest timeout)."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    first = subprocess.run(["python", "-m", "benchmarks.gpu_check", "--stage", "dit15b_w32", "--results", str(tmp_path),
+                            "--cpu-smoke", "--work-dir", str(tmp_path)], capture_output=True, text=True, env=env,
+                           cwd=ROOT, timeout=600)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    second = subprocess.run(["python", "-c", NO_COUNTING, "dit15b_w32_ac", str(tmp_path)], capture_output=True,
+                            text=True, env=env, cwd=ROOT, timeout=600)
+    rows = {r["stage"]: r for r in lines(tmp_path)}
+    assert second.returncode == 0, rows["dit15b_w32_ac"].get("error")
+    twin, ac = rows["dit15b_w32"]["values"]["prediction"], rows["dit15b_w32_ac"]["values"]["prediction"]
+    assert ac == twin and twin["text"]
+    assert "dit15b_w32's, the same arguments" in second.stdout
