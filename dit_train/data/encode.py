@@ -279,7 +279,7 @@ def main(argv=None) -> dict:
     info_path = os.path.join(args.out, LATENTS_INFO)
     if dist.is_main:  # before the first shard: an interrupted run's shards are never without their record
         os.makedirs(args.out, exist_ok=True)
-        forget_changed_shards(changed, args.out)
+        forget_changed_shards(changed, args.out, info)
         atomic_write_bytes(json.dumps(info, indent=2).encode(), info_path)
     barrier()
     progress = None

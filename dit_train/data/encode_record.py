@@ -152,14 +152,19 @@ def keep_record_format(old: dict, new: dict, out: str) -> None:
             del s["shard_image_lists"]
 
 
-def forget_changed_shards(changed: dict[str, list[str]], out: str) -> None:
+def forget_changed_shards(changed: dict[str, list[str]], out: str, new: dict) -> None:
     """Remove the shards of images that changed, before the new record is written: a shard on disk always holds
-    the images the record on disk lists for it, wherever a rerun is interrupted."""
+    the images the record on disk lists for it, wherever a rerun is interrupted. Said in one line per split:
+    how many are encoded again, and how many (past a lower count) are only removed."""
+    counts = {s["split"]: s["shards"] for s in new["splits"]}
     for split, paths in changed.items():
         if paths:
+            listed = {shard_name(k) for k in range(counts[split])}
+            again = sum(os.path.basename(p) in listed for p in paths)
+            past = f"; {len(paths) - again} past the new count are removed" if len(paths) > again else ""
             print(f"the images of {len(paths)} {split} shard(s) in {out} changed since they were encoded (--limit, or "
-                  f"images added, removed or renamed): they are encoded again ({os.path.basename(paths[0])} on)",
-                  flush=True)
+                  f"images added, removed or renamed): {again} are encoded again{past} "
+                  f"({os.path.basename(paths[0])} on)", flush=True)
         for path in paths:
             os.remove(path)
 

@@ -655,6 +655,8 @@ def test_a_rerun_after_the_images_changed_encodes_again_only_the_shards_they_tou
         assert all(torch.equal(a[k], b[k]) for k in b), name
     if change != "--limit 8":  # more than the 7 images: nothing changed, nothing encoded again
         assert "train shard(s) in" in told and "changed since they were encoded" in told, told
+    if change == "--limit 3":  # shards of 2, 2, 2, 1 images become 2, 1: shard 1 again, shards 2 and 3 removed
+        assert "1 are encoded again; 2 past the new count are removed" in told, told
     assert os.stat(shard0).st_ino == kept  # class a's first images: the same file, not encoded again
     now = build_dataset(cfg, "train")
     assert len(now) == info["splits"][0]["latents"]
