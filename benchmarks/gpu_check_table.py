@@ -17,21 +17,26 @@ RESULTS = "results.jsonl"
 GIB = 1024**3
 
 
-def read_results(results_dir: str) -> dict[str, dict]:
-    """Stage -> its last line. A torn last line (the writer killed mid-write) is skipped, not fatal."""
-    path = os.path.join(results_dir, RESULTS)
-    out = {}
+def json_lines(path: str) -> list[dict]:
+    """The JSON objects of a file written by append_row, in order; a torn line (the writer killed mid-write) is
+    skipped, not fatal; no file: none."""
     if not os.path.exists(path):
-        return out
+        return []
+    out = []
     with open(path) as f:
         for line in f:
             try:
                 row = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(row, dict) and "stage" in row:
-                out[row["stage"]] = row
+            if isinstance(row, dict):
+                out.append(row)
     return out
+
+
+def read_results(results_dir: str) -> dict[str, dict]:
+    """Stage -> its last line."""
+    return {row["stage"]: row for row in json_lines(os.path.join(results_dir, RESULTS)) if "stage" in row}
 
 
 def append_row(results_dir: str, row: dict, name: str = RESULTS) -> None:
@@ -57,19 +62,8 @@ def append_partial(results_dir: str, stage: str, check: dict) -> None:
 
 def read_partial(results_dir: str, stage: str) -> list[dict]:
     """The checks a stage recorded before it ended (a torn last line skipped)."""
-    path = os.path.join(results_dir, partial_name(stage))
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path) as f:
-        for line in f:
-            try:
-                c = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(c, dict) and {"what", "measured", "expected", "ok"} <= set(c):
-                out.append(c)
-    return out
+    return [c for c in json_lines(os.path.join(results_dir, partial_name(stage)))
+            if {"what", "measured", "expected", "ok"} <= set(c)]
 
 
 def passed(row: dict) -> bool:
