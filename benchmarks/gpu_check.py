@@ -4,6 +4,7 @@ STAGES; the stages are in gpu_check_stages.py, the table in gpu_check_table.py).
 
     python -m benchmarks.gpu_check --plan [--cpu-smoke] [--only env,ns5]   # "name<TAB>timeout s" per stage
     python -m benchmarks.gpu_check --estimates [--cpu-smoke]               # "key<TAB>dit-estimate-memory arguments"
+    python -m benchmarks.gpu_check --predictions --device-name NAME --results DIR [--cpu-smoke]  # in the background
     python -m benchmarks.gpu_check --stage NAME --results DIR --timeout S [--cpu-smoke]
 
 A stage appends one JSON line to DIR/results.jsonl when it finishes, whatever happened inside it (an exception is
@@ -186,6 +187,9 @@ def main(argv=None) -> int:
     ap.add_argument("--estimates", action="store_true", help="print the memory estimates to start")
     ap.add_argument("--budget", action="store_true",
                     help="print the seconds the whole check and each estimate may take, and the kill grace")
+    ap.add_argument("--predictions", action="store_true",
+                    help="count the stages' cost-model predictions on the CPU into DIR/predictions.jsonl")
+    ap.add_argument("--device-name", default=None, help="with --predictions: the GPU's name, as torch gives it")
     ap.add_argument("--stage", default=None, help="run this stage")
     ap.add_argument("--results", default=None, help="the results folder (results.jsonl, estimates)")
     ap.add_argument("--timeout", type=float, default=None, help="the stage's timeout in seconds")
@@ -206,6 +210,14 @@ def main(argv=None) -> int:
                 print(f"{key}\t{' '.join(est_args)}")
         return 0
     names = [s[0] for s in STAGES]
+    if args.predictions:
+        if not args.results or not os.path.isdir(args.results) or not args.device_name:
+            ap.error("--predictions needs --results FOLDER and --device-name NAME")
+        from benchmarks.gpu_check_stages import predict_in_background
+
+        stages = [name for name, _ in plan(args.cpu_smoke, args.only.split(",") if args.only else None)]
+        predict_in_background(args.results, args.device_name, stages, args.cpu_smoke)
+        return 0
     if args.stage not in names:
         ap.error(f"--stage {args.stage!r} is not a stage; valid: {', '.join(names)}")
     if not args.results or not os.path.isdir(args.results):

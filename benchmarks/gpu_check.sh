@@ -114,6 +114,16 @@ estimate() {
   echo $? > "$RESULTS/estimate_$1.rc.tmp" && mv "$RESULTS/estimate_$1.rc.tmp" "$RESULTS/estimate_$1.rc"
 }
 ESTIMATE_PIDS=()
+# The cost model's predictions the stages print beside their step times, counted the same way (one process, no CUDA
+# device visible to it: it takes no GPU memory) under the GPU's name as nvidia-smi gives it; a stage that finds its
+# prediction not yet counted counts its own (seconds of its timeout, as before this job).
+if [ -z "$SMOKE" ]; then DEVICE_NAME=$(head -n 1 "$RESULTS/nvidia-smi.txt" | cut -d, -f1); else DEVICE_NAME=CPU; fi
+if [ -n "$DEVICE_NAME" ]; then
+  ( CUDA_VISIBLE_DEVICES="" timeout "$ESTIMATE_TIMEOUT" "$PY" -m benchmarks.gpu_check --predictions \
+      --device-name "$DEVICE_NAME" --results "$RESULTS" $SMOKE ${ONLY:+--only "$ONLY"} \
+      > "$RESULTS/predictions.log" 2>&1 < /dev/null ) &
+  ESTIMATE_PIDS+=($!)
+fi
 JOBS=$("$PY" -m benchmarks.gpu_check --estimates $SMOKE ${ONLY:+--only "$ONLY"}) || exit 2
 if [ -n "$SMOKE" ]; then
   ( while IFS=$'\t' read -r key est_args; do [ -z "$key" ] || estimate "$key" "$est_args"; done <<< "$JOBS" ) &

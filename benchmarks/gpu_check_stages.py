@@ -384,7 +384,6 @@ def stage_dit15b(ctx) -> dict:
     at once, their outputs unfilled): memory and compute of one rank of the real job, without the network."""
     from types import SimpleNamespace
 
-    from dit_train.parallel.memory_estimate_cli import compose as estimate_config
     from dit_train import seeds
     from dit_train.trainer.build import build_models
     from dit_train.parallel.memory_estimate import empty_all_to_all_inputs_allowed, init_fake_process_group, steps_for
@@ -397,8 +396,7 @@ def stage_dit15b(ctx) -> dict:
 
     world, ac, batch = SHARD_RUNS[ctx.name]
     device = device_for(ctx)
-    batch = SMOKE_SHARD_BATCH if ctx.smoke else batch
-    cfg = estimate_config("dit_15b", OPTIMIZER, ac, [*SHARD_OVERRIDES, *(SMOKE_MODEL if ctx.smoke else [])])
+    cfg, _, batch, _ = prediction_inputs(ctx)
     init_distributed(device=device)  # the trainer's device set-up, no process group (WORLD_SIZE is 1)
     # the peers are fake: no network, so the prediction is of one rank's compute (FSDP and exchange bytes free);
     # counted on its own fake process group (cost_model.sharded.sharded_optimizer), so before this stage's is made
@@ -578,38 +576,91 @@ def trainer_dist(ctx):
 
 
 def trainer_prediction(ctx, cfg, device: torch.device) -> str:
-    """The cost model's step time for a trainer stage's configuration on this device, counted before the steps: on
-    a GPU it counts a step on fake tensors on the CPU (seconds; on CPU there is no profile and it returns at once),
-    so it belongs to the part of the stage its deadline sizes, not to the margin left for writing its line."""
+    """The cost model's step time for a trainer stage's configuration on this device, counted before the steps
+    (unless the background job has: predict_in_background): it belongs to the part of the stage its deadline
+    sizes, not to the margin left for writing its line."""
     return prediction(ctx, cfg, 1, cfg.train.batch_size, device)
 
 
-def prediction(ctx, cfg, world: int, batch: int, device: torch.device, network: bool = True) -> str:
-    """describe_prediction of this configuration, or the same text an earlier stage counted for the same arguments
-    (dit15b_w32_ac's are dit15b_w32's, dit1b3_compile_ac's dit1b3_eager's: activation checkpointing and compiling
-    are not among them). Counting takes seconds of CPU on a GPU machine, out of a stage's timeout. The arguments'
-    digest and the text go into ctx.prediction, which the stage puts in its values."""
+def prediction_inputs(ctx):
+    """(config, world, images per rank, network) of the prediction a stage compares its step time with, or None
+    for a stage that makes none: one declaration for the stage and for predict_in_background."""
+    if ctx.name in SHARD_RUNS:
+        from dit_train.parallel.memory_estimate_cli import compose as estimate_config
+
+        world, ac, batch = SHARD_RUNS[ctx.name]
+        cfg = estimate_config("dit_15b", OPTIMIZER, ac, [*SHARD_OVERRIDES, *(SMOKE_MODEL if ctx.smoke else [])])
+        return cfg, world, SMOKE_SHARD_BATCH if ctx.smoke else batch, False
+    if ctx.name in TRAINER_CONFIGS:
+        cfg = trainer_config(ctx, *TRAINER_CONFIGS[ctx.name])
+        return cfg, 1, cfg.train.batch_size, True
+    return None
+
+
+def prediction_key(cfg, world: int, batch: int, device_name: str, network: bool) -> str:
+    """The digest of describe_prediction's arguments: a prediction counted once serves every stage with the same."""
     import hashlib
     import json
 
     from omegaconf import OmegaConf
 
-    from benchmarks.gpu_check_table import read_results
+    args = [world, batch, device_name, network, *(OmegaConf.to_container(c, resolve=True)
+                                                  if OmegaConf.is_config(c) else c for c in (cfg.model, cfg.optimizer))]
+    return hashlib.sha1(json.dumps(args, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
+
+def counted_predictions(results_dir: str) -> list[tuple[str, dict]]:
+    """(who counted it, {"key", "text"}) of every prediction counted so far: the stages' lines, then the
+    background job's (predict_in_background)."""
+    from benchmarks.gpu_check_table import PREDICTIONS, json_lines, read_results
+
+    found = [(row["stage"], (row.get("values") or {}).get("prediction") or {})
+             for row in read_results(results_dir).values()]
+    found += [("the background job", row) for row in json_lines(os.path.join(results_dir, PREDICTIONS))]
+    return [(who, p) for who, p in found if isinstance(p.get("key"), str) and isinstance(p.get("text"), str)]
+
+
+def prediction(ctx, cfg, world: int, batch: int, device: torch.device, network: bool = True) -> str:
+    """describe_prediction of this configuration, or the same text counted before for the same arguments: by the
+    background job (gpu_check.sh starts it with the stages; its CPU seconds then overlap the GPU's work) or by an
+    earlier stage (dit15b_w32_ac's are dit15b_w32's, dit1b3_compile_ac's dit1b3_eager's: activation checkpointing
+    and compiling are not among them). Counting takes seconds of CPU on a GPU machine, out of a stage's timeout.
+    The arguments' digest and the text go into ctx.prediction, which the stage puts in its values."""
     name = spec_peak(device)[1]
-    args = [world, batch, name, network, *(OmegaConf.to_container(c, resolve=True) if OmegaConf.is_config(c) else c
-                                           for c in (cfg.model, cfg.optimizer))]
-    key = hashlib.sha1(json.dumps(args, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    for row in read_results(ctx.results_dir).values():
-        earlier = ((row.get("values") or {}).get("prediction") or {})
-        if earlier.get("key") == key and isinstance(earlier.get("text"), str):
-            ctx.phase(f"the cost model's prediction: {row['stage']}'s, the same arguments")
+    key = prediction_key(cfg, world, batch, name, network)
+    for who, earlier in counted_predictions(ctx.results_dir):
+        if earlier["key"] == key:
+            ctx.phase(f"the cost model's prediction: {who}'s, the same arguments")
             ctx.prediction = {"key": key, "text": earlier["text"]}
             return earlier["text"]
     ctx.phase("the cost model's prediction (counts a step on fake tensors, CPU)")
     text = describe_prediction(cfg.model, cfg.optimizer, world, batch, name, network=network)
     ctx.prediction = {"key": key, "text": text}
     return text
+
+
+def predict_in_background(results_dir: str, device_name: str, stages: list[str], smoke: bool) -> None:
+    """Every prediction the stages will ask for, counted on the CPU while the GPU runs the stages before them (run
+    with no CUDA device visible: it must not take GPU memory), each appended to predictions.jsonl as it is
+    counted. A stage that finds none there counts its own (prediction), as when this job has not got to it."""
+    import tempfile
+    from types import SimpleNamespace
+
+    from benchmarks.gpu_check_table import PREDICTIONS, append_row
+
+    with tempfile.TemporaryDirectory() as work:
+        for name in stages:
+            ctx = SimpleNamespace(name=name, smoke=smoke, work_dir=work)
+            inputs = prediction_inputs(ctx)
+            if inputs is None:
+                continue
+            cfg, world, batch, network = inputs
+            key = prediction_key(cfg, world, batch, device_name, network)
+            if any(p["key"] == key for _, p in counted_predictions(results_dir)):
+                continue
+            text = describe_prediction(cfg.model, cfg.optimizer, world, batch, device_name, network=network)
+            append_row(results_dir, {"stage": name, "key": key, "text": text}, PREDICTIONS)
+            print(f"{name}: {text}", flush=True)
 
 
 def trainer_checks(ctx, cfg, results, label: str, predicted: str, compiled: bool = False) -> tuple[list[dict], dict]:
@@ -646,10 +697,14 @@ def trainer_checks(ctx, cfg, results, label: str, predicted: str, compiled: bool
     return checks, values
 
 
+# a trainer stage's trainer_config arguments: (run folder name, activation checkpointing, compiled)
+TRAINER_CONFIGS = {"dit1b3_eager": ("eager", False, False), "dit1b3_compile_ac": ("compile_ac", True, True)}
+
+
 def stage_dit1b3_eager(ctx) -> dict:
     dist = trainer_dist(ctx)
     ctx.device_type = dist.device.type
-    cfg = trainer_config(ctx, "eager")
+    cfg = trainer_config(ctx, *TRAINER_CONFIGS[ctx.name])
     predicted = trainer_prediction(ctx, cfg, dist.device)
     ctx.phase("building the trainer (dit_1b3, FSDP2 on a group of one)")
     with built_trainer(cfg, dist) as trainer:
@@ -661,7 +716,7 @@ def stage_dit1b3_eager(ctx) -> dict:
 def stage_dit1b3_compile_ac(ctx) -> dict:
     dist = trainer_dist(ctx)
     ctx.device_type = dist.device.type
-    cfg = trainer_config(ctx, "compile_ac", checkpointing=True, compiled=True)
+    cfg = trainer_config(ctx, *TRAINER_CONFIGS[ctx.name])
     predicted = trainer_prediction(ctx, cfg, dist.device)
     ctx.phase("building the trainer (dit_1b3, FSDP2 on a group of one, compiled blocks, AC)")
     with built_trainer(cfg, dist) as trainer:

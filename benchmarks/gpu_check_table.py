@@ -14,6 +14,7 @@ import os
 import sys
 
 RESULTS = "results.jsonl"
+PREDICTIONS = "predictions.jsonl"  # the background job's cost-model predictions (gpu_check_stages.predict_in_background)
 GIB = 1024**3
 
 

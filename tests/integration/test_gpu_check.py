@@ -66,6 +66,9 @@ def test_cpu_smoke_runs_every_stage_and_each_passes(tmp_path):
     # the estimate of every stage's own configuration ran; one still running at the stage's end is judged in the table
     estimates = [line for line in table.splitlines() if "| memory estimate of this configuration |" in line]
     assert len(estimates) == 6 and all(" GiB | it ran" in line and line.endswith("| ok |") for line in estimates)
+    # the predictions were counted in the background, one per distinct configuration (smoke: w8_ac's batch is w8's)
+    counted = gpu_check_table.json_lines(str(res / gpu_check_table.PREDICTIONS))
+    assert [row["stage"] for row in counted] == ["dit15b_w32", "dit15b_w8", "dit1b3_eager"]
     optimizers = [c["what"] for c in rows["optimizers"]["checks"]]
     assert len(optimizers) == 13 and all(c["ok"] for c in rows["optimizers"]["checks"])
     assert {w.split(",")[0].split(" (")[0] for w in optimizers} == set(OPTIMIZERS)
@@ -428,3 +431,26 @@ def test_an_ac_stage_takes_its_twins_prediction_instead_of_counting_it_again(tmp
     twin, ac = rows["dit15b_w32"]["values"]["prediction"], rows["dit15b_w32_ac"]["values"]["prediction"]
     assert ac == twin and twin["text"]
     assert "dit15b_w32's, the same arguments" in second.stdout
+
+
+def test_the_background_job_counts_the_predictions_and_the_stages_take_them(tmp_path):
+    """gpu_check.sh counts the stages' predictions in one background process on the CPU (no CUDA device visible to
+    it) while the GPU runs the stages before them: a stage whose prediction is there takes it instead of spending
+    seconds of its timeout counting it (each dit_15b stage counted its own before: 2-8 s of CPU each)."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""}
+    job = subprocess.run(["python", "-m", "benchmarks.gpu_check", "--predictions", "--device-name", "CPU", "--results",
+                          str(tmp_path), "--cpu-smoke", "--only", "env,dit15b_w32,dit15b_w32_ac,dit15b_w8"],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert job.returncode == 0, job.stderr[-2000:]
+    counted = gpu_check_table.json_lines(str(tmp_path / gpu_check_table.PREDICTIONS))
+    # one per distinct configuration of the stages asked for (the _ac twin has its twin's arguments), none for env
+    assert [row["stage"] for row in counted] == ["dit15b_w32", "dit15b_w8"]
+    stage = subprocess.run(["python", "-c", NO_COUNTING, "dit15b_w8", str(tmp_path)], capture_output=True, text=True,
+                           env=env, cwd=ROOT, timeout=600)
+    row = {r["stage"]: r for r in lines(tmp_path)}["dit15b_w8"]
+    assert stage.returncode == 0, row.get("error")
+    assert "the background job's, the same arguments" in stage.stdout
+    assert row["values"]["prediction"] == {"key": counted[1]["key"], "text": counted[1]["text"]}
+    missing = subprocess.run(["python", "-m", "benchmarks.gpu_check", "--predictions", "--results", str(tmp_path)],
+                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert missing.returncode == 2 and "--predictions needs --results FOLDER and --device-name NAME" in missing.stderr
