@@ -298,6 +298,7 @@ class Trainer:
                     self.saver.record_train_state(state.step, state.state_dict())
                 if self.preemption.requested and skipped:
                     self.saver.wait(state.step)
+                    self.stop_agreed()  # who received a signal by now (run_steps: the same, for the same reason)
                     raise self.preemption.stop(state.step, self.cfg.run_dir, skipped, True)
             self.saver.wait(state.step)
             return self.write_summary()
@@ -379,13 +380,18 @@ class Trainer:
                 if not saved:
                     self.save()
                 self.saver.wait(state.step)  # the run leaves with its checkpoint complete, never in flight
+                # voted again (every rank is here: `requested` and `skipped` were agreed): torchrun passes a signal
+                # to its ranks at almost the same moment, and one received before the step's vote and another just
+                # after it would have rank 1 say "rank 0 did not" beside rank 0's own line (preemption.py)
+                self.stop_agreed()
                 raise self.preemption.stop(state.step, self.cfg.run_dir, skipped, last_step)
             self.saver.poll(state.step)
             data_start = clock.mark()
 
     def stop_agreed(self) -> bool:
         """Collective: whether any rank has received a stop signal (the evaluations' check; the training steps
-        vote in their loss all-reduce instead)."""
+        vote in their loss all-reduce instead). Also the last vote before a stop, once its checkpoint is complete:
+        what each rank has received by then decides who says `preempted:` (preemption.py)."""
         votes = all_reduce_sum_(torch.full((), self.preemption.vote(), device=self.dist.device))
         self.preemption.agree(votes.item())
         return self.preemption.requested

@@ -5,10 +5,13 @@ every rank together.
 A signal may reach one rank only; each step's loss all-reduce carries this rank's vote (`vote()`), and the run
 stops when any rank voted (`agree`). Rank 0's vote weighs RANK0_VOTE, so the sum also tells every rank whether
 rank 0 received one: rank 0 alone says `preempted: ...` (once, not once per rank), and another rank adds a line
-only when it received a signal and rank 0 did not (its name, which rank 0 cannot know). Evaluations (validation, FD, grids; at the end of a run they can take minutes)
-vote before every call of the EMA model and stop there, saying what they skipped. After the checkpoint the signal is handed to the handler that was installed
-before ours when that is Python code (submitit's requeue handler); default handlers are not called. Once a stop
-is under way, a second signal is only recorded, so the exit code stays the requeue-able one."""
+only when it received a signal and rank 0 still had none when the ranks voted again, after the checkpoint, just
+before the stop (its name, which rank 0 cannot know). torchrun passes a signal to every rank at almost the same
+moment: one that reached rank 0 just after the vote that started the stop is counted by then, so rank 0's line is
+the only one. Evaluations (validation, FD, grids; at the end of a run they can take minutes) vote before every call
+of the EMA model and stop there, saying what they skipped. After the checkpoint the signal is handed to the handler
+that was installed before ours when that is Python code (submitit's requeue handler); default handlers are not
+called. Once a stop is under way, a second signal is only recorded, so the exit code stays the requeue-able one."""
 
 from __future__ import annotations
 
