@@ -45,17 +45,20 @@ STARTED = time.monotonic()
 # global-state guard): its passes go through inductor again, only Triton's binaries (cached by kernel source) may be
 # reused; the first run's 48 s was such a compile (docs/gpu_check.md says which stages compile cold). CPU smoke:
 # only a hang's limit (a loaded 2-core host runs the stages 5x slower than an idle one; the compile stage is a cold
-# inductor compile).
+# inductor compile). Rebalanced after the second run (2026-12-04 17:40, docs/gpu_check.md): the first RowNorm step
+# compiled cold for 29-35 s in each stage with new shapes (optimizers twice: one process, then rank 0 of 8; dit15b_w32,
+# dit15b_w8, dit1b3_eager), 7-15 s warm; dit15b_w32 and dit15b_w8 were left no time for a timed step and optimizers
+# was killed in its rank-0-of-8 compile; those three get the time the finished stages did not use.
 STAGES = (
-    ("env", 25, 240, "versions, SDPA backend at head dim 128, bf16 GEMM rate"),
-    ("ns5", 20, 240, "NS5 at dit_15b's matrix shapes, batch 1 and 8, Gram vs plain"),
-    ("optimizers", 50, 300, "every optimizer's refresh and RowNorm steps at dit_15b's shapes, 1 and 8 ranks"),
-    ("dit15b_w32", 55, 300, "dit_15b as rank 0 of 32, periodic_rowwise K=3, no activation checkpointing"),
-    ("dit15b_w32_ac", 40, 300, "the same with activation checkpointing"),
-    ("dit15b_w8", 55, 300, "dit_15b as rank 0 of 8, no activation checkpointing"),
-    ("dit15b_w8_ac", 65, 300, "the same with activation checkpointing"),
-    ("dit1b3_eager", 70, 300, "dit_1b3 through the trainer, eager"),
-    ("dit1b3_compile_ac", 70, 900, "dit_1b3 through the trainer, compiled, activation checkpointing"),
+    ("env", 18, 240, "versions, SDPA backend at head dim 128, bf16 GEMM rate"),
+    ("ns5", 23, 240, "NS5 at dit_15b's and dit_1b3's matrix shapes, batch 1 and 8, Gram vs plain"),
+    ("optimizers", 75, 300, "every optimizer's refresh and RowNorm steps at dit_15b's shapes, 1 and 8 ranks"),
+    ("dit15b_w32", 70, 300, "dit_15b as rank 0 of 32, periodic_rowwise K=3, no activation checkpointing"),
+    ("dit15b_w32_ac", 38, 300, "the same with activation checkpointing"),
+    ("dit15b_w8", 62, 300, "dit_15b as rank 0 of 8, no activation checkpointing"),
+    ("dit15b_w8_ac", 50, 300, "the same with activation checkpointing"),
+    ("dit1b3_eager", 62, 300, "dit_1b3 through the trainer, eager"),
+    ("dit1b3_compile_ac", 52, 900, "dit_1b3 through the trainer, compiled, activation checkpointing"),
     ("checkpoint", 60, 400, "asynchronous DCP save + resume through the trainer (dit_1b3, 8 blocks)"),
 )
 PHASE_MARK = "[gpu_check +"  # a stage's phase lines (Context.phase), read back by gpu_check_table.where_killed

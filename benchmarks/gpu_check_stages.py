@@ -162,15 +162,22 @@ def matrix_shapes(model_cfg) -> dict[tuple[int, int], int]:
     return dict(shapes)
 
 
+NS5_PRESETS = ("dit_15b", "dit_1b3")
+
+
 def stage_ns5(ctx) -> dict:
     from dit_train.model.dit import load_preset
     from dit_train.optim.directions import gram_flop_ratio, newton_schulz5, ns5_flops, uses_gram
 
     device = device_for(ctx)
-    cfg = load_preset("dit_15b")
-    if ctx.smoke:
-        cfg.hidden_size, cfg.num_heads, cfg.depth = 64, 2, 2
-    shapes = sorted(matrix_shapes(cfg))
+    # dit_15b's shapes (r = 256 and 4096), then dit_1b3's (r = 256 and 1536): where between 256 and 4096 the Gram
+    # form starts to pay on a GPU (at 4096x256 it did not: 1.07-1.12 x the plain time at batch 8, 2026-12-04)
+    shapes = []
+    for preset in NS5_PRESETS:
+        cfg = load_preset(preset)
+        if ctx.smoke:
+            cfg.hidden_size, cfg.num_heads, cfg.depth = 64, 2, 2
+        shapes += [s for s in sorted(matrix_shapes(cfg)) if s not in shapes]
     rate, why = gemm_rate(ctx)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     checks, values = [], {"shapes": [list(s) for s in shapes], "runs": []}
@@ -320,6 +327,7 @@ def sync_warnings(sink: list):
     """Every "synchronizing CUDA operation" warning inside (torch.cuda.set_sync_debug_mode 'warn' issues one per
     synchronising call), appended to `sink` as the innermost frame of this repository's code outside the check that
     made it (path:line); other warnings are shown as usual."""
+    import threading
     import traceback
 
     def show(message, category, filename, lineno, file=None, line=None):
@@ -328,8 +336,14 @@ def sync_warnings(sink: list):
         check_itself = os.path.join(ROOT, "benchmarks", "gpu_check")
         ours = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(ROOT + os.sep)
                 and not f.filename.startswith(check_itself)]
-        where = ours[-1] if ours else None
-        sink.append(f"{os.path.relpath(where.filename, ROOT)}:{where.lineno}" if where else f"{filename}:{lineno}")
+        if ours:
+            sink.append(f"{os.path.relpath(ours[-1].filename, ROOT)}:{ours[-1].lineno}")
+            return
+        # none of ours on this thread's stack (the first GPU runs' one unplaced sync a stage, at
+        # torch/cuda/__init__.py, AC stages only): the thread and the innermost frames say who called it
+        inner = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
+                            for f in reversed(traceback.extract_stack()[:-1][-4:]))
+        sink.append(f"{filename}:{lineno} (thread {threading.current_thread().name}: {inner})")
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")
@@ -449,13 +463,16 @@ def stage_dit15b(ctx) -> dict:
     first_rownorm_s = untimed_step("step 2 (the first RowNorm step: compiles its passes on CUDA)")
     syncs, marks = [], [clock.mark()]
     ctx.phase(f"steps 3-{n + 1} (timed, host syncs counted)")
+    syncs_per_step = []
     with counting_host_syncs(device, syncs):
         for i in range(1, n):
             if ctx.left() < 1.5 * first_s:
                 ctx.notes.append(f"took {i - 1} of {n - 1} timed steps: the stage's time was spent")
                 break
+            before = len(syncs)
             step()
             marks.append(clock.mark())
+            syncs_per_step.append(len(syncs) - before)
     clock.wait()
     step_s = [clock.seconds(a, b) for a, b in zip(marks, marks[1:])]
     taken = len(step_s)
@@ -489,10 +506,10 @@ def stage_dit15b(ctx) -> dict:
                             f"<= {EXPECTED_SYNCS_PER_STEP} (Trainer.step_flags)", None))
     elif device.type == "cuda":
         per_step = len(syncs) / taken
-        values["host_syncs"] = syncs
+        values["host_syncs"], values["host_syncs_per_step"] = syncs, syncs_per_step
         where = ", ".join(sorted(set(syncs)))
-        checks.append(check("host syncs per step (torch.cuda.set_sync_debug_mode)", f"{per_step:g}"
-                            + (f" at {where}" if where else ""), f"<= {EXPECTED_SYNCS_PER_STEP} (Trainer.step_flags)",
+        checks.append(check("host syncs per step (torch.cuda.set_sync_debug_mode)", f"{per_step:g} (steps: "
+                            f"{', '.join(map(str, syncs_per_step))})" + (f" at {where}" if where else ""), f"<= {EXPECTED_SYNCS_PER_STEP} (Trainer.step_flags)",
                             per_step <= EXPECTED_SYNCS_PER_STEP))
     return {"checks": checks, "values": values}
 

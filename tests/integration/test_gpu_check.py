@@ -454,3 +454,24 @@ def test_the_background_job_counts_the_predictions_and_the_stages_take_them(tmp_
     missing = subprocess.run(["python", "-m", "benchmarks.gpu_check", "--predictions", "--results", str(tmp_path)],
                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert missing.returncode == 2 and "--predictions needs --results FOLDER and --device-name NAME" in missing.stderr
+
+
+def test_a_host_sync_with_no_frame_of_ours_names_its_thread_and_callers():
+    """A sync made where no frame of this repository is on the stack (a thread of torch's, as the first GPU runs'
+    one unplaced sync at torch/cuda/__init__.py in the AC stages): the line names the thread and the innermost
+    frames, not only torch's line (which said nothing about who called it)."""
+    import threading
+
+    from benchmarks import gpu_check_stages
+
+    namespace = {}  # a thread whose every frame is outside the repository (torch's file names)
+    exec(compile("import warnings\ndef run():\n    warnings.warn('called a synchronizing CUDA operation', "
+                 "UserWarning)\n", "/opt/site-packages/torch/cuda/__init__.py", "exec"), namespace)
+    sink = []
+    with gpu_check_stages.sync_warnings(sink):
+        worker = threading.Thread(target=namespace["run"], name="autograd-engine")
+        worker.start()
+        worker.join()
+    assert len(sink) == 1, sink
+    assert sink[0].startswith("/opt/site-packages/torch/cuda/__init__.py:3 (thread autograd-engine: "), sink[0]
+    assert "__init__.py:3 run" in sink[0] and "threading.py" in sink[0], sink[0]
