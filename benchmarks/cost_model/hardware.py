@@ -66,7 +66,7 @@ class Hardware:
 # batched NS5 call.
 _GPU = dict(mfu=0.40, ns5_of_peak=0.5, memory_efficiency=0.8, intra_bytes_s=450e9, inter_bytes_s=50e9,
             link_efficiency=0.8, devices_per_node=8, latency_s=30e-6, launch_s=30e-6, rownorm_kernels="compiled")
-# H200: calibrated on the one GPU check run of 2026-12-04 (docs/gpu_check.jsonl, torch 2.11, one H200, no network;
+# H200: calibrated on the first GPU check run of 2026-12-04 (docs/gpu_check_runs/2026-12-04_1210.jsonl, torch 2.11, one H200, no network;
 # tests/unit/test_cost_model_h200_calibration.py pins these to that file). Measured there:
 # - ns5_rates: flop/s of the executed GEMMs (the automatic form's flops, ns5_executed_flops) by short side.
 #   4096: the ns5 stage's dit_15b shapes, batch 8, auto form, 623-668 TFLOP/s (median 640);

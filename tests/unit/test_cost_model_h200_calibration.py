@@ -1,4 +1,4 @@
-"""The H200 profile is calibrated on the one GPU check run in docs/gpu_check.jsonl (2026-12-04): its measured
+"""The H200 profile is calibrated on the first GPU check run, docs/gpu_check_runs/2026-12-04_1210.jsonl: its measured
 numbers must stay what that file gives, and the docs must print what it holds, so a change of either is noticed."""
 
 import json
@@ -19,7 +19,7 @@ H200 = PROFILES["h200"]
 
 
 def _stage(name: str) -> dict:
-    rows = [json.loads(line) for line in (ROOT / "docs/gpu_check.jsonl").read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in (ROOT / "docs/gpu_check_runs/2026-12-04_1210.jsonl").read_text().splitlines() if line.strip()]
     return next(r for r in rows if r["stage"] == name)
 
 
