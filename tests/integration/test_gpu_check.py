@@ -235,11 +235,14 @@ def test_host_syncs_are_counted_where_the_repository_made_them():
     from benchmarks import gpu_check_stages
 
     sink = []
-    with pytest.warns(UserWarning, match="something else"):
+    with pytest.warns(UserWarning):
         with gpu_check_stages.sync_warnings(sink):
             for _ in range(2):
                 warnings.warn("called a synchronizing CUDA operation", UserWarning)  # the line counted
             warnings.warn("something else", UserWarning)
+            # setting the mode warns that it is a prototype: not a sync (the GPU runs counted it as one)
+            warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all "
+                          "synchronizing operations", UserWarning)
     assert len(sink) == 2 and sink[0] == sink[1] and sink[0].startswith("tests/integration/test_gpu_check.py:")
 
 
