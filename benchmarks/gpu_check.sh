@@ -6,7 +6,7 @@
 # this checkout is used through PYTHONPATH, so nothing is installed and no network is needed.
 #
 #   bash benchmarks/gpu_check.sh                        # table to docs/gpu_check.md (+ docs/gpu_check.jsonl)
-#   bash benchmarks/gpu_check.sh --results "$OUT"       # stage logs, estimates and results.jsonl in $OUT
+#   bash benchmarks/gpu_check.sh --results DIR          # stage logs, estimates and results.jsonl in DIR
 #   bash benchmarks/gpu_check.sh --cpu-smoke            # every stage on CPU, tiny models: checks the check (CI)
 #   bash benchmarks/gpu_check.sh --only env,ns5         # some stages
 #   bash benchmarks/gpu_check.sh --timeout-scale 2      # every stage's timeout times 2 (a slower machine)
@@ -28,8 +28,10 @@ already installed; this checkout is used through PYTHONPATH, nothing is installe
 
   --cpu-smoke        every stage on CPU with tiny models: checks the check (CI), no GPU needed
   --only STAGES      a comma-separated list of stages (below)
-  --results DIR      stage logs, estimates and results.jsonl there (an empty folder; default $OUT/gpu_check when
-                     $OUT is a folder, else a new temporary folder)
+  --results DIR      stage logs, estimates and results.jsonl there (an empty folder; default a new temporary
+                     folder; when $OUT is a folder, as on a lent GPU machine, results.jsonl is copied there after
+                     each stage, and at the end the table and a tar of the whole folder: three files, where such
+                     a machine returns at most eight)
   --out FILE         the results table (default docs/gpu_check.md; with --cpu-smoke, DIR/gpu_check.md)
   --timeout-scale X  every stage's timeout times X (a slower machine)
   -h, --help         this text
@@ -56,9 +58,13 @@ done
 if ! [[ "$SCALE" =~ ^[0-9]*\.?[0-9]+$ ]] || [ "$(awk "BEGIN{print ($SCALE > 0)}")" != 1 ]; then
   echo "gpu_check.sh: --timeout-scale '$SCALE' is not valid: a positive number" >&2; exit 2
 fi
-# a results folder holding a results.jsonl (one given, or $OUT's; a new temporary folder, made below, holds none):
-# refused before the trainer's import (seconds)
-if [ -z "$RESULTS" ] && [ -n "${OUT:-}" ] && [ -d "$OUT" ] && [ -w "$OUT" ]; then RESULTS="$OUT/gpu_check"; fi
+# a results folder holding a results.jsonl (one given; a new temporary folder, made below, holds none): refused before
+# the trainer's import (seconds). Without --results, on a machine whose $OUT folder is copied back (a lent GPU
+# machine returns at most 8 files: the third H200 run's results folder in $OUT lost its results.jsonl), the
+# results go to a temporary folder and $OUT gets results.jsonl after each stage (a run killed mid-way keeps the
+# stages before), then the table and gpu_check_results.tgz
+COPY_TO=""
+if [ -z "$RESULTS" ] && [ -n "${OUT:-}" ] && [ -d "$OUT" ] && [ -w "$OUT" ]; then COPY_TO=$OUT; fi
 if [ -n "$RESULTS" ] && [ -e "$RESULTS/results.jsonl" ]; then
   echo "gpu_check.sh: $RESULTS already holds a results.jsonl; give an empty folder to --results" >&2; exit 2
 fi
@@ -90,7 +96,7 @@ check_python
 read -r BUDGET ESTIMATE_TIMEOUT KILL_GRACE < <("$PY" -m benchmarks.gpu_check --budget $SMOKE)
 BUDGET=$(awk "BEGIN{printf \"%d\", $BUDGET * $SCALE}")
 start=$(date +%s)
-# default: under $OUT when it is a folder (what a lent GPU machine copies back, set above), else a new temporary folder
+# default: a new temporary folder (with $OUT, copied there: above)
 RESULTS=${RESULTS:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")}
 mkdir -p "$RESULTS"
 if [ -z "$OUT_MD" ]; then
@@ -147,6 +153,7 @@ while IFS=$'\t' read -r name t; do
   "$PY" -m benchmarks.gpu_check_table --results "$RESULTS" --ensure "$name" --rc "$rc" --timeout "$t" \
     --log "$RESULTS/$name.log"
   [ "$rc" -eq 0 ] || { echo "   (last lines of $RESULTS/$name.log)"; tail -n 8 "$RESULTS/$name.log" | cut -c1-300 | sed 's/^/   | /'; }
+  [ -z "$COPY_TO" ] || cp "$RESULTS/results.jsonl" "$COPY_TO/results.jsonl"
 done <<< "$PLAN"
 
 # the estimates still running get what is left of the check's budget (a pending peak / estimate check is judged
@@ -163,6 +170,10 @@ COMMAND="bash benchmarks/gpu_check.sh${SMOKE:+ $SMOKE}${ONLY:+ --only $ONLY}"
 status=$?
 if [ -z "$SMOKE" ] && [ "$OUT_MD" = docs/gpu_check.md ]; then
   cp "$RESULTS/results.jsonl" docs/gpu_check.jsonl; cp docs/gpu_check.md "$RESULTS/gpu_check.md"
+fi
+if [ -n "$COPY_TO" ]; then
+  cp "$OUT_MD" "$COPY_TO/gpu_check.md" 2>/dev/null
+  tar czf "$COPY_TO/gpu_check_results.tgz" -C "$RESULTS" . && echo "gpu_check: results.jsonl, gpu_check.md and gpu_check_results.tgz (the results folder) in $COPY_TO"
 fi
 echo "gpu_check: done in $(( $(date +%s) - start )) s (exit status $status); table in $OUT_MD, logs in $RESULTS"
 exit $status

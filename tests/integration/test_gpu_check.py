@@ -478,3 +478,22 @@ def test_a_host_sync_with_no_frame_of_ours_names_its_thread_and_callers():
     assert len(sink) == 1, sink
     assert sink[0].startswith("/opt/site-packages/torch/cuda/__init__.py:3 (thread autograd-engine: "), sink[0]
     assert "__init__.py:3 run" in sink[0] and "threading.py" in sink[0], sink[0]
+
+
+def test_on_a_machine_with_an_out_folder_it_leaves_three_files_there(tmp_path):
+    """A lent GPU machine copies back at most 8 files of $OUT: the third H200 run wrote its results folder there and
+    lost its results.jsonl. Without --results, $OUT gets results.jsonl (after each stage), the table and a tar of
+    the results folder, and nothing else."""
+    import tarfile
+
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": ROOT, "OUT": str(out)}
+    proc = subprocess.run(["bash", SCRIPT, "--cpu-smoke", "--only", "env"], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.md", "gpu_check_results.tgz", "results.jsonl"]
+    assert [r["stage"] for r in lines(out)] == ["env"]
+    with tarfile.open(out / "gpu_check_results.tgz") as tar:
+        names = {os.path.basename(n) for n in tar.getnames()}
+    assert {"results.jsonl", "env.log", "gpu_check.md"} <= names
