@@ -19,7 +19,9 @@ against it, and the source is the FD reference of latent runs.
 Shards are written atomically and an existing one is skipped, so an interrupted run continues where it stopped:
 only with the VAE, --flip, --shard-size and the source's settings recorded (else one line, and nothing is written).
 Images added, removed or renamed (an unreadable one removed, say), or another --limit: the shards whose images
-changed are encoded again, the others kept.
+changed are encoded again, the others kept. One job writes an --out at a time: it holds a lock on out/.encode.lock
+(rank 0 for a torchrun job), and a second job on the same --out (the other split from another terminal) is refused
+in one line naming the first's pid, host and start (data/encode_lock.py: what the lock does not cover).
 """
 
 from __future__ import annotations
