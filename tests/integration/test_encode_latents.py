@@ -838,7 +838,9 @@ def test_a_second_encoder_on_the_same_out_is_refused_in_one_line_before_it_write
             assert folder_state(tmp_path / "lat") == before  # the first's record and shards, as they were
         out, err = holder.communicate("\n", timeout=120)
     finally:
-        holder.kill()
+        if holder.returncode is None:
+            holder.kill()
+            holder.communicate(timeout=60)
     assert holder.returncode == 0, err[-2000:]
     info = json.loads((tmp_path / "lat" / "latents_info.json").read_text())
     assert info["complete"] and [s["split"] for s in info["splits"]] == ["train"]
@@ -882,6 +884,7 @@ def test_under_torchrun_every_rank_is_refused_at_once_while_another_job_holds_th
         assert folder_state(tmp_path / "lat") == before
     finally:
         holder.kill()
+        holder.communicate(timeout=60)
 
 
 def test_a_filesystem_without_flock_is_said_in_one_warning_and_the_encoding_proceeds(tmp_path, monkeypatch, capsys):
