@@ -19,7 +19,9 @@ against it, and the source is the FD reference of latent runs.
 Shards are written atomically and an existing one is skipped, so an interrupted run continues where it stopped:
 only with the VAE, --flip, --shard-size and the source's settings recorded (else one line, and nothing is written).
 Images added, removed or renamed (an unreadable one removed, say), or another --limit: the shards whose images
-changed are encoded again, the others kept.
+changed are encoded again, the others kept. One job writes an --out at a time: it holds a lock on out/.encode.lock
+(rank 0 for a torchrun job), and a second job on the same --out (the other split from another terminal) is refused
+in one line naming the first's pid, host and start (data/encode_lock.py: what the lock does not cover).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from dit_train.config.latents import LATENTS_INFO, not_a_vae, read_latents_info
 from dit_train.data.datasets import build_dataset
 from dit_train.data.encode_record import (binding_record, changed_shards, encoding_record, forget_changed_shards,
                                           image_list, keep_record_format, resume_conflict, split_written)
+from dit_train.data.encode_lock import encoding_lock
 from dit_train.data.latents import shard_name
 from dit_train.evaluation.fd.job_config import load_data_cfg
 from dit_train.parallel.fsdp import barrier, init_distributed, shutdown_process_group
@@ -232,7 +235,6 @@ def main(argv=None) -> dict:
                    help="comma-separated splits to encode, of train and val (default: both)")
     args = p.parse_args(argv)
     check_flags(args)
-    from dit_train.diffusion.vae import LatentCodec
     from dit_train.diffusion.vae_shapes import check_vae_folder
 
     problem = not_a_vae(args.vae)  # a DINOv2 folder was told to save with safe_serialization
@@ -247,6 +249,19 @@ def main(argv=None) -> dict:
     dist = init_distributed()
     source, size_from = source_config(args)
     check_out_beside_images(args.out, source)
+    # one job per --out (rank 0 holds it; every rank is refused at once), before the record is read: two jobs
+    # each wrote back their own record, one split's entry lost (encode_lock.py, and what it does not cover)
+    with encoding_lock(args.out, dist.is_main):
+        info = encode(args, dist, source, size_from)
+    shutdown_process_group()
+    return info
+
+
+def encode(args, dist, source: dict, size_from: str) -> dict:
+    """The encoding into args.out, under its lock: the record read, checked and written before the first shard,
+    the shards, then the record again (complete)."""
+    from dit_train.diffusion.vae import LatentCodec
+
     datasets = {}
     for split in args.splits.split(","):
         try:
@@ -312,7 +327,6 @@ def main(argv=None) -> dict:
         if unfinished:
             print(f"the {' and '.join(unfinished)} shards in {args.out} are not all written (their encoding stopped): "
                   f"rerun with --splits {','.join(unfinished)} to finish them", flush=True)
-    shutdown_process_group()
     return info
 
 

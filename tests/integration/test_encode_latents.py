@@ -772,3 +772,139 @@ def test_adding_a_split_after_the_other_splits_images_changed_says_so(tmp_path, 
     load_encoder()(encode_args(tmp_path)[:-2] + ["--splits", "train,val"])
     load_encoder()(encode_args(tmp_path)[:-2] + ["--splits", "val"])  # the same images: no word
     assert "warning" not in capsys.readouterr().out
+
+
+# an encoder (the command, in its own process) that holds --out's lock after its first shard until a line arrives
+HOLD_AFTER_FIRST_SHARD = """
+import sys
+
+import dit_train.data.encode as encode
+
+save = encode.atomic_save_tensors
+
+
+def hold(tensors, path, meta):
+    save(tensors, path, meta)
+    if not hasattr(hold, "held"):
+        hold.held = True
+        print("holding", flush=True)
+        sys.stdin.readline()
+
+
+encode.atomic_save_tensors = hold
+sys.argv = ["dit-encode-latents", *sys.argv[1:]]
+sys.exit(encode.cli())
+"""
+
+
+def start_holding_encoder(args):
+    """The encoder of `args` in a process of its own, once it holds the lock and has written its first shard."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, "-c", HOLD_AFTER_FIRST_SHARD, *args], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    for line in p.stdout:
+        if line == "holding\n":
+            return p
+    p.wait()
+    pytest.fail(f"the holding encoder ended (exit {p.returncode}) before its first shard: {p.stderr.read()[-2000:]}")
+
+
+def refusal_line(out, pid):
+    """The one line a second job on `out` prints (the start time as a pattern)."""
+    import socket
+
+    return (rf"error: --out {re.escape(str(out))} is being written by another dit-encode-latents \(pid {pid}, "
+            rf"started at \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d UTC, host {re.escape(socket.gethostname())}\); wait for "
+            rf"it, or choose another --out\n")
+
+
+def test_a_second_encoder_on_the_same_out_is_refused_in_one_line_before_it_writes_anything(tmp_path):
+    """A train and a val split launched on one --out at once (two terminals, two Slurm jobs): each read the record,
+    encoded and wrote back its own, so one split's entry was lost. The second is refused in one line while the
+    first holds out/.encode.lock, before it reads the record or writes anything; the first finishes undisturbed,
+    and the second, rerun after it, adds its split."""
+    from dit_train.data.encode import cli
+
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img")
+    holder = start_holding_encoder(encode_args(tmp_path))
+    try:
+        before = folder_state(tmp_path / "lat")
+        assert "latents_info.json" in before and "train/shard_00000.safetensors" in before
+        val = [*encode_args(tmp_path)[:-2], "--splits", "val"]
+        for second in (val, encode_args(tmp_path)):  # the other split; the same command twice
+            r = run_entry_in_process(cli, *second, prog="dit-encode-latents")
+            assert r.returncode == 2 and re.fullmatch(refusal_line(tmp_path / "lat", holder.pid), r.stderr), r.stderr
+            assert folder_state(tmp_path / "lat") == before  # the first's record and shards, as they were
+        out, err = holder.communicate("\n", timeout=120)
+    finally:
+        if holder.returncode is None:
+            holder.kill()
+            holder.communicate(timeout=60)
+    assert holder.returncode == 0, err[-2000:]
+    info = json.loads((tmp_path / "lat" / "latents_info.json").read_text())
+    assert info["complete"] and [s["split"] for s in info["splits"]] == ["train"]
+    assert not (tmp_path / "lat" / ".encode.lock").exists()  # removed by the job that held it
+    assert run_entry_in_process(cli, *val, prog="dit-encode-latents").returncode == 0
+    info = json.loads((tmp_path / "lat" / "latents_info.json").read_text())
+    assert info["complete"] and [(s["split"], s["images"]) for s in info["splits"]] == [("train", 5), ("val", 1)]
+
+
+def test_a_lock_file_left_by_a_killed_encoder_does_not_block_a_new_run(tmp_path):
+    """The lock is the kernel's flock on out/.encode.lock, not the file: an encoder SIGKILLed (the OOM killer, a
+    node lost) leaves the file behind with its pid, and the same command continues its shards."""
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img")
+    holder = start_holding_encoder(encode_args(tmp_path))
+    holder.kill()
+    holder.communicate(timeout=60)
+    lock = tmp_path / "lat" / ".encode.lock"
+    assert json.loads(lock.read_text())["pid"] == holder.pid  # left behind, naming the dead encoder
+    info = load_encoder()(encode_args(tmp_path))
+    assert info["complete"] and not lock.exists()
+    assert sorted(os.listdir(tmp_path / "lat" / "train")) == [f"shard_0000{k}.safetensors" for k in range(3)]
+
+
+def test_under_torchrun_every_rank_is_refused_at_once_while_another_job_holds_the_lock(tmp_path):
+    """Rank 0 takes the lock for its job and tells the other ranks (they share --out by design): a refused rank 0
+    left them waiting in a collective. Both ranks print the line and the job ends."""
+    from conftest import free_port
+
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img")
+    holder = start_holding_encoder(encode_args(tmp_path))
+    try:
+        before = folder_state(tmp_path / "lat")
+        env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+        two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                              str(free_port()), "-m", "dit_train.data.encode", *encode_args(tmp_path)[:-2], "--splits",
+                              "val"], capture_output=True, text=True, timeout=300, env=env)
+        assert two.returncode != 0
+        assert len(re.findall(refusal_line(tmp_path / "lat", holder.pid), two.stderr)) == 2, two.stderr[-3000:]
+        assert folder_state(tmp_path / "lat") == before
+    finally:
+        holder.kill()
+        holder.communicate(timeout=60)
+
+
+def test_a_filesystem_without_flock_is_said_in_one_warning_and_the_encoding_proceeds(tmp_path, monkeypatch, capsys):
+    """flock failing with ENOSYS (Lustre mounted with noflock) must not stop every encoding there; one warning says
+    that a second job on --out would not be refused."""
+    import errno
+    from types import SimpleNamespace
+
+    import dit_train.data.encode_lock as encode_lock
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img")
+    fcntl = encode_lock.fcntl  # the module's name for it only: the process's fcntl.flock stays as it is
+    monkeypatch.setattr(encode_lock, "fcntl", SimpleNamespace(LOCK_EX=fcntl.LOCK_EX, LOCK_NB=fcntl.LOCK_NB,
+                                                              flock=no_flock))
+    assert load_encoder()(encode_args(tmp_path))["complete"]
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"warning: --out {tmp_path / 'lat'} does not support file locks (flock: {os.strerror(errno.ENOSYS)}): "
+        f"another dit-encode-latents on it would not be refused; run one at a time on it")
+    assert not (tmp_path / "lat" / ".encode.lock").exists()
