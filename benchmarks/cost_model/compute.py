@@ -118,10 +118,11 @@ _COUNTS: dict = {}
 
 
 def counted_forward_backward(shapes, images: int) -> tuple[OpRecord, ...]:
-    """count_forward_backward of shapes.model, cached per (shapes, images)."""
+    """count_forward_backward of shapes.model, cached per (shapes, images, the config's text: two configs of equal
+    shapes, e.g. other head counts, count apart)."""
     if shapes.model is None:
         raise ValueError("shapes without their model config: the counted forward + backward needs shapes_of(cfg)")
-    key = (shapes, images)
+    key = (shapes, images, str(shapes.model))
     if key not in _COUNTS:
         _COUNTS[key] = count_forward_backward(shapes.model, images)
     return _COUNTS[key]
@@ -133,7 +134,7 @@ _DISTINCT: dict = {}
 def distinct_records(shapes, images: int) -> Counter:
     """counted_forward_backward as {record: how often}: every block dispatches the same records, so pricing (and
     the calibration's fit, which prices many times) runs over a block's worth."""
-    key = (shapes, images)
+    key = (shapes, images, str(shapes.model))
     if key not in _DISTINCT:
         _DISTINCT[key] = Counter(counted_forward_backward(shapes, images))
     return _DISTINCT[key]
