@@ -5,9 +5,9 @@ sharded.py) or at its floor (floor.py), averaged over the optimizer's cycle.
 What it assumes (each a field of `Hardware`, stated in the profile):
 - forward + backward: the model's ops counted on fake tensors and priced per op where the profile has `compute`
   rates (compute.py: GEMMs on a measured rate curve, memory-bound ops at HBM, a launch each, the recompute of
-  activation checkpointing), else model FLOPs at `mfu` of the dense bf16 peak; FSDP2 prefetches the next block's all-gather and runs
-  the reduce-scatter behind the next block's backward, so only the first block's all-gather and whatever
-  communication exceeds the compute are exposed;
+  activation checkpointing), else model FLOPs at `mfu` of the dense bf16 peak; FSDP2 prefetches the next
+  block's all-gather and runs the reduce-scatter behind the next block's backward, so only the first block's
+  all-gather and whatever communication exceeds the compute are exposed;
 - the optimizer's counted ops: GEMMs at `ns5_of_peak` of the peak, every memory-bound op at `memory_efficiency`
   of the memory bandwidth, `op_s` per op (launch); the floor instead runs NS5 at `ns5_of_peak` on the flops the
   automatic form executes (directions.ns5_executed_flops) plus `launch_s` per batched call, and the elementwise
