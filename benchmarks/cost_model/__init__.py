@@ -10,6 +10,7 @@ per element, the whole-matrix schedule of benchmarks/model_owner_schedule.py) is
     python -m benchmarks.cost_model --paper [--hardware h100|h200]         # the paper's table
     python -m benchmarks.cost_model --measure-host [--save benchmarks/host_profile.json]
     python -m benchmarks.cost_model --calibrate --bench-optimizer LOG --bench-distributed LOG
+    python -m benchmarks.cost_model --calibrate-h200                     # forward + backward against the GPU check
 
 One concern per module:
 - hardware.py: a hardware profile (Hardware), the H100/H200 data sheets with the assumed efficiencies
@@ -17,6 +18,8 @@ One concern per module:
 - contender.py: a contender (optimizer, K, RowNorm scale, distributed mode) and the configs it is counted with
 - floor.py: the first-principles floor of one optimizer step
 - sharded.py: the sharded step counted on a fake process group of W and replayed on GPU streams
+- compute.py: forward + backward counted from the model on fake tensors and priced per op (GEMM curve, HBM, launch)
+- gpu_calibration.py: that term against the three GPU check runs, and the fit of its two parameters
 - predict.py: the prediction of one training step, and the GPU check's line
 - measure_host.py: this host measured (GEMM, memory, gloo, Python per op), and as a hardware profile
 - bench_logs.py: the CPU benchmarks' logs read by row

@@ -1,4 +1,5 @@
-"""The cost model's command line: `python -m benchmarks.cost_model --paper | --measure-host | --calibrate`."""
+"""The cost model's command line: `python -m benchmarks.cost_model --paper | --measure-host | --calibrate |
+--calibrate-h200`."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ def parse(argv=None):
     what.add_argument("--paper", action="store_true", help="the paper's table: presets x 8/16/32 GPUs")
     what.add_argument("--measure-host", action="store_true", help="measure this host's profile (GEMM, memory, gloo)")
     what.add_argument("--calibrate", action="store_true", help="predicted vs measured for the benchmarks' logs")
+    what.add_argument("--calibrate-h200", action="store_true",
+                      help="the H200 profile's forward + backward against the three GPU check runs "
+                           "(docs/gpu_check_runs/), with the fit of its two parameters")
     ap.add_argument("--hardware", choices=sorted(PROFILES), default="h100")
     ap.add_argument("--mode", choices=("gather", "owner"), default="gather",
                     help="--paper: distributed_mode of both Muon and periodic_rowwise")
@@ -83,6 +87,14 @@ def main(argv=None) -> int:
             print("\nwhere the distributed step goes (every rank counted on a fake process group and replayed with "
                   "the code's overlap, at this profile's rates; each column the slowest rank's):\n")
             print(sharded_table(measured, logs[1]))
+        return 0
+    if args.calibrate_h200:
+        from benchmarks.cost_model.gpu_calibration import fit_h200, table
+
+        print(table())
+        fit = fit_h200()
+        print(f"\nrefitted on the fitting rows: memory_efficiency {fit['memory_efficiency']:.2f}, op_s "
+              f"{fit['op_s'] * 1e6:.1f} us (sum of squared log errors {fit['squared_log_error']:.4f})")
         return 0
     print(paper_table(PROFILES[args.hardware], args.presets, args.worlds, args.mode))
     return 0

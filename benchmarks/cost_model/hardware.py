@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from benchmarks.cost_model.compute import ComputeRates, gemm_curve
 from benchmarks.model_owner_schedule import Net
 from benchmarks.op_cost import OpRates
 
@@ -16,7 +17,7 @@ GPU_OP_S = 8e-6  # a GPU op's fixed cost: eager dispatch + launch (benchmarks/ho
 class Hardware:
     name: str
     matmul_flops: float  # dense bf16 peak per device (data sheet), or the GEMM rate measured here (CPU)
-    mfu: float  # assumed share of matmul_flops that forward + backward reach
+    mfu: float | None  # assumed share of matmul_flops that forward + backward reach; None where `compute` prices it
     ns5_of_peak: float  # share of matmul_flops NS5's batched GEMMs reach (CPU: 1, the rate is measured at GEMMs)
     memory_bytes_s: float  # HBM (data sheet), or fused AdamW's streaming rate measured here (CPU)
     memory_efficiency: float
@@ -30,6 +31,7 @@ class Hardware:
     ns5_rates: tuple = ()  # measured ((r, flop/s), ...) of NS5's GEMMs by the matrix's short side (CPU); else peak
     ops: OpRates | None = None  # measured rates of each op category (CPU); None: from the fields above (GPU)
     op_s: float = GPU_OP_S  # fixed cost of one dispatched op where `ops` is None (a GPU launch)
+    compute: ComputeRates | None = None  # forward + backward counted and priced per op (compute.py); None: at mfu
 
     def op_rates(self) -> OpRates:
         """What a counted op costs here (benchmarks/op_cost.py): measured on this host, or on a GPU every
@@ -74,12 +76,25 @@ _GPU = dict(mfu=0.40, ns5_of_peak=0.5, memory_efficiency=0.8, intra_bytes_s=450e
 #   1536: NOT measured standalone; fitted so that dit_1b3's counted refresh-minus-RowNorm step difference equals the
 #   one measured (317.3 - 196.2 = 121.1 ms, one step of each, compiled + AC): it holds whatever else that refresh
 #   step cost, so it is the weakest of the three.
-# - mfu: dit_1b3's RowNorm step (196.2 ms, one step) minus the counted RowNorm optimizer step, as model FLOPs
+# - mfu (until the second run; now None, `compute` below): dit_1b3's RowNorm step (196.2 ms, one step) minus the counted RowNorm optimizer step, as model FLOPs
 #   (forward + backward, no recompute) over the peak: it holds for compiled + activation checkpointing (its
 #   recomputed forward is inside it, not counted), 32 images, one GPU, and nothing else.
 # Still assumptions (nothing measured them): memory_efficiency, links, latency_s, launch_s, op_s; the multi-GPU and
 # dit_15b stages did not run. H100 keeps the assumptions: no H100 was measured, and its HBM differs.
-_H200_MEASURED = dict(mfu=0.243, ns5_rates=((256, 22e12), (1536, 254e12), (4096, 640e12)))
+# - compute (replacing the single mfu, which held for that one configuration only and missed dit_15b by 2x in the
+#   second and third runs): forward + backward counted from the model and priced per op (compute.py,
+#   docs/cost_model.md "Calibrated on three GPU check runs"). The GEMM curve is not fitted to step times: it runs
+#   through bf16 GEMM rates measured standalone, H200_GEMM_POINTS. SDPA's rate is an assumption (its FLOPs are
+#   ~1-3% of the step's). memory_efficiency and op_s are the two parameters fitted (gpu_calibration.fit_h200) on
+#   the RowNorm steps without activation checkpointing; the other points are the hold-out.
+# (shortest side, flop/s): 8192: the 8192^3 GEMM of the second run's env stage (docs/gpu_check_runs/2026-12-04_1747
+# .jsonl); 4096: NS5's executed GEMMs at side 4096 (ns5_rates, first run); 1536: NS5 1536x1536 plain form, batch 8,
+# 469 TFLOP/s (third run, docs/gpu_check_runs/2026-12-04_1755_six_stages.md: plain executes the plain flops)
+H200_GEMM_POINTS = ((8192, 688.4e12), (4096, 640e12), (1536, 469e12))
+H200_SDPA_OF_PEAK = 0.4  # assumed: cuDNN attention at head dim 128, sequence 256 (not measured alone)
+H200_FITTED = dict(memory_efficiency=1.0, op_s=15.5e-6)  # gpu_calibration.fit_h200's, rounded
+_H200_COMPUTE = ComputeRates(*gemm_curve(H200_GEMM_POINTS), sdpa=H200_SDPA_OF_PEAK * 989.4e12, **H200_FITTED)
+_H200_MEASURED = dict(mfu=None, ns5_rates=((256, 22e12), (1536, 254e12), (4096, 640e12)), compute=_H200_COMPUTE)
 PROFILES = {"h100": Hardware("H100 SXM", 989.4e12, memory_bytes_s=3.35e12, **_GPU),
             "h200": Hardware("H200 SXM", 989.4e12, memory_bytes_s=4.8e12, **{**_GPU, **_H200_MEASURED})}
 

@@ -3,9 +3,11 @@ collectives, and the optimizer's step counted from the code (one process: benchm
 sharded.py) or at its floor (floor.py), averaged over the optimizer's cycle.
 
 What it assumes (each a field of `Hardware`, stated in the profile):
-- forward + backward run at `mfu` of the dense bf16 peak; FSDP2 prefetches the next block's all-gather and runs
-  the reduce-scatter behind the next block's backward, so only the first block's all-gather and whatever
-  communication exceeds the compute are exposed;
+- forward + backward: the model's ops counted on fake tensors and priced per op where the profile has `compute`
+  rates (compute.py: GEMMs on a measured rate curve, memory-bound ops at HBM, a launch each, the recompute of
+  activation checkpointing), else model FLOPs at `mfu` of the dense bf16 peak; FSDP2 prefetches the next
+  block's all-gather and runs the reduce-scatter behind the next block's backward, so only the first block's
+  all-gather and whatever communication exceeds the compute are exposed;
 - the optimizer's counted ops: GEMMs at `ns5_of_peak` of the peak, every memory-bound op at `memory_efficiency`
   of the memory bandwidth, `op_s` per op (launch); the floor instead runs NS5 at `ns5_of_peak` on the flops the
   automatic form executes (directions.ns5_executed_flops) plus `launch_s` per batched call, and the elementwise
@@ -24,6 +26,7 @@ from dataclasses import replace
 
 from dit_train.parallel.comm_volume import fsdp_volumes
 from dit_train.parallel.fsdp import fsdp_units
+from benchmarks.cost_model.compute import compute_seconds
 from benchmarks.cost_model.contender import Optim, counted_optimizer
 from benchmarks.cost_model.floor import floor_step
 from benchmarks.cost_model.hardware import Hardware, gpu_profile
@@ -60,11 +63,25 @@ def optimizer_step(shapes: Shapes, step: str, opt: Optim, hw: Hardware, world: i
     return priced
 
 
+def compute_term(shapes: Shapes, hw: Hardware, images_per_rank: int,
+                 activation_checkpointing: bool = False) -> float:
+    """Seconds of forward + backward on one rank: counted from the model and priced per op (compute.py) where the
+    profile has `compute` rates (H200), else model FLOPs at the assumed `mfu` (H100, host profiles; there the
+    recompute of activation checkpointing is not priced: an MFU of model FLOPs holds it)."""
+    if hw.compute is not None:
+        return compute_seconds(shapes, hw.compute, hw.memory_bytes_s, images_per_rank,
+                               activation_checkpointing)["compute"]
+    if hw.mfu is None:
+        raise ValueError(f"profile {hw.name} has neither compute rates nor an mfu: forward + backward has no price")
+    return shapes.flops_per_image * images_per_rank / (hw.matmul_flops * hw.mfu)
+
+
 def forward_backward(shapes: Shapes, hw: Hardware, world: int, images_per_rank: int,
-                     reduce_bytes: int = 4, blocks_per_unit: int = 1) -> dict[str, float]:
-    """Compute at the assumed MFU, and the exposed part of FSDP2's collectives (plain FSDP over `world`, units of
+                     reduce_bytes: int = 4, blocks_per_unit: int = 1,
+                     activation_checkpointing: bool = False) -> dict[str, float]:
+    """Compute (compute_term), and the exposed part of FSDP2's collectives (plain FSDP over `world`, units of
     `blocks_per_unit` blocks: parallel.blocks_per_fsdp_unit)."""
-    compute = shapes.flops_per_image * images_per_rank / (hw.matmul_flops * hw.mfu)
+    compute = compute_term(shapes, hw, images_per_rank, activation_checkpointing)
     if world == 1:
         return {"compute": compute, "fsdp": 0.0, "fsdp_exposed": 0.0}
     units = [sum(u) for u in fsdp_units(shapes.blocks, blocks_per_unit)]
@@ -76,7 +93,7 @@ def forward_backward(shapes: Shapes, hw: Hardware, world: int, images_per_rank: 
 
 
 def predict(shapes: Shapes, opt: Optim, hw: Hardware, world: int, images_per_rank: int = 0,
-            floor: bool = False) -> dict:
+            floor: bool = False, activation_checkpointing: bool = False) -> dict:
     """Per-step averages over one cycle of `opt` (K steps for periodic_rowwise): optimizer seconds, logical bytes
     per rank, each step kind's seconds, and with images_per_rank the whole step's seconds. Counted from the code
     (one process: op_cost's count, with its phases; W > 1: the sharded step counted on the ranks that can be the
@@ -96,16 +113,17 @@ def predict(shapes: Shapes, opt: Optim, hw: Hardware, world: int, images_per_ran
                "bytes": sum(mean_bytes(shapes, k, opt.scale, opt.mode, world) for k in kinds) / len(kinds),
                "steps": {k: sum(v.values()) for k, v in per.items()}}
     if images_per_rank:
-        fb = forward_backward(shapes, hw, world, images_per_rank)
+        fb = forward_backward(shapes, hw, world, images_per_rank, activation_checkpointing=activation_checkpointing)
         out.update(fb, step=fb["compute"] + fb["fsdp_exposed"] + out["optimizer"])
     return out
 
 
 def describe_prediction(model_cfg, optimizer_cfg, world: int, images_per_rank: int, device_name: str,
-                        network: bool = True) -> str:
+                        network: bool = True, activation_checkpointing: bool = False) -> str:
     """One line for the GPU check: this model's step time for the configuration on the device's profile;
     network=False for a rank whose peers are a fake process group (collectives free: only the compute and memory
-    of one rank of `world`)."""
+    of one rank of `world`); activation_checkpointing: the blocks' forward recomputed in backward (priced where the
+    profile counts forward + backward, compute_term)."""
     hw = gpu_profile(device_name)
     if hw is None:
         return f"no cost-model profile for {device_name}"
@@ -113,7 +131,10 @@ def describe_prediction(model_cfg, optimizer_cfg, world: int, images_per_rank: i
         hw = replace(hw, intra_bytes_s=float("inf"), inter_bytes_s=float("inf"), latency_s=0.0)
     opt = Optim(optimizer_cfg.get("name", "muon"), int(optimizer_cfg.get("K", 1) or 1),
                 optimizer_cfg.get("rownorm_scale", "spectral"), optimizer_cfg.get("distributed_mode", "owner"))
-    p = predict(shapes_of(model_cfg), opt, hw, world, images_per_rank)
-    return (f"cost model ({hw.name}, MFU {hw.mfu:g}): step {p['step'] * 1e3:.0f} ms = fwd+bwd "
+    p = predict(shapes_of(model_cfg), opt, hw, world, images_per_rank,
+                activation_checkpointing=activation_checkpointing)
+    how = (f"fwd+bwd counted{', AC' if activation_checkpointing else ''}" if hw.compute is not None
+           else f"MFU {hw.mfu:g}")
+    return (f"cost model ({hw.name}, {how}): step {p['step'] * 1e3:.0f} ms = fwd+bwd "
             f"{p['compute'] * 1e3:.0f} + FSDP exposed {p['fsdp_exposed'] * 1e3:.0f} + optimizer "
             f"{p['optimizer'] * 1e3:.0f} (cycle mean)")
