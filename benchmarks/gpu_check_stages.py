@@ -620,6 +620,12 @@ def prediction_inputs(ctx):
     return None
 
 
+def checkpointing(cfg) -> bool:
+    """Whether the configuration recomputes its blocks' forward in backward: the H200 profile prices it
+    (cost_model/compute.py); compiling is not among the prediction's arguments."""
+    return bool(cfg.parallel.activation_checkpointing)
+
+
 def prediction_key(cfg, world: int, batch: int, device_name: str, network: bool) -> str:
     """The digest of describe_prediction's arguments: a prediction counted once serves every stage with the same."""
     import hashlib
@@ -627,39 +633,47 @@ def prediction_key(cfg, world: int, batch: int, device_name: str, network: bool)
 
     from omegaconf import OmegaConf
 
-    args = [world, batch, device_name, network, *(OmegaConf.to_container(c, resolve=True)
+    args = [world, batch, device_name, network, checkpointing(cfg), *(OmegaConf.to_container(c, resolve=True)
                                                   if OmegaConf.is_config(c) else c for c in (cfg.model, cfg.optimizer))]
     return hashlib.sha1(json.dumps(args, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def counted_predictions(results_dir: str) -> list[tuple[str, dict]]:
-    """(who counted it, {"key", "text"}) of every prediction counted so far: the stages' lines, then the
-    background job's (predict_in_background)."""
-    from benchmarks.gpu_check_table import PREDICTIONS, json_lines, read_results
+def counted_predictions(results_dir: str) -> dict[str, dict]:
+    """key -> {"stage", "by", "key", "text"} of every prediction counted so far (predictions.jsonl: the background
+    job's, predict_in_background, and those a stage counted itself)."""
+    from benchmarks.gpu_check_table import PREDICTIONS, json_lines
 
-    found = [(row["stage"], (row.get("values") or {}).get("prediction") or {})
-             for row in read_results(results_dir).values()]
-    found += [("the background job", row) for row in json_lines(os.path.join(results_dir, PREDICTIONS))]
-    return [(who, p) for who, p in found if isinstance(p.get("key"), str) and isinstance(p.get("text"), str)]
+    return {row["key"]: row for row in json_lines(os.path.join(results_dir, PREDICTIONS))
+            if isinstance(row.get("key"), str) and isinstance(row.get("text"), str)}
+
+
+def count_prediction(results_dir: str, stage: str, by: str, cfg, world: int, batch: int, device_name: str,
+                     network: bool) -> dict:
+    """describe_prediction of the configuration, appended to predictions.jsonl (the record the table reads, and
+    what a stage or the background job with the same arguments finds instead of counting again)."""
+    from benchmarks.gpu_check_table import PREDICTIONS, append_row
+
+    row = {"stage": stage, "by": by, "key": prediction_key(cfg, world, batch, device_name, network),
+           "text": describe_prediction(cfg.model, cfg.optimizer, world, batch, device_name, network=network,
+                                       activation_checkpointing=checkpointing(cfg))}
+    append_row(results_dir, row, PREDICTIONS)
+    return row
 
 
 def prediction(ctx, cfg, world: int, batch: int, device: torch.device, network: bool = True) -> str:
-    """describe_prediction of this configuration, or the same text counted before for the same arguments: by the
-    background job (gpu_check.sh starts it with the stages; its CPU seconds then overlap the GPU's work) or by an
-    earlier stage (dit15b_w32_ac's are dit15b_w32's, dit1b3_compile_ac's dit1b3_eager's: activation checkpointing
-    and compiling are not among them). Counting takes seconds of CPU on a GPU machine, out of a stage's timeout.
-    The arguments' digest and the text go into ctx.prediction, which the stage puts in its values."""
+    """describe_prediction of this configuration: the background job's (gpu_check.sh starts it with the stages; its
+    CPU seconds overlap the GPU's work), else counted here (seconds of CPU on a GPU machine, out of the stage's
+    timeout). The arguments' digest and the text go into ctx.prediction, which the stage puts in its values."""
     name = spec_peak(device)[1]
     key = prediction_key(cfg, world, batch, name, network)
-    for who, earlier in counted_predictions(ctx.results_dir):
-        if earlier["key"] == key:
-            ctx.phase(f"the cost model's prediction: {who}'s, the same arguments")
-            ctx.prediction = {"key": key, "text": earlier["text"]}
-            return earlier["text"]
-    ctx.phase("the cost model's prediction (counts a step on fake tensors, CPU)")
-    text = describe_prediction(cfg.model, cfg.optimizer, world, batch, name, network=network)
-    ctx.prediction = {"key": key, "text": text}
-    return text
+    row = counted_predictions(ctx.results_dir).get(key)
+    if row is not None:
+        ctx.phase(f"the cost model's prediction: counted by {row.get('by', 'the background job')}")
+    else:
+        ctx.phase("the cost model's prediction (counts a step on fake tensors, CPU)")
+        row = count_prediction(ctx.results_dir, ctx.name, f"the {ctx.name} stage", cfg, world, batch, name, network)
+    ctx.prediction = {"key": key, "text": row["text"]}
+    return row["text"]
 
 
 def predict_in_background(results_dir: str, device_name: str, stages: list[str], smoke: bool) -> None:
@@ -669,21 +683,16 @@ def predict_in_background(results_dir: str, device_name: str, stages: list[str],
     import tempfile
     from types import SimpleNamespace
 
-    from benchmarks.gpu_check_table import PREDICTIONS, append_row
-
     with tempfile.TemporaryDirectory() as work:
         for name in stages:
-            ctx = SimpleNamespace(name=name, smoke=smoke, work_dir=work)
-            inputs = prediction_inputs(ctx)
+            inputs = prediction_inputs(SimpleNamespace(name=name, smoke=smoke, work_dir=work))
             if inputs is None:
                 continue
             cfg, world, batch, network = inputs
-            key = prediction_key(cfg, world, batch, device_name, network)
-            if any(p["key"] == key for _, p in counted_predictions(results_dir)):
+            if prediction_key(cfg, world, batch, device_name, network) in counted_predictions(results_dir):
                 continue
-            text = describe_prediction(cfg.model, cfg.optimizer, world, batch, device_name, network=network)
-            append_row(results_dir, {"stage": name, "key": key, "text": text}, PREDICTIONS)
-            print(f"{name}: {text}", flush=True)
+            row = count_prediction(results_dir, name, "the background job", cfg, world, batch, device_name, network)
+            print(f"{name}: {row['text']}", flush=True)
 
 
 def trainer_checks(ctx, cfg, results, label: str, predicted: str, compiled: bool = False) -> tuple[list[dict], dict]:

@@ -79,8 +79,9 @@ _GPU = dict(mfu=0.40, ns5_of_peak=0.5, memory_efficiency=0.8, intra_bytes_s=450e
 # - mfu (until the second run; now None, `compute` below): dit_1b3's RowNorm step (196.2 ms, one step) minus the counted RowNorm optimizer step, as model FLOPs
 #   (forward + backward, no recompute) over the peak: it holds for compiled + activation checkpointing (its
 #   recomputed forward is inside it, not counted), 32 images, one GPU, and nothing else.
-# Still assumptions (nothing measured them): memory_efficiency, links, latency_s, launch_s, op_s; the multi-GPU and
-# dit_15b stages did not run. H100 keeps the assumptions: no H100 was measured, and its HBM differs.
+# Still assumptions (nothing measured them): the links, latency_s, launch_s (nothing multi-GPU has run);
+# memory_efficiency and op_s are fitted below, not measured. H100 keeps the assumptions: no H100 was measured, and
+# its HBM differs.
 # - compute (replacing the single mfu, which held for that one configuration only and missed dit_15b by 2x in the
 #   second and third runs): forward + backward counted from the model and priced per op (compute.py,
 #   docs/cost_model.md "Calibrated on three GPU check runs"). The GEMM curve is not fitted to step times: it runs

@@ -66,9 +66,9 @@ def test_cpu_smoke_runs_every_stage_and_each_passes(tmp_path):
     # the estimate of every stage's own configuration ran; one still running at the stage's end is judged in the table
     estimates = [line for line in table.splitlines() if "| memory estimate of this configuration |" in line]
     assert len(estimates) == 6 and all(" GiB | it ran" in line and line.endswith("| ok |") for line in estimates)
-    # the predictions were counted in the background, one per distinct configuration (smoke: w8_ac's batch is w8's)
+    # the predictions were counted in the background, one per stage that compares a step time with one
     counted = gpu_check_table.json_lines(str(res / gpu_check_table.PREDICTIONS))
-    assert [row["stage"] for row in counted] == ["dit15b_w32", "dit15b_w8", "dit1b3_eager"]
+    assert [row["stage"] for row in counted] == [*gpu_check.SHARD_RUNS, "dit1b3_eager", "dit1b3_compile_ac"]
     optimizers = [c["what"] for c in rows["optimizers"]["checks"]]
     assert len(optimizers) == 13 and all(c["ok"] for c in rows["optimizers"]["checks"])
     assert {w.split(",")[0].split(" (")[0] for w in optimizers} == set(OPTIMIZERS)
@@ -418,22 +418,31 @@ sys.exit(gpu_check.run_stage(sys.argv[1], sys.argv[2], 300.0, smoke=True, work_d
 """
 
 
-def test_an_ac_stage_takes_its_twins_prediction_instead_of_counting_it_again(tmp_path):
-    """The cost model's prediction takes seconds of CPU on a GPU machine (a step counted on fake tensors), out of
-    each dit_15b stage's timeout; activation checkpointing is not among its arguments, so dit15b_w32_ac uses the
-    text dit15b_w32 counted (dit15b_w32_ac has the check's smallest timeout)."""
+def test_a_stage_records_the_prediction_it_counted_and_checkpointing_is_among_its_arguments(tmp_path):
+    """A stage that finds no prediction counted for its arguments counts it and appends it to predictions.jsonl
+    (what the table and a later stage read). Activation checkpointing is among the arguments: the H200 profile
+    prices its recomputed forward (cost_model/compute.py), so an `_ac` stage no longer takes its plain twin's."""
+    from types import SimpleNamespace
+
+    from benchmarks import gpu_check_stages as stages
+    from benchmarks.cost_model.predict import describe_prediction
+
     env = {**os.environ, "PYTHONPATH": ROOT}
     first = subprocess.run(["python", "-m", "benchmarks.gpu_check", "--stage", "dit15b_w32", "--results", str(tmp_path),
                             "--cpu-smoke", "--work-dir", str(tmp_path)], capture_output=True, text=True, env=env,
                            cwd=ROOT, timeout=600)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
-    second = subprocess.run(["python", "-c", NO_COUNTING, "dit15b_w32_ac", str(tmp_path)], capture_output=True,
-                            text=True, env=env, cwd=ROOT, timeout=600)
-    rows = {r["stage"]: r for r in lines(tmp_path)}
-    assert second.returncode == 0, rows["dit15b_w32_ac"].get("error")
-    twin, ac = rows["dit15b_w32"]["values"]["prediction"], rows["dit15b_w32_ac"]["values"]["prediction"]
-    assert ac == twin and twin["text"]
-    assert "dit15b_w32's, the same arguments" in second.stdout
+    counted = gpu_check_table.json_lines(str(tmp_path / gpu_check_table.PREDICTIONS))
+    assert [(r["stage"], r["by"]) for r in counted] == [("dit15b_w32", "the dit15b_w32 stage")]
+    assert {r["stage"]: r for r in lines(tmp_path)}["dit15b_w32"]["values"]["prediction"] == {
+        "key": counted[0]["key"], "text": counted[0]["text"]}
+    plain, ac = (stages.prediction_inputs(SimpleNamespace(name=n, smoke=True, work_dir=str(tmp_path)))
+                 for n in ("dit15b_w32", "dit15b_w32_ac"))
+    assert stages.prediction_key(plain[0], *plain[1:3], "NVIDIA H200", False) != stages.prediction_key(
+        ac[0], *ac[1:3], "NVIDIA H200", False)
+    texts = {flag: describe_prediction(ac[0].model, ac[0].optimizer, 32, 2, "NVIDIA H200", network=False,
+                                       activation_checkpointing=flag) for flag in (False, True)}
+    assert texts[False] != texts[True], texts
 
 
 def test_the_background_job_counts_the_predictions_and_the_stages_take_them(tmp_path):
@@ -446,14 +455,15 @@ def test_the_background_job_counts_the_predictions_and_the_stages_take_them(tmp_
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert job.returncode == 0, job.stderr[-2000:]
     counted = gpu_check_table.json_lines(str(tmp_path / gpu_check_table.PREDICTIONS))
-    # one per distinct configuration of the stages asked for (the _ac twin has its twin's arguments), none for env
-    assert [row["stage"] for row in counted] == ["dit15b_w32", "dit15b_w8"]
+    # one per stage that compares a step time with one (the _ac stage's arguments differ), none for env
+    assert [row["stage"] for row in counted] == ["dit15b_w32", "dit15b_w32_ac", "dit15b_w8"]
+    assert {row["by"] for row in counted} == {"the background job"}
     stage = subprocess.run(["python", "-c", NO_COUNTING, "dit15b_w8", str(tmp_path)], capture_output=True, text=True,
                            env=env, cwd=ROOT, timeout=600)
     row = {r["stage"]: r for r in lines(tmp_path)}["dit15b_w8"]
     assert stage.returncode == 0, row.get("error")
-    assert "the background job's, the same arguments" in stage.stdout
-    assert row["values"]["prediction"] == {"key": counted[1]["key"], "text": counted[1]["text"]}
+    assert "the cost model's prediction: counted by the background job" in stage.stdout
+    assert row["values"]["prediction"] == {"key": counted[2]["key"], "text": counted[2]["text"]}
     missing = subprocess.run(["python", "-m", "benchmarks.gpu_check", "--predictions", "--results", str(tmp_path)],
                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert missing.returncode == 2 and "--predictions needs --results FOLDER and --device-name NAME" in missing.stderr
