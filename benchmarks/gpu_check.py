@@ -5,6 +5,7 @@ STAGES; the stages are in gpu_check_stages.py, the table in gpu_check_table.py).
     python -m benchmarks.gpu_check --plan [--cpu-smoke] [--only env,ns5]   # "name<TAB>timeout s" per stage
     python -m benchmarks.gpu_check --estimates [--cpu-smoke]               # "key<TAB>dit-estimate-memory arguments"
     python -m benchmarks.gpu_check --predictions --device-name NAME --results DIR [--cpu-smoke]  # in the background
+    python -m benchmarks.gpu_check --device-name-of DIR/nvidia-smi.txt     # the GPU's name, or an empty line
     python -m benchmarks.gpu_check --stage NAME --results DIR --timeout S [--cpu-smoke]
 
 A stage appends one JSON line to DIR/results.jsonl when it finishes, whatever happened inside it (an exception is
@@ -182,6 +183,21 @@ def run_stage(name: str, results_dir: str, timeout_s: float, smoke: bool, work_d
     return 0 if row["ok"] else 1
 
 
+def smi_device_name(text: str) -> str:
+    """The first GPU's name from what gpu_check.sh's `nvidia-smi --query-gpu=name,memory.total,driver_version,
+    clocks.max.sm --format=csv,noheader` wrote (stdout and stderr), or "" where that is not such a line: nvidia-smi
+    absent ("timeout: failed to run command 'nvidia-smi': ..."), failing ("NVIDIA-SMI has failed because it
+    couldn't communicate with the NVIDIA driver..."), "No devices were found", nothing. Its first comma-separated
+    field was taken as the name whatever the line was, and the background job counted every prediction under it."""
+    import re
+
+    lines = text.splitlines()
+    fields = [f.strip() for f in lines[0].split(",")] if lines else []
+    if len(fields) != 4 or not fields[0] or not re.fullmatch(r"\d+(\.\d+)+", fields[2]):
+        return ""
+    return fields[0]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-smoke", action="store_true", help="the CPU version of every stage: a tiny model, gloo")
@@ -193,11 +209,20 @@ def main(argv=None) -> int:
     ap.add_argument("--predictions", action="store_true",
                     help="count the stages' cost-model predictions on the CPU into DIR/predictions.jsonl")
     ap.add_argument("--device-name", default=None, help="with --predictions: the GPU's name, as torch gives it")
+    ap.add_argument("--device-name-of", default=None, metavar="FILE",
+                    help="print the first GPU's name in nvidia-smi's CSV FILE (nothing where it holds none)")
     ap.add_argument("--stage", default=None, help="run this stage")
     ap.add_argument("--results", default=None, help="the results folder (results.jsonl, estimates)")
     ap.add_argument("--timeout", type=float, default=None, help="the stage's timeout in seconds")
     ap.add_argument("--work-dir", default=None, help="where the stage's temporary run folders go")
     args = ap.parse_args(argv)
+    if args.device_name_of is not None:
+        try:
+            with open(args.device_name_of, errors="replace") as f:
+                print(smi_device_name(f.read()))
+        except OSError:
+            print("")
+        return 0
     if args.plan:
         for name, t in plan(args.cpu_smoke, args.only.split(",") if args.only else None):
             print(f"{name}\t{t:g}")

@@ -123,8 +123,15 @@ ESTIMATE_PIDS=()
 # The cost model's predictions the stages print beside their step times, counted the same way (one process, no CUDA
 # device visible to it: it takes no GPU memory) under the GPU's name as nvidia-smi gives it; a stage that finds its
 # prediction not yet counted counts its own (seconds of its timeout, as before this job).
-if [ -z "$SMOKE" ]; then DEVICE_NAME=$(head -n 1 "$RESULTS/nvidia-smi.txt" | cut -d, -f1); else DEVICE_NAME=CPU; fi
-if [ -n "$DEVICE_NAME" ]; then
+# nvidia-smi absent or failing prints an error, not a name: then no background job (gpu_check.smi_device_name)
+if [ -z "$SMOKE" ]; then
+  DEVICE_NAME=$("$PY" -m benchmarks.gpu_check --device-name-of "$RESULTS/nvidia-smi.txt")
+else
+  DEVICE_NAME=CPU
+fi
+if [ -z "$DEVICE_NAME" ]; then
+  echo "gpu_check: nvidia-smi gave no GPU name (nvidia-smi.txt above): no background prediction job, each stage counts its own"
+else
   ( CUDA_VISIBLE_DEVICES="" timeout "$ESTIMATE_TIMEOUT" "$PY" -m benchmarks.gpu_check --predictions \
       --device-name "$DEVICE_NAME" --results "$RESULTS" $SMOKE ${ONLY:+--only "$ONLY"} \
       > "$RESULTS/predictions.log" 2>&1 < /dev/null ) &

@@ -24,6 +24,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from contextlib import contextmanager
 
@@ -81,6 +82,33 @@ def holder_text(fd: int, path: str) -> str:
     return f"its pid, start and host are not recorded in {path}"
 
 
+def not_a_lock_file(out: str, what: str) -> ConfigError:
+    return ConfigError(f"--out {out} holds a {LOCK_NAME} that is {what}, not the lock file dit-encode-latents "
+                       f"makes (a regular file of its own): remove it, or choose another --out")
+
+
+def open_lock_file(out: str, path: str) -> int:
+    """The lock file at `path`, opened (made if missing) only where it is a regular file of its own: a symlink
+    there is not followed (O_CREAT followed it, and the holder truncated and overwrote the file it pointed to, or
+    made one where a dangling one pointed), nor is a second name of another file written (a hard link), nor a
+    FIFO or device opened for writing (O_NONBLOCK: opening one does not wait)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
+    except IsADirectoryError:
+        raise not_a_lock_file(out, "a folder") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP and os.path.islink(path):
+            raise not_a_lock_file(out, f"a symlink (to {os.readlink(path)})") from None
+        raise
+    st = os.fstat(fd)
+    what = ("a FIFO, device or socket" if not stat.S_ISREG(st.st_mode)
+            else f"another file's second name ({st.st_nlink} links)" if st.st_nlink > 1 else None)
+    if what is not None:
+        os.close(fd)
+        raise not_a_lock_file(out, what)
+    return fd
+
+
 def acquire(out: str) -> OutLock:
     """Take the lock on `out` (made if missing), or raise ConfigError naming the job that holds it."""
     path = os.path.join(out, LOCK_NAME)
@@ -88,7 +116,7 @@ def acquire(out: str) -> OutLock:
     while True:
         os.makedirs(out, exist_ok=True)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            fd = open_lock_file(out, path)
         except FileNotFoundError:  # --out removed by a refused job's clean-up in between: make it again
             continue
         try:

@@ -507,3 +507,27 @@ def test_on_a_machine_with_an_out_folder_it_leaves_three_files_there(tmp_path):
     with tarfile.open(out / "gpu_check_results.tgz") as tar:
         names = {os.path.basename(n) for n in tar.getnames()}
     assert {"results.jsonl", "env.log", "gpu_check.md"} <= names
+
+
+@pytest.mark.parametrize("text, name", [
+    ("NVIDIA H200, 143771 MiB, 570.124.06, 1980 MHz\nNVIDIA H200, 143771 MiB, 570.124.06, 1980 MHz\n", "NVIDIA H200"),
+    ("timeout: failed to run command 'nvidia-smi': No such file or directory\n", ""),
+    ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. Make sure that the latest NVIDIA "
+     "driver is installed and running.\n", ""),
+    ("No devices were found\n", ""),
+    ("", ""),
+])
+def test_the_background_predictions_take_the_gpu_name_only_from_a_line_nvidia_smi_printed_as_csv(text, name,
+                                                                                                   tmp_path):
+    """nvidia-smi absent or failing (a container without it, a driver it cannot reach) writes an error line to
+    nvidia-smi.txt; its first comma-separated field was taken as the GPU's name, and the background job counted
+    every prediction under "timeout: failed to run command 'nvidia-smi': No such file or directory" (the stages,
+    keyed by torch's name, then each counted its own out of their timeouts). Only a CSV line of the query's four
+    fields gives a name; otherwise nothing, and the script starts no background job."""
+    smi = tmp_path / "nvidia-smi.txt"
+    smi.write_text(text)
+    got = subprocess.run(["python", "-m", "benchmarks.gpu_check", "--device-name-of", str(smi)], capture_output=True,
+                         text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
+    assert got.returncode == 0 and got.stdout == f"{name}\n", got.stdout + got.stderr
+    script = open(SCRIPT).read()
+    assert 'DEVICE_NAME=$("$PY" -m benchmarks.gpu_check --device-name-of "$RESULTS/nvidia-smi.txt")' in script
