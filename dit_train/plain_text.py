@@ -27,5 +27,8 @@ def spreadsheet_cell(value):
 
 def print_error(text: str) -> None:
     """A command's one-line refusal on stderr: its text may quote a name from a file (a run folder, an image, a
-    saved config value), so it is printed as `printable` writes it, and stays one line."""
-    print(f"error: {printable(text)}", file=sys.stderr)
+    saved config value), so it is printed as `printable` writes it, and stays one line. The line and its newline go
+    out in one write: print() writes them apart, which unbuffered (PYTHONUNBUFFERED) are two writes, and the ranks
+    of a torchrun job refusing at once merged their lines in the shared log ("...--outerror: ...")."""
+    sys.stderr.write(f"error: {printable(text)}\n")
+    sys.stderr.flush()

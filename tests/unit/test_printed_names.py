@@ -57,3 +57,28 @@ def test_every_command_prints_its_error_line_through_print_error():
     raw = [f"{p.relative_to(root)}:{i}" for p in root.rglob("*.py") if p.name != "plain_text.py"
            for i, line in enumerate(p.read_text().splitlines(), 1) if 'print(f"error:' in line]
     assert raw == []
+
+
+def test_an_error_line_goes_out_in_one_write(monkeypatch):
+    """Two ranks of a torchrun job refusing at once share one stderr: print() wrote the line and its newline apart
+    (two writes under PYTHONUNBUFFERED), and CI's log held "... --outerror: ... --out" with one newline for both.
+    One write per line (a pipe write under 4 KiB is atomic) keeps each rank's line whole."""
+    import sys
+
+    from dit_train.plain_text import print_error
+
+    class Recorder:
+        def __init__(self):
+            self.writes = []
+
+        def write(self, text):
+            self.writes.append(text)
+            return len(text)
+
+        def flush(self):
+            pass
+
+    err = Recorder()
+    monkeypatch.setattr(sys, "stderr", err)
+    print_error("--out /x is being written by another dit-encode-latents\x1b[2J")
+    assert err.writes == ["error: --out /x is being written by another dit-encode-latents\\x1b[2J\n"]
