@@ -414,9 +414,9 @@ def stage_dit15b(ctx) -> dict:
     from dit_train.telemetry.clocks import clock_for
     from dit_train.trainer.loop import Trainer
 
-    world, ac, batch = SHARD_RUNS[ctx.name]
+    world, ac, _ = SHARD_RUNS[ctx.name]
     device = device_for(ctx)
-    cfg, _, batch, _ = prediction_inputs(ctx)
+    cfg, _, batch, _ = prediction_inputs(ctx)  # the batch: SHARD_RUNS's, or the smoke test's
     init_distributed(device=device)  # the trainer's device set-up, no process group (WORLD_SIZE is 1)
     # the peers are fake: no network, so the prediction is of one rank's compute (FSDP and exchange bytes free);
     # counted on its own fake process group (cost_model.sharded.sharded_optimizer), so before this stage's is made
@@ -647,13 +647,14 @@ def counted_predictions(results_dir: str) -> dict[str, dict]:
             if isinstance(row.get("key"), str) and isinstance(row.get("text"), str)}
 
 
-def count_prediction(results_dir: str, stage: str, by: str, cfg, world: int, batch: int, device_name: str,
-                     network: bool) -> dict:
-    """describe_prediction of the configuration, appended to predictions.jsonl (the record the table reads, and
-    what a stage or the background job with the same arguments finds instead of counting again)."""
+def count_prediction(results_dir: str, stage: str, by: str, key: str, cfg, world: int, batch: int,
+                     device_name: str, network: bool) -> dict:
+    """describe_prediction of the configuration (`key`: its prediction_key), appended to predictions.jsonl (the
+    record the table reads, and what a stage or the background job with the same arguments finds instead of
+    counting again)."""
     from benchmarks.gpu_check_table import PREDICTIONS, append_row
 
-    row = {"stage": stage, "by": by, "key": prediction_key(cfg, world, batch, device_name, network),
+    row = {"stage": stage, "by": by, "key": key,
            "text": describe_prediction(cfg.model, cfg.optimizer, world, batch, device_name, network=network,
                                        activation_checkpointing=checkpointing(cfg))}
     append_row(results_dir, row, PREDICTIONS)
@@ -671,7 +672,8 @@ def prediction(ctx, cfg, world: int, batch: int, device: torch.device, network: 
         ctx.phase(f"the cost model's prediction: counted by {row.get('by', 'the background job')}")
     else:
         ctx.phase("the cost model's prediction (counts a step on fake tensors, CPU)")
-        row = count_prediction(ctx.results_dir, ctx.name, f"the {ctx.name} stage", cfg, world, batch, name, network)
+        row = count_prediction(ctx.results_dir, ctx.name, f"the {ctx.name} stage", key, cfg, world, batch, name,
+                               network)
     ctx.prediction = {"key": key, "text": row["text"]}
     return row["text"]
 
@@ -689,9 +691,11 @@ def predict_in_background(results_dir: str, device_name: str, stages: list[str],
             if inputs is None:
                 continue
             cfg, world, batch, network = inputs
-            if prediction_key(cfg, world, batch, device_name, network) in counted_predictions(results_dir):
+            key = prediction_key(cfg, world, batch, device_name, network)
+            if key in counted_predictions(results_dir):
                 continue
-            row = count_prediction(results_dir, name, "the background job", cfg, world, batch, device_name, network)
+            row = count_prediction(results_dir, name, "the background job", key, cfg, world, batch, device_name,
+                                   network)
             print(f"{name}: {row['text']}", flush=True)
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from benchmarks.cost_model.compute import ComputeRates, compute_seconds
 from benchmarks.cost_model.contender import Optim
-from benchmarks.cost_model.hardware import PROFILES, Hardware
+from benchmarks.cost_model.hardware import PROFILES, Hardware, no_network
 from benchmarks.cost_model.predict import predict
 from benchmarks.cost_model.shapes import model_shapes
 
@@ -79,11 +79,6 @@ def measured_points() -> list[Point]:
     points.append(Point("dit1b3_compile_ac (run B)", RUN_2, "dit_1b3", 1, 32, True, True, TRAINER_KINDS,
                         tuple(two["dit1b3_compile_ac"]["step_s"][2:])))
     return points
-
-
-def no_network(hw: Hardware) -> Hardware:
-    """The profile with free collectives: a rank whose peers are a fake process group."""
-    return replace(hw, intra_bytes_s=math.inf, inter_bytes_s=math.inf, latency_s=0.0)
 
 
 _OPTIMIZER_STEPS: dict = {}

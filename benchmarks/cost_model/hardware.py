@@ -3,7 +3,8 @@ H100/H200 SXM profiles."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from benchmarks.cost_model.compute import ComputeRates, gemm_curve
 from benchmarks.model_owner_schedule import Net
@@ -98,6 +99,12 @@ _H200_COMPUTE = ComputeRates(*gemm_curve(H200_GEMM_POINTS), sdpa=H200_SDPA_OF_PE
 _H200_MEASURED = dict(mfu=None, ns5_rates=((256, 22e12), (1536, 254e12), (4096, 640e12)), compute=_H200_COMPUTE)
 PROFILES = {"h100": Hardware("H100 SXM", 989.4e12, memory_bytes_s=3.35e12, **_GPU),
             "h200": Hardware("H200 SXM", 989.4e12, memory_bytes_s=4.8e12, **{**_GPU, **_H200_MEASURED})}
+
+
+def no_network(hw: Hardware) -> Hardware:
+    """The profile with free collectives: a rank whose peers are a fake process group (the GPU check's dit_15b
+    stages), so only its compute and memory are priced."""
+    return replace(hw, intra_bytes_s=math.inf, inter_bytes_s=math.inf, latency_s=0.0)
 
 
 def gpu_profile(device_name: str) -> Hardware | None:

@@ -22,14 +22,12 @@ What it assumes (each a field of `Hardware`, stated in the profile):
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from dit_train.parallel.comm_volume import fsdp_volumes
 from dit_train.parallel.fsdp import fsdp_units
 from benchmarks.cost_model.compute import compute_seconds
 from benchmarks.cost_model.contender import Optim, counted_optimizer
 from benchmarks.cost_model.floor import floor_step
-from benchmarks.cost_model.hardware import Hardware, gpu_profile
+from benchmarks.cost_model.hardware import Hardware, gpu_profile, no_network
 from benchmarks.cost_model.shapes import Shapes, mean_bytes, shapes_of
 from benchmarks.cost_model.sharded import sharded_optimizer
 from benchmarks.op_cost import count_step, seconds
@@ -128,7 +126,7 @@ def describe_prediction(model_cfg, optimizer_cfg, world: int, images_per_rank: i
     if hw is None:
         return f"no cost-model profile for {device_name}"
     if not network:
-        hw = replace(hw, intra_bytes_s=float("inf"), inter_bytes_s=float("inf"), latency_s=0.0)
+        hw = no_network(hw)
     opt = Optim(optimizer_cfg.get("name", "muon"), int(optimizer_cfg.get("K", 1) or 1),
                 optimizer_cfg.get("rownorm_scale", "spectral"), optimizer_cfg.get("distributed_mode", "owner"))
     p = predict(shapes_of(model_cfg), opt, hw, world, images_per_rank,
