@@ -6,6 +6,7 @@ counted term is checked against an independent reference (FlopCounterMode, the b
 recompute as the blocks' forward), so a change of any is noticed."""
 
 import json
+from collections import Counter
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 
 from benchmarks.cost_model import gpu_calibration
 from benchmarks.cost_model.compute import (ComputeRates, compute_seconds, count_forward_backward, gemm_curve,
+                                           records_by_depth,
                                            record_seconds)
 from benchmarks.cost_model.contender import Optim
 from benchmarks.cost_model.hardware import H200_FITTED, H200_GEMM_POINTS, PROFILES
@@ -140,6 +142,20 @@ def test_counted_flops_are_flop_counters():
     sdpa_bwd = sum(r.flops for r in recs if r.category == "sdpa" and r.op.endswith("_backward"))
     assert sdpa_bwd == 2.5 * sdpa_fwd > 0
     assert gemm + sdpa_fwd + sdpa_bwd * 2 / 2.5 == training_flops_per_image(SMALL) * 3
+
+
+@pytest.mark.parametrize("depth", [3, 5])
+def test_counting_two_blocks_gives_every_depths_records(depth):
+    """The counted records at depth D, extrapolated from depths 1 and 2, equal a full count at D, for qk-norm
+    blocks and for SwiGLU blocks without qk-norm (a mutation of the extrapolation, D - 2 or D blocks, or the
+    blocks' records taken from depth 1 alone, changes the block records' counts)."""
+    plain = load_preset("dit_1b3", 64, depth)
+    swiglu = plain.copy()
+    swiglu.swiglu, swiglu.qk_norm = True, False
+    for cfg in (plain, swiglu):
+        full = Counter(count_forward_backward(cfg, 2))
+        assert records_by_depth(cfg, 2) == full
+        assert full != Counter(count_forward_backward(load_preset("dit_1b3", 64, 2), 2))
 
 
 def test_an_elementwise_op_moves_its_activation_once_each_way():
