@@ -76,6 +76,10 @@ def source_config(args) -> tuple[dict, str]:
                   "channels": 3, "num_classes": None, "skip_corrupt": False}
     else:
         cfg = OmegaConf.to_container(load_data_cfg(args.data, args.data_set), resolve=True)
+        if cfg.get("name") == "latents":  # its 4-channel latents went into the VAE: a traceback after the record
+            raise ConfigError(f"--data {args.data} is not valid: dit-encode-latents encodes images, and latents are "
+                              f"encoded already; pass the images they were made from (--images, or the source named "
+                              f"in their latents_info.json)")
         given = {kv.split("=", 1)[0] for kv in args.data_set}
         cfg, _ = with_data_shapes(cfg, given)
         found = "image_size" not in given and "image_size" in read_data_shapes(cfg)  # even if equal to the preset's

@@ -574,6 +574,19 @@ def test_data_set_with_images_is_one_line(tmp_path):
     assert not (tmp_path / "lat").exists()
 
 
+def test_data_latents_is_one_line_before_anything_is_written(tmp_path):
+    """--data latents fed a latent set's 4-channel latents to the VAE as images: a conv traceback, after the new
+    --out's latents_info.json was written."""
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img")
+    load_encoder()(encode_args(tmp_path)[:-2])  # both splits
+    with pytest.raises(ConfigError, match=r"^--data latents is not valid: dit-encode-latents encodes images, and "
+                                          r"latents are encoded already; pass the images they were made from"):
+        load_encoder()(["--vae", str(tmp_path / "vae"), "--data", "latents", "--data-set",
+                        f"root={tmp_path / 'lat'}", "--out", str(tmp_path / "again")])
+    assert not (tmp_path / "again").exists()
+
+
 def test_sigterm_while_encoding_is_one_line_exit_75_and_the_same_command_continues(tmp_path, monkeypatch):
     import signal
 
