@@ -18,10 +18,12 @@ shard holds; the trainer (vae.path), dit-sample, dit-export and dit-fd (--vae) c
 against it, and the source is the FD reference of latent runs.
 Shards are written atomically and an existing one is skipped, so an interrupted run continues where it stopped:
 only with the VAE, --flip, --shard-size and the source's settings recorded (else one line, and nothing is written).
-Images added, removed or renamed (an unreadable one removed, say), or another --limit: the shards whose images
-changed are encoded again, the others kept. One job writes an --out at a time: it holds a lock on out/.encode.lock
-(rank 0 for a torchrun job), and a second job on the same --out (the other split from another terminal) is refused
-in one line naming the first's pid, host and start (data/encode_lock.py: what the lock does not cover).
+Images added, removed or renamed (an unreadable one removed, say), rewritten in place under the same name (each
+shard's images' sizes and modification times are recorded: one stat per image and run), or another --limit: the
+shards whose images changed are encoded again, the others kept. One job writes an --out at a time: it holds a lock
+on out/.encode.lock (rank 0 for a torchrun job), and a second job on the same --out (the other split from another
+terminal) is refused in one line naming the first's pid, host and start (data/encode_lock.py: what the lock does
+not cover).
 """
 
 from __future__ import annotations
@@ -284,7 +286,12 @@ def encode(args, dist, source: dict, size_from: str) -> dict:
     if conflict:
         raise ConfigError(conflict)
     old = binding_record(old, args.out)  # a record of no shard: none of it is read or kept (resume_conflict)
-    keep_record_format(old, info, args.out)
+    unseen = keep_record_format(old, info, args.out)
+    if unseen and dist.is_main:
+        print(f"{args.out}/{LATENTS_INFO} records no sizes or modification times of the {' and '.join(unseen)} "
+              f"images (an older dit-encode-latents wrote it): an image rewritten in place under the same name is "
+              f"not seen, and its shard keeps the old latent; encode into a new --out to have that checked",
+              flush=True)
     changed = changed_shards(old, info, args.out)
     # a rerun over complete shards loads no VAE (seconds, or a GPU's memory): it has nothing to encode
     codec = LatentCodec(args.vae, dist.device, args.batch_size) \
