@@ -41,8 +41,9 @@ from dit_train.runs.atomic_io import atomic_save_tensors, atomic_write_bytes, de
 from dit_train.config.errors import ConfigError
 from dit_train.config.latents import LATENTS_INFO, not_a_vae, read_latents_info
 from dit_train.data.datasets import build_dataset
-from dit_train.data.encode_record import (binding_record, changed_shards, encoding_record, forget_changed_shards,
-                                          image_list, keep_record_format, resume_conflict, split_written)
+from dit_train.data.encode_record import (binding_record, changed_shards, encoding_record, file_stats,
+                                          forget_changed_shards, image_list, keep_record_format, resume_conflict,
+                                          split_written, stats_hash)
 from dit_train.data.encode_lock import encoding_lock
 from dit_train.data.latents import shard_name
 from dit_train.evaluation.fd.job_config import load_data_cfg
@@ -126,13 +127,19 @@ def check_flags(args) -> None:
 
 def warn_if_images_changed(carried: list[dict], source: dict, args) -> None:
     """A split kept from an earlier encoding (--splits val after --splits train) whose images are no longer those
-    its record lists: one warning line. A val/ folder removed in between made val the images held out of train/,
+    its record lists (or were rewritten in place, where it records their sizes and modification times): one warning
+    line. A val/ folder removed in between made val the images held out of train/,
     every one of them encoded as train, with no word; a refusal would block adding val after train's images were
     deleted to save disk."""
     for entry in carried:
         try:
             ds = build_dataset(source, entry["split"])
             changed = len(ds) < entry["images"] or image_list(ds, 0, entry["images"]) != entry["image_list"]
+            if not changed and "shard_image_stats" in entry:  # an image rewritten in place
+                stats = file_stats(ds, entry["images"])
+                size = args.shard_size  # the record's (settings_conflict)
+                changed = stats is not None and entry["shard_image_stats"] != [
+                    stats_hash(stats, k * size, (k + 1) * size) for k in range(entry["shards"])]
         except (FileNotFoundError, ValueError):  # the images are gone
             changed = True
         if changed:

@@ -864,6 +864,12 @@ def test_adding_a_split_after_the_other_splits_images_changed_says_so(tmp_path, 
     load_encoder()(encode_args(tmp_path)[:-2] + ["--splits", "train,val"])
     load_encoder()(encode_args(tmp_path)[:-2] + ["--splits", "val"])  # the same images: no word
     assert "warning" not in capsys.readouterr().out
+    # a train image rewritten in place under the same name: said too (it was not)
+    train = build_dataset(OmegaConf.create({"name": "image_folder", "root": str(tmp_path / "img"), "image_size": 16,
+                                            "skip_corrupt": False}), "train")
+    Image.new("RGB", (20, 18), (250, 10, 250)).save(train.samples[0][0])
+    load_encoder()(encode_args(tmp_path)[:-2] + ["--splits", "val"])
+    assert "warning: the train images in" in capsys.readouterr().out
 
 
 # an encoder (the command, in its own process) that holds --out's lock after its first shard until a line arrives
