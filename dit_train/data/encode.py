@@ -18,10 +18,12 @@ shard holds; the trainer (vae.path), dit-sample, dit-export and dit-fd (--vae) c
 against it, and the source is the FD reference of latent runs.
 Shards are written atomically and an existing one is skipped, so an interrupted run continues where it stopped:
 only with the VAE, --flip, --shard-size and the source's settings recorded (else one line, and nothing is written).
-Images added, removed or renamed (an unreadable one removed, say), or another --limit: the shards whose images
-changed are encoded again, the others kept. One job writes an --out at a time: it holds a lock on out/.encode.lock
-(rank 0 for a torchrun job), and a second job on the same --out (the other split from another terminal) is refused
-in one line naming the first's pid, host and start (data/encode_lock.py: what the lock does not cover).
+Images added, removed or renamed (an unreadable one removed, say), rewritten in place under the same name (each
+shard's images' sizes and modification times are recorded: one stat per image and run), or another --limit: the
+shards whose images changed are encoded again, the others kept. One job writes an --out at a time: it holds a lock
+on out/.encode.lock (rank 0 for a torchrun job), and a second job on the same --out (the other split from another
+terminal) is refused in one line naming the first's pid, host and start (data/encode_lock.py: what the lock does
+not cover).
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ from dit_train.runs.atomic_io import atomic_save_tensors, atomic_write_bytes, de
 from dit_train.config.errors import ConfigError
 from dit_train.config.latents import LATENTS_INFO, not_a_vae, read_latents_info
 from dit_train.data.datasets import build_dataset
-from dit_train.data.encode_record import (binding_record, changed_shards, encoding_record, forget_changed_shards,
-                                          image_list, keep_record_format, resume_conflict, split_written)
+from dit_train.data.encode_record import (binding_record, changed_shards, encoding_record, file_stats,
+                                          forget_changed_shards, image_list, keep_record_format, resume_conflict,
+                                          split_written, stats_hash)
 from dit_train.data.encode_lock import encoding_lock
 from dit_train.data.latents import shard_name
 from dit_train.evaluation.fd.job_config import load_data_cfg
@@ -76,6 +79,10 @@ def source_config(args) -> tuple[dict, str]:
                   "channels": 3, "num_classes": None, "skip_corrupt": False}
     else:
         cfg = OmegaConf.to_container(load_data_cfg(args.data, args.data_set), resolve=True)
+        if cfg.get("name") == "latents":  # its 4-channel latents went into the VAE: a traceback after the record
+            raise ConfigError(f"--data {args.data} is not valid: dit-encode-latents encodes images, and latents are "
+                              f"encoded already; pass the images they were made from (--images, or the source named "
+                              f"in their latents_info.json)")
         given = {kv.split("=", 1)[0] for kv in args.data_set}
         cfg, _ = with_data_shapes(cfg, given)
         found = "image_size" not in given and "image_size" in read_data_shapes(cfg)  # even if equal to the preset's
@@ -120,13 +127,19 @@ def check_flags(args) -> None:
 
 def warn_if_images_changed(carried: list[dict], source: dict, args) -> None:
     """A split kept from an earlier encoding (--splits val after --splits train) whose images are no longer those
-    its record lists: one warning line. A val/ folder removed in between made val the images held out of train/,
+    its record lists (or were rewritten in place, where it records their sizes and modification times): one warning
+    line. A val/ folder removed in between made val the images held out of train/,
     every one of them encoded as train, with no word; a refusal would block adding val after train's images were
     deleted to save disk."""
     for entry in carried:
         try:
             ds = build_dataset(source, entry["split"])
             changed = len(ds) < entry["images"] or image_list(ds, 0, entry["images"]) != entry["image_list"]
+            if not changed and "shard_image_stats" in entry:  # an image rewritten in place
+                stats = file_stats(ds, entry["images"])
+                size = args.shard_size  # the record's (settings_conflict)
+                changed = stats is not None and entry["shard_image_stats"] != [
+                    stats_hash(stats, k * size, (k + 1) * size) for k in range(entry["shards"])]
         except (FileNotFoundError, ValueError):  # the images are gone
             changed = True
         if changed:
@@ -280,7 +293,12 @@ def encode(args, dist, source: dict, size_from: str) -> dict:
     if conflict:
         raise ConfigError(conflict)
     old = binding_record(old, args.out)  # a record of no shard: none of it is read or kept (resume_conflict)
-    keep_record_format(old, info, args.out)
+    unseen = keep_record_format(old, info, args.out)
+    if unseen and dist.is_main:
+        print(f"{args.out}/{LATENTS_INFO} records no sizes or modification times of the {' and '.join(unseen)} "
+              f"images (an older dit-encode-latents wrote it): an image rewritten in place under the same name is "
+              f"not seen, and its shard keeps the old latent; encode into a new --out to have that checked",
+              flush=True)
     changed = changed_shards(old, info, args.out)
     # a rerun over complete shards loads no VAE (seconds, or a GPU's memory): it has nothing to encode
     codec = LatentCodec(args.vae, dist.device, args.batch_size) \

@@ -1,6 +1,7 @@
 """What latents_info.json records of an encoding, and what a rerun into the same --out may do with the shards
 there (dit-encode-latents): continue them (the same VAE, --flip, --shard-size and source settings), encode again
-only the shards whose images changed (each shard's image list is recorded), or refuse in one line before anything
+only the shards whose images changed (each shard's image list is recorded, and a hash of its image files' sizes
+and modification times: an image rewritten in place under the same name), or refuse in one line before anything
 is written or removed."""
 
 from __future__ import annotations
@@ -26,18 +27,48 @@ def image_list(ds, start: int, stop: int, base: str | None = None) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def file_stats(ds, n: int) -> list[str] | None:
+    """Each of the split's first n image files as one stat says it is ('size\tmtime_ns'), None for a dataset that
+    is not a list of files (Fashion-MNIST's idx files). Taken when the record is built, before any image is read
+    for encoding: an image rewritten after its stat shows as a difference on the next rerun, which encodes its
+    shard again (one stat per image and run: the rerun compares these with the recorded ones, per shard)."""
+    items = getattr(ds, "samples", None)
+    if items is None:
+        return None
+    stats = []
+    for path, _ in items[:n]:
+        try:
+            st = os.stat(path)
+            stats.append(f"{st.st_size}\t{st.st_mtime_ns}\n")
+        except OSError:  # gone since it was listed: its read for encoding names it
+            stats.append("-\n")
+    return stats
+
+
+def stats_hash(stats: list[str], start: int, stop: int) -> str:
+    return hashlib.sha256("".join(stats[start:stop]).encode()).hexdigest()[:16]
+
+
 def encoding_record(args, source: dict, datasets: dict) -> dict:
     """latents_info.json: everything the shards' contents depend on (batch size aside: it only groups the work);
     each shard's image list too, so that a rerun after images changed encodes again only the shards they touch.
     The split's list names the files as listed (older records compare it; a moved folder is another source root
     anyway), each shard's relative to the source's root (train/a/0.png): a latent set's data fingerprint includes
-    them, and the same images encoded from a copy of the folder elsewhere are the same data."""
+    them, and the same images encoded from a copy of the folder elsewhere are the same data. Of an image folder,
+    each shard's images' sizes and modification times too (`shard_image_stats`, a hash per shard): a rerun encodes
+    again a shard whose images were rewritten in place, and the data fingerprint changes with it (a copy of the
+    images elsewhere is the same data where the copy keeps the modification times: cp -p, rsync -a)."""
     size = args.shard_size
-    splits = [{"split": split, "images": n, "latents": n * (2 if args.flip else 1),
-               "shards": math.ceil(n / size), "image_list": image_list(ds, 0, n),
-               "shard_image_lists": [image_list(ds, k * size, min((k + 1) * size, n), source.get("root"))
-                                     for k in range(math.ceil(n / size))]}
-              for split, (ds, n) in datasets.items()]
+    splits = []
+    for split, (ds, n) in datasets.items():
+        bounds = [(k * size, min((k + 1) * size, n)) for k in range(math.ceil(n / size))]
+        entry = {"split": split, "images": n, "latents": n * (2 if args.flip else 1), "shards": len(bounds),
+                 "image_list": image_list(ds, 0, n),
+                 "shard_image_lists": [image_list(ds, a, b, source.get("root")) for a, b in bounds]}
+        stats = file_stats(ds, n)
+        if stats is not None:
+            entry["shard_image_stats"] = [stats_hash(stats, a, b) for a, b in bounds]
+        splits.append(entry)
     scale, shift = vae_scaling(args.vae)
     # which folder each label is, for the trainer's start-up line (an image folder's; the image lists cover them)
     classes = next((list(ds.classes) for ds, _ in datasets.values() if getattr(ds, "classes", None)), None)
@@ -93,10 +124,11 @@ def damaged_record(old: dict) -> str | None:
         if s["split"] in seen:  # the encoder read the last entry, the trainer the first
             return f"two entries for split {s['split'][:40]}"
         seen.add(s["split"])
-        lists = s.get("shard_image_lists")  # (a count of 10^20 shards is not a list of 10^20 lists to compare)
-        if lists is not None and not (isinstance(lists, list) and len(lists) == s["shards"]
-                                      and all(isinstance(h, str) for h in lists)):
-            return f"{s['split']}'s shard_image_lists is not {s['shards']} image lists, one per shard"
+        for key, what in (("shard_image_lists", "image lists"), ("shard_image_stats", "hashes of image stats")):
+            lists = s.get(key)  # (a count of 10^20 shards is not a list of 10^20 lists to compare)
+            if lists is not None and not (isinstance(lists, list) and len(lists) == s["shards"]
+                                          and all(isinstance(h, str) for h in lists)):
+                return f"{s['split']}'s {key} is not {s['shards']} {what}, one per shard"
     return None
 
 
@@ -126,30 +158,46 @@ def settings_conflict(old: dict, new: dict, out: str) -> str | None:
 
 def changed_shards(old: dict, new: dict, out: str) -> dict[str, list[str]]:
     """Per split, the shard files in `out` whose images are not those the new record lists for them (a file added,
-    removed or renamed, --limit changed): shards of other images, and shards past the new count (the trainer
-    refuses a shard its record does not list). Shards before the change keep their latents."""
+    removed or renamed, --limit changed, or rewritten in place: its size or modification time is not the one
+    recorded, where the record has them): shards of other images, and shards past the new count (the trainer
+    refuses a shard its record does not list). The other shards keep their latents."""
     recorded = {s["split"]: s for s in old.get("splits") or ()}
     changed = {}
     for s in new["splits"]:
-        then = recorded.get(s["split"], {}).get("shard_image_lists")
-        if then is None or then == s["shard_image_lists"]:
+        entry = recorded.get(s["split"], {})
+        then = entry.get("shard_image_lists")
+        if then is None:
             continue
+        lists = zip(then, s["shard_image_lists"])
+        then_stats, now_stats = entry.get("shard_image_stats"), s.get("shard_image_stats")
+        stats = zip(then_stats, now_stats) if then_stats is not None and now_stats is not None else \
+            ((None, None) for _ in then)  # an older record's: in-place changes are not seen (keep_record_format)
+        same = [a == b and c == d for (a, b), (c, d) in zip(lists, stats)]
+        if then == s["shard_image_lists"] and all(same):
+            continue
+        keep = {shard_name(k) for k, kept in enumerate(same) if kept}
         paths = sorted(glob.glob(os.path.join(out, s["split"], "shard_*.safetensors")))
-        keep = {shard_name(k) for k, (a, b) in enumerate(zip(then, s["shard_image_lists"])) if a == b}
         changed[s["split"]] = [p for p in paths if os.path.basename(p) not in keep]
     return changed
 
 
-def keep_record_format(old: dict, new: dict, out: str) -> None:
-    """A split whose shards an older encoder recorded without per-shard image lists stays so: its shards' image
-    lists are not known, and lists added to its record would change the data fingerprint of runs trained on it
-    (a resume of them refused as 'other data' after a rerun that encoded nothing)."""
+def keep_record_format(old: dict, new: dict, out: str) -> list[str]:
+    """A split whose shards an older encoder recorded without per-shard image lists, or without their images'
+    sizes and modification times (shard_image_stats), stays so: they are not known for its shards, and adding
+    them to its record would change the data fingerprint of runs trained on it (a resume of them refused as
+    'other data' after a rerun that encoded nothing). Returns the splits whose images' stats are not recorded
+    (an image rewritten in place is not seen there)."""
     recorded = {s["split"]: s for s in old.get("splits") or ()}
+    unseen = []
     for s in new["splits"]:
         then = recorded.get(s["split"])
-        if then is not None and "shard_image_lists" not in then and \
-                glob.glob(os.path.join(out, s["split"], "shard_*.safetensors")):
-            del s["shard_image_lists"]
+        if then is not None and glob.glob(os.path.join(out, s["split"], "shard_*.safetensors")):
+            if "shard_image_lists" not in then:
+                del s["shard_image_lists"]
+            if "shard_image_stats" not in then and "shard_image_stats" in s:
+                del s["shard_image_stats"]
+                unseen.append(s["split"])
+    return unseen
 
 
 def forget_changed_shards(changed: dict[str, list[str]], out: str, new: dict) -> None:
@@ -163,7 +211,7 @@ def forget_changed_shards(changed: dict[str, list[str]], out: str, new: dict) ->
             again = sum(os.path.basename(p) in listed for p in paths)
             past = f"; {len(paths) - again} past the new count are removed" if len(paths) > again else ""
             print(f"the images of {len(paths)} {split} shard(s) in {out} changed since they were encoded (--limit, or "
-                  f"images added, removed or renamed): {again} are encoded again{past} "
+                  f"images added, removed, renamed or rewritten): {again} are encoded again{past} "
                   f"({os.path.basename(paths[0])} on)", flush=True)
         for path in paths:
             os.remove(path)

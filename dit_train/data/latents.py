@@ -158,6 +158,8 @@ class LatentShards(Dataset):
         self.dataset_id = f"latents:{os.path.abspath(folder)}:{total}"
         lists = (recorded or {}).get("shard_image_lists")  # which images each shard holds (dit-encode-latents)
         self.shard_image_lists = lists if isinstance(lists, list) and len(lists) == len(files) else None
+        stats = (recorded or {}).get("shard_image_stats")  # their images' sizes and times when last encoded
+        self.shard_image_stats = stats if isinstance(stats, list) and len(stats) == len(files) else None
         self._handles: dict[int, object] = {}
 
     def __len__(self) -> int:
@@ -166,9 +168,14 @@ class LatentShards(Dataset):
     def content_index(self):
         """What identifies this split's data wherever it lives (data/datasets.py: data_fingerprint): each shard's
         name, item count and size in bytes (the shards themselves are not read), and which images it holds where
-        latents_info.json records it (a shard encoded again after an image was removed has the same size)."""
+        latents_info.json records it (a shard encoded again after an image was removed has the same size), and the
+        sizes and modification times its images had when it was encoded, where recorded (a shard encoded again after
+        an image was rewritten in place has the same images and size; an image touched since, not encoded again,
+        leaves it as it was)."""
         counts = [b - a for a, b in zip(self.offsets, self.offsets[1:] + [self.total])]
         lists = [f"\t{h}" for h in self.shard_image_lists] if self.shard_image_lists else [""] * len(self.files)
+        if self.shard_image_lists and self.shard_image_stats:
+            lists = [f"{h}\t{st}" for h, st in zip(lists, self.shard_image_stats)]
         return ["".join(f"{os.path.basename(p)}\t{n}\t{os.path.getsize(p)}{h}\n"
                         for p, n, h in zip(self.files, counts, lists)).encode()]
 

@@ -574,6 +574,19 @@ def test_data_set_with_images_is_one_line(tmp_path):
     assert not (tmp_path / "lat").exists()
 
 
+def test_data_latents_is_one_line_before_anything_is_written(tmp_path):
+    """--data latents fed a latent set's 4-channel latents to the VAE as images: a conv traceback, after the new
+    --out's latents_info.json was written."""
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img")
+    load_encoder()(encode_args(tmp_path)[:-2])  # both splits
+    with pytest.raises(ConfigError, match=r"^--data latents is not valid: dit-encode-latents encodes images, and "
+                                          r"latents are encoded already; pass the images they were made from"):
+        load_encoder()(["--vae", str(tmp_path / "vae"), "--data", "latents", "--data-set",
+                        f"root={tmp_path / 'lat'}", "--out", str(tmp_path / "again")])
+    assert not (tmp_path / "again").exists()
+
+
 def test_sigterm_while_encoding_is_one_line_exit_75_and_the_same_command_continues(tmp_path, monkeypatch):
     import signal
 
@@ -681,6 +694,85 @@ def test_a_rerun_over_an_older_encoders_shards_keeps_its_record_and_the_runs_dat
     assert build_dataset(cfg, "train").content_index() == trained_on
 
 
+def shard_inodes(folder):
+    """Each shard's file (inode, mtime): a shard written again is another (its inode number may be reused)."""
+    return {name: (os.stat(folder / name).st_ino, os.stat(folder / name).st_mtime_ns)
+            for name in sorted(os.listdir(folder))}
+
+
+def test_an_image_rewritten_in_place_is_encoded_again_and_only_its_shard(tmp_path, capsys):
+    """The record listed each shard's images by name only: an image replaced under the same name (a user fixes
+    it) kept its stale latent on a rerun, with no word. Each shard's images' sizes and modification times are
+    recorded now: the rerun encodes that shard again (the folder then holds what an encoding from scratch writes),
+    keeps the others file for file, and the data fingerprint changes with the shard; a rerun with nothing changed
+    encodes nothing, and a touched image (no new pixels) costs its shard one encoding, which leaves its latents as
+    they were."""
+    from safetensors.torch import load_file
+
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img", per_class=4)  # 7 train images a/0..3, b/0..2 (b/3 held out): shards of 2
+    encode = load_encoder()
+    load_encoder()(encode_args(tmp_path))
+    train = tmp_path / "lat" / "train"
+    before = shard_inodes(train)
+    cfg = OmegaConf.create({"name": "latents", "root": str(tmp_path / "lat"), "image_size": 8, "channels": 4,
+                            "num_classes": 2})
+    trained_on = build_dataset(cfg, "train").content_index()
+    image = tmp_path / "img" / "a" / "2.png"  # train item 2: shard 1
+    stat = os.stat(image)
+    stale = load_file(str(train / "shard_00001.safetensors"))["latents"]
+    Image.new("RGB", (20, 18), (250, 10, 250)).save(image)  # other pixels, the same name
+    assert (os.stat(image).st_size, os.stat(image).st_mtime_ns) != (stat.st_size, stat.st_mtime_ns)
+    capsys.readouterr()
+    info = encode(encode_args(tmp_path))
+    assert ("the images of 1 train shard(s) in" in capsys.readouterr().out)
+    fresh = encode(encode_args(tmp_path)[:5] + [str(tmp_path / "fresh")] + encode_args(tmp_path)[6:])
+    assert info == fresh and info["complete"]
+    assert sorted(os.listdir(train)) == sorted(os.listdir(tmp_path / "fresh" / "train"))
+    for name in os.listdir(train):
+        a, b = load_file(str(train / name)), load_file(str(tmp_path / "fresh" / "train" / name))
+        assert all(torch.equal(a[k], b[k]) for k in b), name
+    after = shard_inodes(train)
+    assert [n for n in before if after[n] != before[n]] == ["shard_00001.safetensors"]
+    assert not torch.equal(load_file(str(train / "shard_00001.safetensors"))["latents"], stale)
+    changed = build_dataset(cfg, "train").content_index()
+    assert changed != trained_on  # a run resumed on them is told its data changed
+    encode(encode_args(tmp_path))  # nothing changed since: nothing encoded again
+    assert shard_inodes(train) == after and build_dataset(cfg, "train").content_index() == changed
+    os.utime(tmp_path / "img" / "b" / "0.png")  # touched (train item 4: shard 2), the same pixels
+    latents = load_file(str(train / "shard_00002.safetensors"))["latents"]
+    encode(encode_args(tmp_path))
+    assert [n for n in after if shard_inodes(train)[n] != after[n]] == ["shard_00002.safetensors"]
+    assert torch.equal(load_file(str(train / "shard_00002.safetensors"))["latents"], latents)
+
+
+def test_an_older_record_without_image_stats_is_rerun_as_before_and_says_so_once(tmp_path, capsys):
+    """A record from before the images' sizes and times were recorded: a rerun keeps its form (stats added to it
+    would change the data fingerprint its runs recorded) and its shards, and says in one line that an image
+    rewritten in place is not seen there."""
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img", per_class=4)
+    load_encoder()(encode_args(tmp_path, "--splits", "train,val"))
+    info_path = tmp_path / "lat" / "latents_info.json"
+    old = json.loads(info_path.read_text())
+    assert all("shard_image_stats" in s for s in old["splits"])
+    old["splits"] = [{k: v for k, v in s.items() if k != "shard_image_stats"} for s in old["splits"]]
+    info_path.write_text(json.dumps(old))
+    cfg = OmegaConf.create({"name": "latents", "root": str(tmp_path / "lat"), "image_size": 8, "channels": 4,
+                            "num_classes": 2})
+    trained_on = build_dataset(cfg, "train").content_index()
+    before = shard_inodes(tmp_path / "lat" / "train")
+    Image.new("RGB", (20, 18), (250, 10, 250)).save(tmp_path / "img" / "a" / "2.png")
+    capsys.readouterr()
+    assert load_encoder()(encode_args(tmp_path, "--splits", "train,val"))["splits"] == old["splits"]
+    told = [line for line in capsys.readouterr().out.splitlines() if "rewritten in place" in line]
+    assert told == [f"{tmp_path}/lat/latents_info.json records no sizes or modification times of the train and val "
+                    f"images (an older dit-encode-latents wrote it): an image rewritten in place under the same name "
+                    f"is not seen, and its shard keeps the old latent; encode into a new --out to have that checked"]
+    assert shard_inodes(tmp_path / "lat" / "train") == before
+    assert build_dataset(cfg, "train").content_index() == trained_on
+
+
 def test_a_shard_encoded_again_under_a_reader_that_indexed_it_is_refused_not_read(tmp_path):
     """A rerun after the images changed removes and rewrites shards in place; a run training from the folder (its
     loader workers open each shard lazily) read the new shard 2 at the old offsets, another image's latent with no
@@ -772,6 +864,12 @@ def test_adding_a_split_after_the_other_splits_images_changed_says_so(tmp_path, 
     load_encoder()(encode_args(tmp_path)[:-2] + ["--splits", "train,val"])
     load_encoder()(encode_args(tmp_path)[:-2] + ["--splits", "val"])  # the same images: no word
     assert "warning" not in capsys.readouterr().out
+    # a train image rewritten in place under the same name: said too (it was not)
+    train = build_dataset(OmegaConf.create({"name": "image_folder", "root": str(tmp_path / "img"), "image_size": 16,
+                                            "skip_corrupt": False}), "train")
+    Image.new("RGB", (20, 18), (250, 10, 250)).save(train.samples[0][0])
+    load_encoder()(encode_args(tmp_path)[:-2] + ["--splits", "val"])
+    assert "warning: the train images in" in capsys.readouterr().out
 
 
 # an encoder (the command, in its own process) that holds --out's lock after its first shard until a line arrives
