@@ -5,6 +5,9 @@
   checkpoint written by N ranks loads on M ranks, or on one process without FSDP) and `ema` the same way;
 - `train_state.json`: the TrainState (train_state.py: step = data position, schedule, training generator, EMA
   count, run time, skipped steps, best FD) and the resolved config, written by rank 0;
+- `checksums.json`: a crc32 of every stored item and of `.metadata`, gathered from the ranks by DCP's writer and
+  written by rank 0 before the marker; every reader verifies the ranges it reads before reading them
+  (checkpoint_checksums.py; a checkpoint without one, written before, loads unverified);
 - `COMPLETE`, written last. Everything goes into `step_N.dcp.tmp/`, which is renamed when complete, so only
   complete folders are ever listed; leftovers of an interrupted save are reported and removed (a complete save
   whose rename was cut short is put in place). The tensors may be written in the background (start_save: DCP's
