@@ -75,6 +75,20 @@ def test_readers_verify_only_what_they_read(tmp_path):
         ckpt._dcp_load({"optimizer": {"param_groups": [{"lr": 0.0}]}}, path)  # what a resume reads of it
 
 
+def test_a_save_that_dies_before_its_record_leaves_no_complete_checkpoint(tmp_path, monkeypatch):
+    from dit_train.runs import checkpoint_checksums
+
+    def crash(files):
+        raise RuntimeError("simulated crash while the record is written")
+
+    monkeypatch.setattr(checkpoint_checksums, "encode", crash)
+    with pytest.raises(BaseException) as e:  # DCP's CheckpointException is a BaseException
+        saved_run(tmp_path)
+    assert "simulated crash" in str(e.value)
+    run_dir = str(tmp_path / "run")
+    assert ckpt.list_checkpoints(run_dir) == [] and not any(ckpt.MARKER in files for _, _, files in os.walk(run_dir))
+
+
 @pytest.mark.parametrize("content, match", [
     (b'{"format": 1, "algor', "is not valid JSON"),
     (b'[1, 2]', "not a dit_train checksum record"),
