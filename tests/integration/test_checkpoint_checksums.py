@@ -134,7 +134,8 @@ def test_a_checkpoint_written_before_records_loads_as_before_with_one_info_line(
 
 # ---- resume ----------------------------------------------------------------------------------------------------
 @needs_fashion
-def test_resume_refuses_a_flipped_shard_in_one_line_and_auto_falls_back_past_it(tiny_cfg, caplog):
+def test_resume_and_fork_refuse_a_flipped_shard_in_one_line_and_auto_falls_back_past_it(tiny_cfg, tmp_path,
+                                                                                         caplog):
     from dit_train.trainer.loop import run
 
     tiny_cfg.train.keep_last = 0
@@ -146,6 +147,11 @@ def test_resume_refuses_a_flipped_shard_in_one_line_and_auto_falls_back_past_it(
     with pytest.raises(ckpt.CheckpointError, match=rf"is damaged: its {name} does not hold the bytes") as e:
         run(tiny_cfg)
     assert "\n" not in str(e.value) and f"{first} is the run's previous one" in str(e.value)
+    fork = tiny_cfg.copy()
+    fork.run_dir, fork.train.resume, fork.train.init_from = str(tmp_path / "fork"), None, last
+    with pytest.raises(ckpt.CheckpointError, match=rf"is damaged: its {name} does not hold the bytes") as e:
+        run(fork)  # a fork reads the model and EMA weights: the same refusal
+    assert "\n" not in str(e.value)
     tiny_cfg.train.resume = "auto"
     with caplog.at_level(logging.INFO, logger="dit_train"):
         run(tiny_cfg)
