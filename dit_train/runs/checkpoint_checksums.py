@@ -10,8 +10,9 @@ the ranges travel to the coordinator with DCP's own write results, and it writes
 before its save returns: the COMPLETE marker follows (checkpoint.PendingSave.finish), so a crash in between leaves an
 incomplete checkpoint, never a complete one without its record. At load each rank verifies the ranges its read plan
 reads (an export reading only the EMA weights hashes only them, a rank of a resumed FSDP run only its shards), before
-DCP reads them. crc32 (zlib): ~3x faster than sha1, ~6x than blake2b here; it finds every flip of up to 3 bits in a
-range and any other damage but 1 in 2^32: this is against accidents, not forgery.
+DCP reads them. crc32 (zlib): ~3x faster than sha1, ~6x than blake2b here; it finds every single-bit flip, every
+burst of up to 32 bits, every two-bit flip in a range under 512 MiB, and any other change but 1 in 2^32: it is
+against accidents, not forgery.
 
 A checkpoint written before the record existed loads as before (one info line per process)."""
 
@@ -161,7 +162,8 @@ def checksumming_writer(path: str):
             for result in results:
                 info = result.storage_data
                 spans.setdefault(info.relative_path, []).append((info.offset, info.length))
-            mine = WriteResult(index=MetadataIndex(KEY), size_in_bytes=0, storage_data=hash_ranges(str(self.path), spans))
+            sums = hash_ranges(str(self.path), spans)  # this rank's files, read back as written
+            mine = WriteResult(index=MetadataIndex(KEY), size_in_bytes=0, storage_data=sums)
             future = torch.futures.Future()
             future.set_result([*results, mine])
             return future

@@ -93,7 +93,8 @@ def test_a_save_that_dies_before_its_record_leaves_no_complete_checkpoint(tmp_pa
     (b'{"format": 1, "algor', "is not valid JSON"),
     (b'[1, 2]', "not a dit_train checksum record"),
     (b'{"format": 1, "algorithm": "crc32", "files": {".metadata": [[0, 5, "x"]]}}', r"not \[offset, length, crc32\]"),
-    (b'{"format": 1, "algorithm": "crc32", "files": {".metadata": [], "../etc/passwd": []}}', "not a file of a checkpoint"),
+    (b'{"format": 1, "algorithm": "crc32", "files": {".metadata": [], "../etc/passwd": []}}',
+     "not a file of a checkpoint"),
     (b'{"format": 1, "algorithm": "sha1", "files": {}}', "algorithm 'crc32' expected"),
 ])
 def test_a_record_that_is_not_one_is_one_line_naming_it(tmp_path, content, match):
