@@ -5,6 +5,9 @@
   checkpoint written by N ranks loads on M ranks, or on one process without FSDP) and `ema` the same way;
 - `train_state.json`: the TrainState (train_state.py: step = data position, schedule, training generator, EMA
   count, run time, skipped steps, best FD) and the resolved config, written by rank 0;
+- `checksums.json`: a crc32 of every stored item and of `.metadata`, gathered from the ranks by DCP's writer and
+  written by rank 0 before the marker; every reader verifies the ranges it reads before reading them
+  (checkpoint_checksums.py; a checkpoint without one, written before, loads unverified);
 - `COMPLETE`, written last. Everything goes into `step_N.dcp.tmp/`, which is renamed when complete, so only
   complete folders are ever listed; leftovers of an interrupted save are reported and removed (a complete save
   whose rename was cut short is put in place). The tensors may be written in the background (start_save: DCP's
@@ -36,7 +39,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from dit_train.runs import checkpoint_metadata
+from dit_train.runs import checkpoint_checksums, checkpoint_metadata
 from dit_train.runs.atomic_io import fsync_dir, naming, write_synced
 from dit_train.runs.folder_kind import no_checkpoints
 from dit_train.runs.json_file import read_json
@@ -227,7 +230,7 @@ def start_save(run_dir: str, step: int, tensors: dict, train_state: dict, asynch
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     barrier()
-    writer = dcp.FileSystemWriter(tmp, sync_files=True)
+    writer = checkpoint_checksums.checksumming_writer(tmp)  # DCP's, fsynced, recording checksums.json
     no_dist = not dist.is_initialized()
     try:
         with warnings.catch_warnings():
@@ -353,6 +356,19 @@ def _publish(tmp: str, final: str) -> None:
 
 # ---- reading, as data ---------------------------------------------------------------------------------------
 class _SafeReader(dcp.FileSystemReader):
+    def __init__(self, path: str, record: dict | None = None):
+        super().__init__(path)
+        self.record = record  # checkpoint_checksums.read_record's: the ranges read are verified first
+
+    def read_data(self, plan, planner):
+        if self.record is not None:  # before DCP reads a byte: exactly the ranges this rank's plan reads
+            ranges: dict[str, set[tuple[int, int]]] = {}
+            for item in plan.items:
+                info = self.storage_data[item.storage_index]
+                ranges.setdefault(info.relative_path, set()).add((info.offset, info.length))
+            checkpoint_checksums.verify(str(self.path), self.record, ranges)
+        return super().read_data(plan, planner)
+
     def read_metadata(self, *args, **kwargs):
         from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -376,7 +392,10 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-def _read_metadata(path: str):
+def _read_metadata(path: str, verified: bool = False):
+    """The checkpoint's DCP metadata, checked; first verified against its checksum record unless `verified`."""
+    if not verified:
+        _read_record(path)  # a changed byte is damage, found before the pickle is parsed
     try:
         return _SafeReader(path).read_metadata()
     except checkpoint_metadata.RefusedMetadata as e:
@@ -386,12 +405,52 @@ def _read_metadata(path: str):
         raise CheckpointError(f"checkpoint {path!r} is damaged: {e}; use an earlier checkpoint") from None
 
 
+def _read_record(path: str) -> dict | None:
+    """The checkpoint's checksum record (None for one written before records), its `.metadata` verified."""
+    try:
+        record = checkpoint_checksums.read_record(path)
+        if record is not None:
+            checkpoint_metadata.check_plain_file(path, ".metadata")  # never a FIFO opened to be hashed
+            checkpoint_checksums.verify_whole(path, record, ".metadata")
+        return record
+    except checkpoint_metadata.RefusedMetadata as e:
+        raise CheckpointError(f"checkpoint {path!r}: {e}: refusing to load it") from None
+    except checkpoint_checksums.ChecksumMismatch as e:  # a changed .metadata: what it is, where its reader says
+        try:
+            checkpoint_metadata.read(path)
+        except checkpoint_metadata.RefusedMetadata as refused:
+            raise CheckpointError(f"checkpoint {path!r}: {refused}: refusing to load it (it could run code or read "
+                                  f"files outside it)") from None
+        except checkpoint_metadata.DamagedMetadata as damaged:
+            raise CheckpointError(f"checkpoint {path!r} is damaged: {damaged}; {_earlier(path)}") from None
+        except OSError:
+            pass
+        raise CheckpointError(f"checkpoint {path!r} is damaged: {e}; {_earlier(path)}") from None
+    except (checkpoint_checksums.BadRecord, OSError) as e:
+        raise CheckpointError(f"checkpoint {path!r} is damaged: {e}; {_earlier(path)}") from None
+
+
+def _earlier(path: str) -> str:
+    """What to use instead of a damaged checkpoint: the run's previous kept one, if any."""
+    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    try:
+        found = [p for p in list_checkpoints(run_dir, remove_partial=False)
+                 if os.path.basename(p) < os.path.basename(path.rstrip("/"))]
+    except (CheckpointError, OSError):
+        found = []
+    if found:
+        return (f"use an earlier checkpoint: {found[-1]} is the run's previous one (train.resume=auto falls back to "
+                f"it by itself)")
+    return "use an earlier checkpoint (this run keeps none before it)"
+
+
 def _dcp_load(state: dict, path: str) -> None:
-    _read_metadata(path)  # refuses a metadata pickle that could run code with one clear line (DCP rewraps errors)
+    record = _read_record(path)  # before any byte of the metadata or the shards is used
+    _read_metadata(path, verified=True)  # refuses a pickle that could run code in one clear line (DCP rewraps errors)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
         try:
-            dcp.load(state, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner(),
+            dcp.load(state, storage_reader=_SafeReader(path, record), planner=_SafeLoadPlanner(),
                      no_dist=not dist.is_initialized())
         except CheckpointException as e:  # DCP collects every rank's failure into one (BaseException) error
             raise CheckpointError(_describe_load_failure(path, e)) from None
@@ -406,6 +465,9 @@ def _describe_load_failure(path: str, e: CheckpointException) -> str:
         named = [line.strip() for line in str(refused[0]).splitlines() if "GLOBAL" in line or "global" in line]
         return (f"checkpoint {path!r} holds objects other than tensors and plain values"
                 f"{f' ({named[0][:160]})' if named else ''}; refusing to load it (it could run code)")
+    mismatch = [err for err in errors if isinstance(err, checkpoint_checksums.ChecksumMismatch)]
+    if mismatch:
+        return f"checkpoint {path!r} is damaged: {mismatch[0]}; {_earlier(path)}"
     first = errors[0] if errors else e
     detail = str(first).strip().splitlines()[0] if str(first).strip() else "the file ends early"
     return (f"checkpoint {path!r} is damaged: reading its shards failed ({type(first).__name__}: {detail[:200]}); "
