@@ -1,14 +1,16 @@
 """The H100 profile is the H200's with the H100's HBM (benchmarks/cost_model/hardware.py: the same GH100 die, peak
 and power; no H100 measured): its forward + backward counted and priced as the H200's, every memory-bound op at
-3.35 TB/s instead of 4.8."""
+3.35 TB/s instead of 4.8. The paper's table runs what experiment=scaling_study runs."""
 
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+import yaml
 
 from benchmarks.cost_model.compute import compute_seconds, record_seconds
 from benchmarks.cost_model.hardware import PROFILES
+from benchmarks.cost_model.paper import PAPER_ACTIVATION_CHECKPOINTING, PAPER_GLOBAL_BATCH, paper_settings
 from benchmarks.cost_model.predict import describe_prediction
 from benchmarks.cost_model.shapes import model_shapes
 from benchmarks.op_cost import OpRecord
@@ -54,3 +56,12 @@ def test_the_check_line_on_an_h100_counts_forward_backward():
     assert "MFU" not in line["NVIDIA H100 80GB HBM3"]
     assert step["NVIDIA H100 80GB HBM3"] >= step["NVIDIA H200"]
 
+
+def test_the_paper_table_runs_the_scaling_studys_settings():
+    study = yaml.safe_load((ROOT / "dit_train/conf/experiment/scaling_study.yaml").read_text())
+    assert PAPER_GLOBAL_BATCH == study["train"]["batch_size"]
+    assert PAPER_ACTIVATION_CHECKPOINTING is study["parallel"]["activation_checkpointing"]
+    assert study["parallel"]["replicate"] == "${model.launch.nodes}"  # HSDP: the header says the table is not
+    settings = paper_settings(H100)
+    assert "activation checkpointing's recompute" in settings and "the study runs HSDP" in settings
+    assert "MFU" not in settings
