@@ -65,3 +65,20 @@ def test_the_paper_table_runs_the_scaling_studys_settings():
     settings = paper_settings(H100)
     assert "activation checkpointing's recompute" in settings and "the study runs HSDP" in settings
     assert "MFU" not in settings
+
+
+def test_every_paper_cell_prices_the_recompute(monkeypatch):
+    """paper_table passes the study's activation checkpointing to each prediction (counting and shapes stubbed)."""
+    from benchmarks.cost_model import paper
+
+    seen = []
+
+    def fake_predict(shapes, opt, hw, world, images, activation_checkpointing=False):
+        seen.append((world, images, activation_checkpointing))
+        return {k: 1.0 for k in ("compute", "fsdp_exposed", "optimizer", "step", "bytes")} | {"slowest": {}}
+
+    monkeypatch.setattr(paper, "model_shapes", lambda preset: preset)
+    monkeypatch.setattr(paper, "counted_ranks", lambda shapes, opts, world, gpu: {o: {0: {}} for o in opts})
+    monkeypatch.setattr(paper, "predict", fake_predict)
+    paper.paper_table(H100, ("dit_1b3",), (8, 32), "owner")
+    assert sorted(set(seen)) == [(8, 128, True), (32, 32, True)] and len(seen) == 10
