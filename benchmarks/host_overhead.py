@@ -50,9 +50,10 @@ KIND_OF_STEP = {None: "every", 1.0: "refresh", 0.0: "between"}  # opt/refresh of
 
 def predicted_gpu_step_s(model_cfg, optimizer_cfg, world_size: int, images_per_rank: int,
                          blocks_per_unit: int = 1) -> dict[str, float]:
-    """GPU seconds of each step kind on an H100 by benchmarks/cost_model: forward + backward at its assumed MFU,
-    FSDP2's exposed communication (units of `blocks_per_unit` blocks), and the optimizer step of that kind (on
-    W > 1 counted on the sharded step: call before a process group is initialised)."""
+    """GPU seconds of each step kind on an H100 by benchmarks/cost_model: forward + backward counted (its profile's
+    `compute`, without activation checkpointing's recompute), FSDP2's exposed communication (units of
+    `blocks_per_unit` blocks), and the optimizer step of that kind (on W > 1 counted on the sharded step: call
+    before a process group is initialised)."""
     from benchmarks.cost_model.contender import Optim
     from benchmarks.cost_model.hardware import PROFILES
     from benchmarks.cost_model.predict import forward_backward, predict
@@ -266,7 +267,7 @@ def table(results: list[dict], launch_us: float, view_us: float, extra_us: float
     calls (count_python_calls); "fwd+bwd thread ms": its thread CPU time."""
     lines = [f"eager: {launch_us:g} us per kernel or collective, {view_us:g} us per view or allocation; direct: "
              f"+{extra_us:g} us per launch on the tiny step's thread time; GPU step: benchmarks/cost_model on an "
-             "H100 SXM (forward+backward at its MFU, exposed FSDP2 communication, the optimizer step of that kind)", "",
+             "H100 SXM (forward+backward counted, exposed FSDP2 communication, the optimizer step of that kind)", "",
              "| preset | W | blocks per unit | optimizer | step | method | fwd+bwd launches | fwd+bwd views "
              "| fwd+bwd Python calls | fwd+bwd thread ms | fwd+bwd host ms | optimizer calls | optimizer host ms "
              "| clip, EMA etc. host ms | step host ms | GPU step ms | host / GPU |",

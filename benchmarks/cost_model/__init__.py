@@ -13,7 +13,8 @@ per element, the whole-matrix schedule of benchmarks/model_owner_schedule.py) is
     python -m benchmarks.cost_model --calibrate-h200                     # forward + backward against the GPU check
 
 One concern per module:
-- hardware.py: a hardware profile (Hardware), the H100/H200 data sheets with the assumed efficiencies
+- hardware.py: a hardware profile (Hardware), the H100/H200 data sheets, the H200's calibration (the H100's: the
+  H200's with its HBM) and the assumed efficiencies
 - shapes.py: the model's shapes (built on the meta device) and the sharded optimizer's logical bytes
 - contender.py: a contender (optimizer, K, RowNorm scale, distributed mode) and the configs it is counted with
 - floor.py: the first-principles floor of one optimizer step

@@ -81,8 +81,7 @@ _GPU = dict(mfu=0.40, ns5_of_peak=0.5, memory_efficiency=0.8, intra_bytes_s=450e
 #   (forward + backward, no recompute) over the peak: it holds for compiled + activation checkpointing (its
 #   recomputed forward is inside it, not counted), 32 images, one GPU, and nothing else.
 # Still assumptions (nothing measured them): the links, latency_s, launch_s (nothing multi-GPU has run);
-# memory_efficiency and op_s are fitted below, not measured. H100 keeps the assumptions: no H100 was measured, and
-# its HBM differs.
+# memory_efficiency and op_s are fitted below, not measured. H100: the H200's profile with its HBM (below).
 # - compute (replacing the single mfu, which held for that one configuration only and missed dit_15b by 2x in the
 #   second and third runs): forward + backward counted from the model and priced per op (compute.py,
 #   docs/cost_model.md "Calibrated on three GPU check runs"). The GEMM curve is not fitted to step times: it runs
@@ -97,8 +96,22 @@ H200_SDPA_OF_PEAK = 0.4  # assumed: cuDNN attention at head dim 128, sequence 25
 H200_FITTED = dict(memory_efficiency=1.0, op_s=15.5e-6)  # gpu_calibration.fit_h200's, rounded
 _H200_COMPUTE = ComputeRates(*gemm_curve(H200_GEMM_POINTS), sdpa=H200_SDPA_OF_PEAK * 989.4e12, **H200_FITTED)
 _H200_MEASURED = dict(mfu=None, ns5_rates=((256, 22e12), (1536, 254e12), (4096, 640e12)), compute=_H200_COMPUTE)
-PROFILES = {"h100": Hardware("H100 SXM", 989.4e12, memory_bytes_s=3.35e12, **_GPU),
-            "h200": Hardware("H200 SXM", 989.4e12, memory_bytes_s=4.8e12, **{**_GPU, **_H200_MEASURED})}
+_H200 = Hardware("H200 SXM", 989.4e12, memory_bytes_s=4.8e12, **{**_GPU, **_H200_MEASURED})
+# H100: no H100 has been measured; its profile is the H200's with the H100's HBM (3.35 TB/s against 4.8), every
+# other number the H200's declaration above, carried over because the H100 SXM and the H200 SXM are the same GH100
+# die at the same 989.4 TFLOP/s dense bf16 data-sheet peak and the same 700 W:
+# - carried over as measured on the H200: the GEMM curve (H200_GEMM_POINTS) and NS5's GEMM rates (ns5_rates), both
+#   compute-bound at the sides they were measured at; assumed: that they do not depend on the memory;
+# - carried over as assumed there: SDPA at H200_SDPA_OF_PEAK of the peak, and _GPU's links, latencies and the
+#   optimizer's 0.8 of HBM and 8 us per op;
+# - carried over as fitted there (H200_FITTED): op_s (a launch: the host's and the driver's, not the memory's), and
+#   memory_efficiency, the share of HBM the eager memory-bound ops reach, now of 3.35 TB/s: assumed the same share of
+#   HBM3 as of HBM3e. Every memory-bound op (and the optimizer's) is 4.8 / 3.35 = 1.43x slower than on the H200.
+# This replaced (2026-12-04) the H100's MFU 0.40 of the peak for forward + backward (an assumption nothing measured,
+# and one number where the H200 runs measured 0.33-0.51 by configuration): the GPU check's line on an H100 device
+# and host_overhead's GPU step now count forward + backward the same way.
+_H100 = replace(_H200, name="H100 SXM", memory_bytes_s=3.35e12)
+PROFILES = {"h100": _H100, "h200": _H200}
 
 
 def no_network(hw: Hardware) -> Hardware:

@@ -64,7 +64,7 @@ def optimizer_step(shapes: Shapes, step: str, opt: Optim, hw: Hardware, world: i
 def compute_term(shapes: Shapes, hw: Hardware, images_per_rank: int,
                  activation_checkpointing: bool = False) -> float:
     """Seconds of forward + backward on one rank: counted from the model and priced per op (compute.py) where the
-    profile has `compute` rates (H200), else model FLOPs at the assumed `mfu` (H100, host profiles; there the
+    profile has `compute` rates (H200, H100), else model FLOPs at the assumed `mfu` (host profiles; there the
     recompute of activation checkpointing is not priced: an MFU of model FLOPs holds it)."""
     if hw.compute is not None:
         return compute_seconds(shapes, hw.compute, hw.memory_bytes_s, images_per_rank,

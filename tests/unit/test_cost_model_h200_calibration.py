@@ -70,10 +70,8 @@ def test_dit1b3_refresh_minus_rownorm_is_predicted():
     assert p["steps"]["refresh"] - p["steps"]["rownorm"] == pytest.approx(measured_diff, rel=0.03)
 
 
-def test_h100_keeps_the_assumptions():
-    h100 = PROFILES["h100"]
-    assert (h100.mfu, h100.ns5_of_peak, h100.ns5_rates, h100.compute) == (0.40, 0.5, (), None)
-    assert H200.mfu is None and H200.compute is not None  # forward + backward counted, no MFU read
+def test_the_h200_counts_forward_backward():
+    assert H200.mfu is None and H200.compute is not None  # forward + backward counted, no MFU read (H100: its file)
 
 
 def test_docs_print_the_measured_numbers():
@@ -229,7 +227,7 @@ def test_docs_print_the_three_run_table(table_rows):
         assert line in section, line
 
 
-def test_the_check_line_prices_activation_checkpointing_on_the_h200_only():
+def test_the_check_line_prices_activation_checkpointing():
     from benchmarks.cost_model.predict import describe_prediction
 
     opt = {"name": "periodic_rowwise", "K": 3, "rownorm_scale": "spectral"}
@@ -237,6 +235,4 @@ def test_the_check_line_prices_activation_checkpointing_on_the_h200_only():
             for ac in (False, True)}
     step = {ac: int(text.split("step ")[1].split(" ms")[0]) for ac, text in line.items()}
     assert "fwd+bwd counted, AC" in line[True] and "MFU" not in line[True]
-    h100 = describe_prediction(SMALL, opt, 1, 3, "NVIDIA H100 80GB HBM3", activation_checkpointing=True)
-    assert "MFU 0.4" in h100
     assert step[True] > step[False]
