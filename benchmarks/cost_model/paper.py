@@ -29,8 +29,9 @@ def paper_contenders(mode: str) -> list[Optim]:
 def paper_settings(hw: Hardware) -> str:
     """What each cell's step assumes of the scaling study's run (experiment=scaling_study), and where it differs."""
     if hw.compute is not None:
+        recompute = ", with activation checkpointing's recompute (as the study)" * PAPER_ACTIVATION_CHECKPOINTING
         fb = ("forward + backward counted from the model and priced per op (compute.py), eager (parallel.compile "
-              "off, as the study)" + (", with activation checkpointing's recompute (as the study)" if PAPER_ACTIVATION_CHECKPOINTING else ""))
+              f"off, as the study){recompute}")
     else:
         fb = f"forward + backward at MFU {hw.mfu:g} of model FLOPs (activation checkpointing's recompute inside it)"
     return (f"global batch {PAPER_GLOBAL_BATCH} (1024 / W images per GPU); {fb}; FSDP2 plain over W (the study runs "
@@ -61,9 +62,9 @@ def paper_table(hw: Hardware, presets=PAPER_PRESETS, worlds=PAPER_WORLDS, mode: 
             ranks = counted_ranks(shapes, contenders, world, hw.rownorm_kernels == "compiled")
             counting = time.process_time() - start
             total += counting
-            base = predict(shapes, contenders[0], hw, world, batch, activation_checkpointing=PAPER_ACTIVATION_CHECKPOINTING)
-            for opt in contenders[1:]:
-                p = predict(shapes, opt, hw, world, batch, activation_checkpointing=PAPER_ACTIVATION_CHECKPOINTING)
+            base, *others = (predict(shapes, opt, hw, world, batch,
+                                     activation_checkpointing=PAPER_ACTIVATION_CHECKPOINTING) for opt in contenders)
+            for opt, p in zip(contenders[1:], others):
                 pct = lambda k: f"{100 * (p[k] / base[k] - 1):+.1f}%"  # noqa: E731
                 slow = ", ".join(f"{k} {r}" for k, r in sorted(p["slowest"].items()))
                 lines.append(f"| {preset} | {world} | {base['compute'] * 1e3:.0f} | "
