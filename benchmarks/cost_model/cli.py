@@ -10,7 +10,7 @@ import os
 from benchmarks import cost_model
 from benchmarks.cost_model.calibration import (calibration_rows, calibration_table, phase_rows, phase_table,
                                                sharded_table)
-from benchmarks.cost_model.hardware import PROFILES
+from benchmarks.cost_model.hardware import PROFILES, ns5_from_gemm_curve
 from benchmarks.cost_model.measure_host import (HOST_PROFILE, PROFILE_KEYS, REQUIRED_PROFILE_KEYS, measure_host,
                                                  profile_problem)
 from benchmarks.cost_model.paper import PAPER_GLOBAL_BATCH, PAPER_PRESETS, PAPER_WORLDS, paper_table
@@ -31,11 +31,16 @@ def parse(argv=None):
                     help="--paper: distributed_mode of both Muon and periodic_rowwise")
     ap.add_argument("--presets", nargs="+", default=list(PAPER_PRESETS), choices=PAPER_PRESETS)
     ap.add_argument("--worlds", nargs="+", type=int, default=list(PAPER_WORLDS))
+    ap.add_argument("--ns5-from-gemm-curve", nargs="+", type=int, default=[], metavar="SIDE",
+                    help="--paper: NS5's rate at these short sides from the profile's GEMM curve, not the nearest "
+                         "measured side's at or below (a sensitivity; e.g. 2560 3072 for dit_4b and dit_9b)")
     ap.add_argument("--save", default=HOST_PROFILE, help="--measure-host: where the profile goes (JSON)")
     ap.add_argument("--profile", default=HOST_PROFILE, help="--calibrate: the measured host profile")
     ap.add_argument("--bench-optimizer", help="--calibrate: a saved output of benchmarks/bench_optimizer.py")
     ap.add_argument("--bench-distributed", help="--calibrate: a saved output of benchmarks/bench_distributed.py")
     args = ap.parse_args(argv)
+    if any(s < 1 for s in args.ns5_from_gemm_curve):
+        ap.error(f"--ns5-from-gemm-curve {args.ns5_from_gemm_curve} is not valid: positive short sides")
     if any(w < 2 or PAPER_GLOBAL_BATCH % w for w in args.worlds):
         ap.error(f"--worlds {args.worlds} is not valid: each >= 2 and dividing the global batch {PAPER_GLOBAL_BATCH}")
     if args.calibrate:
@@ -96,5 +101,8 @@ def main(argv=None) -> int:
         print(f"\nrefitted on the fitting rows: memory_efficiency {fit['memory_efficiency']:.2f}, op_s "
               f"{fit['op_s'] * 1e6:.1f} us (sum of squared log errors {fit['squared_log_error']:.4f})")
         return 0
-    print(paper_table(PROFILES[args.hardware], args.presets, args.worlds, args.mode))
+    hw = PROFILES[args.hardware]
+    if args.ns5_from_gemm_curve:
+        hw = ns5_from_gemm_curve(hw, args.ns5_from_gemm_curve)
+    print(paper_table(hw, args.presets, args.worlds, args.mode))
     return 0

@@ -120,6 +120,20 @@ def no_network(hw: Hardware) -> Hardware:
     return replace(hw, intra_bytes_s=math.inf, inter_bytes_s=math.inf, latency_s=0.0)
 
 
+def ns5_from_gemm_curve(hw: Hardware, sides) -> Hardware:
+    """The profile with NS5's rate at each short side in `sides` taken from its GEMM curve (a sensitivity: where no
+    side was measured, ns5_rate and op_cost's gemm_rate take the nearest measured side's rate at or below, which
+    prices dit_4b's 2560 and dit_9b's 3072 at the 1536 rate fitted to dit_1b3's refresh step)."""
+    if hw.compute is None:
+        raise ValueError(f"{hw.name} has no GEMM curve (compute None): NS5's rates cannot come from it")
+    bad = [s for s in sides if not (isinstance(s, int) and s > 0)]
+    if bad:
+        raise ValueError(f"sides {bad} are not valid: positive integers (a matrix's short side)")
+    measured = dict(hw.ns5_rates)
+    added = {s: hw.compute.gemm_rate(s) for s in sides if s not in measured}
+    return replace(hw, ns5_rates=tuple(sorted({**measured, **added}.items())))
+
+
 def gpu_profile(device_name: str) -> Hardware | None:
     """The profile of a CUDA device by its name (H200 before H100: 'NVIDIA H200' names neither twice)."""
     for key in ("h200", "h100"):

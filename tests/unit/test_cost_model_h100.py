@@ -82,3 +82,20 @@ def test_every_paper_cell_prices_the_recompute(monkeypatch):
     monkeypatch.setattr(paper, "predict", fake_predict)
     paper.paper_table(H100, ("dit_1b3",), (8, 32), "owner")
     assert sorted(set(seen)) == [(8, 128, True), (32, 32, True)] and len(seen) == 10
+
+
+def test_ns5_from_the_gemm_curve_prices_only_the_sides_named():
+    """dit_4b's 2560 and dit_9b's 3072 take the curve's rate R(s) = gemm_max s / (s + half) (by hand), not the 1536
+    rate the nearest-at-or-below rule gives them; the measured sides and every other side keep theirs."""
+    from benchmarks.cost_model.hardware import ns5_from_gemm_curve
+
+    curve = ns5_from_gemm_curve(H100, [2560, 3072, 4096])
+    c = H100.compute
+    assert H100.ns5_rate(2560) == H100.ns5_rate(1536) == 254e12  # the rule the sensitivity replaces
+    assert curve.ns5_rate(2560) == pytest.approx(c.gemm_max * 2560 / (2560 + c.gemm_half_side))
+    assert curve.ns5_rate(3072) == pytest.approx(c.gemm_max * 3072 / (3072 + c.gemm_half_side))
+    assert 550e12 < curve.ns5_rate(2560) < curve.ns5_rate(3072) < 600e12
+    assert [curve.ns5_rate(s) for s in (256, 1536, 2047, 4096, 8192)] == [22e12, 254e12, 254e12, 640e12, 640e12]
+    assert curve.op_rates().gemm == curve.ns5_rates  # op_cost prices the counted NS5 GEMMs from the same table
+    with pytest.raises(ValueError, match=r"sides \[0\] are not valid"):
+        ns5_from_gemm_curve(H100, [0])
