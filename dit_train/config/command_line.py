@@ -54,7 +54,13 @@ def check_group_overrides(overrides: list[str], folders: list[str] = (), own_pri
             continue
         key, value = arg.split("=", 1)
         key = key.lstrip("+~")
-        if "." in key or "/" in key:
+        if "/" in key:
+            continue
+        if "." in key:  # a key of a section or group; a misspelt section (`trian.steps=3`) is named as typed
+            head = key.split(".", 1)[0]
+            if (own_primary and head != "hydra" and not is_group(head)
+                    and not any(os.path.isdir(os.path.join(d, head)) for d in folders)):
+                check_top_level_key(key, value)
             continue
         if not is_group(key):
             if own_primary and not any(os.path.isdir(os.path.join(d, key)) for d in folders):  # not the user's
@@ -71,7 +77,8 @@ def check_group_overrides(overrides: list[str], folders: list[str] = (), own_pri
 
 
 def check_top_level_key(key: str, value: str) -> None:
-    """A name that is neither a group nor a top-level key (`optimzer=muon`): Hydra's own first line, `Could not
+    """A name that is neither a group nor a top-level key (`optimzer=muon`, or a dotted `trian.steps=3`, which
+    composed to a one-line `config.trian={'steps': 3}`): Hydra's own first line, `Could not
     override 'optimzer'.`, named neither what was meant nor what exists. A section of keys given one value as if it
     were a group (`train=x`): a traceback, or Hydra's line about another override."""
     from dataclasses import fields
@@ -80,7 +87,7 @@ def check_top_level_key(key: str, value: str) -> None:
     from dit_train.config.schema import SECTIONS, RunConfig
 
     keys = [f.name for f in fields(RunConfig) if f.name not in GROUPS]
-    if key not in keys:
+    if key.split(".", 1)[0] not in keys:  # `optimzer=muon`, `trian.steps=3`
         raise ConfigError(f"{key}={value!r} is not valid: not a config group or key; groups: {', '.join(GROUPS)}; "
                           f"keys: {', '.join(keys)}")
     is_mapping = value.lstrip().startswith("{")  # `train={steps: 3}` merges into the section

@@ -152,7 +152,12 @@ def test_bad_value_on_command_line_is_one_line():
     (["optimizer=muon", "optimizer.weight_decy=0.1"], "error: optimizer.weight_decy=0.1 is not valid: not a key of "
      "optimizer 'muon'; valid keys: "),
     (["--multirun", "optimizer.lr=1e-3,abc"], "error: optimizer.lr='abc' is not valid: expected a learning rate > 0"),
-    (["run_dir="], "error: config.run_dir='' is not valid: expected a folder path"),  # was an unnamed ENOENT, exit 1
+    (["run_dir="], "error: run_dir='' is not valid: expected a folder path"),  # was an unnamed ENOENT, exit 1
+    # a top-level key named as typed: was `config.seed='abc'`
+    (["seed=abc"], "error: seed='abc' is not valid: expected an integer"),
+    # a misspelt section with a dotted key: was `config.trian={'steps': 3} is not valid: not a key of the run config`
+    (["trian.steps=3"], "error: trian.steps='3' is not valid: not a config group or key; groups: data, model, "
+                        "optimizer, eval, logger, launcher, experiment; keys: seed, run_dir, flow, train, "),
     # a misspelt group: was Hydra's "Could not override 'optimzer'."
     (["optimzer=muon"], "error: optimzer='muon' is not valid: not a config group or key; groups: data, model, "
                         "optimizer, eval, logger, launcher, experiment; keys: seed, run_dir, flow, train, "),
