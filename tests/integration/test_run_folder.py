@@ -526,6 +526,36 @@ def test_ctrl_c_checkpoints_and_exits_130(tmp_path):
     assert len(ckpt.list_checkpoints(str(tmp_path / "run"))) == 1
 
 
+def test_ctrl_c_in_a_local_sweep_says_how_to_continue_the_whole_sweep(tmp_path):
+    """Ctrl-C during a --multirun's first job ends the sweep there (exit 130): the job's own hint
+    (`train.resume=auto run_dir=<sweep>/0`) continued that job alone and left the later jobs unrun, unsaid. A second
+    line gives the sweep's command; pasted, it continues job 0 from its checkpoint and runs job 1."""
+    import shlex
+
+    sweep = tmp_path / "sweep"
+    args = ["--multirun", *TINY, "train.steps=100000", "train.ckpt_every=0", "seed=1,2", f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.Popen([sys.executable, "-m", "dit_train", *args], cwd=str(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+    wait_for_training(sweep / "0", proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_INTERRUPTED and not (sweep / "1").exists(), err
+    lines = err.strip().splitlines()
+    prefix = "the --multirun sweep stopped at its job 0; the jobs after it did not run: continue the whole sweep " \
+             "(each job from its own checkpoint, finished jobs skipped) with: "
+    assert lines[-2].startswith("preempted: received SIGINT at step ") and lines[-1].startswith(prefix), err
+    words = shlex.split(lines[-1].removeprefix(prefix))
+    kept = [a for a in args if a != "--multirun" and not a.startswith("hydra.sweep.dir=")]
+    assert words == ["python", "-m", "dit_train", "--multirun", f"hydra.sweep.dir={sweep}", "train.resume=auto",
+                     *kept]
+    stopped_at = int(re.search(r"step_(\d+)", ckpt.list_checkpoints(str(sweep / "0"))[-1]).group(1))
+    r = run_cli_in_process(*words[3:], f"train.steps={stopped_at + 1}", cwd=str(tmp_path))  # a shorter sweep
+    assert r.returncode == 0, r.stderr[-3000:]
+    for job in ("0", "1"):
+        assert json.loads((sweep / job / "summary.json").read_text())["steps"] == stopped_at + 1
+
+
 def test_a_second_sigterm_during_the_shutdown_keeps_the_requeue_exit_code(tmp_path):
     proc = start(tmp_path, tmp_path / "run")
     wait_for_training(tmp_path / "run", proc)
