@@ -67,6 +67,25 @@ def test_bad_arguments_are_one_line(trained_run, tmp_path, capsys, args, message
 
 
 @needs_fashion
+def test_a_sweep_folder_is_refused_naming_its_runs(trained_run, tmp_path, capsys):
+    """A --multirun sweep folder (multirun/<date>/<time>/ with 0/, 1/) given as the run: was `no checkpoints
+    (checkpoints/step_*.dcp) under 'SWEEP'`, true but silent on what to give. Now the line names the run folders it
+    holds and one to give; nothing is written; that one samples."""
+    import shutil
+
+    sweep = tmp_path / "sweep"
+    for job in ("0", "1"):
+        shutil.copytree(trained_run, sweep / job)
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    assert sample_main([str(sweep), "--grid", str(tmp_path / "g.png")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: no checkpoints (checkpoints/step_*.dcp) under {str(sweep)!r}: it holds run folders "
+                   f"(0, 1); give one of them, e.g. {str(sweep / '0')!r}\n"), err
+    assert not (tmp_path / "g.png").exists()
+    assert sample_main([str(sweep / "0"), "--grid", str(tmp_path / "g.png")]) == 0
+
+
+@needs_fashion
 @pytest.mark.parametrize("key, value, message", [
     ("samples_per_class", 10**12, "train.samples_per_class=1000000000000 is not valid (expected an integer in "
                                   "1..1024 (one grid row per class)); pass --per-class and --batch-size"),
