@@ -498,6 +498,12 @@ def run_study(argv=None) -> int:
         return 2
     exp = load_experiment(args.experiment, config_dir=args.config_dir)
     study = exp.get("study")
+    if study is None:  # a single run's experiment (debug): was `study=None is not valid: expected a mapping ...`
+        studies = [n for n in valid if load_experiment(n, config_dir=args.config_dir).get("study") is not None]
+        print_error(f"experiment {args.experiment!r} is not a study (it has no study: grid; run it with "
+                    f"{override_text.shell_command(['dit-train', 'experiment=' + args.experiment])}); "
+                    f"studies: {', '.join(studies)}")
+        return 2
     try:  # every key of study: by its declaration (keys.py), before anything is written or run
         check_study(OmegaConf.to_container(study, resolve=True) if OmegaConf.is_config(study) else study)
     except ValueError as e:
