@@ -239,9 +239,11 @@ def check_jobs(argv: list[str], world_size: int | None = None, decide_resume: bo
         check_hydra_folder(first, multirun=bool(flags))
         # a sweep's jobs' folders (a too-long name refused): a single run's folder is made by the command
         folders = sweep_job_folders(jobs, first) if flags else None
-    configs = []
+    configs, run_dirs = [], {}
     for num, job in enumerate(jobs):
         cfg = compose_checked(job)
+        if flags:
+            refuse_a_shared_run_dir(cfg, num, run_dirs)
         # the checkpoint's train state, read once for both the config it continues and the resume decision
         read_state = functools.cache(read_saved_state)
         if folders is not None:  # each job's resume is decided now, not after Hydra rewrote
@@ -262,6 +264,28 @@ def check_jobs(argv: list[str], world_size: int | None = None, decide_resume: bo
                 check_run_folder(cfg, read_state)
         configs.append(cfg)
     return configs
+
+
+def refuse_a_shared_run_dir(cfg, num: int, seen: dict) -> None:
+    """Two jobs of one --multirun with one run folder (`--multirun run_dir=runs/x optimizer=adamw,muon`): the
+    first trained there and the second was refused after it (the folder had checkpoints), or with
+    train.resume=auto continued the first's run under its own config. `seen`: folder -> the job that has it."""
+    from omegaconf import OmegaConf
+
+    from dit_train.config.schema import HYDRA_OUTPUT_DIR
+
+    raw = OmegaConf.to_container(cfg, resolve=False).get("run_dir")
+    if raw == HYDRA_OUTPUT_DIR or not isinstance(raw, str):
+        return
+    try:
+        folder = os.path.abspath(str(cfg.run_dir))
+    except Exception:  # noqa: BLE001 - ${hydra:...}, ${now:...}: Hydra's to resolve, job by job
+        return
+    if folder in seen:
+        raise ConfigError(f"run_dir={raw} is the run folder of jobs #{seen[folder]} and #{num} of this --multirun: "
+                          f"each job needs its own; leave run_dir out and give "
+                          f"{shell_override('hydra.sweep.dir', raw)} (each job then has a folder of its own in it)")
+    seen[folder] = num
 
 
 def slurm_world_size(cfg, default: int) -> int:

@@ -859,6 +859,23 @@ def test_a_checkpoint_named_with_lookalike_digits_is_never_listed(tmp_path):
     assert (folder / "step_00000020.dcp").exists() and not (folder / "step_00000010.dcp").exists()
 
 
+def test_a_sweep_whose_jobs_share_one_run_dir_is_refused_before_anything_is_written(tmp_path):
+    """`--multirun run_dir=runs/x seed=1,2`: both jobs had the one folder; the first trained there and the second
+    was refused after it (it had checkpoints), leaving a sweep folder of Hydra's files. Now one line names the
+    folder, the jobs and what to give instead, exit 2, before anything is written; the sweep as suggested runs
+    both jobs, each in its own folder."""
+    r = cli(tmp_path, "run_dir=runs/x", "seed=1,2", "train.steps=1", flags=("--multirun",))
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines() == [
+        "error: run_dir=runs/x is the run folder of jobs #0 and #1 of this --multirun: each job needs its own; leave "
+        "run_dir out and give hydra.sweep.dir=runs/x (each job then has a folder of its own in it)"]
+    assert os.listdir(tmp_path) == []
+    r = cli(tmp_path, "hydra.sweep.dir=runs/x", "seed=1,2", "train.steps=1", flags=("--multirun",))
+    assert r.returncode == 0, r.stderr[-3000:]
+    for job in ("0", "1"):
+        assert json.loads((tmp_path / "runs" / "x" / job / "summary.json").read_text())["steps"] == 1
+
+
 def test_a_busy_run_folder_in_a_sweep_skips_that_job_and_the_others_run(tmp_path):
     """dit-study runs a group's seeds as one --multirun: a seed whose folder another process held (a second
     process on the same sweep) ended the sweep there, and the group's later seeds waited for the next invocation.
