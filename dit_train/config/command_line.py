@@ -219,6 +219,9 @@ def check_jobs(argv: list[str], world_size: int | None = None, decide_resume: bo
     flags = [a for a in argv if a.startswith("-")]
     overrides = [a for i, a in enumerate(argv) if not a.startswith("-")
                  and not (i and argv[i - 1] in HYDRA_FLAGS_WITH_VALUE)]  # `-sc query=bash` is no override
+    for i, a in enumerate(argv):
+        if a.startswith("-") and not (i and argv[i - 1] in HYDRA_FLAGS_WITH_VALUE):
+            check_flag(a)
     primary_dir = primary_folder(argv)  # ours, or the user's --config-path
     entries = searchpath_entries(overrides, config_dir, config_name(argv), primary_dir)
     check_group_overrides(overrides, user_folders(config_dir, entries, primary_dir), primary_dir == CONF_DIR)
@@ -264,6 +267,34 @@ def check_jobs(argv: list[str], world_size: int | None = None, decide_resume: bo
                 check_run_folder(cfg, read_state)
         configs.append(cfg)
     return configs
+
+
+@functools.cache
+def hydra_flags() -> tuple[str, ...]:
+    from hydra._internal.utils import get_args_parser
+
+    return tuple(sorted(o for action in get_args_parser()._actions for o in action.option_strings))
+
+
+def check_flag(arg: str) -> None:
+    """A flag Hydra's parser does not know (`--dry-run`, `--multirum`): Hydra printed its 7-line usage and
+    `__main__.py: error: unrecognized arguments`. One line naming the flag, the flags there are, and the config key
+    it may have meant (`--dry-run`: train.dry_run=true). argparse's prefixes (`--multi`) too: the checks here know
+    the flags by their names (`--multi` skipped every check, and a dry run wrote a multirun/ folder)."""
+    from dataclasses import fields
+
+    from dit_train.config.schema import SECTIONS
+
+    name, given, value = arg.partition("=")
+    known = hydra_flags()
+    if name in known:
+        return
+    key = name.lstrip("-").replace("-", "_")
+    meant = [f"{section}.{f.name}={value if given else 'true' if f.type in (bool, 'bool') else 'VALUE'}"
+             for section, schema in SECTIONS.items() for f in fields(schema) if f.name == key]
+    hint = f"; did you mean the override {meant[0]}?" if meant else ""
+    raise ConfigError(f"{name} is not a flag of dit-train (flags: {', '.join(f for f in known if f.startswith('--'))}; "
+                      f"everything else is an override key=value){hint}")
 
 
 def refuse_a_shared_run_dir(cfg, num: int, seen: dict) -> None:
