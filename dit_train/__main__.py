@@ -14,7 +14,7 @@ from dit_train.config.command_line import MULTIRUN_FLAGS, split_config_dir
 from dit_train.config.override_text import override, parsed_value, shell_override
 from dit_train.runs.hydra_files import defer_hydra_files
 from dit_train.runs.lock import EXIT_RUN_FOLDER_BUSY, RunFolderBusy
-from dit_train.trainer.preemption import Preempted, Preemption, exit_interrupted
+from dit_train.trainer.preemption import UNDER_STUDY_ENV, Preempted, Preemption, exit_interrupted
 from dit_train.parallel.launch_rank import launch_rank
 from dit_train.plain_text import print_error
 
@@ -96,7 +96,8 @@ def main(cfg) -> None:
         Preemption.ignore_further_signals()
         if e.announce:  # rank 0's line, not one per rank (preemption.py)
             print(f"preempted: {e}", file=sys.stderr)
-            if in_local_sweep():  # the sweep ends here: its later jobs never started
+            if in_local_sweep() and not os.environ.get(UNDER_STUDY_ENV):  # the sweep ends here: its later jobs
+                # never started (a dit-study group's sweep: dit-study says to rerun the study)
                 print(sweep_continuation(), file=sys.stderr)
         sys.exit(e.exit_code)
     except OSError as e:  # full disk, read-only or unwritable folder: the path and the operation, one line

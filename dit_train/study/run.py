@@ -55,7 +55,7 @@ from dit_train.study.record import is_int, read_study, summary_step_count
 from dit_train.runs.provenance import CHECKOUT, git_commit
 from dit_train.study.report import read_run_metrics
 from dit_train.runs.lock import EXIT_RUN_FOLDER_BUSY
-from dit_train.trainer.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, SIGNALS, ctrl_c_exits
+from dit_train.trainer.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, SIGNALS, UNDER_STUDY_ENV, ctrl_c_exits
 from dit_train.plain_text import print_error
 
 
@@ -737,7 +737,7 @@ def run_trainer(cmd: list[str]) -> int:
     """The group's trainer process, with any stop signal sent to this runner alone (`kill PID`, a wrapper) passed
     on, so the trainer checkpoints instead of running on as an orphan; a second copy of a signal that reached both
     (Ctrl-C in the terminal) is only recorded by the trainer."""
-    child = subprocess.Popen(cmd, cwd=CHECKOUT)
+    child = subprocess.Popen(cmd, cwd=CHECKOUT, env={**os.environ, UNDER_STUDY_ENV: "1"})
     previous = {s: signal.signal(s, lambda signum, _frame: child.send_signal(signum)) for s in SIGNALS}
     try:
         return child.wait()

@@ -526,6 +526,23 @@ def test_ctrl_c_checkpoints_and_exits_130(tmp_path):
     assert len(ckpt.list_checkpoints(str(tmp_path / "run"))) == 1
 
 
+def test_ctrl_c_in_a_dit_study_groups_sweep_leaves_the_advice_to_dit_study(tmp_path):
+    """The same Ctrl-C in the sweep of one dit-study group (dit-study starts its trainers with UNDER_STUDY_ENV):
+    the sweep's own command would continue that group alone; dit-study's line (rerun the study) is the advice."""
+    UNDER_STUDY_ENV = "DIT_TRAIN_UNDER_STUDY"  # dit_train.trainer.preemption.UNDER_STUDY_ENV
+
+    sweep = tmp_path / "sweep"
+    args = ["--multirun", *TINY, "train.steps=100000", "train.ckpt_every=0", "seed=1,2", f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.Popen([sys.executable, "-m", "dit_train", *args], cwd=str(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", UNDER_STUDY_ENV: "1"})
+    wait_for_training(sweep / "0", proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_INTERRUPTED, err
+    assert err.strip().splitlines()[-1].startswith("preempted: received SIGINT at step ") and "--multirun" not in err
+
+
 def test_ctrl_c_in_a_local_sweep_says_how_to_continue_the_whole_sweep(tmp_path):
     """Ctrl-C during a --multirun's first job ends the sweep there (exit 130): the job's own hint
     (`train.resume=auto run_dir=<sweep>/0`) continued that job alone and left the later jobs unrun, unsaid. A second
