@@ -47,6 +47,10 @@ def test_a_dry_run_of_an_image_folder_says_its_shapes_are_the_presets(tmp_path):
     assert (f"shapes: the preset's (1x32x32, 10 classes); a dry run reads no data: the run takes channels, image "
             f"size and class count from data.root={tmp_path} (docs/data.md)") in r.stdout, r.stdout
     assert "shapes:" not in cli("model=dit_xs", "train.dry_run=true", cwd=str(tmp_path)).stdout
+    # the README's `dit-train model=dit_4b train.dry_run=true` (latents, no data.root): was `from data.root=None`
+    r = cli("model=dit_4b", "train.dry_run=true", cwd=str(tmp_path))
+    assert ("a dry run reads no data: the run takes channels, image size and class count from the data at data.root "
+            "(not set here; a run needs it) (docs/data.md)") in r.stdout, r.stdout
 
 
 def test_dry_run_every_preset_from_any_directory(tmp_path):
