@@ -56,9 +56,10 @@ def test_folder_of_pngs_for_chosen_classes(trained_run, tmp_path, capsys):
 @needs_fashion
 @pytest.mark.parametrize("args, message", [
     (["--classes", "10"], "--classes 10 is not valid: this model has classes 0..9"),
-    (["--steps", "0"], "--steps=0 / --cfg-scale=2.5 is not valid"),
-    (["--cfg-scale", "nan"], "--steps=3 / --cfg-scale=nan is not valid: expected steps >= 1, a finite scale >= 0"),
-    (["--cfg-scale", "inf"], "--steps=3 / --cfg-scale=inf is not valid"),
+    # each flag alone: was `--steps=0 / --cfg-scale=2.5 is not valid`, naming a scale that was not typed
+    (["--steps", "0"], "error: --steps=0 is not valid: expected an integer >= 1\n"),
+    (["--cfg-scale", "nan"], "error: --cfg-scale=nan is not valid: expected a finite scale >= 0\n"),
+    (["--cfg-scale", "inf"], "error: --cfg-scale=inf is not valid: expected a finite scale >= 0\n"),
 ])
 def test_bad_arguments_are_one_line(trained_run, tmp_path, capsys, args, message):
     assert sample_main([str(trained_run), "--grid", str(tmp_path / "g.png"), *args]) == 2
