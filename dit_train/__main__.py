@@ -14,7 +14,7 @@ from dit_train.config.command_line import MULTIRUN_FLAGS, split_config_dir
 from dit_train.config.override_text import override, parsed_value, shell_override
 from dit_train.runs.hydra_files import defer_hydra_files
 from dit_train.runs.lock import EXIT_RUN_FOLDER_BUSY, RunFolderBusy
-from dit_train.trainer.preemption import Preempted, Preemption, exit_interrupted
+from dit_train.trainer.preemption import UNDER_STUDY_ENV, Preempted, Preemption, exit_interrupted
 from dit_train.parallel.launch_rank import launch_rank
 from dit_train.plain_text import print_error
 
@@ -33,6 +33,22 @@ def in_local_sweep() -> bool:
 
     hc = HydraConfig.get()
     return hc.mode == RunMode.MULTIRUN and str(hc.launcher.get("_target_", "")).endswith("BasicLauncher")
+
+
+def sweep_continuation() -> str:
+    """What to type after a local --multirun stopped at one of its jobs (Ctrl-C, SIGTERM): the job's own hint
+    (`train.resume=auto run_dir=<sweep>/N`) continues that job alone, and the sweep's later jobs were never run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from dit_train.config.override_text import shell_command
+
+    hc = HydraConfig.get()
+    kept = [a for a in sys.argv[1:] if a not in MULTIRUN_FLAGS
+            and not a.startswith(("hydra.sweep.dir=", "train.resume=", "+train.resume="))]
+    command = shell_command(["python", "-m", "dit_train", "--multirun",
+                             override("hydra.sweep.dir", os.path.abspath(hc.sweep.dir)), "train.resume=auto", *kept])
+    return (f"the --multirun sweep stopped at its job {hc.job.num}; the jobs after it did not run: continue the whole "
+            f"sweep (each job from its own checkpoint, finished jobs skipped) with: {command}")
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
@@ -80,6 +96,9 @@ def main(cfg) -> None:
         Preemption.ignore_further_signals()
         if e.announce:  # rank 0's line, not one per rank (preemption.py)
             print(f"preempted: {e}", file=sys.stderr)
+            if in_local_sweep() and not os.environ.get(UNDER_STUDY_ENV):  # the sweep ends here: its later jobs
+                # never started (a dit-study group's sweep: dit-study says to rerun the study)
+                print(sweep_continuation(), file=sys.stderr)
         sys.exit(e.exit_code)
     except OSError as e:  # full disk, read-only or unwritable folder: the path and the operation, one line
         print_error(describe_os_error(e))

@@ -129,9 +129,10 @@ def grid_settings(cfg, path: str, per_class, steps, cfg_scale, seed, batch_size)
     steps = saved_setting(cfg, "train.sample_steps", path, "--steps") if steps is None else steps
     cfg_scale = saved_setting(cfg, "train.cfg_scale", path, "--cfg-scale") if cfg_scale is None else cfg_scale
     seed = saved_setting(cfg, "seed", path, "--seed") if seed is None else seed
-    if steps < 1 or not 0 <= cfg_scale < math.inf:  # a NaN scale would sample NaN images
-        raise ValueError(f"--steps={steps} / --cfg-scale={cfg_scale} is not valid: expected steps >= 1, a finite "
-                         f"scale >= 0")
+    if steps < 1:  # each flag named alone: `--steps=0 / --cfg-scale=2.5` named a scale nobody had typed
+        raise ValueError(f"--steps={steps} is not valid: expected an integer >= 1")
+    if not 0 <= cfg_scale < math.inf:  # a NaN scale would sample NaN images
+        raise ValueError(f"--cfg-scale={cfg_scale} is not valid: expected a finite scale >= 0")
     return per_class, steps, cfg_scale, seed, batch_size, saved_setting(cfg, "train.precision", path)
 
 

@@ -54,7 +54,13 @@ def check_group_overrides(overrides: list[str], folders: list[str] = (), own_pri
             continue
         key, value = arg.split("=", 1)
         key = key.lstrip("+~")
-        if "." in key or "/" in key:
+        if "/" in key:
+            continue
+        if "." in key:  # a key of a section or group; a misspelt section (`trian.steps=3`) is named as typed
+            head = key.split(".", 1)[0]
+            if (own_primary and head != "hydra" and not is_group(head)
+                    and not any(os.path.isdir(os.path.join(d, head)) for d in folders)):
+                check_top_level_key(key, value)
             continue
         if not is_group(key):
             if own_primary and not any(os.path.isdir(os.path.join(d, key)) for d in folders):  # not the user's
@@ -71,7 +77,8 @@ def check_group_overrides(overrides: list[str], folders: list[str] = (), own_pri
 
 
 def check_top_level_key(key: str, value: str) -> None:
-    """A name that is neither a group nor a top-level key (`optimzer=muon`): Hydra's own first line, `Could not
+    """A name that is neither a group nor a top-level key (`optimzer=muon`, or a dotted `trian.steps=3`, which
+    composed to a one-line `config.trian={'steps': 3}`): Hydra's own first line, `Could not
     override 'optimzer'.`, named neither what was meant nor what exists. A section of keys given one value as if it
     were a group (`train=x`): a traceback, or Hydra's line about another override."""
     from dataclasses import fields
@@ -80,7 +87,7 @@ def check_top_level_key(key: str, value: str) -> None:
     from dit_train.config.schema import SECTIONS, RunConfig
 
     keys = [f.name for f in fields(RunConfig) if f.name not in GROUPS]
-    if key not in keys:
+    if key.split(".", 1)[0] not in keys:  # `optimzer=muon`, `trian.steps=3`
         raise ConfigError(f"{key}={value!r} is not valid: not a config group or key; groups: {', '.join(GROUPS)}; "
                           f"keys: {', '.join(keys)}")
     is_mapping = value.lstrip().startswith("{")  # `train={steps: 3}` merges into the section
@@ -212,6 +219,9 @@ def check_jobs(argv: list[str], world_size: int | None = None, decide_resume: bo
     flags = [a for a in argv if a.startswith("-")]
     overrides = [a for i, a in enumerate(argv) if not a.startswith("-")
                  and not (i and argv[i - 1] in HYDRA_FLAGS_WITH_VALUE)]  # `-sc query=bash` is no override
+    for i, a in enumerate(argv):
+        if a.startswith("-") and not (i and argv[i - 1] in HYDRA_FLAGS_WITH_VALUE):
+            check_flag(a)
     primary_dir = primary_folder(argv)  # ours, or the user's --config-path
     entries = searchpath_entries(overrides, config_dir, config_name(argv), primary_dir)
     check_group_overrides(overrides, user_folders(config_dir, entries, primary_dir), primary_dir == CONF_DIR)
@@ -232,9 +242,11 @@ def check_jobs(argv: list[str], world_size: int | None = None, decide_resume: bo
         check_hydra_folder(first, multirun=bool(flags))
         # a sweep's jobs' folders (a too-long name refused): a single run's folder is made by the command
         folders = sweep_job_folders(jobs, first) if flags else None
-    configs = []
+    configs, run_dirs = [], {}
     for num, job in enumerate(jobs):
         cfg = compose_checked(job)
+        if flags:
+            refuse_a_shared_run_dir(cfg, num, run_dirs)
         # the checkpoint's train state, read once for both the config it continues and the resume decision
         read_state = functools.cache(read_saved_state)
         if folders is not None:  # each job's resume is decided now, not after Hydra rewrote
@@ -255,6 +267,56 @@ def check_jobs(argv: list[str], world_size: int | None = None, decide_resume: bo
                 check_run_folder(cfg, read_state)
         configs.append(cfg)
     return configs
+
+
+@functools.cache
+def hydra_flags() -> tuple[str, ...]:
+    from hydra._internal.utils import get_args_parser
+
+    return tuple(sorted(o for action in get_args_parser()._actions for o in action.option_strings))
+
+
+def check_flag(arg: str) -> None:
+    """A flag Hydra's parser does not know (`--dry-run`, `--multirum`): Hydra printed its 7-line usage and
+    `__main__.py: error: unrecognized arguments`. One line naming the flag, the flags there are, and the config key
+    it may have meant (`--dry-run`: train.dry_run=true). argparse's prefixes (`--multi`) too: the checks here know
+    the flags by their names (`--multi` skipped every check, and a dry run wrote a multirun/ folder)."""
+    from dataclasses import fields
+
+    from dit_train.config.schema import SECTIONS
+
+    name, given, value = arg.partition("=")
+    known = hydra_flags()
+    if name in known:
+        return
+    key = name.lstrip("-").replace("-", "_")
+    meant = [f"{section}.{f.name}={value if given else 'true' if f.type in (bool, 'bool') else 'VALUE'}"
+             for section, schema in SECTIONS.items() for f in fields(schema) if f.name == key]
+    hint = f"; did you mean the override {meant[0]}?" if meant else ""
+    raise ConfigError(f"{name} is not a flag of dit-train (flags: {', '.join(f for f in known if f.startswith('--'))}; "
+                      f"everything else is an override key=value){hint}")
+
+
+def refuse_a_shared_run_dir(cfg, num: int, seen: dict) -> None:
+    """Two jobs of one --multirun with one run folder (`--multirun run_dir=runs/x optimizer=adamw,muon`): the
+    first trained there and the second was refused after it (the folder had checkpoints), or with
+    train.resume=auto continued the first's run under its own config. `seen`: folder -> the job that has it."""
+    from omegaconf import OmegaConf
+
+    from dit_train.config.schema import HYDRA_OUTPUT_DIR
+
+    raw = OmegaConf.to_container(cfg, resolve=False).get("run_dir")
+    if raw == HYDRA_OUTPUT_DIR or not isinstance(raw, str):
+        return
+    try:
+        folder = os.path.abspath(str(cfg.run_dir))
+    except Exception:  # noqa: BLE001 - ${hydra:...}, ${now:...}: Hydra's to resolve, job by job
+        return
+    if folder in seen:
+        raise ConfigError(f"run_dir={raw} is the run folder of jobs #{seen[folder]} and #{num} of this --multirun: "
+                          f"each job needs its own; leave run_dir out and give "
+                          f"{shell_override('hydra.sweep.dir', raw)} (each job then has a folder of its own in it)")
+    seen[folder] = num
 
 
 def slurm_world_size(cfg, default: int) -> int:

@@ -125,18 +125,23 @@ def accepted(f, tp) -> str:
     return rule.valid if rule else _type_text(tp)
 
 
+def _key_path(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
 def check_fields(prefix: str, schema, values: Mapping, what: str | None = None) -> dict:
     """The values of `values` checked against the dataclass `schema`: no unknown key, no missing key (a field
     without a default is required), each value of its annotated type and inside its Rule. Returns a plain dict
-    (nested schemas as nested dicts). Keys are reported as `prefix.key`."""
+    (nested schemas as nested dicts). Keys are reported as `prefix.key` (as `key` where prefix is "": the run
+    config's own keys, `seed=abc`, as they are typed)."""
     hints = typing.get_type_hints(schema)
     names = [f.name for f in fields(schema)]
     for k, v in values.items():
         if k not in names:
-            raise invalid(f"{prefix}.{k}", v, f"not a key of {what or prefix}; valid keys: {', '.join(sorted(names))}")
+            raise invalid(_key_path(prefix, k), v, f"not a key of {what or prefix}; valid keys: {', '.join(sorted(names))}")
     out = {}
     for f in fields(schema):
-        path, tp = f"{prefix}.{f.name}", hints[f.name]
+        path, tp = _key_path(prefix, f.name), hints[f.name]
         rule = f.metadata.get("rule")
         valid = accepted(f, tp)
         if f.name not in values:

@@ -151,7 +151,7 @@ def check_train(node, world_size: int = 1) -> dict:
 # ---- the whole run config ------------------------------------------------------------------------------------
 def validate(cfg, world_size: int = 1) -> None:
     """Check a composed run config (no dataset read, no model built). Raises ConfigError, one line."""
-    check_fields("config", RunConfig, {k: _top_value(cfg, k) for k in cfg}, what="the run config")
+    check_fields("", RunConfig, {k: _top_value(cfg, k) for k in cfg}, what="the run config")
     train = check_train(cfg.train, world_size)
     check_fields("flow", FlowConfig, plain(cfg.flow))
     check_parallel(cfg.parallel, world_size)

@@ -28,10 +28,23 @@ def no_checkpoints(path: str) -> FileNotFoundError:
     """The error for a folder without checkpoints where a run folder is needed."""
     source = export_source(path)
     if source is None:
-        return FileNotFoundError(f"no checkpoints (checkpoints/step_*.dcp) under {path!r}")
+        return FileNotFoundError(f"no checkpoints (checkpoints/step_*.dcp) under {path!r}{runs_inside(path)}")
     instead = f": {source}" if source else ""
     return FileNotFoundError(f"{path!r} is a model folder written by dit-export, not a run folder: give the run "
                              f"folder or the checkpoint it was exported from{instead}")
+
+
+def runs_inside(path: str) -> str:
+    """'' unless `path` holds run folders (a --multirun sweep's `0/`, `1/`, a dit-study's folders, a folder of
+    runs): then which, and that one of them is what to give (the folder itself read as nothing to do)."""
+    try:
+        runs = sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d, "checkpoints")))
+    except OSError:  # not a folder, or unreadable: the line above says enough
+        return ""
+    if not runs:
+        return ""
+    names = ", ".join(runs[:5]) + (f", ... ({len(runs)} in all)" if len(runs) > 5 else "")
+    return f": it holds run folders ({names}); give one of them, e.g. {os.path.join(path, runs[0])!r}"
 
 
 def run_folder_hint(path: str) -> str:

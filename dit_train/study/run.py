@@ -55,7 +55,7 @@ from dit_train.study.record import is_int, read_study, summary_step_count
 from dit_train.runs.provenance import CHECKOUT, git_commit
 from dit_train.study.report import read_run_metrics
 from dit_train.runs.lock import EXIT_RUN_FOLDER_BUSY
-from dit_train.trainer.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, SIGNALS, ctrl_c_exits
+from dit_train.trainer.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, SIGNALS, UNDER_STUDY_ENV, ctrl_c_exits
 from dit_train.plain_text import print_error
 
 
@@ -498,6 +498,12 @@ def run_study(argv=None) -> int:
         return 2
     exp = load_experiment(args.experiment, config_dir=args.config_dir)
     study = exp.get("study")
+    if study is None:  # a single run's experiment (debug): was `study=None is not valid: expected a mapping ...`
+        studies = [n for n in valid if load_experiment(n, config_dir=args.config_dir).get("study") is not None]
+        print_error(f"experiment {args.experiment!r} is not a study (it has no study: grid; run it with "
+                    f"{override_text.shell_command(['dit-train', 'experiment=' + args.experiment])}); "
+                    f"studies: {', '.join(studies)}")
+        return 2
     try:  # every key of study: by its declaration (keys.py), before anything is written or run
         check_study(OmegaConf.to_container(study, resolve=True) if OmegaConf.is_config(study) else study)
     except ValueError as e:
@@ -731,7 +737,7 @@ def run_trainer(cmd: list[str]) -> int:
     """The group's trainer process, with any stop signal sent to this runner alone (`kill PID`, a wrapper) passed
     on, so the trainer checkpoints instead of running on as an orphan; a second copy of a signal that reached both
     (Ctrl-C in the terminal) is only recorded by the trainer."""
-    child = subprocess.Popen(cmd, cwd=CHECKOUT)
+    child = subprocess.Popen(cmd, cwd=CHECKOUT, env={**os.environ, UNDER_STUDY_ENV: "1"})
     previous = {s: signal.signal(s, lambda signum, _frame: child.send_signal(signum)) for s in SIGNALS}
     try:
         return child.wait()

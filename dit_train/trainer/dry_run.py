@@ -21,9 +21,10 @@ def dry_run(cfg, world_size: int = 1) -> dict:
           f"heads {cfg.model.num_heads}, patch {cfg.model.patch_size}, tokens {(cfg.model.image_size // cfg.model.patch_size) ** 2}")
     if cfg.data.name in SHAPES_FROM_FILES:  # the size above is not that of the run, which reads them
         m = cfg.model
+        root = cfg.data.get("root")  # unset on the large presets' latents: `data.root=None` read as a folder
+        source = f"data.root={root}" if root else "the data at data.root (not set here; a run needs it)"
         print(f"shapes: the preset's ({m.in_channels}x{m.image_size}x{m.image_size}, {m.num_classes} classes); a dry "
-              f"run reads no data: the run takes channels, image size and class count from data.root="
-              f"{cfg.data.get('root')} (docs/data.md)")
+              f"run reads no data: the run takes channels, image size and class count from {source} (docs/data.md)")
     print(f"optimizer {optimizer.routing_table.removesuffix(PER_TENSOR_HINT)}{optimizer.routing.table()}")
     if world_size > 1:
         t = cfg.train

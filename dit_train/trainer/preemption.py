@@ -22,6 +22,8 @@ from typing import NoReturn
 
 from dit_train.config.override_text import shell_override
 
+# set by dit-study for the trainers it starts: their sweep is one group of the study, which says itself how to go on
+UNDER_STUDY_ENV = "DIT_TRAIN_UNDER_STUDY"
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later"; schedulers/wrappers treat it as requeue-able
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells expect after Ctrl-C
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)

@@ -47,6 +47,10 @@ def test_a_dry_run_of_an_image_folder_says_its_shapes_are_the_presets(tmp_path):
     assert (f"shapes: the preset's (1x32x32, 10 classes); a dry run reads no data: the run takes channels, image "
             f"size and class count from data.root={tmp_path} (docs/data.md)") in r.stdout, r.stdout
     assert "shapes:" not in cli("model=dit_xs", "train.dry_run=true", cwd=str(tmp_path)).stdout
+    # the README's `dit-train model=dit_4b train.dry_run=true` (latents, no data.root): was `from data.root=None`
+    r = cli("model=dit_4b", "train.dry_run=true", cwd=str(tmp_path))
+    assert ("a dry run reads no data: the run takes channels, image size and class count from the data at data.root "
+            "(not set here; a run needs it) (docs/data.md)") in r.stdout, r.stdout
 
 
 def test_dry_run_every_preset_from_any_directory(tmp_path):
@@ -152,7 +156,18 @@ def test_bad_value_on_command_line_is_one_line():
     (["optimizer=muon", "optimizer.weight_decy=0.1"], "error: optimizer.weight_decy=0.1 is not valid: not a key of "
      "optimizer 'muon'; valid keys: "),
     (["--multirun", "optimizer.lr=1e-3,abc"], "error: optimizer.lr='abc' is not valid: expected a learning rate > 0"),
-    (["run_dir="], "error: config.run_dir='' is not valid: expected a folder path"),  # was an unnamed ENOENT, exit 1
+    (["run_dir="], "error: run_dir='' is not valid: expected a folder path"),  # was an unnamed ENOENT, exit 1
+    # a top-level key named as typed: was `config.seed='abc'`
+    (["seed=abc"], "error: seed='abc' is not valid: expected an integer"),
+    # a misspelt section with a dotted key: was `config.trian={'steps': 3} is not valid: not a key of the run config`
+    (["trian.steps=3"], "error: trian.steps='3' is not valid: not a config group or key; groups: data, model, "
+                        "optimizer, eval, logger, launcher, experiment; keys: seed, run_dir, flow, train, "),
+    # a flag Hydra does not know: was Hydra's 7-line usage and `__main__.py: error: unrecognized arguments`
+    (["--dry-run", "experiment=debug"], "error: --dry-run is not a flag of dit-train (flags: --cfg, --config-dir, "),
+    (["--resume=auto"], "error: --resume is not a flag of dit-train (flags: "),
+    # an argparse prefix of --multirun: Hydra ran it as a sweep with every check here skipped (a dry run, as here,
+    # left a multirun/ folder)
+    (["--multi", "train.dry_run=true"], "error: --multi is not a flag of dit-train (flags: "),
     # a misspelt group: was Hydra's "Could not override 'optimzer'."
     (["optimzer=muon"], "error: optimzer='muon' is not valid: not a config group or key; groups: data, model, "
                         "optimizer, eval, logger, launcher, experiment; keys: seed, run_dir, flow, train, "),
@@ -174,6 +189,15 @@ def test_bad_config_on_command_line_leaves_no_run_folder(tmp_path, args, line):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(line), r.stderr
     assert wall < 30, wall  # ~1 s on an idle 2-core machine; before: 13 s for logger.wandb.mode=bogus
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("flag,meant", [("--dry-run", "train.dry_run=true"), ("--resume=auto", "train.resume=auto"),
+                                        ("--steps", "train.steps=VALUE")])
+def test_an_unknown_flag_names_the_override_it_may_have_meant(tmp_path, flag, meant):
+    r = cli(flag, "experiment=debug", cwd=str(tmp_path))
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].endswith(f"; did you mean the override {meant}?"), r.stderr
     assert os.listdir(tmp_path) == []
 
 

@@ -526,6 +526,53 @@ def test_ctrl_c_checkpoints_and_exits_130(tmp_path):
     assert len(ckpt.list_checkpoints(str(tmp_path / "run"))) == 1
 
 
+def test_ctrl_c_in_a_dit_study_groups_sweep_leaves_the_advice_to_dit_study(tmp_path):
+    """The same Ctrl-C in the sweep of one dit-study group (dit-study starts its trainers with UNDER_STUDY_ENV):
+    the sweep's own command would continue that group alone; dit-study's line (rerun the study) is the advice."""
+    UNDER_STUDY_ENV = "DIT_TRAIN_UNDER_STUDY"  # dit_train.trainer.preemption.UNDER_STUDY_ENV
+
+    sweep = tmp_path / "sweep"
+    args = ["--multirun", *TINY, "train.steps=100000", "train.ckpt_every=0", "seed=1,2", f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.Popen([sys.executable, "-m", "dit_train", *args], cwd=str(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", UNDER_STUDY_ENV: "1"})
+    wait_for_training(sweep / "0", proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_INTERRUPTED, err
+    assert err.strip().splitlines()[-1].startswith("preempted: received SIGINT at step ") and "--multirun" not in err
+
+
+def test_ctrl_c_in_a_local_sweep_says_how_to_continue_the_whole_sweep(tmp_path):
+    """Ctrl-C during a --multirun's first job ends the sweep there (exit 130): the job's own hint
+    (`train.resume=auto run_dir=<sweep>/0`) continued that job alone and left the later jobs unrun, unsaid. A second
+    line gives the sweep's command; pasted, it continues job 0 from its checkpoint and runs job 1."""
+    import shlex
+
+    sweep = tmp_path / "sweep"
+    args = ["--multirun", *TINY, "train.steps=100000", "train.ckpt_every=0", "seed=1,2", f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.Popen([sys.executable, "-m", "dit_train", *args], cwd=str(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+    wait_for_training(sweep / "0", proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_INTERRUPTED and not (sweep / "1").exists(), err
+    lines = err.strip().splitlines()
+    prefix = "the --multirun sweep stopped at its job 0; the jobs after it did not run: continue the whole sweep " \
+             "(each job from its own checkpoint, finished jobs skipped) with: "
+    assert lines[-2].startswith("preempted: received SIGINT at step ") and lines[-1].startswith(prefix), err
+    words = shlex.split(lines[-1].removeprefix(prefix))
+    kept = [a for a in args if a != "--multirun" and not a.startswith("hydra.sweep.dir=")]
+    assert words == ["python", "-m", "dit_train", "--multirun", f"hydra.sweep.dir={sweep}", "train.resume=auto",
+                     *kept]
+    stopped_at = int(re.search(r"step_(\d+)", ckpt.list_checkpoints(str(sweep / "0"))[-1]).group(1))
+    r = run_cli_in_process(*words[3:], f"train.steps={stopped_at + 1}", cwd=str(tmp_path))  # a shorter sweep
+    assert r.returncode == 0, r.stderr[-3000:]
+    for job in ("0", "1"):
+        assert json.loads((sweep / job / "summary.json").read_text())["steps"] == stopped_at + 1
+
+
 def test_a_second_sigterm_during_the_shutdown_keeps_the_requeue_exit_code(tmp_path):
     proc = start(tmp_path, tmp_path / "run")
     wait_for_training(tmp_path / "run", proc)
@@ -827,6 +874,23 @@ def test_a_checkpoint_named_with_lookalike_digits_is_never_listed(tmp_path):
     assert ckpt.resolve_checkpoint(str(tmp_path)) == str(folder / "step_00000020.dcp")
     ckpt.prune_checkpoints(str(tmp_path), keep_last=1)
     assert (folder / "step_00000020.dcp").exists() and not (folder / "step_00000010.dcp").exists()
+
+
+def test_a_sweep_whose_jobs_share_one_run_dir_is_refused_before_anything_is_written(tmp_path):
+    """`--multirun run_dir=runs/x seed=1,2`: both jobs had the one folder; the first trained there and the second
+    was refused after it (it had checkpoints), leaving a sweep folder of Hydra's files. Now one line names the
+    folder, the jobs and what to give instead, exit 2, before anything is written; the sweep as suggested runs
+    both jobs, each in its own folder."""
+    r = cli(tmp_path, "run_dir=runs/x", "seed=1,2", "train.steps=1", flags=("--multirun",))
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines() == [
+        "error: run_dir=runs/x is the run folder of jobs #0 and #1 of this --multirun: each job needs its own; leave "
+        "run_dir out and give hydra.sweep.dir=runs/x (each job then has a folder of its own in it)"]
+    assert os.listdir(tmp_path) == []
+    r = cli(tmp_path, "hydra.sweep.dir=runs/x", "seed=1,2", "train.steps=1", flags=("--multirun",))
+    assert r.returncode == 0, r.stderr[-3000:]
+    for job in ("0", "1"):
+        assert json.loads((tmp_path / "runs" / "x" / job / "summary.json").read_text())["steps"] == 1
 
 
 def test_a_busy_run_folder_in_a_sweep_skips_that_job_and_the_others_run(tmp_path):

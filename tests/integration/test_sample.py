@@ -56,14 +56,34 @@ def test_folder_of_pngs_for_chosen_classes(trained_run, tmp_path, capsys):
 @needs_fashion
 @pytest.mark.parametrize("args, message", [
     (["--classes", "10"], "--classes 10 is not valid: this model has classes 0..9"),
-    (["--steps", "0"], "--steps=0 / --cfg-scale=2.5 is not valid"),
-    (["--cfg-scale", "nan"], "--steps=3 / --cfg-scale=nan is not valid: expected steps >= 1, a finite scale >= 0"),
-    (["--cfg-scale", "inf"], "--steps=3 / --cfg-scale=inf is not valid"),
+    # each flag alone: was `--steps=0 / --cfg-scale=2.5 is not valid`, naming a scale that was not typed
+    (["--steps", "0"], "error: --steps=0 is not valid: expected an integer >= 1\n"),
+    (["--cfg-scale", "nan"], "error: --cfg-scale=nan is not valid: expected a finite scale >= 0\n"),
+    (["--cfg-scale", "inf"], "error: --cfg-scale=inf is not valid: expected a finite scale >= 0\n"),
 ])
 def test_bad_arguments_are_one_line(trained_run, tmp_path, capsys, args, message):
     assert sample_main([str(trained_run), "--grid", str(tmp_path / "g.png"), *args]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+@needs_fashion
+def test_a_sweep_folder_is_refused_naming_its_runs(trained_run, tmp_path, capsys):
+    """A --multirun sweep folder (multirun/<date>/<time>/ with 0/, 1/) given as the run: was `no checkpoints
+    (checkpoints/step_*.dcp) under 'SWEEP'`, true but silent on what to give. Now the line names the run folders it
+    holds and one to give; nothing is written; that one samples."""
+    import shutil
+
+    sweep = tmp_path / "sweep"
+    for job in ("0", "1"):
+        shutil.copytree(trained_run, sweep / job)
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    assert sample_main([str(sweep), "--grid", str(tmp_path / "g.png")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: no checkpoints (checkpoints/step_*.dcp) under {str(sweep)!r}: it holds run folders "
+                   f"(0, 1); give one of them, e.g. {str(sweep / '0')!r}\n"), err
+    assert not (tmp_path / "g.png").exists()
+    assert sample_main([str(sweep / "0"), "--grid", str(tmp_path / "g.png")]) == 0
 
 
 @needs_fashion

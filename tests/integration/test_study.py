@@ -1089,3 +1089,19 @@ def test_a_study_into_a_sweep_folder_with_a_link_where_hydra_writes_writes_nothi
     assert err.count("\n") == 1 and f"--sweep-dir={str(sweep)!r} is not valid: {sweep / 'multirun.yaml'} is a " \
                                    f"symbolic link" in err, err
     assert sorted(os.listdir(sweep)) == ["multirun.yaml"] and victim.read_text() == "important"
+
+
+def test_an_experiment_without_a_study_is_named_as_a_single_run_with_the_studies_listed(tmp_path, capfd):
+    """`dit-study debug` (debug is listed among the experiments the study runner knows): was `debug: study=None is
+    not valid: expected a mapping of the keys name, notes, ...`, a schema's words for a yaml the user never wrote.
+    Now one line says it is a single run, how to run it, and which experiments are studies; nothing written."""
+    assert run_study.main(["debug", "--sweep-dir", str(tmp_path / "sweep"), "--dry-run"]) == 2
+    lines = capfd.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: experiment 'debug' is not a study (it has no study: grid; run it with dit-train experiment=debug); "
+        "studies: "), lines
+    studies = lines[0].split("studies: ")[1].split(", ")
+    assert "smoke" in studies and "optimizer_comparison_cpu" in studies and "debug" not in studies
+    for name in studies:  # each is one: its yaml has a study: node
+        assert "study" in OmegaConf.load(os.path.join(CONF_DIR, "experiment", f"{name}.yaml")), name
+    assert os.listdir(tmp_path) == []

@@ -30,3 +30,12 @@ def test_a_stop_signal_to_the_runner_alone_reaches_the_trainer(tmp_path):
     assert study_run.run_trainer([sys.executable, "-c", child]) == EXIT_PREEMPTED
     assert time.monotonic() - started < 30
     assert signal.getsignal(signal.SIGTERM) is previous  # the runner's own handlers are back
+
+
+def test_the_trainers_dit_study_starts_know_they_run_under_it(tmp_path, capfd):
+    """UNDER_STUDY_ENV: a trainer of a dit-study group leaves the advice after a stop signal to dit-study (its own
+    line for the group's sweep would continue that group alone)."""
+    UNDER_STUDY_ENV = "DIT_TRAIN_UNDER_STUDY"  # dit_train.trainer.preemption.UNDER_STUDY_ENV
+
+    child = f"import os, sys; sys.exit(0 if os.environ.get({UNDER_STUDY_ENV!r}) == '1' else 3)"
+    assert study_run.run_trainer([sys.executable, "-c", child]) == 0
