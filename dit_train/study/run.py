@@ -719,7 +719,8 @@ def run_groups(runs: list[dict], only, sweep_dir: str, steps_of, args) -> list[i
             print(f"[study] {label}: all seeds finished, skipping")
             continue
         cmd = trainer_command(pending, sweep_dir, args)
-        print("[study]", override_text.shell_command(cmd[1:]), flush=True)
+        # as a user pastes it (cmd[0] is this interpreter's full path; the printed line had dropped it)
+        print("[study]", override_text.shell_command(["python", *cmd[1:]]), flush=True)
         if not args.dry_run:
             code = run_trainer(cmd)
             if code in (EXIT_PREEMPTED, EXIT_INTERRUPTED):

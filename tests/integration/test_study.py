@@ -1039,7 +1039,7 @@ def test_a_study_into_a_sweep_folder_of_hydras_and_the_shells_characters_runs_th
     assert [o.value() for o in OverridesParser.create().parse_overrides(cmd[6:])
             if o.key_or_group == "hydra.sweep.dir"] == [str(sweep)]
     printed = [line.split(" ", 1)[1] for line in out.splitlines() if line.startswith("[study] ")]
-    assert shlex.split(printed[0]) == cmd[1:]  # pasted after `python`, the same words
+    assert shlex.split(printed[0]) == ["python", *cmd[1:]]  # pasted as printed, the same words
     assert shlex.split(printed[-1]) == ["report:", "dit-report", str(sweep)]
     assert shlex.split(json.loads((sweep / "study.json").read_text())["command"]) == ["dit-study", *argv]
     assert run_study.main(argv) == 0 and "all seeds finished, skipping" in capfd.readouterr().out
