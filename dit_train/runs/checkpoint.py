@@ -465,6 +465,9 @@ def _describe_load_failure(path: str, e: CheckpointException) -> str:
         named = [line.strip() for line in str(refused[0]).splitlines() if "GLOBAL" in line or "global" in line]
         return (f"checkpoint {path!r} holds objects other than tensors and plain values"
                 f"{f' ({named[0][:160]})' if named else ''}; refusing to load it (it could run code)")
+    swapped = [err for err in errors if isinstance(err, checkpoint_metadata.RefusedMetadata)]
+    if swapped:  # a shard made a link or a FIFO after the metadata check (checkpoint_checksums.open_plain)
+        return f"checkpoint {path!r}: {swapped[0]}: refusing to load it"
     mismatch = [err for err in errors if isinstance(err, checkpoint_checksums.ChecksumMismatch)]
     if mismatch:
         return f"checkpoint {path!r} is damaged: {mismatch[0]}; {_earlier(path)}"

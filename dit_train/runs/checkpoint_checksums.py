@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import zlib
 
 from dit_train.runs import checkpoint_metadata
@@ -53,11 +54,32 @@ def crc32_range(f, offset: int, length: int) -> int:
     return crc
 
 
+def open_plain(folder: str, name: str):
+    """The file `name` of `folder` opened for reading, checked as it is opened: a symbolic link or a FIFO, socket,
+    device or folder put there after the folder was checked (checkpoint_metadata.check_plain_file) is refused
+    (RefusedMetadata, one line), never followed nor waited on (opening a FIFO for reading blocks until a writer
+    comes: the reader hung)."""
+    file = os.path.join(folder, name)
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        if os.path.islink(file):
+            raise checkpoint_metadata.RefusedMetadata(f"its {name} is a symbolic link, which a checkpoint never "
+                                                      f"holds") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise checkpoint_metadata.RefusedMetadata(f"its {name} is not a regular file (a FIFO, socket, device or "
+                                                  f"folder), which a checkpoint never holds")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
 def hash_ranges(folder: str, ranges: dict[str, list[tuple[int, int]]]) -> dict[str, list[list[int]]]:
     """{file: [[offset, length, crc32], ...]} for the given (offset, length) ranges of files in `folder`."""
     out = {}
     for name, spans in ranges.items():
-        with open(os.path.join(folder, name), "rb") as f:
+        with open_plain(folder, name) as f:
             out[name] = [[off, length, crc32_range(f, off, length)] for off, length in sorted(set(spans))]
     return out
 
@@ -84,7 +106,7 @@ def read_record(folder: str) -> dict[tuple[str, int], tuple[int, int]] | None:
     if os.path.getsize(file) > checkpoint_metadata.MAX_METADATA_BYTES:
         raise BadRecord(f"{file} is larger than any checksum record ({checkpoint_metadata.MAX_METADATA_BYTES:,} "
                         f"bytes): not read")
-    with open(file, "rb") as f:
+    with open_plain(folder, RECORD) as f:
         data = f.read(checkpoint_metadata.MAX_METADATA_BYTES + 1)
     try:
         record = json.loads(data)
@@ -131,7 +153,7 @@ def verify_whole(folder: str, record: dict, name: str) -> None:
 def verify(folder: str, record: dict, ranges: dict[str, set[tuple[int, int]]]) -> None:
     """ChecksumMismatch naming the first file whose given ranges are not the bytes the record holds."""
     for name in sorted(ranges):
-        with open(os.path.join(folder, name), "rb") as f:
+        with open_plain(folder, name) as f:  # a FIFO swapped in since the metadata check: refused, not waited on
             for off, length in sorted(ranges[name]):
                 saved = record.get((name, off))
                 if saved is None or saved[0] != length:

@@ -211,3 +211,53 @@ def test_two_ranks_record_their_shards_resume_verified_and_refuse_a_flipped_one(
             ends = sorted((off, off + length) for off, length, _ in spans)
             assert ends[0][0] == 0 and ends[-1][1] == os.path.getsize(os.path.join(path, name))
             assert all(a[1] == b[0] for a, b in zip(ends, ends[1:])), name
+
+
+# ---- a hostile file system -------------------------------------------------------------------------------------
+def _fifo_after_check(path, monkeypatch, name="__0_0.distcp"):
+    """Make the shard `name` a FIFO once every check of the folder passed it as a regular file, just before the
+    shards are read (a shared file system changed in between); returns a function that unblocks a reader
+    waiting on it."""
+    real = ckpt._SafeReader.read_data
+    file = os.path.join(path, name)
+
+    def swap_then_read(self, plan, planner):
+        if os.path.isfile(file) and not os.path.islink(file):
+            os.remove(file)
+            os.mkfifo(file)
+        return real(self, plan, planner)
+
+    monkeypatch.setattr(ckpt._SafeReader, "read_data", swap_then_read)
+
+    def unblock():
+        os.close(os.open(file, os.O_WRONLY | os.O_NONBLOCK))
+
+    return unblock
+
+
+def test_a_shard_swapped_for_a_fifo_after_the_metadata_check_is_refused_not_waited_on(tmp_path, monkeypatch):
+    import threading
+
+    run_dir, path = saved_run(tmp_path)
+    unblock = _fifo_after_check(path, monkeypatch)
+    out = {}
+
+    def load():
+        try:
+            ckpt.load_ema_weights(run_dir)
+            out["error"] = None
+        except BaseException as e:  # noqa: BLE001 - reported below
+            out["error"] = e
+
+    reader = threading.Thread(target=load, daemon=True)
+    reader.start()
+    reader.join(20)
+    hung = reader.is_alive()
+    if hung:
+        unblock()
+        reader.join(20)
+    assert not hung, "the checksum verification opened the FIFO and waited for a writer"
+    e = out["error"]
+    assert isinstance(e, ckpt.CheckpointError), repr(e)
+    assert "its __0_0.distcp is not a regular file" in str(e) and "refusing to load it" in str(e)
+    assert "\n" not in str(e)
