@@ -122,14 +122,15 @@ def _check(record, file: str) -> dict[tuple[str, int], tuple[int, int]]:
     def bad(what):
         return BadRecord(f"{file} is not a dit_train checksum record ({what})")
 
-    if not isinstance(record, dict) or record.get("format") != FORMAT or record.get("algorithm") != ALGORITHM:
+    if not isinstance(record, dict) or type(record.get("format")) is not int or record["format"] != FORMAT \
+            or record.get("algorithm") != ALGORITHM:  # `true == 1` in Python: a bool is no format
         raise bad(f"a JSON object with format {FORMAT} and algorithm {ALGORITHM!r} expected")
     files = record.get("files")
     if not isinstance(files, dict) or ".metadata" not in files:
         raise bad("no 'files' object holding .metadata")
     out = {}
     for name, spans in files.items():
-        if name != ".metadata" and not checkpoint_metadata.SHARD_FILE.match(name):
+        if name != ".metadata" and not checkpoint_metadata.SHARD_FILE.fullmatch(name):  # `$` allows a final "\n"
             raise bad(f"it names {name!r}, which is not a file of a checkpoint")
         if not isinstance(spans, list):
             raise bad(f"{name!r} holds no list of ranges")

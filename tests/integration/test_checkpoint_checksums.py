@@ -96,6 +96,9 @@ def test_a_save_that_dies_before_its_record_leaves_no_complete_checkpoint(tmp_pa
     (b'{"format": 1, "algorithm": "crc32", "files": {".metadata": [], "../etc/passwd": []}}',
      "not a file of a checkpoint"),
     (b'{"format": 1, "algorithm": "sha1", "files": {}}', "algorithm 'crc32' expected"),
+    (b'{"format": true, "algorithm": "crc32", "files": {".metadata": []}}', "format 1 .* expected"),  # True == 1
+    (b'{"format": 1, "algorithm": "crc32", "files": {".metadata": [], "__0_0.distcp\\n": []}}',
+     "not a file of a checkpoint"),
 ])
 def test_a_record_that_is_not_one_is_one_line_naming_it(tmp_path, content, match):
     run_dir, path = saved_run(tmp_path)
@@ -261,3 +264,36 @@ def test_a_shard_swapped_for_a_fifo_after_the_metadata_check_is_refused_not_wait
     assert isinstance(e, ckpt.CheckpointError), repr(e)
     assert "its __0_0.distcp is not a regular file" in str(e) and "refusing to load it" in str(e)
     assert "\n" not in str(e)
+
+
+def _hashing_fails_on_rank_1(rank, world, port, root, asynchronous):
+    """Rank 1's hashing of its shard hits a read error (EIO): the save must fail on both ranks, never hang."""
+    import errno
+
+    from dit_train.runs import checkpoint_checksums
+
+    with gloo_group(rank, world, port):
+        if rank == 1:
+            def broken(folder, ranges):
+                raise OSError(errno.EIO, "Input/output error", os.path.join(folder, "__1_0.distcp"))
+
+            checkpoint_checksums.hash_ranges = broken
+        run_dir = f"{root}/run"
+        tensors = {f"x{rank}": torch.full((64,), float(rank))}  # one tensor of its own per rank
+        group = dist.new_group(backend="gloo") if asynchronous else None
+        try:
+            pending = ckpt.start_save(run_dir, 1, tensors, {"step": 1}, asynchronous=asynchronous, group=group)
+            pending.finish(keep_last=0)
+            outcome = "saved"
+        except BaseException as e:  # noqa: BLE001 - written for the test to read
+            outcome = f"{type(e).__name__}: {e}".splitlines()[0]
+        open(f"{root}/rank{rank}.txt", "w").write(outcome)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_rank_whose_hashing_fails_fails_the_save_on_every_rank_and_leaves_no_checkpoint(tmp_path, asynchronous):
+    spawn_ranks(_hashing_fails_on_rank_1, 2, (str(tmp_path), asynchronous), timeout=120)
+    outcomes = [open(tmp_path / f"rank{r}.txt").read() for r in (0, 1)]
+    assert all(o.startswith("OSError: [Errno 5]") and "__1_0.distcp" in o for o in outcomes), outcomes
+    run_dir = str(tmp_path / "run")
+    assert ckpt.list_checkpoints(run_dir) == [] and not any(ckpt.MARKER in files for _, _, files in os.walk(run_dir))
