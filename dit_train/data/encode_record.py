@@ -24,7 +24,7 @@ def image_list(ds, start: int, stop: int, base: str | None = None) -> str:
     text = "".join(f"{p if base is None else os.path.relpath(p, base)}\t{y}\n" for p, y in items[start:stop]) \
         if items is not None else \
         f"{ds.dataset_id}:{stop}" if start == 0 else f"{ds.dataset_id}:{start}:{stop}"
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return hashlib.sha256(os.fsencode(text)).hexdigest()[:16]  # a file name not in UTF-8: its bytes (str.encode raised)
 
 
 def file_stats(ds, n: int) -> list[str] | None:

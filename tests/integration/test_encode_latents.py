@@ -1006,3 +1006,29 @@ def test_a_filesystem_without_flock_is_said_in_one_warning_and_the_encoding_proc
         f"warning: --out {tmp_path / 'lat'} does not support file locks (flock: {os.strerror(errno.ENOSYS)}): "
         f"another dit-encode-latents on it would not be refused; run one at a time on it")
     assert not (tmp_path / "lat" / ".encode.lock").exists()
+
+
+def test_an_image_whose_name_is_not_utf8_is_encoded_and_a_rerun_keeps_its_shards(tmp_path):
+    """A file name of bytes that are not UTF-8 (a Latin-1 name copied from an old disk: Linux allows any bytes)
+    was refused as '--images: 'utf-8' codec can't encode character '\\udcff'...', naming no file: the hold-out,
+    the image lists and the data fingerprint hashed str.encode() of the name. They hash the name's bytes now
+    (the same bytes as before for every UTF-8 name: no fingerprint or hold-out changes)."""
+    import hashlib
+
+    from dit_train.data.image_folder import HOLD_OUT_SEED, held_out
+
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img", per_class=4)
+    odd = os.fsdecode(os.path.join(os.fsencode(str(tmp_path / "img" / "a")), b"caf\xe9.png"))
+    Image.new("RGB", (20, 18), (7, 8, 9)).save(odd)
+    info = load_encoder()(encode_args(tmp_path, "--splits", "train,val"))
+    assert info["complete"]
+    cfg = OmegaConf.create({"name": "image_folder", "root": str(tmp_path / "img"), "image_size": 16,
+                            "skip_corrupt": False})
+    listed = [p for split in ("train", "val") for p, _ in build_dataset(cfg, split).samples]
+    assert odd in listed and sum(s["images"] for s in info["splits"]) == len(listed) == 9
+    digest = hashlib.sha256(HOLD_OUT_SEED + b"a/0.png").digest()  # a UTF-8 name: hashed as before
+    assert held_out("a/0.png") == (int.from_bytes(digest[:8], "big") < 0.05 * 2 ** 64)
+    before = shard_inodes(tmp_path / "lat" / "train")
+    assert load_encoder()(encode_args(tmp_path, "--splits", "train,val")) == info
+    assert shard_inodes(tmp_path / "lat" / "train") == before
