@@ -266,24 +266,31 @@ def test_a_shard_swapped_for_a_fifo_after_the_metadata_check_is_refused_not_wait
     assert "\n" not in str(e)
 
 
-def _hashing_fails_on_rank_1(rank, world, port, root, asynchronous):
-    """Rank 1's hashing of its shard hits a read error (EIO): the save must fail on both ranks, never hang."""
+def _save_on_two_ranks(rank, world, port, root, asynchronous, failing):
+    """Each rank saves a tensor of its own; `failing`: rank 1's hashing of its shard hits a read error (EIO), or
+    rank 0's write of the record finds the disk full (ENOSPC). The save must fail on both ranks, never hang."""
     import errno
 
     from dit_train.runs import checkpoint_checksums
 
     with gloo_group(rank, world, port):
-        if rank == 1:
+        if failing == "hashing" and rank == 1:
             def broken(folder, ranges):
                 raise OSError(errno.EIO, "Input/output error", os.path.join(folder, "__1_0.distcp"))
 
             checkpoint_checksums.hash_ranges = broken
+        if failing == "record" and rank == 0:
+            def full(files):
+                raise OSError(errno.ENOSPC, "No space left on device", RECORD)
+
+            checkpoint_checksums.encode = full
         run_dir = f"{root}/run"
-        tensors = {f"x{rank}": torch.full((64,), float(rank))}  # one tensor of its own per rank
+        tensors = {"x": {str(rank): torch.full((64,), float(rank + 1))}}  # a tensor of its own per rank: x.0, x.1
         group = dist.new_group(backend="gloo") if asynchronous else None
         try:
             pending = ckpt.start_save(run_dir, 1, tensors, {"step": 1}, asynchronous=asynchronous, group=group)
             pending.finish(keep_last=0)
+            dist.barrier()
             outcome = "saved"
         except BaseException as e:  # noqa: BLE001 - written for the test to read
             outcome = f"{type(e).__name__}: {e}".splitlines()[0]
@@ -291,9 +298,25 @@ def _hashing_fails_on_rank_1(rank, world, port, root, asynchronous):
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
-def test_a_rank_whose_hashing_fails_fails_the_save_on_every_rank_and_leaves_no_checkpoint(tmp_path, asynchronous):
-    spawn_ranks(_hashing_fails_on_rank_1, 2, (str(tmp_path), asynchronous), timeout=120)
+@pytest.mark.parametrize("failing, error", [(None, None), ("hashing", "[Errno 5]"), ("record", "[Errno 28]")])
+def test_two_ranks_fail_a_save_together_when_one_cannot_hash_or_record_and_a_saved_one_loads_elsewhere(
+        tmp_path, asynchronous, failing, error):
+    """A failed hash or record write fails the save on both ranks (no hang, no COMPLETE); a save that succeeded
+    is verified by a process of another world size (one, reading rank 1's file too), and refused there after
+    a byte of rank 1's file flipped."""
+    spawn_ranks(_save_on_two_ranks, 2, (str(tmp_path), asynchronous, failing), timeout=120)
     outcomes = [open(tmp_path / f"rank{r}.txt").read() for r in (0, 1)]
-    assert all(o.startswith("OSError: [Errno 5]") and "__1_0.distcp" in o for o in outcomes), outcomes
     run_dir = str(tmp_path / "run")
-    assert ckpt.list_checkpoints(run_dir) == [] and not any(ckpt.MARKER in files for _, _, files in os.walk(run_dir))
+    if failing:
+        assert all(o.startswith(f"OSError: {error}") for o in outcomes), outcomes
+        assert ckpt.list_checkpoints(run_dir) == []
+        assert not any(ckpt.MARKER in files for _, _, files in os.walk(run_dir))
+        return
+    assert outcomes == ["saved", "saved"]
+    path = ckpt.checkpoint_path(run_dir, 1)
+    state = {"x": {"0": torch.zeros(64), "1": torch.zeros(64)}}
+    ckpt._dcp_load(state, path)
+    assert torch.equal(state["x"]["0"], torch.full((64,), 1.0)) and torch.equal(state["x"]["1"], torch.full((64,), 2.0))
+    name = flip_byte(path, part="x", shard="__1_0.distcp")
+    with pytest.raises(ckpt.CheckpointError, match=rf"its {name} does not hold the bytes"):
+        ckpt._dcp_load({"x": {"0": torch.zeros(64), "1": torch.zeros(64)}}, path)
