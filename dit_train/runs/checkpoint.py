@@ -411,10 +411,13 @@ def _read_record(path: str) -> dict | None:
         record = checkpoint_checksums.read_record(path)
         if record is not None:
             checkpoint_metadata.check_plain_file(path, ".metadata")  # never a FIFO opened to be hashed
+            checkpoint_metadata.check_size(path)  # nor a sparse 1 TB file hashed whole before the cap refuses it
             checkpoint_checksums.verify_whole(path, record, ".metadata")
         return record
     except checkpoint_metadata.RefusedMetadata as e:
         raise CheckpointError(f"checkpoint {path!r}: {e}: refusing to load it") from None
+    except checkpoint_metadata.DamagedMetadata as e:
+        raise CheckpointError(f"checkpoint {path!r} is damaged: {e}; {_earlier(path)}") from None
     except checkpoint_checksums.ChecksumMismatch as e:  # a changed .metadata: what it is, where its reader says
         try:
             checkpoint_metadata.read(path)

@@ -320,3 +320,25 @@ def test_two_ranks_fail_a_save_together_when_one_cannot_hash_or_record_and_a_sav
     name = flip_byte(path, part="x", shard="__1_0.distcp")
     with pytest.raises(ckpt.CheckpointError, match=rf"its {name} does not hold the bytes"):
         ckpt._dcp_load({"x": {"0": torch.zeros(64), "1": torch.zeros(64)}}, path)
+
+
+def test_a_metadata_past_the_size_cap_is_refused_before_it_is_hashed(tmp_path, monkeypatch):
+    """A `.metadata` grown sparse to 8 GB, with a record whose range for it has that length (the crc need not
+    match: it is compared after the hashing), was hashed whole (seconds per GB) before the size cap refused it."""
+    from dit_train.runs import checkpoint_checksums, checkpoint_metadata
+
+    run_dir, path = saved_run(tmp_path)
+    size = 8 << 30
+    os.truncate(os.path.join(path, ".metadata"), size)
+    file = os.path.join(path, RECORD)
+    record = json.load(open(file))
+    record["files"][".metadata"] = [[0, size, 0]]
+    open(file, "w").write(json.dumps(record))
+    hashed = []
+    real = checkpoint_checksums.crc32_range
+    monkeypatch.setattr(checkpoint_checksums, "crc32_range", lambda f, off, length: hashed.append(length) or
+                        real(f, off, min(length, 1 << 20)))  # the test itself never hashes 8 GB
+    with pytest.raises(ckpt.CheckpointError, match=rf"is damaged: its \.metadata is {size:,} bytes, more than") as e:
+        ckpt.load_ema_weights(run_dir)
+    assert "\n" not in str(e.value)
+    assert all(length <= checkpoint_metadata.MAX_METADATA_BYTES for length in hashed), hashed
