@@ -103,11 +103,14 @@ def read_record(folder: str) -> dict[tuple[str, int], tuple[int, int]] | None:
             log.info("checkpoint %s has no %s (it was written before dit_train recorded checksums): its shards are "
                      "read unverified", folder, RECORD)
         return None
-    if os.path.getsize(file) > checkpoint_metadata.MAX_METADATA_BYTES:
-        raise BadRecord(f"{file} is larger than any checksum record ({checkpoint_metadata.MAX_METADATA_BYTES:,} "
-                        f"bytes): not read")
+    limit = record_limit(folder)
+    if os.path.getsize(file) > limit:
+        raise BadRecord(f"{file} is {os.path.getsize(file):,} bytes, larger than the record of its .metadata can be "
+                        f"({limit:,} bytes): not read")
     with open_plain(folder, RECORD) as f:
-        data = f.read(checkpoint_metadata.MAX_METADATA_BYTES + 1)
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise BadRecord(f"{file} grew past {limit:,} bytes while it was read: not read")
     try:
         record = json.loads(data)
     except (ValueError, RecursionError) as e:
@@ -116,6 +119,17 @@ def read_record(folder: str) -> dict[tuple[str, int], tuple[int, int]] | None:
 
 
 _UNRECORDED: set[str] = set()
+RECORD_SLACK = 64 << 10
+
+
+def record_limit(folder: str) -> int:
+    """The most bytes the record of the folder's `.metadata` takes: one range (~30 bytes) per storage entry, each
+    of which takes 178-300 bytes of `.metadata` (checkpoint_metadata.MAX_METADATA_BYTES), and the `.metadata`'s
+    own: under its size plus RECORD_SLACK. Parsed JSON takes ~10x its bytes (an 81 MiB record of 5 million ranges
+    grew a reader by 836 MiB, on every rank), so a larger record is refused before it is parsed."""
+    meta = os.path.join(folder, ".metadata")
+    size = os.path.getsize(meta) if os.path.isfile(meta) else 0
+    return min(size, checkpoint_metadata.MAX_METADATA_BYTES) + RECORD_SLACK
 
 
 def _check(record, file: str) -> dict[tuple[str, int], tuple[int, int]]:

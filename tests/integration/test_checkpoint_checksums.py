@@ -342,3 +342,21 @@ def test_a_metadata_past_the_size_cap_is_refused_before_it_is_hashed(tmp_path, m
         ckpt.load_ema_weights(run_dir)
     assert "\n" not in str(e.value)
     assert all(length <= checkpoint_metadata.MAX_METADATA_BYTES for length in hashed), hashed
+
+
+def test_a_record_larger_than_its_metadata_allows_is_refused_before_it_is_parsed(tmp_path, monkeypatch):
+    """A record of 5 million extra ranges (81 MiB, ~10x that once parsed, in every rank) beside a 6 KB .metadata
+    was parsed and the checkpoint loaded; a record holds ~30 bytes per storage entry, the .metadata 178+."""
+    run_dir, path = saved_run(tmp_path)
+    file = os.path.join(path, RECORD)
+    record = json.load(open(file))
+    assert os.path.getsize(file) < os.path.getsize(os.path.join(path, ".metadata"))  # what a save writes
+    record["files"]["__0_0.distcp"] += [[off, 1, 0] for off in range(10**9, 10**9 + 200_000)]
+    open(file, "w").write(json.dumps(record))
+    parsed = []
+    monkeypatch.setattr(json, "loads", lambda data, **kw: parsed.append(len(data)) or json.JSONDecoder().decode(
+        data.decode() if isinstance(data, bytes) else data))
+    with pytest.raises(ckpt.CheckpointError, match=rf"is damaged: .*{RECORD} is [\d,]+ bytes, larger than the record "
+                                                   rf"of its \.metadata can be") as e:
+        ckpt.load_ema_weights(run_dir)
+    assert "\n" not in str(e.value) and not [n for n in parsed if n > 1 << 20]  # the record was never parsed
