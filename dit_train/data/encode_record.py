@@ -129,6 +129,9 @@ def damaged_record(old: dict) -> str | None:
             if lists is not None and not (isinstance(lists, list) and len(lists) == s["shards"]
                                           and all(isinstance(h, str) for h in lists)):
                 return f"{s['split']}'s {key} is not {s['shards']} {what}, one per shard"
+        if "shard_image_stats" in s and "shard_image_lists" not in s:  # the stats are compared beside the lists only:
+            return (f"{s['split']} records its images' stats (shard_image_stats) but not their lists "  # an image
+                    f"(shard_image_lists), which dit-encode-latents writes with them")  # rewritten kept a stale latent
     return None
 
 

@@ -1032,3 +1032,23 @@ def test_an_image_whose_name_is_not_utf8_is_encoded_and_a_rerun_keeps_its_shards
     before = shard_inodes(tmp_path / "lat" / "train")
     assert load_encoder()(encode_args(tmp_path, "--splits", "train,val")) == info
     assert shard_inodes(tmp_path / "lat" / "train") == before
+
+
+def test_a_record_with_image_stats_but_no_image_lists_is_refused_before_anything_changes(tmp_path):
+    """shard_image_stats are compared beside the shards' image lists only: a hand-edited record keeping the stats
+    but not the lists was rerun as one with neither (an image rewritten in place kept its stale latent) without
+    the line that says so, since the record has stats. It is refused as not the encoder's, the folder untouched."""
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img", per_class=4)
+    load_encoder()(encode_args(tmp_path))
+    info_path = tmp_path / "lat" / "latents_info.json"
+    info = json.loads(info_path.read_text())
+    info["splits"] = [{k: v for k, v in s.items() if k != "shard_image_lists"} for s in info["splits"]]
+    info_path.write_text(json.dumps(info))
+    Image.new("RGB", (20, 18), (250, 10, 250)).save(tmp_path / "img" / "a" / "2.png")  # rewritten in place
+    before = folder_state(tmp_path / "lat")
+    with pytest.raises(ConfigError, match=rf"^{tmp_path}/lat/latents_info.json is not as dit-encode-latents writes it "
+                                          rf"\(train records its images' stats \(shard_image_stats\) but not their "
+                                          rf"lists") as e:
+        load_encoder()(encode_args(tmp_path))
+    assert "\n" not in str(e.value) and folder_state(tmp_path / "lat") == before
