@@ -217,7 +217,7 @@ def test_two_ranks_record_their_shards_resume_verified_and_refuse_a_flipped_one(
 
 
 # ---- a hostile file system -------------------------------------------------------------------------------------
-def _fifo_after_check(path, monkeypatch, name="__0_0.distcp"):
+def _fifo_after_check(path, monkeypatch, name="__0_0.distcp", kind="fifo"):
     """Make the shard `name` a FIFO once every check of the folder passed it as a regular file, just before the
     shards are read (a shared file system changed in between); returns a function that unblocks a reader
     waiting on it."""
@@ -226,8 +226,12 @@ def _fifo_after_check(path, monkeypatch, name="__0_0.distcp"):
 
     def swap_then_read(self, plan, planner):
         if os.path.isfile(file) and not os.path.islink(file):
-            os.remove(file)
-            os.mkfifo(file)
+            if kind == "link":  # the same bytes, elsewhere: a link is never followed
+                os.replace(file, file + ".elsewhere")
+                os.symlink(file + ".elsewhere", file)
+            else:
+                os.remove(file)
+                os.mkfifo(file)
         return real(self, plan, planner)
 
     monkeypatch.setattr(ckpt._SafeReader, "read_data", swap_then_read)
@@ -238,11 +242,13 @@ def _fifo_after_check(path, monkeypatch, name="__0_0.distcp"):
     return unblock
 
 
-def test_a_shard_swapped_for_a_fifo_after_the_metadata_check_is_refused_not_waited_on(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind, said", [("fifo", "is not a regular file"), ("link", "is a symbolic link")])
+def test_a_shard_swapped_for_a_fifo_after_the_metadata_check_is_refused_not_waited_on(tmp_path, monkeypatch, kind,
+                                                                                       said):
     import threading
 
     run_dir, path = saved_run(tmp_path)
-    unblock = _fifo_after_check(path, monkeypatch)
+    unblock = _fifo_after_check(path, monkeypatch, kind=kind)
     out = {}
 
     def load():
@@ -256,13 +262,13 @@ def test_a_shard_swapped_for_a_fifo_after_the_metadata_check_is_refused_not_wait
     reader.start()
     reader.join(20)
     hung = reader.is_alive()
-    if hung:
+    if hung and kind == "fifo":
         unblock()
         reader.join(20)
     assert not hung, "the checksum verification opened the FIFO and waited for a writer"
     e = out["error"]
     assert isinstance(e, ckpt.CheckpointError), repr(e)
-    assert "its __0_0.distcp is not a regular file" in str(e) and "refusing to load it" in str(e)
+    assert f"its __0_0.distcp {said}" in str(e) and "refusing to load it" in str(e)
     assert "\n" not in str(e)
 
 
