@@ -24,7 +24,7 @@ def image_list(ds, start: int, stop: int, base: str | None = None) -> str:
     text = "".join(f"{p if base is None else os.path.relpath(p, base)}\t{y}\n" for p, y in items[start:stop]) \
         if items is not None else \
         f"{ds.dataset_id}:{stop}" if start == 0 else f"{ds.dataset_id}:{start}:{stop}"
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return hashlib.sha256(os.fsencode(text)).hexdigest()[:16]  # a file name not in UTF-8: its bytes (str.encode raised)
 
 
 def file_stats(ds, n: int) -> list[str] | None:
@@ -129,6 +129,9 @@ def damaged_record(old: dict) -> str | None:
             if lists is not None and not (isinstance(lists, list) and len(lists) == s["shards"]
                                           and all(isinstance(h, str) for h in lists)):
                 return f"{s['split']}'s {key} is not {s['shards']} {what}, one per shard"
+        if "shard_image_stats" in s and "shard_image_lists" not in s:  # the stats are compared beside the lists only:
+            return (f"{s['split']} records its images' stats (shard_image_stats) but not their lists "  # an image
+                    f"(shard_image_lists), which dit-encode-latents writes with them")  # rewritten kept a stale latent
     return None
 
 

@@ -102,7 +102,7 @@ def first_image_sizes(folder: str, classes: list[str]) -> list[tuple[int, int]]:
 
 def held_out(relative_path: str) -> bool:
     """Whether an image of a folder without val/ is validation: its hash in the lowest VAL_FRACTION."""
-    digest = hashlib.sha256(HOLD_OUT_SEED + relative_path.encode()).digest()
+    digest = hashlib.sha256(HOLD_OUT_SEED + os.fsencode(relative_path)).digest()  # a name's bytes, UTF-8 or not
     return int.from_bytes(digest[:8], "big") < VAL_FRACTION * 2 ** 64
 
 
@@ -112,7 +112,7 @@ def hold_out(samples: list[tuple[str, int]], folder: str, split: str) -> list[tu
     keys = [os.path.relpath(p, folder) for p, _ in samples]
     val = {k for k in keys if held_out(k)}
     if not val and samples:
-        val = {min(keys, key=lambda k: hashlib.sha256(HOLD_OUT_SEED + k.encode()).digest())}
+        val = {min(keys, key=lambda k: hashlib.sha256(HOLD_OUT_SEED + os.fsencode(k)).digest())}
     if len(val) == len(samples):
         return samples
     return [s for s, k in zip(samples, keys) if (k in val) == (split == "val")]
@@ -167,7 +167,7 @@ class ImageFolder(Dataset):
         """What identifies this split's data wherever it lives (data/datasets.py: data_fingerprint): the file list
         (paths relative to the split's folder) with the labels; no file is opened or stat-ed, so a file rewritten
         under the same name is not noticed."""
-        return ["".join(f"{os.path.relpath(p, self.root)}\t{label}\n" for p, label in self.samples).encode()]
+        return [os.fsencode("".join(f"{os.path.relpath(p, self.root)}\t{label}\n" for p, label in self.samples))]
 
     def __getitem__(self, i):
         for attempt in range(len(self.samples)):

@@ -411,10 +411,13 @@ def _read_record(path: str) -> dict | None:
         record = checkpoint_checksums.read_record(path)
         if record is not None:
             checkpoint_metadata.check_plain_file(path, ".metadata")  # never a FIFO opened to be hashed
+            checkpoint_metadata.check_size(path)  # nor a sparse 1 TB file hashed whole before the cap refuses it
             checkpoint_checksums.verify_whole(path, record, ".metadata")
         return record
     except checkpoint_metadata.RefusedMetadata as e:
         raise CheckpointError(f"checkpoint {path!r}: {e}: refusing to load it") from None
+    except checkpoint_metadata.DamagedMetadata as e:
+        raise CheckpointError(f"checkpoint {path!r} is damaged: {e}; {_earlier(path)}") from None
     except checkpoint_checksums.ChecksumMismatch as e:  # a changed .metadata: what it is, where its reader says
         try:
             checkpoint_metadata.read(path)
@@ -465,6 +468,9 @@ def _describe_load_failure(path: str, e: CheckpointException) -> str:
         named = [line.strip() for line in str(refused[0]).splitlines() if "GLOBAL" in line or "global" in line]
         return (f"checkpoint {path!r} holds objects other than tensors and plain values"
                 f"{f' ({named[0][:160]})' if named else ''}; refusing to load it (it could run code)")
+    swapped = [err for err in errors if isinstance(err, checkpoint_metadata.RefusedMetadata)]
+    if swapped:  # a shard made a link or a FIFO after the metadata check (checkpoint_checksums.open_plain)
+        return f"checkpoint {path!r}: {swapped[0]}: refusing to load it"
     mismatch = [err for err in errors if isinstance(err, checkpoint_checksums.ChecksumMismatch)]
     if mismatch:
         return f"checkpoint {path!r} is damaged: {mismatch[0]}; {_earlier(path)}"

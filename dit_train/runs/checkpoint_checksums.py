@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import zlib
 
 from dit_train.runs import checkpoint_metadata
@@ -53,11 +54,32 @@ def crc32_range(f, offset: int, length: int) -> int:
     return crc
 
 
+def open_plain(folder: str, name: str):
+    """The file `name` of `folder` opened for reading, checked as it is opened: a symbolic link or a FIFO, socket,
+    device or folder put there after the folder was checked (checkpoint_metadata.check_plain_file) is refused
+    (RefusedMetadata, one line), never followed nor waited on (opening a FIFO for reading blocks until a writer
+    comes: the reader hung)."""
+    file = os.path.join(folder, name)
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        if os.path.islink(file):
+            raise checkpoint_metadata.RefusedMetadata(f"its {name} is a symbolic link, which a checkpoint never "
+                                                      f"holds") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise checkpoint_metadata.RefusedMetadata(f"its {name} is not a regular file (a FIFO, socket, device or "
+                                                  f"folder), which a checkpoint never holds")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
 def hash_ranges(folder: str, ranges: dict[str, list[tuple[int, int]]]) -> dict[str, list[list[int]]]:
     """{file: [[offset, length, crc32], ...]} for the given (offset, length) ranges of files in `folder`."""
     out = {}
     for name, spans in ranges.items():
-        with open(os.path.join(folder, name), "rb") as f:
+        with open_plain(folder, name) as f:
             out[name] = [[off, length, crc32_range(f, off, length)] for off, length in sorted(set(spans))]
     return out
 
@@ -81,11 +103,14 @@ def read_record(folder: str) -> dict[tuple[str, int], tuple[int, int]] | None:
             log.info("checkpoint %s has no %s (it was written before dit_train recorded checksums): its shards are "
                      "read unverified", folder, RECORD)
         return None
-    if os.path.getsize(file) > checkpoint_metadata.MAX_METADATA_BYTES:
-        raise BadRecord(f"{file} is larger than any checksum record ({checkpoint_metadata.MAX_METADATA_BYTES:,} "
-                        f"bytes): not read")
-    with open(file, "rb") as f:
-        data = f.read(checkpoint_metadata.MAX_METADATA_BYTES + 1)
+    limit = record_limit(folder)
+    if os.path.getsize(file) > limit:
+        raise BadRecord(f"{file} is {os.path.getsize(file):,} bytes, larger than the record of its .metadata can be "
+                        f"({limit:,} bytes): not read")
+    with open_plain(folder, RECORD) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise BadRecord(f"{file} grew past {limit:,} bytes while it was read: not read")
     try:
         record = json.loads(data)
     except (ValueError, RecursionError) as e:
@@ -94,20 +119,32 @@ def read_record(folder: str) -> dict[tuple[str, int], tuple[int, int]] | None:
 
 
 _UNRECORDED: set[str] = set()
+RECORD_SLACK = 64 << 10
+
+
+def record_limit(folder: str) -> int:
+    """The most bytes the record of the folder's `.metadata` takes: one range (~30 bytes) per storage entry, each
+    of which takes 178-300 bytes of `.metadata` (checkpoint_metadata.MAX_METADATA_BYTES), and the `.metadata`'s
+    own: under its size plus RECORD_SLACK. Parsed JSON takes ~10x its bytes (an 81 MiB record of 5 million ranges
+    grew a reader by 836 MiB, on every rank), so a larger record is refused before it is parsed."""
+    meta = os.path.join(folder, ".metadata")
+    size = os.path.getsize(meta) if os.path.isfile(meta) else 0
+    return min(size, checkpoint_metadata.MAX_METADATA_BYTES) + RECORD_SLACK
 
 
 def _check(record, file: str) -> dict[tuple[str, int], tuple[int, int]]:
     def bad(what):
         return BadRecord(f"{file} is not a dit_train checksum record ({what})")
 
-    if not isinstance(record, dict) or record.get("format") != FORMAT or record.get("algorithm") != ALGORITHM:
+    if not isinstance(record, dict) or type(record.get("format")) is not int or record["format"] != FORMAT \
+            or record.get("algorithm") != ALGORITHM:  # `true == 1` in Python: a bool is no format
         raise bad(f"a JSON object with format {FORMAT} and algorithm {ALGORITHM!r} expected")
     files = record.get("files")
     if not isinstance(files, dict) or ".metadata" not in files:
         raise bad("no 'files' object holding .metadata")
     out = {}
     for name, spans in files.items():
-        if name != ".metadata" and not checkpoint_metadata.SHARD_FILE.match(name):
+        if name != ".metadata" and not checkpoint_metadata.SHARD_FILE.fullmatch(name):  # `$` allows a final "\n"
             raise bad(f"it names {name!r}, which is not a file of a checkpoint")
         if not isinstance(spans, list):
             raise bad(f"{name!r} holds no list of ranges")
@@ -131,7 +168,7 @@ def verify_whole(folder: str, record: dict, name: str) -> None:
 def verify(folder: str, record: dict, ranges: dict[str, set[tuple[int, int]]]) -> None:
     """ChecksumMismatch naming the first file whose given ranges are not the bytes the record holds."""
     for name in sorted(ranges):
-        with open(os.path.join(folder, name), "rb") as f:
+        with open_plain(folder, name) as f:  # a FIFO swapped in since the metadata check: refused, not waited on
             for off, length in sorted(ranges[name]):
                 saved = record.get((name, off))
                 if saved is None or saved[0] != length:

@@ -96,10 +96,7 @@ def read(path: str) -> dcp_md.Metadata:
     DamagedMetadata (one line each)."""
     check_plain_file(path, ".metadata")
     meta_file = os.path.join(path, ".metadata")
-    size = os.path.getsize(meta_file) if os.path.isfile(meta_file) else 0  # a missing one: open() says so
-    if size > MAX_METADATA_BYTES:
-        raise DamagedMetadata(f"its .metadata is {size:,} bytes, more than the {MAX_METADATA_BYTES:,} bytes the "
-                              f"metadata of any dit_train checkpoint takes (dit_15b on 512 ranks): not read")
+    check_size(path)
     with open(meta_file, "rb") as f:
         data = f.read(MAX_METADATA_BYTES + 1)  # bounded even if it grew since
     if len(data) > MAX_METADATA_BYTES:
@@ -116,6 +113,17 @@ def read(path: str) -> dcp_md.Metadata:
         raise DamagedMetadata(f"its .metadata declares {declared} bytes of tensors, more than its shard files hold "
                               f"({stored} bytes)")
     return metadata
+
+
+def check_size(path: str) -> None:
+    """DamagedMetadata unless the folder's `.metadata` (if any: a missing one is left to its reader) is within
+    MAX_METADATA_BYTES: checked before it is read or hashed (checkpoint_checksums hashed a sparse 8 GB one whole
+    before this cap refused it)."""
+    meta_file = os.path.join(path, ".metadata")
+    size = os.path.getsize(meta_file) if os.path.isfile(meta_file) else 0
+    if size > MAX_METADATA_BYTES:
+        raise DamagedMetadata(f"its .metadata is {size:,} bytes, more than the {MAX_METADATA_BYTES:,} bytes the "
+                              f"metadata of any dit_train checkpoint takes (dit_15b on 512 ranks): not read")
 
 
 def check_plain_file(folder: str, name: str) -> None:

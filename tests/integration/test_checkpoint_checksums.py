@@ -96,6 +96,9 @@ def test_a_save_that_dies_before_its_record_leaves_no_complete_checkpoint(tmp_pa
     (b'{"format": 1, "algorithm": "crc32", "files": {".metadata": [], "../etc/passwd": []}}',
      "not a file of a checkpoint"),
     (b'{"format": 1, "algorithm": "sha1", "files": {}}', "algorithm 'crc32' expected"),
+    (b'{"format": true, "algorithm": "crc32", "files": {".metadata": []}}', "format 1 .* expected"),  # True == 1
+    (b'{"format": 1, "algorithm": "crc32", "files": {".metadata": [], "__0_0.distcp\\n": []}}',
+     "not a file of a checkpoint"),
 ])
 def test_a_record_that_is_not_one_is_one_line_naming_it(tmp_path, content, match):
     run_dir, path = saved_run(tmp_path)
@@ -211,3 +214,155 @@ def test_two_ranks_record_their_shards_resume_verified_and_refuse_a_flipped_one(
             ends = sorted((off, off + length) for off, length, _ in spans)
             assert ends[0][0] == 0 and ends[-1][1] == os.path.getsize(os.path.join(path, name))
             assert all(a[1] == b[0] for a, b in zip(ends, ends[1:])), name
+
+
+# ---- a hostile file system -------------------------------------------------------------------------------------
+def _fifo_after_check(path, monkeypatch, name="__0_0.distcp", kind="fifo"):
+    """Make the shard `name` a FIFO once every check of the folder passed it as a regular file, just before the
+    shards are read (a shared file system changed in between); returns a function that unblocks a reader
+    waiting on it."""
+    real = ckpt._SafeReader.read_data
+    file = os.path.join(path, name)
+
+    def swap_then_read(self, plan, planner):
+        if os.path.isfile(file) and not os.path.islink(file):
+            if kind == "link":  # the same bytes, elsewhere: a link is never followed
+                os.replace(file, file + ".elsewhere")
+                os.symlink(file + ".elsewhere", file)
+            else:
+                os.remove(file)
+                os.mkfifo(file)
+        return real(self, plan, planner)
+
+    monkeypatch.setattr(ckpt._SafeReader, "read_data", swap_then_read)
+
+    def unblock():
+        os.close(os.open(file, os.O_WRONLY | os.O_NONBLOCK))
+
+    return unblock
+
+
+@pytest.mark.parametrize("kind, said", [("fifo", "is not a regular file"), ("link", "is a symbolic link")])
+def test_a_shard_swapped_for_a_fifo_after_the_metadata_check_is_refused_not_waited_on(tmp_path, monkeypatch, kind,
+                                                                                       said):
+    import threading
+
+    run_dir, path = saved_run(tmp_path)
+    unblock = _fifo_after_check(path, monkeypatch, kind=kind)
+    out = {}
+
+    def load():
+        try:
+            ckpt.load_ema_weights(run_dir)
+            out["error"] = None
+        except BaseException as e:  # noqa: BLE001 - reported below
+            out["error"] = e
+
+    reader = threading.Thread(target=load, daemon=True)
+    reader.start()
+    reader.join(20)
+    hung = reader.is_alive()
+    if hung and kind == "fifo":
+        unblock()
+        reader.join(20)
+    assert not hung, "the checksum verification opened the FIFO and waited for a writer"
+    e = out["error"]
+    assert isinstance(e, ckpt.CheckpointError), repr(e)
+    assert f"its __0_0.distcp {said}" in str(e) and "refusing to load it" in str(e)
+    assert "\n" not in str(e)
+
+
+def _save_on_two_ranks(rank, world, port, root, asynchronous, failing):
+    """Each rank saves a tensor of its own; `failing`: rank 1's hashing of its shard hits a read error (EIO), or
+    rank 0's write of the record finds the disk full (ENOSPC). The save must fail on both ranks, never hang."""
+    import errno
+
+    from dit_train.runs import checkpoint_checksums
+
+    with gloo_group(rank, world, port):
+        if failing == "hashing" and rank == 1:
+            def broken(folder, ranges):
+                raise OSError(errno.EIO, "Input/output error", os.path.join(folder, "__1_0.distcp"))
+
+            checkpoint_checksums.hash_ranges = broken
+        if failing == "record" and rank == 0:
+            def full(files):
+                raise OSError(errno.ENOSPC, "No space left on device", RECORD)
+
+            checkpoint_checksums.encode = full
+        run_dir = f"{root}/run"
+        tensors = {"x": {str(rank): torch.full((64,), float(rank + 1))}}  # a tensor of its own per rank: x.0, x.1
+        group = dist.new_group(backend="gloo") if asynchronous else None
+        try:
+            pending = ckpt.start_save(run_dir, 1, tensors, {"step": 1}, asynchronous=asynchronous, group=group)
+            pending.finish(keep_last=0)
+            dist.barrier()
+            outcome = "saved"
+        except BaseException as e:  # noqa: BLE001 - written for the test to read
+            outcome = f"{type(e).__name__}: {e}".splitlines()[0]
+        open(f"{root}/rank{rank}.txt", "w").write(outcome)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+@pytest.mark.parametrize("failing, error", [(None, None), ("hashing", "[Errno 5]"), ("record", "[Errno 28]")])
+def test_two_ranks_fail_a_save_together_when_one_cannot_hash_or_record_and_a_saved_one_loads_elsewhere(
+        tmp_path, asynchronous, failing, error):
+    """A failed hash or record write fails the save on both ranks (no hang, no COMPLETE); a save that succeeded
+    is verified by a process of another world size (one, reading rank 1's file too), and refused there after
+    a byte of rank 1's file flipped."""
+    spawn_ranks(_save_on_two_ranks, 2, (str(tmp_path), asynchronous, failing), timeout=120)
+    outcomes = [open(tmp_path / f"rank{r}.txt").read() for r in (0, 1)]
+    run_dir = str(tmp_path / "run")
+    if failing:
+        assert all(o.startswith(f"OSError: {error}") for o in outcomes), outcomes
+        assert ckpt.list_checkpoints(run_dir) == []
+        assert not any(ckpt.MARKER in files for _, _, files in os.walk(run_dir))
+        return
+    assert outcomes == ["saved", "saved"]
+    path = ckpt.checkpoint_path(run_dir, 1)
+    state = {"x": {"0": torch.zeros(64), "1": torch.zeros(64)}}
+    ckpt._dcp_load(state, path)
+    assert torch.equal(state["x"]["0"], torch.full((64,), 1.0)) and torch.equal(state["x"]["1"], torch.full((64,), 2.0))
+    name = flip_byte(path, part="x", shard="__1_0.distcp")
+    with pytest.raises(ckpt.CheckpointError, match=rf"its {name} does not hold the bytes"):
+        ckpt._dcp_load({"x": {"0": torch.zeros(64), "1": torch.zeros(64)}}, path)
+
+
+def test_a_metadata_past_the_size_cap_is_refused_before_it_is_hashed(tmp_path, monkeypatch):
+    """A `.metadata` grown sparse to 8 GB, with a record whose range for it has that length (the crc need not
+    match: it is compared after the hashing), was hashed whole (seconds per GB) before the size cap refused it."""
+    from dit_train.runs import checkpoint_checksums, checkpoint_metadata
+
+    run_dir, path = saved_run(tmp_path)
+    size = 8 << 30
+    os.truncate(os.path.join(path, ".metadata"), size)
+    file = os.path.join(path, RECORD)
+    record = json.load(open(file))
+    record["files"][".metadata"] = [[0, size, 0]]
+    open(file, "w").write(json.dumps(record))
+    hashed = []
+    real = checkpoint_checksums.crc32_range
+    monkeypatch.setattr(checkpoint_checksums, "crc32_range", lambda f, off, length: hashed.append(length) or
+                        real(f, off, min(length, 1 << 20)))  # the test itself never hashes 8 GB
+    with pytest.raises(ckpt.CheckpointError, match=rf"is damaged: its \.metadata is {size:,} bytes, more than") as e:
+        ckpt.load_ema_weights(run_dir)
+    assert "\n" not in str(e.value)
+    assert all(length <= checkpoint_metadata.MAX_METADATA_BYTES for length in hashed), hashed
+
+
+def test_a_record_larger_than_its_metadata_allows_is_refused_before_it_is_parsed(tmp_path, monkeypatch):
+    """A record of 5 million extra ranges (81 MiB, ~10x that once parsed, in every rank) beside a 6 KB .metadata
+    was parsed and the checkpoint loaded; a record holds ~30 bytes per storage entry, the .metadata 178+."""
+    run_dir, path = saved_run(tmp_path)
+    file = os.path.join(path, RECORD)
+    record = json.load(open(file))
+    assert os.path.getsize(file) < os.path.getsize(os.path.join(path, ".metadata"))  # what a save writes
+    record["files"]["__0_0.distcp"] += [[off, 1, 0] for off in range(10**9, 10**9 + 200_000)]
+    open(file, "w").write(json.dumps(record))
+    parsed = []
+    monkeypatch.setattr(json, "loads", lambda data, **kw: parsed.append(len(data)) or json.JSONDecoder().decode(
+        data.decode() if isinstance(data, bytes) else data))
+    with pytest.raises(ckpt.CheckpointError, match=rf"is damaged: .*{RECORD} is [\d,]+ bytes, larger than the record "
+                                                   rf"of its \.metadata can be") as e:
+        ckpt.load_ema_weights(run_dir)
+    assert "\n" not in str(e.value) and not [n for n in parsed if n > 1 << 20]  # the record was never parsed

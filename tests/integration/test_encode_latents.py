@@ -206,8 +206,8 @@ def test_a_resumed_encoding_refuses_other_settings_before_writing(tmp_path, chan
         Image.new("RGB", (20, 18)).save(tmp_path / "img" / "a" / "3.png")
     elif change == "record without shard lists":  # an encoder before them: a changed image list is refused
         old = json.loads(info_path.read_text())
-        info_path.write_text(json.dumps({**old, "splits": [{k: v for k, v in s.items() if k != "shard_image_lists"}
-                                                           for s in old["splits"]]}))
+        info_path.write_text(json.dumps({**old, "splits": [  # nor stats: they came after the lists
+            {k: v for k, v in s.items() if k not in ("shard_image_lists", "shard_image_stats")} for s in old["splits"]]}))
         Image.new("RGB", (20, 18)).save(tmp_path / "img" / "a" / "3.png")
     before = folder_state(tmp_path / "lat")
     with pytest.raises(ConfigError, match=rf"^{tmp_path}/lat" + message) as e:
@@ -685,7 +685,8 @@ def test_a_rerun_over_an_older_encoders_shards_keeps_its_record_and_the_runs_dat
     load_encoder()(encode_args(tmp_path))
     info_path = tmp_path / "lat" / "latents_info.json"
     old = json.loads(info_path.read_text())
-    old["splits"] = [{k: v for k, v in s.items() if k != "shard_image_lists"} for s in old["splits"]]
+    old["splits"] = [{k: v for k, v in s.items() if k not in ("shard_image_lists", "shard_image_stats")}
+                     for s in old["splits"]]  # nor stats: they came after the lists
     info_path.write_text(json.dumps(old))
     cfg = OmegaConf.create({"name": "latents", "root": str(tmp_path / "lat"), "image_size": 8, "channels": 4,
                             "num_classes": 2})
@@ -1006,3 +1007,49 @@ def test_a_filesystem_without_flock_is_said_in_one_warning_and_the_encoding_proc
         f"warning: --out {tmp_path / 'lat'} does not support file locks (flock: {os.strerror(errno.ENOSYS)}): "
         f"another dit-encode-latents on it would not be refused; run one at a time on it")
     assert not (tmp_path / "lat" / ".encode.lock").exists()
+
+
+def test_an_image_whose_name_is_not_utf8_is_encoded_and_a_rerun_keeps_its_shards(tmp_path):
+    """A file name of bytes that are not UTF-8 (a Latin-1 name copied from an old disk: Linux allows any bytes)
+    was refused as '--images: 'utf-8' codec can't encode character '\\udcff'...', naming no file: the hold-out,
+    the image lists and the data fingerprint hashed str.encode() of the name. They hash the name's bytes now
+    (the same bytes as before for every UTF-8 name: no fingerprint or hold-out changes)."""
+    import hashlib
+
+    from dit_train.data.image_folder import HOLD_OUT_SEED, held_out
+
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img", per_class=4)
+    odd = os.fsdecode(os.path.join(os.fsencode(str(tmp_path / "img" / "a")), b"caf\xe9.png"))
+    Image.new("RGB", (20, 18), (7, 8, 9)).save(odd)
+    info = load_encoder()(encode_args(tmp_path, "--splits", "train,val"))
+    assert info["complete"]
+    cfg = OmegaConf.create({"name": "image_folder", "root": str(tmp_path / "img"), "image_size": 16,
+                            "skip_corrupt": False})
+    listed = [p for split in ("train", "val") for p, _ in build_dataset(cfg, split).samples]
+    assert odd in listed and sum(s["images"] for s in info["splits"]) == len(listed) == 9
+    digest = hashlib.sha256(HOLD_OUT_SEED + b"a/0.png").digest()  # a UTF-8 name: hashed as before
+    assert held_out("a/0.png") == (int.from_bytes(digest[:8], "big") < 0.05 * 2 ** 64)
+    before = shard_inodes(tmp_path / "lat" / "train")
+    assert load_encoder()(encode_args(tmp_path, "--splits", "train,val")) == info
+    assert shard_inodes(tmp_path / "lat" / "train") == before
+
+
+def test_a_record_with_image_stats_but_no_image_lists_is_refused_before_anything_changes(tmp_path):
+    """shard_image_stats are compared beside the shards' image lists only: a hand-edited record keeping the stats
+    but not the lists was rerun as one with neither (an image rewritten in place kept its stale latent) without
+    the line that says so, since the record has stats. It is refused as not the encoder's, the folder untouched."""
+    save_tiny_vae(tmp_path / "vae")
+    image_folder(tmp_path / "img", per_class=4)
+    load_encoder()(encode_args(tmp_path))
+    info_path = tmp_path / "lat" / "latents_info.json"
+    info = json.loads(info_path.read_text())
+    info["splits"] = [{k: v for k, v in s.items() if k != "shard_image_lists"} for s in info["splits"]]
+    info_path.write_text(json.dumps(info))
+    Image.new("RGB", (20, 18), (250, 10, 250)).save(tmp_path / "img" / "a" / "2.png")  # rewritten in place
+    before = folder_state(tmp_path / "lat")
+    with pytest.raises(ConfigError, match=rf"^{tmp_path}/lat/latents_info.json is not as dit-encode-latents writes it "
+                                          rf"\(train records its images' stats \(shard_image_stats\) but not their "
+                                          rf"lists") as e:
+        load_encoder()(encode_args(tmp_path))
+    assert "\n" not in str(e.value) and folder_state(tmp_path / "lat") == before
