@@ -155,6 +155,27 @@ def test_a_refused_command_line_under_dit_torchrun_exits_2(tmp_path, launch, sai
         assert len(lines) == 1 and r.stdout == "", r.stderr
 
 
+def test_a_master_port_in_use_under_dit_torchrun_is_one_line_and_exit_2(tmp_path):
+    """`dit-torchrun --master-port P` with P held by another process (another job's rendezvous on the node): torchrun's
+    store failed to listen and the job ended in torchrun's 40-line DistNetworkError traceback, exit 1. It is one line
+    naming the port and what to pass, exit 2, before any worker starts (no run folder)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "dit_train.torchrun", "--nproc_per_node", "2", "--master_addr",
+                            "127.0.0.1", "--master_port", str(port), "-m", "dit_train", "experiment=debug",
+                            f"run_dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines() == [
+        f"error: torchrun: port {port} is in use on this host (another job's rendezvous?): pass a free port with "
+        f"--master-port (or --rdzv-endpoint HOST:PORT), or --standalone on one node"], r.stderr[-3000:]
+    assert r.stdout == "" and not (tmp_path / "run").exists()
+
+
 def test_a_master_port_in_use_under_srun_is_one_line_on_rank_0(tmp_path):
     """srun without torchrun: rank 0 makes the group's store on MASTER_PORT. A port already taken (another job's
     group on the node) was the store's 40-line traceback; it is one line naming the variable, exit 2, and no run
