@@ -227,6 +227,17 @@ def test_a_rank_that_never_joins_under_srun_is_one_line_on_rank_0(tmp_path):
     assert not [p for p in (tmp_path / "runs").rglob("*")], list((tmp_path / "runs").rglob("*"))
 
 
+def test_a_failed_start_leaves_the_users_empty_folder_above_run_dir(tmp_path):
+    """run_dir=<a folder the user made>/run and a start that failed before anything was written (here rank 1 never
+    joined): the run folder of Hydra's files was removed, and with it the user's folder above it whenever that was
+    empty (meant for Hydra's runs/<date>/ level alone): `mkdir /shared/runs` gone after a first failed job. Now only
+    the run folder goes."""
+    (tmp_path / "mine").mkdir()
+    r = srun_task(tmp_path, 0, {}, "parallel.timeout_minutes=0.05", f"run_dir={tmp_path / 'mine' / 'run'}")
+    assert r.returncode == 1 and "rank 1 did not" in r.stderr, r.stderr[-3000:]
+    assert os.listdir(tmp_path / "mine") == []  # the run folder of Hydra's files alone is removed, the user's kept
+
+
 def test_a_socket_interface_this_host_lacks_is_one_line(tmp_path):
     """GLOO_SOCKET_IFNAME=bogus0 (a user's setting, which the trainer did not check): each rank's gloo traceback
     'Unable to find address for: bogus0', torchrun's ChildFailedError, a run folder per rank of Hydra's files. Under
