@@ -238,6 +238,46 @@ def test_a_failed_start_leaves_the_users_empty_folder_above_run_dir(tmp_path):
     assert os.listdir(tmp_path / "mine") == []  # the run folder of Hydra's files alone is removed, the user's kept
 
 
+def test_a_run_dir_that_is_another_folder_on_rank_1_is_refused_in_one_line(tmp_path):
+    """run_dir on a node-local path in a 2-node job, emulated on one host: rank 1 runs in its own mount namespace
+    with a private tmpfs over the run folder's parent. The run trained and exited 0, each checkpoint marked COMPLETE
+    by rank 0 without rank 1's shard (written to a folder no one else sees), and only a resume failed. Now one line
+    on rank 0 naming the rank and what to give, exit 2 on both ranks, nothing of the run written."""
+    import shutil
+    import socket
+
+    if not shutil.which("unshare") or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
+        pytest.skip("needs unshare -m (root) to give rank 1 a folder of its own")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC"))}
+    command = [sys.executable, "-m", "dit_train", "experiment=debug", "train.steps=2", "parallel.timeout_minutes=1",
+               f"run_dir={shared / 'run'}"]
+
+    def rank(r):
+        launch = {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2",
+                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+        if r == 1:  # its own empty folder where rank 0's is
+            command_r = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs none {shared} && exec "$@"', "sh", *command]
+        else:
+            command_r = command
+        return subprocess.Popen(command_r, cwd=tmp_path, env={**env, **launch}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    procs = [rank(0), rank(1)]
+    out = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], out
+    assert out[0][1].strip().splitlines() == [
+        f"error: run_dir={shared / 'run'} is not one folder on every rank: rank(s) 1 do not see rank 0's .lock there "
+        f"(a node-local path?); every rank writes its checkpoint shards into run_dir, so give a run_dir on a file "
+        f"system every node mounts"], out[0][1][-3000:]
+    assert out[1][1].strip() == "", out[1][1][-3000:]  # one line for the job, rank 0's
+    assert not (shared / "run" / "checkpoints").exists() and not (shared / "run" / "run_info.json").exists()
+
+
 def test_a_socket_interface_this_host_lacks_is_one_line(tmp_path):
     """GLOO_SOCKET_IFNAME=bogus0 (a user's setting, which the trainer did not check): each rank's gloo traceback
     'Unable to find address for: bogus0', torchrun's ChildFailedError, a run folder per rank of Hydra's files. Under
