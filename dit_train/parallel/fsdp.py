@@ -190,6 +190,7 @@ def collective_timeouts(timeout_minutes: float):
             raise
         rank = dist.get_rank() if dist.is_initialized() else 0
         first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+        first = first.split(". This is typically")[0]  # gloo's advice after its words was cut mid-word at 160
         if died:
             raise CollectiveTimeout(f"rank {rank}: another rank died during a collective ({first[:160]}); "
                                     f"see its log for why") from None
