@@ -169,7 +169,8 @@ def ranks_not_joined(timeout_minutes: float, joined: int | None) -> CollectiveTi
     which = (f"rank {world - 1}" if world == 2 else f"{absent} of ranks 1-{world - 1}")
     return CollectiveTimeout(f"rank 0: {joined} of {world} ranks joined the process group at {where} {within}; "
                              f"{which} did not: check that every task started (srun -n {world}, one per GPU) and "
-                             f"that the other nodes reach MASTER_ADDR:MASTER_PORT (raise parallel.timeout_minutes "
+                             f"is still running (a task that refused its config or run folder exited with its own "
+                             f"line: see its log), and that the other nodes reach MASTER_ADDR:MASTER_PORT (raise parallel.timeout_minutes "
                              f"for tasks that start slowly)")
 
 

@@ -278,6 +278,40 @@ def test_a_run_dir_that_is_another_folder_on_rank_1_is_refused_in_one_line(tmp_p
     assert not (shared / "run" / "checkpoints").exists() and not (shared / "run" / "run_info.json").exists()
 
 
+def test_a_task_that_refused_its_run_folder_is_not_reported_as_never_started(tmp_path):
+    """srun without torchrun (no --kill-on-bad-exit), rank 1 cannot write run_dir (a read-only mount on its node): it
+    exits with its own line before joining, and rank 0, after parallel.timeout_minutes, told the user only to check
+    that every task started (it had) and could reach MASTER_ADDR. Now its line says a task may have exited with its
+    own line, in its log."""
+    import shutil
+    import socket
+
+    if not shutil.which("unshare") or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
+        pytest.skip("needs unshare -m (root) to give rank 1 a read-only view of the folder")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC"))}
+    command = [sys.executable, "-m", "dit_train", "experiment=debug", "parallel.timeout_minutes=0.05",
+               f"run_dir={shared / 'run'}"]
+    procs = []
+    for r in (0, 1):
+        launch = {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2",
+                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+        ro = ["unshare", "-m", "sh", "-c", f'mount --bind -o ro {shared} {shared} && exec "$@"', "sh"] if r else []
+        procs.append(subprocess.Popen([*ro, *command], cwd=tmp_path, env={**env, **launch}, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+        time.sleep(2 if r == 0 else 0)  # rank 0 makes the folder first, as a task started earlier does
+    out = [p.communicate(timeout=180) for p in procs]
+    assert "is not writable (Read-only file system, EROFS)" in out[1][1], out[1][1][-3000:]
+    lines = out[0][1].strip().splitlines()
+    assert len(lines) == 1 and "rank 1 did not: check that every task started (srun -n 2, one per GPU) and is still "\
+        "running (a task that refused its config or run folder exited with its own line: see its log)" in lines[0], \
+        out[0][1][-3000:]
+
+
 def test_a_socket_interface_this_host_lacks_is_one_line(tmp_path):
     """GLOO_SOCKET_IFNAME=bogus0 (a user's setting, which the trainer did not check): each rank's gloo traceback
     'Unable to find address for: bogus0', torchrun's ChildFailedError, a run folder per rank of Hydra's files. Under
