@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from dit_train.runs import checkpoint as ckpt
 from dit_train.telemetry import wandb_run
@@ -85,27 +86,40 @@ def hand_over_refusal(error: Exception | None, dist: DistInfo) -> None:
         raise refusal(f"rank 0 refused the run folder: {message}")
 
 
+SHARED_FOLDER_WAIT_S = 20  # how long a rank may take to see rank 0's lock file before run_dir counts as not shared
+
+
 def check_one_folder_on_every_rank(run_dir: str, lock: RunLock | None, dist: DistInfo) -> None:
     """Every rank must see rank 0's run folder: each writes its checkpoint shards there and rank 0 completes the
     checkpoint. A run_dir on a node-local path (/tmp, a local scratch disk) is another, empty folder on every other
     node: the run went on, its checkpoints marked COMPLETE on rank 0 without the other nodes' shards, and only a
     resume failed. Each rank reads rank 0's lock file (its holder line: host, pid, start time); one that does not
-    find it is refused in one line, on rank 0 (the other ranks exit with it, quiet), before anything is written."""
+    find it within SHARED_FOLDER_WAIT_S (rank 0 flushes the file first; a network file system's client cache may
+    show a new file late) is refused in one line, on rank 0 (the other ranks exit with it, quiet), before anything
+    is written."""
     import torch.distributed as tdist
 
     from dit_train.runs.lock import LOCK_NAME
 
+    if dist.is_main:  # on the file server before anyone looks (NFS shows other clients what was flushed)
+        os.fsync(lock.fd)
     line = broadcast_object(os.pread(lock.fd, 512, 0) if dist.is_main else None)
-    try:
-        with open(os.path.join(run_dir, LOCK_NAME), "rb") as f:
-            sees = f.read(512) == line
-    except OSError:
-        sees = False
-    seen = [None] * dist.world_size
-    tdist.all_gather_object(seen, sees)
-    blind = [r for r, ok in enumerate(seen) if not ok]
-    if not blind:
-        return
+    deadline = time.monotonic() + SHARED_FOLDER_WAIT_S
+    while True:  # the ranks in step: a client's cached view of the folder (NFS: up to a minute) may lag
+        try:
+            os.listdir(run_dir)  # a fresh look at the folder, not a cached "no such file"
+            with open(os.path.join(run_dir, LOCK_NAME), "rb") as f:
+                sees = f.read(512) == line
+        except OSError:
+            sees = False
+        seen = [None] * dist.world_size
+        tdist.all_gather_object(seen, sees)
+        blind = [r for r, ok in enumerate(seen) if not ok]
+        if not blind:
+            return
+        if time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
     if lock is not None:
         lock.release()
     ranks = ", ".join(map(str, blind[:8])) + (f" and {len(blind) - 8} more" if len(blind) > 8 else "")
