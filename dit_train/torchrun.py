@@ -16,16 +16,15 @@ before any worker starts (each worker printed it, then torchrun's traceback, exi
 NCCL_SOCKET_IFNAME naming no interface of this host; where every worker exited 2 (a refusal only a worker can make;
 torchrun stops the others), exit 2 with one line; where they exited 73 (the run folder is in use by another
 process), exit 73 with one line; a rendezvous port already in use on this host (`--master-port`, another job's
-store) is one line naming it and exit 2, not torchrun's 40-line traceback. SIGUSR1 and SIGUSR2 are added to the signals torchrun passes on (its default:
-SIGTERM, SIGINT, SIGHUP, SIGQUIT) unless --signals-to-handle is given.
+store) is one line naming it and exit 2, not torchrun's 40-line traceback. SIGUSR1 and SIGUSR2 are added to the
+signals torchrun passes on (its default: SIGTERM, SIGINT, SIGHUP, SIGQUIT) unless --signals-to-handle is given.
 """
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
-
-import re
 
 from dit_train.runs.lock import EXIT_RUN_FOLDER_BUSY
 from dit_train.trainer.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, SIGNALS

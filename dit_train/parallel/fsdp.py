@@ -170,8 +170,8 @@ def ranks_not_joined(timeout_minutes: float, joined: int | None) -> CollectiveTi
     return CollectiveTimeout(f"rank 0: {joined} of {world} ranks joined the process group at {where} {within}; "
                              f"{which} did not: check that every task started (srun -n {world}, one per GPU) and "
                              f"is still running (a task that refused its config or run folder exited with its own "
-                             f"line: see its log), and that the other nodes reach MASTER_ADDR:MASTER_PORT (raise parallel.timeout_minutes "
-                             f"for tasks that start slowly)")
+                             f"line: see its log), and that the other nodes reach MASTER_ADDR:MASTER_PORT (raise "
+                             f"parallel.timeout_minutes for tasks that start slowly)")
 
 
 PEER_DIED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")  # gloo's words for a dead peer
