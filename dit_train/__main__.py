@@ -83,7 +83,8 @@ def main(cfg) -> None:
             print_error(f"{e}; this job is skipped, the sweep goes on")
             BUSY_JOBS.append(str(e))
             return
-        print_error(str(e))
+        if not getattr(e, "quiet", False):  # a refusal rank 0 says for every rank (runs/folder.py)
+            print_error(str(e))
         sys.exit(EXIT_RUN_FOLDER_BUSY if isinstance(e, RunFolderBusy) else 2)  # busy: the same command works later
     except (TrainingStopped, CollectiveTimeout) as e:
         from hydra.core.hydra_config import HydraConfig

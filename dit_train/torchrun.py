@@ -15,12 +15,14 @@ or `--no-python dit-train`) is checked here first, at the job's world size, so a
 before any worker starts (each worker printed it, then torchrun's traceback, exit 1), as is a GLOO_SOCKET_IFNAME or
 NCCL_SOCKET_IFNAME naming no interface of this host; where every worker exited 2 (a refusal only a worker can make;
 torchrun stops the others), exit 2 with one line; where they exited 73 (the run folder is in use by another
-process), exit 73 with one line. SIGUSR1 and SIGUSR2 are added to the signals torchrun passes on (its default:
-SIGTERM, SIGINT, SIGHUP, SIGQUIT) unless --signals-to-handle is given.
+process), exit 73 with one line; a rendezvous port already in use on this host (`--master-port`, another job's
+store) is one line naming it and exit 2, not torchrun's 40-line traceback. SIGUSR1 and SIGUSR2 are added to the
+signals torchrun passes on (its default: SIGTERM, SIGINT, SIGHUP, SIGQUIT) unless --signals-to-handle is given.
 """
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 
@@ -63,7 +65,18 @@ def trainer_command_line(argv: list[str]) -> tuple[list[str], int | None] | None
     return list(args.training_script_args), (nodes * per_node if nodes and per_node else None)
 
 
+def port_in_use(error: Exception) -> str | None:
+    """The line for torchrun's rendezvous store failing to listen on a port another process holds, else None."""
+    if "EADDRINUSE" not in str(error):
+        return None
+    port = re.search(r"port: (\d+)", str(error))
+    where = f"port {port.group(1)}" if port else "the rendezvous port"
+    return (f"torchrun: {where} is in use on this host (another job's rendezvous?): pass a free port with "
+            f"--master-port (or --rdzv-endpoint HOST:PORT), or --standalone on one node")
+
+
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed import DistNetworkError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
@@ -89,6 +102,14 @@ def main(argv: list[str] | None = None) -> int:
         argv = [f"--signals-to-handle={PASSED_ON}", *argv]
     try:
         torchrun(argv)
+    except DistNetworkError as e:  # before any worker started: torchrun's store could not listen
+        line = port_in_use(e)
+        if line is None:
+            raise
+        from dit_train.plain_text import print_error
+
+        print_error(line)
+        return EXIT_REFUSED
     except SignalException as e:
         name = signal.Signals(e.sigval).name
         if name not in {s.name for s in SIGNALS}:

@@ -10,6 +10,7 @@ import functools
 import itertools
 import logging
 import os
+import re
 import shutil
 import sys
 
@@ -481,12 +482,16 @@ def quiet_log():
 
 def remove_stray_hydra_dir(path: str) -> None:
     """Remove a Hydra output folder that holds only Hydra's own files (.hydra/, *.log), and its date folder if
-    that is then empty: what a job that failed before writing anything leaves behind."""
+    that is then empty: what a job that failed before writing anything leaves behind. Only a folder named as
+    Hydra's date level (`runs/${now:%Y-%m-%d}/...`) goes with it: the parent of a given `run_dir` is the user's
+    (`mkdir /shared/runs`, then a run in it that failed) and was removed when empty."""
     try:
         entries = os.listdir(path)
     except OSError:
         return
     if all(e == ".hydra" or e.endswith(".log") for e in entries):
         shutil.rmtree(path, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            os.rmdir(os.path.dirname(path))
+        parent = os.path.dirname(os.path.abspath(path))
+        if re.fullmatch(r"\d{4}-\d{2}-\d{2}", os.path.basename(parent)):
+            with contextlib.suppress(OSError):
+                os.rmdir(parent)

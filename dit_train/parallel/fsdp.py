@@ -169,8 +169,9 @@ def ranks_not_joined(timeout_minutes: float, joined: int | None) -> CollectiveTi
     which = (f"rank {world - 1}" if world == 2 else f"{absent} of ranks 1-{world - 1}")
     return CollectiveTimeout(f"rank 0: {joined} of {world} ranks joined the process group at {where} {within}; "
                              f"{which} did not: check that every task started (srun -n {world}, one per GPU) and "
-                             f"that the other nodes reach MASTER_ADDR:MASTER_PORT (raise parallel.timeout_minutes "
-                             f"for tasks that start slowly)")
+                             f"is still running (a task that refused its config or run folder exited with its own "
+                             f"line: see its log), and that the other nodes reach MASTER_ADDR:MASTER_PORT (raise "
+                             f"parallel.timeout_minutes for tasks that start slowly)")
 
 
 PEER_DIED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")  # gloo's words for a dead peer
@@ -190,6 +191,7 @@ def collective_timeouts(timeout_minutes: float):
             raise
         rank = dist.get_rank() if dist.is_initialized() else 0
         first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+        first = first.split(". This is typically")[0]  # gloo's advice after its words was cut mid-word at 160
         if died:
             raise CollectiveTimeout(f"rank {rank}: another rank died during a collective ({first[:160]}); "
                                     f"see its log for why") from None

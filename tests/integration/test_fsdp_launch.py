@@ -155,6 +155,27 @@ def test_a_refused_command_line_under_dit_torchrun_exits_2(tmp_path, launch, sai
         assert len(lines) == 1 and r.stdout == "", r.stderr
 
 
+def test_a_master_port_in_use_under_dit_torchrun_is_one_line_and_exit_2(tmp_path):
+    """`dit-torchrun --master-port P` with P held by another process (another job's rendezvous on the node): torchrun's
+    store failed to listen and the job ended in torchrun's 40-line DistNetworkError traceback, exit 1. It is one line
+    naming the port and what to pass, exit 2, before any worker starts (no run folder)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "dit_train.torchrun", "--nproc_per_node", "2", "--master_addr",
+                            "127.0.0.1", "--master_port", str(port), "-m", "dit_train", "experiment=debug",
+                            f"run_dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines() == [
+        f"error: torchrun: port {port} is in use on this host (another job's rendezvous?): pass a free port with "
+        f"--master-port (or --rdzv-endpoint HOST:PORT), or --standalone on one node"], r.stderr[-3000:]
+    assert r.stdout == "" and not (tmp_path / "run").exists()
+
+
 def test_a_master_port_in_use_under_srun_is_one_line_on_rank_0(tmp_path):
     """srun without torchrun: rank 0 makes the group's store on MASTER_PORT. A port already taken (another job's
     group on the node) was the store's 40-line traceback; it is one line naming the variable, exit 2, and no run
@@ -204,6 +225,91 @@ def test_a_rank_that_never_joins_under_srun_is_one_line_on_rank_0(tmp_path):
                                                    "MASTER_ADDR=127.0.0.1 MASTER_PORT="), r.stderr
     assert "within parallel.timeout_minutes=0.05; rank 1 did not: check that every task started" in lines[0]
     assert not [p for p in (tmp_path / "runs").rglob("*")], list((tmp_path / "runs").rglob("*"))
+
+
+def test_a_failed_start_leaves_the_users_empty_folder_above_run_dir(tmp_path):
+    """run_dir=<a folder the user made>/run and a start that failed before anything was written (here rank 1 never
+    joined): the run folder of Hydra's files was removed, and with it the user's folder above it whenever that was
+    empty (meant for Hydra's runs/<date>/ level alone): `mkdir /shared/runs` gone after a first failed job. Now only
+    the run folder goes."""
+    (tmp_path / "mine").mkdir()
+    r = srun_task(tmp_path, 0, {}, "parallel.timeout_minutes=0.05", f"run_dir={tmp_path / 'mine' / 'run'}")
+    assert r.returncode == 1 and "rank 1 did not" in r.stderr, r.stderr[-3000:]
+    assert os.listdir(tmp_path / "mine") == []  # the run folder of Hydra's files alone is removed, the user's kept
+
+
+def test_a_run_dir_that_is_another_folder_on_rank_1_is_refused_in_one_line(tmp_path):
+    """run_dir on a node-local path in a 2-node job, emulated on one host: rank 1 runs in its own mount namespace
+    with a private tmpfs over the run folder's parent. The run trained and exited 0, each checkpoint marked COMPLETE
+    by rank 0 without rank 1's shard (written to a folder no one else sees), and only a resume failed. Now one line
+    on rank 0 naming the rank and what to give, exit 2 on both ranks, nothing of the run written."""
+    import shutil
+    import socket
+
+    if not shutil.which("unshare") or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
+        pytest.skip("needs unshare -m (root) to give rank 1 a folder of its own")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC"))}
+    command = [sys.executable, "-m", "dit_train", "experiment=debug", "train.steps=2", "parallel.timeout_minutes=1",
+               f"run_dir={shared / 'run'}"]
+
+    def rank(r):
+        launch = {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2",
+                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+        if r == 1:  # its own empty folder where rank 0's is
+            command_r = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs none {shared} && exec "$@"', "sh", *command]
+        else:
+            command_r = command
+        return subprocess.Popen(command_r, cwd=tmp_path, env={**env, **launch}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    procs = [rank(0), rank(1)]
+    out = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], out
+    assert out[0][1].strip().splitlines() == [
+        f"error: run_dir={shared / 'run'} is not one folder on every rank: rank(s) 1 do not see rank 0's .lock there "
+        f"(a node-local path?); every rank writes its checkpoint shards into run_dir, so give a run_dir on a file "
+        f"system every node mounts"], out[0][1][-3000:]
+    assert out[1][1].strip() == "", out[1][1][-3000:]  # one line for the job, rank 0's
+    assert not (shared / "run" / "checkpoints").exists() and not (shared / "run" / "run_info.json").exists()
+
+
+def test_a_task_that_refused_its_run_folder_is_not_reported_as_never_started(tmp_path):
+    """srun without torchrun (no --kill-on-bad-exit), rank 1 cannot write run_dir (a read-only mount on its node): it
+    exits with its own line before joining, and rank 0, after parallel.timeout_minutes, told the user only to check
+    that every task started (it had) and could reach MASTER_ADDR. Now its line says a task may have exited with its
+    own line, in its log."""
+    import shutil
+    import socket
+
+    if not shutil.which("unshare") or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
+        pytest.skip("needs unshare -m (root) to give rank 1 a read-only view of the folder")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC"))}
+    command = [sys.executable, "-m", "dit_train", "experiment=debug", "parallel.timeout_minutes=0.05",
+               f"run_dir={shared / 'run'}"]
+    procs = []
+    for r in (0, 1):
+        launch = {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2",
+                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+        ro = ["unshare", "-m", "sh", "-c", f'mount --bind -o ro {shared} {shared} && exec "$@"', "sh"] if r else []
+        procs.append(subprocess.Popen([*ro, *command], cwd=tmp_path, env={**env, **launch}, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+        time.sleep(2 if r == 0 else 0)  # rank 0 makes the folder first, as a task started earlier does
+    out = [p.communicate(timeout=180) for p in procs]
+    assert "is not writable (Read-only file system, EROFS)" in out[1][1], out[1][1][-3000:]
+    lines = out[0][1].strip().splitlines()
+    assert len(lines) == 1 and "rank 1 did not: check that every task started (srun -n 2, one per GPU) and is still "\
+        "running (a task that refused its config or run folder exited with its own line: see its log)" in lines[0], \
+        out[0][1][-3000:]
 
 
 def test_a_socket_interface_this_host_lacks_is_one_line(tmp_path):

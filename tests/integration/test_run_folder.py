@@ -654,6 +654,9 @@ def test_a_dead_peer_ends_the_survivor_with_one_line_within_the_timeout():
     message, waited = survivor("dies", 0.5)
     assert message.startswith("CollectiveTimeout: rank 0: another rank died during a collective"), message
     assert "\n" not in message and waited < 30
+    # gloo's words end the parenthesis whole: its advice after them was cut mid-word ("... caused by a remo)")
+    assert re.search(r"(Connection closed by peer|Connection reset by peer|Broken pipe)( \[[^\]]*\]:\d+)?\); see its "
+                     r"log for why$", message), message
 
 
 @pytest.mark.parametrize("fault, at_most", [("leaves after a peer died", 0.9), ("leaves after a refusal", 5)])
