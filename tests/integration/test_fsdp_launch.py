@@ -238,43 +238,47 @@ def test_a_failed_start_leaves_the_users_empty_folder_above_run_dir(tmp_path):
     assert os.listdir(tmp_path / "mine") == []  # the run folder of Hydra's files alone is removed, the user's kept
 
 
-def test_a_run_dir_that_is_another_folder_on_rank_1_is_refused_in_one_line(tmp_path):
-    """run_dir on a node-local path in a 2-node job, emulated on one host: rank 1 runs in its own mount namespace
-    with a private tmpfs over the run folder's parent. The run trained and exited 0, each checkpoint marked COMPLETE
-    by rank 0 without rank 1's shard (written to a folder no one else sees), and only a resume failed. Now one line
-    on rank 0 naming the rank and what to give, exit 2 on both ranks, nothing of the run written."""
+def two_tasks_rank1_mounted(tmp_path, mount: str, overrides: list[str], rank0_first_s: float = 0.0):
+    """Two tasks as srun starts them (no torchrun) on `tmp_path/shared/run`, rank 1 in its own mount namespace where
+    `mount` (a shell command on `{shared}`) changes what it sees there: another node's view of the folder, emulated
+    on one host. Returns (shared, [(returncode, stdout, stderr)] per rank)."""
     import shutil
     import socket
 
     if not shutil.which("unshare") or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
-        pytest.skip("needs unshare -m (root) to give rank 1 a folder of its own")
+        pytest.skip("needs unshare -m (root) to give rank 1 a view of the folder of its own")
     shared = tmp_path / "shared"
     shared.mkdir()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC"))}
-    command = [sys.executable, "-m", "dit_train", "experiment=debug", "train.steps=2", "parallel.timeout_minutes=1",
-               f"run_dir={shared / 'run'}"]
-
-    def rank(r):
+    command = [sys.executable, "-m", "dit_train", "experiment=debug", *overrides, f"run_dir={shared / 'run'}"]
+    procs = []
+    for r in (0, 1):
         launch = {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2",
                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-        if r == 1:  # its own empty folder where rank 0's is
-            command_r = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs none {shared} && exec "$@"', "sh", *command]
-        else:
-            command_r = command
-        return subprocess.Popen(command_r, cwd=tmp_path, env={**env, **launch}, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+        view = ["unshare", "-m", "sh", "-c", mount.format(shared=shared) + ' && exec "$@"', "sh"] if r else []
+        procs.append(subprocess.Popen([*view, *command], cwd=tmp_path, env={**env, **launch}, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+        time.sleep(rank0_first_s if r == 0 else 0)
+    outputs = [p.communicate(timeout=180) for p in procs]
+    return shared, [(p.returncode, *o) for p, o in zip(procs, outputs)]
 
-    procs = [rank(0), rank(1)]
-    out = [p.communicate(timeout=180) for p in procs]
-    assert [p.returncode for p in procs] == [2, 2], out
-    assert out[0][1].strip().splitlines() == [
+
+def test_a_run_dir_that_is_another_folder_on_rank_1_is_refused_in_one_line(tmp_path):
+    """run_dir on a node-local path in a 2-node job, emulated on one host: rank 1 runs in its own mount namespace
+    with a private tmpfs over the run folder's parent. The run trained and exited 0, each checkpoint marked COMPLETE
+    by rank 0 without rank 1's shard (written to a folder no one else sees), and only a resume failed. Now one line
+    on rank 0 naming the rank and what to give, exit 2 on both ranks, nothing of the run written."""
+    shared, out = two_tasks_rank1_mounted(tmp_path, "mount -t tmpfs none {shared}",  # its own empty folder
+                                          ["train.steps=2", "parallel.timeout_minutes=1"])
+    assert [code for code, _, _ in out] == [2, 2], out
+    assert out[0][2].strip().splitlines() == [
         f"error: run_dir={shared / 'run'} is not one folder on every rank: rank(s) 1 do not see rank 0's .lock there "
         f"(a node-local path?); every rank writes its checkpoint shards into run_dir, so give a run_dir on a file "
-        f"system every node mounts"], out[0][1][-3000:]
-    assert out[1][1].strip() == "", out[1][1][-3000:]  # one line for the job, rank 0's
+        f"system every node mounts"], out[0][2][-3000:]
+    assert out[1][2].strip() == "", out[1][2][-3000:]  # one line for the job, rank 0's
     assert not (shared / "run" / "checkpoints").exists() and not (shared / "run" / "run_info.json").exists()
 
 
@@ -283,33 +287,14 @@ def test_a_task_that_refused_its_run_folder_is_not_reported_as_never_started(tmp
     exits with its own line before joining, and rank 0, after parallel.timeout_minutes, told the user only to check
     that every task started (it had) and could reach MASTER_ADDR. Now its line says a task may have exited with its
     own line, in its log."""
-    import shutil
-    import socket
-
-    if not shutil.which("unshare") or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
-        pytest.skip("needs unshare -m (root) to give rank 1 a read-only view of the folder")
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC"))}
-    command = [sys.executable, "-m", "dit_train", "experiment=debug", "parallel.timeout_minutes=0.05",
-               f"run_dir={shared / 'run'}"]
-    procs = []
-    for r in (0, 1):
-        launch = {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2",
-                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-        ro = ["unshare", "-m", "sh", "-c", f'mount --bind -o ro {shared} {shared} && exec "$@"', "sh"] if r else []
-        procs.append(subprocess.Popen([*ro, *command], cwd=tmp_path, env={**env, **launch}, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-        time.sleep(2 if r == 0 else 0)  # rank 0 makes the folder first, as a task started earlier does
-    out = [p.communicate(timeout=180) for p in procs]
-    assert "is not writable (Read-only file system, EROFS)" in out[1][1], out[1][1][-3000:]
-    lines = out[0][1].strip().splitlines()
+    # rank 0 makes the folder first, as a task started earlier does; rank 1 sees it read-only
+    _, out = two_tasks_rank1_mounted(tmp_path, "mount --bind -o ro {shared} {shared}",
+                                     ["parallel.timeout_minutes=0.05"], rank0_first_s=2)
+    assert "is not writable (Read-only file system, EROFS)" in out[1][2], out[1][2][-3000:]
+    lines = out[0][2].strip().splitlines()
     assert len(lines) == 1 and "rank 1 did not: check that every task started (srun -n 2, one per GPU) and is still "\
         "running (a task that refused its config or run folder exited with its own line: see its log)" in lines[0], \
-        out[0][1][-3000:]
+        out[0][2][-3000:]
 
 
 def test_a_socket_interface_this_host_lacks_is_one_line(tmp_path):
