@@ -39,8 +39,12 @@ def parse(argv=None):
     ap.add_argument("--bench-optimizer", help="--calibrate: a saved output of benchmarks/bench_optimizer.py")
     ap.add_argument("--bench-distributed", help="--calibrate: a saved output of benchmarks/bench_distributed.py")
     args = ap.parse_args(argv)
-    if any(s < 1 for s in args.ns5_from_gemm_curve):
-        ap.error(f"--ns5-from-gemm-curve {args.ns5_from_gemm_curve} is not valid: positive short sides")
+    args.hw = PROFILES[args.hardware]
+    if args.ns5_from_gemm_curve:
+        try:
+            args.hw = ns5_from_gemm_curve(args.hw, args.ns5_from_gemm_curve)
+        except ValueError as e:
+            ap.error(f"--ns5-from-gemm-curve: {e}")
     if any(w < 2 or PAPER_GLOBAL_BATCH % w for w in args.worlds):
         ap.error(f"--worlds {args.worlds} is not valid: each >= 2 and dividing the global batch {PAPER_GLOBAL_BATCH}")
     if args.calibrate:
@@ -101,8 +105,5 @@ def main(argv=None) -> int:
         print(f"\nrefitted on the fitting rows: memory_efficiency {fit['memory_efficiency']:.2f}, op_s "
               f"{fit['op_s'] * 1e6:.1f} us (sum of squared log errors {fit['squared_log_error']:.4f})")
         return 0
-    hw = PROFILES[args.hardware]
-    if args.ns5_from_gemm_curve:
-        hw = ns5_from_gemm_curve(hw, args.ns5_from_gemm_curve)
-    print(paper_table(hw, args.presets, args.worlds, args.mode))
+    print(paper_table(args.hw, args.presets, args.worlds, args.mode))
     return 0

@@ -99,3 +99,17 @@ def test_ns5_from_the_gemm_curve_prices_only_the_sides_named():
     assert curve.op_rates().gemm == curve.ns5_rates  # op_cost prices the counted NS5 GEMMs from the same table
     with pytest.raises(ValueError, match=r"sides \[0\] are not valid"):
         ns5_from_gemm_curve(H100, [0])
+
+
+def test_the_command_line_refuses_a_side_in_one_line_and_prices_the_named_ones(capsys):
+    from benchmarks.cost_model import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.parse(["--paper", "--ns5-from-gemm-curve", "0"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "python -m benchmarks.cost_model: error: --ns5-from-gemm-curve: sides [0] are not valid: positive integers "
+        "(a matrix's short side)")
+    args = cli.parse(["--paper", "--ns5-from-gemm-curve", "2560"])
+    assert args.hw.ns5_rate(2560) == pytest.approx(H100.compute.gemm_rate(2560)) and args.hw.name == "H100 SXM"
+    assert cli.parse(["--paper"]).hw is H100

@@ -14,39 +14,37 @@ def refusal(out, what):
             f"file of its own): remove it, or choose another --out")
 
 
+def refused(tmp_path, place) -> tuple:
+    """(out, the refusal's text) where place(out/LOCK_NAME) put something at the lock's name."""
+    out = tmp_path / "lat"
+    out.mkdir()
+    place(out / LOCK_NAME)
+    with pytest.raises(ConfigError) as e:
+        acquire(str(out))
+    return out, str(e.value)
+
+
 def test_a_symlink_named_like_the_lock_is_not_followed_and_its_target_is_left_as_it_was(tmp_path):
     victim = tmp_path / "someone_elses.txt"
     victim.write_text("precious\n")
-    out = tmp_path / "lat"
-    out.mkdir()
-    (out / LOCK_NAME).symlink_to(victim)
-    with pytest.raises(ConfigError) as e:
-        acquire(str(out))
-    assert str(e.value) == refusal(out, f"a symlink (to {victim})")
+    out, said = refused(tmp_path, lambda lock: lock.symlink_to(victim))
+    assert said == refusal(out, f"a symlink (to {victim})")
     assert victim.read_text() == "precious\n"  # was truncated and overwritten with the holder's pid
 
 
 def test_a_dangling_symlink_named_like_the_lock_creates_nothing_where_it_points(tmp_path):
     target = tmp_path / "elsewhere" / "made.txt"
     target.parent.mkdir()
-    out = tmp_path / "lat"
-    out.mkdir()
-    (out / LOCK_NAME).symlink_to(target)
-    with pytest.raises(ConfigError) as e:
-        acquire(str(out))
-    assert str(e.value) == refusal(out, f"a symlink (to {target})")
+    out, said = refused(tmp_path, lambda lock: lock.symlink_to(target))
+    assert said == refusal(out, f"a symlink (to {target})")
     assert not target.exists()
 
 
 def test_a_hard_link_named_like_the_lock_is_not_written(tmp_path):
     victim = tmp_path / "someone_elses.txt"
     victim.write_text("precious\n")
-    out = tmp_path / "lat"
-    out.mkdir()
-    os.link(victim, out / LOCK_NAME)
-    with pytest.raises(ConfigError) as e:
-        acquire(str(out))
-    assert str(e.value) == refusal(out, "another file's second name (2 links)")
+    out, said = refused(tmp_path, lambda lock: os.link(victim, lock))
+    assert said == refusal(out, "another file's second name (2 links)")
     assert victim.read_text() == "precious\n"
 
 
