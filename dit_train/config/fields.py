@@ -138,7 +138,8 @@ def check_fields(prefix: str, schema, values: Mapping, what: str | None = None) 
     names = [f.name for f in fields(schema)]
     for k, v in values.items():
         if k not in names:
-            raise invalid(_key_path(prefix, k), v, f"not a key of {what or prefix}; valid keys: {', '.join(sorted(names))}")
+            raise invalid(_key_path(prefix, k), v,
+                          f"not a key of {what or prefix}; valid keys: {', '.join(sorted(names))}")
     out = {}
     for f in fields(schema):
         path, tp = _key_path(prefix, f.name), hints[f.name]

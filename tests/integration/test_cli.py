@@ -197,7 +197,8 @@ def test_bad_config_on_command_line_leaves_no_run_folder(tmp_path, args, line):
 def test_an_unknown_flag_names_the_override_it_may_have_meant(tmp_path, flag, meant):
     r = cli(flag, "experiment=debug", cwd=str(tmp_path))
     lines = r.stderr.strip().splitlines()
-    assert r.returncode == 2 and len(lines) == 1 and lines[0].endswith(f"; did you mean the override {meant}?"), r.stderr
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].endswith(f"; did you mean the override {meant}?"), r.stderr
     assert os.listdir(tmp_path) == []
 
 

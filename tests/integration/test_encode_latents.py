@@ -206,8 +206,9 @@ def test_a_resumed_encoding_refuses_other_settings_before_writing(tmp_path, chan
         Image.new("RGB", (20, 18)).save(tmp_path / "img" / "a" / "3.png")
     elif change == "record without shard lists":  # an encoder before them: a changed image list is refused
         old = json.loads(info_path.read_text())
-        info_path.write_text(json.dumps({**old, "splits": [  # nor stats: they came after the lists
-            {k: v for k, v in s.items() if k not in ("shard_image_lists", "shard_image_stats")} for s in old["splits"]]}))
+        newer = ("shard_image_lists", "shard_image_stats")  # nor stats: they came after the lists
+        info_path.write_text(json.dumps({**old, "splits": [
+            {k: v for k, v in s.items() if k not in newer} for s in old["splits"]]}))
         Image.new("RGB", (20, 18)).save(tmp_path / "img" / "a" / "3.png")
     before = folder_state(tmp_path / "lat")
     with pytest.raises(ConfigError, match=rf"^{tmp_path}/lat" + message) as e:
